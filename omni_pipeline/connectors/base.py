@@ -1,0 +1,111 @@
+"""The OmniConnector API (from the connector RFC): put / get / cleanup / health.
+
+A producer `put`s a payload for one edge and one request and gets back small metadata (a
+ConnectorHandle) that travels on the control plane; the consumer `get`s the payload with that
+handle. Payloads below the connector's inline threshold ride inside the handle itself, so
+small hops cost one NATS message and nothing else.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from typing import Any, Final
+
+import msgspec
+
+from omni_pipeline import wire
+from omni_pipeline.spec import ConnectorSpec
+
+_SAFE_ID: Final = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+class ConnectorError(RuntimeError):
+    """A payload could not be stored or fetched; it fails the request that owns it."""
+
+
+class ConnectorHandle(msgspec.Struct, frozen=True, omit_defaults=True):
+    """Where a payload is: inline bytes, or a key in the connector's backend."""
+
+    connector: str
+    nbytes: int
+    inline: bytes | None = None
+    key: str | None = None
+
+
+def check_request_id(request_id: str) -> str:
+    """Request ids end up in segment names and store keys, so only a safe alphabet is allowed."""
+    if not _SAFE_ID.match(request_id):
+        raise ConnectorError(f"request id {request_id!r} must match {_SAFE_ID.pattern}")
+    return request_id
+
+
+class OmniConnector(ABC):
+    """One data-plane backend, shared by every edge of a process that names it."""
+
+    def __init__(self, name: str, spec: ConnectorSpec) -> None:
+        self.name = name
+        self.inline_threshold = spec.inline_threshold_bytes
+
+    def put(
+        self, from_stage: str, to_stage: str, request_id: str, data: Any, *, seq: int = 0
+    ) -> tuple[bool, int, ConnectorHandle]:
+        """Store `data` for the edge; returns (ok, serialized size, handle for the consumer)."""
+        check_request_id(request_id)
+        frame = wire.encode_frame(data)
+        if frame.size < self.inline_threshold:
+            return True, frame.size, ConnectorHandle(self.name, frame.size, inline=bytes(frame.to_bytes()))
+        key = self._put_frame(from_stage, to_stage, request_id, seq, frame)
+        return True, frame.size, ConnectorHandle(self.name, frame.size, key=key)
+
+    def get(self, from_stage: str, to_stage: str, request_id: str, handle: ConnectorHandle) -> tuple[Any, int]:
+        """Fetch the payload a handle names; the backend copy is released once read."""
+        if handle.inline is not None:
+            return wire.decode(handle.inline), handle.nbytes
+        if handle.key is None:
+            raise ConnectorError("handle names neither inline data nor a key")
+        check_request_id(request_id)
+        return self._get_frame(request_id, handle), handle.nbytes
+
+    @abstractmethod
+    def _put_frame(self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame) -> str:
+        """Store a frame too large to inline; return its key."""
+
+    @abstractmethod
+    def _get_frame(self, request_id: str, handle: ConnectorHandle) -> Any:
+        """Fetch, decode and release the frame under `handle.key`."""
+
+    @abstractmethod
+    def cleanup(self, request_id: str) -> int:
+        """Free whatever `request_id` still holds in this backend; returns how many objects."""
+
+    @abstractmethod
+    def health(self) -> dict[str, Any]:
+        """Backend state for /health and /metrics: at least {"ok": bool}."""
+
+    def live_objects(self) -> int:
+        """Objects this backend holds right now (for the leak gauges)."""
+        return 0
+
+    def close(self) -> None:
+        """Release process-level resources (not per-request ones)."""
+
+
+class InlineConnector(OmniConnector):
+    """Every payload rides in the control message; for small tensors and tests."""
+
+    def __init__(self, name: str, spec: ConnectorSpec) -> None:
+        super().__init__(name, spec)
+        self.inline_threshold = 1 << 62
+
+    def _put_frame(self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame) -> str:
+        raise AssertionError("inline connector never stores out of band")
+
+    def _get_frame(self, request_id: str, handle: ConnectorHandle) -> Any:
+        raise ConnectorError("inline connector got a handle with a key")
+
+    def cleanup(self, request_id: str) -> int:
+        return 0
+
+    def health(self) -> dict[str, Any]:
+        return {"ok": True}

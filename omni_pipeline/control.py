@@ -1,0 +1,233 @@
+"""The control plane: NATS subjects, the typed messages that travel on them, and connecting.
+
+Only small things travel here: requests, segment handles (payloads ride inline only below the
+connector's threshold), final outputs, errors, aborts and heartbeats. Every message is a
+tagged msgspec Struct encoded with `omni_pipeline.wire`; each subscriber has one decoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from typing import Any, Final
+from urllib.parse import urlparse
+
+import msgspec
+import nats
+from nats.aio.client import Client as NatsClient
+
+from omni_pipeline import wire
+from omni_pipeline.connectors.base import ConnectorHandle
+
+log = logging.getLogger(__name__)
+
+NATS_URL_ENV: Final = "OMNI_NATS_URL"
+HEARTBEAT_INTERVAL_S: Final = 1.0
+HEARTBEAT_MISSES: Final = 3
+"""A replica not heard from for this many intervals is gone."""
+
+_TOKEN: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ControlError(RuntimeError):
+    """The control plane is misconfigured or unreachable."""
+
+
+# --- subjects --------------------------------------------------------------------------------
+
+
+class Subjects:
+    """Every NATS subject of one pipeline, built in one place."""
+
+    def __init__(self, pipeline: str) -> None:
+        if not _TOKEN.match(pipeline):
+            raise ControlError(f"pipeline name {pipeline!r} cannot be a NATS subject token")
+        self.base = f"omni.{pipeline}"
+        self.abort = f"{self.base}.abort"
+        self.heartbeat = f"{self.base}.heartbeat"
+
+    def stage_inbox(self, stage: str, replica: str) -> str:
+        if not (_TOKEN.match(stage) and _TOKEN.match(replica)):
+            raise ControlError(f"stage {stage!r} / replica {replica!r} cannot be NATS subject tokens")
+        return f"{self.base}.{stage}.{replica}.in"
+
+    def gateway_inbox(self, gateway_id: str) -> str:
+        if not _TOKEN.match(gateway_id):
+            raise ControlError(f"gateway id {gateway_id!r} cannot be a NATS subject token")
+        return f"{self.base}.gateway.{gateway_id}"
+
+
+# --- messages --------------------------------------------------------------------------------
+
+
+class RequestContext(msgspec.Struct, frozen=True):
+    """What every stage needs to know about a request; it travels with each of its messages."""
+
+    request_id: str
+    route: dict[str, str]
+    """stage name -> replica id, for every stage this request needs (and only those)."""
+    reply_to: str
+    """The gateway inbox that owns the request."""
+    deadline: float
+    """Unix time after which the request is abandoned."""
+
+
+class StageRequest(msgspec.Struct, tag="request", frozen=True):
+    """A new request for a stage that reads `request`."""
+
+    ctx: RequestContext
+    inputs: dict[str, Any]
+    sampling: dict[str, Any]
+
+
+class SegmentMsg(msgspec.Struct, tag="segment", frozen=True):
+    """One window's worth of a producer's output for one consumer, by handle."""
+
+    ctx: RequestContext
+    from_stage: str
+    sequence: int
+    is_last: bool
+    units: int
+    handle: ConnectorHandle
+
+
+class FinalMsg(msgspec.Struct, tag="final", frozen=True, omit_defaults=True):
+    """Client-facing output of a final stage, in order by `sequence`."""
+
+    request_id: str
+    stage: str
+    replica: str
+    kind: str
+    sequence: int
+    is_last: bool
+    text: str = ""
+    handle: ConnectorHandle | None = None
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+
+
+class ErrorMsg(msgspec.Struct, tag="error", frozen=True):
+    """A request failed in a stage; only that request ends."""
+
+    request_id: str
+    stage: str
+    replica: str
+    message: str
+    code: str = "stage_error"
+
+
+class AbortMsg(msgspec.Struct, tag="abort", frozen=True):
+    """Broadcast: every replica drops the request and frees what it holds."""
+
+    request_id: str
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
+    """A replica announcing itself, its load and its state."""
+
+    stage: str
+    replica: str
+    instance: str
+    """Changes on every process start, so a restart is told apart from a slow heartbeat."""
+    pid: int
+    host: str
+    queued: int
+    inflight: int
+    capacity: int
+    max_queued: int
+    draining: bool
+    interval_s: float
+    metrics_port: int = 0
+    stopping: bool = False
+    """Sent once when the replica exits: forget it now, do not wait for missed beats."""
+    ts: float = msgspec.field(default_factory=time.time)
+
+
+StageInbound = StageRequest | SegmentMsg
+GatewayInbound = FinalMsg | ErrorMsg
+
+
+def pack(msg: msgspec.Struct) -> bytes:
+    return wire.encode(msg)
+
+
+def unpack(data: bytes, type_: Any) -> Any:
+    """Decode one control message; raises wire.WireError on anything that is not one."""
+    return wire.decode(data, type_)
+
+
+# --- connecting ------------------------------------------------------------------------------
+
+
+def resolve_nats_url(url: str | None) -> str:
+    """Check a NATS URL up front so a typo fails in one line, not in a retry loop."""
+    if not url:
+        raise ControlError(f"no NATS URL: pass --nats, set {NATS_URL_ENV}, or set spec.nats.url")
+    for part in url.split(","):
+        p = urlparse(part.strip())
+        if p.scheme not in ("nats", "tls", "ws", "wss") or not p.hostname:
+            raise ControlError(f"malformed NATS URL {part!r}: expected nats://host:port")
+        try:
+            _ = p.port
+        except ValueError:
+            raise ControlError(f"malformed NATS URL {part!r}: bad port") from None
+    return url
+
+
+async def connect_nats(
+    url: str, name: str, *, retry_for_s: float = float("inf"), connect_timeout_s: float = 2.0
+) -> NatsClient:
+    """Connect, waiting with backoff while the server is not up yet; log every wait.
+
+    Once connected, the client reconnects by itself for ever (servers restart; we outlive them).
+    """
+    resolve_nats_url(url)
+
+    async def on_disconnect() -> None:
+        log.warning("%s: disconnected from NATS at %s", name, url)
+
+    async def on_reconnect() -> None:
+        log.info("%s: reconnected to NATS", name)
+
+    async def on_error(exc: Exception) -> None:
+        log.debug("%s: NATS error: %s", name, exc)
+
+    deadline = time.monotonic() + retry_for_s
+    delay = 0.1
+    while True:
+        try:
+            return await nats.connect(
+                url,
+                name=name,
+                connect_timeout=connect_timeout_s,
+                allow_reconnect=True,
+                max_reconnect_attempts=-1,
+                reconnect_time_wait=0.5,
+                disconnected_cb=on_disconnect,
+                reconnected_cb=on_reconnect,
+                error_cb=on_error,
+            )
+        except (OSError, TimeoutError, nats.errors.NoServersError, asyncio.TimeoutError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise ControlError(f"{name}: NATS at {url} unreachable: {exc}") from None
+            log.warning("%s: NATS at %s not reachable yet (%s); retrying in %.1fs", name, url, exc, delay)
+            await asyncio.sleep(delay)  # backoff between connection attempts, not synchronisation
+            delay = min(delay * 2, 5.0)
+
+
+async def close_nats(nc: NatsClient, timeout_s: float = 2.0) -> None:
+    """Drain (deliver what is pending) if the server is there; never hang on a dead one."""
+    if nc.is_closed:
+        return
+    try:
+        async with asyncio.timeout(timeout_s):
+            await nc.drain()
+    except Exception:
+        log.debug("NATS drain did not finish; closing")
+    if not nc.is_closed:
+        with contextlib.suppress(Exception):
+            await nc.close()

@@ -1,0 +1,259 @@
+"""Child-process lifecycle: STARTUP -> READY -> (ERROR) -> SHUTDOWN -> DEAD, as in seed 004.
+
+Children are started with `spawn` and report their state over a one-way pipe as wire-encoded
+structs (bytes, never pickled objects). A monitor thread per child waits on the pipe and the
+process sentinel together, so a death is noticed at once, without polling. Readiness comes
+only from the child's READY event. Shutdown is terminate, wait up to 5 s, kill the tree.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import logging
+import multiprocessing as mp
+import os
+import signal
+import threading
+import traceback
+import weakref
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any, Final
+
+import msgspec
+import psutil
+
+from omni_pipeline import wire
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_S: Final = 5.0
+_PR_SET_PDEATHSIG: Final = 1
+
+
+class ProcState(enum.StrEnum):
+    STARTUP = "STARTUP"
+    READY = "READY"
+    ERROR = "ERROR"
+    SHUTDOWN = "SHUTDOWN"
+    DEAD = "DEAD"
+
+
+class LifecycleEvent(msgspec.Struct, frozen=True):
+    state: ProcState
+    detail: str = ""
+    info: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ChildFailed(RuntimeError):
+    """A child reported ERROR or died before it became READY."""
+
+
+ReadyCallback = Callable[[dict[str, Any]], None]
+ChildTarget = Callable[..., None]
+"""Called as target(ready, *args) in the child; it calls ready(info) once it can serve."""
+
+
+def _send(conn: Connection, ev: LifecycleEvent) -> None:
+    try:
+        conn.send_bytes(wire.encode(ev))
+    except (BrokenPipeError, OSError):
+        pass  # the parent is gone; nothing to tell
+
+
+def die_with_parent(sig: int = signal.SIGTERM) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies (even by SIGKILL), so a
+    killed supervisor never leaves orphans behind. A no-op elsewhere."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _child_entry(target: ChildTarget, report: Connection, args: tuple[Any, ...]) -> None:
+    die_with_parent()
+    # Behave as the same program started on its own (as in a pod): spawn would otherwise
+    # become this process's default and keep libraries' semaphores named until exit.
+    mp.set_start_method(None, force=True)
+    # Ctrl-C in a terminal reaches the whole process group; the supervisor alone decides
+    # what it means and tells children with SIGTERM.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _send(report, LifecycleEvent(ProcState.STARTUP, info={"pid": os.getpid()}))
+    ready_sent = False
+
+    def ready(info: dict[str, Any]) -> None:
+        nonlocal ready_sent
+        if not ready_sent:
+            ready_sent = True
+            _send(report, LifecycleEvent(ProcState.READY, info=info))
+
+    code = 0
+    try:
+        target(ready, *args)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 0
+    except BaseException as exc:
+        code = 1
+        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        log.error("child failed: %s\n%s", detail, traceback.format_exc())
+        _send(report, LifecycleEvent(ProcState.ERROR, detail=detail))
+    finally:
+        _send(report, LifecycleEvent(ProcState.SHUTDOWN))
+        report.close()
+    os._exit(code)  # skip interpreter teardown of half-closed native libraries
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process and everything under it."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=SHUTDOWN_GRACE_S)
+
+
+def _shutdown(proc: mp.process.BaseProcess, grace_s: float, terminated: list[bool]) -> None:
+    if proc.is_alive():
+        if not terminated[0]:  # a second SIGTERM means "stop now"; send one only
+            terminated[0] = True
+            proc.terminate()
+        proc.join(grace_s)
+    if proc.is_alive() and proc.pid is not None:
+        kill_tree(proc.pid)
+        proc.join(1.0)
+
+
+class ManagedProcess:
+    """A spawned child with a lifecycle: events, readiness, death monitoring, shutdown."""
+
+    def __init__(
+        self,
+        name: str,
+        target: ChildTarget,
+        args: tuple[Any, ...] = (),
+        on_event: Callable[[ManagedProcess, LifecycleEvent], None] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.state = ProcState.STARTUP
+        self.info: dict[str, Any] = {}
+        self.error = ""
+        self.exitcode: int | None = None
+        self._on_event = on_event
+        self._changed = threading.Condition()
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        self._reader = reader
+        old_env = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})  # spawn copies the parent's environment at start()
+        try:
+            self.process = ctx.Process(target=_child_entry, args=(target, writer, args), name=name)
+            self.process.start()
+        finally:
+            for k, v in old_env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        writer.close()
+        self.pid = self.process.pid
+        self._terminated = [False]
+        self._finalizer = weakref.finalize(self, _shutdown, self.process, SHUTDOWN_GRACE_S, self._terminated)
+        self._monitor = threading.Thread(
+            target=_monitor, args=(weakref.ref(self), reader, self.process.sentinel), name=f"monitor-{name}",
+            daemon=True,
+        )
+        self._monitor.start()
+
+    def _record(self, ev: LifecycleEvent) -> None:
+        with self._changed:
+            if self.state is ProcState.DEAD:
+                return
+            if ev.state is ProcState.ERROR:
+                self.error = ev.detail
+            if ev.state is ProcState.READY:
+                self.info = ev.info
+            if ev.state is ProcState.DEAD:
+                self.exitcode = self.process.exitcode
+            self.state = ev.state
+            self._changed.notify_all()
+        if self._on_event:
+            self._on_event(self, ev)
+
+    def wait_ready(self, timeout_s: float) -> dict[str, Any]:
+        """Block until READY; raise ChildFailed on ERROR/death, TimeoutError on timeout."""
+        with self._changed:
+            ok = self._changed.wait_for(
+                lambda: self.state in (ProcState.READY, ProcState.ERROR, ProcState.SHUTDOWN, ProcState.DEAD),
+                timeout_s,
+            )
+            if not ok:
+                raise TimeoutError(f"{self.name} not ready after {timeout_s:.0f}s")
+            if self.state is not ProcState.READY:
+                why = self.error or f"exited with code {self.process.exitcode}"
+                raise ChildFailed(f"{self.name} failed to start: {why}")
+            return self.info
+
+    def wait_dead(self, timeout_s: float) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: self.state is ProcState.DEAD, timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self.state is not ProcState.DEAD
+
+    def request_stop(self) -> None:
+        """SIGTERM once, without waiting (to stop many children in parallel)."""
+        if not self._terminated[0] and self.process.is_alive():
+            self._terminated[0] = True
+            self.process.terminate()
+
+    def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
+        """SIGTERM, wait `grace_s`, then SIGKILL the tree. Idempotent."""
+        if self._finalizer.alive:
+            self._finalizer.detach()
+            _shutdown(self.process, grace_s, self._terminated)
+        self.wait_dead(2.0)
+
+
+def _monitor(ref: weakref.ref[ManagedProcess], reader: Connection, sentinel: int) -> None:
+    """Forward the child's events; report DEAD when its sentinel fires. Holds no strong ref."""
+    watch: list[Any] = [reader, sentinel]
+    while True:
+        ready = wait(watch)
+        if reader in ready:
+            try:
+                data = reader.recv_bytes()
+            except (EOFError, OSError):
+                watch.remove(reader)
+                continue
+            try:
+                ev = wire.decode(data, LifecycleEvent)
+            except wire.WireError:
+                log.error("child sent an undecodable lifecycle event; ignoring it")
+                continue
+            if (m := ref()) is not None:
+                m._record(ev)
+            continue
+        if sentinel in ready:
+            # Drain what the child said before dying (its ERROR detail), then report death.
+            while reader in watch and reader.poll():
+                try:
+                    ev = wire.decode(reader.recv_bytes(), LifecycleEvent)
+                except (EOFError, OSError, wire.WireError):
+                    break
+                if (m := ref()) is not None:
+                    m._record(ev)
+            reader.close()
+            if (m := ref()) is not None:
+                m.process.join(0)
+                m._record(LifecycleEvent(ProcState.DEAD, detail=f"exit code {m.process.exitcode}"))
+            return

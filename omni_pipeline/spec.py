@@ -1,0 +1,310 @@
+"""The pipeline spec: one model for the `omni serve` file and the OmniPipeline CR's `spec`.
+
+Field names are camelCase on the wire (as Kubernetes expects) and snake_case in Python.
+Everything a bad file can get wrong is refused here, before any process starts, with the
+stage and field named, so a user never debugs a half-started pipeline.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+REQUEST_SOURCE: Final = "request"
+"""The pseudo-stage an input edge names to read the client's request."""
+
+FULL_WINDOW: Final = -1
+"""Window size meaning: trigger the consumer once, when the producer's last segment arrives."""
+
+DEFAULT_CONNECTOR: Final = "default"
+
+
+class SpecError(ValueError):
+    """A pipeline file that cannot run; the message names the stage and the field."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class Mode(StrEnum):
+    SINGLE_NODE = "SingleNode"
+    DISTRIBUTED = "Distributed"
+
+
+class EngineKind(StrEnum):
+    SYNTHETIC = "synthetic"
+    TRANSFORMERS = "transformers"
+    TORCH = "torch"
+    VLLM = "vllm"
+    DIFFUSERS = "diffusers"
+
+
+class OutputKind(StrEnum):
+    TEXT = "text"
+    AUDIO = "audio"
+    IMAGE = "image"
+
+
+class ConnectorKind(StrEnum):
+    INLINE = "inline"
+    SHM = "shm"
+    MOONCAKE = "mooncake"
+
+
+class EngineSpec(_Model):
+    """What computes a stage: the engine kind and what it loads."""
+
+    kind: EngineKind = Field(description="Engine backend: synthetic, transformers, torch, vllm, diffusers.")
+    model: str | None = Field(default=None, description="Model directory or id, for model engines.")
+    factory: str | None = Field(
+        default=None, description="`module:function` returning a torch module, for the torch engine."
+    )
+    args: dict[str, Any] = Field(default_factory=dict, description="Engine-specific arguments.")
+
+    @model_validator(mode="after")
+    def _needs(self) -> EngineSpec:
+        if self.kind in (EngineKind.TRANSFORMERS, EngineKind.VLLM, EngineKind.DIFFUSERS) and not self.model:
+            raise ValueError(f"engine kind '{self.kind}' needs engine.model")
+        if self.kind is EngineKind.TORCH and (not self.factory or ":" not in self.factory):
+            raise ValueError("engine kind 'torch' needs engine.factory as 'module:function'")
+        return self
+
+
+class InputSpec(_Model):
+    """One in-edge of a stage: where it reads from, how often it is triggered, and over what."""
+
+    from_: str = Field(alias="from", description="Producer stage name, or `request` for the client input.")
+    window: int = Field(
+        default=FULL_WINDOW,
+        description="-1: trigger once at the producer's end; N > 0: every N units, then the remainder.",
+    )
+    processor: str | None = Field(
+        default=None, description="`module:function` run on the consumer to turn the payload into inputs."
+    )
+    connector: str = Field(default=DEFAULT_CONNECTOR, description="Name of an entry in spec.connectors.")
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, v: int) -> int:
+        if v == 0 or v < FULL_WINDOW:
+            raise ValueError(f"window must be -1 (full) or a positive number of units, got {v}")
+        return v
+
+    @field_validator("processor")
+    @classmethod
+    def _processor(cls, v: str | None) -> str | None:
+        if v is not None and ":" not in v:
+            raise ValueError(f"processor must be 'module:function', got {v!r}")
+        return v
+
+
+class ResourcesSpec(_Model):
+    gpus: int = Field(default=0, ge=0, description="GPUs per replica.")
+    cpu: str | None = Field(default=None, description="CPU request, Kubernetes quantity.")
+    memory: str | None = Field(default=None, description="Memory request, Kubernetes quantity.")
+
+
+class StageSpec(_Model):
+    """One stage of the pipeline: an engine, its in-edges, and how many replicas serve it."""
+
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$", description="DNS-label stage name.")
+    engine: EngineSpec
+    inputs: list[InputSpec] = Field(min_length=1, description="In-edges of this stage.")
+    final_output: OutputKind | None = Field(
+        default=None, description="If set, this stage's output goes to the client as text, audio or image."
+    )
+    replicas: int = Field(default=1, ge=0, description="Replicas of this stage.")
+    max_inflight: int = Field(default=1, ge=1, description="Concurrent requests in one replica (1 = serial).")
+    max_queued: int = Field(default=64, ge=0, description="Requests a replica queues beyond max_inflight.")
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    sampling: dict[str, Any] = Field(default_factory=dict, description="Default sampling parameters.")
+    max_segment_units: int = Field(default=16, ge=1, description="Flush a segment after this many units.")
+    flush_interval_ms: float = Field(default=50.0, gt=0, description="Flush a segment after this long.")
+
+
+class ConnectorSpec(_Model):
+    kind: ConnectorKind = Field(default=ConnectorKind.SHM, description="inline, shm or mooncake.")
+    inline_threshold_bytes: int = Field(
+        default=65536, ge=0, description="Payloads smaller than this ride inside the control message."
+    )
+
+
+class NatsSpec(_Model):
+    url: str = Field(default="", description="NATS URL; empty in SingleNode starts an embedded server.")
+
+
+class GatewaySpec(_Model):
+    replicas: int = Field(default=1, ge=1)
+    port: int = Field(default=8000, ge=0, le=65535)
+    request_timeout_s: float = Field(default=600.0, gt=0, description="A request's deadline.")
+
+
+class PipelineSpec(_Model):
+    """The whole pipeline: stages forming a DAG, connectors, control plane and gateway."""
+
+    mode: Mode = Mode.SINGLE_NODE
+    served_model_name: str = Field(min_length=1, description="The model name clients ask for.")
+    nats: NatsSpec = Field(default_factory=NatsSpec)
+    connectors: dict[str, ConnectorSpec] = Field(
+        default_factory=lambda: {DEFAULT_CONNECTOR: ConnectorSpec()}
+    )
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
+    stages: list[StageSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _graph(self) -> PipelineSpec:
+        names = [s.name for s in self.stages]
+        seen: set[str] = set()
+        for n in names:
+            if n in seen:
+                raise ValueError(f"stage '{n}': name: duplicate stage name")
+            seen.add(n)
+        if REQUEST_SOURCE in seen:
+            raise ValueError(f"stage '{REQUEST_SOURCE}': name: reserved for the client input")
+        connectors = dict(self.connectors)
+        connectors.setdefault(DEFAULT_CONNECTOR, ConnectorSpec())
+        object.__setattr__(self, "connectors", connectors)
+        for s in self.stages:
+            froms = [e.from_ for e in s.inputs]
+            for i, e in enumerate(s.inputs):
+                if e.from_ != REQUEST_SOURCE and e.from_ not in seen:
+                    raise ValueError(f"stage '{s.name}': inputs[{i}].from: unknown stage '{e.from_}'")
+                if e.from_ == s.name:
+                    raise ValueError(f"stage '{s.name}': inputs[{i}].from: a stage cannot read itself")
+                if froms.count(e.from_) > 1:
+                    raise ValueError(f"stage '{s.name}': inputs[{i}].from: '{e.from_}' named twice")
+                if e.connector not in connectors:
+                    raise ValueError(
+                        f"stage '{s.name}': inputs[{i}].connector: '{e.connector}' is not in spec.connectors"
+                    )
+        if not any(e.from_ == REQUEST_SOURCE for s in self.stages for e in s.inputs):
+            raise ValueError("stages: no stage reads `request` (add inputs: [{from: request}])")
+        if not any(s.final_output for s in self.stages):
+            raise ValueError("stages: no stage has finalOutput, so nothing reaches the client")
+        cycle = _find_cycle(self.stages)
+        if cycle:
+            raise ValueError(f"stage '{cycle[0]}': inputs: cycle {' -> '.join(cycle)}")
+        return self
+
+    # --- graph queries used by the gateway and the workers --------------------------------
+
+    def stage(self, name: str) -> StageSpec:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    def consumers(self, producer: str) -> list[tuple[StageSpec, InputSpec]]:
+        """The out-edges of `producer`: each consumer stage with its input spec."""
+        return [(s, e) for s in self.stages for e in s.inputs if e.from_ == producer]
+
+    def output_kinds(self) -> set[OutputKind]:
+        return {s.final_output for s in self.stages if s.final_output}
+
+    def needed_stages(self, outputs: Iterable[OutputKind]) -> list[str]:
+        """Stages a request needs to produce `outputs`: their final stages and all ancestors."""
+        wanted = set(outputs)
+        needed: set[str] = set()
+        stack = [s.name for s in self.stages if s.final_output in wanted]
+        while stack:
+            name = stack.pop()
+            if name in needed or name == REQUEST_SOURCE:
+                continue
+            needed.add(name)
+            stack.extend(e.from_ for e in self.stage(name).inputs)
+        return [s.name for s in self.stages if s.name in needed]
+
+
+class Metadata(_Model):
+    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,50}[a-z0-9])?$")
+    namespace: str | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+
+
+class PipelineFile(_Model):
+    """The document a user writes: the OmniPipeline resource, usable as-is by `omni serve`."""
+
+    api_version: Literal["omnipipeline.dev/v1alpha1"] = "omnipipeline.dev/v1alpha1"
+    kind: Literal["OmniPipeline"] = "OmniPipeline"
+    metadata: Metadata
+    spec: PipelineSpec
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+
+def _find_cycle(stages: list[StageSpec]) -> list[str] | None:
+    deps = {s.name: [e.from_ for e in s.inputs if e.from_ != REQUEST_SOURCE] for s in stages}
+    state: dict[str, int] = {}  # 1 = on the stack, 2 = done
+    path: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        path.append(n)
+        for d in deps.get(n, []):
+            if state.get(d) == 1:
+                return [*path[path.index(d) :], d]
+            if d not in state and (found := visit(d)):
+                return found
+        path.pop()
+        state[n] = 2
+        return None
+
+    for name in deps:
+        if name not in state and (found := visit(name)):
+            return found
+    return None
+
+
+def _describe(err: dict[str, Any], raw: Any) -> str:
+    """Turn one pydantic error into 'stage 'x': field: message', naming the stage by name."""
+    loc = list(err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    if msg.startswith("stage '") or msg.startswith("stages:"):
+        return msg
+    prefix = ""
+    if loc[:2] == ["spec", "stages"] and len(loc) >= 3 and isinstance(loc[2], int):
+        stages = raw.get("spec", {}).get("stages", []) if isinstance(raw, dict) else []
+        idx = loc[2]
+        name = stages[idx].get("name") if idx < len(stages) and isinstance(stages[idx], dict) else None
+        prefix = f"stage '{name}': " if name else f"stages[{idx}]: "
+        loc = loc[3:]
+    field = ".".join(f"[{p}]" if isinstance(p, int) else str(p) for p in loc).replace(".[", "[")
+    if err["type"] == "enum" and "expected" in err.get("ctx", {}):
+        msg = f"unknown value {err.get('input')!r}, expected {err['ctx']['expected']}"
+    return f"{prefix}{field or 'spec'}: {msg}"
+
+
+def parse_pipeline(raw: Any, source: str = "<pipeline>") -> PipelineFile:
+    """Validate a loaded document; raise SpecError with every problem, each naming stage and field."""
+    if not isinstance(raw, dict):
+        raise SpecError(f"{source}: expected an OmniPipeline document (a mapping), got {type(raw).__name__}")
+    try:
+        return PipelineFile.model_validate(raw)
+    except ValidationError as exc:
+        lines = [_describe(e, raw) for e in exc.errors()]
+        raise SpecError(f"{source}: invalid pipeline:\n  " + "\n  ".join(lines)) from None
+
+
+def load_pipeline(path: str | os.PathLike[str]) -> PipelineFile:
+    """Read and validate a pipeline file."""
+    p = Path(path)
+    try:
+        raw = yaml.safe_load(p.read_text())
+    except OSError as exc:
+        raise SpecError(f"{p}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise SpecError(f"{p}: not valid YAML: {exc}") from None
+    return parse_pipeline(raw, str(p))
+

@@ -1,0 +1,216 @@
+"""The wire format: msgpack (msgspec) with tensors and ndarrays framed out of band. Never pickle.
+
+A frame is one contiguous buffer:
+
+    b"OMW1" | u32 reserved | u64 header_len | u64 data_len | header (msgpack) | pad | data
+
+Tensors and ndarrays inside the header are msgpack extension values holding (dtype, shape,
+offset, nbytes) into `data`, each buffer 64-byte aligned. This lets a connector write a
+tensor's bytes exactly once, straight into shared memory (`frame_size` + `write_frame`), and
+lets the reader build tensors as views on the frame without copying (`decode`).
+
+Ownership: a decoded tensor is a view on the buffer passed to `decode` and keeps that buffer
+alive for as long as the tensor lives. Pass a writable buffer (bytearray, a writable mmap) if
+the consumer may write to the tensor; `decode` of immutable `bytes` copies them first.
+
+Only extension codes 1 (torch tensor) and 2 (numpy ndarray) exist; any other code, an object
+dtype, or a malformed frame raises WireError.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import warnings
+from typing import Any, Final, TypeVar
+
+import msgspec
+import numpy as np
+import torch
+
+MAGIC: Final = b"OMW1"
+_PREAMBLE = struct.Struct("<4sIQQ")
+_EXT_HEAD = struct.Struct("<BBQQ")  # dtype code, ndim, offset, nbytes; then ndim x int64 dims
+ALIGN: Final = 64
+
+EXT_TENSOR: Final = 1
+EXT_NDARRAY: Final = 2
+
+_TORCH_DTYPES: Final[list[torch.dtype]] = [
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+]  # fmt: skip
+_NUMPY_DTYPES: Final[list[np.dtype[Any]]] = [
+    np.dtype(t) for t in ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
+]
+_TORCH_CODE = {d: i for i, d in enumerate(_TORCH_DTYPES)}
+_NUMPY_CODE = {d: i for i, d in enumerate(_NUMPY_DTYPES)}
+
+T = TypeVar("T")
+
+
+class WireError(ValueError):
+    """A payload that is not a valid omni-pipeline frame; it is refused, never guessed at."""
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class EncodedFrame:
+    """A frame ready to be written: the header plus the raw buffers it points into."""
+
+    __slots__ = ("buffers", "header", "size")
+
+    def __init__(self, header: bytes, buffers: list[tuple[int, memoryview]], data_len: int) -> None:
+        self.header = header
+        self.buffers = buffers
+        self.size = _align(_PREAMBLE.size + len(header)) + data_len
+
+    def write_into(self, out: memoryview) -> int:
+        """Write the frame into `out` (at least `size` bytes); each tensor byte is copied once."""
+        hdr_end = _PREAMBLE.size + len(self.header)
+        data_start = _align(hdr_end)
+        _PREAMBLE.pack_into(out, 0, MAGIC, 0, len(self.header), self.size - data_start)
+        out[_PREAMBLE.size : hdr_end] = self.header
+        for offset, buf in self.buffers:
+            start = data_start + offset
+            out[start : start + buf.nbytes] = buf
+        return self.size
+
+    def to_bytes(self) -> bytearray:
+        out = bytearray(self.size)
+        self.write_into(memoryview(out))
+        return out
+
+
+class _Packer:
+    """Collects tensor buffers while msgspec encodes the header; one per encode call."""
+
+    def __init__(self) -> None:
+        self.buffers: list[tuple[int, memoryview]] = []
+        self.data_len = 0
+        self.encoder = msgspec.msgpack.Encoder(enc_hook=self.hook)
+
+    def _add(self, raw: memoryview) -> int:
+        offset = self.data_len
+        self.buffers.append((offset, raw))
+        self.data_len = _align(offset + raw.nbytes)
+        return offset
+
+    def hook(self, obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            code = _TORCH_CODE.get(obj.dtype)
+            if code is None:
+                raise WireError(f"tensor dtype {obj.dtype} cannot go on the wire")
+            t = obj.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            flat = t.contiguous().reshape(-1).view(torch.uint8)
+            raw = memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(b"")
+            return msgspec.msgpack.Ext(EXT_TENSOR, _ext_head(code, tuple(t.shape), self._add(raw), raw.nbytes))
+        if isinstance(obj, np.ndarray):
+            code = _NUMPY_CODE.get(obj.dtype)
+            if code is None:
+                raise WireError(f"ndarray dtype {obj.dtype} cannot go on the wire")
+            arr = np.ascontiguousarray(obj)
+            raw = memoryview(arr.reshape(-1).view(np.uint8)) if arr.size else memoryview(b"")
+            return msgspec.msgpack.Ext(EXT_NDARRAY, _ext_head(code, arr.shape, self._add(raw), raw.nbytes))
+        raise WireError(f"type {type(obj).__name__} cannot go on the wire")
+
+
+def _ext_head(code: int, shape: tuple[int, ...], offset: int, nbytes: int) -> bytes:
+    return _EXT_HEAD.pack(code, len(shape), offset, nbytes) + struct.pack(f"<{len(shape)}q", *shape)
+
+
+def encode_frame(obj: Any) -> EncodedFrame:
+    """Encode `obj` (msgspec Structs, dicts, lists, scalars, tensors, ndarrays) as a frame."""
+    packer = _Packer()
+    try:
+        header = packer.encoder.encode(obj)
+    except WireError:
+        raise
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise WireError(f"cannot encode: {exc}") from exc
+    return EncodedFrame(header, packer.buffers, packer.data_len)
+
+
+def encode(obj: Any) -> bytes:
+    """Encode `obj` into one buffer (tensor bytes copied once)."""
+    return bytes(encode_frame(obj).to_bytes())
+
+
+# --- decoding --------------------------------------------------------------------------------
+
+_tls = threading.local()
+
+
+def _ext_hook(code: int, data: memoryview) -> Any:
+    frame_data: memoryview = _tls.data
+    if code not in (EXT_TENSOR, EXT_NDARRAY):
+        raise WireError(f"unknown extension type {code}")
+    if len(data) < _EXT_HEAD.size:
+        raise WireError("truncated tensor header")
+    dcode, ndim, offset, nbytes = _EXT_HEAD.unpack_from(data, 0)
+    if len(data) != _EXT_HEAD.size + 8 * ndim:
+        raise WireError("malformed tensor header")
+    shape = struct.unpack_from(f"<{ndim}q", data, _EXT_HEAD.size)
+    if any(d < 0 for d in shape) or offset + nbytes > len(frame_data):
+        raise WireError("tensor outside its frame")
+    raw = frame_data[offset : offset + nbytes]
+    if code == EXT_TENSOR:
+        if dcode >= len(_TORCH_DTYPES):
+            raise WireError(f"unknown tensor dtype code {dcode}")
+        dtype = _TORCH_DTYPES[dcode]
+        numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if numel * dtype.itemsize != nbytes:
+            raise WireError("tensor size does not match its shape")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # read-only buffers: documented above
+            return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(shape)
+    if dcode >= len(_NUMPY_DTYPES):
+        raise WireError(f"unknown ndarray dtype code {dcode}")
+    ndt = _NUMPY_DTYPES[dcode]
+    if int(np.prod(shape, dtype=np.int64)) * ndt.itemsize != nbytes:
+        raise WireError("ndarray size does not match its shape")
+    return np.frombuffer(raw, dtype=ndt).reshape(shape)
+
+
+_decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
+
+
+def _decoder(type_: Any) -> msgspec.msgpack.Decoder[Any]:
+    dec = _decoders.get(type_)
+    if dec is None:
+        dec = _decoders[type_] = msgspec.msgpack.Decoder(type_, ext_hook=_ext_hook)
+    return dec
+
+
+def decode(buf: bytes | bytearray | memoryview, type_: type[T] | Any = Any) -> T:
+    """Decode a frame into `type_`; tensors are views on `buf` (see the module docstring)."""
+    if isinstance(buf, bytes):
+        buf = bytearray(buf)  # tensors must not alias immutable memory
+    mv = memoryview(buf).cast("B")
+    if len(mv) < _PREAMBLE.size:
+        raise WireError("frame too short")
+    magic, _, header_len, data_len = _PREAMBLE.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise WireError("not an omni-pipeline frame (bad magic)")
+    hdr_end = _PREAMBLE.size + header_len
+    data_start = _align(hdr_end)
+    if data_start + data_len > len(mv):
+        raise WireError("frame truncated")
+    _tls.data = mv[data_start : data_start + data_len]
+    try:
+        return _decoder(type_).decode(mv[_PREAMBLE.size : hdr_end])
+    except msgspec.ValidationError as exc:
+        raise WireError(f"invalid message: {exc}") from exc
+    except msgspec.DecodeError as exc:
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, WireError):
+            raise cause from None
+        raise WireError(f"undecodable frame: {exc}") from exc
+    finally:
+        _tls.data = None

@@ -1,0 +1,1 @@
+"""The `omni` command: serve, stage, gateway, models, validate."""

@@ -1,0 +1,122 @@
+"""The `omni` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from omni_pipeline.control import NATS_URL_ENV, ControlError, resolve_nats_url
+from omni_pipeline.spec import PipelineFile, SpecError, load_pipeline
+
+
+def _nats_url(arg: str | None, pipeline: PipelineFile) -> str | None:
+    return arg or os.environ.get(NATS_URL_ENV) or pipeline.spec.nats.url or None
+
+
+def _log_ready(what: str) -> Callable[[dict[str, Any]], None]:
+    return lambda info: logging.getLogger("omni").info("%s ready: %s", what, info)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from omni_cli.serve import Supervisor
+
+    pipeline = load_pipeline(a.pipeline)
+    url = _nats_url(a.nats, pipeline)
+    if url:
+        resolve_nats_url(url)
+    port = a.port if a.port is not None else pipeline.spec.gateway.port
+    return Supervisor(pipeline, a.pipeline, a.host, port, url).run()
+
+
+def cmd_stage(a: argparse.Namespace) -> int:
+    from omni_stage.proc import run_stage
+
+    pipeline = load_pipeline(a.pipeline)
+    if a.stage not in {s.name for s in pipeline.spec.stages}:
+        raise SpecError(f"{a.pipeline}: no stage named '{a.stage}'")
+    url = resolve_nats_url(_nats_url(a.nats, pipeline))
+    run_stage(_log_ready(f"stage {a.stage}/{a.replica_id}"), pipeline, a.stage, a.replica_id, url,
+              a.metrics_host, a.metrics_port)  # fmt: skip
+    return 0
+
+
+def cmd_gateway(a: argparse.Namespace) -> int:
+    from omni_gateway.app import run_gateway
+
+    pipeline = load_pipeline(a.pipeline)
+    url = resolve_nats_url(_nats_url(a.nats, pipeline))
+    port = a.port if a.port is not None else pipeline.spec.gateway.port
+    run_gateway(_log_ready("gateway"), pipeline, url, a.host, port, wait_for_stages=False)
+    return 0
+
+
+def cmd_init_demo(a: argparse.Namespace) -> int:
+    from omni_stage.demo import init_demo
+
+    for name, path in init_demo(a.dir).items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_validate(a: argparse.Namespace) -> int:
+    p = load_pipeline(a.pipeline)
+    print(f"{a.pipeline}: ok ({p.name}: {', '.join(s.name for s in p.spec.stages)})")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="omni", description="Serve multi-stage omni-modality pipelines.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("serve", help="run the whole pipeline on this machine")
+    s.add_argument("pipeline")
+    s.add_argument("--port", type=int, default=None, help="gateway port (default: spec.gateway.port)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--nats", default=None, help=f"NATS URL (default: {NATS_URL_ENV}, spec.nats.url, or embedded)")
+    s.set_defaults(fn=cmd_serve)
+
+    s = sub.add_parser("stage", help="run one replica of one stage")
+    s.add_argument("--pipeline", required=True)
+    s.add_argument("--stage", required=True)
+    s.add_argument("--replica-id", default="0")
+    s.add_argument("--nats", default=None)
+    s.add_argument("--metrics-host", default="0.0.0.0")
+    s.add_argument("--metrics-port", type=int, default=0, help="health and metrics port (0: any free)")
+    s.set_defaults(fn=cmd_stage)
+
+    s = sub.add_parser("gateway", help="run the OpenAI-compatible gateway")
+    s.add_argument("--pipeline", required=True)
+    s.add_argument("--port", type=int, default=None)
+    s.add_argument("--host", default="0.0.0.0")
+    s.add_argument("--nats", default=None)
+    s.set_defaults(fn=cmd_gateway)
+
+    s = sub.add_parser("models", help="model helpers")
+    msub = s.add_subparsers(dest="models_cmd", required=True)
+    m = msub.add_parser("init-demo", help="build the tiny random-weight demo models offline")
+    m.add_argument("dir")
+    m.set_defaults(fn=cmd_init_demo)
+
+    s = sub.add_parser("validate", help="check a pipeline file")
+    s.add_argument("pipeline")
+    s.set_defaults(fn=cmd_validate)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    a = parser().parse_args(argv)
+    try:
+        return int(a.fn(a))
+    except (SpecError, ControlError) as exc:
+        print(f"omni: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

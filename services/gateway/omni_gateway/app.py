@@ -1,0 +1,150 @@
+"""The gateway application: FastAPI app, error mapping, X-Request-Id, and the process entry."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import socket
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Final
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omni_pipeline.serving import make_server, on_shutdown_signals
+from omni_pipeline.spec import PipelineFile
+from omni_gateway.errors import BadRequest, OmniError
+from omni_gateway.metrics import GatewayMetrics
+from omni_gateway.routes import router
+from omni_gateway.service import PipelineClient
+
+log = logging.getLogger("omni.gateway")
+
+_REQUEST_ID_OK: Final = re.compile(r"^[\x21-\x7e]{1,256}$")
+READY_WAIT_S: Final = 60.0
+
+
+class RequestIdMiddleware:
+    """Honour X-Request-Id (or make one) and echo it on every response, streaming included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+        rid = given if _REQUEST_ID_OK.match(given) else uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", []).append((b"x-request-id", rid.encode("latin-1")))
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class StatusCounter:
+    """Count responses by status (pure ASGI: BaseHTTPMiddleware would break streaming disconnects)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                self.metrics.requests.labels(status=str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _error_response(err: OmniError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def build_app(service: PipelineClient, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+    app = FastAPI(title="omni-pipeline gateway", lifespan=lifespan)
+    app.state.service = service
+    app.state.metrics = metrics = GatewayMetrics()
+    app.include_router(router)
+    app.add_middleware(RequestIdMiddleware)
+
+    app.add_middleware(StatusCounter, metrics=metrics)
+
+    @app.exception_handler(OmniError)
+    async def on_omni(_: Request, exc: OmniError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errs = exc.errors()
+        first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        param = ".".join(loc) or None
+        text = f"{param}: {msg}" if param else msg
+        return _error_response(BadRequest(text, param=param))
+
+    @app.exception_handler(HTTPException)
+    async def on_http(_: Request, exc: HTTPException) -> JSONResponse:
+        err = OmniError(str(exc.detail))
+        err.status, err.type = exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error_response(err)
+
+    @app.exception_handler(Exception)
+    async def on_crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("gateway: unhandled error")
+        return _error_response(OmniError(f"internal error: {type(exc).__name__}"))
+
+    return app
+
+
+def run_gateway(
+    ready: Callable[[dict[str, Any]], None], pipeline: PipelineFile, nats_url: str, host: str, port: int,
+    wait_for_stages: bool = True,
+) -> None:  # fmt: skip
+    """Process entry point (`omni gateway`, and `omni serve` through the lifecycle)."""
+    logging.basicConfig(level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+
+    async def main() -> None:
+        service = PipelineClient(pipeline, nats_url)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+            await service.start()
+            if wait_for_stages:
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(READY_WAIT_S):
+                        await service.covered.wait()
+            ready({"port": sock.getsockname()[1], "gateway_id": service.gateway_id})
+            log.info("gateway %s serving %s on http://%s:%d", service.gateway_id,
+                     pipeline.spec.served_model_name, host, sock.getsockname()[1])  # fmt: skip
+            yield
+            await service.stop()
+
+        sock = socket.create_server((host, port))
+        server = make_server(build_app(service, lifespan), timeout_graceful_shutdown=30)
+
+        def stop() -> None:
+            server.should_exit = True
+
+        on_shutdown_signals(stop)
+        await server.serve(sockets=[sock])
+
+    asyncio.run(main())

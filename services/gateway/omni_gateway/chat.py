@@ -1,0 +1,105 @@
+"""Chat completions: pipeline events -> OpenAI responses, whole or as SSE chunks."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+
+from omni_gateway.audio import to_pcm16, wav_bytes, wav_stream_header
+from omni_gateway.errors import OmniError
+from omni_gateway.protocol import ChatCompletionRequest
+from omni_gateway.service import AudioChunk, Event, Finished, TextDelta, error_from
+
+AUDIO_TTL_S = 3600
+
+
+class ChatResult:
+    """Accumulates one request's events into a non-streaming response."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.audio: list[np.ndarray] = []
+        self.sample_rate = 24000
+        self.finished = Finished("stop", {})
+
+    def add(self, ev: Event) -> None:
+        if isinstance(ev, TextDelta):
+            self.text.append(ev.text)
+        elif isinstance(ev, AudioChunk):
+            self.audio.append(ev.samples)
+            self.sample_rate = ev.sample_rate
+        else:
+            self.finished = ev
+
+
+def completion_body(req: ChatCompletionRequest, rid: str, created: int, r: ChatResult) -> dict[str, Any]:
+    text = "".join(r.text)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if req.audio is not None and "audio" in (req.modalities or []):
+        pcm = to_pcm16(np.concatenate(r.audio) if r.audio else np.zeros(0, np.float32))
+        data = wav_bytes(pcm, r.sample_rate) if req.audio.format == "wav" else pcm
+        message["audio"] = {
+            "id": f"audio_{rid}",
+            "data": base64.b64encode(data).decode(),
+            "expires_at": created + AUDIO_TTL_S,
+            "transcript": text,
+        }
+    return {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion",
+        "created": created,
+        "model": req.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": r.finished.finish_reason, "logprobs": None}],
+        "usage": r.finished.usage,
+    }
+
+
+def _sse(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+async def sse_chunks(
+    req: ChatCompletionRequest, rid: str, created: int, first: Event, events: AsyncIterator[Event]
+) -> AsyncIterator[str]:
+    """SSE: a role chunk, text and audio deltas as they come, a finish chunk, usage, [DONE].
+
+    Audio deltas carry PCM16; for format `wav` the first one starts with a streaming WAV
+    header, so the concatenated chunks form a playable file. A failure mid-stream becomes an
+    error event; `[DONE]` always ends the stream.
+    """
+    base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": req.model}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+
+    header_sent = req.audio is None or req.audio.format != "wav"
+    yield chunk({"role": "assistant", "content": ""})
+    try:
+        ev: Event | None = first
+        while ev is not None:
+            if isinstance(ev, TextDelta):
+                yield chunk({"content": ev.text})
+            elif isinstance(ev, AudioChunk):
+                data = to_pcm16(ev.samples)
+                if not header_sent:
+                    data, header_sent = wav_stream_header(ev.sample_rate) + data, True
+                yield chunk({"audio": {"id": f"audio_{rid}", "data": base64.b64encode(data).decode(),
+                                       "expires_at": created + AUDIO_TTL_S}})  # fmt: skip
+            else:
+                yield chunk({}, ev.finish_reason)
+                if req.stream_options and req.stream_options.include_usage:
+                    yield _sse({**base, "choices": [], "usage": ev.usage})
+            ev = await anext(events, None)
+    except Exception as exc:
+        err: OmniError = error_from(exc)
+        yield _sse(err.body())
+    yield "data: [DONE]\n\n"
+
+
+def now() -> int:
+    return int(time.time())

@@ -1,0 +1,63 @@
+"""Typed service errors, mapped in one place to OpenAI's error body and HTTP status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class OmniError(Exception):
+    status = 500
+    type = "server_error"
+    code: str | None = None
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:  # fmt: skip
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code or self.code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class BadRequest(OmniError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ModelNotFound(OmniError):
+    status = 404
+    type = "invalid_request_error"
+    code = "model_not_found"
+
+
+class Overloaded(OmniError):
+    """Every replica of a needed stage is full: come back later."""
+
+    status = 429
+    type = "rate_limit_error"
+    code = "pipeline_saturated"
+
+
+class Unavailable(OmniError):
+    """A needed stage has no live replica."""
+
+    status = 503
+    type = "server_error"
+    code = "stage_unavailable"
+
+
+class StageFailed(OmniError):
+    """A stage failed this request (its message says which and why)."""
+
+    status = 500
+    type = "server_error"
+    code = "stage_error"
+
+
+class Timeout(OmniError):
+    status = 504
+    type = "server_error"
+    code = "timeout"

@@ -1,0 +1,72 @@
+"""The live replica table, fed by heartbeats; picks the least-loaded replica of a stage."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omni_pipeline.control import HEARTBEAT_MISSES, Heartbeat
+from omni_gateway.errors import Overloaded, Unavailable
+
+
+@dataclass(slots=True)
+class Replica:
+    hb: Heartbeat
+    last_seen: float
+    sent: int = 0
+    """Requests this gateway routed here since the last heartbeat (its load lags by one beat)."""
+
+    @property
+    def load(self) -> int:
+        return self.hb.queued + self.hb.inflight + self.sent
+
+    @property
+    def room(self) -> bool:
+        return self.load < self.hb.capacity + self.hb.max_queued
+
+
+class ReplicaTable:
+    def __init__(self) -> None:
+        self._by_stage: dict[str, dict[str, Replica]] = {}
+
+    def update(self, hb: Heartbeat, now: float) -> Replica | None:
+        """Record a heartbeat; returns the entry it replaces if that was another instance."""
+        stage = self._by_stage.setdefault(hb.stage, {})
+        old = stage.get(hb.replica)
+        if hb.stopping:
+            return stage.pop(hb.replica, None)
+        stage[hb.replica] = Replica(hb, now)
+        return old if old is not None and old.hb.instance != hb.instance else None
+
+    def expire(self, now: float) -> list[Replica]:
+        gone = []
+        for stage in self._by_stage.values():
+            for rid, r in list(stage.items()):
+                if now - r.last_seen > r.hb.interval_s * HEARTBEAT_MISSES:
+                    gone.append(stage.pop(rid))
+        return gone
+
+    def pick(self, stage: str) -> Replica:
+        live = [r for r in self._by_stage.get(stage, {}).values() if not r.hb.draining]
+        if not live:
+            raise Unavailable(f"stage '{stage}' has no live replica")
+        open_ = [r for r in live if r.room]
+        if not open_:
+            raise Overloaded(f"every replica of stage '{stage}' is full", headers={"Retry-After": "1"})
+        best = min(open_, key=lambda r: (r.load / max(1, r.hb.capacity), r.hb.replica))
+        best.sent += 1
+        return best
+
+    def covers(self, stages: list[str]) -> bool:
+        return all(any(not r.hb.draining for r in self._by_stage.get(s, {}).values()) for s in stages)
+
+    def get(self, stage: str, replica: str) -> Replica | None:
+        return self._by_stage.get(stage, {}).get(replica)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return [
+            {"stage": r.hb.stage, "replica": r.hb.replica, "instance": r.hb.instance, "pid": r.hb.pid,
+             "host": r.hb.host, "queued": r.hb.queued, "inflight": r.hb.inflight, "capacity": r.hb.capacity,
+             "draining": r.hb.draining, "metrics_port": r.hb.metrics_port}
+            for stage in self._by_stage.values() for r in stage.values()
+        ]  # fmt: skip

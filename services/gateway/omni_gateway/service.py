@@ -1,0 +1,271 @@
+"""The gateway's side of the pipeline: routing, submitting, and tracking the requests it owns.
+
+Each gateway owns the requests it accepted: it picks a replica per needed stage, sends the
+route with the request, and receives that request's final outputs and errors on its own NATS
+inbox. Every request ends exactly once (done, failed, aborted) and its end frees what it
+holds: the inflight entry, and, unless it completed, everything the stages hold for it
+(an abort broadcast) and any payload addressed to this gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import numpy as np
+import torch
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from omni_pipeline import wire
+from omni_pipeline.connectors import OmniConnector, build_connectors
+from omni_pipeline.control import (
+    HEARTBEAT_INTERVAL_S,
+    AbortMsg,
+    ErrorMsg,
+    FinalMsg,
+    GatewayInbound,
+    Heartbeat,
+    RequestContext,
+    StageRequest,
+    Subjects,
+    close_nats,
+    connect_nats,
+    pack,
+    unpack,
+)
+from omni_pipeline.spec import REQUEST_SOURCE, OutputKind, PipelineFile
+from omni_gateway.errors import OmniError, StageFailed, Timeout, Unavailable
+from omni_gateway.replicas import Replica, ReplicaTable
+
+log = logging.getLogger("omni.gateway")
+
+EVENT_QUEUE: Final = 1024
+"""Outputs one request may have waiting for its client; a client this far behind is dropped."""
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class AudioChunk:
+    samples: np.ndarray
+    sample_rate: int
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: str
+    usage: dict[str, int]
+
+
+Event = TextDelta | AudioChunk | Finished
+
+
+@dataclass
+class _Tracked:
+    request_id: str
+    route: dict[str, tuple[str, str]]
+    """stage -> (replica id, instance), to notice when a replica we use dies."""
+    final_stages: set[str]
+    queue: asyncio.Queue[GatewayInbound] = field(default_factory=lambda: asyncio.Queue(EVENT_QUEUE))
+    failed: ErrorMsg | None = None
+
+
+class PipelineClient:
+    def __init__(self, pipeline: PipelineFile, nats_url: str, gateway_id: str | None = None) -> None:
+        self.pipeline = pipeline
+        self.spec = pipeline.spec
+        self.nats_url = nats_url
+        self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
+        self.subjects = Subjects(pipeline.name)
+        self.inbox = self.subjects.gateway_inbox(self.gateway_id)
+        self.table = ReplicaTable()
+        self.connectors: dict[str, OmniConnector] = build_connectors(self.spec)
+        self.inflight: dict[str, _Tracked] = {}
+        self.nc: NatsClient | None = None
+        self.covered = asyncio.Event()
+        self.started_at = int(time.time())
+        self._sweeper: asyncio.Task[None] | None = None
+        self._sources = [s.name for s in self.spec.stages if any(e.from_ == REQUEST_SOURCE for e in s.inputs)]
+
+    async def start(self) -> None:
+        self.nc = await connect_nats(self.nats_url, f"gateway-{self.gateway_id}")
+        await self.nc.subscribe(self.inbox, cb=self._on_reply)
+        await self.nc.subscribe(self.subjects.heartbeat, cb=self._on_heartbeat)
+        self._sweeper = asyncio.get_running_loop().create_task(self._expire_replicas(), name="replica-expiry")
+
+    async def stop(self) -> None:
+        for rid in list(self.inflight):
+            await self._end(rid, completed=False, reason="gateway shutting down")
+        if self._sweeper:
+            self._sweeper.cancel()
+        if self.nc is not None:
+            await close_nats(self.nc)
+
+    @property
+    def connected(self) -> bool:
+        return self.nc is not None and self.nc.is_connected
+
+    def ready(self) -> bool:
+        return self.connected and self.table.covers([s.name for s in self.spec.stages if s.replicas > 0])
+
+    # --- requests ----------------------------------------------------------------------------
+
+    async def generate(
+        self, rid: str, inputs: dict[str, Any], sampling: dict[str, Any], outputs: set[OutputKind]
+    ) -> AsyncIterator[Event]:
+        """Run one request; yields its outputs as they arrive. Closing the iterator aborts it."""
+        assert self.nc is not None
+        if not self.connected:
+            raise Unavailable("the gateway is not connected to NATS")
+        needed = self.spec.needed_stages(outputs)
+        picked: dict[str, Replica] = {s: self.table.pick(s) for s in needed}
+        tracked = _Tracked(
+            rid,
+            {s: (r.hb.replica, r.hb.instance) for s, r in picked.items()},
+            {s for s in needed if self.spec.stage(s).final_output in outputs},
+        )
+        deadline = time.time() + self.spec.gateway.request_timeout_s
+        ctx = RequestContext(rid, {s: r[0] for s, r in tracked.route.items()}, self.inbox, deadline)
+        self.inflight[rid] = tracked
+        completed = False
+        try:
+            req = pack(StageRequest(ctx, inputs, sampling))
+            for s in self._sources:
+                if s in ctx.route:
+                    await self.nc.publish(self.subjects.stage_inbox(s, ctx.route[s]), req)
+            async with asyncio.timeout(self.spec.gateway.request_timeout_s):
+                async for ev in self._events(tracked):
+                    yield ev
+            completed = True
+        except TimeoutError:
+            raise Timeout(f"request {rid} exceeded {self.spec.gateway.request_timeout_s:.0f}s") from None
+        finally:
+            await self._end(rid, completed, "client gone" if not completed else "")
+
+    async def _events(self, t: _Tracked) -> AsyncIterator[Event]:
+        pending = set(t.final_stages)
+        expected: dict[str, int] = dict.fromkeys(t.final_stages, 0)
+        held: dict[tuple[str, int], FinalMsg] = {}
+        usage: dict[str, int] = {}
+        finish = "stop"
+        while pending:
+            msg = await t.queue.get()
+            if isinstance(msg, ErrorMsg):
+                raise StageFailed(msg.message, code=msg.code)
+            if msg.stage not in pending:
+                continue
+            held[(msg.stage, msg.sequence)] = msg
+            while (m := held.pop((msg.stage, expected[msg.stage]), None)) is not None:
+                expected[msg.stage] += 1
+                for ev in self._final_events(t.request_id, m):
+                    yield ev
+                if m.is_last:
+                    pending.discard(m.stage)
+                    usage.update(m.usage or {})
+                    if m.kind == OutputKind.TEXT:
+                        finish = m.finish_reason or finish
+        usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+        yield Finished(finish, usage)
+
+    def _final_events(self, rid: str, m: FinalMsg) -> list[Event]:
+        if m.kind == OutputKind.TEXT:
+            return [TextDelta(m.text)] if m.text else []
+        if m.handle is None:
+            return []
+        conn = self.connectors[m.handle.connector]
+        payload, _ = conn.get(m.stage, "gateway", rid, m.handle)
+        if m.kind == OutputKind.AUDIO:
+            audio = payload.get("audio")
+            if not isinstance(audio, torch.Tensor):
+                raise StageFailed(f"stage '{m.stage}' sent audio without samples")
+            return [AudioChunk(audio.float().reshape(-1).numpy(), int(payload.get("sample_rate", 24000)))]
+        raise StageFailed(f"stage '{m.stage}': output kind '{m.kind}' is not served by this endpoint")
+
+    async def _end(self, rid: str, completed: bool, reason: str) -> None:
+        t = self.inflight.pop(rid, None)
+        if t is None or completed:
+            return
+        if self.nc is not None and self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(self.subjects.abort, pack(AbortMsg(rid, reason)))
+        self._free_payloads(rid)
+
+    def _free_payloads(self, rid: str) -> None:
+        for c in self.connectors.values():
+            with contextlib.suppress(Exception):
+                c.cleanup(rid)
+
+    def _fail(self, t: _Tracked, message: str, code: str) -> None:
+        if t.failed is None:
+            t.failed = ErrorMsg(t.request_id, "gateway", self.gateway_id, message, code)
+            with contextlib.suppress(asyncio.QueueFull):
+                t.queue.put_nowait(t.failed)
+
+    # --- NATS callbacks ----------------------------------------------------------------------
+
+    async def _on_reply(self, msg: Msg) -> None:
+        try:
+            m: FinalMsg | ErrorMsg = unpack(msg.data, GatewayInbound)
+        except wire.WireError as exc:
+            log.warning("gateway: refused a message on its inbox: %s", exc)
+            return
+        t = self.inflight.get(m.request_id)
+        if t is None:
+            # A late output of a request that already ended: free its payload, if any.
+            if isinstance(m, FinalMsg) and m.handle is not None:
+                self._free_payloads(m.request_id)
+            return
+        try:
+            t.queue.put_nowait(m)
+        except asyncio.QueueFull:
+            self._free_payloads(m.request_id)
+            t.queue = asyncio.Queue(1)
+            self._fail(t, "the client is not reading its response fast enough", "client_too_slow")
+
+    async def _on_heartbeat(self, msg: Msg) -> None:
+        try:
+            hb: Heartbeat = unpack(msg.data, Heartbeat)
+        except wire.WireError as exc:
+            log.warning("gateway: refused a heartbeat: %s", exc)
+            return
+        replaced = self.table.update(hb, time.monotonic())
+        if replaced is not None:
+            self._replica_gone(replaced, "restarted")
+        elif hb.stopping:
+            self._replica_gone_ids(hb.stage, hb.replica, hb.instance, "stopped")
+        if self.ready():
+            self.covered.set()
+
+    async def _expire_replicas(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # the expiry period, not synchronisation
+            for r in self.table.expire(time.monotonic()):
+                log.warning("gateway: replica %s/%s missed its heartbeats", r.hb.stage, r.hb.replica)
+                self._replica_gone(r, "stopped sending heartbeats")
+            if not self.ready():
+                self.covered.clear()
+
+    def _replica_gone(self, r: Replica, why: str) -> None:
+        self._replica_gone_ids(r.hb.stage, r.hb.replica, r.hb.instance, why)
+
+    def _replica_gone_ids(self, stage: str, replica: str, instance: str, why: str) -> None:
+        for t in list(self.inflight.values()):
+            if t.route.get(stage) == (replica, instance):
+                self._fail(t, f"stage '{stage}' replica {replica} {why} while serving this request",
+                           "replica_lost")  # fmt: skip
+
+
+def error_from(exc: BaseException) -> OmniError:
+    if isinstance(exc, OmniError):
+        return exc
+    return StageFailed(f"{type(exc).__name__}: {exc}", code="internal_error")

@@ -1,0 +1,93 @@
+"""A replica's scheduling state, plain and synchronous: admit, release, abort, load.
+
+No NATS, sockets or event loop here (the process in omni_stage.proc owns those), so tests
+drive it directly. It decides which requests run (at most `max_inflight`), which wait (at
+most `max_queued`, first come first served) and which are refused, and it remembers recently
+aborted requests so their late messages are dropped and their data freed instead of
+starting them again.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict, deque
+from dataclasses import dataclass
+from typing import Final
+
+ABORTED_MEMORY: Final = 10_000
+"""How many aborted request ids a replica remembers (to drop their late messages)."""
+
+
+class Admission(enum.Enum):
+    RUN = "run"
+    QUEUE = "queue"
+    REJECT_FULL = "full"
+    REJECT_DRAINING = "draining"
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    queued: int
+    inflight: int
+    capacity: int
+    max_queued: int
+
+
+class StageCore:
+    def __init__(self, max_inflight: int, max_queued: int) -> None:
+        self.max_inflight = max_inflight
+        self.max_queued = max_queued
+        self.running: set[str] = set()
+        self.waiting: deque[str] = deque()
+        self.draining = False
+        self._aborted: OrderedDict[str, None] = OrderedDict()
+
+    def known(self, request_id: str) -> bool:
+        return request_id in self.running or request_id in self.waiting
+
+    def is_aborted(self, request_id: str) -> bool:
+        return request_id in self._aborted
+
+    def admit(self, request_id: str) -> Admission:
+        """A new request: run it now, queue it, or refuse it (and then it counts as aborted)."""
+        assert not self.known(request_id), request_id
+        if self.draining:
+            self._forget(request_id)
+            return Admission.REJECT_DRAINING
+        if len(self.running) < self.max_inflight and not self.waiting:
+            self.running.add(request_id)
+            return Admission.RUN
+        if len(self.waiting) < self.max_queued:
+            self.waiting.append(request_id)
+            return Admission.QUEUE
+        self._forget(request_id)
+        return Admission.REJECT_FULL
+
+    def release(self, request_id: str) -> list[str]:
+        """A running request ended; returns the queued requests that start now."""
+        self.running.discard(request_id)
+        started = []
+        while self.waiting and len(self.running) < self.max_inflight:
+            rid = self.waiting.popleft()
+            self.running.add(rid)
+            started.append(rid)
+        return started
+
+    def abort(self, request_id: str) -> bool:
+        """Mark aborted; returns True if it was running (the caller cancels its task)."""
+        self._forget(request_id)
+        if request_id in self.waiting:
+            self.waiting.remove(request_id)
+        return request_id in self.running
+
+    def _forget(self, request_id: str) -> None:
+        self._aborted[request_id] = None
+        self._aborted.move_to_end(request_id)
+        while len(self._aborted) > ABORTED_MEMORY:
+            self._aborted.popitem(last=False)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def load(self) -> Load:
+        return Load(len(self.waiting), len(self.running), self.max_inflight, self.max_queued)

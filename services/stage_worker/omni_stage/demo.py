@@ -1,0 +1,120 @@
+"""The tiny demo models: built offline in seconds, loaded back with the normal loading code.
+
+- tiny-thinker: a Qwen2 causal LM with random weights and a byte-level BPE tokenizer (printable
+  ASCII only, so whatever it says is readable) with a chat template; returns hidden states.
+- tiny-talker: a Qwen2 causal LM over 256 codec tokens, fed the thinker's hidden states.
+- tiny-vocoder: codec tokens -> 24 kHz waveform, 480 samples per code (a small conv decoder).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Final
+
+import torch
+from safetensors.torch import load_file, save_file
+
+HIDDEN: Final = 64
+CODEC_VOCAB: Final = 256
+SAMPLE_RATE: Final = 24000
+HOP: Final = 480
+
+CHAT_TEMPLATE: Final = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class TinyVocoder(torch.nn.Module):
+    """Codec tokens [n] -> waveform [n * hop] in [-1, 1]."""
+
+    def __init__(self, vocab: int = CODEC_VOCAB, dim: int = 32, hop: int = HOP, sample_rate: int = SAMPLE_RATE):
+        super().__init__()
+        self.sample_rate = sample_rate
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.conv = torch.nn.Conv1d(dim, dim, kernel_size=3, padding=1)
+        self.up = torch.nn.ConvTranspose1d(dim, 1, kernel_size=hop, stride=hop)
+
+    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(token_ids.long().reshape(-1)).T.unsqueeze(0)  # [1, dim, n]
+        x = torch.nn.functional.gelu(self.conv(x))
+        return torch.tanh(self.up(x)).reshape(-1)
+
+
+def vocoder(path: str) -> TinyVocoder:
+    """Factory for the torch engine: `omni_stage.demo:vocoder` with args {path: DIR}."""
+    cfg = json.loads(Path(path, "config.json").read_text())
+    model = TinyVocoder(**cfg)
+    model.load_state_dict(load_file(str(Path(path, "model.safetensors"))))
+    return model
+
+
+def _tokenizer():  # type: ignore[no-untyped-def]
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_to_char = dict(zip(_printable_bytes(), _byte_level_chars(), strict=True))
+    vocab = {c: i for i, c in enumerate(byte_to_char.values())}
+    vocab["<unk>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )  # fmt: skip
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _printable_bytes() -> list[int]:
+    return [0x0A, *range(0x20, 0x7F)]
+
+
+def _byte_level_chars() -> list[str]:
+    # GPT-2's byte-to-unicode map for these bytes: printable ASCII maps to itself, space and
+    # newline to the shifted code points U+0120 and U+010A.
+    return ["\u010a", "\u0120", *(chr(b) for b in range(0x21, 0x7F))]
+
+
+def _qwen2(vocab: int, eos: int | None, seed: int):  # type: ignore[no-untyped-def]
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        tie_word_embeddings=False, initializer_range=0.5, eos_token_id=eos, bos_token_id=None,
+        pad_token_id=eos,
+    )  # fmt: skip
+    model = Qwen2ForCausalLM(cfg).eval()
+    if eos is not None:
+        with torch.no_grad():
+            # Random weights would end answers at random; keep the stop token rare so the
+            # demo speaks until max_tokens (greedy never picks a zero logit here).
+            model.lm_head.weight[eos].zero_()
+    return model
+
+
+def init_demo(out_dir: str | Path) -> dict[str, Path]:
+    """Write tiny-thinker, tiny-talker and tiny-vocoder under `out_dir`; returns their paths."""
+    out = Path(out_dir)
+    paths = {name: out / f"tiny-{name}" for name in ("thinker", "talker", "vocoder")}
+
+    tok = _tokenizer()
+    thinker = _qwen2(len(tok), tok.convert_tokens_to_ids("<|im_end|>"), seed=0)
+    thinker.save_pretrained(paths["thinker"])
+    tok.save_pretrained(paths["thinker"])
+
+    talker = _qwen2(CODEC_VOCAB, None, seed=1)
+    talker.save_pretrained(paths["talker"])
+
+    torch.manual_seed(2)
+    voc = TinyVocoder()
+    paths["vocoder"].mkdir(parents=True, exist_ok=True)
+    (paths["vocoder"] / "config.json").write_text(
+        json.dumps({"vocab": CODEC_VOCAB, "dim": 32, "hop": HOP, "sample_rate": SAMPLE_RATE})
+    )
+    save_file(voc.state_dict(), str(paths["vocoder"] / "model.safetensors"))
+    return paths

@@ -1,0 +1,1 @@
+"""Stage engines behind one interface (omni_stage.engines.base.Engine)."""

@@ -1,0 +1,76 @@
+"""The engine interface: an async stream of outputs per call, cancellable by cancelling the task.
+
+A stage calls its engine once per trigger (see omni_stage.assembly). Engines keep whatever
+they carry between calls of one request (a KV cache, a decoder state) in `call.state`, which
+the stage owns and drops when the request ends, however it ends.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from omni_pipeline.spec import EngineKind, StageSpec
+from omni_stage.payload import Payload
+from omni_stage.segments import EngineOutput
+
+
+class EngineError(RuntimeError):
+    """An engine cannot be built or cannot serve a request."""
+
+
+@dataclass(slots=True)
+class EngineCall:
+    request_id: str
+    inputs: dict[str, Payload]
+    """Per producer (or `request` for the client input), the processed payload."""
+    is_last: bool
+    sampling: dict[str, Any]
+    state: dict[str, Any] = field(default_factory=dict)
+
+
+class Engine(ABC):
+    """Computes one stage. Heavy work runs off the event loop (threads), so I/O stays live."""
+
+    def __init__(self, stage: StageSpec) -> None:
+        self.stage = stage
+        self.args = stage.engine.args
+
+    async def start(self) -> None:
+        """Load weights; called once before the replica reports READY."""
+
+    @abstractmethod
+    def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        """Outputs for one trigger of one request, as they are produced."""
+
+    async def close(self) -> None:
+        """Free what `start` took."""
+
+
+def import_object(ref: str) -> Callable[..., Any]:
+    """`package.module:attribute` -> the attribute, with an error that names the reference."""
+    mod_name, _, attr = ref.partition(":")
+    try:
+        return getattr(importlib.import_module(mod_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise EngineError(f"cannot import {ref!r}: {exc}") from exc
+
+
+def build_engine(stage: StageSpec) -> Engine:
+    kind = stage.engine.kind
+    if kind is EngineKind.SYNTHETIC:
+        from omni_stage.engines.synthetic import SyntheticEngine
+
+        return SyntheticEngine(stage)
+    if kind is EngineKind.TRANSFORMERS:
+        from omni_stage.engines.transformers_lm import TransformersEngine
+
+        return TransformersEngine(stage)
+    if kind is EngineKind.TORCH:
+        from omni_stage.engines.torch_module import TorchModuleEngine
+
+        return TorchModuleEngine(stage)
+    raise EngineError(f"stage '{stage.name}': engine kind '{kind}' is not available in this build")

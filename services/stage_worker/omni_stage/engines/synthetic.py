@@ -1,0 +1,82 @@
+"""Deterministic fake compute with a configurable cost and output size, for tests and benchmarks.
+
+Arguments (`engine.args`):
+  unitsPerCall      units a source stage produces (default: sampling.max_tokens, else 16)
+  unitsPerInputUnit units produced per input unit on a consumer stage (default 1.0)
+  msPerUnit, msPerCall   simulated compute time (sleeps: it stands in for a GPU)
+  hiddenSize        floats per unit in a `hidden_states` tensor (default 0: none)
+  samplesPerUnit    audio samples per unit, for stages whose finalOutput is audio (default 240)
+  sampleRate        audio sample rate (default 24000)
+  failOn            fail any request whose input text contains this string (poisoned input)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from omni_pipeline.spec import OutputKind, StageSpec
+from omni_stage.engines.base import Engine, EngineCall, EngineError
+from omni_stage.segments import EngineOutput
+
+
+def _request_text(inputs: dict[str, Any]) -> str:
+    req = inputs.get("request") or {}
+    parts = [str(m.get("content", "")) for m in req.get("messages", []) if isinstance(m, dict)]
+    return " ".join(parts) + str(req.get("prompt", ""))
+
+
+class SyntheticEngine(Engine):
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        a = self.args
+        self.units_per_call = a.get("unitsPerCall")
+        self.ratio = float(a.get("unitsPerInputUnit", 1.0))
+        self.s_per_unit = float(a.get("msPerUnit", 0.0)) / 1000
+        self.s_per_call = float(a.get("msPerCall", 0.0)) / 1000
+        self.hidden = int(a.get("hiddenSize", 0))
+        self.samples = int(a.get("samplesPerUnit", 240))
+        self.sample_rate = int(a.get("sampleRate", 24000))
+        self.fail_on = a.get("failOn")
+        self.audio = stage.final_output is OutputKind.AUDIO
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        text = _request_text(call.inputs)
+        if self.fail_on and self.fail_on in text:
+            raise EngineError(f"poisoned input ({self.fail_on!r})")
+        if "request" in call.inputs:
+            n = int(self.units_per_call or call.sampling.get("max_tokens") or 16)
+        else:
+            n_in = sum(_units(p) for p in call.inputs.values())
+            n = math.ceil(n_in * self.ratio)
+        seed = zlib.crc32(call.request_id.encode())
+        start = call.state.get("emitted", 0)
+        if self.s_per_call:
+            await asyncio.sleep(self.s_per_call)
+        for i in range(start, start + n):
+            if self.s_per_unit:
+                await asyncio.sleep(self.s_per_unit)
+            tok = (seed + i) % 1000
+            data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
+            if self.hidden:
+                data["hidden_states"] = torch.full((1, self.hidden), float(tok % 7), dtype=torch.float32)
+            if self.audio:  # for audio, a unit is one sample
+                data = {"audio": torch.full((self.samples,), (tok % 100) / 100.0), "sample_rate": self.sample_rate}
+                yield EngineOutput(units=self.samples, data=data)
+            else:
+                yield EngineOutput(units=1, text=f"tok{i} ", data=data)
+        call.state["emitted"] = start + n
+
+
+def _units(p: dict[str, Any]) -> int:
+    for v in p.values():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            return int(v.shape[0])
+        if isinstance(v, list):
+            return len(v)
+    return 0

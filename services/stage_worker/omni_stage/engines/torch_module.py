@@ -1,0 +1,67 @@
+"""A user's torch module as a stage (vocoders, codecs): `engine.factory: module:function`.
+
+The factory is called with `engine.args` (less the keys this engine reads) and returns an
+nn.Module. Each call runs `module(**tensors)` on the edge's payload in a worker thread and
+emits the result as one output: under `audio` (with the module's `sample_rate`) when the
+stage's final output is audio, else under `outputKey` (default `tensor`). For audio a unit is
+a sample; otherwise a unit is a row of the output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from omni_pipeline.spec import OutputKind, StageSpec
+from omni_stage.engines.base import Engine, EngineCall, EngineError, import_object
+from omni_stage.payload import concat
+from omni_stage.segments import EngineOutput
+
+_OWN_ARGS = ("device", "threads", "outputKey")
+
+
+class TorchModuleEngine(Engine):
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.device = torch.device(self.args.get("device", "cpu"))
+        self.audio = stage.final_output is OutputKind.AUDIO
+        self.output_key = "audio" if self.audio else str(self.args.get("outputKey", "tensor"))
+        self.module: Any = None
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        if threads := self.args.get("threads"):
+            torch.set_num_threads(int(threads))
+        assert self.stage.engine.factory is not None
+        factory = import_object(self.stage.engine.factory)
+        kwargs = {k: v for k, v in self.args.items() if k not in _OWN_ARGS}
+        module = factory(**kwargs)
+        if not isinstance(module, torch.nn.Module):
+            raise EngineError(f"factory {self.stage.engine.factory!r} returned {type(module).__name__}, not a Module")
+        self.module = module.to(self.device).eval()
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        payload = concat(list(call.inputs.values()))
+        tensors = {k: v.to(self.device) for k, v in payload.items() if isinstance(v, torch.Tensor)}
+        if not tensors:
+            raise EngineError(f"stage '{self.stage.name}': no tensor inputs")
+        out = await asyncio.to_thread(self._run, tensors)
+        data: dict[str, Any] = {self.output_key: out}
+        if self.audio and (sr := getattr(self.module, "sample_rate", None)):
+            data["sample_rate"] = int(sr)
+        yield EngineOutput(units=int(out.shape[0]) if out.dim() else 1, data=data)
+
+    @torch.inference_mode()
+    def _run(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        try:
+            out = self.module(**tensors)
+        except TypeError as exc:
+            raise EngineError(f"stage '{self.stage.name}': module does not take {sorted(tensors)}: {exc}") from exc
+        if not isinstance(out, torch.Tensor):
+            raise EngineError(f"stage '{self.stage.name}': module returned {type(out).__name__}, not a tensor")
+        return out.detach().float().cpu().reshape(-1) if self.audio else out.detach().cpu()

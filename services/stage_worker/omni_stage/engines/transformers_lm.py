@@ -1,0 +1,171 @@
+"""A Hugging Face causal LM run step by step, for AR stages (thinker, talker) on CPU or GPU.
+
+Each forward step runs in a worker thread, so the event loop keeps serving NATS while torch
+computes; cancelling the request's task stops the loop after the current step. The KV cache
+lives in the request's `call.state`, so a windowed consumer (a talker fed 8 thinker states at
+a time) continues one sequence across calls instead of starting over.
+
+Inputs: the client request (`messages`, chat template applied by the tokenizer) or, from an
+upstream stage, `inputs_embeds` [n, hidden] (after the edge's processor) or `token_ids` [n].
+Outputs per step: the token id, the text delta (if the model has a tokenizer), and with
+`returnHiddenStates: true` the last layer's hidden state that produced the token.
+
+Arguments (`engine.args`): device, dtype, threads, returnHiddenStates, tokensPerInputUnit
+(new tokens per input unit for upstream inputs), ignoreEos.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import Engine, EngineCall, EngineError
+from omni_stage.segments import EngineOutput
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def messages_to_chat(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """OpenAI messages -> plain {role, content} text turns; non-text parts are refused."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise EngineError(f"this stage takes text only, got a '{part.get('type')}' part")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        out.append({"role": str(m.get("role", "user")), "content": "" if content is None else str(content)})
+    return out
+
+
+class TransformersEngine(Engine):
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.device = torch.device(self.args.get("device", "cpu"))
+        self.dtype = _DTYPES[self.args.get("dtype", "float32")]
+        self.return_hidden = bool(self.args.get("returnHiddenStates", False))
+        self.tokens_per_input_unit = float(self.args.get("tokensPerInputUnit", 1.0))
+        self.ignore_eos = bool(self.args.get("ignoreEos", False))
+        self.model: Any = None
+        self.tokenizer: Any = None
+        self.eos: set[int] = set()
+
+    async def start(self) -> None:
+        await asyncio.to_thread(self._load)
+
+    def _load(self) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if threads := self.args.get("threads"):
+            torch.set_num_threads(int(threads))
+        path = self.stage.engine.model
+        assert path is not None
+        if path.startswith((".", "/")) and not Path(path).is_dir():
+            raise EngineError(f"stage '{self.stage.name}': model directory {path!r} not found (from {Path.cwd()})")
+        try:
+            self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
+        except OSError as exc:
+            raise EngineError(f"stage '{self.stage.name}': cannot load model {path!r}: {exc}") from exc
+        if Path(path, "tokenizer.json").exists() or Path(path, "tokenizer_config.json").exists():
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+        eos = self.model.generation_config.eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        st = call.state
+        ids, embeds, n_units = self._inputs(call)
+        max_tokens = call.sampling.get("max_tokens")
+        if "request" in call.inputs:
+            budget = int(max_tokens or 64)
+            st["prompt_tokens"] = st.get("prompt_tokens", 0) + n_units
+        else:
+            budget = math.ceil(n_units * self.tokens_per_input_unit)
+            if max_tokens:
+                budget = min(budget, int(max_tokens))
+        if "generator" not in st:
+            st["generator"] = torch.Generator().manual_seed(int(call.sampling.get("seed", 0) or 0))
+            st["generated"] = []
+            st["text"] = ""
+        temperature = float(call.sampling.get("temperature", 0.0) or 0.0)
+        top_p = float(call.sampling.get("top_p", 1.0) or 1.0)
+        feed_ids, feed_embeds = ids, embeds
+        for _ in range(budget):
+            tok, hidden = await asyncio.to_thread(self._step, st, feed_ids, feed_embeds, temperature, top_p)
+            feed_ids, feed_embeds = torch.tensor([[tok]], device=self.device), None
+            st["generated"].append(tok)
+            done = tok in self.eos and not self.ignore_eos
+            data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
+            if self.return_hidden:
+                data["hidden_states"] = hidden
+            yield EngineOutput(
+                units=1, text="" if done else self._text_delta(st), data=data,
+                finish_reason="stop" if done else None,
+            )  # fmt: skip
+            if done:
+                st["finished"] = True
+                return
+        if "request" in call.inputs:
+            st["finish_reason"] = "length"
+
+    def _inputs(self, call: EngineCall) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+        if st_req := call.inputs.get("request"):
+            if self.tokenizer is None:
+                raise EngineError(f"stage '{self.stage.name}' has no tokenizer to read a request")
+            if "messages" in st_req:
+                text = self.tokenizer.apply_chat_template(
+                    messages_to_chat(st_req["messages"]), add_generation_prompt=True, tokenize=False
+                )
+            else:
+                text = str(st_req.get("prompt", ""))
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if not ids:
+                raise EngineError("empty prompt")
+            return torch.tensor([ids], device=self.device), None, len(ids)
+        embeds = [p["inputs_embeds"] for p in call.inputs.values() if "inputs_embeds" in p]
+        if embeds:
+            e = torch.cat(embeds, dim=0).to(self.device, self.dtype)
+            return None, e.unsqueeze(0), int(e.shape[0])
+        toks = [p["token_ids"] for p in call.inputs.values() if "token_ids" in p]
+        if toks:
+            t = torch.cat(toks, dim=0).to(self.device)
+            return t.unsqueeze(0), None, int(t.shape[0])
+        raise EngineError(f"stage '{self.stage.name}': inputs carry neither inputs_embeds nor token_ids")
+
+    @torch.inference_mode()
+    def _step(
+        self, st: dict[str, Any], ids: torch.Tensor | None, embeds: torch.Tensor | None, temperature: float,
+        top_p: float,
+    ) -> tuple[int, torch.Tensor]:
+        out = self.model(
+            input_ids=ids, inputs_embeds=embeds, past_key_values=st.get("past"), use_cache=True,
+            output_hidden_states=self.return_hidden,
+        )  # fmt: skip
+        st["past"] = out.past_key_values
+        logits = out.logits[0, -1].float()
+        hidden = out.hidden_states[-1][0, -1:].float().cpu() if self.return_hidden else torch.empty(0)
+        if temperature <= 0:
+            return int(torch.argmax(logits)), hidden
+        probs = torch.softmax(logits / temperature, dim=-1)
+        if top_p < 1.0:
+            sorted_p, idx = torch.sort(probs, descending=True)
+            keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
+            probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
+        return int(torch.multinomial(probs.cpu(), 1, generator=st["generator"])), hidden
+
+    def _text_delta(self, st: dict[str, Any]) -> str:
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(st["generated"], skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""  # an incomplete UTF-8 sequence; wait for the next byte
+        delta, st["text"] = text[len(st["text"]) :], text
+        return delta

@@ -1,0 +1,29 @@
+"""The stage replica's own HTTP port: /health/live, /health/ready, /metrics."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+
+def health_app(registry: CollectorRegistry, is_ready: Callable[[], tuple[bool, str]]) -> FastAPI:
+    app = FastAPI(title="omni stage replica", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.get("/health/live")
+    def live() -> dict[str, str]:
+        return {"status": "live"}
+
+    @app.get("/health/ready")
+    def ready(response: Response) -> dict[str, str]:
+        ok, why = is_ready()
+        if not ok:
+            response.status_code = 503
+        return {"status": "ready" if ok else "not ready", "reason": why}
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,54 @@
+"""Prometheus metrics of one stage replica (seed 000, section 12), on a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class StageMetrics:
+    def __init__(self, stage: str, replica: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        labels = {"stage": stage, "replica": replica}
+        self.queued = Gauge("omni_stage_queued_requests", "Requests waiting for a slot", labels.keys(), registry=r).labels(**labels)
+        self.inflight = Gauge("omni_stage_inflight_requests", "Requests running", labels.keys(), registry=r).labels(**labels)
+        self.tracked = Gauge(
+            "omni_stage_tracked_requests", "Per-request states held (queued, running)", labels.keys(), registry=r
+        ).labels(**labels)
+        self.shm_segments = Gauge(
+            "omni_shm_segments", "Shared-memory segments of this deployment in /dev/shm", labels.keys(), registry=r
+        ).labels(**labels)
+        self.requests = Counter(
+            "omni_stage_requests", "Requests ended, by outcome", [*labels.keys(), "outcome"], registry=r
+        )
+        self.window_triggers = Counter(
+            "omni_stage_window_triggers", "Engine calls triggered by input windows", labels.keys(), registry=r
+        ).labels(**labels)
+        self.segments = Counter("omni_stage_segments", "Segments flushed", labels.keys(), registry=r).labels(**labels)
+        self.connector_bytes = Counter(
+            "omni_connector_bytes", "Payload bytes through connectors", [*labels.keys(), "connector", "op"], registry=r
+        )
+        self.connector_seconds = Histogram(
+            "omni_connector_seconds", "Connector put/get latency", [*labels.keys(), "connector", "op"],
+            buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "omni_stage_time_to_first_segment_seconds", "Request start to first segment", labels.keys(),
+            buckets=_LATENCY, registry=r,
+        ).labels(**labels)  # fmt: skip
+        self.time_per_segment = Histogram(
+            "omni_stage_time_per_segment_seconds", "Time between segments", labels.keys(), buckets=_LATENCY, registry=r
+        ).labels(**labels)
+        self.latency = Histogram(
+            "omni_stage_request_seconds", "Request start to last segment", labels.keys(), buckets=_LATENCY, registry=r
+        ).labels(**labels)
+        self._labels = labels
+
+    def outcome(self, outcome: str) -> None:
+        self.requests.labels(**self._labels, outcome=outcome).inc()
+
+    def connector(self, connector: str, op: str, nbytes: int, seconds: float) -> None:
+        self.connector_bytes.labels(**self._labels, connector=connector, op=op).inc(nbytes)
+        self.connector_seconds.labels(**self._labels, connector=connector, op=op).observe(seconds)

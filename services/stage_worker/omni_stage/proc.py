@@ -1,0 +1,435 @@
+"""The stage replica process: NATS in, engine, connectors, NATS out (seed 000's worker loop).
+
+One asyncio loop owns all state. The NATS callbacks only decode and hand messages to the
+request's state; each running request is one task that takes triggers from its bounded
+queue, runs the engine, flushes segments and applies each out-edge's window. The engine's
+heavy work runs in threads, so heartbeats, aborts and new inputs keep flowing meanwhile.
+
+Ownership: a request's task owns its engine state and, on error or abort, frees whatever the
+request holds in every connector (`cleanup`). A consumer frees a payload once it reads it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from nats.aio.client import Client as NatsClient
+from nats.aio.msg import Msg
+
+from omni_pipeline import wire
+from omni_pipeline.connectors import ConnectorError, OmniConnector, build_connectors, check_request_id
+from omni_pipeline.control import (
+    HEARTBEAT_INTERVAL_S,
+    AbortMsg,
+    ErrorMsg,
+    FinalMsg,
+    Heartbeat,
+    RequestContext,
+    SegmentMsg,
+    StageInbound,
+    StageRequest,
+    Subjects,
+    close_nats,
+    connect_nats,
+    pack,
+    unpack,
+)
+from omni_pipeline.serving import make_server, on_shutdown_signals
+from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, PipelineFile, StageSpec
+from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
+from omni_stage.core import Admission, StageCore
+from omni_stage.engines.base import Engine, EngineCall, build_engine, import_object
+from omni_stage.health import health_app
+from omni_stage.metrics import StageMetrics
+from omni_stage.segments import Segment, Segmenter
+from omni_stage.windows import WindowState
+
+log = logging.getLogger("omni.stage")
+
+MAX_TRIGGERS: Final = 4096
+"""Triggers one request may have waiting; past that the consumer is hopelessly behind."""
+DRAIN_TIMEOUT_S: Final = 120.0
+
+Inbound = StageRequest | SegmentMsg
+
+
+@dataclass
+class _Request:
+    ctx: RequestContext
+    assembler: InputAssembler[Inbound]
+    triggers: asyncio.Queue[Trigger[Inbound]] = field(default_factory=lambda: asyncio.Queue(MAX_TRIGGERS))
+    sampling: dict[str, Any] = field(default_factory=dict)
+    task: asyncio.Task[None] | None = None
+
+
+@dataclass(frozen=True)
+class _OutEdge:
+    consumer: str
+    window: int
+    connector: OmniConnector
+
+
+class StageWorker:
+    """One replica of one stage."""
+
+    def __init__(self, pipeline: PipelineFile, stage: str, replica: str, nats_url: str) -> None:
+        self.pipeline = pipeline
+        self.spec: StageSpec = pipeline.spec.stage(stage)
+        self.replica = replica
+        self.nats_url = nats_url
+        self.instance = uuid.uuid4().hex[:12]
+        self.subjects = Subjects(pipeline.name)
+        self.inbox = self.subjects.stage_inbox(stage, replica)
+        self.core = StageCore(self.spec.max_inflight, self.spec.max_queued)
+        self.metrics = StageMetrics(stage, replica)
+        self.connectors = build_connectors(pipeline.spec)
+        self.final_connector = self.connectors[DEFAULT_CONNECTOR]
+        self.in_windows = {e.from_: e.window for e in self.spec.inputs}
+        self.in_connectors = {e.from_: self.connectors[e.connector] for e in self.spec.inputs}
+        self.processors: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+            e.from_: import_object(e.processor) for e in self.spec.inputs if e.processor
+        }
+        self.out_edges = [
+            _OutEdge(s.name, e.window, self.connectors[e.connector]) for s, e in pipeline.spec.consumers(stage)
+        ]
+        self.engine: Engine = build_engine(self.spec)
+        self.requests: dict[str, _Request] = {}
+        self.nc: NatsClient | None = None
+        self.ready = False
+        self.metrics_port = 0
+        self._stop = asyncio.Event()
+        self._drained = asyncio.Event()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def readiness(self) -> tuple[bool, str]:
+        if not self.ready:
+            return False, "starting"
+        if self.core.draining:
+            return False, "draining"
+        if self.nc is None or not self.nc.is_connected:
+            return False, "NATS disconnected"
+        return True, "ok"
+
+    async def run(self, on_ready: Callable[[dict[str, Any]], None], metrics_host: str, metrics_port: int) -> None:
+        on_shutdown_signals(self.begin_drain)
+        sock = socket.create_server((metrics_host, metrics_port))  # bound now: the port is known at once
+        self.metrics_port = sock.getsockname()[1]
+        server = make_server(health_app(self.metrics.registry, self.readiness), lifespan="off")
+        http = asyncio.create_task(server.serve(sockets=[sock]), name="health-http")
+        try:
+            log.info("stage %s/%s: loading engine %s", self.spec.name, self.replica, self.spec.engine.kind)
+            await self.engine.start()
+            self.nc = await connect_nats(self.nats_url, f"stage-{self.spec.name}-{self.replica}")
+            await self.nc.subscribe(self.inbox, cb=self._on_inbound)
+            await self.nc.subscribe(self.subjects.abort, cb=self._on_abort)
+            self.ready = True
+            hb = asyncio.create_task(self._heartbeats(), name="heartbeat")
+            await self._publish_heartbeat()
+            await self.nc.flush()
+            on_ready({"stage": self.spec.name, "replica": self.replica, "metrics_port": self.metrics_port})
+            log.info("stage %s/%s ready (inbox %s, metrics :%d)", self.spec.name, self.replica, self.inbox,
+                     self.metrics_port)  # fmt: skip
+            await self._stop.wait()
+            await self._finish_drain()
+            hb.cancel()
+            await self._publish_heartbeat(stopping=True)
+        finally:
+            for st in list(self.requests.values()):
+                if st.task:
+                    st.task.cancel()
+            if self.nc is not None:
+                await close_nats(self.nc)
+            server.should_exit = True
+            await http
+            await self.engine.close()
+            for c in self.connectors.values():
+                c.close()
+
+    def begin_drain(self) -> None:
+        """SIGTERM: take no new requests, finish the ones we have, then stop. Twice: stop now."""
+        if self.core.draining:
+            log.warning("stage %s/%s: second signal, stopping now", self.spec.name, self.replica)
+            self._drained.set()
+            self._stop.set()
+            return
+        log.info("stage %s/%s: draining %d requests", self.spec.name, self.replica, len(self.requests))
+        self.core.draining = True
+        self._stop.set()
+        if self.nc is not None:
+            asyncio.get_running_loop().create_task(self._publish_heartbeat())
+
+    async def _finish_drain(self) -> None:
+        if self.core.has_work():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                    await self._drained.wait()
+
+    async def _heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # the heartbeat period itself
+            await self._publish_heartbeat()
+
+    async def _publish_heartbeat(self, stopping: bool = False) -> None:
+        load = self.core.load()
+        self.metrics.queued.set(load.queued)
+        self.metrics.inflight.set(load.inflight)
+        self.metrics.tracked.set(len(self.requests))
+        self.metrics.shm_segments.set(sum(c.live_objects() for c in self.connectors.values()))
+        hb = Heartbeat(
+            stage=self.spec.name, replica=self.replica, instance=self.instance, pid=os.getpid(),
+            host=socket.gethostname(), queued=load.queued, inflight=load.inflight, capacity=load.capacity,
+            max_queued=load.max_queued, draining=self.core.draining, interval_s=HEARTBEAT_INTERVAL_S,
+            metrics_port=self.metrics_port, stopping=stopping,
+        )  # fmt: skip
+        if self.nc is not None and self.nc.is_connected:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(self.subjects.heartbeat, pack(hb))
+
+    # --- inbound -----------------------------------------------------------------------------
+
+    async def _on_inbound(self, msg: Msg) -> None:
+        try:
+            m: Inbound = unpack(msg.data, StageInbound)
+            check_request_id(m.ctx.request_id)
+        except (wire.WireError, ConnectorError) as exc:
+            log.warning("stage %s: refused a message on %s: %s", self.spec.name, msg.subject, exc)
+            self.metrics.outcome("refused")
+            return
+        rid = m.ctx.request_id
+        if self.core.is_aborted(rid):
+            self._cleanup(rid)  # a late input of an aborted request: free its payload
+            return
+        st = self.requests.get(rid)
+        if st is None:
+            st = await self._admit(m.ctx)
+            if st is None:
+                return
+        try:
+            if isinstance(m, StageRequest):
+                st.sampling = {**self.spec.sampling, **m.sampling}
+                triggers = st.assembler.add(REQUEST_SOURCE, 0, m, 0, True)
+            else:
+                triggers = st.assembler.add(m.from_stage, m.sequence, m, m.units, m.is_last)
+            for t in triggers:
+                st.triggers.put_nowait(t)
+        except (AssemblyError, asyncio.QueueFull) as exc:
+            await self._fail(st.ctx, f"broken input stream: {exc or 'too many pending inputs'}", "input_error")
+            self._abort(rid)
+
+    async def _admit(self, ctx: RequestContext) -> _Request | None:
+        rid = ctx.request_id
+        if self.spec.name not in ctx.route:
+            log.warning("stage %s: request %s routed here without a route entry", self.spec.name, rid)
+            return None
+        admission = self.core.admit(rid)
+        if admission in (Admission.REJECT_FULL, Admission.REJECT_DRAINING):
+            why = "replica is draining" if admission is Admission.REJECT_DRAINING else "replica queue is full"
+            await self._fail(ctx, f"stage '{self.spec.name}' replica {self.replica}: {why}", admission.value)
+            self._cleanup(rid)
+            return None
+        windows = {p: w for p, w in self.in_windows.items() if p == REQUEST_SOURCE or p in ctx.route}
+        st = _Request(ctx, InputAssembler(windows))
+        self.requests[rid] = st
+        if admission is Admission.RUN:
+            self._start(st)
+        return st
+
+    def _start(self, st: _Request) -> None:
+        st.task = asyncio.get_running_loop().create_task(self._serve(st), name=f"req-{st.ctx.request_id}")
+
+    async def _on_abort(self, msg: Msg) -> None:
+        try:
+            m: AbortMsg = unpack(msg.data, AbortMsg)
+            check_request_id(m.request_id)
+        except (wire.WireError, ConnectorError) as exc:
+            log.warning("stage %s: refused an abort: %s", self.spec.name, exc)
+            return
+        if self.core.known(m.request_id):
+            log.info("stage %s: abort %s (%s)", self.spec.name, m.request_id, m.reason)
+        self._abort(m.request_id)
+
+    def _abort(self, rid: str) -> None:
+        was_running = self.core.abort(rid)
+        st = self.requests.get(rid)
+        if was_running and st is not None and st.task is not None:
+            st.task.cancel()  # its finally frees the request
+            return
+        if st is not None:  # queued, never started
+            self.requests.pop(rid, None)
+            self.metrics.outcome("aborted")
+        self._cleanup(rid)
+        self._wake_drain()
+
+    # --- one request -------------------------------------------------------------------------
+
+    async def _serve(self, st: _Request) -> None:
+        rid = st.ctx.request_id
+        t0 = time.monotonic()
+        seg = Segmenter(self.spec.max_segment_units, self.spec.flush_interval_ms / 1000)
+        windows = {e.consumer: WindowState(e.window) for e in self.out_edges if e.consumer in st.ctx.route}
+        engine_state: dict[str, Any] = {}
+        emitted = _Emitted()
+        outcome = "aborted"
+        try:
+            async with asyncio.timeout(max(0.0, st.ctx.deadline - time.time())):
+                while True:
+                    trig = await st.triggers.get()
+                    if trig.inputs:
+                        self.metrics.window_triggers.inc()
+                        call = EngineCall(rid, self._fetch(st, trig), trig.is_last, st.sampling, engine_state)
+                        async for out in self.engine.generate(call):
+                            if (s := seg.add(out)) is not None:
+                                await self._emit(st, s, windows, emitted, t0)
+                    if trig.is_last:
+                        break
+                last = seg.finish()
+                await self._emit(st, last, windows, emitted, t0, engine_state)
+            outcome = "ok"
+            self.metrics.latency.observe(time.monotonic() - t0)
+        except asyncio.CancelledError:
+            pass  # aborted (or shutting down); freed below
+        except TimeoutError:
+            outcome = "timeout"
+            await self._fail(st.ctx, f"stage '{self.spec.name}': request deadline exceeded", "timeout")
+        except Exception as exc:
+            outcome = "error"
+            log.exception("stage %s: request %s failed", self.spec.name, rid)
+            await self._fail(st.ctx, f"stage '{self.spec.name}': {type(exc).__name__}: {exc}", "stage_error")
+        finally:
+            engine_state.clear()
+            if outcome != "ok":
+                self.core.abort(rid)
+                self._cleanup(rid)
+            self.metrics.outcome(outcome)
+            self.requests.pop(rid, None)
+            for nxt in self.core.release(rid):
+                if (s2 := self.requests.get(nxt)) is not None:
+                    self._start(s2)
+            self._wake_drain()
+
+    def _fetch(self, st: _Request, trig: Trigger[Inbound]) -> dict[str, dict[str, Any]]:
+        """Read each producer's payload through its edge's connector and run the edge processor."""
+        inputs: dict[str, dict[str, Any]] = {}
+        for producer, m in trig.inputs.items():
+            if isinstance(m, StageRequest):
+                inputs[producer] = m.inputs
+                continue
+            conn = self.in_connectors[producer]
+            t = time.perf_counter()
+            payload, nbytes = conn.get(producer, self.spec.name, st.ctx.request_id, m.handle)
+            self.metrics.connector(conn.name, "get", nbytes, time.perf_counter() - t)
+            if (proc := self.processors.get(producer)) is not None:
+                payload = proc(payload)
+            inputs[producer] = payload
+        return inputs
+
+    async def _emit(
+        self, st: _Request, seg: Segment, windows: dict[str, WindowState], emitted: _Emitted, t0: float,
+        engine_state: dict[str, Any] | None = None,
+    ) -> None:  # fmt: skip
+        ctx = st.ctx
+        now = time.monotonic()
+        self.metrics.segments.inc()
+        if emitted.last_at is None:
+            self.metrics.ttft.observe(now - t0)
+        else:
+            self.metrics.time_per_segment.observe(now - emitted.last_at)
+        emitted.last_at = now
+        assert self.nc is not None
+        for edge in self.out_edges:
+            ws = windows.get(edge.consumer)
+            if ws is None:
+                continue
+            for chunk in ws.push(seg.data, seg.units, seg.is_last):
+                seq = emitted.next(edge.consumer)
+                t = time.perf_counter()
+                _, nbytes, handle = edge.connector.put(
+                    self.spec.name, edge.consumer, ctx.request_id, chunk.payload, seq=seq
+                )
+                self.metrics.connector(edge.connector.name, "put", nbytes, time.perf_counter() - t)
+                out = SegmentMsg(ctx, self.spec.name, seq, chunk.is_last, chunk.units, handle)
+                await self.nc.publish(self.subjects.stage_inbox(edge.consumer, ctx.route[edge.consumer]), pack(out))
+        if self.spec.final_output is not None:
+            await self.nc.publish(ctx.reply_to, pack(self._final(ctx, seg, engine_state)))
+
+    def _final(self, ctx: RequestContext, seg: Segment, engine_state: dict[str, Any] | None) -> FinalMsg:
+        kind = self.spec.final_output
+        assert kind is not None
+        handle = None
+        if kind is not OutputKind.TEXT and seg.data:
+            t = time.perf_counter()
+            _, nbytes, handle = self.final_connector.put(
+                self.spec.name, "gateway", ctx.request_id, seg.data, seq=seg.sequence
+            )
+            self.metrics.connector(self.final_connector.name, "put", nbytes, time.perf_counter() - t)
+        usage = None
+        finish = None
+        if seg.is_last and engine_state is not None:
+            finish = seg.finish_reason or engine_state.get("finish_reason") or "stop"
+            gen = len(engine_state.get("generated", ())) or None
+            if kind is OutputKind.TEXT:
+                usage = {"prompt_tokens": int(engine_state.get("prompt_tokens", 0)),
+                         "completion_tokens": int(gen or 0)}  # fmt: skip
+        return FinalMsg(
+            request_id=ctx.request_id, stage=self.spec.name, replica=self.replica, kind=kind.value,
+            sequence=seg.sequence, is_last=seg.is_last, text=seg.text, handle=handle, finish_reason=finish,
+            usage=usage,
+        )  # fmt: skip
+
+    async def _fail(self, ctx: RequestContext, message: str, code: str) -> None:
+        if self.nc is None:
+            return
+        err = ErrorMsg(ctx.request_id, self.spec.name, self.replica, message, code)
+        with contextlib.suppress(Exception):
+            await self.nc.publish(ctx.reply_to, pack(err))
+
+    def _cleanup(self, rid: str) -> None:
+        for c in self.connectors.values():
+            try:
+                c.cleanup(rid)
+            except Exception:
+                log.exception("stage %s: cleanup of %s in connector %s failed", self.spec.name, rid, c.name)
+
+    def _wake_drain(self) -> None:
+        if self.core.draining and not self.core.has_work():
+            self._drained.set()
+
+
+class _Emitted:
+    """Per-request output bookkeeping: chunk sequence numbers per consumer, segment timing."""
+
+    __slots__ = ("last_at", "seqs")
+
+    def __init__(self) -> None:
+        self.seqs: dict[str, int] = {}
+        self.last_at: float | None = None
+
+    def next(self, consumer: str) -> int:
+        n = self.seqs.get(consumer, 0)
+        self.seqs[consumer] = n + 1
+        return n
+
+
+def run_stage(
+    ready: Callable[[dict[str, Any]], None], pipeline: PipelineFile, stage: str, replica: str, nats_url: str,
+    metrics_host: str = "127.0.0.1", metrics_port: int = 0,
+) -> None:  # fmt: skip
+    """Process entry point (used by `omni stage` and by `omni serve` through the lifecycle)."""
+    logging.basicConfig(level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+
+    async def main() -> None:
+        worker = StageWorker(pipeline, stage, replica, nats_url)
+        await worker.run(ready, metrics_host, metrics_port)
+
+    asyncio.run(main())

@@ -1,0 +1,79 @@
+"""Producer-side segmentation: engine outputs are flushed as numbered segments (seed 000, §6).
+
+A segment is flushed when it holds `max_units` units, when `flush_interval_s` has passed
+since the last flush, and at the end of the request (`is_last`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from omni_stage.payload import Payload, concat
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """One step's output of an engine for one request."""
+
+    units: int = 0
+    text: str = ""
+    data: Payload = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    sequence: int
+    units: int
+    text: str
+    data: Payload
+    is_last: bool
+    finish_reason: str | None = None
+
+
+class Segmenter:
+    """Accumulates one request's outputs and cuts them into segments."""
+
+    def __init__(
+        self, max_units: int, flush_interval_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.max_units = max_units
+        self.flush_interval_s = flush_interval_s
+        self._clock = clock
+        self._last_flush = clock()
+        self._parts: list[Payload] = []
+        self._text: list[str] = []
+        self._units = 0
+        self._finish: str | None = None
+        self.sequence = 0
+        self.total_units = 0
+
+    def add(self, out: EngineOutput) -> Segment | None:
+        if out.data:
+            self._parts.append(out.data)
+        if out.text:
+            self._text.append(out.text)
+        self._units += out.units
+        self._finish = out.finish_reason or self._finish
+        due = self._units >= self.max_units or self._clock() - self._last_flush >= self.flush_interval_s
+        return self._flush(False) if due and (self._units or self._text) else None
+
+    def finish(self) -> Segment:
+        return self._flush(True)
+
+    def _flush(self, is_last: bool) -> Segment:
+        seg = Segment(
+            sequence=self.sequence,
+            units=self._units,
+            text="".join(self._text),
+            data=concat(self._parts) if self._parts else {},
+            is_last=is_last,
+            finish_reason=self._finish if is_last else None,
+        )
+        self.sequence += 1
+        self.total_units += self._units
+        self._parts, self._text, self._units = [], [], 0
+        self._last_flush = self._clock()
+        return seg

@@ -1,0 +1,48 @@
+"""Edge windows: when a producer's output is handed to a consumer (seed 000, section 10).
+
+window -1: one chunk, when the producer's last segment arrives (full trigger).
+window  N: a chunk every N units, then the remainder with `is_last`; exactly one chunk of a
+           request's stream carries `is_last`, even when the remainder is empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omni_pipeline.spec import FULL_WINDOW
+from omni_stage.payload import Payload, concat, split
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    payload: Payload
+    units: int
+    is_last: bool
+
+
+class WindowState:
+    """Buffers one request's output for one out-edge and cuts it into window-sized chunks."""
+
+    def __init__(self, window: int) -> None:
+        self.window = window
+        self._parts: list[Payload] = []
+        self._units = 0
+        self._done = False
+
+    def push(self, payload: Payload, units: int, is_last: bool) -> list[Chunk]:
+        if self._done:
+            raise RuntimeError("segment after the last one")
+        if units or payload:
+            self._parts.append(payload)
+            self._units += units
+        out: list[Chunk] = []
+        if self.window != FULL_WINDOW:
+            while self._units >= self.window and (self._units > self.window or not is_last):
+                head, rest = split(concat(self._parts), self.window)
+                self._parts, self._units = [rest], self._units - self.window
+                out.append(Chunk(head, self.window, False))
+        if is_last:
+            self._done = True
+            out.append(Chunk(concat(self._parts) if self._parts else {}, self._units, True))
+            self._parts, self._units = [], 0
+        return out
