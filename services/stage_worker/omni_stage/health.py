@@ -8,7 +8,9 @@ from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 
-def health_app(registry: CollectorRegistry, is_ready: Callable[[], tuple[bool, str]]) -> FastAPI:
+def health_app(
+    registry: CollectorRegistry, is_ready: Callable[[], tuple[bool, str]], refresh: Callable[[], None]
+) -> FastAPI:
     app = FastAPI(title="omni stage replica", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health/live")
@@ -24,6 +26,7 @@ def health_app(registry: CollectorRegistry, is_ready: Callable[[], tuple[bool, s
 
     @app.get("/metrics")
     def metrics() -> Response:
+        refresh()  # gauges reflect this moment, not the last heartbeat
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -124,7 +124,7 @@ class StageWorker:
         on_shutdown_signals(self.begin_drain)
         sock = socket.create_server((metrics_host, metrics_port))  # bound now: the port is known at once
         self.metrics_port = sock.getsockname()[1]
-        server = make_server(health_app(self.metrics.registry, self.readiness), lifespan="off")
+        server = make_server(health_app(self.metrics.registry, self.readiness, self._refresh_gauges), lifespan="off")
         http = asyncio.create_task(server.serve(sockets=[sock]), name="health-http")
         try:
             log.info("stage %s/%s: loading engine %s", self.spec.name, self.replica, self.spec.engine.kind)
@@ -179,12 +179,16 @@ class StageWorker:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # the heartbeat period itself
             await self._publish_heartbeat()
 
-    async def _publish_heartbeat(self, stopping: bool = False) -> None:
+    def _refresh_gauges(self) -> None:
         load = self.core.load()
         self.metrics.queued.set(load.queued)
         self.metrics.inflight.set(load.inflight)
         self.metrics.tracked.set(len(self.requests))
         self.metrics.shm_segments.set(sum(c.live_objects() for c in self.connectors.values()))
+
+    async def _publish_heartbeat(self, stopping: bool = False) -> None:
+        self._refresh_gauges()
+        load = self.core.load()
         hb = Heartbeat(
             stage=self.spec.name, replica=self.replica, instance=self.instance, pid=os.getpid(),
             host=socket.gethostname(), queued=load.queued, inflight=load.inflight, capacity=load.capacity,
@@ -293,7 +297,10 @@ class StageWorker:
                     if trig.is_last:
                         break
                 last = seg.finish()
-                await self._emit(st, last, windows, emitted, t0, engine_state)
+                usage = {"prompt_tokens": int(engine_state.get("prompt_tokens", 0)),
+                         "completion_tokens": seg.total_units}  # fmt: skip
+                finish = last.finish_reason or engine_state.get("finish_reason") or "stop"
+                await self._emit(st, last, windows, emitted, t0, (finish, usage))
             outcome = "ok"
             self.metrics.latency.observe(time.monotonic() - t0)
         except asyncio.CancelledError:
@@ -335,7 +342,7 @@ class StageWorker:
 
     async def _emit(
         self, st: _Request, seg: Segment, windows: dict[str, WindowState], emitted: _Emitted, t0: float,
-        engine_state: dict[str, Any] | None = None,
+        ending: tuple[str, dict[str, int]] | None = None,
     ) -> None:  # fmt: skip
         ctx = st.ctx
         now = time.monotonic()
@@ -360,9 +367,10 @@ class StageWorker:
                 out = SegmentMsg(ctx, self.spec.name, seq, chunk.is_last, chunk.units, handle)
                 await self.nc.publish(self.subjects.stage_inbox(edge.consumer, ctx.route[edge.consumer]), pack(out))
         if self.spec.final_output is not None:
-            await self.nc.publish(ctx.reply_to, pack(self._final(ctx, seg, engine_state)))
+            await self.nc.publish(ctx.reply_to, pack(self._final(ctx, seg, ending)))
 
-    def _final(self, ctx: RequestContext, seg: Segment, engine_state: dict[str, Any] | None) -> FinalMsg:
+    def _final(self, ctx: RequestContext, seg: Segment, ending: tuple[str, dict[str, int]] | None) -> FinalMsg:
+        """The client-facing message for a segment; the last one carries finish reason and usage."""
         kind = self.spec.final_output
         assert kind is not None
         handle = None
@@ -372,18 +380,11 @@ class StageWorker:
                 self.spec.name, "gateway", ctx.request_id, seg.data, seq=seg.sequence
             )
             self.metrics.connector(self.final_connector.name, "put", nbytes, time.perf_counter() - t)
-        usage = None
-        finish = None
-        if seg.is_last and engine_state is not None:
-            finish = seg.finish_reason or engine_state.get("finish_reason") or "stop"
-            gen = len(engine_state.get("generated", ())) or None
-            if kind is OutputKind.TEXT:
-                usage = {"prompt_tokens": int(engine_state.get("prompt_tokens", 0)),
-                         "completion_tokens": int(gen or 0)}  # fmt: skip
+        finish, usage = ending if ending is not None else (None, None)
         return FinalMsg(
             request_id=ctx.request_id, stage=self.spec.name, replica=self.replica, kind=kind.value,
             sequence=seg.sequence, is_last=seg.is_last, text=seg.text, handle=handle, finish_reason=finish,
-            usage=usage,
+            usage=usage if kind is OutputKind.TEXT else None,
         )  # fmt: skip
 
     async def _fail(self, ctx: RequestContext, message: str, code: str) -> None:

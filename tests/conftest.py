@@ -1,0 +1,27 @@
+"""Shared fixtures: a real nats-server on loopback, the tiny demo models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omni_cli.natsd import EmbeddedNats
+from omni_stage.demo import init_demo
+
+
+@pytest.fixture
+def nats_url() -> Iterator[str]:
+    """A real nats-server (`nats-server -a 127.0.0.1 -p -1`), its port read from its log."""
+    server = EmbeddedNats()
+    yield server.url
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A working directory holding models/ built by `omni models init-demo` (once per session)."""
+    d = tmp_path_factory.mktemp("demo")
+    init_demo(d / "models")
+    return d

@@ -1,0 +1,90 @@
+"""Test helpers: waiting on conditions with deadlines, and running omni processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+T = TypeVar("T")
+ROOT = Path(__file__).parents[1]
+OMNI = [sys.executable, "-m", "omni_cli.main"]
+
+
+def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
+    """Poll `pred` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    last_exc: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            v = pred()
+            if v:
+                return v
+        except Exception as exc:  # the condition may not be checkable yet (server starting)
+            last_exc = exc
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc})")
+
+
+def our_shm_segments(prefix: str = "omni-") -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"{prefix}*"))
+
+
+class OmniProcess:
+    """An `omni ...` subprocess in its own process group, with its output in a log file."""
+
+    def __init__(self, args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> None:
+        self.log = log
+        self._fh = log.open("w")
+        self.proc = subprocess.Popen(
+            [*OMNI, *args], cwd=cwd, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )  # fmt: skip
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait_output(self, text: str, timeout: float) -> None:
+        def seen() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"process exited ({self.proc.returncode}):\n{self.output()[-3000:]}")
+            return text in self.output()
+
+        try:
+            wait_for(seen, timeout, repr(text))
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n--- log ---\n{self.output()[-3000:]}") from None
+
+    def interrupt_group(self) -> None:
+        """Ctrl-C as a terminal sends it: SIGINT to the whole process group."""
+        os.killpg(self.proc.pid, signal.SIGINT)
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        self._fh.close()
+        return self.proc.returncode
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def get_json(url: str) -> Any:
+    return httpx.get(url, timeout=5).json()

@@ -1,0 +1,115 @@
+"""Stage workers and a gateway as separate `omni` processes on a real nats-server.
+
+A synthetic pipeline (thinker -> talker (window 8) -> vocoder (window -1)) answers the official
+openai client; window triggers are read from each replica's own /metrics; a poisoned input
+fails only its request; a client that walks away mid-stream leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import soundfile as sf
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import ROOT, OmniProcess, get_json, our_shm_segments, wait_for
+
+PIPELINE = ROOT / "tests" / "data" / "synthetic.yaml"
+PREFIX = "omni-itest"
+
+
+@pytest.fixture
+def cluster(nats_url: str, tmp_path: Path) -> Iterator[str]:
+    env = {"OMNI_SHM_PREFIX": PREFIX}
+    procs = [
+        OmniProcess(["stage", "--pipeline", str(PIPELINE), "--stage", s, "--nats", nats_url,
+                     "--metrics-host", "127.0.0.1"], ROOT, tmp_path / f"{s}.log", env)  # fmt: skip
+        for s in ("thinker", "talker", "vocoder")
+    ]
+    gw = OmniProcess(["gateway", "--pipeline", str(PIPELINE), "--port", "0", "--host", "127.0.0.1",
+                      "--nats", nats_url], ROOT, tmp_path / "gateway.log", env)  # fmt: skip
+    try:
+        gw.wait_output("serving synth on", 60)
+        port = re.search(r"serving synth on http://127.0.0.1:(\d+)", gw.output()).group(1)  # type: ignore[union-attr]
+        base = f"http://127.0.0.1:{port}"
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "every stage registered")
+        yield base
+    finally:
+        for p in [gw, *procs]:
+            assert p.stop() == 0, p.output()[-2000:]
+    assert our_shm_segments(PREFIX) == []
+
+
+def replica_metric(base: str, stage: str, name: str, **labels: str) -> float:
+    """Sum of a metric's samples on a stage replica's own /metrics, filtered by labels."""
+    rep = next(r for r in get_json(f"{base}/replicas")["replicas"] if r["stage"] == stage)
+    text = httpx.get(f"http://127.0.0.1:{rep['metrics_port']}/metrics").text
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_windows_trigger_expected_calls_and_audio_arrives(cluster: str) -> None:
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
+    for i in range(3):
+        r = client.chat.completions.create(
+            model="synth", messages=[{"role": "user", "content": f"hello {i}"}],
+            modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"},
+        )  # fmt: skip
+        assert r.choices[0].message.content == "".join(f"tok{j} " for j in range(20))
+        audio, sr = sf.read(io.BytesIO(base64.b64decode(r.choices[0].message.audio.data)))
+        assert sr == 24000 and len(audio) == 20 * 480
+    # thinker: 1 call per request; talker, window 8 over 20 units: 8, 8, 4; vocoder, window -1: 1.
+    assert replica_metric(cluster, "thinker", "omni_stage_window_triggers_total") == 3
+    assert replica_metric(cluster, "talker", "omni_stage_window_triggers_total") == 9
+    assert replica_metric(cluster, "vocoder", "omni_stage_window_triggers_total") == 3
+
+
+def test_text_only_request_stops_at_the_thinker(cluster: str) -> None:
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
+    r = client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert r.choices[0].message.content == "tok0 tok1 tok2 tok3 tok4 "
+    assert r.choices[0].message.audio is None
+    assert r.usage is not None and r.usage.completion_tokens == 5
+    assert replica_metric(cluster, "talker", "omni_stage_window_triggers_total") == 0
+
+
+def test_poisoned_input_fails_only_its_request(cluster: str) -> None:
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.InternalServerError) as info:
+        client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "POISON"}])
+    assert "stage 'thinker'" in str(info.value) and "poisoned" in str(info.value)
+    r = client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "fine"}])
+    assert r.choices[0].message.content.startswith("tok0")
+
+
+def test_client_disconnect_mid_stream_frees_everything(cluster: str) -> None:
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
+    for _ in range(5):
+        stream = client.chat.completions.create(
+            model="synth", messages=[{"role": "user", "content": "long"}], max_tokens=2000, stream=True,
+            modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"},
+        )  # fmt: skip
+        for n, _chunk in enumerate(stream):
+            if n == 10:
+                assert replica_metric(cluster, "thinker", "omni_stage_tracked_requests") == 1  # still running
+                break
+        stream.close()
+    for stage in ("thinker", "talker", "vocoder"):
+        wait_for(lambda s=stage: replica_metric(cluster, s, "omni_stage_tracked_requests") == 0, 30,
+                 f"{stage} to drop the abandoned requests")  # fmt: skip
+    assert replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted") == 5
+    wait_for(lambda: our_shm_segments(PREFIX) == [], 10, "no shm segment left")
+    # And the pipeline still serves.
+    r = client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "again"}])
+    assert r.choices[0].finish_reason in ("stop", "length")

@@ -1,0 +1,37 @@
+"""The replica's scheduling core: run, queue, refuse, release in order, abort."""
+
+from __future__ import annotations
+
+from omni_stage.core import ABORTED_MEMORY, Admission, StageCore
+
+
+def test_admission_order_and_limits() -> None:
+    core = StageCore(max_inflight=2, max_queued=1)
+    assert [core.admit(r) for r in "abcd"] == [Admission.RUN, Admission.RUN, Admission.QUEUE, Admission.REJECT_FULL]
+    assert core.is_aborted("d")
+    assert core.load().queued == 1 and core.load().inflight == 2
+    assert core.release("a") == ["c"]
+    assert core.release("b") == [] and core.has_work()
+    assert core.release("c") == [] and not core.has_work()
+
+
+def test_abort_queued_and_running() -> None:
+    core = StageCore(max_inflight=1, max_queued=4)
+    core.admit("a")
+    core.admit("b")
+    assert core.abort("b") is False and not core.known("b") and core.is_aborted("b")
+    assert core.abort("a") is True
+    assert core.release("a") == []
+
+
+def test_draining_refuses_new_work() -> None:
+    core = StageCore(1, 1)
+    core.draining = True
+    assert core.admit("a") is Admission.REJECT_DRAINING
+
+
+def test_aborted_memory_is_bounded() -> None:
+    core = StageCore(1, 0)
+    for i in range(ABORTED_MEMORY + 10):
+        core.abort(f"r{i}")
+    assert not core.is_aborted("r0") and core.is_aborted(f"r{ABORTED_MEMORY + 9}")

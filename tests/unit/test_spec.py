@@ -1,0 +1,128 @@
+"""Pipeline spec validation: every bad file is refused with the stage and field named."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from omni_pipeline.spec import OutputKind, SpecError, load_pipeline, parse_pipeline
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "tiny-omni.yaml"
+
+
+def base() -> dict[str, Any]:
+    return copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
+
+
+def refused(doc: dict[str, Any]) -> str:
+    with pytest.raises(SpecError) as info:
+        parse_pipeline(doc, "p.yaml")
+    return str(info.value)
+
+
+def test_example_is_valid() -> None:
+    p = load_pipeline(EXAMPLE)
+    assert [s.name for s in p.spec.stages] == ["thinker", "talker", "vocoder"]
+    assert p.spec.stage("talker").inputs[0].window == 8
+    assert p.spec.stage("thinker").max_inflight == 4
+
+
+def test_camel_case_round_trip() -> None:
+    p = load_pipeline(EXAMPLE)
+    dumped = p.model_dump(by_alias=True, exclude_none=True)
+    assert "servedModelName" in dumped["spec"]
+    assert dumped["spec"]["stages"][0]["finalOutput"] == "text"
+    assert parse_pipeline(dumped) == p
+
+
+def test_unknown_from() -> None:
+    d = base()
+    d["spec"]["stages"][1]["inputs"][0]["from"] = "thinkr"
+    msg = refused(d)
+    assert "stage 'talker'" in msg and "inputs[0].from" in msg and "thinkr" in msg
+
+
+def test_cycle() -> None:
+    d = base()
+    d["spec"]["stages"][1]["inputs"].append({"from": "vocoder"})
+    msg = refused(d)
+    assert "cycle" in msg and "talker" in msg and "vocoder" in msg
+
+
+def test_duplicate_stage_names() -> None:
+    d = base()
+    d["spec"]["stages"][2]["name"] = "talker"
+    msg = refused(d)
+    assert "stage 'talker'" in msg and "duplicate" in msg
+
+
+@pytest.mark.parametrize("window", [0, -2, -10])
+def test_bad_window(window: int) -> None:
+    d = base()
+    d["spec"]["stages"][2]["inputs"][0]["window"] = window
+    msg = refused(d)
+    assert "stage 'vocoder'" in msg and "inputs[0].window" in msg
+
+
+def test_unknown_engine_kind() -> None:
+    d = base()
+    d["spec"]["stages"][0]["engine"]["kind"] = "tensorrt"
+    msg = refused(d)
+    assert "stage 'thinker'" in msg and "engine.kind" in msg and "tensorrt" in msg
+
+
+def test_no_stage_reads_request() -> None:
+    d = base()
+    d["spec"]["stages"][0]["inputs"] = [{"from": "vocoder"}]
+    msg = refused(d)
+    assert "request" in msg
+
+
+def test_no_final_output() -> None:
+    d = base()
+    for s in d["spec"]["stages"]:
+        s.pop("finalOutput", None)
+    msg = refused(d)
+    assert "finalOutput" in msg
+
+
+def test_undefined_connector() -> None:
+    d = base()
+    d["spec"]["stages"][1]["inputs"][0]["connector"] = "rdma"
+    msg = refused(d)
+    assert "stage 'talker'" in msg and "connector" in msg and "rdma" in msg
+
+
+def test_unknown_field() -> None:
+    d = base()
+    d["spec"]["stages"][0]["maxInFlight"] = 3  # wrong case: a typo must not pass silently
+    msg = refused(d)
+    assert "stage 'thinker'" in msg and "maxInFlight" in msg
+
+
+def test_torch_engine_needs_factory() -> None:
+    d = base()
+    del d["spec"]["stages"][2]["engine"]["factory"]
+    assert "factory" in refused(d)
+
+
+def test_not_a_mapping_and_bad_yaml(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="mapping"):
+        parse_pipeline([1, 2])
+    f = tmp_path / "bad.yaml"
+    f.write_text("spec: [unclosed")
+    with pytest.raises(SpecError, match="YAML"):
+        load_pipeline(f)
+    with pytest.raises(SpecError, match="cannot read"):
+        load_pipeline(tmp_path / "missing.yaml")
+
+
+def test_needed_stages_follow_modalities() -> None:
+    spec = load_pipeline(EXAMPLE).spec
+    assert spec.needed_stages({OutputKind.TEXT}) == ["thinker"]
+    assert spec.needed_stages({OutputKind.TEXT, OutputKind.AUDIO}) == ["thinker", "talker", "vocoder"]
+    assert spec.output_kinds() == {OutputKind.TEXT, OutputKind.AUDIO}
