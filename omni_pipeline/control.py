@@ -211,7 +211,7 @@ async def connect_nats(
                 reconnected_cb=on_reconnect,
                 error_cb=on_error,
             )
-        except (OSError, TimeoutError, nats.errors.NoServersError, asyncio.TimeoutError) as exc:
+        except (OSError, TimeoutError, nats.errors.NoServersError) as exc:
             if time.monotonic() + delay > deadline:
                 raise ControlError(f"{name}: NATS at {url} unreachable: {exc}") from None
             log.warning("%s: NATS at %s not reachable yet (%s); retrying in %.1fs", name, url, exc, delay)

@@ -8,6 +8,7 @@ only from the child's READY event. Shutdown is terminate, wait up to 5 s, kill t
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import logging
@@ -56,10 +57,8 @@ ChildTarget = Callable[..., None]
 
 
 def _send(conn: Connection, ev: LifecycleEvent) -> None:
-    try:
+    with contextlib.suppress(BrokenPipeError, OSError):  # the parent is gone: nothing to tell
         conn.send_bytes(wire.encode(ev))
-    except (BrokenPipeError, OSError):
-        pass  # the parent is gone; nothing to tell
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -113,10 +112,8 @@ def kill_tree(pid: int) -> None:
     except psutil.NoSuchProcess:
         return
     for p in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(procs, timeout=SHUTDOWN_GRACE_S)
 
 
@@ -168,7 +165,9 @@ class ManagedProcess:
         self._terminated = [False]
         self._finalizer = weakref.finalize(self, _shutdown, self.process, SHUTDOWN_GRACE_S, self._terminated)
         self._monitor = threading.Thread(
-            target=_monitor, args=(weakref.ref(self), reader, self.process.sentinel), name=f"monitor-{name}",
+            target=_monitor,
+            args=(weakref.ref(self), reader, self.process.sentinel),
+            name=f"monitor-{name}",
             daemon=True,
         )
         self._monitor.start()

@@ -31,9 +31,7 @@ class SpecError(ValueError):
 
 
 class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
-    )
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
 
 class Mode(StrEnum):
@@ -155,9 +153,7 @@ class PipelineSpec(_Model):
     mode: Mode = Mode.SINGLE_NODE
     served_model_name: str = Field(min_length=1, description="The model name clients ask for.")
     nats: NatsSpec = Field(default_factory=NatsSpec)
-    connectors: dict[str, ConnectorSpec] = Field(
-        default_factory=lambda: {DEFAULT_CONNECTOR: ConnectorSpec()}
-    )
+    connectors: dict[str, ConnectorSpec] = Field(default_factory=lambda: {DEFAULT_CONNECTOR: ConnectorSpec()})
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     stages: list[StageSpec] = Field(min_length=1)
 
@@ -307,4 +303,3 @@ def load_pipeline(path: str | os.PathLike[str]) -> PipelineFile:
     except yaml.YAMLError as exc:
         raise SpecError(f"{p}: not valid YAML: {exc}") from None
     return parse_pipeline(raw, str(p))
-

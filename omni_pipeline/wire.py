@@ -37,9 +37,17 @@ EXT_TENSOR: Final = 1
 EXT_NDARRAY: Final = 2
 
 _TORCH_DTYPES: Final[list[torch.dtype]] = [
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-]  # fmt: skip
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 _NUMPY_DTYPES: Final[list[np.dtype[Any]]] = [
     np.dtype(t) for t in ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 ]
@@ -108,7 +116,9 @@ class _Packer:
                 t = t.cpu()
             flat = t.contiguous().reshape(-1).view(torch.uint8)
             raw = memoryview(flat.numpy()).cast("B") if flat.numel() else memoryview(b"")
-            return msgspec.msgpack.Ext(EXT_TENSOR, _ext_head(code, tuple(t.shape), self._add(raw), raw.nbytes))
+            return msgspec.msgpack.Ext(
+                EXT_TENSOR, _ext_head(code, tuple(t.shape), self._add(raw), raw.nbytes)
+            )
         if isinstance(obj, np.ndarray):
             code = _NUMPY_CODE.get(obj.dtype)
             if code is None:

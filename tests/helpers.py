@@ -44,9 +44,13 @@ class OmniProcess:
         self.log = log
         self._fh = log.open("w")
         self.proc = subprocess.Popen(
-            [*OMNI, *args], cwd=cwd, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
+            [*OMNI, *args],
+            cwd=cwd,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )  # fmt: skip
+        )
 
     def output(self) -> str:
         return self.log.read_text()

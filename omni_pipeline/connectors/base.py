@@ -58,7 +58,9 @@ class OmniConnector(ABC):
         key = self._put_frame(from_stage, to_stage, request_id, seq, frame)
         return True, frame.size, ConnectorHandle(self.name, frame.size, key=key)
 
-    def get(self, from_stage: str, to_stage: str, request_id: str, handle: ConnectorHandle) -> tuple[Any, int]:
+    def get(
+        self, from_stage: str, to_stage: str, request_id: str, handle: ConnectorHandle
+    ) -> tuple[Any, int]:
         """Fetch the payload a handle names; the backend copy is released once read."""
         if handle.inline is not None:
             return wire.decode(handle.inline), handle.nbytes
@@ -68,7 +70,9 @@ class OmniConnector(ABC):
         return self._get_frame(request_id, handle), handle.nbytes
 
     @abstractmethod
-    def _put_frame(self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame) -> str:
+    def _put_frame(
+        self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame
+    ) -> str:
         """Store a frame too large to inline; return its key."""
 
     @abstractmethod
@@ -98,7 +102,9 @@ class InlineConnector(OmniConnector):
         super().__init__(name, spec)
         self.inline_threshold = 1 << 62
 
-    def _put_frame(self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame) -> str:
+    def _put_frame(
+        self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame
+    ) -> str:
         raise AssertionError("inline connector never stores out of band")
 
     def _get_frame(self, request_id: str, handle: ConnectorHandle) -> Any:

@@ -41,7 +41,9 @@ class ShmConnector(OmniConnector):
             raise ConnectorError(f"segment {key!r} is not one of ours")
         return SHM_DIR / key
 
-    def _put_frame(self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame) -> str:
+    def _put_frame(
+        self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame
+    ) -> str:
         key = f"{self.prefix}-{request_id}-{from_stage}-{to_stage}-{seq}"
         path = SHM_DIR / key
         try:

@@ -29,12 +29,30 @@ PREFIX = "omni-itest"
 def cluster(nats_url: str, tmp_path: Path) -> Iterator[str]:
     env = {"OMNI_SHM_PREFIX": PREFIX}
     procs = [
-        OmniProcess(["stage", "--pipeline", str(PIPELINE), "--stage", s, "--nats", nats_url,
-                     "--metrics-host", "127.0.0.1"], ROOT, tmp_path / f"{s}.log", env)  # fmt: skip
+        OmniProcess(
+            [
+                "stage",
+                "--pipeline",
+                str(PIPELINE),
+                "--stage",
+                s,
+                "--nats",
+                nats_url,
+                "--metrics-host",
+                "127.0.0.1",
+            ],
+            ROOT,
+            tmp_path / f"{s}.log",
+            env,
+        )
         for s in ("thinker", "talker", "vocoder")
     ]
-    gw = OmniProcess(["gateway", "--pipeline", str(PIPELINE), "--port", "0", "--host", "127.0.0.1",
-                      "--nats", nats_url], ROOT, tmp_path / "gateway.log", env)  # fmt: skip
+    gw = OmniProcess(
+        ["gateway", "--pipeline", str(PIPELINE), "--port", "0", "--host", "127.0.0.1", "--nats", nats_url],
+        ROOT,
+        tmp_path / "gateway.log",
+        env,
+    )
     try:
         gw.wait_output("serving synth on", 60)
         port = re.search(r"serving synth on http://127.0.0.1:(\d+)", gw.output()).group(1)  # type: ignore[union-attr]
@@ -63,9 +81,11 @@ def test_windows_trigger_expected_calls_and_audio_arrives(cluster: str) -> None:
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
     for i in range(3):
         r = client.chat.completions.create(
-            model="synth", messages=[{"role": "user", "content": f"hello {i}"}],
-            modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"},
-        )  # fmt: skip
+            model="synth",
+            messages=[{"role": "user", "content": f"hello {i}"}],
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+        )
         assert r.choices[0].message.content == "".join(f"tok{j} " for j in range(20))
         audio, sr = sf.read(io.BytesIO(base64.b64decode(r.choices[0].message.audio.data)))
         assert sr == 24000 and len(audio) == 20 * 480
@@ -77,7 +97,9 @@ def test_windows_trigger_expected_calls_and_audio_arrives(cluster: str) -> None:
 
 def test_text_only_request_stops_at_the_thinker(cluster: str) -> None:
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
-    r = client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    r = client.chat.completions.create(
+        model="synth", messages=[{"role": "user", "content": "hi"}], max_tokens=5
+    )
     assert r.choices[0].message.content == "tok0 tok1 tok2 tok3 tok4 "
     assert r.choices[0].message.audio is None
     assert r.usage is not None and r.usage.completion_tokens == 5
@@ -97,17 +119,24 @@ def test_client_disconnect_mid_stream_frees_everything(cluster: str) -> None:
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
     for _ in range(5):
         stream = client.chat.completions.create(
-            model="synth", messages=[{"role": "user", "content": "long"}], max_tokens=2000, stream=True,
-            modalities=["text", "audio"], audio={"voice": "alloy", "format": "pcm16"},
-        )  # fmt: skip
+            model="synth",
+            messages=[{"role": "user", "content": "long"}],
+            max_tokens=2000,
+            stream=True,
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "pcm16"},
+        )
         for n, _chunk in enumerate(stream):
             if n == 10:
                 assert replica_metric(cluster, "thinker", "omni_stage_tracked_requests") == 1  # still running
                 break
         stream.close()
     for stage in ("thinker", "talker", "vocoder"):
-        wait_for(lambda s=stage: replica_metric(cluster, s, "omni_stage_tracked_requests") == 0, 30,
-                 f"{stage} to drop the abandoned requests")  # fmt: skip
+        wait_for(
+            lambda s=stage: replica_metric(cluster, s, "omni_stage_tracked_requests") == 0,
+            30,
+            f"{stage} to drop the abandoned requests",
+        )
     assert replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted") == 5
     wait_for(lambda: our_shm_segments(PREFIX) == [], 10, "no shm segment left")
     # And the pipeline still serves.

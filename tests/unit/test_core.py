@@ -7,7 +7,12 @@ from omni_stage.core import ABORTED_MEMORY, Admission, StageCore
 
 def test_admission_order_and_limits() -> None:
     core = StageCore(max_inflight=2, max_queued=1)
-    assert [core.admit(r) for r in "abcd"] == [Admission.RUN, Admission.RUN, Admission.QUEUE, Admission.REJECT_FULL]
+    assert [core.admit(r) for r in "abcd"] == [
+        Admission.RUN,
+        Admission.RUN,
+        Admission.QUEUE,
+        Admission.REJECT_FULL,
+    ]
     assert core.is_aborted("d")
     assert core.load().queued == 1 and core.load().inflight == 2
     assert core.release("a") == ["c"]

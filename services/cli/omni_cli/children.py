@@ -8,13 +8,17 @@ from typing import Any
 from omni_pipeline.spec import load_pipeline
 
 
-def stage_child(ready: Callable[[dict[str, Any]], None], path: str, stage: str, replica: str, nats_url: str) -> None:
+def stage_child(
+    ready: Callable[[dict[str, Any]], None], path: str, stage: str, replica: str, nats_url: str
+) -> None:
     from omni_stage.proc import run_stage
 
     run_stage(ready, load_pipeline(path), stage, replica, nats_url)
 
 
-def gateway_child(ready: Callable[[dict[str, Any]], None], path: str, nats_url: str, host: str, port: int) -> None:
+def gateway_child(
+    ready: Callable[[dict[str, Any]], None], path: str, nats_url: str, host: str, port: int
+) -> None:
     from omni_gateway.app import run_gateway
 
     run_gateway(ready, load_pipeline(path), nats_url, host, port)

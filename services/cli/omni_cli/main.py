@@ -39,8 +39,15 @@ def cmd_stage(a: argparse.Namespace) -> int:
     if a.stage not in {s.name for s in pipeline.spec.stages}:
         raise SpecError(f"{a.pipeline}: no stage named '{a.stage}'")
     url = resolve_nats_url(_nats_url(a.nats, pipeline))
-    run_stage(_log_ready(f"stage {a.stage}/{a.replica_id}"), pipeline, a.stage, a.replica_id, url,
-              a.metrics_host, a.metrics_port)  # fmt: skip
+    run_stage(
+        _log_ready(f"stage {a.stage}/{a.replica_id}"),
+        pipeline,
+        a.stage,
+        a.replica_id,
+        url,
+        a.metrics_host,
+        a.metrics_port,
+    )
     return 0
 
 
@@ -76,7 +83,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("pipeline")
     s.add_argument("--port", type=int, default=None, help="gateway port (default: spec.gateway.port)")
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--nats", default=None, help=f"NATS URL (default: {NATS_URL_ENV}, spec.nats.url, or embedded)")
+    s.add_argument(
+        "--nats", default=None, help=f"NATS URL (default: {NATS_URL_ENV}, spec.nats.url, or embedded)"
+    )
     s.set_defaults(fn=cmd_serve)
 
     s = sub.add_parser("stage", help="run one replica of one stage")
@@ -108,8 +117,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     a = parser().parse_args(argv)
     try:
         return int(a.fn(a))

@@ -32,9 +32,12 @@ class EmbeddedNats:
     def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 20.0) -> None:
         self.proc = subprocess.Popen(
             [nats_server_binary(), "-a", host, "-p", "-1"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, preexec_fn=die_with_parent,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=die_with_parent,
             start_new_session=True,  # a terminal's Ctrl-C is for the supervisor, which stops us last
-        )  # fmt: skip
+        )
         found = threading.Event()
         self.url = ""
 

@@ -20,11 +20,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Final
 
+from omni_cli.children import gateway_child, stage_child
+from omni_cli.natsd import EmbeddedNats
 from omni_pipeline.connectors.shm import SHM_PREFIX_ENV, ShmConnector
 from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState
 from omni_pipeline.spec import ConnectorSpec, PipelineFile
-from omni_cli.children import gateway_child, stage_child
-from omni_cli.natsd import EmbeddedNats
 
 log = logging.getLogger("omni.serve")
 
@@ -65,9 +65,12 @@ class Supervisor:
 
     def _start(self, slot: _Slot) -> None:
         slot.proc = ManagedProcess(
-            slot.name, slot.target, slot.args, on_event=self._on_event,  # type: ignore[arg-type]
+            slot.name,
+            slot.target,
+            slot.args,
+            on_event=self._on_event,  # type: ignore[arg-type]
             env={SHM_PREFIX_ENV: self.shm_prefix},
-        )  # fmt: skip
+        )
         slot.started_at = time.monotonic()
 
     def run(self) -> int:

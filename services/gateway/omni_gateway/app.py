@@ -18,12 +18,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omni_pipeline.serving import make_server, on_shutdown_signals
-from omni_pipeline.spec import PipelineFile
 from omni_gateway.errors import BadRequest, OmniError
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.routes import router
 from omni_gateway.service import PipelineClient
+from omni_pipeline.serving import make_server, on_shutdown_signals
+from omni_pipeline.spec import PipelineFile
 
 log = logging.getLogger("omni.gateway")
 
@@ -103,7 +103,10 @@ def build_app(service: PipelineClient, lifespan: Callable[[FastAPI], Any] | None
     @app.exception_handler(HTTPException)
     async def on_http(_: Request, exc: HTTPException) -> JSONResponse:
         err = OmniError(str(exc.detail))
-        err.status, err.type = exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error"
+        err.status, err.type = (
+            exc.status_code,
+            "invalid_request_error" if exc.status_code < 500 else "server_error",
+        )
         return _error_response(err)
 
     @app.exception_handler(Exception)
@@ -115,12 +118,18 @@ def build_app(service: PipelineClient, lifespan: Callable[[FastAPI], Any] | None
 
 
 def run_gateway(
-    ready: Callable[[dict[str, Any]], None], pipeline: PipelineFile, nats_url: str, host: str, port: int,
+    ready: Callable[[dict[str, Any]], None],
+    pipeline: PipelineFile,
+    nats_url: str,
+    host: str,
+    port: int,
     wait_for_stages: bool = True,
-) -> None:  # fmt: skip
+) -> None:
     """Process entry point (`omni gateway`, and `omni serve` through the lifecycle)."""
-    logging.basicConfig(level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
     async def main() -> None:
         service = PipelineClient(pipeline, nats_url)
@@ -133,8 +142,13 @@ def run_gateway(
                     async with asyncio.timeout(READY_WAIT_S):
                         await service.covered.wait()
             ready({"port": sock.getsockname()[1], "gateway_id": service.gateway_id})
-            log.info("gateway %s serving %s on http://%s:%d", service.gateway_id,
-                     pipeline.spec.served_model_name, host, sock.getsockname()[1])  # fmt: skip
+            log.info(
+                "gateway %s serving %s on http://%s:%d",
+                service.gateway_id,
+                pipeline.spec.served_model_name,
+                host,
+                sock.getsockname()[1],
+            )
             yield
             await service.stop()
 

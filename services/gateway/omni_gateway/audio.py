@@ -27,7 +27,11 @@ def wav_stream_header(sample_rate: int) -> bytes:
     """A WAV header for a stream of unknown length (sizes 0xFFFFFFFF, as streaming servers do)."""
     unknown = 0xFFFFFFFF
     return (
-        b"RIFF" + struct.pack("<I", unknown) + b"WAVE"
-        + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
-        + b"data" + struct.pack("<I", unknown)
-    )  # fmt: skip
+        b"RIFF"
+        + struct.pack("<I", unknown)
+        + b"WAVE"
+        + b"fmt "
+        + struct.pack("<IHHIIHH", 16, 1, 1, sample_rate, sample_rate * 2, 2, 16)
+        + b"data"
+        + struct.pack("<I", unknown)
+    )

@@ -54,7 +54,9 @@ def completion_body(req: ChatCompletionRequest, rid: str, created: int, r: ChatR
         "object": "chat.completion",
         "created": created,
         "model": req.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": r.finished.finish_reason, "logprobs": None}],
+        "choices": [
+            {"index": 0, "message": message, "finish_reason": r.finished.finish_reason, "logprobs": None}
+        ],
         "usage": r.finished.usage,
     }
 
@@ -72,10 +74,17 @@ async def sse_chunks(
     header, so the concatenated chunks form a playable file. A failure mid-stream becomes an
     error event; `[DONE]` always ends the stream.
     """
-    base = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", "created": created, "model": req.model}
+    base = {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": req.model,
+    }
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
-        return _sse({**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]})
+        return _sse(
+            {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        )
 
     header_sent = req.audio is None or req.audio.format != "wav"
     yield chunk({"role": "assistant", "content": ""})
@@ -88,8 +97,15 @@ async def sse_chunks(
                 data = to_pcm16(ev.samples)
                 if not header_sent:
                     data, header_sent = wav_stream_header(ev.sample_rate) + data, True
-                yield chunk({"audio": {"id": f"audio_{rid}", "data": base64.b64encode(data).decode(),
-                                       "expires_at": created + AUDIO_TTL_S}})  # fmt: skip
+                yield chunk(
+                    {
+                        "audio": {
+                            "id": f"audio_{rid}",
+                            "data": base64.b64encode(data).decode(),
+                            "expires_at": created + AUDIO_TTL_S,
+                        }
+                    }
+                )
             else:
                 yield chunk({}, ev.finish_reason)
                 if req.stream_options and req.stream_options.include_usage:

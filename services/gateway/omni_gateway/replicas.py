@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omni_pipeline.control import HEARTBEAT_MISSES, Heartbeat
 from omni_gateway.errors import Overloaded, Unavailable
+from omni_pipeline.control import HEARTBEAT_MISSES, Heartbeat
 
 
 @dataclass(slots=True)
@@ -65,8 +65,18 @@ class ReplicaTable:
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [
-            {"stage": r.hb.stage, "replica": r.hb.replica, "instance": r.hb.instance, "pid": r.hb.pid,
-             "host": r.hb.host, "queued": r.hb.queued, "inflight": r.hb.inflight, "capacity": r.hb.capacity,
-             "draining": r.hb.draining, "metrics_port": r.hb.metrics_port}
-            for stage in self._by_stage.values() for r in stage.values()
-        ]  # fmt: skip
+            {
+                "stage": r.hb.stage,
+                "replica": r.hb.replica,
+                "instance": r.hb.instance,
+                "pid": r.hb.pid,
+                "host": r.hb.host,
+                "queued": r.hb.queued,
+                "inflight": r.hb.inflight,
+                "capacity": r.hb.capacity,
+                "draining": r.hb.draining,
+                "metrics_port": r.hb.metrics_port,
+            }
+            for stage in self._by_stage.values()
+            for r in stage.values()
+        ]

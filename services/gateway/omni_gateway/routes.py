@@ -35,11 +35,16 @@ async def models(request: Request) -> dict[str, Any]:
     svc = _service(request)
     return {
         "object": "list",
-        "data": [{
-            "id": svc.spec.served_model_name, "object": "model", "created": svc.started_at, "owned_by": "omni-pipeline",
-            "modalities": sorted(k.value for k in svc.spec.output_kinds()),
-        }],
-    }  # fmt: skip
+        "data": [
+            {
+                "id": svc.spec.served_model_name,
+                "object": "model",
+                "created": svc.started_at,
+                "owned_by": "omni-pipeline",
+                "modalities": sorted(k.value for k in svc.spec.output_kinds()),
+            }
+        ],
+    }
 
 
 @router.get("/health")

@@ -23,6 +23,8 @@ import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
+from omni_gateway.errors import OmniError, StageFailed, Timeout, Unavailable
+from omni_gateway.replicas import Replica, ReplicaTable
 from omni_pipeline import wire
 from omni_pipeline.connectors import OmniConnector, build_connectors
 from omni_pipeline.control import (
@@ -41,8 +43,6 @@ from omni_pipeline.control import (
     unpack,
 )
 from omni_pipeline.spec import REQUEST_SOURCE, OutputKind, PipelineFile
-from omni_gateway.errors import OmniError, StageFailed, Timeout, Unavailable
-from omni_gateway.replicas import Replica, ReplicaTable
 
 log = logging.getLogger("omni.gateway")
 
@@ -261,8 +261,9 @@ class PipelineClient:
     def _replica_gone_ids(self, stage: str, replica: str, instance: str, why: str) -> None:
         for t in list(self.inflight.values()):
             if t.route.get(stage) == (replica, instance):
-                self._fail(t, f"stage '{stage}' replica {replica} {why} while serving this request",
-                           "replica_lost")  # fmt: skip
+                self._fail(
+                    t, f"stage '{stage}' replica {replica} {why} while serving this request", "replica_lost"
+                )
 
 
 def error_from(exc: BaseException) -> OmniError:

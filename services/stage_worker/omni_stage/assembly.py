@@ -51,7 +51,9 @@ class InputAssembler(Generic[H]):
         self._edges: dict[str, _Edge[H]] = {name: _Edge(w) for name, w in windows.items()}
         self.done = False
 
-    def add(self, producer: str, sequence: int, item: H | None, units: int, is_last: bool) -> list[Trigger[H]]:
+    def add(
+        self, producer: str, sequence: int, item: H | None, units: int, is_last: bool
+    ) -> list[Trigger[H]]:
         edge = self._edges.get(producer)
         if edge is None:
             raise AssemblyError(f"unexpected input from '{producer}'")
@@ -78,7 +80,9 @@ class InputAssembler(Generic[H]):
             if any(len(v) > 1 for v in held.values()):
                 raise AssemblyError("a full-window edge sent more than one chunk")
             if held:
-                out.append(Trigger({p: v[0][0] for p, v in held.items()}, sum(v[0][1] for v in held.values()), True))
+                out.append(
+                    Trigger({p: v[0][0] for p, v in held.items()}, sum(v[0][1] for v in held.values()), True)
+                )
             elif out:
                 out[-1].is_last = True
             else:

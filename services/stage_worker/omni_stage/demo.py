@@ -29,7 +29,9 @@ CHAT_TEMPLATE: Final = (
 class TinyVocoder(torch.nn.Module):
     """Codec tokens [n] -> waveform [n * hop] in [-1, 1]."""
 
-    def __init__(self, vocab: int = CODEC_VOCAB, dim: int = 32, hop: int = HOP, sample_rate: int = SAMPLE_RATE):
+    def __init__(
+        self, vocab: int = CODEC_VOCAB, dim: int = 32, hop: int = HOP, sample_rate: int = SAMPLE_RATE
+    ):
         super().__init__()
         self.sample_rate = sample_rate
         self.embed = torch.nn.Embedding(vocab, dim)
@@ -61,9 +63,12 @@ def _tokenizer():  # type: ignore[no-untyped-def]
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
-    )  # fmt: skip
+    )
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -83,11 +88,19 @@ def _qwen2(vocab: int, eos: int | None, seed: int):  # type: ignore[no-untyped-d
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-        tie_word_embeddings=False, initializer_range=0.5, eos_token_id=eos, bos_token_id=None,
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        initializer_range=0.5,
+        eos_token_id=eos,
+        bos_token_id=None,
         pad_token_id=eos,
-    )  # fmt: skip
+    )
     model = Qwen2ForCausalLM(cfg).eval()
     if eos is not None:
         with torch.no_grad():

@@ -12,13 +12,23 @@ class StageMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         labels = {"stage": stage, "replica": replica}
-        self.queued = Gauge("omni_stage_queued_requests", "Requests waiting for a slot", labels.keys(), registry=r).labels(**labels)
-        self.inflight = Gauge("omni_stage_inflight_requests", "Requests running", labels.keys(), registry=r).labels(**labels)
+        self.queued = Gauge(
+            "omni_stage_queued_requests", "Requests waiting for a slot", labels.keys(), registry=r
+        ).labels(**labels)
+        self.inflight = Gauge(
+            "omni_stage_inflight_requests", "Requests running", labels.keys(), registry=r
+        ).labels(**labels)
         self.tracked = Gauge(
-            "omni_stage_tracked_requests", "Per-request states held (queued, running)", labels.keys(), registry=r
+            "omni_stage_tracked_requests",
+            "Per-request states held (queued, running)",
+            labels.keys(),
+            registry=r,
         ).labels(**labels)
         self.shm_segments = Gauge(
-            "omni_shm_segments", "Shared-memory segments of this deployment in /dev/shm", labels.keys(), registry=r
+            "omni_shm_segments",
+            "Shared-memory segments of this deployment in /dev/shm",
+            labels.keys(),
+            registry=r,
         ).labels(**labels)
         self.requests = Counter(
             "omni_stage_requests", "Requests ended, by outcome", [*labels.keys(), "outcome"], registry=r
@@ -26,23 +36,42 @@ class StageMetrics:
         self.window_triggers = Counter(
             "omni_stage_window_triggers", "Engine calls triggered by input windows", labels.keys(), registry=r
         ).labels(**labels)
-        self.segments = Counter("omni_stage_segments", "Segments flushed", labels.keys(), registry=r).labels(**labels)
+        self.segments = Counter("omni_stage_segments", "Segments flushed", labels.keys(), registry=r).labels(
+            **labels
+        )
         self.connector_bytes = Counter(
-            "omni_connector_bytes", "Payload bytes through connectors", [*labels.keys(), "connector", "op"], registry=r
+            "omni_connector_bytes",
+            "Payload bytes through connectors",
+            [*labels.keys(), "connector", "op"],
+            registry=r,
         )
         self.connector_seconds = Histogram(
-            "omni_connector_seconds", "Connector put/get latency", [*labels.keys(), "connector", "op"],
-            buckets=_LATENCY, registry=r,
-        )  # fmt: skip
+            "omni_connector_seconds",
+            "Connector put/get latency",
+            [*labels.keys(), "connector", "op"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.ttft = Histogram(
-            "omni_stage_time_to_first_segment_seconds", "Request start to first segment", labels.keys(),
-            buckets=_LATENCY, registry=r,
-        ).labels(**labels)  # fmt: skip
+            "omni_stage_time_to_first_segment_seconds",
+            "Request start to first segment",
+            labels.keys(),
+            buckets=_LATENCY,
+            registry=r,
+        ).labels(**labels)
         self.time_per_segment = Histogram(
-            "omni_stage_time_per_segment_seconds", "Time between segments", labels.keys(), buckets=_LATENCY, registry=r
+            "omni_stage_time_per_segment_seconds",
+            "Time between segments",
+            labels.keys(),
+            buckets=_LATENCY,
+            registry=r,
         ).labels(**labels)
         self.latency = Histogram(
-            "omni_stage_request_seconds", "Request start to last segment", labels.keys(), buckets=_LATENCY, registry=r
+            "omni_stage_request_seconds",
+            "Request start to last segment",
+            labels.keys(),
+            buckets=_LATENCY,
+            registry=r,
         ).labels(**labels)
         self._labels = labels
 

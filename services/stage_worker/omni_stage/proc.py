@@ -99,7 +99,8 @@ class StageWorker:
             e.from_: import_object(e.processor) for e in self.spec.inputs if e.processor
         }
         self.out_edges = [
-            _OutEdge(s.name, e.window, self.connectors[e.connector]) for s, e in pipeline.spec.consumers(stage)
+            _OutEdge(s.name, e.window, self.connectors[e.connector])
+            for s, e in pipeline.spec.consumers(stage)
         ]
         self.engine: Engine = build_engine(self.spec)
         self.requests: dict[str, _Request] = {}
@@ -120,11 +121,15 @@ class StageWorker:
             return False, "NATS disconnected"
         return True, "ok"
 
-    async def run(self, on_ready: Callable[[dict[str, Any]], None], metrics_host: str, metrics_port: int) -> None:
+    async def run(
+        self, on_ready: Callable[[dict[str, Any]], None], metrics_host: str, metrics_port: int
+    ) -> None:
         on_shutdown_signals(self.begin_drain)
         sock = socket.create_server((metrics_host, metrics_port))  # bound now: the port is known at once
         self.metrics_port = sock.getsockname()[1]
-        server = make_server(health_app(self.metrics.registry, self.readiness, self._refresh_gauges), lifespan="off")
+        server = make_server(
+            health_app(self.metrics.registry, self.readiness, self._refresh_gauges), lifespan="off"
+        )
         http = asyncio.create_task(server.serve(sockets=[sock]), name="health-http")
         try:
             log.info("stage %s/%s: loading engine %s", self.spec.name, self.replica, self.spec.engine.kind)
@@ -137,8 +142,13 @@ class StageWorker:
             await self._publish_heartbeat()
             await self.nc.flush()
             on_ready({"stage": self.spec.name, "replica": self.replica, "metrics_port": self.metrics_port})
-            log.info("stage %s/%s ready (inbox %s, metrics :%d)", self.spec.name, self.replica, self.inbox,
-                     self.metrics_port)  # fmt: skip
+            log.info(
+                "stage %s/%s ready (inbox %s, metrics :%d)",
+                self.spec.name,
+                self.replica,
+                self.inbox,
+                self.metrics_port,
+            )
             await self._stop.wait()
             await self._finish_drain()
             hb.cancel()
@@ -190,11 +200,20 @@ class StageWorker:
         self._refresh_gauges()
         load = self.core.load()
         hb = Heartbeat(
-            stage=self.spec.name, replica=self.replica, instance=self.instance, pid=os.getpid(),
-            host=socket.gethostname(), queued=load.queued, inflight=load.inflight, capacity=load.capacity,
-            max_queued=load.max_queued, draining=self.core.draining, interval_s=HEARTBEAT_INTERVAL_S,
-            metrics_port=self.metrics_port, stopping=stopping,
-        )  # fmt: skip
+            stage=self.spec.name,
+            replica=self.replica,
+            instance=self.instance,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            queued=load.queued,
+            inflight=load.inflight,
+            capacity=load.capacity,
+            max_queued=load.max_queued,
+            draining=self.core.draining,
+            interval_s=HEARTBEAT_INTERVAL_S,
+            metrics_port=self.metrics_port,
+            stopping=stopping,
+        )
         if self.nc is not None and self.nc.is_connected:
             with contextlib.suppress(Exception):
                 await self.nc.publish(self.subjects.heartbeat, pack(hb))
@@ -227,7 +246,9 @@ class StageWorker:
             for t in triggers:
                 st.triggers.put_nowait(t)
         except (AssemblyError, asyncio.QueueFull) as exc:
-            await self._fail(st.ctx, f"broken input stream: {exc or 'too many pending inputs'}", "input_error")
+            await self._fail(
+                st.ctx, f"broken input stream: {exc or 'too many pending inputs'}", "input_error"
+            )
             self._abort(rid)
 
     async def _admit(self, ctx: RequestContext) -> _Request | None:
@@ -297,8 +318,10 @@ class StageWorker:
                     if trig.is_last:
                         break
                 last = seg.finish()
-                usage = {"prompt_tokens": int(engine_state.get("prompt_tokens", 0)),
-                         "completion_tokens": seg.total_units}  # fmt: skip
+                usage = {
+                    "prompt_tokens": int(engine_state.get("prompt_tokens", 0)),
+                    "completion_tokens": seg.total_units,
+                }
                 finish = last.finish_reason or engine_state.get("finish_reason") or "stop"
                 await self._emit(st, last, windows, emitted, t0, (finish, usage))
             outcome = "ok"
@@ -341,9 +364,14 @@ class StageWorker:
         return inputs
 
     async def _emit(
-        self, st: _Request, seg: Segment, windows: dict[str, WindowState], emitted: _Emitted, t0: float,
+        self,
+        st: _Request,
+        seg: Segment,
+        windows: dict[str, WindowState],
+        emitted: _Emitted,
+        t0: float,
         ending: tuple[str, dict[str, int]] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         ctx = st.ctx
         now = time.monotonic()
         self.metrics.segments.inc()
@@ -365,11 +393,15 @@ class StageWorker:
                 )
                 self.metrics.connector(edge.connector.name, "put", nbytes, time.perf_counter() - t)
                 out = SegmentMsg(ctx, self.spec.name, seq, chunk.is_last, chunk.units, handle)
-                await self.nc.publish(self.subjects.stage_inbox(edge.consumer, ctx.route[edge.consumer]), pack(out))
+                await self.nc.publish(
+                    self.subjects.stage_inbox(edge.consumer, ctx.route[edge.consumer]), pack(out)
+                )
         if self.spec.final_output is not None:
             await self.nc.publish(ctx.reply_to, pack(self._final(ctx, seg, ending)))
 
-    def _final(self, ctx: RequestContext, seg: Segment, ending: tuple[str, dict[str, int]] | None) -> FinalMsg:
+    def _final(
+        self, ctx: RequestContext, seg: Segment, ending: tuple[str, dict[str, int]] | None
+    ) -> FinalMsg:
         """The client-facing message for a segment; the last one carries finish reason and usage."""
         kind = self.spec.final_output
         assert kind is not None
@@ -382,10 +414,17 @@ class StageWorker:
             self.metrics.connector(self.final_connector.name, "put", nbytes, time.perf_counter() - t)
         finish, usage = ending if ending is not None else (None, None)
         return FinalMsg(
-            request_id=ctx.request_id, stage=self.spec.name, replica=self.replica, kind=kind.value,
-            sequence=seg.sequence, is_last=seg.is_last, text=seg.text, handle=handle, finish_reason=finish,
+            request_id=ctx.request_id,
+            stage=self.spec.name,
+            replica=self.replica,
+            kind=kind.value,
+            sequence=seg.sequence,
+            is_last=seg.is_last,
+            text=seg.text,
+            handle=handle,
+            finish_reason=finish,
             usage=usage if kind is OutputKind.TEXT else None,
-        )  # fmt: skip
+        )
 
     async def _fail(self, ctx: RequestContext, message: str, code: str) -> None:
         if self.nc is None:
@@ -422,12 +461,19 @@ class _Emitted:
 
 
 def run_stage(
-    ready: Callable[[dict[str, Any]], None], pipeline: PipelineFile, stage: str, replica: str, nats_url: str,
-    metrics_host: str = "127.0.0.1", metrics_port: int = 0,
-) -> None:  # fmt: skip
+    ready: Callable[[dict[str, Any]], None],
+    pipeline: PipelineFile,
+    stage: str,
+    replica: str,
+    nats_url: str,
+    metrics_host: str = "127.0.0.1",
+    metrics_port: int = 0,
+) -> None:
     """Process entry point (used by `omni stage` and by `omni serve` through the lifecycle)."""
-    logging.basicConfig(level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.basicConfig(
+        level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
 
     async def main() -> None:
         worker = StageWorker(pipeline, stage, replica, nats_url)

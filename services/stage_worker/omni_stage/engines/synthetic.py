@@ -66,7 +66,10 @@ class SyntheticEngine(Engine):
             if self.hidden:
                 data["hidden_states"] = torch.full((1, self.hidden), float(tok % 7), dtype=torch.float32)
             if self.audio:  # for audio, a unit is one sample
-                data = {"audio": torch.full((self.samples,), (tok % 100) / 100.0), "sample_rate": self.sample_rate}
+                data = {
+                    "audio": torch.full((self.samples,), (tok % 100) / 100.0),
+                    "sample_rate": self.sample_rate,
+                }
                 yield EngineOutput(units=self.samples, data=data)
             else:
                 yield EngineOutput(units=1, text=f"tok{i} ", data=data)

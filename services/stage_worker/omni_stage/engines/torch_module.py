@@ -42,7 +42,9 @@ class TorchModuleEngine(Engine):
         kwargs = {k: v for k, v in self.args.items() if k not in _OWN_ARGS}
         module = factory(**kwargs)
         if not isinstance(module, torch.nn.Module):
-            raise EngineError(f"factory {self.stage.engine.factory!r} returned {type(module).__name__}, not a Module")
+            raise EngineError(
+                f"factory {self.stage.engine.factory!r} returned {type(module).__name__}, not a Module"
+            )
         self.module = module.to(self.device).eval()
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
@@ -61,7 +63,11 @@ class TorchModuleEngine(Engine):
         try:
             out = self.module(**tensors)
         except TypeError as exc:
-            raise EngineError(f"stage '{self.stage.name}': module does not take {sorted(tensors)}: {exc}") from exc
+            raise EngineError(
+                f"stage '{self.stage.name}': module does not take {sorted(tensors)}: {exc}"
+            ) from exc
         if not isinstance(out, torch.Tensor):
-            raise EngineError(f"stage '{self.stage.name}': module returned {type(out).__name__}, not a tensor")
+            raise EngineError(
+                f"stage '{self.stage.name}': module returned {type(out).__name__}, not a tensor"
+            )
         return out.detach().float().cpu().reshape(-1) if self.audio else out.detach().cpu()

@@ -70,7 +70,9 @@ class TransformersEngine(Engine):
         path = self.stage.engine.model
         assert path is not None
         if path.startswith((".", "/")) and not Path(path).is_dir():
-            raise EngineError(f"stage '{self.stage.name}': model directory {path!r} not found (from {Path.cwd()})")
+            raise EngineError(
+                f"stage '{self.stage.name}': model directory {path!r} not found (from {Path.cwd()})"
+            )
         try:
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         except OSError as exc:
@@ -107,9 +109,11 @@ class TransformersEngine(Engine):
             if self.return_hidden:
                 data["hidden_states"] = hidden
             yield EngineOutput(
-                units=1, text="" if done else self._text_delta(st), data=data,
+                units=1,
+                text="" if done else self._text_delta(st),
+                data=data,
                 finish_reason="stop" if done else None,
-            )  # fmt: skip
+            )
             if done:
                 st["finished"] = True
                 return
@@ -142,13 +146,20 @@ class TransformersEngine(Engine):
 
     @torch.inference_mode()
     def _step(
-        self, st: dict[str, Any], ids: torch.Tensor | None, embeds: torch.Tensor | None, temperature: float,
+        self,
+        st: dict[str, Any],
+        ids: torch.Tensor | None,
+        embeds: torch.Tensor | None,
+        temperature: float,
         top_p: float,
     ) -> tuple[int, torch.Tensor]:
         out = self.model(
-            input_ids=ids, inputs_embeds=embeds, past_key_values=st.get("past"), use_cache=True,
+            input_ids=ids,
+            inputs_embeds=embeds,
+            past_key_values=st.get("past"),
+            use_cache=True,
             output_hidden_states=self.return_hidden,
-        )  # fmt: skip
+        )
         st["past"] = out.past_key_values
         logits = out.logits[0, -1].float()
         hidden = out.hidden_states[-1][0, -1:].float().cpu() if self.return_hidden else torch.empty(0)

@@ -1,0 +1,213 @@
+"""`omni serve` end to end, as a user runs it: the official openai client against the real
+process tree (embedded nats-server, one process per stage, the gateway)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import re
+import shutil
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import soundfile as sf
+
+from tests.helpers import ROOT, OmniProcess, get_json, group_alive, our_shm_segments, wait_for
+
+pytestmark = pytest.mark.slow
+
+
+def start_serve(pipeline: Path, cwd: Path, log: Path) -> tuple[OmniProcess, str]:
+    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], cwd, log)
+    serve.wait_output("ready at", 180)
+    port = re.search(r"ready at http://127.0.0.1:(\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
+    return serve, f"http://127.0.0.1:{port}"
+
+
+def audio_delta(chunk: object) -> dict[str, object] | None:
+    """The `delta.audio` of a streamed chunk, typed or not depending on the openai version."""
+    choices = getattr(chunk, "choices", None)
+    if not choices:
+        return None
+    delta = choices[0].delta
+    a = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
+    if a is None:
+        return None
+    return a if isinstance(a, dict) else a.model_dump()
+
+
+def assert_all_gone(serve: OmniProcess) -> None:
+    wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
+    assert serve.proc.returncode == 0, serve.output()[-3000:]
+    wait_for(lambda: not group_alive(serve.proc.pid), 30, "every process of the tree to exit")
+    assert our_shm_segments() == [], "shared-memory segments left behind"
+
+
+@pytest.fixture(scope="module")
+def demo(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    pipeline = demo_dir / "tiny-omni.yaml"
+    shutil.copy(ROOT / "examples" / "tiny-omni.yaml", pipeline)
+    serve, base = start_serve(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log")
+    try:
+        yield base
+    finally:
+        serve.interrupt_group()  # Ctrl-C, as a terminal sends it
+        assert_all_gone(serve)
+
+
+def test_text_and_audio(demo: str) -> None:
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+    r = client.chat.completions.create(
+        model="tiny-omni",
+        messages=[{"role": "user", "content": "Hello!"}],
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"},
+    )
+    msg = r.choices[0].message
+    assert msg.content and r.usage is not None and r.usage.completion_tokens == 32
+    assert msg.audio is not None and msg.audio.transcript == msg.content and msg.audio.expires_at > 0
+    samples, sr = sf.read(io.BytesIO(base64.b64decode(msg.audio.data)))
+    assert sr == 24000 and len(samples) > 0
+    # 32 thinker tokens -> 4 codes each -> 480 samples per code
+    assert len(samples) == 32 * 4 * 480
+
+
+def test_streaming_text_and_audio_chunks(demo: str) -> None:
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model="tiny-omni",
+        messages=[{"role": "user", "content": "Tell me a story"}],
+        stream=True,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"},
+        stream_options={"include_usage": True},
+    )
+    kinds: list[str] = []
+    audio = b""
+    for chunk in stream:
+        if not chunk.choices:
+            kinds.append("usage")
+            continue
+        delta = chunk.choices[0].delta
+        if (a := audio_delta(chunk)) is not None:
+            kinds.append("audio")
+            audio += base64.b64decode(a["data"])
+        elif delta.content:
+            kinds.append("text")
+        if chunk.choices[0].finish_reason:
+            kinds.append("finish")
+    assert kinds.index("text") < kinds.index("finish")
+    assert kinds[: kinds.index("finish")].count("audio") >= 2
+    assert kinds[-1] == "usage"
+    samples, sr = sf.read(io.BytesIO(audio))  # the chunks form one playable WAV
+    assert sr == 24000 and len(samples) == 32 * 4 * 480
+
+
+def test_text_only_and_models(demo: str) -> None:
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+    r = client.chat.completions.create(
+        model="tiny-omni", messages=[{"role": "user", "content": "Hi"}], max_tokens=5
+    )
+    assert r.choices[0].message.audio is None and r.choices[0].finish_reason == "length"
+    assert r.usage is not None and r.usage.completion_tokens == 5
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-omni"]
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ({"model": "tiny-omni", "messages": []}, 400, "messages"),
+        (
+            {"model": "tiny-omni", "messages": [{"role": "user", "content": "x"}], "modalities": ["smell"]},
+            400,
+            "modalities.0",
+        ),
+        ({"model": "tiny-omni", "messages": "hello"}, 400, "messages"),
+        (
+            {"model": "tiny-omni", "messages": [{"role": "user", "content": "x"}], "max_tokens": "many"},
+            400,
+            "max_tokens",
+        ),
+        (
+            {
+                "model": "tiny-omni",
+                "messages": [{"role": "user", "content": "x"}],
+                "modalities": ["text", "audio"],
+            },
+            400,
+            None,
+        ),
+        ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
+    ],
+    ids=[
+        "no-messages",
+        "unknown-modality",
+        "wrong-type",
+        "wrong-type-max-tokens",
+        "audio-without-params",
+        "unknown-model",
+    ],
+)
+def test_errors_are_openai_shaped(demo: str, body: dict[str, object], status: int, param: str | None) -> None:
+    r = httpx.post(f"{demo}/v1/chat/completions", json=body, headers={"X-Request-Id": "my-req-1"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param
+    assert r.headers["x-request-id"] == "my-req-1"
+
+
+def test_malformed_json_is_400(demo: str) -> None:
+    r = httpx.post(
+        f"{demo}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and "error" in r.json()
+
+
+def test_request_id_is_made_when_absent(demo: str) -> None:
+    r = httpx.get(f"{demo}/v1/models")
+    assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+
+
+def test_sigkill_of_a_stage_mid_request(tmp_path: Path) -> None:
+    serve, base = start_serve(ROOT / "tests" / "data" / "slow-synthetic.yaml", ROOT, tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        talker = next(r for r in get_json(f"{base}/replicas")["replicas"] if r["stage"] == "talker")
+        stream = client.chat.completions.create(
+            model="slow",
+            messages=[{"role": "user", "content": "speak"}],
+            stream=True,
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "pcm16"},
+        )
+        with pytest.raises(openai.APIError) as info:
+            for chunk in stream:
+                if audio_delta(chunk) is not None and talker["pid"]:
+                    os.kill(talker["pid"], signal.SIGKILL)  # the talker is mid-request now
+                    talker["pid"] = 0
+        assert talker["pid"] == 0, "the request ended before the talker could be killed"
+        assert "stage 'talker'" in str(info.value)
+
+        def restarted() -> bool:
+            reps = get_json(f"{base}/replicas")["replicas"]
+            return any(r["stage"] == "talker" and r["instance"] != talker["instance"] for r in reps)
+
+        wait_for(restarted, 60, "the supervisor to restart the talker")
+        r = client.chat.completions.create(
+            model="slow",
+            messages=[{"role": "user", "content": "again"}],
+            max_tokens=10,
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+        )
+        assert r.choices[0].message.content.startswith("tok0") and r.choices[0].message.audio is not None
+        assert "talker-0 died" in serve.output()
+    finally:
+        serve.interrupt_group()
+        assert_all_gone(serve)
