@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 NATS_URL_ENV: Final = "OMNI_NATS_URL"
 HEARTBEAT_INTERVAL_S: Final = 1.0
 HEARTBEAT_MISSES: Final = 3
+NATS_WAIT_LOG_EVERY_S: Final = 5.0
 """A replica not heard from for this many intervals is gone."""
 
 _TOKEN: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -178,32 +179,40 @@ def resolve_nats_url(url: str | None) -> str:
     return url
 
 
-async def connect_nats(
-    url: str, name: str, *, retry_for_s: float = float("inf"), connect_timeout_s: float = 2.0
-) -> NatsClient:
-    """Connect, waiting with backoff while the server is not up yet; log every wait.
+async def connect_nats(url: str, name: str, *, retry_for_s: float | None = None) -> NatsClient:
+    """Connect, waiting while the server is not up yet (saying so in the log every few seconds).
 
-    Once connected, the client reconnects by itself for ever (servers restart; we outlive them).
+    nats-py itself retries the first connection, every `reconnect_time_wait`, and once
+    connected it reconnects by itself for ever: servers restart; we outlive them. With
+    `retry_for_s` the first connection is given up after that long (ControlError).
     """
     resolve_nats_url(url)
+    client: list[NatsClient] = []
+    last_warning = [-NATS_WAIT_LOG_EVERY_S]
 
     async def on_disconnect() -> None:
+        if client and (client[0].is_closed or client[0].is_draining):
+            return  # we are closing it ourselves
         log.warning("%s: disconnected from NATS at %s", name, url)
 
     async def on_reconnect() -> None:
         log.info("%s: reconnected to NATS", name)
 
     async def on_error(exc: Exception) -> None:
-        log.debug("%s: NATS error: %s", name, exc)
+        now = time.monotonic()
+        if not client and now - last_warning[0] >= NATS_WAIT_LOG_EVERY_S:
+            last_warning[0] = now
+            why = str(exc) or type(exc).__name__
+            log.warning("%s: NATS at %s not reachable yet (%s); still trying", name, url, why)
+        else:
+            log.debug("%s: NATS error: %s", name, exc)
 
-    deadline = time.monotonic() + retry_for_s
-    delay = 0.1
-    while True:
-        try:
-            return await nats.connect(
+    try:
+        async with asyncio.timeout(retry_for_s):
+            nc = await nats.connect(
                 url,
                 name=name,
-                connect_timeout=connect_timeout_s,
+                connect_timeout=2,
                 allow_reconnect=True,
                 max_reconnect_attempts=-1,
                 reconnect_time_wait=0.5,
@@ -211,12 +220,12 @@ async def connect_nats(
                 reconnected_cb=on_reconnect,
                 error_cb=on_error,
             )
-        except (OSError, TimeoutError, nats.errors.NoServersError) as exc:
-            if time.monotonic() + delay > deadline:
-                raise ControlError(f"{name}: NATS at {url} unreachable: {exc}") from None
-            log.warning("%s: NATS at %s not reachable yet (%s); retrying in %.1fs", name, url, exc, delay)
-            await asyncio.sleep(delay)  # backoff between connection attempts, not synchronisation
-            delay = min(delay * 2, 5.0)
+    except TimeoutError:
+        raise ControlError(f"{name}: NATS at {url} unreachable for {retry_for_s:.0f}s") from None
+    client.append(nc)
+    if last_warning[0] >= 0:
+        log.info("%s: connected to NATS at %s", name, url)
+    return nc
 
 
 async def close_nats(nc: NatsClient, timeout_s: float = 2.0) -> None:

@@ -95,7 +95,7 @@ def _child_entry(target: ChildTarget, report: Connection, args: tuple[Any, ...])
         code = exc.code if isinstance(exc.code, int) else 0
     except BaseException as exc:
         code = 1
-        detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        detail = f"{type(exc).__name__}: {exc}"
         log.error("child failed: %s\n%s", detail, traceback.format_exc())
         _send(report, LifecycleEvent(ProcState.ERROR, detail=detail))
     finally:

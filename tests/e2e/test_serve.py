@@ -211,3 +211,25 @@ def test_sigkill_of_a_stage_mid_request(tmp_path: Path) -> None:
     finally:
         serve.interrupt_group()
         assert_all_gone(serve)
+
+
+def test_a_stage_that_cannot_start_fails_serve_cleanly(demo_dir: Path, tmp_path: Path) -> None:
+    example = (ROOT / "examples" / "tiny-omni.yaml").read_text()
+    pipeline = tmp_path / "broken.yaml"
+    pipeline.write_text(example.replace("./models/tiny-talker", "./models/missing"))
+    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], demo_dir, tmp_path / "serve.log")
+    wait_for(lambda: serve.proc.poll() is not None, 120, "omni serve to give up")
+    assert serve.proc.returncode == 1
+    expected = "talker-0 failed to start: EngineError: stage 'talker': model directory './models/missing'"
+    assert expected in serve.output()
+    wait_for(lambda: not group_alive(serve.proc.pid), 30, "every process of the tree to exit")
+
+
+def test_bad_pipeline_file_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    text = (ROOT / "examples" / "tiny-omni.yaml").read_text().replace("from: thinker", "from: thinkr")
+    pipeline = tmp_path / "bad.yaml"
+    pipeline.write_text(text)
+    serve = OmniProcess(["serve", str(pipeline)], tmp_path, tmp_path / "serve.log")
+    assert serve.proc.wait(60) == 2
+    assert "stage 'talker': inputs[0].from: unknown stage 'thinkr'" in serve.output()
+    assert "nats" not in serve.output().lower()

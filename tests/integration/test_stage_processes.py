@@ -10,6 +10,8 @@ from __future__ import annotations
 import base64
 import io
 import re
+import socket
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import pytest
 import soundfile as sf
 from prometheus_client.parser import text_string_to_metric_families
 
+from omni_cli.natsd import nats_server_binary
 from tests.helpers import ROOT, OmniProcess, get_json, our_shm_segments, wait_for
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic.yaml"
@@ -142,3 +145,50 @@ def test_client_disconnect_mid_stream_frees_everything(cluster: str) -> None:
     # And the pipeline still serves.
     r = client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "again"}])
     assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_non_streaming_client_that_leaves_aborts_its_request(cluster: str) -> None:
+    body = {"model": "synth", "messages": [{"role": "user", "content": "slow"}], "max_tokens": 3000}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{cluster}/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=1.0))
+    wait_for(
+        lambda: replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted") == 1,
+        30,
+        "the thinker to abort the abandoned request",
+    )
+    assert replica_metric(cluster, "thinker", "omni_stage_tracked_requests") == 0
+
+
+def test_stage_started_before_nats_waits_and_says_so(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a free port for a NATS server that is not there yet
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"nats://127.0.0.1:{port}"
+    stage = OmniProcess(
+        [
+            "stage",
+            "--pipeline",
+            str(PIPELINE),
+            "--stage",
+            "vocoder",
+            "--nats",
+            url,
+            "--metrics-host",
+            "127.0.0.1",
+        ],
+        ROOT,
+        tmp_path / "vocoder.log",
+    )
+    server = None
+    try:
+        stage.wait_output("not reachable yet", 60)
+        server = subprocess.Popen(
+            [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)], stderr=subprocess.DEVNULL
+        )
+        stage.wait_output("vocoder/0 ready", 60)
+        assert f"connected to NATS at {url}" in stage.output()
+    finally:
+        assert stage.stop() == 0
+        if server is not None:
+            server.terminate()
+            server.wait(10)

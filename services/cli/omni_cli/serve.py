@@ -60,8 +60,8 @@ class Supervisor:
         self.stopping = False
 
     def _on_event(self, proc: ManagedProcess, ev: LifecycleEvent) -> None:
-        if ev.state is ProcState.DEAD:
-            self.events.put(("dead", proc.name))
+        if ev.state in (ProcState.READY, ProcState.DEAD):
+            self.events.put((ev.state.value, proc.name))
 
     def _start(self, slot: _Slot) -> None:
         slot.proc = ManagedProcess(
@@ -104,17 +104,35 @@ class Supervisor:
                 self.slots[name] = _Slot(name, stage_child, (self.path, stage.name, str(i), url))
         for slot in self.slots.values():
             self._start(slot)
-        for slot in self.slots.values():
-            assert slot.proc is not None
-            slot.proc.wait_ready(STARTUP_TIMEOUT_S)
+        self._wait_ready(set(self.slots))
         gw = self.slots["gateway"] = _Slot("gateway", gateway_child, (self.path, url, self.host, self.port))
         self._start(gw)
+        self._wait_ready({"gateway"})
         assert gw.proc is not None
-        info = gw.proc.wait_ready(STARTUP_TIMEOUT_S)
+        info = gw.proc.info
         print(
             f"omni serve: {self.pipeline.spec.served_model_name} ready at http://{self.host}:{info['port']}/v1",
             flush=True,
         )
+
+    def _wait_ready(self, names: set[str]) -> None:
+        """Until every named process is READY; the first one to die fails the startup."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        waiting = set(names)
+        while waiting:
+            try:
+                kind, name = self.events.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(
+                    f"not ready after {STARTUP_TIMEOUT_S:.0f}s: {', '.join(sorted(waiting))}"
+                ) from None
+            if kind == "signal":
+                raise KeyboardInterrupt
+            proc = self.slots[name].proc if name in self.slots else None
+            if kind == ProcState.DEAD.value and proc is not None:
+                why = proc.error or f"exited with code {proc.exitcode}"
+                raise ChildFailed(f"{name} failed to start: {why}")
+            waiting.discard(name)
 
     def _loop(self) -> int:
         restarts: list[tuple[float, str]] = []
@@ -129,6 +147,9 @@ class Supervisor:
                 continue
             except KeyboardInterrupt:
                 kind, what = "signal", "SIGINT"
+            if kind == ProcState.READY.value:
+                log.info("%s ready", what)
+                continue
             if kind == "signal":
                 log.info("%s: shutting down", what)
                 self.shutdown()
