@@ -10,9 +10,11 @@ from __future__ import annotations
 import base64
 import io
 import re
+import signal
 import socket
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -28,8 +30,14 @@ PIPELINE = ROOT / "tests" / "data" / "synthetic.yaml"
 PREFIX = "omni-itest"
 
 
+@dataclass
+class Cluster:
+    base: str
+    stages: dict[str, OmniProcess]
+
+
 @pytest.fixture
-def cluster(nats_url: str, tmp_path: Path) -> Iterator[str]:
+def cluster_procs(nats_url: str, tmp_path: Path) -> Iterator[Cluster]:
     env = {"OMNI_SHM_PREFIX": PREFIX}
     procs = [
         OmniProcess(
@@ -61,17 +69,26 @@ def cluster(nats_url: str, tmp_path: Path) -> Iterator[str]:
         port = re.search(r"serving synth on http://127.0.0.1:(\d+)", gw.output()).group(1)  # type: ignore[union-attr]
         base = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "every stage registered")
-        yield base
+        yield Cluster(base, dict(zip(("thinker", "talker", "vocoder"), procs, strict=True)))
     finally:
         for p in [gw, *procs]:
             assert p.stop() == 0, p.output()[-2000:]
     assert our_shm_segments(PREFIX) == []
 
 
+@pytest.fixture
+def cluster(cluster_procs: Cluster) -> str:
+    return cluster_procs.base
+
+
+def replica_url(base: str, stage: str) -> str:
+    rep = next(r for r in get_json(f"{base}/replicas")["replicas"] if r["stage"] == stage)
+    return f"http://127.0.0.1:{rep['metrics_port']}"
+
+
 def replica_metric(base: str, stage: str, name: str, **labels: str) -> float:
     """Sum of a metric's samples on a stage replica's own /metrics, filtered by labels."""
-    rep = next(r for r in get_json(f"{base}/replicas")["replicas"] if r["stage"] == stage)
-    text = httpx.get(f"http://127.0.0.1:{rep['metrics_port']}/metrics").text
+    text = httpx.get(f"{replica_url(base, stage)}/metrics").text
     return sum(
         s.value
         for fam in text_string_to_metric_families(text)
@@ -192,3 +209,32 @@ def test_stage_started_before_nats_waits_and_says_so(tmp_path: Path) -> None:
         if server is not None:
             server.terminate()
             server.wait(10)
+
+
+def test_replica_health_endpoints(cluster: str) -> None:
+    for stage in ("thinker", "talker", "vocoder"):
+        url = replica_url(cluster, stage)
+        assert httpx.get(f"{url}/health/live").json() == {"status": "live"}
+        ready = httpx.get(f"{url}/health/ready")
+        assert ready.status_code == 200 and ready.json()["status"] == "ready"
+
+
+def test_sigterm_drains_in_flight_work_then_exits_0(cluster_procs: Cluster) -> None:
+    base, thinker = cluster_procs.base, cluster_procs.stages["thinker"]
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model="synth", messages=[{"role": "user", "content": "drain me"}], max_tokens=1500, stream=True
+    )
+    text = []
+    for n, chunk in enumerate(stream):
+        if chunk.choices and chunk.choices[0].delta.content:
+            text.append(chunk.choices[0].delta.content)
+        if n == 5:
+            thinker.proc.send_signal(signal.SIGTERM)  # mid-request
+    assert "".join(text) == "".join(f"tok{i} " for i in range(1500)), "the in-flight request was cut short"
+    assert thinker.proc.wait(30) == 0
+    assert "draining 1 requests" in thinker.output()
+    wait_for(lambda: httpx.get(f"{base}/health").status_code == 503, 10, "the gateway to drop the thinker")
+    with pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "x"}])
+    assert info.value.status_code == 503 and "stage 'thinker' has no live replica" in str(info.value)

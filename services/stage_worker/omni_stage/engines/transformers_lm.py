@@ -64,6 +64,9 @@ class TransformersEngine(Engine):
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()  # a server's log is not a terminal
 
         if threads := self.args.get("threads"):
             torch.set_num_threads(int(threads))
@@ -99,10 +102,11 @@ class TransformersEngine(Engine):
             st["text"] = ""
         temperature = float(call.sampling.get("temperature", 0.0) or 0.0)
         top_p = float(call.sampling.get("top_p", 1.0) or 1.0)
-        feed_ids, feed_embeds = ids, embeds
+        feed_ids, feed_embeds = self._with_pending(st, ids, embeds)
         for _ in range(budget):
             tok, hidden = await asyncio.to_thread(self._step, st, feed_ids, feed_embeds, temperature, top_p)
             feed_ids, feed_embeds = torch.tensor([[tok]], device=self.device), None
+            st["pending"] = tok  # sampled, not yet fed: the next step (or call) feeds it
             st["generated"].append(tok)
             done = tok in self.eos and not self.ignore_eos
             data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
@@ -119,6 +123,21 @@ class TransformersEngine(Engine):
                 return
         if "request" in call.inputs:
             st["finish_reason"] = "length"
+
+    def _with_pending(
+        self, st: dict[str, Any], ids: torch.Tensor | None, embeds: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Prepend the previous call's last sampled token, so windowed calls extend one sequence."""
+        pending = st.pop("pending", None)
+        if pending is None:
+            return ids, embeds
+        tok = torch.tensor([[pending]], device=self.device)
+        if embeds is not None:
+            with torch.inference_mode():
+                tok_embed = self.model.get_input_embeddings()(tok).to(embeds.dtype)
+            return None, torch.cat([tok_embed, embeds], dim=1)
+        assert ids is not None
+        return torch.cat([tok, ids], dim=1), None
 
     def _inputs(self, call: EngineCall) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         if st_req := call.inputs.get("request"):

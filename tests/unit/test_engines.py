@@ -1,0 +1,134 @@
+"""Engines driven directly (no processes): the transformers step loop against Hugging Face's own
+generate, input embeddings and KV continuation across windowed calls, the torch and synthetic
+engines."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from omni_pipeline.spec import load_pipeline
+from omni_stage.engines.base import Engine, EngineCall, EngineError, build_engine
+from omni_stage.processors import thinker_to_talker
+from omni_stage.segments import EngineOutput
+from tests.helpers import ROOT
+
+EXAMPLE = ROOT / "examples" / "tiny-omni.yaml"
+
+
+def engine_for(stage: str, models: Path, **engine_overrides: Any) -> Engine:
+    spec = load_pipeline(EXAMPLE).spec.stage(stage)
+    eng = spec.engine
+    updates: dict[str, Any] = {}
+    if eng.model:
+        updates["model"] = str(models / Path(eng.model).name)
+    if "path" in eng.args:
+        updates["args"] = {**eng.args, "path": str(models / "tiny-vocoder")}
+    updates.update(engine_overrides)
+    return build_engine(spec.model_copy(update={"engine": eng.model_copy(update=updates)}))
+
+
+def run(engine: Engine, call: EngineCall) -> list[EngineOutput]:
+    async def go() -> list[EngineOutput]:
+        await engine.start()
+        return [o async for o in engine.generate(call)]
+
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def models(demo_dir: Path) -> Path:
+    return demo_dir / "models"
+
+
+def test_thinker_greedy_matches_hf_generate(models: Path) -> None:
+    messages = [{"role": "user", "content": "What is omni?"}]
+    outs = run(
+        engine_for("thinker", models),
+        EngineCall("r", {"request": {"messages": messages}}, True, {"max_tokens": 12}),
+    )
+    ours = [int(o.data["token_ids"][0]) for o in outs]
+
+    tok = AutoTokenizer.from_pretrained(models / "tiny-thinker")
+    model = AutoModelForCausalLM.from_pretrained(models / "tiny-thinker")
+    prompt = tok(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    ids = torch.tensor([prompt["input_ids"]])
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1] :].tolist()
+    assert ours == ref
+    assert "".join(o.text for o in outs) == tok.decode(ref, skip_special_tokens=True)
+    assert all(o.data["hidden_states"].shape == (1, 64) for o in outs)
+
+
+def test_talker_takes_embeddings_and_continues_across_calls(models: Path) -> None:
+    engine = engine_for("talker", models)
+    hidden = torch.randn(16, 64)
+    state: dict[str, Any] = {}
+    first = run(
+        engine,
+        EngineCall("r", {"thinker": thinker_to_talker({"hidden_states": hidden[:8]})}, False, {}, state),
+    )
+    assert len(first) == 8 * 4 and all(0 <= int(o.data["token_ids"][0]) < 256 for o in first)
+    cached = state["past"].get_seq_length()
+    second = run(
+        engine,
+        EngineCall("r", {"thinker": thinker_to_talker({"hidden_states": hidden[8:]})}, True, {}, state),
+    )
+    assert len(second) == 32
+    # One sequence, not a fresh start: call 1's last token, call 2's 8 inputs, 31 of its 32 tokens.
+    assert state["past"].get_seq_length() == cached + 1 + 8 + 31
+
+
+def test_sampling_is_seeded(models: Path) -> None:
+    engine = engine_for("thinker", models)
+    req = {"request": {"messages": [{"role": "user", "content": "hi"}]}}
+
+    def sample(seed: int) -> list[int]:
+        call = EngineCall("r", req, True, {"max_tokens": 10, "temperature": 1.0, "top_p": 0.9, "seed": seed})
+        return [int(o.data["token_ids"][0]) for o in run(engine, call)]
+
+    assert sample(1) == sample(1)
+    assert sample(1) != sample(2)
+
+
+def test_vocoder_turns_codes_into_samples(models: Path) -> None:
+    engine = engine_for("vocoder", models)
+    (out,) = run(engine, EngineCall("r", {"talker": {"token_ids": torch.arange(25)}}, True, {}))
+    assert out.units == 25 * 480 and out.data["sample_rate"] == 24000
+    audio = out.data["audio"]
+    assert audio.shape == (25 * 480,) and audio.abs().max() <= 1.0
+
+
+def test_missing_model_directory_is_named(tmp_path: Path) -> None:
+    engine = engine_for("thinker", tmp_path)
+    with pytest.raises(EngineError, match=r"model directory .* not found"):
+        run(engine, EngineCall("r", {"request": {"messages": []}}, True, {}))
+
+
+def test_non_text_parts_are_refused(models: Path) -> None:
+    engine = engine_for("thinker", models)
+    msg = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
+    with pytest.raises(EngineError, match="text only"):
+        run(engine, EngineCall("r", {"request": {"messages": [msg]}}, True, {}))
+
+
+def test_synthetic_is_deterministic_and_can_be_poisoned() -> None:
+    spec = load_pipeline(ROOT / "tests" / "data" / "synthetic.yaml").spec
+    thinker = build_engine(spec.stage("thinker"))
+    req = {"request": {"messages": [{"role": "user", "content": "x"}]}}
+    a = run(thinker, EngineCall("r1", req, True, {"max_tokens": 5}))
+    b = run(thinker, EngineCall("r1", req, True, {"max_tokens": 5}))
+    assert [o.text for o in a] == [o.text for o in b] == [f"tok{i} " for i in range(5)]
+    assert a[0].data["hidden_states"].shape == (1, 64)
+    with pytest.raises(EngineError, match="poisoned"):
+        run(
+            thinker,
+            EngineCall("r2", {"request": {"messages": [{"role": "user", "content": "POISON"}]}}, True, {}),
+        )
