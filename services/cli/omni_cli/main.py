@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from omni_pipeline.control import NATS_URL_ENV, ControlError, resolve_nats_url
+from omni_pipeline.logs import configure_logging
 from omni_pipeline.spec import PipelineFile, SpecError, load_pipeline
 
 
@@ -117,10 +118,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(
-        level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging()
     a = parser().parse_args(argv)
     try:
         return int(a.fn(a))

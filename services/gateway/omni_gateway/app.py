@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import re
 import socket
 import uuid
@@ -22,6 +21,7 @@ from omni_gateway.errors import BadRequest, OmniError
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.routes import router
 from omni_gateway.service import PipelineClient
+from omni_pipeline.logs import configure_logging
 from omni_pipeline.serving import make_server, on_shutdown_signals
 from omni_pipeline.spec import PipelineFile
 
@@ -126,10 +126,7 @@ def run_gateway(
     wait_for_stages: bool = True,
 ) -> None:
     """Process entry point (`omni gateway`, and `omni serve` through the lifecycle)."""
-    logging.basicConfig(
-        level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging()
 
     async def main() -> None:
         service = PipelineClient(pipeline, nats_url)

@@ -43,6 +43,7 @@ from omni_pipeline.control import (
     pack,
     unpack,
 )
+from omni_pipeline.logs import configure_logging
 from omni_pipeline.serving import make_server, on_shutdown_signals
 from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, PipelineFile, StageSpec
 from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
@@ -470,10 +471,7 @@ def run_stage(
     metrics_port: int = 0,
 ) -> None:
     """Process entry point (used by `omni stage` and by `omni serve` through the lifecycle)."""
-    logging.basicConfig(
-        level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    configure_logging()
 
     async def main() -> None:
         worker = StageWorker(pipeline, stage, replica, nats_url)
