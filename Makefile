@@ -5,10 +5,23 @@ OMNI    := $(VENV)/bin/omni
 STAMP   := $(VENV)/.installed
 MODELS  := models
 PORT    ?= 8000
+# Debian packages the native parts need (Mooncake's transfer engine links these).
+DEBIAN  := libibverbs1 libnuma1 libcurl4
 
-.PHONY: setup serve test lint format demo-models clean
+.PHONY: setup serve test lint format demo-models system-packages clean
 
-setup: $(STAMP)
+setup: system-packages $(STAMP)
+
+# Installs what is missing, as root (CI, containers); otherwise says what to install.
+system-packages:
+	@missing=$$(for p in $(DEBIAN); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		if [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+		else \
+			echo "missing Debian packages: $$missing (sudo apt-get install $$missing)"; exit 1; \
+		fi; \
+	fi
 
 # Idempotent: re-runs only when pyproject.toml changes. torch 2.13.0 (CPU) first, so the
 # project's `torch>=` range is already met and pip never reaches for a CUDA build.
@@ -16,7 +29,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,mooncake]'
 	touch $(STAMP)
 
 $(MODELS)/tiny-thinker/config.json: | $(STAMP)

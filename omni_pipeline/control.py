@@ -77,11 +77,23 @@ class RequestContext(msgspec.Struct, frozen=True):
 
 
 class StageRequest(msgspec.Struct, tag="request", frozen=True):
-    """A new request for a stage that reads `request`."""
+    """A new request, sent by request/reply to every replica on its route (answered by Admitted).
+
+    Stages that read `request` get the client's inputs; the others an empty dict: for them it
+    only reserves a slot, so admission (full, draining) is decided before any work starts.
+    """
 
     ctx: RequestContext
     inputs: dict[str, Any]
     sampling: dict[str, Any]
+
+
+class Admitted(msgspec.Struct, tag="admitted", frozen=True):
+    """A replica's answer to a StageRequest: it holds a slot for the request, or says why not."""
+
+    ok: bool
+    code: str = ""
+    message: str = ""
 
 
 class SegmentMsg(msgspec.Struct, tag="segment", frozen=True):

@@ -137,6 +137,30 @@ class ConnectorSpec(_Model):
     )
 
 
+class MooncakeSpec(_Model):
+    """Where the Mooncake store is, for connectors of kind `mooncake` (env vars override)."""
+
+    master_server_address: str = Field(default="", description="mooncake_master RPC address, host:port.")
+    metadata_server: str = Field(
+        default="",
+        description="Transfer-engine metadata: http://host:port/metadata, etcd://..., or P2PHANDSHAKE.",
+    )
+    protocol: Literal["tcp", "rdma"] = Field(default="tcp", description="Transfer protocol.")
+    device_name: str = Field(default="", description="RDMA device(s), for protocol rdma.")
+    global_segment_size_bytes: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "Memory each omni process contributes to the store. 0 (the default): none, the data lives in "
+            "store servers (mooncake_client), so a stage that exits or crashes takes no other request's "
+            "payloads with it."
+        ),
+    )
+    local_buffer_size_bytes: int = Field(
+        default=64 << 20, ge=1 << 20, description="Client-side transfer buffer."
+    )
+
+
 class NatsSpec(_Model):
     url: str = Field(default="", description="NATS URL; empty in SingleNode starts an embedded server.")
 
@@ -154,6 +178,9 @@ class PipelineSpec(_Model):
     served_model_name: str = Field(min_length=1, description="The model name clients ask for.")
     nats: NatsSpec = Field(default_factory=NatsSpec)
     connectors: dict[str, ConnectorSpec] = Field(default_factory=lambda: {DEFAULT_CONNECTOR: ConnectorSpec()})
+    mooncake: MooncakeSpec | None = Field(
+        default=None, description="The Mooncake store, for mooncake connectors."
+    )
     gateway: GatewaySpec = Field(default_factory=GatewaySpec)
     stages: list[StageSpec] = Field(min_length=1)
 

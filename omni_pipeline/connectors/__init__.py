@@ -23,14 +23,21 @@ __all__ = [
 ]
 
 
-def build_connectors(spec: PipelineSpec) -> dict[str, OmniConnector]:
-    """One connector instance per name in `spec.connectors`."""
+def build_connectors(spec: PipelineSpec, pipeline: str) -> dict[str, OmniConnector]:
+    """One connector per name in `spec.connectors`; all or nothing (a failure closes the rest)."""
     out: dict[str, OmniConnector] = {}
-    for name, cspec in spec.connectors.items():
-        if cspec.kind is ConnectorKind.INLINE:
-            out[name] = InlineConnector(name, cspec)
-        elif cspec.kind is ConnectorKind.SHM:
-            out[name] = ShmConnector(name, cspec)
-        else:
-            raise ConnectorError(f"connector '{name}': kind '{cspec.kind}' is not available yet")
+    try:
+        for name, cspec in spec.connectors.items():
+            if cspec.kind is ConnectorKind.INLINE:
+                out[name] = InlineConnector(name, cspec)
+            elif cspec.kind is ConnectorKind.SHM:
+                out[name] = ShmConnector(name, cspec)
+            else:
+                from omni_pipeline.connectors.mooncake import MooncakeConfig, MooncakeConnector
+
+                out[name] = MooncakeConnector(name, cspec, pipeline, MooncakeConfig.resolve(spec.mooncake))
+    except BaseException:
+        for c in out.values():
+            c.close()
+        raise
     return out

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.control import NATS_URL_ENV, ControlError, resolve_nats_url
 from omni_pipeline.logs import configure_logging
 from omni_pipeline.spec import PipelineFile, SpecError, load_pipeline
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     try:
         return int(a.fn(a))
-    except (SpecError, ControlError) as exc:
+    except (SpecError, ControlError, ConnectorError) as exc:
         print(f"omni: {exc}", file=sys.stderr)
         return 2
 

@@ -38,6 +38,10 @@ class ReplicaTable:
         stage[hb.replica] = Replica(hb, now)
         return old if old is not None and old.hb.instance != hb.instance else None
 
+    def remove(self, stage: str, replica: str) -> Replica | None:
+        """Forget a replica at once (it answered no request: it is gone)."""
+        return self._by_stage.get(stage, {}).pop(replica, None)
+
     def expire(self, now: float) -> list[Replica]:
         gone = []
         for stage in self._by_stage.values():

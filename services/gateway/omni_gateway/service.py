@@ -18,18 +18,20 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+import nats
 import numpy as np
 import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from omni_gateway.errors import OmniError, StageFailed, Timeout, Unavailable
+from omni_gateway.errors import OmniError, Overloaded, StageFailed, Timeout, Unavailable
 from omni_gateway.replicas import Replica, ReplicaTable
 from omni_pipeline import wire
 from omni_pipeline.connectors import OmniConnector, build_connectors
 from omni_pipeline.control import (
     HEARTBEAT_INTERVAL_S,
     AbortMsg,
+    Admitted,
     ErrorMsg,
     FinalMsg,
     GatewayInbound,
@@ -46,6 +48,11 @@ from omni_pipeline.spec import REQUEST_SOURCE, OutputKind, PipelineFile
 
 log = logging.getLogger("omni.gateway")
 
+ADMIT_TIMEOUT_S: Final = 5.0
+"""How long a replica may take to admit a request before it counts as lost."""
+MAX_ATTEMPTS: Final = 2
+RETRYABLE: Final = frozenset({"replica_lost", "draining", "full"})
+"""Errors that say where a request went, not what it is: another replica may well serve it."""
 EVENT_QUEUE: Final = 1024
 """Outputs one request may have waiting for its client; a client this far behind is dropped."""
 
@@ -89,7 +96,7 @@ class PipelineClient:
         self.subjects = Subjects(pipeline.name)
         self.inbox = self.subjects.gateway_inbox(self.gateway_id)
         self.table = ReplicaTable()
-        self.connectors: dict[str, OmniConnector] = build_connectors(self.spec)
+        self.connectors: dict[str, OmniConnector] = build_connectors(self.spec, pipeline.name)
         self.inflight: dict[str, _Tracked] = {}
         self.nc: NatsClient | None = None
         self.covered = asyncio.Event()
@@ -110,6 +117,8 @@ class PipelineClient:
             self._sweeper.cancel()
         if self.nc is not None:
             await close_nats(self.nc)
+        for c in self.connectors.values():
+            c.close()
 
     @property
     def connected(self) -> bool:
@@ -123,7 +132,38 @@ class PipelineClient:
     async def generate(
         self, rid: str, inputs: dict[str, Any], sampling: dict[str, Any], outputs: set[OutputKind]
     ) -> AsyncIterator[Event]:
-        """Run one request; yields its outputs as they arrive. Closing the iterator aborts it."""
+        """Run one request; yields its outputs as they arrive. Closing the iterator aborts it.
+
+        A request whose replica is lost, or refuses it (draining, full), before anything was
+        yielded is sent again on a fresh route, up to MAX_ATTEMPTS times in all.
+        """
+        deadline = time.monotonic() + self.spec.gateway.request_timeout_s
+        for attempt in range(MAX_ATTEMPTS):
+            yielded = False
+            try:
+                async for ev in self._attempt(
+                    rid if attempt == 0 else f"{rid}-{attempt}", deadline, inputs, sampling, outputs
+                ):
+                    yielded = True
+                    yield ev
+                return
+            except StageFailed as exc:
+                if yielded or exc.code not in RETRYABLE:
+                    raise
+                if attempt + 1 == MAX_ATTEMPTS:
+                    if exc.code == "full":
+                        raise Overloaded(exc.message, headers={"Retry-After": "1"}) from None
+                    raise
+                log.info("gateway: request %s: %s; sending it again", rid, exc.message)
+
+    async def _attempt(
+        self,
+        rid: str,
+        deadline: float,
+        inputs: dict[str, Any],
+        sampling: dict[str, Any],
+        outputs: set[OutputKind],
+    ) -> AsyncIterator[Event]:
         assert self.nc is not None
         if not self.connected:
             raise Unavailable("the gateway is not connected to NATS")
@@ -134,16 +174,21 @@ class PipelineClient:
             {s: (r.hb.replica, r.hb.instance) for s, r in picked.items()},
             {s for s in needed if self.spec.stage(s).final_output in outputs},
         )
-        deadline = time.time() + self.spec.gateway.request_timeout_s
-        ctx = RequestContext(rid, {s: r[0] for s, r in tracked.route.items()}, self.inbox, deadline)
+        remaining = deadline - time.monotonic()
+        ctx = RequestContext(
+            rid, {s: r[0] for s, r in tracked.route.items()}, self.inbox, time.time() + remaining
+        )
         self.inflight[rid] = tracked
         completed = False
         try:
-            req = pack(StageRequest(ctx, inputs, sampling))
-            for s in self._sources:
-                if s in ctx.route:
-                    await self.nc.publish(self.subjects.stage_inbox(s, ctx.route[s]), req)
-            async with asyncio.timeout(self.spec.gateway.request_timeout_s):
+            # Downstream replicas first: each holds a slot before any source starts producing for
+            # it, so a refusal (draining, full, gone) comes before any output.
+            downstream = [s for s in needed if s not in self._sources]
+            await self._reserve(ctx, downstream, pack(StageRequest(ctx, {}, {})))
+            await self._reserve(
+                ctx, [s for s in needed if s in self._sources], pack(StageRequest(ctx, inputs, sampling))
+            )
+            async with asyncio.timeout(remaining):
                 async for ev in self._events(tracked):
                     yield ev
             completed = True
@@ -151,6 +196,34 @@ class PipelineClient:
             raise Timeout(f"request {rid} exceeded {self.spec.gateway.request_timeout_s:.0f}s") from None
         finally:
             await self._end(rid, completed, "client gone" if not completed else "")
+
+    async def _reserve(self, ctx: RequestContext, stages: list[str], request: bytes) -> None:
+        """Send the request to these stages' replicas and wait until every one has admitted it."""
+        assert self.nc is not None
+        nc = self.nc
+
+        async def ask(stage: str) -> None:
+            replica = ctx.route[stage]
+            where = f"stage '{stage}' replica {replica}"
+            try:
+                reply = await nc.request(
+                    self.subjects.stage_inbox(stage, replica), request, timeout=ADMIT_TIMEOUT_S
+                )
+            except nats.errors.NoRespondersError:
+                self.table.remove(stage, replica)
+                raise StageFailed(f"{where} is gone", code="replica_lost") from None
+            except (TimeoutError, nats.errors.TimeoutError):
+                raise StageFailed(
+                    f"{where} did not answer in {ADMIT_TIMEOUT_S:.0f}s", code="replica_lost"
+                ) from None
+            try:
+                answer: Admitted = unpack(reply.data, Admitted)
+            except wire.WireError as exc:
+                raise StageFailed(f"{where} answered with an invalid message: {exc}") from None
+            if not answer.ok:
+                raise StageFailed(answer.message, code=answer.code)
+
+        await asyncio.gather(*(ask(s) for s in stages))
 
     async def _events(self, t: _Tracked) -> AsyncIterator[Event]:
         pending = set(t.final_stages)

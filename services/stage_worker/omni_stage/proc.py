@@ -30,6 +30,7 @@ from omni_pipeline.connectors import ConnectorError, OmniConnector, build_connec
 from omni_pipeline.control import (
     HEARTBEAT_INTERVAL_S,
     AbortMsg,
+    Admitted,
     ErrorMsg,
     FinalMsg,
     Heartbeat,
@@ -92,7 +93,7 @@ class StageWorker:
         self.inbox = self.subjects.stage_inbox(stage, replica)
         self.core = StageCore(self.spec.max_inflight, self.spec.max_queued)
         self.metrics = StageMetrics(stage, replica)
-        self.connectors = build_connectors(pipeline.spec)
+        self.connectors = build_connectors(pipeline.spec, pipeline.name)
         self.final_connector = self.connectors[DEFAULT_CONNECTOR]
         self.in_windows = {e.from_: e.window for e in self.spec.inputs}
         self.in_connectors = {e.from_: self.connectors[e.connector] for e in self.spec.inputs}
@@ -232,14 +233,24 @@ class StageWorker:
         rid = m.ctx.request_id
         if self.core.is_aborted(rid):
             self._cleanup(rid)  # a late input of an aborted request: free its payload
+            if isinstance(m, StageRequest):
+                await self._answer(msg, Admitted(False, "aborted", f"request {rid} was aborted"))
             return
         st = self.requests.get(rid)
         if st is None:
-            st = await self._admit(m.ctx)
+            st, refusal = self._admit(m.ctx)
             if st is None:
+                if isinstance(m, StageRequest):
+                    await self._answer(msg, refusal)
+                else:  # an input for a request this replica never reserved, and cannot take now
+                    await self._fail(m.ctx, refusal.message, refusal.code)
+                self._cleanup(rid)
                 return
         try:
             if isinstance(m, StageRequest):
+                await self._answer(msg, Admitted(True))
+                if REQUEST_SOURCE not in self.in_windows:
+                    return  # a reservation: inputs come from upstream stages
                 st.sampling = {**self.spec.sampling, **m.sampling}
                 triggers = st.assembler.add(REQUEST_SOURCE, 0, m, 0, True)
             else:
@@ -252,23 +263,27 @@ class StageWorker:
             )
             self._abort(rid)
 
-    async def _admit(self, ctx: RequestContext) -> _Request | None:
+    async def _answer(self, msg: Msg, answer: Admitted) -> None:
+        if msg.reply and self.nc is not None:
+            with contextlib.suppress(Exception):
+                await self.nc.publish(msg.reply, pack(answer))
+
+    def _admit(self, ctx: RequestContext) -> tuple[_Request, None] | tuple[None, Admitted]:
         rid = ctx.request_id
+        where = f"stage '{self.spec.name}' replica {self.replica}"
         if self.spec.name not in ctx.route:
-            log.warning("stage %s: request %s routed here without a route entry", self.spec.name, rid)
-            return None
+            return None, Admitted(False, "bad_route", f"{where} is not on the route of request {rid}")
         admission = self.core.admit(rid)
-        if admission in (Admission.REJECT_FULL, Admission.REJECT_DRAINING):
-            why = "replica is draining" if admission is Admission.REJECT_DRAINING else "replica queue is full"
-            await self._fail(ctx, f"stage '{self.spec.name}' replica {self.replica}: {why}", admission.value)
-            self._cleanup(rid)
-            return None
+        if admission is Admission.REJECT_DRAINING:
+            return None, Admitted(False, "draining", f"{where} is draining")
+        if admission is Admission.REJECT_FULL:
+            return None, Admitted(False, "full", f"{where} is full")
         windows = {p: w for p, w in self.in_windows.items() if p == REQUEST_SOURCE or p in ctx.route}
         st = _Request(ctx, InputAssembler(windows))
         self.requests[rid] = st
         if admission is Admission.RUN:
             self._start(st)
-        return st
+        return st, None
 
     def _start(self, st: _Request) -> None:
         st.task = asyncio.get_running_loop().create_task(self._serve(st), name=f"req-{st.ctx.request_id}")

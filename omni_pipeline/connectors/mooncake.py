@@ -1,0 +1,189 @@
+"""Mooncake connector: payloads in a MooncakeDistributedStore, for stages on different hosts.
+
+Keys are `<pipeline>/<request>/<from>/<to>/<seq>`. A producer encodes the frame once and
+`put_from`s it; the consumer `get_into`s a buffer of its own (the transfer is the only copy;
+tensors are then views on that buffer) and removes the key at once. A key that was just read
+carries a read lease in the store, so removal is forced: the consumer is its only reader.
+`cleanup(request_id)` removes whatever a request still holds, by key prefix, from any process.
+
+Stage processes are pure clients by default (`globalSegmentSizeBytes: 0`): the store places
+an object in any mounted segment, and a segment leaves with its process, so payloads belong in
+store servers (`mooncake_client`), not in stages that come and go. One store client per
+process serves every mooncake connector of that process. Setting it up
+checks the master with a plain TCP connection first: the library would otherwise wait about
+90 s on an unreachable master before failing. Traffic stays on the address each client is
+given (`MC_TCP_BIND_ADDRESS`, else the local address that routes to the master).
+
+Install: `pip install 'omni-pipeline[mooncake]'` (mooncake-transfer-engine-non-cuda) and the
+Debian package libibverbs1; GPU images use the CUDA build, mooncake-transfer-engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any, Final
+
+import numpy as np
+
+from omni_pipeline import wire
+from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector
+from omni_pipeline.spec import ConnectorSpec, MooncakeSpec
+
+log = logging.getLogger(__name__)
+
+MASTER_ENV: Final = "OMNI_MOONCAKE_MASTER"
+METADATA_ENV: Final = "OMNI_MOONCAKE_METADATA"
+BIND_ENV: Final = "MC_TCP_BIND_ADDRESS"
+_NOT_FOUND: Final = -704
+_HEALTH: Final = {0: "healthy", 1: "not initialised or closed", 2: "master unreachable"}
+
+
+@dataclass(frozen=True)
+class MooncakeConfig:
+    master: str
+    metadata: str
+    protocol: str = "tcp"
+    device: str = ""
+    global_segment_size: int = 0
+    local_buffer_size: int = 64 << 20
+
+    @classmethod
+    def resolve(cls, spec: MooncakeSpec | None) -> MooncakeConfig:
+        """spec.mooncake, with OMNI_MOONCAKE_MASTER / OMNI_MOONCAKE_METADATA taking precedence."""
+        spec = spec or MooncakeSpec()
+        master = os.environ.get(MASTER_ENV) or spec.master_server_address
+        metadata = os.environ.get(METADATA_ENV) or spec.metadata_server
+        if not master or not metadata:
+            raise ConnectorError(
+                f"a mooncake connector needs the master and metadata addresses: set spec.mooncake "
+                f"(masterServerAddress, metadataServer) or {MASTER_ENV} / {METADATA_ENV}"
+            )
+        return cls(
+            master,
+            metadata,
+            spec.protocol,
+            spec.device_name,
+            spec.global_segment_size_bytes,
+            spec.local_buffer_size_bytes,
+        )
+
+
+def _host_port(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ConnectorError(f"Mooncake master address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def _local_address_towards(host: str, port: int) -> str:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((host, port))  # UDP: no packet is sent, the kernel only picks a route
+        return str(s.getsockname()[0])
+
+
+def _address(buf: bytearray) -> int:
+    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+
+
+class MooncakeStore:
+    """The process's store client, set up once, closed when its last connector closes."""
+
+    _lock = threading.Lock()
+    _instances: dict[MooncakeConfig, MooncakeStore] = {}
+
+    def __init__(self, config: MooncakeConfig) -> None:
+        host, port = _host_port(config.master)
+        try:
+            socket.create_connection((host, port), timeout=3).close()
+        except OSError as exc:
+            raise ConnectorError(f"Mooncake master at {config.master} unreachable: {exc}") from None
+        os.environ.setdefault("GLOG_minloglevel", "1")  # the library's INFO lines drown ours
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as exc:
+            hint = "pip install 'omni-pipeline[mooncake]' and apt-get install libibverbs1"
+            raise ConnectorError(f"mooncake is not installed ({exc}): {hint}") from None
+        local = os.environ.get(BIND_ENV) or _local_address_towards(host, port)
+        os.environ[BIND_ENV] = local  # keep the transfer engine on this address
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup(
+            local,
+            config.metadata,
+            config.global_segment_size,
+            config.local_buffer_size,
+            config.protocol,
+            config.device,
+            config.master,
+        )
+        if rc != 0:
+            raise ConnectorError(
+                f"Mooncake setup failed (code {rc}): master {config.master}, metadata {config.metadata}"
+            )
+        self.config = config
+        self.users = 0
+
+    @classmethod
+    def acquire(cls, config: MooncakeConfig) -> MooncakeStore:
+        with cls._lock:
+            inst = cls._instances.get(config)
+            if inst is None:
+                inst = cls._instances[config] = cls(config)
+            inst.users += 1
+            return inst
+
+    def release(self) -> None:
+        with self._lock:
+            self.users -= 1
+            if self.users == 0:
+                self._instances.pop(self.config, None)
+                self.store.close()
+
+
+class MooncakeConnector(OmniConnector):
+    def __init__(self, name: str, spec: ConnectorSpec, pipeline: str, config: MooncakeConfig) -> None:
+        super().__init__(name, spec)
+        self.pipeline = pipeline
+        self._store = MooncakeStore.acquire(config)
+        self._closed = False
+
+    def _put_frame(
+        self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame
+    ) -> str:
+        key = f"{self.pipeline}/{request_id}/{from_stage}/{to_stage}/{seq}"
+        buf = frame.to_bytes()
+        rc = self._store.store.put_from(key, _address(buf), len(buf))
+        if rc != 0:
+            raise ConnectorError(f"Mooncake put of {key} ({len(buf)} bytes) failed with code {rc}")
+        return key
+
+    def _get_frame(self, request_id: str, handle: ConnectorHandle) -> Any:
+        key = handle.key
+        assert key is not None
+        if not key.startswith(f"{self.pipeline}/{request_id}/"):
+            raise ConnectorError(f"key {key!r} does not belong to request {request_id}")
+        buf = bytearray(handle.nbytes)
+        n = self._store.store.get_into(key, _address(buf), len(buf))
+        if n != handle.nbytes:
+            raise ConnectorError(f"Mooncake get of {key} failed with code {n}")
+        rc = self._store.store.remove(key, True)  # forced: the fresh read lease would refuse it
+        if rc not in (0, _NOT_FOUND):
+            log.warning("Mooncake remove of %s failed with code %d; cleanup will retry", key, rc)
+        return wire.decode(memoryview(buf))
+
+    def cleanup(self, request_id: str) -> int:
+        pattern = f"^{re.escape(self.pipeline)}/{re.escape(request_id)}/"
+        return max(0, int(self._store.store.remove_by_regex(pattern, True)))
+
+    def health(self) -> dict[str, Any]:
+        rc = int(self._store.store.health_check())
+        return {"ok": rc == 0, "status": _HEALTH.get(rc, f"code {rc}"), "master": self._store.config.master}
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._store.release()

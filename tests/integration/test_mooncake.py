@@ -1,0 +1,117 @@
+"""The Mooncake connector against a real mooncake_master: across processes, nothing left behind."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import subprocess
+from multiprocessing.connection import Connection
+
+import pytest
+import torch
+
+from omni_pipeline import wire
+from omni_pipeline.connectors import ConnectorError, ConnectorHandle
+from omni_pipeline.connectors.mooncake import MooncakeConfig, MooncakeConnector
+from omni_pipeline.spec import ConnectorSpec
+from tests.conftest import Mooncake
+from tests.helpers import OMNI, ROOT
+
+SPEC = ConnectorSpec(kind="mooncake", inline_threshold_bytes=1024)
+
+
+def _producer(env: dict[str, str], requests: int, out: Connection) -> None:
+    os.environ.update(env)
+    conn = MooncakeConnector("tensors", SPEC, "tiny", MooncakeConfig.resolve(None))
+    for r in range(requests):
+        for seq in range(2):
+            payload = {"hidden": torch.full((128, 64), float(r)), "seq": seq}
+            ok, _, handle = conn.put("thinker", "talker", f"req{r}", payload, seq=seq)
+            assert ok and handle.key == f"tiny/req{r}/thinker/talker/{seq}"
+            out.send_bytes(wire.encode(handle))
+    out.close()
+    conn.close()
+
+
+def test_put_get_cleanup_across_processes(mooncake: Mooncake) -> None:
+    consumer = MooncakeConnector("tensors", SPEC, "tiny", MooncakeConfig.resolve(None))
+    try:
+        ctx = mp.get_context("spawn")
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(target=_producer, args=(mooncake.env(), 10, writer))
+        proc.start()
+        writer.close()
+        handles = []
+        while True:
+            try:
+                handles.append(wire.decode(reader.recv_bytes(), ConnectorHandle))
+            except EOFError:
+                break
+        proc.join(60)
+        assert proc.exitcode == 0 and len(handles) == 20
+        assert mooncake.key_count() == 20
+
+        for h in handles[:10]:  # requests 0..4 are read: each read removes its key at once
+            rid = h.key.split("/")[1]  # type: ignore[union-attr]
+            data, _ = consumer.get("thinker", "talker", rid, h)
+            assert data["hidden"][0, 0].item() == float(rid.removeprefix("req"))
+        assert mooncake.key_count() == 10
+        for r in range(5, 10):  # requests 5..9 are aborted
+            assert consumer.cleanup(f"req{r}") == 2
+        assert mooncake.key_count() == 0
+        assert consumer.health() == {"ok": True, "status": "healthy", "master": mooncake.master}
+    finally:
+        consumer.close()
+
+
+def test_a_key_of_another_request_is_refused(mooncake: Mooncake) -> None:
+    conn = MooncakeConnector("tensors", SPEC, "tiny", MooncakeConfig.resolve(None))
+    try:
+        _, _, h = conn.put("a", "b", "r1", {"x": torch.ones(1000)})
+        with pytest.raises(ConnectorError, match="does not belong"):
+            conn.get("a", "b", "r2", h)
+        assert conn.cleanup("r1") == 1
+    finally:
+        conn.close()
+
+
+def test_unreachable_master_fails_fast_and_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMNI_MOONCAKE_MASTER", "127.0.0.1:1")
+    monkeypatch.setenv("OMNI_MOONCAKE_METADATA", "http://127.0.0.1:2/metadata")
+    with pytest.raises(ConnectorError, match=r"Mooncake master at 127.0.0.1:1 unreachable"):
+        MooncakeConnector("tensors", SPEC, "tiny", MooncakeConfig.resolve(None))
+
+
+def test_missing_configuration_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMNI_MOONCAKE_MASTER", raising=False)
+    monkeypatch.delenv("OMNI_MOONCAKE_METADATA", raising=False)
+    with pytest.raises(ConnectorError, match="OMNI_MOONCAKE_MASTER"):
+        MooncakeConfig.resolve(None)
+
+
+def test_omni_stage_with_unreachable_mooncake_exits_with_one_line(nats_url: str) -> None:
+    env = {
+        **os.environ,
+        "OMNI_MOONCAKE_MASTER": "127.0.0.1:1",
+        "OMNI_MOONCAKE_METADATA": "http://127.0.0.1:2/m",
+    }
+    out = subprocess.run(
+        [
+            *OMNI,
+            "stage",
+            "--pipeline",
+            str(ROOT / "examples" / "tiny-omni-distributed.yaml"),
+            "--stage",
+            "thinker",
+            "--nats",
+            nats_url,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("omni:")]
+    assert lines == ["omni: Mooncake master at 127.0.0.1:1 unreachable: [Errno 111] Connection refused"]
