@@ -122,6 +122,15 @@ class FinalMsg(msgspec.Struct, tag="final", frozen=True, omit_defaults=True):
     usage: dict[str, int] | None = None
 
 
+class StageDone(msgspec.Struct, tag="done", frozen=True):
+    """A stage without client output finished its part of a request: losing that replica later
+    no longer affects the request."""
+
+    request_id: str
+    stage: str
+    replica: str
+
+
 class ErrorMsg(msgspec.Struct, tag="error", frozen=True):
     """A request failed in a stage; only that request ends."""
 
@@ -161,7 +170,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
 
 
 StageInbound = StageRequest | SegmentMsg
-GatewayInbound = FinalMsg | ErrorMsg
+GatewayInbound = FinalMsg | ErrorMsg | StageDone
 
 
 def pack(msg: msgspec.Struct) -> bytes:

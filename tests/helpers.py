@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
 ROOT = Path(__file__).parents[1]
@@ -92,3 +94,76 @@ def group_alive(pgid: int) -> bool:
 
 def get_json(url: str) -> Any:
     return httpx.get(url, timeout=5).json()
+
+
+def start_stage(
+    pipeline: Path,
+    stage: str,
+    replica: str,
+    nats_url: str,
+    cwd: Path,
+    logs: Path,
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+) -> OmniProcess:
+    """`omni stage` for one replica; with `wait`, returns once it says it is ready."""
+    args = [
+        "stage",
+        "--pipeline",
+        str(pipeline),
+        "--stage",
+        stage,
+        "--replica-id",
+        replica,
+        "--nats",
+        nats_url,
+    ]
+    p = OmniProcess(
+        [*args, "--metrics-host", "127.0.0.1"],
+        cwd,
+        logs / f"{stage}-{replica}.log",
+        env,
+    )
+    if wait:
+        p.wait_output(f"{stage}/{replica} ready", 120)
+    return p
+
+
+def start_gateway(
+    pipeline: Path,
+    nats_url: str,
+    cwd: Path,
+    logs: Path,
+    name: str = "gateway",
+    env: dict[str, str] | None = None,
+) -> tuple[OmniProcess, str]:
+    """`omni gateway` on a free port; returns the process and its base URL."""
+    p = OmniProcess(
+        ["gateway", "--pipeline", str(pipeline), "--port", "0", "--host", "127.0.0.1", "--nats", nats_url],
+        cwd,
+        logs / f"{name}.log",
+        env,
+    )
+    p.wait_output(" on http://127.0.0.1:", 120)
+    port = re.search(r" on http://127.0.0.1:(\d+)", p.output()).group(1)  # type: ignore[union-attr]
+    return p, f"http://127.0.0.1:{port}"
+
+
+def replicas(base: str, stage: str) -> list[dict[str, Any]]:
+    return [r for r in get_json(f"{base}/replicas")["replicas"] if r["stage"] == stage]
+
+
+def replica_metric(base: str, stage: str, name: str, replica: str | None = None, **labels: str) -> float:
+    """Sum of a metric on a stage's replicas' own /metrics (one replica, or all), filtered by labels."""
+    total = 0.0
+    for rep in replicas(base, stage):
+        if replica is not None and rep["replica"] != replica:
+            continue
+        text = httpx.get(f"http://127.0.0.1:{rep['metrics_port']}/metrics", timeout=5).text
+        total += sum(
+            s.value
+            for fam in text_string_to_metric_families(text)
+            for s in fam.samples
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+        )
+    return total

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import base64
 import io
-import re
 import signal
 import socket
 import subprocess
@@ -21,10 +20,18 @@ import httpx
 import openai
 import pytest
 import soundfile as sf
-from prometheus_client.parser import text_string_to_metric_families
 
 from omni_cli.natsd import nats_server_binary
-from tests.helpers import ROOT, OmniProcess, get_json, our_shm_segments, wait_for
+from tests.helpers import (
+    ROOT,
+    OmniProcess,
+    our_shm_segments,
+    replica_metric,
+    replicas,
+    start_gateway,
+    start_stage,
+    wait_for,
+)
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic.yaml"
 PREFIX = "omni-itest"
@@ -40,34 +47,10 @@ class Cluster:
 def cluster_procs(nats_url: str, tmp_path: Path) -> Iterator[Cluster]:
     env = {"OMNI_SHM_PREFIX": PREFIX}
     procs = [
-        OmniProcess(
-            [
-                "stage",
-                "--pipeline",
-                str(PIPELINE),
-                "--stage",
-                s,
-                "--nats",
-                nats_url,
-                "--metrics-host",
-                "127.0.0.1",
-            ],
-            ROOT,
-            tmp_path / f"{s}.log",
-            env,
-        )
-        for s in ("thinker", "talker", "vocoder")
+        start_stage(PIPELINE, s, "0", nats_url, ROOT, tmp_path, env) for s in ("thinker", "talker", "vocoder")
     ]
-    gw = OmniProcess(
-        ["gateway", "--pipeline", str(PIPELINE), "--port", "0", "--host", "127.0.0.1", "--nats", nats_url],
-        ROOT,
-        tmp_path / "gateway.log",
-        env,
-    )
+    gw, base = start_gateway(PIPELINE, nats_url, ROOT, tmp_path, env=env)
     try:
-        gw.wait_output("serving synth on", 60)
-        port = re.search(r"serving synth on http://127.0.0.1:(\d+)", gw.output()).group(1)  # type: ignore[union-attr]
-        base = f"http://127.0.0.1:{port}"
         wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "every stage registered")
         yield Cluster(base, dict(zip(("thinker", "talker", "vocoder"), procs, strict=True)))
     finally:
@@ -82,19 +65,7 @@ def cluster(cluster_procs: Cluster) -> str:
 
 
 def replica_url(base: str, stage: str) -> str:
-    rep = next(r for r in get_json(f"{base}/replicas")["replicas"] if r["stage"] == stage)
-    return f"http://127.0.0.1:{rep['metrics_port']}"
-
-
-def replica_metric(base: str, stage: str, name: str, **labels: str) -> float:
-    """Sum of a metric's samples on a stage replica's own /metrics, filtered by labels."""
-    text = httpx.get(f"{replica_url(base, stage)}/metrics").text
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
+    return f"http://127.0.0.1:{replicas(base, stage)[0]['metrics_port']}"
 
 
 def test_windows_trigger_expected_calls_and_audio_arrives(cluster: str) -> None:

@@ -37,6 +37,7 @@ from omni_pipeline.control import (
     GatewayInbound,
     Heartbeat,
     RequestContext,
+    StageDone,
     StageRequest,
     Subjects,
     close_nats,
@@ -210,7 +211,8 @@ class PipelineClient:
                     self.subjects.stage_inbox(stage, replica), request, timeout=ADMIT_TIMEOUT_S
                 )
             except nats.errors.NoRespondersError:
-                self.table.remove(stage, replica)
+                if (gone := self.table.remove(stage, replica)) is not None:
+                    self._replica_gone(gone, "is gone")  # fail what it still held, as expiry would
                 raise StageFailed(f"{where} is gone", code="replica_lost") from None
             except (TimeoutError, nats.errors.TimeoutError):
                 raise StageFailed(
@@ -288,11 +290,15 @@ class PipelineClient:
 
     async def _on_reply(self, msg: Msg) -> None:
         try:
-            m: FinalMsg | ErrorMsg = unpack(msg.data, GatewayInbound)
+            m: FinalMsg | ErrorMsg | StageDone = unpack(msg.data, GatewayInbound)
         except wire.WireError as exc:
             log.warning("gateway: refused a message on its inbox: %s", exc)
             return
         t = self.inflight.get(m.request_id)
+        if t is not None and (isinstance(m, StageDone) or (isinstance(m, FinalMsg) and m.is_last)):
+            t.route.pop(m.stage, None)  # that replica's part is done: its loss no longer matters
+        if isinstance(m, StageDone):
+            return
         if t is None:
             # A late output of a request that already ended: free its payload, if any.
             if isinstance(m, FinalMsg) and m.handle is not None:

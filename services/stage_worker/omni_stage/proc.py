@@ -36,6 +36,7 @@ from omni_pipeline.control import (
     Heartbeat,
     RequestContext,
     SegmentMsg,
+    StageDone,
     StageInbound,
     StageRequest,
     Subjects,
@@ -340,6 +341,8 @@ class StageWorker:
                 }
                 finish = last.finish_reason or engine_state.get("finish_reason") or "stop"
                 await self._emit(st, last, windows, emitted, t0, (finish, usage))
+                if self.spec.final_output is None and self.nc is not None:
+                    await self.nc.publish(st.ctx.reply_to, pack(StageDone(rid, self.spec.name, self.replica)))
             outcome = "ok"
             self.metrics.latency.observe(time.monotonic() - t0)
         except asyncio.CancelledError:
