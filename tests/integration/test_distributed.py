@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import io
 import signal
+import subprocess
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -21,6 +22,7 @@ import soundfile as sf
 
 from tests.conftest import Mooncake
 from tests.helpers import (
+    OMNI,
     ROOT,
     OmniProcess,
     our_shm_segments,
@@ -191,3 +193,25 @@ def test_rolling_restart_under_load_loses_nothing(synth: Deployment, mooncake: M
     assert len(results) >= 10
     assert results == ["ok"] * len(results), [r for r in results if r != "ok"]
     wait_for(lambda: mooncake.key_count() == 0, 10, "no Mooncake key left")
+
+
+@pytest.mark.parametrize("command", ["stage", "gateway"])
+@pytest.mark.parametrize(
+    ("url", "why"),
+    [("nats//127.0.0.1:4222", "expected nats://host:port"), ("nats://127.0.0.1:42x2", "bad port")],
+)
+def test_malformed_nats_url_fails_in_one_line(command: str, url: str, why: str) -> None:
+    args = ["--pipeline", str(SYNTH), "--nats", url] + (["--stage", "thinker"] if command == "stage" else [])
+    out = subprocess.run([*OMNI, command, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [f"omni: malformed NATS URL {url!r}: {why}"]
+
+
+def test_nats_url_from_the_environment(nats_url: str, tmp_path: Path) -> None:
+    plain = ROOT / "tests" / "data" / "synthetic.yaml"  # no NATS URL in the file, none on the command line
+    args = ["stage", "--pipeline", str(plain), "--stage", "vocoder", "--metrics-host", "127.0.0.1"]
+    p = OmniProcess(args, ROOT, tmp_path / "vocoder.log", {"OMNI_NATS_URL": nats_url})
+    try:
+        p.wait_output("vocoder/0 ready", 60)
+    finally:
+        assert p.stop() == 0
