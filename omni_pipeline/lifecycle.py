@@ -104,28 +104,35 @@ def _child_entry(target: ChildTarget, report: Connection, args: tuple[Any, ...])
     os._exit(code)  # skip interpreter teardown of half-closed native libraries
 
 
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process and everything under it."""
+def kill_tree(pid: int, reap_root: bool = True) -> None:
+    """SIGKILL a process and everything under it. With reap_root=False the root (a child whose
+    exit status its monitor collects) is killed but not waited for here."""
     try:
         root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
+        below = root.children(recursive=True)
     except psutil.NoSuchProcess:
         return
-    for p in procs:
+    for p in [*below, root]:
         with contextlib.suppress(psutil.NoSuchProcess):
             p.kill()
-    psutil.wait_procs(procs, timeout=SHUTDOWN_GRACE_S)
+    psutil.wait_procs([*below, root] if reap_root else below, timeout=SHUTDOWN_GRACE_S)
+
+
+def _exited(proc: mp.process.BaseProcess, timeout_s: float) -> bool:
+    """Wait on the process sentinel: sees the exit without reaping (the monitor reaps)."""
+    return bool(wait([proc.sentinel], timeout_s))
 
 
 def _shutdown(proc: mp.process.BaseProcess, grace_s: float, terminated: list[bool]) -> None:
-    if proc.is_alive():
-        if not terminated[0]:  # a second SIGTERM means "stop now"; send one only
-            terminated[0] = True
-            proc.terminate()
-        proc.join(grace_s)
-    if proc.is_alive() and proc.pid is not None:
-        kill_tree(proc.pid)
-        proc.join(1.0)
+    if _exited(proc, 0) or proc.pid is None:
+        return
+    if not terminated[0]:  # a second SIGTERM means "stop now"; send one only
+        terminated[0] = True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+    if not _exited(proc, grace_s):
+        kill_tree(proc.pid, reap_root=False)
+        _exited(proc, 2.0)
 
 
 class ManagedProcess:
@@ -166,7 +173,7 @@ class ManagedProcess:
         self._finalizer = weakref.finalize(self, _shutdown, self.process, SHUTDOWN_GRACE_S, self._terminated)
         self._monitor = threading.Thread(
             target=_monitor,
-            args=(weakref.ref(self), reader, self.process.sentinel),
+            args=(weakref.ref(self), reader, self.process),
             name=f"monitor-{name}",
             daemon=True,
         )
@@ -211,9 +218,10 @@ class ManagedProcess:
 
     def request_stop(self) -> None:
         """SIGTERM once, without waiting (to stop many children in parallel)."""
-        if not self._terminated[0] and self.process.is_alive():
+        if not self._terminated[0] and not _exited(self.process, 0) and self.pid is not None:
             self._terminated[0] = True
-            self.process.terminate()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGTERM)
 
     def shutdown(self, grace_s: float = SHUTDOWN_GRACE_S) -> None:
         """SIGTERM, wait `grace_s`, then SIGKILL the tree. Idempotent."""
@@ -223,8 +231,11 @@ class ManagedProcess:
         self.wait_dead(2.0)
 
 
-def _monitor(ref: weakref.ref[ManagedProcess], reader: Connection, sentinel: int) -> None:
-    """Forward the child's events; report DEAD when its sentinel fires. Holds no strong ref."""
+def _monitor(ref: weakref.ref[ManagedProcess], reader: Connection, process: mp.process.BaseProcess) -> None:
+    """Forward the child's events; reap it and report DEAD when its sentinel fires.
+
+    Holds the process, not the ManagedProcess (so that one can be collected and finalized)."""
+    sentinel = process.sentinel
     watch: list[Any] = [reader, sentinel]
     while True:
         ready = wait(watch)
@@ -252,7 +263,9 @@ def _monitor(ref: weakref.ref[ManagedProcess], reader: Connection, sentinel: int
                 if (m := ref()) is not None:
                     m._record(ev)
             reader.close()
+            # This thread alone reaps the child (everything else waits on the sentinel), so the
+            # exit code is never lost to another thread's waitpid.
+            process.join()
             if (m := ref()) is not None:
-                m.process.join(0)
-                m._record(LifecycleEvent(ProcState.DEAD, detail=f"exit code {m.process.exitcode}"))
+                m._record(LifecycleEvent(ProcState.DEAD, detail=f"exit code {process.exitcode}"))
             return
