@@ -30,6 +30,12 @@ class StageMetrics:
             labels.keys(),
             registry=r,
         ).labels(**labels)
+        self.engine_requests = Gauge(
+            "omni_engine_active_requests",
+            "Requests the engine itself holds (vLLM)",
+            labels.keys(),
+            registry=r,
+        ).labels(**labels)
         self.requests = Counter(
             "omni_stage_requests", "Requests ended, by outcome", [*labels.keys(), "outcome"], registry=r
         )

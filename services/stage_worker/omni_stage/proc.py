@@ -198,6 +198,8 @@ class StageWorker:
         self.metrics.inflight.set(load.inflight)
         self.metrics.tracked.set(len(self.requests))
         self.metrics.shm_segments.set(sum(c.live_objects() for c in self.connectors.values()))
+        if (held := self.engine.active_requests()) is not None:
+            self.metrics.engine_requests.set(held)
 
     async def _publish_heartbeat(self, stopping: bool = False) -> None:
         self._refresh_gauges()

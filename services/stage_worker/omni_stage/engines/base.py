@@ -46,6 +46,10 @@ class Engine(ABC):
     def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         """Outputs for one trigger of one request, as they are produced."""
 
+    def active_requests(self) -> int | None:
+        """Requests the engine itself holds, where it tracks them (for the leak gauges)."""
+        return None
+
     async def close(self) -> None:
         """Free what `start` took."""
 
@@ -73,4 +77,8 @@ def build_engine(stage: StageSpec) -> Engine:
         from omni_stage.engines.torch_module import TorchModuleEngine
 
         return TorchModuleEngine(stage)
+    if kind is EngineKind.VLLM:
+        from omni_stage.engines.vllm import VllmEngine
+
+        return VllmEngine(stage)
     raise EngineError(f"stage '{stage.name}': engine kind '{kind}' is not available in this build")

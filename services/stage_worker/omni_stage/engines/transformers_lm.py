@@ -26,25 +26,10 @@ import torch
 
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError
+from omni_stage.engines.prompts import prompt_token_ids
 from omni_stage.segments import EngineOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def messages_to_chat(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """OpenAI messages -> plain {role, content} text turns; non-text parts are refused."""
-    out = []
-    for m in messages:
-        content = m.get("content")
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.get("type") != "text":
-                    raise EngineError(f"this stage takes text only, got a '{part.get('type')}' part")
-                texts.append(str(part.get("text", "")))
-            content = "".join(texts)
-        out.append({"role": str(m.get("role", "user")), "content": "" if content is None else str(content)})
-    return out
 
 
 class TransformersEngine(Engine):
@@ -143,15 +128,7 @@ class TransformersEngine(Engine):
         if st_req := call.inputs.get("request"):
             if self.tokenizer is None:
                 raise EngineError(f"stage '{self.stage.name}' has no tokenizer to read a request")
-            if "messages" in st_req:
-                text = self.tokenizer.apply_chat_template(
-                    messages_to_chat(st_req["messages"]), add_generation_prompt=True, tokenize=False
-                )
-            else:
-                text = str(st_req.get("prompt", ""))
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if not ids:
-                raise EngineError("empty prompt")
+            ids = prompt_token_ids(self.tokenizer, st_req)
             return torch.tensor([ids], device=self.device), None, len(ids)
         embeds = [p["inputs_embeds"] for p in call.inputs.values() if "inputs_embeds" in p]
         if embeds:

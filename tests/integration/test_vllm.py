@@ -1,0 +1,171 @@
+"""The vLLM engine on vLLM's real CPU build (no GPU here): greedy parity with the transformers
+engine, batching of concurrent requests, abort, prompt embeddings, and the example pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import re
+import shutil
+import threading
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import openai
+import pytest
+import soundfile as sf
+import torch
+
+from omni_pipeline.spec import EngineKind, EngineSpec, load_pipeline
+from omni_stage.engines.base import Engine, EngineCall, build_engine
+from omni_stage.engines.vllm import VllmEngine
+from omni_stage.segments import EngineOutput
+from tests.helpers import ROOT, OmniProcess, group_alive, wait_for
+
+T = TypeVar("T")
+MESSAGES = [{"role": "user", "content": "What is omni?"}]
+
+
+class LoopThread:
+    """An event loop in a thread of its own: AsyncLLM belongs to the loop it starts in."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float = 120) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def thinker(models: Path, kind: EngineKind, **args: Any) -> Engine:
+    spec = load_pipeline(ROOT / "examples" / "tiny-omni.yaml").spec.stage("thinker")
+    engine = EngineSpec(kind=kind, model=str(models / "tiny-thinker"), args=args)
+    return build_engine(spec.model_copy(update={"engine": engine}))
+
+
+async def collect(engine: Engine, call: EngineCall) -> list[EngineOutput]:
+    return [o async for o in engine.generate(call)]
+
+
+def token_ids(outs: list[EngineOutput]) -> list[int]:
+    return [t for o in outs if "token_ids" in o.data for t in o.data["token_ids"].tolist()]
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+@pytest.fixture(scope="module")
+def vllm_engine(demo_dir: Path, loop: LoopThread) -> Iterator[VllmEngine]:
+    engine = thinker(
+        demo_dir / "models", EngineKind.VLLM, max_model_len=512, dtype="float32", enable_prompt_embeds=True
+    )
+    assert isinstance(engine, VllmEngine)
+    loop.run(engine.start(), timeout=300)
+    yield engine
+    loop.run(engine.close())
+
+
+def test_greedy_output_equals_the_transformers_engine(
+    vllm_engine: VllmEngine, loop: LoopThread, demo_dir: Path
+) -> None:
+    call = {"request": {"messages": MESSAGES}}
+    ours = loop.run(collect(vllm_engine, EngineCall("r1", call, True, {"max_tokens": 16, "temperature": 0})))
+    hf = thinker(demo_dir / "models", EngineKind.TRANSFORMERS)
+    ref = asyncio.run(
+        _start_and_collect(hf, EngineCall("r1", call, True, {"max_tokens": 16, "temperature": 0}))
+    )
+    assert token_ids(ours) == token_ids(ref) and len(token_ids(ours)) == 16
+    assert "".join(o.text for o in ours) == "".join(o.text for o in ref)
+    assert ours[-1].finish_reason == "length"
+
+
+async def _start_and_collect(engine: Engine, call: EngineCall) -> list[EngineOutput]:
+    await engine.start()
+    return await collect(engine, call)
+
+
+def test_concurrent_streams_are_batched_and_complete(vllm_engine: VllmEngine, loop: LoopThread) -> None:
+    prompts = [{"request": {"messages": [{"role": "user", "content": f"question {i}"}]}} for i in range(2)]
+
+    async def both() -> list[list[EngineOutput]]:
+        calls = [EngineCall(f"c{i}", p, True, {"max_tokens": 24}) for i, p in enumerate(prompts)]
+        return list(await asyncio.gather(*(collect(vllm_engine, c) for c in calls)))
+
+    together = loop.run(both())
+    alone = [
+        loop.run(collect(vllm_engine, EngineCall(f"s{i}", p, True, {"max_tokens": 24})))
+        for i, p in enumerate(prompts)
+    ]
+    assert [len(token_ids(o)) for o in together] == [24, 24]
+    assert [token_ids(o) for o in together] == [token_ids(o) for o in alone]  # batching changes nothing
+    assert all(len(o) > 1 for o in together)  # streamed as deltas, not in one piece
+
+
+def test_abort_mid_stream_frees_the_request_in_vllm(vllm_engine: VllmEngine, loop: LoopThread) -> None:
+    first = threading.Event()
+
+    async def long_request() -> None:
+        call = EngineCall("long", {"request": {"messages": MESSAGES}}, True, {"max_tokens": 400})
+        async for _ in vllm_engine.generate(call):
+            first.set()
+
+    fut = asyncio.run_coroutine_threadsafe(long_request(), loop.loop)
+    assert first.wait(60)
+    assert vllm_engine.active_requests() == 1
+    fut.cancel()  # what a stage does when the request is aborted
+    wait_for(lambda: vllm_engine.active_requests() == 0, 30, "vLLM to drop the aborted request")
+
+
+def test_prompt_embeds_give_what_the_tokens_give(
+    vllm_engine: VllmEngine, loop: LoopThread, demo_dir: Path
+) -> None:
+    ids = [5, 17, 33, 42, 8, 61]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(demo_dir / "models" / "tiny-thinker")
+    with torch.no_grad():
+        embeds = model.get_input_embeddings()(torch.tensor(ids))
+    by_ids = loop.run(
+        collect(
+            vllm_engine, EngineCall("t", {"up": {"token_ids": torch.tensor(ids)}}, True, {"max_tokens": 8})
+        )
+    )
+    by_embeds = loop.run(
+        collect(vllm_engine, EngineCall("e", {"up": {"inputs_embeds": embeds}}, True, {"max_tokens": 8}))
+    )
+    assert token_ids(by_embeds) == token_ids(by_ids) and len(token_ids(by_ids)) == 8
+
+
+def test_example_pipeline_answers_the_openai_client(demo_dir: Path, tmp_path: Path) -> None:
+    pipeline = demo_dir / "tiny-voice-vllm.yaml"
+    shutil.copy(ROOT / "examples" / "tiny-voice-vllm.yaml", pipeline)
+    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], demo_dir, tmp_path / "serve.log")
+    try:
+        serve.wait_output("ready at", 300)
+        port = re.search(r"ready at http://127.0.0.1:(\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        r = client.chat.completions.create(
+            model="tiny-voice-vllm",
+            messages=MESSAGES,
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+        )
+        assert r.choices[0].message.content and r.usage is not None and r.usage.completion_tokens == 24
+        samples, sr = sf.read(io.BytesIO(base64.b64decode(r.choices[0].message.audio.data)))
+        assert sr == 24000 and len(samples) == 24 * 4 * 480
+    finally:
+        serve.interrupt_group()
+        wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
+        wait_for(lambda: not group_alive(serve.proc.pid), 30, "vLLM's engine process to exit too")
+    assert serve.proc.returncode == 0
