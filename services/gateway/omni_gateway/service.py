@@ -181,6 +181,7 @@ class PipelineClient:
         )
         self.inflight[rid] = tracked
         completed = False
+        reason = "the client went away"
         try:
             # Downstream replicas first: each holds a slot before any source starts producing for
             # it, so a refusal (draining, full, gone) comes before any output.
@@ -194,9 +195,13 @@ class PipelineClient:
                     yield ev
             completed = True
         except TimeoutError:
+            reason = "deadline exceeded"
             raise Timeout(f"request {rid} exceeded {self.spec.gateway.request_timeout_s:.0f}s") from None
+        except OmniError as exc:
+            reason = exc.message
+            raise
         finally:
-            await self._end(rid, completed, "client gone" if not completed else "")
+            await self._end(rid, completed, reason)
 
     async def _reserve(self, ctx: RequestContext, stages: list[str], request: bytes) -> None:
         """Send the request to these stages' replicas and wait until every one has admitted it."""
