@@ -81,7 +81,9 @@ class EngineSpec(_Model):
 class InputSpec(_Model):
     """One in-edge of a stage: where it reads from, how often it is triggered, and over what."""
 
-    from_: str = Field(alias="from", description="Producer stage name, or `request` for the client input.")
+    from_: str = Field(
+        alias="from", max_length=63, description="Producer stage name, or `request` for the client input."
+    )
     window: int = Field(
         default=FULL_WINDOW,
         description="-1: trigger once at the producer's end; N > 0: every N units, then the remainder.",
@@ -115,16 +117,18 @@ class ResourcesSpec(_Model):
 class StageSpec(_Model):
     """One stage of the pipeline: an engine, its in-edges, and how many replicas serve it."""
 
-    name: str = Field(pattern=r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$", description="DNS-label stage name.")
+    name: str = Field(
+        pattern=r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$", max_length=40, description="DNS-label stage name."
+    )
     engine: EngineSpec
-    inputs: list[InputSpec] = Field(min_length=1, description="In-edges of this stage.")
+    inputs: list[InputSpec] = Field(min_length=1, max_length=16, description="In-edges of this stage.")
     final_output: OutputKind | None = Field(
         default=None, description="If set, this stage's output goes to the client as text, audio or image."
     )
     replicas: int = Field(default=1, ge=0, description="Replicas of this stage.")
     max_inflight: int = Field(default=1, ge=1, description="Concurrent requests in one replica (1 = serial).")
     max_queued: int = Field(default=64, ge=0, description="Requests a replica queues beyond max_inflight.")
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="What one replica needs.")
     sampling: dict[str, Any] = Field(default_factory=dict, description="Default sampling parameters.")
     max_segment_units: int = Field(default=16, ge=1, description="Flush a segment after this many units.")
     flush_interval_ms: float = Field(default=50.0, gt=0, description="Flush a segment after this long.")
@@ -166,23 +170,29 @@ class NatsSpec(_Model):
 
 
 class GatewaySpec(_Model):
-    replicas: int = Field(default=1, ge=1)
-    port: int = Field(default=8000, ge=0, le=65535)
+    replicas: int = Field(default=1, ge=1, description="Gateway replicas (Distributed mode).")
+    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port of the gateway.")
     request_timeout_s: float = Field(default=600.0, gt=0, description="A request's deadline.")
 
 
 class PipelineSpec(_Model):
     """The whole pipeline: stages forming a DAG, connectors, control plane and gateway."""
 
-    mode: Mode = Mode.SINGLE_NODE
+    mode: Mode = Field(
+        default=Mode.SINGLE_NODE,
+        description="SingleNode: one process tree (one pod); Distributed: a pod per replica.",
+    )
     served_model_name: str = Field(min_length=1, description="The model name clients ask for.")
-    nats: NatsSpec = Field(default_factory=NatsSpec)
-    connectors: dict[str, ConnectorSpec] = Field(default_factory=lambda: {DEFAULT_CONNECTOR: ConnectorSpec()})
+    nats: NatsSpec = Field(default_factory=NatsSpec, description="The control plane.")
+    connectors: dict[str, ConnectorSpec] = Field(
+        default_factory=lambda: {DEFAULT_CONNECTOR: ConnectorSpec()},
+        description="Data-plane connectors by name; an edge picks one in inputs[].connector.",
+    )
     mooncake: MooncakeSpec | None = Field(
         default=None, description="The Mooncake store, for mooncake connectors."
     )
-    gateway: GatewaySpec = Field(default_factory=GatewaySpec)
-    stages: list[StageSpec] = Field(min_length=1)
+    gateway: GatewaySpec = Field(default_factory=GatewaySpec, description="The OpenAI-compatible gateway.")
+    stages: list[StageSpec] = Field(min_length=1, max_length=64, description="The stages; they form a DAG.")
 
     @model_validator(mode="after")
     def _graph(self) -> PipelineSpec:

@@ -71,6 +71,15 @@ def cmd_init_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_crd(a: argparse.Namespace) -> int:
+    import yaml
+
+    from omni_operator.crd import crd
+
+    print(yaml.safe_dump(crd(), sort_keys=False, width=120), end="")
+    return 0
+
+
 def cmd_validate(a: argparse.Namespace) -> int:
     p = load_pipeline(a.pipeline)
     print(f"{a.pipeline}: ok ({p.name}: {', '.join(s.name for s in p.spec.stages)})")
@@ -111,6 +120,9 @@ def parser() -> argparse.ArgumentParser:
     m = msub.add_parser("init-demo", help="build the tiny random-weight demo models offline")
     m.add_argument("dir")
     m.set_defaults(fn=cmd_init_demo)
+
+    s = sub.add_parser("crd", help="print the OmniPipeline CustomResourceDefinition (YAML)")
+    s.set_defaults(fn=cmd_crd)
 
     s = sub.add_parser("validate", help="check a pipeline file")
     s.add_argument("pipeline")
