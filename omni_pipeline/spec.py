@@ -114,6 +114,17 @@ class ResourcesSpec(_Model):
     memory: str | None = Field(default=None, description="Memory request, Kubernetes quantity.")
 
 
+class AutoscalingSpec(_Model):
+    """Scale a stage on its queue (an HPA on the per-pod metric); the operator then leaves replicas alone."""
+
+    min_replicas: int = Field(default=1, ge=0, description="Fewest replicas.")
+    max_replicas: int = Field(ge=1, description="Most replicas.")
+    metric: str = Field(
+        default="omni_stage_queued_requests", description="Per-pod metric to scale on (custom metrics API)."
+    )
+    target_average_value: str = Field(default="4", description="Target average of the metric per pod.")
+
+
 class StageSpec(_Model):
     """One stage of the pipeline: an engine, its in-edges, and how many replicas serve it."""
 
@@ -130,6 +141,12 @@ class StageSpec(_Model):
     max_queued: int = Field(default=64, ge=0, description="Requests a replica queues beyond max_inflight.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="What one replica needs.")
     sampling: dict[str, Any] = Field(default_factory=dict, description="Default sampling parameters.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector (Kubernetes).")
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Pod tolerations (Kubernetes)."
+    )
+    affinity: dict[str, Any] = Field(default_factory=dict, description="Pod affinity (Kubernetes).")
+    autoscaling: AutoscalingSpec | None = Field(default=None, description="Scale this stage with an HPA.")
     max_segment_units: int = Field(default=16, ge=1, description="Flush a segment after this many units.")
     flush_interval_ms: float = Field(default=50.0, gt=0, description="Flush a segment after this long.")
 
@@ -165,8 +182,16 @@ class MooncakeSpec(_Model):
     )
 
 
+class SecretKeyRef(_Model):
+    name: str = Field(description="Secret name, in the pipeline's namespace.")
+    key: str = Field(description="Key in the Secret.")
+
+
 class NatsSpec(_Model):
     url: str = Field(default="", description="NATS URL; empty in SingleNode starts an embedded server.")
+    url_secret: SecretKeyRef | None = Field(
+        default=None, description="Read the NATS URL (with credentials) from this Secret instead."
+    )
 
 
 class GatewaySpec(_Model):
@@ -183,6 +208,9 @@ class PipelineSpec(_Model):
         description="SingleNode: one process tree (one pod); Distributed: a pod per replica.",
     )
     served_model_name: str = Field(min_length=1, description="The model name clients ask for.")
+    image: str | None = Field(
+        default=None, description="Container image of every pod (default: the operator's)."
+    )
     nats: NatsSpec = Field(default_factory=NatsSpec, description="The control plane.")
     connectors: dict[str, ConnectorSpec] = Field(
         default_factory=lambda: {DEFAULT_CONNECTOR: ConnectorSpec()},

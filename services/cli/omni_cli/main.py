@@ -80,6 +80,14 @@ def cmd_crd(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_render(a: argparse.Namespace) -> int:
+    from omni_operator.render import DEFAULT_IMAGE, render, render_yaml
+
+    objects = render(load_pipeline(a.pipeline), namespace=a.namespace, image=a.image or DEFAULT_IMAGE)
+    print(render_yaml(objects), end="")
+    return 0
+
+
 def cmd_validate(a: argparse.Namespace) -> int:
     p = load_pipeline(a.pipeline)
     print(f"{a.pipeline}: ok ({p.name}: {', '.join(s.name for s in p.spec.stages)})")
@@ -123,6 +131,14 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("crd", help="print the OmniPipeline CustomResourceDefinition (YAML)")
     s.set_defaults(fn=cmd_crd)
+
+    s = sub.add_parser("render", help="print the Kubernetes objects that serve a pipeline (YAML)")
+    s.add_argument("pipeline")
+    s.add_argument("--namespace", default="default")
+    s.add_argument(
+        "--image", default=None, help="container image (default: spec.image, else the release image)"
+    )
+    s.set_defaults(fn=cmd_render)
 
     s = sub.add_parser("validate", help="check a pipeline file")
     s.add_argument("pipeline")

@@ -1,0 +1,302 @@
+"""Rendering: a pipeline spec -> the Kubernetes objects that serve it. Pure: no API calls.
+
+Distributed: a ConfigMap with the pipeline; per stage a Deployment running `omni stage` (GPU
+limits, placement, /dev/shm in memory, probes on the replica's health port, NATS and Mooncake
+from the spec or a Secret) and a headless Service for its metrics, plus an HPA when the stage
+autoscales (then the Deployment has no `replicas`); the gateway's Deployment and Service.
+SingleNode: the ConfigMap, one Deployment running `omni serve` with every stage's GPUs, and
+its Service. Every name and label comes from `Names`, so no two places can disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+import yaml
+
+from omni_pipeline.connectors.mooncake import MASTER_ENV, METADATA_ENV
+from omni_pipeline.control import NATS_URL_ENV
+from omni_pipeline.spec import Mode, PipelineFile, StageSpec
+
+DEFAULT_IMAGE: Final = "ghcr.io/omni-pipeline/omni-pipeline:0.1.0"
+PIPELINE_DIR: Final = "/etc/omni"
+PIPELINE_PATH: Final = f"{PIPELINE_DIR}/pipeline.yaml"
+HEALTH_PORT: Final = 9090
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+STARTUP_WINDOW_S: Final = 600
+"""How long a replica may take to load its model before Kubernetes restarts it."""
+
+
+@dataclass(frozen=True)
+class Names:
+    """Every object name and label of one pipeline."""
+
+    pipeline: str
+
+    @property
+    def configmap(self) -> str:
+        return f"{self.pipeline}-pipeline"
+
+    def stage(self, stage: str) -> str:
+        return f"{self.pipeline}-{stage}"
+
+    @property
+    def gateway(self) -> str:
+        return f"{self.pipeline}-gateway"
+
+    @property
+    def single_node(self) -> str:
+        return f"{self.pipeline}-omni"
+
+    def labels(self, component: str) -> dict[str, str]:
+        return {
+            "app.kubernetes.io/name": "omni-pipeline",
+            "app.kubernetes.io/instance": self.pipeline,
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/managed-by": "omni-operator",
+        }
+
+    def selector(self, component: str) -> dict[str, str]:
+        labels = self.labels(component)
+        return {k: labels[k] for k in ("app.kubernetes.io/instance", "app.kubernetes.io/component")}
+
+
+def pipeline_yaml(p: PipelineFile) -> str:
+    return yaml.safe_dump(p.model_dump(by_alias=True, exclude_none=True, mode="json"), sort_keys=False)
+
+
+def render(p: PipelineFile, namespace: str = "default", image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:
+    """All objects for `p`, in apply order."""
+    names = Names(p.name)
+    image = p.spec.image or image
+    objects = [_configmap(p, names, namespace)]
+    if p.spec.mode is Mode.SINGLE_NODE:
+        return [*objects, *_single_node(p, names, namespace, image)]
+    for stage in p.spec.stages:
+        objects += _stage(p, stage, names, namespace, image)
+    return [*objects, *_gateway(p, names, namespace, image)]
+
+
+def _meta(name: str, namespace: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {"name": name, "namespace": namespace, "labels": labels}
+
+
+def _configmap(p: PipelineFile, names: Names, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(names.configmap, namespace, names.labels("config")),
+        "data": {"pipeline.yaml": pipeline_yaml(p)},
+    }
+
+
+def _env(p: PipelineFile) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "MC_TCP_BIND_ADDRESS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+    ]
+    nats = p.spec.nats
+    if nats.url_secret is not None:
+        ref = {"name": nats.url_secret.name, "key": nats.url_secret.key}
+        env.append({"name": NATS_URL_ENV, "valueFrom": {"secretKeyRef": ref}})
+    elif nats.url:
+        env.append({"name": NATS_URL_ENV, "value": nats.url})
+    if (mc := p.spec.mooncake) is not None:
+        if mc.master_server_address:
+            env.append({"name": MASTER_ENV, "value": mc.master_server_address})
+        if mc.metadata_server:
+            env.append({"name": METADATA_ENV, "value": mc.metadata_server})
+    return env
+
+
+def _probe(path: str, port: int, period_s: int, failures: int) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period_s, "failureThreshold": failures}
+
+
+def _container(
+    name: str,
+    image: str,
+    args: list[str],
+    env: list[dict[str, Any]],
+    port: int,
+    live: str,
+    ready: str,
+    resources: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "image": image,
+        "command": ["omni"],
+        "args": args,
+        "env": env,
+        "ports": [{"name": "http", "containerPort": port}],
+        "startupProbe": _probe(live, port, 5, STARTUP_WINDOW_S // 5),
+        "livenessProbe": _probe(live, port, 10, 3),
+        "readinessProbe": _probe(ready, port, 5, 2),
+        "resources": resources,
+        "volumeMounts": [
+            {"name": "pipeline", "mountPath": PIPELINE_DIR, "readOnly": True},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+        ],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+
+
+def _pod(names: Names, component: str, container: dict[str, Any], stage: StageSpec | None) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "containers": [container],
+        "terminationGracePeriodSeconds": 60,
+        "volumes": [
+            {"name": "pipeline", "configMap": {"name": names.configmap}},
+            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        ],
+    }
+    if stage is not None:
+        if stage.node_selector:
+            spec["nodeSelector"] = dict(stage.node_selector)
+        if stage.tolerations:
+            spec["tolerations"] = list(stage.tolerations)
+        if stage.affinity:
+            spec["affinity"] = dict(stage.affinity)
+    return {"metadata": {"labels": names.labels(component)}, "spec": spec}
+
+
+def _deployment(
+    names: Names, name: str, component: str, namespace: str, replicas: int | None, pod: dict[str, Any]
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {"selector": {"matchLabels": names.selector(component)}, "template": pod}
+    if replicas is not None:
+        spec["replicas"] = replicas
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(name, namespace, names.labels(component)),
+        "spec": spec,
+    }
+
+
+def _service(
+    names: Names, name: str, component: str, namespace: str, port: int, headless: bool
+) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "selector": names.selector(component),
+        "ports": [{"name": "http", "port": port, "targetPort": "http"}],
+    }
+    if headless:
+        spec["clusterIP"] = "None"
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(name, namespace, names.labels(component)),
+        "spec": spec,
+    }
+
+
+def _resources(gpus: int, cpu: str | None, memory: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    requests = {k: v for k, v in (("cpu", cpu), ("memory", memory)) if v}
+    if requests:
+        out["requests"] = requests
+    if gpus:
+        out["limits"] = {GPU_RESOURCE: gpus}
+    return out
+
+
+def _stage(
+    p: PipelineFile, stage: StageSpec, names: Names, namespace: str, image: str
+) -> list[dict[str, Any]]:
+    component = f"stage-{stage.name}"
+    name = names.stage(stage.name)
+    args = [
+        "stage",
+        "--pipeline",
+        PIPELINE_PATH,
+        "--stage",
+        stage.name,
+        "--replica-id",
+        "$(POD_NAME)",
+        "--metrics-host",
+        "0.0.0.0",
+        "--metrics-port",
+        str(HEALTH_PORT),
+    ]
+    r = stage.resources
+    container = _container(
+        "stage",
+        image,
+        args,
+        _env(p),
+        HEALTH_PORT,
+        "/health/live",
+        "/health/ready",
+        _resources(r.gpus, r.cpu, r.memory),
+    )
+    replicas = None if stage.autoscaling is not None else stage.replicas
+    out = [
+        _deployment(names, name, component, namespace, replicas, _pod(names, component, container, stage)),
+        _service(names, name, component, namespace, HEALTH_PORT, headless=True),
+    ]
+    if (a := stage.autoscaling) is not None:
+        out.append(
+            {
+                "apiVersion": "autoscaling/v2",
+                "kind": "HorizontalPodAutoscaler",
+                "metadata": _meta(name, namespace, names.labels(component)),
+                "spec": {
+                    "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+                    "minReplicas": max(1, a.min_replicas),
+                    "maxReplicas": a.max_replicas,
+                    "metrics": [
+                        {
+                            "type": "Pods",
+                            "pods": {
+                                "metric": {"name": a.metric},
+                                "target": {"type": "AverageValue", "averageValue": a.target_average_value},
+                            },
+                        }
+                    ],
+                },
+            }
+        )
+    return out
+
+
+def _gateway(p: PipelineFile, names: Names, namespace: str, image: str) -> list[dict[str, Any]]:
+    port = p.spec.gateway.port or 8000
+    args = ["gateway", "--pipeline", PIPELINE_PATH, "--host", "0.0.0.0", "--port", str(port)]
+    container = _container("gateway", image, args, _env(p), port, "/v1/models", "/health", {})
+    pod = _pod(names, "gateway", container, None)
+    return [
+        _deployment(names, names.gateway, "gateway", namespace, p.spec.gateway.replicas, pod),
+        _service(names, names.gateway, "gateway", namespace, port, headless=False),
+    ]
+
+
+def _single_node(p: PipelineFile, names: Names, namespace: str, image: str) -> list[dict[str, Any]]:
+    port = p.spec.gateway.port or 8000
+    gpus = sum(s.resources.gpus * s.replicas for s in p.spec.stages)
+    args = ["serve", PIPELINE_PATH, "--host", "0.0.0.0", "--port", str(port)]
+    container = _container(
+        "omni", image, args, _env(p), port, "/v1/models", "/health", _resources(gpus, None, None)
+    )
+    pod = _pod(names, "single-node", container, None)
+    return [
+        _deployment(names, names.single_node, "single-node", namespace, 1, pod),
+        _service(names, names.single_node, "single-node", namespace, port, headless=False),
+    ]
+
+
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the embedded pipeline) as literal blocks, readable in kubectl output."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="|" if "\n" in value else None)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def render_yaml(objects: list[dict[str, Any]]) -> str:
+    return "---\n".join(yaml.dump(o, Dumper=_Dumper, sort_keys=False) for o in objects)

@@ -1,0 +1,143 @@
+"""Rendering (pure): every object valid for Kubernetes (strict), and the parts that matter."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from omni_cli.main import parser
+from omni_operator.render import GPU_RESOURCE, HEALTH_PORT, PIPELINE_PATH, Names, render, render_yaml
+from omni_pipeline.spec import PipelineFile, load_pipeline, parse_pipeline
+from tests.helpers import ROOT
+
+DISTRIBUTED = ROOT / "examples" / "tiny-omni-distributed.yaml"
+
+
+def pipeline(mutate: Any = None, path: Any = DISTRIBUTED) -> PipelineFile:
+    doc = copy.deepcopy(yaml.safe_load(path.read_text()))
+    if mutate:
+        mutate(doc["spec"])
+    return parse_pipeline(doc)
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {o["metadata"]["name"]: o for o in objects if o["kind"] == kind}
+
+
+def container(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+@pytest.mark.parametrize("example", sorted((ROOT / "examples").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_object_is_valid_kubernetes(example: Any) -> None:
+    for obj in render(load_pipeline(example), namespace="omni"):
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+def test_distributed_objects() -> None:
+    objects = render(pipeline(), namespace="omni")
+    assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
+        ("ConfigMap", "tiny-omni-pipeline"),
+        ("Deployment", "tiny-omni-thinker"),
+        ("Service", "tiny-omni-thinker"),
+        ("Deployment", "tiny-omni-talker"),
+        ("Service", "tiny-omni-talker"),
+        ("Deployment", "tiny-omni-vocoder"),
+        ("Service", "tiny-omni-vocoder"),
+        ("Deployment", "tiny-omni-gateway"),
+        ("Service", "tiny-omni-gateway"),
+    ]
+    deployments = by_kind(objects, "Deployment")
+    assert deployments["tiny-omni-talker"]["spec"]["replicas"] == 2
+    assert deployments["tiny-omni-gateway"]["spec"]["replicas"] == 2
+    assert all(o["metadata"]["namespace"] == "omni" for o in objects)
+
+
+def test_the_configmap_holds_the_pipeline_itself() -> None:
+    p = pipeline()
+    cm = render(p)[0]
+    assert parse_pipeline(yaml.safe_load(cm["data"]["pipeline.yaml"])) == p
+
+
+def test_stage_command_is_one_omni_understands() -> None:
+    c = container(by_kind(render(pipeline()), "Deployment")["tiny-omni-talker"])
+    assert c["command"] == ["omni"]
+    args = parser().parse_args(c["args"])
+    assert (args.cmd, args.pipeline, args.stage, args.replica_id) == (
+        "stage",
+        PIPELINE_PATH,
+        "talker",
+        "$(POD_NAME)",
+    )
+    assert args.metrics_port == HEALTH_PORT
+    gw = container(by_kind(render(pipeline()), "Deployment")["tiny-omni-gateway"])
+    assert parser().parse_args(gw["args"]).cmd == "gateway"
+
+
+def test_probes_env_shm_and_labels() -> None:
+    d = by_kind(render(pipeline()), "Deployment")["tiny-omni-thinker"]
+    c = container(d)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": HEALTH_PORT}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health/live", "port": HEALTH_PORT}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["OMNI_NATS_URL"]["value"] == "nats://127.0.0.1:4222"
+    assert env["OMNI_MOONCAKE_MASTER"]["value"] == "127.0.0.1:50051"
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["MC_TCP_BIND_ADDRESS"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    volumes = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["dshm"] == {"name": "dshm", "emptyDir": {"medium": "Memory"}}
+    selector = d["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+    assert selector == Names("tiny-omni").selector("stage-thinker")
+
+
+def test_gpus_placement_and_secret() -> None:
+    def mutate(s: dict[str, Any]) -> None:
+        s["nats"] = {"urlSecret": {"name": "nats-creds", "key": "url"}}
+        t = s["stages"][0]
+        t["resources"] = {"gpus": 2, "cpu": "4", "memory": "32Gi"}
+        t["nodeSelector"] = {"nvidia.com/gpu.product": "H100"}
+        t["tolerations"] = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+
+    d = by_kind(render(pipeline(mutate)), "Deployment")["tiny-omni-thinker"]
+    c = container(d)
+    assert c["resources"] == {"requests": {"cpu": "4", "memory": "32Gi"}, "limits": {GPU_RESOURCE: 2}}
+    pod = d["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "H100"}
+    assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    env = {e["name"]: e for e in c["env"]}
+    assert env["OMNI_NATS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "nats-creds", "key": "url"}
+    talker = container(by_kind(render(pipeline(mutate)), "Deployment")["tiny-omni-talker"])
+    assert "limits" not in talker["resources"]
+
+
+def test_autoscaling_renders_an_hpa_and_leaves_replicas_alone() -> None:
+    objects = render(
+        pipeline(lambda s: s["stages"][1].update(autoscaling={"minReplicas": 1, "maxReplicas": 6}))
+    )
+    assert "replicas" not in by_kind(objects, "Deployment")["tiny-omni-talker"]["spec"]
+    hpa = by_kind(objects, "HorizontalPodAutoscaler")["tiny-omni-talker"]
+    assert hpa["spec"]["scaleTargetRef"]["name"] == "tiny-omni-talker" and hpa["spec"]["maxReplicas"] == 6
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+def test_single_node_is_one_deployment_running_omni_serve() -> None:
+    def mutate(s: dict[str, Any]) -> None:
+        s["stages"][0]["resources"] = {"gpus": 1}
+        s["stages"][1]["resources"] = {"gpus": 2}
+
+    objects = render(pipeline(mutate, ROOT / "examples" / "tiny-omni.yaml"))
+    assert [o["kind"] for o in objects] == ["ConfigMap", "Deployment", "Service"]
+    c = container(objects[1])
+    assert parser().parse_args(c["args"]).cmd == "serve" and c["args"][1] == PIPELINE_PATH
+    assert c["resources"]["limits"] == {GPU_RESOURCE: 3}
+
+
+def test_render_yaml_round_trips() -> None:
+    objects = render(pipeline())
+    assert list(yaml.safe_load_all(render_yaml(objects))) == objects
