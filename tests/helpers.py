@@ -167,3 +167,16 @@ def replica_metric(base: str, stage: str, name: str, replica: str | None = None,
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
         )
     return total
+
+
+def read_handles(reader: Any) -> list[Any]:
+    """Connector handles a producer process sent down a pipe (as wire frames), until it closed it."""
+    from omni_pipeline import wire
+    from omni_pipeline.connectors import ConnectorHandle
+
+    handles = []
+    while True:
+        try:
+            handles.append(wire.decode(reader.recv_bytes(), ConnectorHandle))
+        except EOFError:
+            return handles

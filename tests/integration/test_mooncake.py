@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from omni_pipeline import wire
-from omni_pipeline.connectors import ConnectorError, ConnectorHandle
+from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.connectors.mooncake import MooncakeConfig, MooncakeConnector
 from omni_pipeline.spec import ConnectorSpec
 from tests.conftest import Mooncake
-from tests.helpers import OMNI, ROOT
+from tests.helpers import OMNI, ROOT, read_handles
 
 SPEC = ConnectorSpec(kind="mooncake", inline_threshold_bytes=1024)
 
@@ -41,12 +41,7 @@ def test_put_get_cleanup_across_processes(mooncake: Mooncake) -> None:
         proc = ctx.Process(target=_producer, args=(mooncake.env(), 10, writer))
         proc.start()
         writer.close()
-        handles = []
-        while True:
-            try:
-                handles.append(wire.decode(reader.recv_bytes(), ConnectorHandle))
-            except EOFError:
-                break
+        handles = read_handles(reader)
         proc.join(60)
         assert proc.exitcode == 0 and len(handles) == 20
         assert mooncake.key_count() == 20

@@ -11,9 +11,9 @@ from multiprocessing.connection import Connection
 import torch
 
 from omni_pipeline import wire
-from omni_pipeline.connectors import ConnectorHandle, ShmConnector
+from omni_pipeline.connectors import ShmConnector
 from omni_pipeline.spec import ConnectorSpec
-from tests.helpers import our_shm_segments
+from tests.helpers import our_shm_segments, read_handles
 
 SPEC = ConnectorSpec(kind="shm", inline_threshold_bytes=1024)
 
@@ -36,12 +36,7 @@ def test_put_get_cleanup_across_processes() -> None:
     proc = mp.get_context("spawn").Process(target=_producer, args=(prefix, 20, writer))
     proc.start()
     writer.close()
-    handles = []
-    while True:
-        try:
-            handles.append(wire.decode(reader.recv_bytes(), ConnectorHandle))
-        except EOFError:
-            break
+    handles = read_handles(reader)
     proc.join(30)
     assert proc.exitcode == 0 and len(handles) == 60
 
