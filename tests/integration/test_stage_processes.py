@@ -102,8 +102,20 @@ def test_poisoned_input_fails_only_its_request(cluster: str) -> None:
     with pytest.raises(openai.InternalServerError) as info:
         client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "POISON"}])
     assert "stage 'thinker'" in str(info.value) and "poisoned" in str(info.value)
+    with pytest.raises(openai.InternalServerError):  # the same, streamed: it fails before the stream exists
+        client.chat.completions.create(
+            model="synth", messages=[{"role": "user", "content": "POISON"}], stream=True
+        )
     r = client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "fine"}])
     assert r.choices[0].message.content.startswith("tok0")
+    gauge = [
+        ln
+        for ln in httpx.get(f"{cluster}/metrics").text.splitlines()
+        if ln.startswith("omni_gateway_inflight")
+    ]
+    assert gauge == [
+        "omni_gateway_inflight_requests 0.0"
+    ]  # failed requests, streamed or not, are not counted
 
 
 def test_client_disconnect_mid_stream_frees_everything(cluster: str) -> None:

@@ -82,13 +82,16 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     t0 = time.monotonic()
     events = svc.generate(rid, stage_inputs(req), sampling_params(req), req.wanted_outputs())
     m.inflight.inc()
+    streaming = False  # once the stream exists, it owns the in-flight count (see _counted)
     try:
         first = await _first(events, request)  # errors before any output keep their HTTP status
         m.first_output.observe(time.monotonic() - t0)
         if req.stream:
-            return StreamingResponse(
+            response = StreamingResponse(
                 _counted(sse_chunks(req, rid, now(), first, events), m, t0), media_type="text/event-stream"
             )
+            streaming = True
+            return response
         result = ChatResult()
         result.add(first)
         await _until_disconnect(_collect(events, result), request)
@@ -98,7 +101,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         await events.aclose()
         raise
     finally:
-        if not req.stream:
+        if not streaming:
             m.inflight.dec()
 
 

@@ -312,8 +312,9 @@ class PipelineClient:
         try:
             t.queue.put_nowait(m)
         except asyncio.QueueFull:
+            while not t.queue.empty():  # what the client will never read: drop it, free its payloads
+                t.queue.get_nowait()
             self._free_payloads(m.request_id)
-            t.queue = asyncio.Queue(1)
             self._fail(t, "the client is not reading its response fast enough", "client_too_slow")
 
     async def _on_heartbeat(self, msg: Msg) -> None:
