@@ -200,12 +200,15 @@ def resolve_nats_url(url: str | None) -> str:
     return url
 
 
-async def connect_nats(url: str, name: str, *, retry_for_s: float | None = None) -> NatsClient:
+async def connect_nats(
+    url: str, name: str, *, retry_for_s: float | None = None, stop: asyncio.Event | None = None
+) -> NatsClient | None:
     """Connect, waiting while the server is not up yet (saying so in the log every few seconds).
 
     nats-py itself retries the first connection, every `reconnect_time_wait`, and once
     connected it reconnects by itself for ever: servers restart; we outlive them. With
-    `retry_for_s` the first connection is given up after that long (ControlError).
+    `retry_for_s` the first connection is given up after that long (ControlError); when `stop`
+    is set first (SIGTERM during startup), the wait ends and None is returned.
     """
     resolve_nats_url(url)
     client: list[NatsClient] = []
@@ -228,21 +231,36 @@ async def connect_nats(url: str, name: str, *, retry_for_s: float | None = None)
         else:
             log.debug("%s: NATS error: %s", name, exc)
 
+    async def connect() -> NatsClient:
+        return await nats.connect(
+            url,
+            name=name,
+            connect_timeout=2,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            error_cb=on_error,
+        )
+
+    attempt = asyncio.ensure_future(connect())
+    waits: set[asyncio.Future[Any]] = {attempt}
+    if stop is not None:
+        waits.add(asyncio.ensure_future(stop.wait()))
     try:
-        async with asyncio.timeout(retry_for_s):
-            nc = await nats.connect(
-                url,
-                name=name,
-                connect_timeout=2,
-                allow_reconnect=True,
-                max_reconnect_attempts=-1,
-                reconnect_time_wait=0.5,
-                disconnected_cb=on_disconnect,
-                reconnected_cb=on_reconnect,
-                error_cb=on_error,
-            )
-    except TimeoutError:
-        raise ControlError(f"{name}: NATS at {url} unreachable for {retry_for_s:.0f}s") from None
+        await asyncio.wait(waits, timeout=retry_for_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits - {attempt}:
+            w.cancel()
+    if not attempt.done():
+        attempt.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await attempt
+        if stop is not None and stop.is_set():
+            return None
+        raise ControlError(f"{name}: NATS at {url} unreachable for {retry_for_s:.0f}s")
+    nc = attempt.result()
     client.append(nc)
     if last_warning[0] >= 0:
         log.info("%s: connected to NATS at %s", name, url)

@@ -215,3 +215,17 @@ def test_nats_url_from_the_environment(nats_url: str, tmp_path: Path) -> None:
         p.wait_output("vocoder/0 ready", 60)
     finally:
         assert p.stop() == 0
+
+
+@pytest.mark.parametrize("command", ["stage", "gateway"])
+def test_sigterm_while_waiting_for_nats_stops_cleanly(command: str, tmp_path: Path) -> None:
+    plain = ROOT / "tests" / "data" / "synthetic.yaml"
+    extra = ["--stage", "vocoder", "--metrics-host", "127.0.0.1"] if command == "stage" else ["--port", "0"]
+    p = OmniProcess(
+        [command, "--pipeline", str(plain), "--nats", "nats://127.0.0.1:1", *extra],
+        ROOT,
+        tmp_path / f"{command}.log",
+    )
+    p.wait_output("not reachable yet", 60)
+    assert p.stop(timeout=30) == 0
+    assert "stopped before NATS was reachable" in p.output()

@@ -130,10 +130,14 @@ def run_gateway(
 
     async def main() -> None:
         service = PipelineClient(pipeline, nats_url)
+        stopping = asyncio.Event()
 
         @contextlib.asynccontextmanager
         async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-            await service.start()
+            if not await service.start(stop=stopping):
+                log.info("gateway %s: stopped before NATS was reachable", service.gateway_id)
+                yield  # the server is already told to exit
+                return
             if wait_for_stages:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(READY_WAIT_S):
@@ -154,6 +158,7 @@ def run_gateway(
 
         def stop() -> None:
             server.should_exit = True
+            stopping.set()
 
         on_shutdown_signals(stop)
         await server.serve(sockets=[sock])

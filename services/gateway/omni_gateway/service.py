@@ -105,11 +105,16 @@ class PipelineClient:
         self._sweeper: asyncio.Task[None] | None = None
         self._sources = [s.name for s in self.spec.stages if any(e.from_ == REQUEST_SOURCE for e in s.inputs)]
 
-    async def start(self) -> None:
-        self.nc = await connect_nats(self.nats_url, f"gateway-{self.gateway_id}")
+    async def start(self, stop: asyncio.Event | None = None) -> bool:
+        """Connect and subscribe; False if `stop` was set before NATS could be reached."""
+        nc = await connect_nats(self.nats_url, f"gateway-{self.gateway_id}", stop=stop)
+        if nc is None:
+            return False
+        self.nc = nc
         await self.nc.subscribe(self.inbox, cb=self._on_reply)
         await self.nc.subscribe(self.subjects.heartbeat, cb=self._on_heartbeat)
         self._sweeper = asyncio.get_running_loop().create_task(self._expire_replicas(), name="replica-expiry")
+        return True
 
     async def stop(self) -> None:
         for rid in list(self.inflight):

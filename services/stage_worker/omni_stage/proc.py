@@ -137,7 +137,11 @@ class StageWorker:
         try:
             log.info("stage %s/%s: loading engine %s", self.spec.name, self.replica, self.spec.engine.kind)
             await self.engine.start()
-            self.nc = await connect_nats(self.nats_url, f"stage-{self.spec.name}-{self.replica}")
+            nc = await connect_nats(self.nats_url, f"stage-{self.spec.name}-{self.replica}", stop=self._stop)
+            if nc is None:
+                log.info("stage %s/%s: stopped before NATS was reachable", self.spec.name, self.replica)
+                return
+            self.nc = nc
             await self.nc.subscribe(self.inbox, cb=self._on_inbound)
             await self.nc.subscribe(self.subjects.abort, cb=self._on_abort)
             self.ready = True
