@@ -13,6 +13,8 @@ from typing import Any, Final
 
 from omni_pipeline.spec import PipelineSpec
 
+from .status import PipelineStatus
+
 GROUP: Final = "omnipipeline.dev"
 VERSION: Final = "v1alpha1"
 KIND: Final = "OmniPipeline"
@@ -114,11 +116,11 @@ def spec_schema() -> dict[str, Any]:
 
 def crd() -> dict[str, Any]:
     """The CustomResourceDefinition object."""
-    status = {
-        "type": "object",
-        "description": "Written by the operator: conditions, per-stage replicas, the gateway URL.",
-        "x-kubernetes-preserve-unknown-fields": True,
-    }
+    raw_status = PipelineStatus.model_json_schema(by_alias=True, mode="serialization")
+    status = structural(raw_status, raw_status.get("$defs", {}))
+    for field, key in (("conditions", "type"), ("stages", "name")):
+        status["properties"][field]["x-kubernetes-list-type"] = "map"
+        status["properties"][field]["x-kubernetes-list-map-keys"] = [key]
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",

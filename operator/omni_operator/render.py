@@ -24,6 +24,10 @@ PIPELINE_DIR: Final = "/etc/omni"
 PIPELINE_PATH: Final = f"{PIPELINE_DIR}/pipeline.yaml"
 HEALTH_PORT: Final = 9090
 GPU_RESOURCE: Final = "nvidia.com/gpu"
+INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
+COMPONENT_LABEL: Final = "app.kubernetes.io/component"
+MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY: Final = "omni-operator"
 STARTUP_WINDOW_S: Final = 600
 """How long a replica may take to load its model before Kubernetes restarts it."""
 
@@ -52,14 +56,14 @@ class Names:
     def labels(self, component: str) -> dict[str, str]:
         return {
             "app.kubernetes.io/name": "omni-pipeline",
-            "app.kubernetes.io/instance": self.pipeline,
-            "app.kubernetes.io/component": component,
-            "app.kubernetes.io/managed-by": "omni-operator",
+            INSTANCE_LABEL: self.pipeline,
+            COMPONENT_LABEL: component,
+            MANAGED_BY_LABEL: MANAGED_BY,
         }
 
     def selector(self, component: str) -> dict[str, str]:
         labels = self.labels(component)
-        return {k: labels[k] for k in ("app.kubernetes.io/instance", "app.kubernetes.io/component")}
+        return {k: labels[k] for k in (INSTANCE_LABEL, COMPONENT_LABEL)}
 
 
 def pipeline_yaml(p: PipelineFile) -> str:

@@ -88,6 +88,12 @@ def cmd_render(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_operator(a: argparse.Namespace) -> int:
+    from omni_operator.handlers import run_operator
+
+    return run_operator(a.image, a.namespace, a.resync_seconds, a.liveness)
+
+
 def cmd_validate(a: argparse.Namespace) -> int:
     p = load_pipeline(a.pipeline)
     print(f"{a.pipeline}: ok ({p.name}: {', '.join(s.name for s in p.spec.stages)})")
@@ -139,6 +145,18 @@ def parser() -> argparse.ArgumentParser:
         "--image", default=None, help="container image (default: spec.image, else the release image)"
     )
     s.set_defaults(fn=cmd_render)
+
+    s = sub.add_parser("operator", help="run the Kubernetes operator for OmniPipeline resources")
+    s.add_argument(
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable; default: every namespace)",
+    )
+    s.add_argument("--image", default=None, help="image for pipeline pods without spec.image")
+    s.add_argument("--resync-seconds", type=float, default=None, help="re-apply every pipeline this often")
+    s.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
+    s.set_defaults(fn=cmd_operator)
 
     s = sub.add_parser("validate", help="check a pipeline file")
     s.add_argument("pipeline")

@@ -1,0 +1,126 @@
+"""Reconcile one OmniPipeline: read it, render it, apply, prune, report. Level-based.
+
+Every trigger (the CR changed, a child changed or vanished, the drift timer) calls the same
+`reconcile(namespace, name)`, which reads the latest object itself; so a late or repeated
+trigger cannot apply a stale spec, and running it twice does nothing the first did not.
+One lock per pipeline keeps two triggers from pruning each other's work.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import defaultdict
+from typing import Any
+
+from kubernetes.client.exceptions import ApiException
+from kubernetes.dynamic.exceptions import DynamicApiError
+
+from omni_pipeline.spec import PipelineFile, SpecError, parse_pipeline
+
+from .cluster import DEPLOYMENTS, PIPELINE_API, Cluster, owner_reference
+from .crd import KIND
+from .render import render
+from .status import apply_failed, invalid_spec, noted, pipeline_status
+
+log = logging.getLogger("omni.operator")
+
+
+class ApplyError(RuntimeError):
+    """The API server refused a child; the pipeline's Degraded condition says which and why."""
+
+
+class Reconciler:
+    """Drives every OmniPipeline it is asked about towards its spec."""
+
+    def __init__(self, cluster: Cluster, image: str) -> None:
+        self.cluster = cluster
+        self.image = image
+        self._locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
+        self._locks_lock = threading.Lock()
+
+    def _lock(self, namespace: str, name: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._locks[(namespace, name)]
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop the lock of a deleted pipeline."""
+        with self._locks_lock:
+            self._locks.pop((namespace, name), None)
+
+    def reconcile(self, namespace: str, name: str) -> None:
+        with self._lock(namespace, name):
+            body = self.cluster.pipeline(namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return  # gone or going: the garbage collector removes the children
+            self._reconcile(body)
+
+    def refresh_status(self, namespace: str, name: str) -> None:
+        """A child changed: report it. A spec not yet rendered is reconciled instead."""
+        with self._lock(namespace, name):
+            body = self.cluster.pipeline(namespace, name)
+            if body is None or body["metadata"].get("deletionTimestamp"):
+                return
+            status = body.get("status") or {}
+            if status.get("observedGeneration") != body["metadata"].get("generation", 1):
+                self._reconcile(body)
+                return
+            try:
+                pipeline = self._parse(body)
+            except SpecError:
+                return  # InvalidSpec is already reported for this generation
+            self._report(body, pipeline)
+
+    def _parse(self, body: dict[str, Any]) -> PipelineFile:
+        meta = body["metadata"]
+        doc = {"apiVersion": PIPELINE_API, "kind": KIND, "metadata": {"name": meta["name"]}}
+        source = f"OmniPipeline {meta['namespace']}/{meta['name']}"
+        return parse_pipeline({**doc, "spec": body.get("spec")}, source)
+
+    def _reconcile(self, body: dict[str, Any]) -> None:
+        meta = body["metadata"]
+        namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation", 1)
+        previous = body.get("status") or {}
+        try:
+            pipeline = self._parse(body)
+        except SpecError as exc:
+            log.warning("%s", exc)
+            self.cluster.patch_status(namespace, name, noted(generation, invalid_spec(str(exc)), previous))
+            return
+        desired = render(pipeline, namespace, self.image)
+        owner = owner_reference(body)
+        for obj in desired:
+            obj["metadata"]["ownerReferences"] = [owner]
+            try:
+                self.cluster.apply(obj)
+            except (ApiException, DynamicApiError) as exc:
+                what = f"{obj['kind']} {obj['metadata']['name']}: {_reason(exc)}"
+                self.cluster.patch_status(namespace, name, noted(generation, apply_failed(what), previous))
+                raise ApplyError(what) from exc
+        wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
+        for child in self.cluster.owned(namespace, name, meta["uid"]):
+            if (child["kind"], child["metadata"]["name"]) not in wanted:
+                log.info("%s/%s: pruning %s %s", namespace, name, child["kind"], child["metadata"]["name"])
+                self.cluster.delete(child)
+        self._report(body, pipeline)
+
+    def _report(self, body: dict[str, Any], pipeline: PipelineFile) -> None:
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        deployments = {
+            c["metadata"]["name"]: c
+            for c in self.cluster.owned(namespace, name, meta["uid"], kinds=[DEPLOYMENTS])
+        }
+        previous = (body.get("status") or {}).get("conditions") or []
+        status = pipeline_status(pipeline, namespace, meta.get("generation", 1), deployments, previous)
+        self.cluster.patch_status(namespace, name, status.model_dump(by_alias=True, mode="json"))
+
+
+def _reason(exc: ApiException | DynamicApiError) -> str:
+    """The API server's own message (kubectl shows the same), not the client's HTTP dump."""
+    body = getattr(exc, "body", None)
+    try:
+        return str(json.loads(body)["message"]) if body else str(exc)
+    except (ValueError, KeyError, TypeError):
+        return str(exc).splitlines()[0]

@@ -1,0 +1,272 @@
+"""The kopf operator against an emulated Kubernetes API (kmock; see tests/kube_api.py for what it
+adds). No cluster runs here, so the test plays the Deployment controller where a rollout matters:
+it writes Deployment status the way kube-controller-manager would. Everything else (kopf's
+watches, the operator's server-side applies, status patches) goes over HTTP to the emulator.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import NotFoundError
+
+from omni_operator.handlers import IMAGE_ENV, RESYNC_ENV
+from tests.helpers import ROOT, wait_for
+from tests.kube_api import ApiServerThread
+
+PIPELINE_API = "omnipipeline.dev/v1alpha1"
+IMAGE = "registry.example/omni:test"
+
+
+class Kube:
+    """The test's kubectl: a dynamic client on the emulator."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.dyn = DynamicClient(kubernetes.config.new_client_from_config(str(kubeconfig)))
+
+    def kind(self, api_version: str, kind: str) -> Any:
+        return self.dyn.resources.get(api_version=api_version, kind=kind)
+
+    def get(self, api_version: str, kind: str, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.kind(api_version, kind).get(name=name, namespace=ns).to_dict()
+        except NotFoundError:
+            return None
+
+    def names(self, api_version: str, kind: str, ns: str) -> set[str]:
+        items = self.kind(api_version, kind).get(namespace=ns).to_dict()["items"]
+        return {i["metadata"]["name"] for i in items}
+
+    def pipeline(self, ns: str, name: str) -> dict[str, Any]:
+        body = self.get(PIPELINE_API, "OmniPipeline", ns, name)
+        assert body is not None
+        return body
+
+    def condition(self, ns: str, name: str, kind: str) -> dict[str, Any] | None:
+        for c in (self.pipeline(ns, name).get("status") or {}).get("conditions") or []:
+            if c["type"] == kind:
+                return c
+        return None
+
+    def create(self, body: dict[str, Any], ns: str) -> dict[str, Any]:
+        return self.kind(PIPELINE_API, "OmniPipeline").create(body=body, namespace=ns).to_dict()
+
+    def patch_spec(self, ns: str, name: str, spec: dict[str, Any]) -> None:
+        self.kind(PIPELINE_API, "OmniPipeline").patch(
+            body=[{"op": "replace", "path": "/spec", "value": spec}],
+            name=name,
+            namespace=ns,
+            content_type="application/json-patch+json",
+        )
+
+    def roll_out(self, ns: str, name: str, ready: int | None = None) -> None:
+        """Play the Deployment controller: report `ready` (default: all) replicas updated and
+        available for the Deployment's current generation."""
+        d = self.get("apps/v1", "Deployment", ns, name)
+        assert d is not None, name
+        want = d["spec"].get("replicas", 1)
+        n = want if ready is None else ready
+        status = {
+            "observedGeneration": d["metadata"]["generation"],
+            "replicas": want,
+            "updatedReplicas": want,
+            "readyReplicas": n,
+            "availableReplicas": n,
+        }
+        self.kind("apps/v1", "Deployment").status.patch(
+            body={"status": status}, name=name, namespace=ns, content_type="application/merge-patch+json"
+        )
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
+    """An emulated API server and the operator (kopf in its own thread, logged in through our
+    `@kopf.on.login`, which reads the same kubeconfig as the test's client)."""
+    kubeconfig = tmp_path_factory.mktemp("kube") / "kubeconfig"
+    with ApiServerThread(kubeconfig), pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KUBECONFIG", str(kubeconfig))
+        mp.setenv(IMAGE_ENV, IMAGE)
+        mp.setenv(RESYNC_ENV, "3600")
+        args = ["run", "--standalone", "--all-namespaces", "-m", "omni_operator.handlers"]
+        with KopfRunner(args, timeout=60) as runner:
+            yield Kube(kubeconfig)
+        assert runner.exception is None, runner.output
+
+
+def pipeline_body(name: str) -> dict[str, Any]:
+    doc = yaml.safe_load((ROOT / "tests" / "data" / "synthetic-distributed.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    doc["spec"]["nats"] = {"url": "nats://nats.omni.svc:4222"}
+    return doc
+
+
+def children(kube: Kube, ns: str) -> dict[str, set[str]]:
+    return {
+        "Deployment": kube.names("apps/v1", "Deployment", ns),
+        "Service": kube.names("v1", "Service", ns),
+        "ConfigMap": kube.names("v1", "ConfigMap", ns),
+        "HorizontalPodAutoscaler": kube.names("autoscaling/v2", "HorizontalPodAutoscaler", ns),
+    }
+
+
+ALL_DEPLOYMENTS = {"p-thinker", "p-talker", "p-vocoder", "p-gateway"}
+
+
+def test_create_makes_owned_children_and_reports_status(kube: Kube) -> None:
+    ns = "create"
+    created = kube.create(pipeline_body("p"), ns)
+    uid = created["metadata"]["uid"]
+    wait_for(lambda: children(kube, ns)["Deployment"] == ALL_DEPLOYMENTS, 30, "the Deployments")
+    found = children(kube, ns)
+    assert found["Service"] == ALL_DEPLOYMENTS and found["ConfigMap"] == {"p-pipeline"}
+    for kind, api in (("Deployment", "apps/v1"), ("Service", "v1")):
+        for name in found[kind]:
+            refs = kube.get(api, kind, ns, name)["metadata"]["ownerReferences"]  # type: ignore[index]
+            assert refs == [
+                {
+                    "apiVersion": PIPELINE_API,
+                    "kind": "OmniPipeline",
+                    "name": "p",
+                    "uid": uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ]
+    talker = kube.get("apps/v1", "Deployment", ns, "p-talker")
+    container = talker["spec"]["template"]["spec"]["containers"][0]  # type: ignore[index]
+    assert container["image"] == IMAGE
+    assert {"name": "OMNI_NATS_URL", "value": "nats://nats.omni.svc:4222"} in container["env"]
+
+    status = wait_for(lambda: kube.pipeline(ns, "p").get("status", {}).get("gatewayURL"), 30, "status")
+    assert status == "http://p-gateway.create.svc:8000/v1"
+    status = kube.pipeline(ns, "p")["status"]
+    assert status["observedGeneration"] == 1 and status["stagesReady"] == "0/3"
+    assert [s["name"] for s in status["stages"]] == ["thinker", "talker", "vocoder"]
+    ready = kube.condition(ns, "p", "Ready")
+    assert ready is not None and ready["status"] == "False" and "thinker 0/1 available" in ready["message"]
+
+
+def test_ready_only_after_every_deployment_rolled_out_this_generation(kube: Kube) -> None:
+    ns = "ready"
+    body = pipeline_body("p")
+    kube.create(body, ns)
+    wait_for(lambda: children(kube, ns)["Deployment"] == ALL_DEPLOYMENTS, 30, "the Deployments")
+    for name in ("p-thinker", "p-talker", "p-gateway"):
+        kube.roll_out(ns, name)
+    kube.roll_out(ns, "p-vocoder", ready=0)
+    wait_for(lambda: kube.pipeline(ns, "p")["status"].get("stagesReady") == "2/3", 30, "2 of 3 stages")
+    assert kube.condition(ns, "p", "Ready")["status"] == "False"  # type: ignore[index]
+    kube.roll_out(ns, "p-vocoder")
+    wait_for(lambda: kube.condition(ns, "p", "Ready")["status"] == "True", 30, "Ready")  # type: ignore[index]
+    assert kube.pipeline(ns, "p")["status"]["stagesReady"] == "3/3"
+
+    # A new spec: the talker Deployment gets a new generation; Ready waits for its rollout.
+    spec = copy.deepcopy(body["spec"])
+    spec["stages"][1]["replicas"] = 3
+    kube.patch_spec(ns, "p", spec)
+    talker_at_gen2 = lambda: kube.get("apps/v1", "Deployment", ns, "p-talker")["spec"]["replicas"] == 3  # noqa: E731
+    wait_for(talker_at_gen2, 30, "talker scaled to 3")
+    wait_for(lambda: kube.pipeline(ns, "p")["status"]["observedGeneration"] == 2, 30, "generation 2")
+    ready = kube.condition(ns, "p", "Ready")
+    assert ready["status"] == "False" and "talker 1/3 available" in ready["message"]  # type: ignore[index]
+    kube.roll_out(ns, "p-talker")
+    wait_for(lambda: kube.condition(ns, "p", "Ready")["status"] == "True", 30, "Ready again")  # type: ignore[index]
+
+
+def test_update_changes_children_and_removing_a_stage_prunes_it(kube: Kube) -> None:
+    ns = "update"
+    body = pipeline_body("p")
+    kube.create(body, ns)
+    wait_for(lambda: children(kube, ns)["Deployment"] == ALL_DEPLOYMENTS, 30, "the Deployments")
+
+    spec = copy.deepcopy(body["spec"])
+    spec["stages"][0]["replicas"] = 2
+    spec["stages"][0]["engine"]["args"]["msPerUnit"] = 7
+    kube.patch_spec(ns, "p", spec)
+    wait_for(
+        lambda: kube.get("apps/v1", "Deployment", ns, "p-thinker")["spec"]["replicas"] == 2,  # type: ignore[index]
+        30,
+        "thinker replicas 2",
+    )
+    cm = wait_for(
+        lambda: "msPerUnit: 7" in kube.get("v1", "ConfigMap", ns, "p-pipeline")["data"]["pipeline.yaml"],  # type: ignore[index]
+        30,
+        "the new engine args in the ConfigMap",
+    )
+    assert cm
+
+    # Drop the talker; the vocoder now reads the thinker.
+    spec = copy.deepcopy(spec)
+    del spec["stages"][1]
+    spec["stages"][1]["inputs"] = [{"from": "thinker", "window": 16}]
+    kube.patch_spec(ns, "p", spec)
+    wait_for(lambda: "p-talker" not in children(kube, ns)["Deployment"], 30, "talker Deployment pruned")
+    found = children(kube, ns)
+    assert found["Deployment"] == {"p-thinker", "p-vocoder", "p-gateway"}
+    assert found["Service"] == {"p-thinker", "p-vocoder", "p-gateway"}
+
+
+def test_autoscaling_stage_gets_an_hpa_and_no_replicas(kube: Kube) -> None:
+    ns = "hpa"
+    body = pipeline_body("p")
+    body["spec"]["stages"][1]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
+    kube.create(body, ns)
+    wait_for(lambda: children(kube, ns)["HorizontalPodAutoscaler"] == {"p-talker"}, 30, "the HPA")
+    talker = kube.get("apps/v1", "Deployment", ns, "p-talker")
+    assert "replicas" not in talker["spec"]  # type: ignore[index]
+
+    spec = copy.deepcopy(body["spec"])
+    del spec["stages"][1]["autoscaling"]
+    kube.patch_spec(ns, "p", spec)
+    wait_for(lambda: not children(kube, ns)["HorizontalPodAutoscaler"], 30, "the HPA pruned")
+
+
+@pytest.mark.parametrize(
+    ("breakage", "named"),
+    [
+        ({"inputs": [{"from": "nosuchstage"}]}, "nosuchstage"),
+        ({"inputs": [{"from": "vocoder", "window": 8}]}, "cycle"),
+    ],
+)
+def test_invalid_spec_reports_and_creates_nothing(kube: Kube, breakage: dict[str, Any], named: str) -> None:
+    ns = f"invalid-{named}"
+    body = pipeline_body("p")
+    body["spec"]["stages"][1].update(breakage)
+    kube.create(body, ns)
+    cond = wait_for(lambda: kube.condition(ns, "p", "InvalidSpec"), 30, "InvalidSpec")
+    assert cond["status"] == "True" and named in cond["message"] and "talker" in cond["message"]
+    assert kube.condition(ns, "p", "Ready")["status"] == "False"  # type: ignore[index]
+    assert all(not names for names in children(kube, ns).values())
+
+
+def test_deleted_child_is_put_back(kube: Kube) -> None:
+    ns = "drift"
+    kube.create(pipeline_body("p"), ns)
+    wait_for(lambda: children(kube, ns)["Deployment"] == ALL_DEPLOYMENTS, 30, "the Deployments")
+    first = kube.get("apps/v1", "Deployment", ns, "p-talker")["metadata"]["uid"]  # type: ignore[index]
+    kube.kind("apps/v1", "Deployment").delete(name="p-talker", namespace=ns)
+
+    def recreated() -> bool:
+        d = kube.get("apps/v1", "Deployment", ns, "p-talker")
+        return d is not None and d["metadata"]["uid"] != first
+
+    wait_for(recreated, 30, "the talker Deployment re-created")
+
+
+def test_delete_removes_children_and_leaves_no_finalizer(kube: Kube) -> None:
+    ns = "delete"
+    kube.create(pipeline_body("p"), ns)
+    wait_for(lambda: children(kube, ns)["Deployment"] == ALL_DEPLOYMENTS, 30, "the Deployments")
+    wait_for(lambda: kube.pipeline(ns, "p").get("status"), 30, "a status")
+    assert not kube.pipeline(ns, "p")["metadata"].get("finalizers")
+    kube.kind(PIPELINE_API, "OmniPipeline").delete(name="p", namespace=ns)
+    assert kube.get(PIPELINE_API, "OmniPipeline", ns, "p") is None  # no finalizer held it
+    wait_for(lambda: all(not names for names in children(kube, ns).values()), 30, "children gone")

@@ -1,0 +1,239 @@
+"""A Kubernetes API server for tests: kmock's emulator plus the few server behaviours the operator
+relies on, run in its own thread so that tests, kopf and the kubelet harness all talk to it over
+HTTP like they would to a cluster.
+
+Fake on purpose (no cluster can run here): kmock stores objects and serves list/watch/get/create/
+patch/delete. What a real API server and kube-controller-manager add, and kmock leaves to its
+users, is added here and nothing more: server-set metadata (uid, creationTimestamp,
+resourceVersion, `generation` bumped when the spec changes), the status subresource (status
+writes touch only status; main writes never touch it), server-side apply for a single field
+manager (creates, or replaces what the manager applied and keeps status), equality label
+selectors on lists, and the garbage collector (deleting an owner deletes what it owns).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import attrs
+import jsonpatch
+import kmock
+import yaml
+from kmock._internal import dicts, enums, rendering
+
+APPLY_PATCH = "application/apply-patch+yaml"
+JSON_PATCH = "application/json-patch+json"
+
+RESOURCES: dict[str, kmock.ResourceInfo] = {
+    "omnipipeline.dev/v1alpha1/omnipipelines": kmock.ResourceInfo(
+        kind="OmniPipeline", singular="omnipipeline", namespaced=True, shortnames={"omp"},
+        verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"},
+    ),
+    "apps/v1/deployments": kmock.ResourceInfo(
+        kind="Deployment", singular="deployment", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"},
+    ),
+    "v1/services": kmock.ResourceInfo(
+        kind="Service", singular="service", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+    ),
+    "v1/configmaps": kmock.ResourceInfo(
+        kind="ConfigMap", singular="configmap", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+    ),
+    "v1/secrets": kmock.ResourceInfo(
+        kind="Secret", singular="secret", namespaced=True, verbs={"get", "list", "create", "delete"},
+    ),
+    "apiextensions.k8s.io/v1/customresourcedefinitions": kmock.ResourceInfo(
+        kind="CustomResourceDefinition", singular="customresourcedefinition", namespaced=False,
+        verbs={"get", "list", "watch", "create", "delete"},
+    ),
+    "v1/namespaces": kmock.ResourceInfo(
+        kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list", "watch"},
+    ),
+    "v1/events": kmock.ResourceInfo(kind="Event", singular="event", namespaced=True, verbs={"create"}),
+    "autoscaling/v2/horizontalpodautoscalers": kmock.ResourceInfo(
+        kind="HorizontalPodAutoscaler", singular="horizontalpodautoscaler", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+    ),
+}  # fmt: skip
+
+
+class ApiServer(kmock.KubernetesEmulator):
+    """kmock's emulator with the server-side behaviours listed in the module docstring."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self._versions = itertools.count(1)
+        for key, info in RESOURCES.items():
+            self.resources[key] = info
+
+    async def _handle(self, request: rendering.Request) -> Any:
+        # kmock logs every request for assertions and matches reactions by scanning that log;
+        # nothing here asserts on it, so keep it short or every request costs more than the last.
+        if len(self._requests) > 256:
+            del self._requests[:-16]
+        if request.resource is not None:
+            served = await self._server_side(request)
+            if served is not request:  # kmock matches reactions to the requests it logged, by identity
+                self._requests[self._requests.index(request)] = served
+            request = served
+        response = await super()._handle(request)
+        if request.resource is not None and request.action == enums.action.DELETE and request.name:
+            await self._collect_garbage()
+        return response
+
+    async def _server_side(self, request: rendering.Request) -> rendering.Request:
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            current = self.objects[key] if request.name and key in self.objects else None
+            exists = current is not None and not current.deleted
+            old = copy.deepcopy(current.raw) if exists else None
+        content_type = request.headers.get("Content-Type", "").split(";")[0]
+        if request.action == enums.action.CREATE:
+            return attrs.evolve(request, data=self._created(request.data, request.namespace))
+        if request.method == enums.method.PATCH and content_type == APPLY_PATCH and not exists:
+            body = self._created(yaml.safe_load(request.text), request.namespace)
+            return attrs.evolve(request, action=enums.action.CREATE, data=body)
+        if request.action != enums.action.UPDATE or old is None:
+            return request
+        if content_type == APPLY_PATCH:
+            new = yaml.safe_load(request.text)
+            new["metadata"] = {**new.get("metadata", {}), **_server_meta(old)}
+            if "status" in old:
+                new["status"] = old["status"]
+        else:
+            patched = dicts.patch_dict(old, request.data) if content_type != JSON_PATCH else None
+            new = jsonpatch.apply_patch(old, request.data) if patched is None else dict(patched)
+            if request.subresource == "status":
+                new = {**old, "status": new.get("status")}
+            else:
+                new = {**new, "status": old.get("status")}
+            new["metadata"] = {**new.get("metadata", {}), **_server_meta(old)}
+            if new["status"] is None:
+                del new["status"]
+        meta = new["metadata"]
+        meta["resourceVersion"] = str(next(self._versions))
+        if request.subresource is None and new.get("spec") != old.get("spec"):
+            meta["generation"] = old["metadata"].get("generation", 1) + 1
+        return attrs.evolve(request, data=[{"op": "replace", "path": "", "value": new}])
+
+    def _created(self, body: dict[str, Any], namespace: str | None) -> dict[str, Any]:
+        body = copy.deepcopy(body)
+        meta = body.setdefault("metadata", {})
+        if namespace:
+            meta["namespace"] = namespace
+        meta.update(
+            uid=str(uuid.uuid4()),
+            creationTimestamp=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+            resourceVersion=str(next(self._versions)),
+            generation=1,
+        )
+        return body
+
+    async def _collect_garbage(self) -> None:
+        """Delete every object whose owners are all gone, until none is left (cascading)."""
+        async with self._lock:
+            while True:
+                live = [(k, o) for k, o in self.objects.items() if not o.deleted]
+                uids = {o.raw["metadata"].get("uid") for _, o in live}
+                orphans = [
+                    (k, o)
+                    for k, o in live
+                    if (refs := o.raw["metadata"].get("ownerReferences"))
+                    and not any(r.get("uid") in uids for r in refs)
+                ]
+                if not orphans:
+                    return
+                for (resource, _, _), obj in orphans:
+                    raw = obj.raw
+                    obj.delete()
+                    await self._buses[resource].put({"type": "DELETED", "object": raw})
+
+    async def _serve_list(self, request: rendering.Request) -> Any:
+        listing = await super()._serve_list(request)
+        res = request.resource
+        listing["kind"] = f"{self.resources[res].kind}List"
+        listing["apiVersion"] = f"{res.group}/{res.version}".lstrip("/")
+        selector = request.params.get("labelSelector")
+        if selector:
+            listing["items"] = [o for o in listing["items"] if _selects(selector, o)]
+        return listing
+
+
+def _server_meta(old: dict[str, Any]) -> dict[str, Any]:
+    keep = ("uid", "creationTimestamp", "resourceVersion", "generation", "deletionTimestamp")
+    return {k: old["metadata"][k] for k in keep if k in old["metadata"]}
+
+
+def _selects(selector: str, obj: dict[str, Any]) -> bool:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    for term in selector.split(","):
+        if "!=" in term:
+            k, v = term.split("!=", 1)
+            if labels.get(k.strip()) == v.strip():
+                return False
+        elif "=" in term:
+            k, v = term.replace("==", "=").split("=", 1)
+            if labels.get(k.strip()) != v.strip():
+                return False
+        elif term.strip() and term.strip() not in labels:
+            return False
+    return True
+
+
+class ApiServerThread:
+    """Runs an `ApiServer` on 127.0.0.1 in a thread with its own event loop; writes a kubeconfig."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=self._run, name="kube-api", daemon=True)
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> ApiServerThread:
+        self._thread.start()
+        if not self._ready.wait(30) or self.error is not None:
+            raise RuntimeError(f"the test API server did not start: {self.error!r}")
+        cfg = {
+            "apiVersion": "v1",
+            "kind": "Config",
+            "clusters": [{"name": "kmock", "cluster": {"server": self.url}}],
+            "users": [{"name": "test", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "test"}}],
+            "current-context": "kmock",
+        }
+        self.kubeconfig.write_text(yaml.safe_dump(cfg))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self._serve())
+        except BaseException as exc:
+            self.error = exc
+            self._ready.set()
+        finally:
+            self._loop.close()
+
+    async def _serve(self) -> None:
+        self._stop = asyncio.Event()
+        async with ApiServer() as handler, kmock.Server(handler) as server:
+            self.url = str(server.url).rstrip("/")
+            self._ready.set()
+            await self._stop.wait()
