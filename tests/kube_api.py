@@ -25,9 +25,13 @@ from typing import Any
 import attrs
 import jsonpatch
 import kmock
+import kubernetes
 import yaml
 from kmock._internal import dicts, enums, rendering
+from kubernetes.dynamic import DynamicClient
+from kubernetes.dynamic.exceptions import NotFoundError
 
+PIPELINE_API = "omnipipeline.dev/v1alpha1"
 APPLY_PATCH = "application/apply-patch+yaml"
 JSON_PATCH = "application/json-patch+json"
 
@@ -237,3 +241,63 @@ class ApiServerThread:
             self.url = str(server.url).rstrip("/")
             self._ready.set()
             await self._stop.wait()
+
+
+class Kube:
+    """The test's kubectl: a dynamic client on the emulator."""
+
+    def __init__(self, kubeconfig: Path) -> None:
+        self.dyn = DynamicClient(kubernetes.config.new_client_from_config(str(kubeconfig)))
+
+    def kind(self, api_version: str, kind: str) -> Any:
+        return self.dyn.resources.get(api_version=api_version, kind=kind)
+
+    def get(self, api_version: str, kind: str, ns: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self.kind(api_version, kind).get(name=name, namespace=ns).to_dict()
+        except NotFoundError:
+            return None
+
+    def names(self, api_version: str, kind: str, ns: str) -> set[str]:
+        items = self.kind(api_version, kind).get(namespace=ns).to_dict()["items"]
+        return {i["metadata"]["name"] for i in items}
+
+    def pipeline(self, ns: str, name: str) -> dict[str, Any]:
+        body = self.get(PIPELINE_API, "OmniPipeline", ns, name)
+        assert body is not None
+        return body
+
+    def condition(self, ns: str, name: str, kind: str) -> dict[str, Any] | None:
+        for c in (self.pipeline(ns, name).get("status") or {}).get("conditions") or []:
+            if c["type"] == kind:
+                return c
+        return None
+
+    def create(self, body: dict[str, Any], ns: str) -> dict[str, Any]:
+        return self.kind(PIPELINE_API, "OmniPipeline").create(body=body, namespace=ns).to_dict()
+
+    def patch_spec(self, ns: str, name: str, spec: dict[str, Any]) -> None:
+        self.kind(PIPELINE_API, "OmniPipeline").patch(
+            body=[{"op": "replace", "path": "/spec", "value": spec}],
+            name=name,
+            namespace=ns,
+            content_type="application/json-patch+json",
+        )
+
+    def roll_out(self, ns: str, name: str, ready: int | None = None) -> None:
+        """Play the Deployment controller: report `ready` (default: all) replicas updated and
+        available for the Deployment's current generation."""
+        d = self.get("apps/v1", "Deployment", ns, name)
+        assert d is not None, name
+        want = d["spec"].get("replicas", 1)
+        n = want if ready is None else ready
+        status = {
+            "observedGeneration": d["metadata"]["generation"],
+            "replicas": want,
+            "updatedReplicas": want,
+            "readyReplicas": n,
+            "availableReplicas": n,
+        }
+        self.kind("apps/v1", "Deployment").status.patch(
+            body={"status": status}, name=name, namespace=ns, content_type="application/merge-patch+json"
+        )

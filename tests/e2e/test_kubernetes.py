@@ -1,0 +1,139 @@
+"""Kubernetes end to end: `omni operator` renders the tiny demo in Distributed mode, and the pods it
+asked for serve the official openai client.
+
+No cluster can run here, so two parts are stand-ins (see their docstrings): the API server is
+kmock's emulator (tests/kube_api.py), and tests/e2e/kubelet.py plays the kubelet, the Deployment
+controller and kube-proxy, running each rendered pod's command and environment as local
+processes. Real: the operator process (as the chart runs it), nats-server, mooncake_master and a
+store server standing in for their Services, every stage and gateway process.
+
+With KUBECONFIG set, `test_real_cluster` runs against that cluster instead (see
+docs/kubernetes.md); it is skipped here.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import soundfile as sf
+import yaml
+
+from tests.conftest import Mooncake
+from tests.e2e.kubelet import Kubelet
+from tests.helpers import ROOT, OmniProcess, wait_for
+from tests.kube_api import PIPELINE_API, ApiServerThread, Kube
+
+pytestmark = pytest.mark.slow
+NS = "omni"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def demo_pipeline(models: Path, mooncake: Mooncake) -> dict[str, Any]:
+    """examples/tiny-omni-distributed.yaml as a user would adapt it for their cluster: NATS from a
+    Secret, the Mooncake Services' addresses, model paths where the pods find them."""
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-omni-distributed.yaml").read_text())
+    spec = doc["spec"]
+    spec["nats"] = {"urlSecret": {"name": "omni-nats", "key": "url"}}
+    spec["mooncake"].update(masterServerAddress=mooncake.master, metadataServer=mooncake.metadata)
+    spec["gateway"]["replicas"] = 1
+    for stage in spec["stages"]:
+        stage["replicas"] = 1
+        engine = stage["engine"]
+        if "model" in engine:
+            engine["model"] = str(models / Path(engine["model"]).name)
+        if "path" in engine.get("args", {}):
+            engine["args"]["path"] = str(models / Path(engine["args"]["path"]).name)
+    return doc
+
+
+def ready(kube: Kube, name: str) -> bool:
+    cond = kube.condition(NS, name, "Ready")
+    return cond is not None and cond["status"] == "True"
+
+
+def test_operator_rendered_pods_serve_text_and_audio(
+    tmp_path: Path, demo_dir: Path, nats_url: str, mooncake: Mooncake
+) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    with ApiServerThread(kubeconfig):
+        kube = Kube(kubeconfig)
+        operator = OmniProcess(
+            ["operator", "--liveness", f"http://127.0.0.1:{_free_port()}/healthz"],
+            tmp_path,
+            tmp_path / "operator.log",
+            env={"KUBECONFIG": str(kubeconfig)},
+        )
+        try:
+            operator.wait_output("Activity 'login' succeeded", 60)
+            kube.kind("v1", "Secret").create(
+                body={
+                    "apiVersion": "v1",
+                    "kind": "Secret",
+                    "metadata": {"name": "omni-nats"},
+                    "stringData": {"url": nats_url},
+                },
+                namespace=NS,
+            )
+            kube.create(demo_pipeline(demo_dir / "models", mooncake), NS)
+            with Kubelet(kube.dyn, NS, tmp_path / "pods") as kubelet:
+                try:
+                    wait_for(lambda: ready(kube, "tiny-omni"), 300, "the pipeline to be Ready")
+                except AssertionError as exc:
+                    raise AssertionError(f"{exc}\n{kubelet.errors}\n{kubelet.logs()}") from None
+                status = kube.pipeline(NS, "tiny-omni")["status"]
+                assert status["stagesReady"] == "3/3"
+                assert status["gatewayURL"] == "http://tiny-omni-gateway.omni.svc:8000/v1"
+
+                client = openai.OpenAI(base_url=kubelet.service_url(status["gatewayURL"]), api_key="unused")
+                r = client.chat.completions.create(
+                    model="tiny-omni",
+                    messages=[{"role": "user", "content": "Hello from the cluster"}],
+                    modalities=["text", "audio"],
+                    audio={"voice": "alloy", "format": "wav"},
+                )
+                msg = r.choices[0].message
+                assert msg.content and msg.audio is not None
+                samples, rate = sf.read(io.BytesIO(base64.b64decode(msg.audio.data)))
+                assert rate == 24000 and len(samples) == 32 * 4 * 480
+                assert not kubelet.errors, kubelet.errors
+
+                # Deleting the pipeline removes its Deployments, and with them the pods.
+                kube.kind(PIPELINE_API, "OmniPipeline").delete(name="tiny-omni", namespace=NS)
+                wait_for(lambda: not kubelet.alive(), 120, "every pod to stop")
+            assert mooncake.key_count() == 0
+        finally:
+            assert operator.stop() == 0, operator.output()[-3000:]
+
+
+@pytest.mark.skipif("KUBECONFIG" not in os.environ, reason="needs a real cluster (KUBECONFIG)")
+def test_real_cluster() -> None:
+    """Against a real cluster with the chart installed (docs/kubernetes.md): a synthetic pipeline
+    (no model files needed in the image) becomes Ready in Distributed mode with the chart's NATS.
+    Run with `KUBECONFIG=... OMNI_TEST_NAMESPACE=... [OMNI_TEST_NATS_URL=...]
+    pytest tests/e2e/test_kubernetes.py -k real_cluster`."""
+    kube = Kube(Path(os.environ["KUBECONFIG"]))
+    ns = os.environ.get("OMNI_TEST_NAMESPACE", "default")
+    doc = yaml.safe_load((ROOT / "tests" / "data" / "synthetic.yaml").read_text())
+    doc["metadata"] = {"name": "omni-e2e"}
+    doc["spec"]["mode"] = "Distributed"
+    doc["spec"]["nats"] = {
+        "url": os.environ.get("OMNI_TEST_NATS_URL", f"nats://omni-pipeline-nats.{ns}.svc:4222")
+    }
+    kube.create(doc, ns)
+    try:
+        is_ready = lambda: (kube.condition(ns, "omni-e2e", "Ready") or {}).get("status") == "True"  # noqa: E731
+        wait_for(is_ready, 900, "Ready")
+    finally:
+        kube.kind(PIPELINE_API, "OmniPipeline").delete(name="omni-e2e", namespace=ns)
