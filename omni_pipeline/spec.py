@@ -200,6 +200,48 @@ class GatewaySpec(_Model):
     request_timeout_s: float = Field(default=600.0, gt=0, description="A request's deadline.")
 
 
+RESERVED_VOLUMES: Final = frozenset({"pipeline", "dshm"})
+"""Volumes every rendered pod already has: the pipeline ConfigMap and /dev/shm."""
+
+
+class PodsSpec(_Model):
+    """Kubernetes only (`omni serve` ignores it): what every pod of the pipeline gets on top of
+    what the operator renders; how model weights and credentials reach the engines."""
+
+    env: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra container env (Kubernetes EnvVar objects), e.g. HF_TOKEN from a Secret.",
+    )
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra pod volumes (Kubernetes Volume objects), e.g. a PVC holding model weights.",
+    )
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Where the extra volumes are mounted (Kubernetes VolumeMount objects).",
+    )
+    service_account_name: str | None = Field(default=None, description="The pods' ServiceAccount.")
+    image_pull_secrets: list[str] = Field(default_factory=list, description="Secrets to pull the image with.")
+
+    @model_validator(mode="after")
+    def _mounts_name_volumes(self) -> PodsSpec:
+        names = [v.get("name") for v in self.volumes]
+        for i, name in enumerate(names):
+            if not name:
+                raise ValueError(f"pods: volumes[{i}].name: required")
+            if name in RESERVED_VOLUMES:
+                raise ValueError(f"pods: volumes[{i}].name: '{name}' is reserved")
+        for i, m in enumerate(self.volume_mounts):
+            if m.get("name") not in names:
+                raise ValueError(f"pods: volumeMounts[{i}].name: no volume named '{m.get('name')}'")
+            if not m.get("mountPath"):
+                raise ValueError(f"pods: volumeMounts[{i}].mountPath: required")
+        for i, e in enumerate(self.env):
+            if not e.get("name"):
+                raise ValueError(f"pods: env[{i}].name: required")
+        return self
+
+
 class PipelineSpec(_Model):
     """The whole pipeline: stages forming a DAG, connectors, control plane and gateway."""
 
@@ -220,6 +262,7 @@ class PipelineSpec(_Model):
         default=None, description="The Mooncake store, for mooncake connectors."
     )
     gateway: GatewaySpec = Field(default_factory=GatewaySpec, description="The OpenAI-compatible gateway.")
+    pods: PodsSpec = Field(default_factory=PodsSpec, description="Extra env and volumes for every pod.")
     stages: list[StageSpec] = Field(min_length=1, max_length=64, description="The stages; they form a DAG.")
 
     @model_validator(mode="after")

@@ -98,6 +98,10 @@ def _configmap(p: PipelineFile, names: Names, namespace: str) -> dict[str, Any]:
 
 
 def _env(p: PipelineFile) -> list[dict[str, Any]]:
+    return [*_omni_env(p), *p.spec.pods.env]
+
+
+def _omni_env(p: PipelineFile) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "MC_TCP_BIND_ADDRESS", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -121,10 +125,10 @@ def _probe(path: str, port: int, period_s: int, failures: int) -> dict[str, Any]
 
 
 def _container(
+    p: PipelineFile,
     name: str,
     image: str,
     args: list[str],
-    env: list[dict[str, Any]],
     port: int,
     live: str,
     ready: str,
@@ -135,7 +139,7 @@ def _container(
         "image": image,
         "command": ["omni"],
         "args": args,
-        "env": env,
+        "env": _env(p),
         "ports": [{"name": "http", "containerPort": port}],
         "startupProbe": _probe(live, port, 5, STARTUP_WINDOW_S // 5),
         "livenessProbe": _probe(live, port, 10, 3),
@@ -144,12 +148,16 @@ def _container(
         "volumeMounts": [
             {"name": "pipeline", "mountPath": PIPELINE_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            *p.spec.pods.volume_mounts,
         ],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
     }
 
 
-def _pod(names: Names, component: str, container: dict[str, Any], stage: StageSpec | None) -> dict[str, Any]:
+def _pod(
+    p: PipelineFile, names: Names, component: str, container: dict[str, Any], stage: StageSpec | None
+) -> dict[str, Any]:
+    pods = p.spec.pods
     spec: dict[str, Any] = {
         "containers": [container],
         "terminationGracePeriodSeconds": 60,
@@ -163,8 +171,13 @@ def _pod(names: Names, component: str, container: dict[str, Any], stage: StageSp
         "volumes": [
             {"name": "pipeline", "configMap": {"name": names.configmap}},
             {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+            *pods.volumes,
         ],
     }
+    if pods.service_account_name:
+        spec["serviceAccountName"] = pods.service_account_name
+    if pods.image_pull_secrets:
+        spec["imagePullSecrets"] = [{"name": n} for n in pods.image_pull_secrets]
     if stage is not None:
         if stage.node_selector:
             spec["nodeSelector"] = dict(stage.node_selector)
@@ -236,10 +249,10 @@ def _stage(
     ]
     r = stage.resources
     container = _container(
+        p,
         "stage",
         image,
         args,
-        _env(p),
         HEALTH_PORT,
         "/health/live",
         "/health/ready",
@@ -247,7 +260,7 @@ def _stage(
     )
     replicas = None if stage.autoscaling is not None else stage.replicas
     out = [
-        _deployment(names, name, component, namespace, replicas, _pod(names, component, container, stage)),
+        _deployment(names, name, component, namespace, replicas, _pod(p, names, component, container, stage)),
         _service(names, name, component, namespace, HEALTH_PORT, headless=True),
     ]
     if (a := stage.autoscaling) is not None:
@@ -278,8 +291,8 @@ def _stage(
 def _gateway(p: PipelineFile, names: Names, namespace: str, image: str) -> list[dict[str, Any]]:
     port = p.spec.gateway.port or 8000
     args = ["gateway", "--pipeline", PIPELINE_PATH, "--host", "0.0.0.0", "--port", str(port)]
-    container = _container("gateway", image, args, _env(p), port, "/v1/models", "/health", {})
-    pod = _pod(names, "gateway", container, None)
+    container = _container(p, "gateway", image, args, port, "/v1/models", "/health", {})
+    pod = _pod(p, names, "gateway", container, None)
     return [
         _deployment(names, names.gateway, "gateway", namespace, p.spec.gateway.replicas, pod),
         _service(names, names.gateway, "gateway", namespace, port, headless=False),
@@ -291,9 +304,9 @@ def _single_node(p: PipelineFile, names: Names, namespace: str, image: str) -> l
     gpus = sum(s.resources.gpus * s.replicas for s in p.spec.stages)
     args = ["serve", PIPELINE_PATH, "--host", "0.0.0.0", "--port", str(port)]
     container = _container(
-        "omni", image, args, _env(p), port, "/v1/models", "/health", _resources(gpus, None, None)
+        p, "omni", image, args, port, "/v1/models", "/health", _resources(gpus, None, None)
     )
-    pod = _pod(names, "single-node", container, None)
+    pod = _pod(p, names, "single-node", container, None)
     return [
         _deployment(names, names.single_node, "single-node", namespace, 1, pod),
         _service(names, names.single_node, "single-node", namespace, port, headless=False),

@@ -126,3 +126,17 @@ def test_needed_stages_follow_modalities() -> None:
     assert spec.needed_stages({OutputKind.TEXT}) == ["thinker"]
     assert spec.needed_stages({OutputKind.TEXT, OutputKind.AUDIO}) == ["thinker", "talker", "vocoder"]
     assert spec.output_kinds() == {OutputKind.TEXT, OutputKind.AUDIO}
+
+
+@pytest.mark.parametrize(
+    ("pods", "named"),
+    [
+        ({"volumeMounts": [{"name": "weights", "mountPath": "/m"}]}, "volumeMounts[0].name: no volume named"),
+        ({"volumes": [{"name": "dshm", "emptyDir": {}}]}, "volumes[0].name: 'dshm' is reserved"),
+        ({"env": [{"value": "x"}]}, "env[0].name: required"),
+    ],
+)
+def test_bad_pods_section(pods: dict[str, Any], named: str) -> None:
+    d = base()
+    d["spec"]["pods"] = pods
+    assert named in refused(d)

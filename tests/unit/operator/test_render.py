@@ -141,3 +141,25 @@ def test_single_node_is_one_deployment_running_omni_serve() -> None:
 def test_render_yaml_round_trips() -> None:
     objects = render(pipeline())
     assert list(yaml.safe_load_all(render_yaml(objects))) == objects
+
+
+def test_pods_section_brings_weights_and_credentials_to_every_pod() -> None:
+    def with_pods(spec: dict[str, Any]) -> None:
+        spec["pods"] = {
+            "env": [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}],
+            "volumes": [{"name": "weights", "persistentVolumeClaim": {"claimName": "models"}}],
+            "volumeMounts": [{"name": "weights", "mountPath": "/models", "readOnly": True}],
+            "serviceAccountName": "omni-pods",
+            "imagePullSecrets": ["registry"],
+        }
+
+    objects = render(pipeline(with_pods), namespace="omni")
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+    for d in by_kind(objects, "Deployment").values():
+        pod = d["spec"]["template"]["spec"]
+        c = container(d)
+        assert {"name": "weights", "persistentVolumeClaim": {"claimName": "models"}} in pod["volumes"]
+        assert {"name": "weights", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+        assert c["env"][-1]["name"] == "HF_TOKEN" and c["env"][0]["name"] == "POD_NAME"
+        assert pod["serviceAccountName"] == "omni-pods" and pod["imagePullSecrets"] == [{"name": "registry"}]
