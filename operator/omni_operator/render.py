@@ -10,6 +10,8 @@ its Service. Every name and label comes from `Names`, so no two places can disag
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -30,6 +32,7 @@ MANAGED_BY_LABEL: Final = "app.kubernetes.io/managed-by"
 MANAGED_BY: Final = "omni-operator"
 RUN_AS: Final = 10001
 """The image's non-root uid and gid (Dockerfile `USER`)."""
+CONFIG_HASH_ANNOTATION: Final = "omnipipeline.dev/config-hash"
 STARTUP_WINDOW_S: Final = 600
 """How long a replica may take to load its model before Kubernetes restarts it."""
 
@@ -66,6 +69,23 @@ class Names:
     def selector(self, component: str) -> dict[str, str]:
         labels = self.labels(component)
         return {k: labels[k] for k in (INSTANCE_LABEL, COMPONENT_LABEL)}
+
+
+def config_hash(p: PipelineFile) -> str:
+    """What a running process read from the pipeline at start, hashed: a change rolls the pods.
+
+    Processes read the pipeline file once, so a changed ConfigMap alone would leave them on the
+    old spec. Replica counts are left out in Distributed mode (no process reads another stage's),
+    so scaling one stage restarts nothing; `omni serve` starts the replicas itself, so there
+    they count.
+    """
+    doc = p.model_dump(by_alias=True, exclude_none=True, mode="json")
+    if p.spec.mode is Mode.DISTRIBUTED:
+        doc["spec"]["gateway"].pop("replicas", None)
+        for stage in doc["spec"]["stages"]:
+            stage.pop("replicas", None)
+            stage.pop("autoscaling", None)
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def pipeline_yaml(p: PipelineFile) -> str:
@@ -185,7 +205,8 @@ def _pod(
             spec["tolerations"] = list(stage.tolerations)
         if stage.affinity:
             spec["affinity"] = dict(stage.affinity)
-    return {"metadata": {"labels": names.labels(component)}, "spec": spec}
+    meta = {"labels": names.labels(component), "annotations": {CONFIG_HASH_ANNOTATION: config_hash(p)}}
+    return {"metadata": meta, "spec": spec}
 
 
 def _deployment(

@@ -15,6 +15,7 @@ import yaml
 from kopf.testing import KopfRunner
 
 from omni_operator.handlers import IMAGE_ENV, RESYNC_ENV
+from omni_operator.render import CONFIG_HASH_ANNOTATION
 from tests.helpers import ROOT, wait_for
 from tests.kube_api import PIPELINE_API, ApiServerThread, Kube
 
@@ -122,21 +123,38 @@ def test_update_changes_children_and_removing_a_stage_prunes_it(kube: Kube) -> N
     kube.create(body, ns)
     wait_for(lambda: children(kube, ns)["Deployment"] == ALL_DEPLOYMENTS, 30, "the Deployments")
 
+    def deployment(name: str) -> dict[str, Any]:
+        d = kube.get("apps/v1", "Deployment", ns, name)
+        assert d is not None
+        return d
+
+    def template_hash(name: str) -> str:
+        return deployment(name)["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+
+    first = {name: template_hash(name) for name in ALL_DEPLOYMENTS}
+    talker_generation = deployment("p-talker")["metadata"]["generation"]
+
+    # Scaling one stage changes that Deployment only: no other pod restarts.
     spec = copy.deepcopy(body["spec"])
     spec["stages"][0]["replicas"] = 2
+    kube.patch_spec(ns, "p", spec)
+    wait_for(lambda: deployment("p-thinker")["spec"]["replicas"] == 2, 30, "thinker replicas 2")
+    wait_for(lambda: kube.pipeline(ns, "p")["status"]["observedGeneration"] == 2, 30, "generation 2")
+    assert {name: template_hash(name) for name in ALL_DEPLOYMENTS} == first
+    assert deployment("p-talker")["metadata"]["generation"] == talker_generation
+
+    # A new engine setting reaches the ConfigMap and rolls every pod (they read it at start).
+    spec = copy.deepcopy(spec)
     spec["stages"][0]["engine"]["args"]["msPerUnit"] = 7
     kube.patch_spec(ns, "p", spec)
     wait_for(
-        lambda: kube.get("apps/v1", "Deployment", ns, "p-thinker")["spec"]["replicas"] == 2,  # type: ignore[index]
-        30,
-        "thinker replicas 2",
-    )
-    cm = wait_for(
         lambda: "msPerUnit: 7" in kube.get("v1", "ConfigMap", ns, "p-pipeline")["data"]["pipeline.yaml"],  # type: ignore[index]
         30,
         "the new engine args in the ConfigMap",
     )
-    assert cm
+    rolled = lambda: all(template_hash(n) != first[n] for n in ALL_DEPLOYMENTS)  # noqa: E731
+    wait_for(rolled, 30, "every pod template changed")
+    assert deployment("p-talker")["metadata"]["generation"] == talker_generation + 1
 
     # Drop the talker; the vocoder now reads the thinker.
     spec = copy.deepcopy(spec)

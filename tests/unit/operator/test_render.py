@@ -10,7 +10,15 @@ import pytest
 import yaml
 
 from omni_cli.main import parser
-from omni_operator.render import GPU_RESOURCE, HEALTH_PORT, PIPELINE_PATH, Names, render, render_yaml
+from omni_operator.render import (
+    CONFIG_HASH_ANNOTATION,
+    GPU_RESOURCE,
+    HEALTH_PORT,
+    PIPELINE_PATH,
+    Names,
+    render,
+    render_yaml,
+)
 from omni_pipeline.spec import PipelineFile, load_pipeline, parse_pipeline
 from tests.helpers import ROOT
 
@@ -163,3 +171,33 @@ def test_pods_section_brings_weights_and_credentials_to_every_pod() -> None:
         assert {"name": "weights", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
         assert c["env"][-1]["name"] == "HF_TOKEN" and c["env"][0]["name"] == "POD_NAME"
         assert pod["serviceAccountName"] == "omni-pods" and pod["imagePullSecrets"] == [{"name": "registry"}]
+
+
+def template_hashes(p: PipelineFile) -> dict[str, str]:
+    return {
+        name: d["spec"]["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION]
+        for name, d in by_kind(render(p), "Deployment").items()
+    }
+
+
+def test_a_spec_change_rolls_the_pods_but_scaling_does_not() -> None:
+    """Processes read the pipeline once at start: any change they would read must change every
+    pod template; a replica count must not restart other stages."""
+    before = template_hashes(pipeline())
+
+    def scale(spec: dict[str, Any]) -> None:
+        spec["stages"][1]["replicas"] = 5
+        spec["gateway"]["replicas"] = 3
+        spec["stages"][2]["autoscaling"] = {"maxReplicas": 4}
+
+    assert template_hashes(pipeline(scale)) == before
+
+    def retune(spec: dict[str, Any]) -> None:
+        spec["stages"][0]["engine"]["model"] = "./models/another-thinker"
+
+    after = template_hashes(pipeline(retune))
+    assert after.keys() == before.keys() and all(after[k] != before[k] for k in before)
+
+    single = ROOT / "examples" / "tiny-omni.yaml"
+    more = template_hashes(pipeline(lambda s: s["stages"][1].update(replicas=2), single))
+    assert more != template_hashes(pipeline(path=single))  # omni serve starts the replicas itself
