@@ -81,8 +81,12 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
             where = f"KUBECONFIG={path}" if path else "~/.kube/config (KUBECONFIG unset)"
             msg = f"not in a pod with a service account, and no usable {where}: {exc}"
             raise kopf.LoginError(msg) from None
-    config: OperatorConfig = memo.get("config") or OperatorConfig.from_env()
-    memo.reconciler = Reconciler(Cluster(ApiClient(cfg)), config.image)
+    cluster = Cluster(ApiClient(cfg))
+    if "reconciler" in memo:  # a re-login (expired token): same reconciler, fresh credentials
+        memo.reconciler.cluster = cluster
+    else:
+        config: OperatorConfig = memo.get("config") or OperatorConfig.from_env()
+        memo.reconciler = Reconciler(cluster, config.image)
     header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
     scheme, _, token = (header or "").rpartition(" ")
     return kopf.ConnectionInfo(
@@ -106,11 +110,6 @@ def pipeline_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> No
         memo.reconciler.reconcile(namespace, name)
     except ApplyError as exc:
         raise kopf.TemporaryError(str(exc), delay=APPLY_RETRY_S) from exc
-
-
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-def pipeline_deleted(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    memo.reconciler.forget(namespace, name)
 
 
 def child_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:

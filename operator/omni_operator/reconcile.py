@@ -44,33 +44,38 @@ class Reconciler:
         with self._locks_lock:
             return self._locks[(namespace, name)]
 
-    def forget(self, namespace: str, name: str) -> None:
-        """Drop the lock of a deleted pipeline."""
+    def _forget(self, namespace: str, name: str) -> None:
+        """Drop the lock of a pipeline found gone (a later trigger makes a new one)."""
         with self._locks_lock:
             self._locks.pop((namespace, name), None)
 
     def reconcile(self, namespace: str, name: str) -> None:
         with self._lock(namespace, name):
             body = self.cluster.pipeline(namespace, name)
-            if body is None or body["metadata"].get("deletionTimestamp"):
-                return  # gone or going: the garbage collector removes the children
-            self._reconcile(body)
+            if body is not None and not body["metadata"].get("deletionTimestamp"):
+                self._reconcile(body)
+                return
+        self._forget(namespace, name)  # gone or going: the garbage collector removes the children
 
     def refresh_status(self, namespace: str, name: str) -> None:
         """A child changed: report it. A spec not yet rendered is reconciled instead."""
         with self._lock(namespace, name):
             body = self.cluster.pipeline(namespace, name)
-            if body is None or body["metadata"].get("deletionTimestamp"):
+            if body is not None and not body["metadata"].get("deletionTimestamp"):
+                self._refresh(body)
                 return
-            status = body.get("status") or {}
-            if status.get("observedGeneration") != body["metadata"].get("generation", 1):
-                self._reconcile(body)
-                return
-            try:
-                pipeline = self._parse(body)
-            except SpecError:
-                return  # InvalidSpec is already reported for this generation
-            self._report(body, pipeline)
+        self._forget(namespace, name)
+
+    def _refresh(self, body: dict[str, Any]) -> None:
+        status = body.get("status") or {}
+        if status.get("observedGeneration") != body["metadata"].get("generation", 1):
+            self._reconcile(body)
+            return
+        try:
+            pipeline = self._parse(body)
+        except SpecError:
+            return  # InvalidSpec is already reported for this generation
+        self._report(body, pipeline)
 
     def _parse(self, body: dict[str, Any]) -> PipelineFile:
         meta = body["metadata"]
