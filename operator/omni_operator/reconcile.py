@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 from kubernetes.client.exceptions import ApiException
@@ -50,21 +51,20 @@ class Reconciler:
             self._locks.pop((namespace, name), None)
 
     def reconcile(self, namespace: str, name: str) -> None:
-        with self._lock(namespace, name):
-            body = self.cluster.pipeline(namespace, name)
-            if body is not None and not body["metadata"].get("deletionTimestamp"):
-                self._reconcile(body)
-                return
-        self._forget(namespace, name)  # gone or going: the garbage collector removes the children
+        self._locked(namespace, name, self._reconcile)
 
     def refresh_status(self, namespace: str, name: str) -> None:
         """A child changed: report it. A spec not yet rendered is reconciled instead."""
+        self._locked(namespace, name, self._refresh)
+
+    def _locked(self, namespace: str, name: str, act: Callable[[dict[str, Any]], None]) -> None:
+        """Run `act` on the latest object, under the pipeline's lock; nothing if it is gone."""
         with self._lock(namespace, name):
             body = self.cluster.pipeline(namespace, name)
             if body is not None and not body["metadata"].get("deletionTimestamp"):
-                self._refresh(body)
+                act(body)
                 return
-        self._forget(namespace, name)
+        self._forget(namespace, name)  # gone or going: the garbage collector removes the children
 
     def _refresh(self, body: dict[str, Any]) -> None:
         status = body.get("status") or {}
