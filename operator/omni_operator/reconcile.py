@@ -22,7 +22,7 @@ from omni_pipeline.spec import PipelineFile, SpecError, parse_pipeline
 
 from .cluster import DEPLOYMENTS, PIPELINE_API, Cluster, owner_reference
 from .crd import KIND
-from .render import render
+from .render import render, unservable
 from .status import apply_failed, invalid_spec, noted, pipeline_status
 
 log = logging.getLogger("omni.operator")
@@ -78,10 +78,14 @@ class Reconciler:
         self._report(body, pipeline)
 
     def _parse(self, body: dict[str, Any]) -> PipelineFile:
+        """The spec as a pipeline pods can serve, or SpecError naming the stage and field."""
         meta = body["metadata"]
         doc = {"apiVersion": PIPELINE_API, "kind": KIND, "metadata": {"name": meta["name"]}}
         source = f"OmniPipeline {meta['namespace']}/{meta['name']}"
-        return parse_pipeline({**doc, "spec": body.get("spec")}, source)
+        pipeline = parse_pipeline({**doc, "spec": body.get("spec")}, source)
+        if problems := unservable(pipeline):
+            raise SpecError(f"{source}: cannot run on Kubernetes:\n  " + "\n  ".join(problems))
+        return pipeline
 
     def _reconcile(self, body: dict[str, Any]) -> None:
         meta = body["metadata"]

@@ -19,7 +19,7 @@ import yaml
 
 from omni_pipeline.connectors.mooncake import MASTER_ENV, METADATA_ENV
 from omni_pipeline.control import NATS_URL_ENV
-from omni_pipeline.spec import Mode, PipelineFile, StageSpec
+from omni_pipeline.spec import REQUEST_SOURCE, ConnectorKind, Mode, PipelineFile, StageSpec
 
 DEFAULT_IMAGE: Final = "ghcr.io/omni-pipeline/omni-pipeline:0.1.0"
 PIPELINE_DIR: Final = "/etc/omni"
@@ -90,6 +90,21 @@ def config_hash(p: PipelineFile) -> str:
 
 def pipeline_yaml(p: PipelineFile) -> str:
     return yaml.safe_dump(p.model_dump(by_alias=True, exclude_none=True, mode="json"), sort_keys=False)
+
+
+def unservable(p: PipelineFile) -> list[str]:
+    """What a valid pipeline file asks that pods cannot do. Each stage replica of a Distributed
+    pipeline has its own pod, hence its own /dev/shm: a shm edge between two stages would fail on
+    the first request, so it is refused up front."""
+    if p.spec.mode is not Mode.DISTRIBUTED:
+        return []
+    return [
+        f"stage '{s.name}': inputs[{i}].connector: '{e.connector}' is shared memory, which cannot "
+        "cross pods in Distributed mode; use a mooncake or inline connector"
+        for s in p.spec.stages
+        for i, e in enumerate(s.inputs)
+        if e.from_ != REQUEST_SOURCE and p.spec.connectors[e.connector].kind is ConnectorKind.SHM
+    ]
 
 
 def render(p: PipelineFile, namespace: str = "default", image: str = DEFAULT_IMAGE) -> list[dict[str, Any]]:

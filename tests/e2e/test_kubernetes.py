@@ -128,6 +128,7 @@ def test_real_cluster() -> None:
     doc = yaml.safe_load((ROOT / "tests" / "data" / "synthetic.yaml").read_text())
     doc["metadata"] = {"name": "omni-e2e"}
     doc["spec"]["mode"] = "Distributed"
+    doc["spec"]["connectors"] = {"default": {"kind": "inline"}, "small": {"kind": "inline"}}
     doc["spec"]["nats"] = {
         "url": os.environ.get("OMNI_TEST_NATS_URL", f"nats://omni-pipeline-nats.{ns}.svc:4222")
     }

@@ -7,7 +7,8 @@ watches, the operator's server-side applies, status patches) goes over HTTP to t
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -182,17 +183,26 @@ def test_autoscaling_stage_gets_an_hpa_and_no_replicas(kube: Kube) -> None:
     wait_for(lambda: not children(kube, ns)["HorizontalPodAutoscaler"], 30, "the HPA pruned")
 
 
+def shm_edge(spec: dict[str, Any]) -> None:
+    spec["connectors"]["local"] = {"kind": "shm"}
+    spec["stages"][1]["inputs"][0]["connector"] = "local"
+
+
 @pytest.mark.parametrize(
     ("breakage", "named"),
     [
-        ({"inputs": [{"from": "nosuchstage"}]}, "nosuchstage"),
-        ({"inputs": [{"from": "vocoder", "window": 8}]}, "cycle"),
+        (lambda spec: spec["stages"][1].update(inputs=[{"from": "nosuchstage"}]), "nosuchstage"),
+        (lambda spec: spec["stages"][1].update(inputs=[{"from": "vocoder", "window": 8}]), "cycle"),
+        (shm_edge, "cannot cross pods"),
     ],
+    ids=["unknown-from", "cycle", "shm-across-pods"],
 )
-def test_invalid_spec_reports_and_creates_nothing(kube: Kube, breakage: dict[str, Any], named: str) -> None:
-    ns = f"invalid-{named}"
+def test_invalid_spec_reports_and_creates_nothing(
+    kube: Kube, breakage: Callable[[dict[str, Any]], None], named: str
+) -> None:
+    ns = "invalid-" + re.sub(r"[^a-z]+", "-", named)
     body = pipeline_body("p")
-    body["spec"]["stages"][1].update(breakage)
+    breakage(body["spec"])
     kube.create(body, ns)
     cond = wait_for(lambda: kube.condition(ns, "p", "InvalidSpec"), 30, "InvalidSpec")
     assert cond["status"] == "True" and named in cond["message"] and "talker" in cond["message"]

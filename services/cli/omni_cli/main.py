@@ -81,9 +81,12 @@ def cmd_crd(a: argparse.Namespace) -> int:
 
 
 def cmd_render(a: argparse.Namespace) -> int:
-    from omni_operator.render import DEFAULT_IMAGE, render, render_yaml
+    from omni_operator.render import DEFAULT_IMAGE, render, render_yaml, unservable
 
-    objects = render(load_pipeline(a.pipeline), namespace=a.namespace, image=a.image or DEFAULT_IMAGE)
+    pipeline = load_pipeline(a.pipeline)
+    if problems := unservable(pipeline):
+        raise SpecError(f"{a.pipeline}: cannot run on Kubernetes:\n  " + "\n  ".join(problems))
+    objects = render(pipeline, namespace=a.namespace, image=a.image or DEFAULT_IMAGE)
     print(render_yaml(objects), end="")
     return 0
 
