@@ -27,7 +27,6 @@ import jsonpatch
 import kmock
 import kubernetes
 import yaml
-from kmock._internal import dicts, enums, rendering
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError
 
@@ -79,7 +78,7 @@ class ApiServer(kmock.KubernetesEmulator):
         for key, info in RESOURCES.items():
             self.resources[key] = info
 
-    async def _handle(self, request: rendering.Request) -> Any:
+    async def _handle(self, request: kmock.Request) -> Any:
         # kmock logs every request for assertions and matches reactions by scanning that log;
         # nothing here asserts on it, so keep it short or every request costs more than the last.
         if len(self._requests) > 256:
@@ -90,23 +89,23 @@ class ApiServer(kmock.KubernetesEmulator):
                 self._requests[self._requests.index(request)] = served
             request = served
         response = await super()._handle(request)
-        if request.resource is not None and request.action == enums.action.DELETE and request.name:
+        if request.resource is not None and request.action == kmock.action.DELETE and request.name:
             await self._collect_garbage()
         return response
 
-    async def _server_side(self, request: rendering.Request) -> rendering.Request:
+    async def _server_side(self, request: kmock.Request) -> kmock.Request:
         key = (request.resource, request.namespace, request.name)
         async with self._lock:
             current = self.objects[key] if request.name and key in self.objects else None
             exists = current is not None and not current.deleted
             old = copy.deepcopy(current.raw) if exists else None
         content_type = request.headers.get("Content-Type", "").split(";")[0]
-        if request.action == enums.action.CREATE:
+        if request.action == kmock.action.CREATE:
             return attrs.evolve(request, data=self._created(request.data, request.namespace))
-        if request.method == enums.method.PATCH and content_type == APPLY_PATCH and not exists:
+        if request.method == kmock.method.PATCH and content_type == APPLY_PATCH and not exists:
             body = self._created(yaml.safe_load(request.text), request.namespace)
-            return attrs.evolve(request, action=enums.action.CREATE, data=body)
-        if request.action != enums.action.UPDATE or old is None:
+            return attrs.evolve(request, action=kmock.action.CREATE, data=body)
+        if request.action != kmock.action.UPDATE or old is None:
             return request
         if content_type == APPLY_PATCH:
             new = yaml.safe_load(request.text)
@@ -114,8 +113,12 @@ class ApiServer(kmock.KubernetesEmulator):
             if "status" in old:
                 new["status"] = old["status"]
         else:
-            patched = dicts.patch_dict(old, request.data) if content_type != JSON_PATCH else None
-            new = jsonpatch.apply_patch(old, request.data) if patched is None else dict(patched)
+            if content_type == JSON_PATCH:
+                new = jsonpatch.apply_patch(old, request.data)
+            else:  # merge patch; strategic merge is treated as one (no list merging by key)
+                merged = kmock.Object(old)
+                merged.patch(request.data)
+                new = copy.deepcopy(merged.raw)
             if request.subresource == "status":
                 new = {**old, "status": new.get("status")}
             else:
@@ -161,7 +164,7 @@ class ApiServer(kmock.KubernetesEmulator):
                     obj.delete()
                     await self._buses[resource].put({"type": "DELETED", "object": raw})
 
-    async def _serve_list(self, request: rendering.Request) -> Any:
+    async def _serve_list(self, request: kmock.Request) -> Any:
         listing = await super()._serve_list(request)
         res = request.resource
         listing["kind"] = f"{self.resources[res].kind}List"
