@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import os
 import re
 import signal
@@ -13,6 +15,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+import numpy as np
+import soundfile as sf
 from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
@@ -33,6 +37,12 @@ def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float =
             last_exc = exc
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc})")
+
+
+def decode_wav(data: str) -> tuple[np.ndarray, int]:
+    """The samples and sample rate of a base64 WAV, as the gateway returns `message.audio.data`."""
+    samples, rate = sf.read(io.BytesIO(base64.b64decode(data)))
+    return samples, int(rate)
 
 
 def our_shm_segments(prefix: str = "omni-") -> list[str]:

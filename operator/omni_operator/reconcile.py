@@ -108,19 +108,24 @@ class Reconciler:
                 self.cluster.patch_status(namespace, name, noted(generation, apply_failed(what), previous))
                 raise ApplyError(what) from exc
         wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
+        kept = []
         for child in self.cluster.owned(namespace, name, meta["uid"]):
-            if (child["kind"], child["metadata"]["name"]) not in wanted:
+            if (child["kind"], child["metadata"]["name"]) in wanted:
+                kept.append(child)
+            else:
                 log.info("%s/%s: pruning %s %s", namespace, name, child["kind"], child["metadata"]["name"])
                 self.cluster.delete(child)
-        self._report(body, pipeline)
+        self._report(body, pipeline, kept)
 
-    def _report(self, body: dict[str, Any], pipeline: PipelineFile) -> None:
+    def _report(
+        self, body: dict[str, Any], pipeline: PipelineFile, children: list[dict[str, Any]] | None = None
+    ) -> None:
+        """Write the status from the children (listed here unless the caller just listed them)."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        deployments = {
-            c["metadata"]["name"]: c
-            for c in self.cluster.owned(namespace, name, meta["uid"], kinds=[DEPLOYMENTS])
-        }
+        if children is None:
+            children = self.cluster.owned(namespace, name, meta["uid"], kinds=[DEPLOYMENTS])
+        deployments = {c["metadata"]["name"]: c for c in children if c["kind"] == DEPLOYMENTS.kind}
         previous = (body.get("status") or {}).get("conditions") or []
         status = pipeline_status(pipeline, namespace, meta.get("generation", 1), deployments, previous)
         self.cluster.patch_status(namespace, name, status.model_dump(by_alias=True, mode="json"))

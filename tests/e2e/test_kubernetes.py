@@ -13,8 +13,6 @@ docs/kubernetes.md); it is skipped here.
 
 from __future__ import annotations
 
-import base64
-import io
 import os
 import socket
 from pathlib import Path
@@ -22,12 +20,11 @@ from typing import Any
 
 import openai
 import pytest
-import soundfile as sf
 import yaml
 
 from tests.conftest import Mooncake
 from tests.e2e.kubelet import Kubelet
-from tests.helpers import ROOT, OmniProcess, wait_for
+from tests.helpers import ROOT, OmniProcess, decode_wav, wait_for
 from tests.kube_api import PIPELINE_API, ApiServerThread, Kube
 
 pytestmark = pytest.mark.slow
@@ -105,7 +102,7 @@ def test_operator_rendered_pods_serve_text_and_audio(
                 )
                 msg = r.choices[0].message
                 assert msg.content and msg.audio is not None
-                samples, rate = sf.read(io.BytesIO(base64.b64decode(msg.audio.data)))
+                samples, rate = decode_wav(msg.audio.data)
                 assert rate == 24000 and len(samples) == 32 * 4 * 480
                 assert not kubelet.errors, kubelet.errors
 

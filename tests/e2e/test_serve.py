@@ -17,7 +17,7 @@ import openai
 import pytest
 import soundfile as sf
 
-from tests.helpers import ROOT, OmniProcess, get_json, group_alive, our_shm_segments, wait_for
+from tests.helpers import ROOT, OmniProcess, decode_wav, get_json, group_alive, our_shm_segments, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,7 @@ def test_text_and_audio(demo: str) -> None:
     msg = r.choices[0].message
     assert msg.content and r.usage is not None and r.usage.completion_tokens == 32
     assert msg.audio is not None and msg.audio.transcript == msg.content and msg.audio.expires_at > 0
-    samples, sr = sf.read(io.BytesIO(base64.b64decode(msg.audio.data)))
+    samples, sr = decode_wav(msg.audio.data)
     assert sr == 24000 and len(samples) > 0
     # 32 thinker tokens -> 4 codes each -> 480 samples per code
     assert len(samples) == 32 * 4 * 480

@@ -5,8 +5,6 @@ Each stage replica and gateway is started, killed and stopped independently, as 
 
 from __future__ import annotations
 
-import base64
-import io
 import signal
 import subprocess
 import threading
@@ -18,13 +16,13 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import soundfile as sf
 
 from tests.conftest import Mooncake
 from tests.helpers import (
     OMNI,
     ROOT,
     OmniProcess,
+    decode_wav,
     our_shm_segments,
     replica_metric,
     replicas,
@@ -93,7 +91,7 @@ def ask(base: str, content: str, **extra: object) -> str:
         )
     except openai.APIError as exc:
         return f"error: {exc}"
-    samples, _ = sf.read(io.BytesIO(base64.b64decode(r.choices[0].message.audio.data)))
+    samples, _ = decode_wav(r.choices[0].message.audio.data)
     return "ok" if r.choices[0].message.content and len(samples) > 0 else "empty"
 
 

@@ -7,8 +7,6 @@ fails only its request; a client that walks away mid-stream leaves nothing behin
 
 from __future__ import annotations
 
-import base64
-import io
 import signal
 import socket
 import subprocess
@@ -19,12 +17,12 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import soundfile as sf
 
 from omni_cli.natsd import nats_server_binary
 from tests.helpers import (
     ROOT,
     OmniProcess,
+    decode_wav,
     our_shm_segments,
     replica_metric,
     replicas,
@@ -78,7 +76,7 @@ def test_windows_trigger_expected_calls_and_audio_arrives(cluster: str) -> None:
             audio={"voice": "alloy", "format": "wav"},
         )
         assert r.choices[0].message.content == "".join(f"tok{j} " for j in range(20))
-        audio, sr = sf.read(io.BytesIO(base64.b64decode(r.choices[0].message.audio.data)))
+        audio, sr = decode_wav(r.choices[0].message.audio.data)
         assert sr == 24000 and len(audio) == 20 * 480
     # thinker: 1 call per request; talker, window 8 over 20 units: 8, 8, 4; vocoder, window -1: 1.
     assert replica_metric(cluster, "thinker", "omni_stage_window_triggers_total") == 3

@@ -4,8 +4,6 @@ engine, batching of concurrent requests, abort, prompt embeddings, and the examp
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 import re
 import shutil
 import subprocess
@@ -17,14 +15,13 @@ from typing import Any, TypeVar
 
 import openai
 import pytest
-import soundfile as sf
 import torch
 
 from omni_pipeline.spec import EngineKind, EngineSpec, load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, build_engine
 from omni_stage.engines.vllm import VllmEngine
 from omni_stage.segments import EngineOutput
-from tests.helpers import ROOT, OmniProcess, group_alive, wait_for
+from tests.helpers import ROOT, OmniProcess, decode_wav, group_alive, wait_for
 
 T = TypeVar("T")
 MESSAGES = [{"role": "user", "content": "What is omni?"}]
@@ -164,7 +161,7 @@ def test_example_pipeline_answers_the_openai_client(demo_dir: Path, tmp_path: Pa
             audio={"voice": "alloy", "format": "wav"},
         )
         assert r.choices[0].message.content and r.usage is not None and r.usage.completion_tokens == 24
-        samples, sr = sf.read(io.BytesIO(base64.b64decode(r.choices[0].message.audio.data)))
+        samples, sr = decode_wav(r.choices[0].message.audio.data)
         assert sr == 24000 and len(samples) == 24 * 4 * 480
     finally:
         serve.interrupt_group()
