@@ -156,6 +156,11 @@ class ConnectorSpec(_Model):
     inline_threshold_bytes: int = Field(
         default=65536, ge=0, description="Payloads smaller than this ride inside the control message."
     )
+    pool_bytes: int = Field(
+        default=1 << 30,
+        ge=0,
+        description="shm: memory each producer keeps mapped for reuse; idle segments beyond it are unlinked.",
+    )
 
 
 class MooncakeSpec(_Model):

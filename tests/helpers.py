@@ -49,6 +49,11 @@ def our_shm_segments(prefix: str = "omni-") -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob(f"{prefix}*"))
 
 
+def shm_segments_in_use(prefix: str = "omni-") -> list[str]:
+    """Segments some request holds; free ones stay pooled while their owner lives."""
+    return [name for name in our_shm_segments(prefix) if "-@free-" not in name]
+
+
 class OmniProcess:
     """An `omni ...` subprocess in its own process group, with its output in a log file."""
 

@@ -91,6 +91,10 @@ class OmniConnector(ABC):
         """Objects this backend holds right now (for the leak gauges)."""
         return 0
 
+    def pooled_bytes(self) -> int:
+        """Memory this process keeps for reuse by this backend (the shm pool)."""
+        return 0
+
     def close(self) -> None:
         """Release process-level resources (not per-request ones)."""
 

@@ -1,12 +1,27 @@
-"""Shared-memory connector: one POSIX shm segment per large payload, for stages on one node.
+"""Shared-memory connector: a pool of warm, reused POSIX shm segments, for stages on one node.
 
-Segments live in /dev/shm, are created 0600 with O_EXCL, written once (tensor bytes go
-straight from the tensor into the mapping), and are unlinked by the consumer as soon as it
-has mapped them, so the consumer reads them zero-copy and the name disappears at once.
+Why a pool: a copy into a fresh segment page-faults on every page, several times slower than
+a copy into memory that is already mapped and touched. So a producer keeps the segments it
+made, mapped, and reuses them; a consumer keeps its mappings of them. A payload costs one copy
+into warm pages, and the consumer reads it zero-copy.
 
-Names are `<prefix>-<request>-<from>-<to>-<seq>`: the name *is* the tracking. Any process of
-the same deployment can free everything a request still holds with `cleanup(request_id)`,
-including segments a crashed peer created, and `sweep()` frees the whole deployment's.
+A segment's state is its name in /dev/shm, and each change of state is one atomic rename or
+link, so two processes can never claim one segment and any process can see who holds what:
+
+    <prefix>-@busy-<owner>-<n>                          its owner is writing it
+    <prefix>-<request>-<from>-<to>-<seq>@<owner>-<n>    written, waiting for its consumer
+    <prefix>-@held-<owner>-<n>-<reader>                 read: the reader's tensors are views on it
+    <prefix>-@free-<owner>-<n>                          its owner may reuse it
+
+`owner` and `reader` are process ids and `n` numbers the owner's segments. Segments are
+created 0600 with O_EXCL. A held segment goes back to free when the reader's last tensor on it
+is freed (a weakref.finalize on the lease), so a reader may keep or even write its tensors for
+as long as it likes. Every state has an owner that ends it: `cleanup(request_id)`, from any
+process, returns a request's unread segments to their owners (or unlinks them when the owner
+is gone); an owner takes back segments whose reader died; free segments beyond `poolBytes`
+are unlinked, least recently used first; an owner unlinks its segments when it closes, a
+reader's release unlinks a segment whose owner is gone; a supervisor calls
+`release_process(pid)` for a child that died, and `sweep()` at shutdown.
 
 (We map /dev/shm files directly instead of multiprocessing.shared_memory because on Python
 3.11 its resource tracker unlinks segments it did not create and warns at exit.)
@@ -14,11 +29,20 @@ including segments a crashed peer created, and `sweep()` frees the whole deploym
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import mmap
 import os
+import re
+import threading
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
+
+import numpy as np
 
 from omni_pipeline import wire
 from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector
@@ -28,6 +52,48 @@ SHM_DIR: Final = Path("/dev/shm")
 SHM_PREFIX_ENV: Final = "OMNI_SHM_PREFIX"
 DEFAULT_PREFIX: Final = "omni"
 
+_MIN_CAPACITY: Final = 64 << 10
+_READER_MAPPINGS: Final = 64  # mappings of other processes' segments a reader keeps
+_WRITTEN: Final = re.compile(r"@(\d+)-(\d+)$")  # a written segment's name ends in @<owner>-<n>
+_HELD: Final = re.compile(r"-@held-\d+-(\d+)-(\d+)$")  # ... <n>-<reader>
+_segment_numbers = itertools.count()  # per process, so connectors sharing a prefix never collide
+
+
+def _capacity(size: int) -> int:
+    """Segment sizes in steps of at most 1/8, so a pool serves payloads that vary a little."""
+    size = max(size, _MIN_CAPACITY)
+    step = 1 << max(12, size.bit_length() - 4)
+    return -(-size // step) * step
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass(eq=False)
+class _Segment:
+    """One of this process's own segments, mapped for writing."""
+
+    n: int
+    capacity: int
+    mm: mmap.mmap
+    last_used: int = 0
+
+
+@dataclass(eq=False)
+class _Mapping:
+    """A reader's mapping of another process's segment; `fd` tells when the segment is gone."""
+
+    ino: int
+    fd: int
+    mm: mmap.mmap
+
 
 class ShmConnector(OmniConnector):
     """Shared memory between processes of one deployment, identified by its segment prefix."""
@@ -35,77 +101,253 @@ class ShmConnector(OmniConnector):
     def __init__(self, name: str, spec: ConnectorSpec, prefix: str | None = None) -> None:
         super().__init__(name, spec)
         self.prefix = prefix or os.environ.get(SHM_PREFIX_ENV) or DEFAULT_PREFIX
+        self.pool_bytes = spec.pool_bytes
+        self._pid = os.getpid()
+        self._lock = threading.Lock()
+        self._segments: dict[int, _Segment] = {}
+        self._uses = 0
+        self._mappings: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()
 
-    def _path(self, key: str) -> Path:
-        if not key.startswith(self.prefix + "-") or "/" in key:
-            raise ConnectorError(f"segment {key!r} is not one of ours")
-        return SHM_DIR / key
+    # --- names ---------------------------------------------------------------------------------
+
+    def _state(self, state: str, owner: int, n: int) -> Path:
+        return SHM_DIR / f"{self.prefix}-@{state}-{owner}-{n}"
+
+    def _held(self, owner: int, n: int) -> Path:
+        return SHM_DIR / f"{self.prefix}-@held-{owner}-{n}-{self._pid}"
+
+    # --- producer ------------------------------------------------------------------------------
 
     def _put_frame(
         self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame
     ) -> str:
-        key = f"{self.prefix}-{request_id}-{from_stage}-{to_stage}-{seq}"
-        path = SHM_DIR / key
+        seg = self._claim(frame.size)
+        busy = self._state("busy", self._pid, seg.n)
+        key = f"{self.prefix}-{request_id}-{from_stage}-{to_stage}-{seq}@{self._pid}-{seg.n}"
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            with memoryview(seg.mm) as out:
+                frame.write_into(out)
+            os.link(busy, SHM_DIR / key)  # unlike rename, never replaces an existing name
         except FileExistsError:
+            os.rename(busy, self._state("free", self._pid, seg.n))
             raise ConnectorError(f"segment {key} already exists (sequence reused)") from None
-        try:
-            os.ftruncate(fd, frame.size)
-            with mmap.mmap(fd, frame.size) as mm:
-                frame.write_into(memoryview(mm))
-        except OSError as exc:
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
-                raise ConnectorError(f"/dev/shm is full ({frame.size} bytes needed)") from exc
-            raise
         except BaseException:
-            os.close(fd)
-            path.unlink(missing_ok=True)
+            os.rename(busy, self._state("free", self._pid, seg.n))
             raise
-        os.close(fd)
+        busy.unlink()
         return key
 
-    def _get_frame(self, request_id: str, handle: ConnectorHandle) -> Any:
-        assert handle.key is not None
-        path = self._path(handle.key)
+    def _claim(self, size: int) -> _Segment:
+        """A segment of ours, at least `size` bytes, renamed busy: a warm free one if we have one."""
+        with self._lock:
+            self._uses += 1
+            if (seg := self._claim_free(size)) is not None:
+                return seg
+            self._reap()
+            if (seg := self._claim_free(size)) is not None:
+                return seg
+            capacity = _capacity(size)
+            self._trim(self.pool_bytes - capacity)
+            try:
+                seg = self._create(capacity)
+            except ConnectorError:
+                self._trim(0)  # our idle segments may be what fills /dev/shm
+                seg = self._create(capacity)
+            seg.last_used = self._uses
+            return seg
+
+    def _claim_free(self, size: int) -> _Segment | None:
+        fits = sorted(
+            (s for s in self._segments.values() if size <= s.capacity <= 2 * _capacity(size)),
+            key=lambda s: s.capacity,
+        )
+        for seg in fits:
+            try:
+                os.rename(self._state("free", self._pid, seg.n), self._state("busy", self._pid, seg.n))
+            except FileNotFoundError:
+                continue  # in use
+            seg.last_used = self._uses
+            return seg
+        return None
+
+    def _create(self, capacity: int) -> _Segment:
+        n = next(_segment_numbers)
+        path = self._state("busy", self._pid, n)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            raise ConnectorError(f"segment {handle.key} is gone (request cleaned up?)") from None
-        try:
-            mm = mmap.mmap(fd, handle.nbytes)
+            os.ftruncate(fd, capacity)
+            mm = mmap.mmap(fd, capacity)
+        except OSError as exc:
+            path.unlink(missing_ok=True)
+            if exc.errno in (errno.ENOSPC, errno.ENOMEM):
+                raise ConnectorError(f"/dev/shm is full ({capacity} bytes needed)") from exc
+            raise
         finally:
             os.close(fd)
-            path.unlink(missing_ok=True)  # the mapping stays valid; the name goes at once
-        # Tensors in the result are views on `mm`; it is unmapped when the last one is freed.
-        return wire.decode(memoryview(mm))
+        seg = self._segments[n] = _Segment(n, capacity, mm)
+        return seg
+
+    def _trim(self, keep_bytes: int) -> None:
+        """Unlink free segments, least recently used first, until we own at most `keep_bytes`."""
+        owned = sum(s.capacity for s in self._segments.values())
+        for seg in sorted(self._segments.values(), key=lambda s: s.last_used):
+            if owned <= keep_bytes:
+                return
+            try:
+                self._state("free", self._pid, seg.n).unlink()
+            except FileNotFoundError:
+                continue  # in use
+            owned -= seg.capacity
+            self._forget(seg)
+
+    def _forget(self, seg: _Segment) -> None:
+        del self._segments[seg.n]
+        with contextlib.suppress(BufferError):  # our own reader still has views; GC unmaps it
+            seg.mm.close()
+
+    def _reap(self) -> None:
+        """Take back our segments whose reader died holding them."""
+        for path in SHM_DIR.glob(f"{self.prefix}-@held-{self._pid}-*"):
+            m = _HELD.search(path.name)
+            if m and not _alive(int(m.group(2))):
+                with contextlib.suppress(FileNotFoundError):
+                    os.rename(path, self._state("free", self._pid, int(m.group(1))))
+
+    # --- consumer ------------------------------------------------------------------------------
+
+    def _get_frame(self, request_id: str, handle: ConnectorHandle) -> Any:
+        key = handle.key
+        assert key is not None
+        m = _WRITTEN.search(key)
+        if not key.startswith(f"{self.prefix}-{request_id}-") or "/" in key or m is None:
+            raise ConnectorError(f"segment {key!r} is not one of request {request_id}'s")
+        owner, n = int(m.group(1)), int(m.group(2))
+        held = self._held(owner, n)
+        try:
+            os.rename(SHM_DIR / key, held)
+        except FileNotFoundError:
+            raise ConnectorError(f"segment {key} is gone (request cleaned up?)") from None
+        try:
+            mm = self._mapping(held, owner, n)
+            if len(mm) < handle.nbytes:
+                raise ConnectorError(f"segment {key} is smaller than its handle says")
+            lease = np.frombuffer(mm, dtype=np.uint8, count=handle.nbytes)
+        except BaseException:
+            _release(held, self._state("free", owner, n), owner)
+            raise
+        # Tensors in the result are views on `lease`; the segment is free again once they are gone.
+        weakref.finalize(lease, _release, held, self._state("free", owner, n), owner)
+        return wire.decode(memoryview(lease))
+
+    def _mapping(self, held: Path, owner: int, n: int) -> mmap.mmap:
+        with self._lock:
+            if owner == self._pid and (own := self._segments.get(n)) is not None:
+                return own.mm
+            st = os.stat(held)
+            cached = self._mappings.get((owner, n))
+            if cached is not None and cached.ino == st.st_ino:
+                self._mappings.move_to_end((owner, n))
+                return cached.mm
+            self._drop_stale_mappings()
+            fd = os.open(held, os.O_RDWR)
+            try:
+                mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._mappings[(owner, n)] = _Mapping(st.st_ino, fd, mm)
+            while len(self._mappings) > _READER_MAPPINGS:
+                _, old = self._mappings.popitem(last=False)
+                os.close(old.fd)
+            return mm
+
+    def _drop_stale_mappings(self) -> None:
+        """Unmapped segments their owner unlinked: our mapping alone would keep their memory."""
+        for key, mp in list(self._mappings.items()):
+            if os.fstat(mp.fd).st_nlink == 0:
+                del self._mappings[key]
+                os.close(mp.fd)
+
+    # --- requests and the deployment -----------------------------------------------------------
 
     def cleanup(self, request_id: str) -> int:
-        return _unlink_glob(f"{self.prefix}-{request_id}-*")
+        n_freed = 0
+        for path in SHM_DIR.glob(f"{self.prefix}-{request_id}-*"):
+            m = _WRITTEN.search(path.name)
+            if m is None:
+                continue
+            owner = int(m.group(1))
+            try:
+                if _alive(owner):
+                    os.rename(path, self._state("free", owner, int(m.group(2))))
+                else:
+                    path.unlink()
+            except FileNotFoundError:
+                continue  # read or cleaned up just now
+            n_freed += 1
+        return n_freed
+
+    def release_process(self, pid: int) -> int:
+        """What a dead process of the deployment held (its supervisor calls this once it is reaped):
+        its idle segments are unlinked and the ones it was reading go back to their owners."""
+        n = 0
+        for path in SHM_DIR.glob(f"{self.prefix}-@*"):
+            state, owner, seg, *reader = path.name[len(self.prefix) + 2 :].split("-")
+            with contextlib.suppress(FileNotFoundError, ValueError):
+                if state in ("free", "busy") and int(owner) == pid:
+                    path.unlink()
+                elif state == "held" and reader and int(reader[0]) == pid:
+                    _release(path, self._state("free", int(owner), int(seg)), int(owner))
+                else:
+                    continue
+                n += 1
+        return n
 
     def sweep(self) -> int:
-        """Free every segment of this deployment (at shutdown, or after a crash)."""
-        return _unlink_glob(f"{self.prefix}-*")
+        """Unlink every segment of this deployment (at shutdown, or after a crash)."""
+        n = 0
+        for p in SHM_DIR.glob(f"{self.prefix}-*"):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+                n += 1
+        return n
 
     def live_objects(self) -> int:
-        return sum(1 for _ in SHM_DIR.glob(f"{self.prefix}-*"))
+        """Segments in use by some request (written, held or being written): free ones are idle."""
+        return sum(1 for _ in SHM_DIR.glob(f"{self.prefix}-*") if "-@free-" not in _.name)
+
+    def pooled_bytes(self) -> int:
+        """Shared memory this process owns, in use or free."""
+        return sum(s.capacity for s in self._segments.values())
 
     def health(self) -> dict[str, Any]:
         try:
             st = os.statvfs(SHM_DIR)
         except OSError as exc:
             return {"ok": False, "error": str(exc)}
-        return {"ok": True, "free_bytes": st.f_bavail * st.f_frsize, "segments": self.live_objects()}
+        return {
+            "ok": True,
+            "free_bytes": st.f_bavail * st.f_frsize,
+            "segments": self.live_objects(),
+            "pooled_bytes": self.pooled_bytes(),
+        }
+
+    def close(self) -> None:
+        """Unlink our free and busy segments; ones still in use go when their reader lets go."""
+        with self._lock:
+            for seg in list(self._segments.values()):
+                for state in ("free", "busy"):
+                    self._state(state, self._pid, seg.n).unlink(missing_ok=True)
+                self._forget(seg)
+            for mp in self._mappings.values():
+                os.close(mp.fd)
+            self._mappings.clear()
 
 
-def _unlink_glob(pattern: str) -> int:
-    n = 0
-    for p in SHM_DIR.glob(pattern):
-        try:
-            p.unlink()
-            n += 1
-        except FileNotFoundError:
-            pass
-    return n
+def _release(held: Path, free: Path, owner: int) -> None:
+    """A reader is done with a segment: back to its owner, or gone if the owner is."""
+    with contextlib.suppress(FileNotFoundError):  # swept at shutdown
+        if _alive(owner):
+            os.rename(held, free)
+        else:
+            held.unlink()

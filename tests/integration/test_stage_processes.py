@@ -26,6 +26,7 @@ from tests.helpers import (
     our_shm_segments,
     replica_metric,
     replicas,
+    shm_segments_in_use,
     start_gateway,
     start_stage,
     wait_for,
@@ -139,7 +140,7 @@ def test_client_disconnect_mid_stream_frees_everything(cluster: str) -> None:
             f"{stage} to drop the abandoned requests",
         )
     assert replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted") == 5
-    wait_for(lambda: our_shm_segments(PREFIX) == [], 10, "no shm segment left")
+    wait_for(lambda: shm_segments_in_use(PREFIX) == [], 10, "no shm segment in use")
     # And the pipeline still serves.
     r = client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "again"}])
     assert r.choices[0].finish_reason in ("stop", "length")

@@ -54,6 +54,7 @@ class Supervisor:
         self.port = port
         self.nats_url = nats_url
         self.shm_prefix = f"omni-{uuid.uuid4().hex[:8]}"
+        self.shm = ShmConnector("serve", ConnectorSpec(), prefix=self.shm_prefix)  # frees, never writes
         self.events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self.slots: dict[str, _Slot] = {}
         self.nats: EmbeddedNats | None = None
@@ -98,6 +99,7 @@ class Supervisor:
             self.nats = EmbeddedNats()
             url = self.nats.url
             log.info("embedded nats-server at %s", url)
+        log.info("shared memory: /dev/shm/%s-*", self.shm_prefix)
         for stage in self.pipeline.spec.stages:
             for i in range(stage.replicas):
                 name = f"{stage.name}-{i}"
@@ -160,6 +162,8 @@ class Supervisor:
             if time.monotonic() - slot.started_at > STABLE_AFTER_S:
                 slot.backoff = BACKOFF_START_S
             log.error("%s died (exit code %s); restarting in %.0fs", what, slot.proc.exitcode, slot.backoff)
+            if slot.proc.pid is not None:
+                self.shm.release_process(slot.proc.pid)
             heapq.heappush(restarts, (time.monotonic() + slot.backoff, what))
             slot.backoff = min(slot.backoff * 2, BACKOFF_MAX_S)
 
@@ -176,5 +180,5 @@ class Supervisor:
             p.shutdown()
         if self.nats:
             self.nats.stop()
-        ShmConnector("sweep", ConnectorSpec(), prefix=self.shm_prefix).sweep()
+        self.shm.sweep()
         log.info("stopped")

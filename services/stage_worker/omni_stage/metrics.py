@@ -26,7 +26,13 @@ class StageMetrics:
         ).labels(**labels)
         self.shm_segments = Gauge(
             "omni_shm_segments",
-            "Shared-memory segments of this deployment in /dev/shm",
+            "Shared-memory segments of this deployment that requests hold (idle pooled ones not counted)",
+            labels.keys(),
+            registry=r,
+        ).labels(**labels)
+        self.shm_pool_bytes = Gauge(
+            "omni_shm_pool_bytes",
+            "Shared memory this replica keeps mapped for its outputs, in use or idle",
             labels.keys(),
             registry=r,
         ).labels(**labels)
