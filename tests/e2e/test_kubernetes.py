@@ -22,7 +22,7 @@ import openai
 import pytest
 import yaml
 
-from tests.conftest import Mooncake
+from omni_cli.mooncaked import LocalMooncake
 from tests.e2e.kubelet import Kubelet
 from tests.helpers import ROOT, OmniProcess, decode_wav, wait_for
 from tests.kube_api import PIPELINE_API, ApiServerThread, Kube
@@ -37,7 +37,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def demo_pipeline(models: Path, mooncake: Mooncake) -> dict[str, Any]:
+def demo_pipeline(models: Path, mooncake: LocalMooncake) -> dict[str, Any]:
     """examples/tiny-omni-distributed.yaml as a user would adapt it for their cluster: NATS from a
     Secret, the Mooncake Services' addresses, model paths where the pods find them."""
     doc = yaml.safe_load((ROOT / "examples" / "tiny-omni-distributed.yaml").read_text())
@@ -61,7 +61,7 @@ def ready(kube: Kube, name: str) -> bool:
 
 
 def test_operator_rendered_pods_serve_text_and_audio(
-    tmp_path: Path, demo_dir: Path, nats_url: str, mooncake: Mooncake
+    tmp_path: Path, demo_dir: Path, nats_url: str, mooncake: LocalMooncake
 ) -> None:
     kubeconfig = tmp_path / "kubeconfig"
     with ApiServerThread(kubeconfig):

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Mooncake
+from omni_cli.mooncaked import LocalMooncake
 from tests.helpers import (
     OMNI,
     ROOT,
@@ -96,7 +96,7 @@ def ask(base: str, content: str, **extra: object) -> str:
 
 
 @pytest.fixture
-def demo(nats_url: str, mooncake: Mooncake, demo_dir: Path, tmp_path: Path) -> Iterator[Deployment]:
+def demo(nats_url: str, mooncake: LocalMooncake, demo_dir: Path, tmp_path: Path) -> Iterator[Deployment]:
     d = deploy(DEMO, {"thinker": 1, "talker": 2, "vocoder": 2}, 2, nats_url, demo_dir, tmp_path)
     try:
         yield d
@@ -105,7 +105,7 @@ def demo(nats_url: str, mooncake: Mooncake, demo_dir: Path, tmp_path: Path) -> I
 
 
 @pytest.fixture
-def synth(nats_url: str, mooncake: Mooncake, tmp_path: Path) -> Iterator[Deployment]:
+def synth(nats_url: str, mooncake: LocalMooncake, tmp_path: Path) -> Iterator[Deployment]:
     d = deploy(SYNTH, {"thinker": 1, "talker": 2, "vocoder": 1}, 1, nats_url, ROOT, tmp_path)
     try:
         yield d
@@ -113,7 +113,7 @@ def synth(nats_url: str, mooncake: Mooncake, tmp_path: Path) -> Iterator[Deploym
         d.stop()
 
 
-def test_demo_n_to_m_replicas_two_gateways(demo: Deployment, mooncake: Mooncake) -> None:
+def test_demo_n_to_m_replicas_two_gateways(demo: Deployment, mooncake: LocalMooncake) -> None:
     bases = [base for _, base in demo.gateways]
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda i: ask(bases[i % 2], f"hello {i}"), range(16)))
@@ -131,7 +131,7 @@ def test_demo_n_to_m_replicas_two_gateways(demo: Deployment, mooncake: Mooncake)
     assert our_shm_segments() == []
 
 
-def test_sigkill_of_a_talker_under_load(synth: Deployment, mooncake: Mooncake) -> None:
+def test_sigkill_of_a_talker_under_load(synth: Deployment, mooncake: LocalMooncake) -> None:
     base = synth.gateways[0][1]
     victim = synth.stages["talker-b"]
     with ThreadPoolExecutor(4) as pool:
@@ -154,7 +154,7 @@ def test_sigkill_of_a_talker_under_load(synth: Deployment, mooncake: Mooncake) -
     wait_for(lambda: mooncake.key_count() == 0, 30, "the dead talker's inputs to be freed")
 
 
-def test_rolling_restart_under_load_loses_nothing(synth: Deployment, mooncake: Mooncake) -> None:
+def test_rolling_restart_under_load_loses_nothing(synth: Deployment, mooncake: LocalMooncake) -> None:
     base = synth.gateways[0][1]
     results: list[str] = []
     stop = threading.Event()

@@ -10,11 +10,11 @@ from multiprocessing.connection import Connection
 import pytest
 import torch
 
+from omni_cli.mooncaked import LocalMooncake
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.connectors.mooncake import MooncakeConfig, MooncakeConnector
 from omni_pipeline.spec import ConnectorSpec
-from tests.conftest import Mooncake
 from tests.helpers import OMNI, ROOT, read_handles
 
 SPEC = ConnectorSpec(kind="mooncake", inline_threshold_bytes=1024)
@@ -33,7 +33,7 @@ def _producer(env: dict[str, str], requests: int, out: Connection) -> None:
     conn.close()
 
 
-def test_put_get_cleanup_across_processes(mooncake: Mooncake) -> None:
+def test_put_get_cleanup_across_processes(mooncake: LocalMooncake) -> None:
     consumer = MooncakeConnector("tensors", SPEC, "tiny", MooncakeConfig.resolve(None))
     try:
         ctx = mp.get_context("spawn")
@@ -59,7 +59,7 @@ def test_put_get_cleanup_across_processes(mooncake: Mooncake) -> None:
         consumer.close()
 
 
-def test_a_key_of_another_request_is_refused(mooncake: Mooncake) -> None:
+def test_a_key_of_another_request_is_refused(mooncake: LocalMooncake) -> None:
     conn = MooncakeConnector("tensors", SPEC, "tiny", MooncakeConfig.resolve(None))
     try:
         _, _, h = conn.put("a", "b", "r1", {"x": torch.ones(1000)})

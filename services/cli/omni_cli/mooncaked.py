@@ -1,0 +1,123 @@
+"""A local Mooncake store on loopback: mooncake_master (with its HTTP metadata server) and one
+store server (mooncake_client) holding the data, for tests and benchmarks of the mooncake
+connector on one machine. The binaries ship in the mooncake wheel."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+
+from omni_pipeline.connectors.mooncake import BIND_ENV, MASTER_ENV, METADATA_ENV
+from omni_pipeline.lifecycle import die_with_parent
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LocalMooncake:
+    """mooncake_master and a store server of `store_bytes`, both on 127.0.0.1; logs in `log_dir`."""
+
+    def __init__(self, log_dir: Path, store_bytes: int = 256 << 20, start_timeout_s: float = 30.0) -> None:
+        rpc, meta, metrics, store = _free_port(), _free_port(), _free_port(), _free_port()
+        self.master = f"127.0.0.1:{rpc}"
+        self.metadata = f"http://127.0.0.1:{meta}/metadata"
+        self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
+        bindir = Path(sys.executable).parent
+        self._logs: list[IO[str]] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
+        try:
+            self._start(
+                log_dir / "mooncake_master.log",
+                bindir / "mooncake_master",
+                "--rpc_address=127.0.0.1",
+                f"--rpc_port={rpc}",
+                "--enable_http_metadata_server",
+                "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={meta}",
+                "--metrics_host=127.0.0.1",
+                f"--metrics_port={metrics}",
+            )
+            self._wait(lambda: self.key_count() == 0, start_timeout_s, "mooncake_master to serve")
+            self._start(
+                log_dir / "mooncake_store.log",
+                bindir / "mooncake_client",
+                "--host=127.0.0.1",
+                f"--port={store}",
+                f"--global_segment_size={store_bytes >> 20}MB",
+                "--local_buffer_size=16MB",
+                f"--master_server_address={self.master}",
+                f"--metadata_server={self.metadata}",
+                "--protocol=tcp",
+            )
+            self._wait(
+                lambda: self.metric("master_total_capacity_bytes") >= store_bytes,
+                start_timeout_s,
+                "the store server's memory",
+            )
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self, log: Path, binary: Path, *args: str) -> None:
+        self._logs.append(fh := log.open("w"))
+        self._procs.append(
+            subprocess.Popen(
+                [str(binary), *args],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, BIND_ENV: "127.0.0.1"},
+                preexec_fn=die_with_parent,
+            )
+        )
+
+    def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in self._procs):
+                raise RuntimeError(
+                    f"waiting for {what}: a Mooncake process exited (see {self._logs[-1].name})"
+                )
+            try:
+                if ready():
+                    return
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.1)  # polling a process that has no readiness signal
+        raise TimeoutError(f"timed out waiting for {what}")
+
+    def metric(self, name: str) -> int:
+        """A counter or gauge from mooncake_master's Prometheus endpoint."""
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+            for line in resp.read().decode().splitlines():
+                if line.startswith(f"{name} "):
+                    return int(float(line.split()[1]))
+        raise KeyError(f"mooncake_master reports no {name}")
+
+    def key_count(self) -> int:
+        return self.metric("master_key_count")
+
+    def env(self) -> dict[str, str]:
+        """What omni processes need to use this store as pure clients bound to loopback."""
+        return {MASTER_ENV: self.master, METADATA_ENV: self.metadata, BIND_ENV: "127.0.0.1"}
+
+    def stop(self) -> None:
+        for p in reversed(self._procs):
+            if p.poll() is None:
+                p.terminate()
+                try:
+                    p.wait(10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(5)
+        for f in self._logs:
+            f.close()
