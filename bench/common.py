@@ -1,10 +1,13 @@
-"""Shared benchmark plumbing: repeats, medians, a table, the JSON last line."""
+"""Shared benchmark plumbing: arguments, repeats, percentiles, a table, the JSON last line, a plot."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -25,11 +28,61 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def report(name: str, rows: list[tuple[str, str]], result: dict[str, Any], as_json: bool) -> None:
-    """A table of (what, value), unless `as_json`; the JSON object is always the last line."""
-    if not as_json:
+def percentile(xs: list[float], q: float) -> float:
+    """The q-th percentile (0..100) of `xs`, interpolated."""
+    s = sorted(xs)
+    if len(s) == 1:
+        return s[0]
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """Every benchmark's arguments: --json (only the JSON line) and --out (save JSON and plot)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--json", action="store_true", help="print only the JSON object")
+    ap.add_argument("--out", type=Path, help="also write <out>/<name>.json and <out>/<name>.png")
+    return ap
+
+
+def report(
+    name: str,
+    rows: list[tuple[str, str]],
+    result: dict[str, Any],
+    args: argparse.Namespace,
+    plot: Callable[[dict[str, Any], Path], None] | None = None,
+) -> None:
+    """A table of (what, value), unless --json; with --out the JSON and the plot are saved too.
+    The JSON object is always the last line printed."""
+    if not args.json:
         width = max(len(k) for k, _ in rows)
         print(f"== {name} ==")
         for k, v in rows:
             print(f"{k:<{width}}  {v}")
-    print(json.dumps(result))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        if plot is not None:
+            plot(result, args.out / f"{name}.png")
+    print(json.dumps(result), flush=True)
+
+
+def figure() -> tuple[Any, Any]:
+    """A matplotlib figure and axes, headless."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    return fig, ax
+
+
+def save(fig: Any, path: Path) -> None:
+    fig.tight_layout()
+    fig.savefig(path)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

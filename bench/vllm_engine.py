@@ -13,14 +13,13 @@ rounds after a warm-up; throughput is total generated tokens / wall time of a ro
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import machine, median, report
+from bench.common import machine, median, parser, report
 from omni_pipeline.spec import EngineKind, EngineSpec, OutputKind, StageSpec
 from omni_stage.engines.base import EngineCall
 from omni_stage.engines.prompts import prompt_token_ids
@@ -107,11 +106,10 @@ async def run(model: str) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def main(argv: list[str] | None = None) -> None:
+    ap = parser(__doc__)
     ap.add_argument("--model", default="models/tiny-thinker", help="built by `omni models init-demo models`")
-    ap.add_argument("--json", action="store_true")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if not Path(a.model).is_dir():
         raise SystemExit(f"{a.model} not found: run `omni models init-demo models` first")
     r = asyncio.run(run(a.model))
@@ -123,7 +121,7 @@ def main() -> None:
         ("adapter, 8 at a time", f"{r['inflight_8_tokens_per_s']} tok/s"),
         ("8 at a time / 1 at a time", str(r["ratios"]["inflight_8_vs_1"])),
     ]
-    report("vllm_engine", rows, r, a.json)
+    report("vllm_engine", rows, r, a)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ class ConnectorSpec(_Model):
     pool_bytes: int = Field(
         default=1 << 30,
         ge=0,
-        description="shm: memory each producer keeps mapped for reuse; idle segments beyond it are unlinked.",
+        description="shm, mooncake: memory each process keeps warm for reuse; idle beyond it is freed.",
     )
 
 

@@ -32,6 +32,7 @@ MAGIC: Final = b"OMW1"
 _PREAMBLE = struct.Struct("<4sIQQ")
 _EXT_HEAD = struct.Struct("<BBQQ")  # dtype code, ndim, offset, nbytes; then ndim x int64 dims
 ALIGN: Final = 64
+_PARALLEL_COPY_BYTES: Final = 1 << 20
 
 EXT_TENSOR: Final = 1
 EXT_NDARRAY: Final = 2
@@ -83,7 +84,13 @@ class EncodedFrame:
         out[_PREAMBLE.size : hdr_end] = self.header
         for offset, buf in self.buffers:
             start = data_start + offset
-            out[start : start + buf.nbytes] = buf
+            if buf.nbytes < _PARALLEL_COPY_BYTES:
+                out[start : start + buf.nbytes] = buf
+            else:  # torch copies on its intra-op threads; a memoryview copy is one thread
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore", UserWarning)  # read-only source buffers
+                    dst = torch.frombuffer(out, dtype=torch.uint8, count=buf.nbytes, offset=start)
+                    dst.copy_(torch.frombuffer(buf, dtype=torch.uint8))
         return self.size
 
     def to_bytes(self) -> bytearray:

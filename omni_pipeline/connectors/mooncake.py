@@ -1,9 +1,10 @@
 """Mooncake connector: payloads in a MooncakeDistributedStore, for stages on different hosts.
 
-Keys are `<pipeline>/<request>/<from>/<to>/<seq>`. A producer encodes the frame once and
-`put_from`s it; the consumer `get_into`s a buffer of its own (the transfer is the only copy;
-tensors are then views on that buffer) and removes the key at once. A key that was just read
-carries a read lease in the store, so removal is forced: the consumer is its only reader.
+Keys are `<pipeline>/<request>/<from>/<to>/<seq>`. A producer encodes the frame into a warm
+buffer and `put_from`s it; the consumer `get_into`s a warm buffer of its own (tensors are then
+views on it; it goes back to the pool when they are freed) and removes the key at once. A key
+that was just read carries a read lease in the store, so removal is forced: the consumer is its
+only reader.
 `cleanup(request_id)` removes whatever a request still holds, by key prefix, from any process.
 
 Stage processes are pure clients by default (`globalSegmentSizeBytes: 0`): the store places
@@ -28,10 +29,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Final
 
-import numpy as np
-
 from omni_pipeline import wire
 from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector
+from omni_pipeline.connectors.buffers import BufferPool
 from omni_pipeline.spec import ConnectorSpec, MooncakeSpec
 
 log = logging.getLogger(__name__)
@@ -84,10 +84,6 @@ def _local_address_towards(host: str, port: int) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((host, port))  # UDP: no packet is sent, the kernel only picks a route
         return str(s.getsockname()[0])
-
-
-def _address(buf: bytearray) -> int:
-    return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
 class MooncakeStore:
@@ -149,16 +145,21 @@ class MooncakeConnector(OmniConnector):
         super().__init__(name, spec)
         self.pipeline = pipeline
         self._store = MooncakeStore.acquire(config)
+        self._buffers = BufferPool(spec.pool_bytes)
         self._closed = False
 
     def _put_frame(
         self, from_stage: str, to_stage: str, request_id: str, seq: int, frame: wire.EncodedFrame
     ) -> str:
         key = f"{self.pipeline}/{request_id}/{from_stage}/{to_stage}/{seq}"
-        buf = frame.to_bytes()
-        rc = self._store.store.put_from(key, _address(buf), len(buf))
+        buf = self._buffers.take(frame.size)  # put_from has copied it out when it returns
+        try:
+            frame.write_into(memoryview(buf))
+            rc = self._store.store.put_from(key, buf.ctypes.data, frame.size)
+        finally:
+            self._buffers.give(buf)
         if rc != 0:
-            raise ConnectorError(f"Mooncake put of {key} ({len(buf)} bytes) failed with code {rc}")
+            raise ConnectorError(f"Mooncake put of {key} ({frame.size} bytes) failed with code {rc}")
         return key
 
     def _get_frame(self, request_id: str, handle: ConnectorHandle) -> Any:
@@ -166,8 +167,8 @@ class MooncakeConnector(OmniConnector):
         assert key is not None
         if not key.startswith(f"{self.pipeline}/{request_id}/"):
             raise ConnectorError(f"key {key!r} does not belong to request {request_id}")
-        buf = bytearray(handle.nbytes)
-        n = self._store.store.get_into(key, _address(buf), len(buf))
+        buf = self._buffers.lease(handle.nbytes)
+        n = self._store.store.get_into(key, buf.ctypes.data, handle.nbytes)
         if n != handle.nbytes:
             raise ConnectorError(f"Mooncake get of {key} failed with code {n}")
         rc = self._store.store.remove(key, True)  # forced: the fresh read lease would refuse it
@@ -178,6 +179,9 @@ class MooncakeConnector(OmniConnector):
     def cleanup(self, request_id: str) -> int:
         pattern = f"^{re.escape(self.pipeline)}/{re.escape(request_id)}/"
         return max(0, int(self._store.store.remove_by_regex(pattern, True)))
+
+    def pooled_bytes(self) -> int:
+        return self._buffers.idle()
 
     def health(self) -> dict[str, Any]:
         rc = int(self._store.store.health_check())

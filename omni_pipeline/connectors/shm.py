@@ -46,24 +46,18 @@ import numpy as np
 
 from omni_pipeline import wire
 from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector
+from omni_pipeline.connectors.buffers import capacity_class, fits
 from omni_pipeline.spec import ConnectorSpec
 
 SHM_DIR: Final = Path("/dev/shm")
+_DIR: Final = f"{SHM_DIR}/"
 SHM_PREFIX_ENV: Final = "OMNI_SHM_PREFIX"
 DEFAULT_PREFIX: Final = "omni"
 
-_MIN_CAPACITY: Final = 64 << 10
 _READER_MAPPINGS: Final = 64  # mappings of other processes' segments a reader keeps
 _WRITTEN: Final = re.compile(r"@(\d+)-(\d+)$")  # a written segment's name ends in @<owner>-<n>
 _HELD: Final = re.compile(r"-@held-\d+-(\d+)-(\d+)$")  # ... <n>-<reader>
 _segment_numbers = itertools.count()  # per process, so connectors sharing a prefix never collide
-
-
-def _capacity(size: int) -> int:
-    """Segment sizes in steps of at most 1/8, so a pool serves payloads that vary a little."""
-    size = max(size, _MIN_CAPACITY)
-    step = 1 << max(12, size.bit_length() - 4)
-    return -(-size // step) * step
 
 
 def _alive(pid: int) -> bool:
@@ -110,11 +104,13 @@ class ShmConnector(OmniConnector):
 
     # --- names ---------------------------------------------------------------------------------
 
-    def _state(self, state: str, owner: int, n: int) -> Path:
-        return SHM_DIR / f"{self.prefix}-@{state}-{owner}-{n}"
+    # Plain strings, not Paths: pathlib costs as much as the syscalls on the per-payload path.
 
-    def _held(self, owner: int, n: int) -> Path:
-        return SHM_DIR / f"{self.prefix}-@held-{owner}-{n}-{self._pid}"
+    def _state(self, state: str, owner: int, n: int) -> str:
+        return f"{_DIR}{self.prefix}-@{state}-{owner}-{n}"
+
+    def _held(self, owner: int, n: int) -> str:
+        return f"{_DIR}{self.prefix}-@held-{owner}-{n}-{self._pid}"
 
     # --- producer ------------------------------------------------------------------------------
 
@@ -127,14 +123,14 @@ class ShmConnector(OmniConnector):
         try:
             with memoryview(seg.mm) as out:
                 frame.write_into(out)
-            os.link(busy, SHM_DIR / key)  # unlike rename, never replaces an existing name
+            os.link(busy, _DIR + key)  # unlike rename, never replaces an existing name
         except FileExistsError:
             os.rename(busy, self._state("free", self._pid, seg.n))
             raise ConnectorError(f"segment {key} already exists (sequence reused)") from None
         except BaseException:
             os.rename(busy, self._state("free", self._pid, seg.n))
             raise
-        busy.unlink()
+        os.unlink(busy)
         return key
 
     def _claim(self, size: int) -> _Segment:
@@ -146,7 +142,7 @@ class ShmConnector(OmniConnector):
             self._reap()
             if (seg := self._claim_free(size)) is not None:
                 return seg
-            capacity = _capacity(size)
+            capacity = capacity_class(size)
             self._trim(self.pool_bytes - capacity)
             try:
                 seg = self._create(capacity)
@@ -157,11 +153,10 @@ class ShmConnector(OmniConnector):
             return seg
 
     def _claim_free(self, size: int) -> _Segment | None:
-        fits = sorted(
-            (s for s in self._segments.values() if size <= s.capacity <= 2 * _capacity(size)),
-            key=lambda s: s.capacity,
+        candidates = sorted(
+            (s for s in self._segments.values() if fits(size, s.capacity)), key=lambda s: s.capacity
         )
-        for seg in fits:
+        for seg in candidates:
             try:
                 os.rename(self._state("free", self._pid, seg.n), self._state("busy", self._pid, seg.n))
             except FileNotFoundError:
@@ -178,7 +173,8 @@ class ShmConnector(OmniConnector):
             os.ftruncate(fd, capacity)
             mm = mmap.mmap(fd, capacity)
         except OSError as exc:
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
             if exc.errno in (errno.ENOSPC, errno.ENOMEM):
                 raise ConnectorError(f"/dev/shm is full ({capacity} bytes needed)") from exc
             raise
@@ -194,7 +190,7 @@ class ShmConnector(OmniConnector):
             if owned <= keep_bytes:
                 return
             try:
-                self._state("free", self._pid, seg.n).unlink()
+                os.unlink(self._state("free", self._pid, seg.n))
             except FileNotFoundError:
                 continue  # in use
             owned -= seg.capacity
@@ -224,7 +220,7 @@ class ShmConnector(OmniConnector):
         owner, n = int(m.group(1)), int(m.group(2))
         held = self._held(owner, n)
         try:
-            os.rename(SHM_DIR / key, held)
+            os.rename(_DIR + key, held)
         except FileNotFoundError:
             raise ConnectorError(f"segment {key} is gone (request cleaned up?)") from None
         try:
@@ -239,7 +235,7 @@ class ShmConnector(OmniConnector):
         weakref.finalize(lease, _release, held, self._state("free", owner, n), owner)
         return wire.decode(memoryview(lease))
 
-    def _mapping(self, held: Path, owner: int, n: int) -> mmap.mmap:
+    def _mapping(self, held: str, owner: int, n: int) -> mmap.mmap:
         with self._lock:
             if owner == self._pid and (own := self._segments.get(n)) is not None:
                 return own.mm
@@ -297,7 +293,7 @@ class ShmConnector(OmniConnector):
                 if state in ("free", "busy") and int(owner) == pid:
                     path.unlink()
                 elif state == "held" and reader and int(reader[0]) == pid:
-                    _release(path, self._state("free", int(owner), int(seg)), int(owner))
+                    _release(str(path), self._state("free", int(owner), int(seg)), int(owner))
                 else:
                     continue
                 n += 1
@@ -337,17 +333,18 @@ class ShmConnector(OmniConnector):
         with self._lock:
             for seg in list(self._segments.values()):
                 for state in ("free", "busy"):
-                    self._state(state, self._pid, seg.n).unlink(missing_ok=True)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self._state(state, self._pid, seg.n))
                 self._forget(seg)
             for mp in self._mappings.values():
                 os.close(mp.fd)
             self._mappings.clear()
 
 
-def _release(held: Path, free: Path, owner: int) -> None:
+def _release(held: str, free: str, owner: int) -> None:
     """A reader is done with a segment: back to its owner, or gone if the owner is."""
     with contextlib.suppress(FileNotFoundError):  # swept at shutdown
         if _alive(owner):
             os.rename(held, free)
         else:
-            held.unlink()
+            os.unlink(held)
