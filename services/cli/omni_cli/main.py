@@ -7,6 +7,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from omni_pipeline.connectors import ConnectorError
@@ -103,6 +104,27 @@ def cmd_validate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_dir() -> Path:
+    import omni_pipeline
+
+    return Path(omni_pipeline.__file__).resolve().parents[1] / "bench"
+
+
+def _benchmarks() -> list[str]:
+    return sorted(p.stem for p in _bench_dir().glob("*.py") if p.stem not in ("__init__", "common"))
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    import importlib
+
+    if not a.name:
+        print("omni bench: no benchmarks here: they run from a source checkout", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(_bench_dir().parent))  # spawned children inherit sys.path
+    importlib.import_module(f"bench.{a.name}").main(a.args)
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="omni", description="Serve multi-stage omni-modality pipelines.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -160,6 +182,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--resync-seconds", type=float, default=None, help="re-apply every pipeline this often")
     s.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
     s.set_defaults(fn=cmd_operator)
+
+    s = sub.add_parser(
+        "bench",
+        help="run a benchmark: our path and its baseline in the same run (see docs/benchmarks.md)",
+        description="Each benchmark prints a table, then its JSON object as the last line.",
+    )
+    names = _benchmarks()
+    s.add_argument("name", choices=names, nargs=None if names else "?")
+    s.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own: --json, --out DIR, ...")
+    s.set_defaults(fn=cmd_bench)
 
     s = sub.add_parser("validate", help="check a pipeline file")
     s.add_argument("pipeline")

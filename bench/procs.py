@@ -1,0 +1,90 @@
+"""The processes a benchmark runs against: `omni serve` or `omni stage` on a pipeline written
+to a temporary directory, stopped (with everything they started) when the block ends."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+OMNI = [sys.executable, "-c", "import sys; from omni_cli.main import main; sys.exit(main())"]
+
+
+def pipeline_file(directory: Path, name: str, spec: dict[str, Any]) -> Path:
+    path = directory / f"{name}.yaml"
+    doc = {"apiVersion": "omnipipeline.dev/v1alpha1", "kind": "OmniPipeline", "metadata": {"name": name}}
+    path.write_text(yaml.safe_dump({**doc, "spec": spec}, sort_keys=False))
+    return path
+
+
+def _wait_output(proc: subprocess.Popen[bytes], log: Path, pattern: str, timeout_s: float) -> re.Match[str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if m := re.search(pattern, log.read_text(errors="replace")):
+            return m
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)  # polling a log file: the process has no other readiness signal for us
+    raise RuntimeError(f"{' '.join(map(str, proc.args))} not ready:\n{log.read_text()[-3000:]}")  # type: ignore[arg-type]
+
+
+def _stop(proc: subprocess.Popen[bytes], sig: int) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+@contextlib.contextmanager
+def served(name: str, spec: dict[str, Any], cwd: Path | None = None) -> Iterator[str]:
+    """`omni serve` of `spec`; yields the gateway's base URL (http://127.0.0.1:PORT)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pipeline_file(Path(tmp), name, spec)
+        log = Path(tmp) / "serve.log"
+        with log.open("wb") as fh:
+            proc = subprocess.Popen(
+                [*OMNI, "serve", str(path), "--port", "0"],
+                cwd=cwd or Path.cwd(),
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                m = _wait_output(proc, log, r"ready at (http://127\.0\.0\.1:\d+)/v1", 300)
+                yield m.group(1)
+            finally:
+                _stop(proc, signal.SIGINT)
+
+
+@contextlib.contextmanager
+def stage(name: str, spec: dict[str, Any], stage_name: str, nats_url: str) -> Iterator[None]:
+    """`omni stage` for replica 0 of one stage of `spec`, ready when the block starts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = pipeline_file(Path(tmp), name, spec)
+        log = Path(tmp) / "stage.log"
+        with log.open("wb") as fh:
+            proc = subprocess.Popen(
+                [*OMNI, "stage", "--pipeline", str(path), "--stage", stage_name, "--nats", nats_url],
+                stdout=fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                _wait_output(proc, log, rf"stage {stage_name}/0 ready", 120)
+                yield
+            finally:
+                _stop(proc, signal.SIGTERM)
