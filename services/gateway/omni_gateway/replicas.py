@@ -13,12 +13,15 @@ from omni_pipeline.control import HEARTBEAT_MISSES, Heartbeat
 class Replica:
     hb: Heartbeat
     last_seen: float
-    sent: int = 0
-    """Requests this gateway routed here since the last heartbeat (its load lags by one beat)."""
+    ours: int = 0
+    """Requests this gateway has on this replica now: routed there, its part not yet done."""
+    ours_at_beat: int = 0
+    """`ours` when `hb` arrived. The heartbeat already counts those, and it lags by up to a
+    beat, so the load is the others' part of it plus ours as of now."""
 
     @property
     def load(self) -> int:
-        return self.hb.queued + self.hb.inflight + self.sent
+        return max(0, self.hb.queued + self.hb.inflight - self.ours_at_beat) + self.ours
 
     @property
     def room(self) -> bool:
@@ -35,8 +38,16 @@ class ReplicaTable:
         old = stage.get(hb.replica)
         if hb.stopping:
             return stage.pop(hb.replica, None)
-        stage[hb.replica] = Replica(hb, now)
-        return old if old is not None and old.hb.instance != hb.instance else None
+        restarted = old is not None and old.hb.instance != hb.instance
+        ours = old.ours if old is not None and not restarted else 0
+        stage[hb.replica] = Replica(hb, now, ours, ours)
+        return old if restarted else None
+
+    def release(self, stage: str, replica: str, instance: str) -> None:
+        """This gateway's request is done with that replica (finished, failed or aborted)."""
+        r = self._by_stage.get(stage, {}).get(replica)
+        if r is not None and r.hb.instance == instance:
+            r.ours = max(0, r.ours - 1)
 
     def remove(self, stage: str, replica: str) -> Replica | None:
         """Forget a replica at once (it answered no request: it is gone)."""
@@ -58,7 +69,7 @@ class ReplicaTable:
         if not open_:
             raise Overloaded(f"every replica of stage '{stage}' is full", headers={"Retry-After": "1"})
         best = min(open_, key=lambda r: (r.load / max(1, r.hb.capacity), r.hb.replica))
-        best.sent += 1
+        best.ours += 1
         return best
 
     def covers(self, stages: list[str]) -> bool:

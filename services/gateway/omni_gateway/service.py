@@ -174,7 +174,14 @@ class PipelineClient:
         if not self.connected:
             raise Unavailable("the gateway is not connected to NATS")
         needed = self.spec.needed_stages(outputs)
-        picked: dict[str, Replica] = {s: self.table.pick(s) for s in needed}
+        picked: dict[str, Replica] = {}
+        try:
+            for s in needed:
+                picked[s] = self.table.pick(s)
+        except OmniError:
+            for s, r in picked.items():
+                self.table.release(s, r.hb.replica, r.hb.instance)
+            raise
         tracked = _Tracked(
             rid,
             {s: (r.hb.replica, r.hb.instance) for s, r in picked.items()},
@@ -278,7 +285,11 @@ class PipelineClient:
 
     async def _end(self, rid: str, completed: bool, reason: str) -> None:
         t = self.inflight.pop(rid, None)
-        if t is None or completed:
+        if t is None:
+            return
+        for stage, (replica, instance) in t.route.items():
+            self.table.release(stage, replica, instance)
+        if completed:
             return
         if self.nc is not None and self.nc.is_connected:
             with contextlib.suppress(Exception):
@@ -305,8 +316,9 @@ class PipelineClient:
             log.warning("gateway: refused a message on its inbox: %s", exc)
             return
         t = self.inflight.get(m.request_id)
-        if t is not None and (isinstance(m, StageDone) or (isinstance(m, FinalMsg) and m.is_last)):
-            t.route.pop(m.stage, None)  # that replica's part is done: its loss no longer matters
+        part_done = isinstance(m, StageDone) or (isinstance(m, FinalMsg) and m.is_last)
+        if t is not None and part_done and (done := t.route.pop(m.stage, None)) is not None:
+            self.table.release(m.stage, *done)  # and its loss no longer matters to the request
         if isinstance(m, StageDone):
             return
         if t is None:
