@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import platform
 import statistics
 from collections.abc import Callable
@@ -12,6 +13,8 @@ from typing import Any
 
 import psutil
 import torch
+
+logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
 
 
 def machine() -> dict[str, Any]:
