@@ -72,15 +72,15 @@ def report(
     print(json.dumps(result), flush=True)
 
 
-def figure() -> tuple[Any, Any]:
-    """A matplotlib figure and axes, headless."""
+def figure(ncols: int = 1) -> tuple[Any, Any]:
+    """A matplotlib figure and its axes (one, or a tuple of `ncols`), headless."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
-    return fig, ax
+    fig, axes = plt.subplots(ncols=ncols, figsize=(7 * ncols if ncols > 1 else 7, 4), dpi=100)
+    return fig, axes
 
 
 def save(fig: Any, path: Path) -> None:

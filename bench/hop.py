@@ -21,21 +21,11 @@ import nats
 import torch
 
 from bench.common import figure, machine, parser, percentile, report, save
+from bench.direct import DirectClient
 from bench.procs import stage
 from omni_cli.natsd import EmbeddedNats
 from omni_pipeline.connectors import InlineConnector
-from omni_pipeline.control import (
-    Admitted,
-    ErrorMsg,
-    FinalMsg,
-    GatewayInbound,
-    RequestContext,
-    SegmentMsg,
-    StageRequest,
-    Subjects,
-    pack,
-    unpack,
-)
+from omni_pipeline.control import SegmentMsg, pack
 from omni_pipeline.spec import ConnectorSpec
 
 ROUNDS = 1000
@@ -72,60 +62,37 @@ def _echo(url: str, ready: Any) -> None:
     asyncio.run(serve())
 
 
-class Hop:
-    """This process as the relay's upstream stage and its gateway at once."""
+async def ours(client: DirectClient, connector: InlineConnector) -> tuple[float, int]:
+    """One segment through the relay: this process is its upstream stage and its gateway."""
+    ctx = client.context({"source": "0", "relay": "0"})
+    await client.admit("relay", ctx, {})
+    _, _, handle = connector.put("source", "relay", ctx.request_id, {"token_ids": torch.tensor([7])})
+    msg = pack(SegmentMsg(ctx, "source", 0, True, 1, handle))
+    t = time.perf_counter()
+    await client.nc.publish(client.subjects.stage_inbox("relay", "0"), msg)
+    await client.finished(ctx)
+    return time.perf_counter() - t, len(msg)
 
-    def __init__(self, nc: Any) -> None:
-        self.nc = nc
-        self.subjects = Subjects("hop")
-        self.inbox = self.subjects.gateway_inbox("bench")
-        self.relay = self.subjects.stage_inbox("relay", "0")
-        self.connector = InlineConnector("default", ConnectorSpec(kind="inline"))  # type: ignore[arg-type]
-        self.replies: asyncio.Queue[Any] = asyncio.Queue(maxsize=64)
-        self.n = 0
 
-    async def start(self) -> None:
-        async def on_reply(msg: Any) -> None:
-            await self.replies.put(unpack(msg.data, GatewayInbound))
-
-        await self.nc.subscribe(self.inbox, cb=on_reply)
-
-    async def ours(self) -> tuple[float, int]:
-        self.n += 1
-        rid = f"h{self.n}"
-        ctx = RequestContext(rid, {"source": "0", "relay": "0"}, self.inbox, time.time() + 30)
-        reply = await self.nc.request(self.relay, pack(StageRequest(ctx, {}, {})), timeout=10)
-        if not (admitted := unpack(reply.data, Admitted)).ok:
-            raise RuntimeError(f"relay refused: {admitted.message}")
-        _, _, handle = self.connector.put("source", "relay", rid, {"token_ids": torch.tensor([7])})
-        msg = pack(SegmentMsg(ctx, "source", 0, True, 1, handle))
-        t = time.perf_counter()
-        await self.nc.publish(self.relay, msg)
-        while True:
-            m = await self.replies.get()
-            if isinstance(m, ErrorMsg):
-                raise RuntimeError(m.message)
-            if isinstance(m, FinalMsg) and m.request_id == rid and m.is_last:
-                return time.perf_counter() - t, len(msg)
-
-    async def raw(self, nbytes: int) -> float:
-        t = time.perf_counter()
-        await self.nc.request(ECHO, b"x" * nbytes, timeout=10)
-        return time.perf_counter() - t
+async def raw(nc: Any, nbytes: int) -> float:
+    t = time.perf_counter()
+    await nc.request(ECHO, b"x" * nbytes, timeout=10)
+    return time.perf_counter() - t
 
 
 async def measure(url: str) -> dict[str, list[float]]:
     nc = await nats.connect(url)
     try:
-        hop = Hop(nc)
-        await hop.start()
+        client = DirectClient(nc, "hop")
+        await client.start()
+        connector = InlineConnector("default", ConnectorSpec(kind="inline"))  # type: ignore[arg-type]
         times: dict[str, list[float]] = {"ours": [], "raw_nats": []}
         for i in range(WARMUP + ROUNDS):
-            dt, nbytes = await hop.ours()
-            raw = await hop.raw(nbytes)
+            dt, nbytes = await ours(client, connector)
+            baseline = await raw(nc, nbytes)
             if i >= WARMUP:
                 times["ours"].append(dt)
-                times["raw_nats"].append(raw)
+                times["raw_nats"].append(baseline)
         return times
     finally:
         await nc.close()

@@ -50,14 +50,17 @@ def _stop(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 @contextlib.contextmanager
-def served(name: str, spec: dict[str, Any], cwd: Path | None = None) -> Iterator[str]:
-    """`omni serve` of `spec`; yields the gateway's base URL (http://127.0.0.1:PORT)."""
+def served(
+    name: str, spec: dict[str, Any], cwd: Path | None = None, nats_url: str | None = None
+) -> Iterator[str]:
+    """`omni serve` of `spec` (on `nats_url`, else its own embedded NATS); yields the gateway's
+    base URL (http://127.0.0.1:PORT)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = pipeline_file(Path(tmp), name, spec)
         log = Path(tmp) / "serve.log"
         with log.open("wb") as fh:
             proc = subprocess.Popen(
-                [*OMNI, "serve", str(path), "--port", "0"],
+                [*OMNI, "serve", str(path), "--port", "0", *(["--nats", nats_url] if nats_url else [])],
                 cwd=cwd or Path.cwd(),
                 stdout=fh,
                 stderr=subprocess.STDOUT,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,26 @@ class EmbeddedServer(uvicorn.Server):
 
     def capture_signals(self) -> contextlib.AbstractContextManager[None]:  # type: ignore[override]
         return contextlib.nullcontext()
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A TCP socket listening now, so the caller knows its port before serving starts.
+
+    Made with proto IPPROTO_TCP on purpose: asyncio sets TCP_NODELAY only on accepted sockets
+    whose proto says TCP (socket.create_server's say 0), and without it every response that
+    goes out in two writes waits out the client's 40 ms delayed ACK."""
+    family, _, _, _, addr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, proto=socket.IPPROTO_TCP, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def make_server(app: Any, **config: Any) -> EmbeddedServer:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 import re
-import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
@@ -22,7 +21,7 @@ from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.routes import router
 from omni_gateway.service import PipelineClient
 from omni_pipeline.logs import configure_logging
-from omni_pipeline.serving import make_server, on_shutdown_signals
+from omni_pipeline.serving import listen, make_server, on_shutdown_signals
 from omni_pipeline.spec import PipelineFile
 
 log = logging.getLogger("omni.gateway")
@@ -153,7 +152,7 @@ def run_gateway(
             yield
             await service.stop()
 
-        sock = socket.create_server((host, port))
+        sock = listen(host, port)
         server = make_server(build_app(service, lifespan), timeout_graceful_shutdown=30)
 
         def stop() -> None:

@@ -46,7 +46,7 @@ from omni_pipeline.control import (
     unpack,
 )
 from omni_pipeline.logs import configure_logging
-from omni_pipeline.serving import make_server, on_shutdown_signals
+from omni_pipeline.serving import listen, make_server, on_shutdown_signals
 from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, PipelineFile, StageSpec
 from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
 from omni_stage.core import Admission, StageCore
@@ -128,7 +128,7 @@ class StageWorker:
         self, on_ready: Callable[[dict[str, Any]], None], metrics_host: str, metrics_port: int
     ) -> None:
         on_shutdown_signals(self.begin_drain)
-        sock = socket.create_server((metrics_host, metrics_port))  # bound now: the port is known at once
+        sock = listen(metrics_host, metrics_port)
         self.metrics_port = sock.getsockname()[1]
         server = make_server(
             health_app(self.metrics.registry, self.readiness, self._refresh_gauges), lifespan="off"

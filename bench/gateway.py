@@ -1,0 +1,135 @@
+"""gateway: the latency and throughput the OpenAI-compatible gateway adds to a request.
+
+`omni serve` of a one-stage synthetic pipeline of negligible cost (one token, no sleep;
+maxInflight 64). At each concurrency (1, 16, 64), closed-loop clients send non-streamed chat
+completions through the gateway over HTTP; the baseline sends the same requests straight to
+the stage over NATS, as the gateway itself does (StageRequest, Admitted, FinalMsg), from this
+process. Both use the same nats-server and stage, in turns, after a warm-up.
+
+added_latency_p50_ms = gateway p50 - direct p50 at concurrency 1: what HTTP, OpenAI request and
+response handling, routing and the gateway's own NATS hop cost. Also p99, and requests/s at
+each concurrency for both paths.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import nats
+
+from bench.common import figure, machine, parser, percentile, report, save
+from bench.direct import DirectClient
+from bench.load import Load, chat, closed_loop
+from bench.procs import served
+from omni_cli.natsd import EmbeddedNats
+
+CONCURRENCY = (1, 16, 64)
+REQUESTS = {1: 400, 16: 1200, 64: 2000}
+SPEC: dict[str, Any] = {
+    "servedModelName": "bench",
+    "gateway": {"requestTimeoutS": 60},
+    "stages": [
+        {
+            "name": "echo",
+            "engine": {"kind": "synthetic", "args": {"unitsPerCall": 1}},
+            "inputs": [{"from": "request"}],
+            "finalOutput": "text",
+            "maxInflight": 64,
+            "maxQueued": 256,
+        }
+    ],
+}
+INPUTS = {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text"]}
+
+
+async def direct_loop(client: DirectClient, requests: int, concurrency: int) -> Load:
+    latencies: list[float] = []
+    left = iter(range(requests))
+
+    async def worker() -> None:
+        for _ in left:
+            t = time.perf_counter()
+            ctx = client.context({"echo": "0"})
+            await client.admit("echo", ctx, INPUTS)
+            await client.finished(ctx)
+            latencies.append(time.perf_counter() - t)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return Load(latencies, time.perf_counter() - t0)
+
+
+def summary(load: Load) -> dict[str, float]:
+    ms = [x * 1000 for x in load.latencies_s]
+    return {
+        "p50_ms": round(percentile(ms, 50), 3),
+        "p99_ms": round(percentile(ms, 99), 3),
+        "per_s": round(load.per_s, 1),
+    }
+
+
+async def measure(base: str, nats_url: str) -> dict[str, dict[str, dict[str, float]]]:
+    nc = await nats.connect(nats_url)
+    try:
+        client = DirectClient(nc, "bench")
+        await client.start()
+        body = chat("hi")
+        await closed_loop(base, body, 100, 4)  # warm-up
+        await direct_loop(client, 100, 4)
+        out: dict[str, dict[str, dict[str, float]]] = {"gateway": {}, "direct": {}}
+        for c in CONCURRENCY:
+            out["gateway"][str(c)] = summary(await closed_loop(base, body, REQUESTS[c], c))
+            out["direct"][str(c)] = summary(await direct_loop(client, REQUESTS[c], c))
+        return out
+    finally:
+        await nc.close()
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    fig, (lat, thr) = figure(ncols=2)
+    cs = [str(c) for c in CONCURRENCY]
+    for i, p in enumerate(("direct", "gateway")):
+        xs = [x + i * 0.4 for x in range(len(cs))]
+        lat.bar(xs, [result["paths"][p][c]["p50_ms"] for c in cs], 0.4, label=f"{p} p50")
+        thr.bar(xs, [result["paths"][p][c]["per_s"] for c in cs], 0.4, label=p)
+    for ax, ylabel in ((lat, "latency p50, ms"), (thr, "requests / s")):
+        ax.set_xticks([x + 0.2 for x in range(len(cs))], [f"c={c}" for c in cs])
+        ax.set_ylabel(ylabel)
+        ax.legend()
+    lat.set_title("gateway vs straight to the stage")
+    save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser(__doc__).parse_args(argv)
+    server = EmbeddedNats()
+    try:
+        with served("bench", SPEC, nats_url=server.url) as base:
+            paths = asyncio.run(measure(base, server.url))
+    finally:
+        server.stop()
+    gw, direct = paths["gateway"], paths["direct"]
+    result = {
+        "benchmark": "gateway",
+        "machine": machine(),
+        "requests": REQUESTS,
+        "paths": paths,
+        "ratios": {
+            "added_latency_p50_ms": round(gw["1"]["p50_ms"] - direct["1"]["p50_ms"], 3),
+            "added_latency_p99_ms": round(gw["1"]["p99_ms"] - direct["1"]["p99_ms"], 3),
+            "throughput_64_vs_direct": round(gw["64"]["per_s"] / direct["64"]["per_s"], 3),
+        },
+    }
+    rows = [
+        (f"{p} c={c}", f"p50 {v['p50_ms']} ms  p99 {v['p99_ms']} ms  {v['per_s']} req/s")
+        for p, by_c in paths.items()
+        for c, v in by_c.items()
+    ]
+    rows += [(k, str(v)) for k, v in result["ratios"].items()]
+    report("gateway", rows, result, args, plot)
+
+
+if __name__ == "__main__":
+    main()
