@@ -9,7 +9,7 @@ PORT    ?= 8000
 # Debian packages the native parts need (Mooncake's transfer engine links these).
 DEBIAN  := libibverbs1 libnuma1 libcurl4
 
-.PHONY: setup serve test lint format demo-models system-packages clean
+.PHONY: setup serve test bench lint format demo-models system-packages clean
 
 setup: system-packages $(STAMP) $(HELM)
 
@@ -52,6 +52,11 @@ serve: setup demo-models
 
 test: setup
 	$(PY) -m pytest
+
+# Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
+BENCHES := connectors hop pipeline streaming gateway
+bench: setup demo-models
+	for b in $(BENCHES); do $(OMNI) bench $$b --out docs/benchmarks || exit 1; done
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
