@@ -47,7 +47,15 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", action="store_true", help="print only the JSON object")
     ap.add_argument("--out", type=Path, help="also write <out>/<name>.json and <out>/<name>.png")
+    ap.add_argument(
+        "--quick", action="store_true", help="a few rounds: checks that it runs, measures nothing"
+    )
     return ap
+
+
+def rounds(n: int, args: argparse.Namespace) -> int:
+    """`n` repeats, or a handful with --quick."""
+    return min(n, 2) if args.quick else n
 
 
 def report(

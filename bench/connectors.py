@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import figure, machine, median, parser, report, save
+from bench.common import figure, machine, median, parser, report, rounds, save
 from omni_cli.mooncaked import LocalMooncake
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorHandle, InlineConnector, OmniConnector, ShmConnector
@@ -51,7 +51,7 @@ INLINE_MAX = 1 << 20  # NATS's default max_payload: a larger inline handle canno
 WARMUP = 2
 
 
-def rounds(nbytes: int) -> int:
+def rounds_for(nbytes: int) -> int:
     """About 2 GiB moved per path and size, within 8..100 rounds."""
     return max(8, min(100, (2 << 30) // nbytes))
 
@@ -88,7 +88,8 @@ def _connector_consumer(kind: str, conn: Connection) -> None:
 def _raw_mooncake_consumer(max_bytes: int, conn: Connection) -> None:
     from omni_pipeline.connectors.mooncake import MooncakeConfig, MooncakeStore
 
-    store = MooncakeStore.acquire(MooncakeConfig.resolve(None)).store
+    client = MooncakeStore.acquire(MooncakeConfig.resolve(None))
+    store = client.store
     buf = np.empty(max_bytes, dtype=np.uint8)
     buf.fill(0)  # touched, like the producer's tensor
     conn.send_bytes(b"ready")
@@ -98,6 +99,7 @@ def _raw_mooncake_consumer(max_bytes: int, conn: Connection) -> None:
             raise RuntimeError(f"get_into {key} failed")
         store.remove(key, True)
         conn.send_bytes(b"ok")
+    client.release()
 
 
 def _queue_consumer(q: Any, conn: Connection) -> None:
@@ -149,7 +151,8 @@ class Paths:
         self.consumers["queue_pickle"] = Consumer(_queue_consumer, self.queue)
         from omni_pipeline.connectors.mooncake import MooncakeConfig, MooncakeStore
 
-        self.store = MooncakeStore.acquire(MooncakeConfig.resolve(None)).store
+        self.mooncake = MooncakeStore.acquire(MooncakeConfig.resolve(None))
+        self.store = self.mooncake.store
         self.n = 0
 
     def run(self, path: str, src: torch.Tensor, dst: torch.Tensor) -> float:
@@ -179,9 +182,10 @@ class Paths:
             c.close()
         for conn in self.connectors.values():
             conn.close()
+        self.mooncake.release()  # before the store servers stop
 
 
-def measure(sizes: dict[str, int]) -> dict[str, dict[str, float | None]]:
+def measure(sizes: dict[str, int], args: Any) -> dict[str, dict[str, float | None]]:
     """GB/s per path and size (None: the path cannot carry that size)."""
     paths = Paths(max(sizes.values()) + (1 << 20))
     out: dict[str, dict[str, float | None]] = {p: dict.fromkeys(sizes) for p in PATHS}
@@ -190,7 +194,7 @@ def measure(sizes: dict[str, int]) -> dict[str, dict[str, float | None]]:
             src = torch.rand(nbytes // 4)
             dst = torch.zeros_like(src)
             times: dict[str, list[float]] = {p: [] for p in paths_for(nbytes)}
-            for i in range(WARMUP + rounds(nbytes)):
+            for i in range(WARMUP + rounds(rounds_for(nbytes), args)):
                 for p in times:
                     dt = paths.run(p, src, dst)
                     if i >= WARMUP:
@@ -224,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
         mc = LocalMooncake(Path(logs), store_bytes=1 << 30)
         os.environ.update(mc.env())  # the consumer processes inherit it
         try:
-            gbps = measure(SIZES)
+            gbps = measure(SIZES, args)
         finally:
             mc.stop()
             ShmConnector("bench", ConnectorSpec(), prefix=prefix).sweep()

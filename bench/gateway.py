@@ -19,7 +19,7 @@ from typing import Any
 
 import nats
 
-from bench.common import figure, machine, parser, percentile, report, save
+from bench.common import figure, machine, parser, percentile, report, rounds, save
 from bench.direct import DirectClient
 from bench.load import Load, chat, closed_loop
 from bench.procs import served
@@ -70,7 +70,11 @@ def summary(load: Load) -> dict[str, float]:
     }
 
 
-async def measure(base: str, nats_url: str) -> dict[str, dict[str, dict[str, float]]]:
+Paths = dict[str, dict[str, dict[str, float]]]
+"""path -> concurrency -> p50_ms, p99_ms, per_s"""
+
+
+async def measure(base: str, nats_url: str, requests: dict[int, int]) -> Paths:
     nc = await nats.connect(nats_url)
     try:
         client = DirectClient(nc, "bench")
@@ -78,10 +82,10 @@ async def measure(base: str, nats_url: str) -> dict[str, dict[str, dict[str, flo
         body = chat("hi")
         await closed_loop(base, body, 100, 4)  # warm-up
         await direct_loop(client, 100, 4)
-        out: dict[str, dict[str, dict[str, float]]] = {"gateway": {}, "direct": {}}
+        out: Paths = {"gateway": {}, "direct": {}}
         for c in CONCURRENCY:
-            out["gateway"][str(c)] = summary(await closed_loop(base, body, REQUESTS[c], c))
-            out["direct"][str(c)] = summary(await direct_loop(client, REQUESTS[c], c))
+            out["gateway"][str(c)] = summary(await closed_loop(base, body, requests[c], c))
+            out["direct"][str(c)] = summary(await direct_loop(client, requests[c], c))
         return out
     finally:
         await nc.close()
@@ -104,17 +108,18 @@ def plot(result: dict[str, Any], path: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
+    requests = {c: rounds(n, args) * c if args.quick else n for c, n in REQUESTS.items()}
     server = EmbeddedNats()
     try:
         with served("bench", SPEC, nats_url=server.url) as base:
-            paths = asyncio.run(measure(base, server.url))
+            paths = asyncio.run(measure(base, server.url, requests))
     finally:
         server.stop()
     gw, direct = paths["gateway"], paths["direct"]
     result = {
         "benchmark": "gateway",
         "machine": machine(),
-        "requests": REQUESTS,
+        "requests": requests,
         "paths": paths,
         "ratios": {
             "added_latency_p50_ms": round(gw["1"]["p50_ms"] - direct["1"]["p50_ms"], 3),

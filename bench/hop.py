@@ -20,7 +20,7 @@ from typing import Any
 import nats
 import torch
 
-from bench.common import figure, machine, parser, percentile, report, save
+from bench.common import figure, machine, parser, percentile, report, rounds, save
 from bench.direct import DirectClient
 from bench.procs import stage
 from omni_cli.natsd import EmbeddedNats
@@ -80,14 +80,14 @@ async def raw(nc: Any, nbytes: int) -> float:
     return time.perf_counter() - t
 
 
-async def measure(url: str) -> dict[str, list[float]]:
+async def measure(url: str, n: int) -> dict[str, list[float]]:
     nc = await nats.connect(url)
     try:
         client = DirectClient(nc, "hop")
         await client.start()
         connector = InlineConnector("default", ConnectorSpec(kind="inline"))  # type: ignore[arg-type]
         times: dict[str, list[float]] = {"ours": [], "raw_nats": []}
-        for i in range(WARMUP + ROUNDS):
+        for i in range(WARMUP + n):
             dt, nbytes = await ours(client, connector)
             baseline = await raw(nc, nbytes)
             if i >= WARMUP:
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         if not ready.wait(60):
             raise RuntimeError("echo responder did not start")
         with stage("hop", SPEC, "relay", server.url):
-            times = asyncio.run(measure(server.url))
+            times = asyncio.run(measure(server.url, rounds(ROUNDS, args)))
     finally:
         echo.terminate()
         echo.join(10)
@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {
         "benchmark": "hop",
         "machine": machine(),
-        "rounds": ROUNDS,
+        "rounds": rounds(ROUNDS, args),
         "latency_ms": lat,
         "ratios": {
             "p50_vs_raw_nats": round(lat["ours"]["p50"] / lat["raw_nats"]["p50"], 2),

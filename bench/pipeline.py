@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from bench.common import figure, machine, parser, report, save
+from bench.common import figure, machine, parser, report, rounds, save
 from bench.load import chat, closed_loop
 from bench.procs import served
 
@@ -58,10 +58,10 @@ def ideal_per_s(costs_ms: tuple[int, int, int], b_replicas: int) -> float:
     return 1000 / max(a, b / b_replicas, c)
 
 
-async def throughput(base: str) -> float:
+async def throughput(base: str, args: Any) -> float:
     body = chat("go")
-    await closed_loop(base, body, WARMUP, CONCURRENCY)
-    return (await closed_loop(base, body, REQUESTS, CONCURRENCY)).per_s
+    await closed_loop(base, body, rounds(WARMUP, args), CONCURRENCY)
+    return (await closed_loop(base, body, rounds(REQUESTS, args), CONCURRENCY)).per_s
 
 
 RUNS: list[tuple[str, tuple[int, int, int], int]] = [
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     runs = []
     for label, costs, replicas in RUNS:
         with served("bench", spec(costs, replicas)) as base:
-            measured = asyncio.run(throughput(base))
+            measured = asyncio.run(throughput(base, args))
         ideal = ideal_per_s(costs, replicas)
         runs.append(
             {
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         "benchmark": "pipeline",
         "machine": machine(),
         "concurrency": CONCURRENCY,
-        "requests": REQUESTS,
+        "requests": rounds(REQUESTS, args),
         "runs": runs,
         "ratios": {
             "throughput_vs_ideal": runs[0]["vs_ideal"],

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.common import figure, machine, median, parser, report, save
+from bench.common import figure, machine, median, parser, report, rounds, save
 from bench.load import chat
 from bench.procs import served
 
@@ -38,7 +38,7 @@ SYNTHETIC_ROUNDS = 5
 DEMO_ROUNDS = 5
 
 
-def synthetic(window: int) -> dict[str, Any]:
+def synthetic(window: int, tokens: int = 200) -> dict[str, Any]:
     return {
         "servedModelName": "bench",
         "connectors": {"default": {"kind": "shm"}},
@@ -48,7 +48,7 @@ def synthetic(window: int) -> dict[str, Any]:
                 "name": "thinker",
                 "engine": {
                     "kind": "synthetic",
-                    "args": {"unitsPerCall": 200, "msPerUnit": 10, "hiddenSize": 64},
+                    "args": {"unitsPerCall": tokens, "msPerUnit": 10, "hiddenSize": 64},
                 },
                 "inputs": [{"from": "request"}],
                 "finalOutput": "text",
@@ -145,10 +145,11 @@ def plot(result: dict[str, Any], path: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
-    results = {"synthetic": measure("synthetic", synthetic, SYNTHETIC_ROUNDS)}
+    make = (lambda w: synthetic(w, tokens=40)) if args.quick else synthetic
+    results = {"synthetic": measure("synthetic", make, rounds(SYNTHETIC_ROUNDS, args))}
     cwd, tmp = demo_models()
     try:
-        results["demo"] = measure("demo", demo, DEMO_ROUNDS, cwd)
+        results["demo"] = measure("demo", demo, rounds(DEMO_ROUNDS, args), cwd)
     finally:
         if tmp is not None:
             tmp.cleanup()

@@ -1,0 +1,41 @@
+"""`omni bench NAME --quick --json`: every benchmark runs end to end against the real processes
+and prints its JSON object, with the ratios the benchmark issue names, as the last line.
+--quick runs a couple of rounds: this checks that the benchmarks work, never how fast."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+
+import pytest
+
+from tests.helpers import OMNI, ROOT
+
+RATIOS = {
+    "connectors": {"shm_64MiB_vs_memcpy", "mooncake_64MiB_vs_raw", "shm_64MiB_vs_queue_pickle"},
+    "hop": {"p50_vs_raw_nats"},
+    "pipeline": {"throughput_vs_ideal", "bottleneck_2_replicas_speedup"},
+    "streaming": {"ttfa_window_vs_full"},
+    "gateway": {"added_latency_p50_ms"},
+}
+
+
+@pytest.mark.parametrize("name", sorted(RATIOS))
+def test_benchmark_prints_its_ratios_last(name: str) -> None:
+    out = subprocess.run(
+        [*OMNI, "bench", name, "--quick", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["benchmark"] == name and result["machine"]["cores"] >= 1
+    assert RATIOS[name] <= set(result["ratios"])
+    for key, value in result["ratios"].items():
+        assert isinstance(value, int | float) and math.isfinite(value), (key, value)
+
+
+def test_bench_lists_the_benchmarks() -> None:
+    out = subprocess.run([*OMNI, "bench", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for name in RATIOS:
+        assert name in out.stdout
