@@ -91,6 +91,18 @@ def figure(ncols: int = 1) -> tuple[Any, Any]:
     return fig, axes
 
 
+def bars(ax: Any, groups: list[str], series: dict[str, list[float]], ylabel: str, title: str = "") -> None:
+    """Grouped bars on `ax`: one group per x label, one bar per series in each group."""
+    width = 0.8 / len(series)
+    for i, (label, ys) in enumerate(series.items()):
+        ax.bar([x + i * width for x in range(len(groups))], ys, width, label=label)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(groups))], groups)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.legend(fontsize=7, ncol=2 if len(series) > 4 else 1)
+
+
 def save(fig: Any, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path)

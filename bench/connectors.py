@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench.common import figure, machine, median, parser, report, rounds, save
+from bench.common import bars, figure, machine, median, parser, report, rounds, save
 from omni_cli.mooncaked import LocalMooncake
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorHandle, InlineConnector, OmniConnector, ShmConnector
@@ -208,16 +208,9 @@ def measure(sizes: dict[str, int], args: Any) -> dict[str, dict[str, float | Non
 
 def plot(result: dict[str, Any], path: Path) -> None:
     fig, ax = figure()
-    labels = list(SIZES)
-    width = 0.8 / len(PATHS)
-    for i, p in enumerate(PATHS):
-        ys = [result["gb_per_s"][p][s] or 0 for s in labels]
-        ax.bar([x + i * width for x in range(len(labels))], ys, width, label=p)
-    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels)
+    series = {p: [result["gb_per_s"][p][s] or 0 for s in SIZES] for p in PATHS}
+    bars(ax, list(SIZES), series, "GB/s (log)", "put + get across processes, by payload size")
     ax.set_yscale("log")
-    ax.set_ylabel("GB/s (log)")
-    ax.set_title("put + get across processes, by payload size")
-    ax.legend(fontsize=7, ncol=2)
     save(fig, path)
 
 

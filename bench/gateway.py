@@ -19,7 +19,7 @@ from typing import Any
 
 import nats
 
-from bench.common import figure, machine, parser, percentile, report, rounds, save
+from bench.common import bars, figure, machine, parser, percentile, report, rounds, save
 from bench.direct import DirectClient
 from bench.load import Load, chat, closed_loop
 from bench.procs import served
@@ -94,15 +94,11 @@ async def measure(base: str, nats_url: str, requests: dict[int, int]) -> Paths:
 def plot(result: dict[str, Any], path: Any) -> None:
     fig, (lat, thr) = figure(ncols=2)
     cs = [str(c) for c in CONCURRENCY]
-    for i, p in enumerate(("direct", "gateway")):
-        xs = [x + i * 0.4 for x in range(len(cs))]
-        lat.bar(xs, [result["paths"][p][c]["p50_ms"] for c in cs], 0.4, label=f"{p} p50")
-        thr.bar(xs, [result["paths"][p][c]["per_s"] for c in cs], 0.4, label=p)
-    for ax, ylabel in ((lat, "latency p50, ms"), (thr, "requests / s")):
-        ax.set_xticks([x + 0.2 for x in range(len(cs))], [f"c={c}" for c in cs])
-        ax.set_ylabel(ylabel)
-        ax.legend()
-    lat.set_title("gateway vs straight to the stage")
+    paths = result["paths"]
+    groups = [f"c={c}" for c in cs]
+    latency = {f"{p} p50": [paths[p][c]["p50_ms"] for c in cs] for p in ("direct", "gateway")}
+    bars(lat, groups, latency, "latency p50, ms", "gateway vs straight to the stage")
+    bars(thr, groups, {p: [paths[p][c]["per_s"] for c in cs] for p in ("direct", "gateway")}, "requests / s")
     save(fig, path)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import nats
 import torch
 
-from bench.common import figure, machine, parser, percentile, report, rounds, save
+from bench.common import bars, figure, machine, parser, percentile, report, rounds, save
 from bench.direct import DirectClient
 from bench.procs import stage
 from omni_cli.natsd import EmbeddedNats
@@ -101,12 +101,8 @@ async def measure(url: str, n: int) -> dict[str, list[float]]:
 def plot(result: dict[str, Any], path: Any) -> None:
     fig, ax = figure()
     labels = ["p50", "p90", "p99"]
-    for i, p in enumerate(("raw_nats", "ours")):
-        ax.bar([x + i * 0.4 for x in range(3)], [result["latency_ms"][p][k] for k in labels], 0.4, label=p)
-    ax.set_xticks([x + 0.2 for x in range(3)], labels)
-    ax.set_ylabel("ms")
-    ax.set_title("one stage hop (inline payload) vs raw NATS request/reply")
-    ax.legend()
+    series = {p: [result["latency_ms"][p][k] for k in labels] for p in ("raw_nats", "ours")}
+    bars(ax, labels, series, "ms", "one stage hop (inline payload) vs raw NATS request/reply")
     save(fig, path)
 
 

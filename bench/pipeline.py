@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from bench.common import figure, machine, parser, report, rounds, save
+from bench.common import bars, figure, machine, parser, report, rounds, save
 from bench.load import chat, closed_loop
 from bench.procs import served
 
@@ -74,13 +74,11 @@ RUNS: list[tuple[str, tuple[int, int, int], int]] = [
 def plot(result: dict[str, Any], path: Any) -> None:
     fig, ax = figure()
     runs = result["runs"]
-    xs = range(len(runs))
-    ax.bar([x - 0.2 for x in xs], [r["ideal_per_s"] for r in runs], 0.4, label="ideal (1 / slowest stage)")
-    ax.bar([x + 0.2 for x in xs], [r["measured_per_s"] for r in runs], 0.4, label="measured")
-    ax.set_xticks(list(xs), [r["run"] for r in runs])
-    ax.set_ylabel("requests / s")
-    ax.set_title("3-stage pipeline throughput (maxInflight 1)")
-    ax.legend()
+    series = {
+        "ideal (1 / slowest stage)": [r["ideal_per_s"] for r in runs],
+        "measured": [r["measured_per_s"] for r in runs],
+    }
+    bars(ax, [r["run"] for r in runs], series, "requests / s", "3-stage pipeline throughput (maxInflight 1)")
     save(fig, path)
 
 

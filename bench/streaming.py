@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import yaml
 
-from bench.common import figure, machine, median, parser, report, rounds, save
+from bench.common import bars, figure, machine, median, parser, report, rounds, save
 from bench.load import chat
 from bench.procs import served
 
@@ -133,13 +133,8 @@ def demo_models() -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:
 def plot(result: dict[str, Any], path: Any) -> None:
     fig, ax = figure()
     names = list(result["ttfa_ms"])
-    for i, w in enumerate(("25", "-1")):
-        vals = [result["ttfa_ms"][n][w] for n in names]
-        ax.bar([x + i * 0.4 for x in range(len(names))], vals, 0.4, label=f"window {w}")
-    ax.set_xticks([x + 0.2 for x in range(len(names))], names)
-    ax.set_ylabel("time to first audio, ms")
-    ax.set_title("TTFA: talker -> vocoder window 25 vs full (-1)")
-    ax.legend()
+    series = {f"window {w}": [result["ttfa_ms"][n][w] for n in names] for w in ("25", "-1")}
+    bars(ax, names, series, "time to first audio, ms", "TTFA: talker -> vocoder window 25 vs full (-1)")
     save(fig, path)
 
 

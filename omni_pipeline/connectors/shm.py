@@ -5,8 +5,8 @@ a copy into memory that is already mapped and touched. So a producer keeps the s
 made, mapped, and reuses them; a consumer keeps its mappings of them. A payload costs one copy
 into warm pages, and the consumer reads it zero-copy.
 
-A segment's state is its name in /dev/shm, and each change of state is one atomic rename or
-link, so two processes can never claim one segment and any process can see who holds what:
+A segment's state is its name in /dev/shm, and each change of state is one atomic rename, so
+two processes can never claim one segment and any process can see who holds what:
 
     <prefix>-@busy-<owner>-<n>                          its owner is writing it
     <prefix>-<request>-<from>-<to>-<seq>@<owner>-<n>    written, waiting for its consumer
@@ -123,14 +123,10 @@ class ShmConnector(OmniConnector):
         try:
             with memoryview(seg.mm) as out:
                 frame.write_into(out)
-            os.link(busy, _DIR + key)  # unlike rename, never replaces an existing name
-        except FileExistsError:
-            os.rename(busy, self._state("free", self._pid, seg.n))
-            raise ConnectorError(f"segment {key} already exists (sequence reused)") from None
         except BaseException:
             os.rename(busy, self._state("free", self._pid, seg.n))
             raise
-        os.unlink(busy)
+        os.rename(busy, _DIR + key)  # the name is new: it ends in this segment's own number
         return key
 
     def _claim(self, size: int) -> _Segment:
@@ -310,7 +306,7 @@ class ShmConnector(OmniConnector):
 
     def live_objects(self) -> int:
         """Segments in use by some request (written, held or being written): free ones are idle."""
-        return sum(1 for _ in SHM_DIR.glob(f"{self.prefix}-*") if "-@free-" not in _.name)
+        return sum(1 for p in SHM_DIR.glob(f"{self.prefix}-*") if "-@free-" not in p.name)
 
     def pooled_bytes(self) -> int:
         """Shared memory this process owns, in use or free."""

@@ -59,6 +59,15 @@ def _reader_that_dies(prefix: str, handle: bytes) -> None:
     os._exit(0)
 
 
+def _read_in_a_process_that_dies(prefix: str, handle: ConnectorHandle) -> int:
+    """Its pid, once it has read the payload and died holding it."""
+    proc = SPAWN.Process(target=_reader_that_dies, args=(prefix, wire.encode(handle)))
+    proc.start()
+    proc.join(30)
+    assert proc.exitcode == 0 and proc.pid is not None
+    return proc.pid
+
+
 def test_put_get_cleanup_across_processes() -> None:
     prefix = _prefix()
     consumer = ShmConnector("default", SPEC, prefix=prefix)
@@ -126,10 +135,7 @@ def test_a_reader_that_dies_gives_its_segment_back() -> None:
     producer = ShmConnector("default", SPEC, prefix=prefix)
     try:
         _, _, h = producer.put("a", "b", "r1", {"x": torch.ones(100_000)})
-        proc = SPAWN.Process(target=_reader_that_dies, args=(prefix, wire.encode(h)))
-        proc.start()
-        proc.join(30)
-        assert proc.exitcode == 0
+        _read_in_a_process_that_dies(prefix, h)
         assert [p for p in our_shm_segments(prefix) if "-@held-" in p], "the dead reader still holds it"
         pooled = producer.pooled_bytes()
         _, _, h2 = producer.put("a", "b", "r2", {"x": torch.ones(100_000)})
@@ -168,10 +174,8 @@ def test_the_supervisor_frees_what_a_dead_process_held() -> None:
     owner = ShmConnector("default", SPEC, prefix=prefix)
     try:
         _, _, h = owner.put("a", "b", "r1", {"x": torch.ones(100_000)})
-        reader = SPAWN.Process(target=_reader_that_dies, args=(prefix, wire.encode(h)))
-        reader.start()
-        reader.join(30)
-        assert supervisor.release_process(reader.pid or 0) == 1
+        reader = _read_in_a_process_that_dies(prefix, h)
+        assert supervisor.release_process(reader) == 1
         assert shm_segments_in_use(prefix) == [] and len(our_shm_segments(prefix)) == 1
     finally:
         owner.close()
