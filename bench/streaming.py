@@ -9,7 +9,7 @@ setting serves its own pipeline (`omni serve`); requests run one at a time after
   at 100 tokens/s (200 tokens), the talker at 4 codec frames per text token and 200 frames/s,
   the vocoder 20 ms per call plus 0.5 ms per frame, 480 samples (20 ms at 24 kHz) per frame.
 - demo: the tiny random-weight Qwen2 thinker and talker and the conv vocoder on this CPU
-  (`omni models init-demo`), 64 thinker tokens.
+  (`omni models init-demo`), the same 200 thinker tokens (800 talker frames).
 
 Ratio: ttfa_window_vs_full = median TTFA at window 25 / at -1, synthetic (goal <= 0.08; vllm-omni
 reports 523 ms vs 6459 ms, 0.081, on an H800); ttfa_window_vs_full_demo likewise.
@@ -73,10 +73,10 @@ def synthetic(window: int, tokens: int = 200) -> dict[str, Any]:
     }
 
 
-def demo(window: int) -> dict[str, Any]:
+def demo(window: int, tokens: int = 200) -> dict[str, Any]:
     spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())["spec"])
     spec["servedModelName"] = "bench"
-    spec["stages"][0]["sampling"]["max_tokens"] = 64
+    spec["stages"][0]["sampling"]["max_tokens"] = tokens
     spec["stages"][2]["inputs"][0]["window"] = window
     return spec
 
@@ -140,11 +140,13 @@ def plot(result: dict[str, Any], path: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
-    make = (lambda w: synthetic(w, tokens=40)) if args.quick else synthetic
-    results = {"synthetic": measure("synthetic", make, rounds(SYNTHETIC_ROUNDS, args))}
+    tokens = 40 if args.quick else 200
+    results = {
+        "synthetic": measure("synthetic", lambda w: synthetic(w, tokens), rounds(SYNTHETIC_ROUNDS, args))
+    }
     cwd, tmp = demo_models()
     try:
-        results["demo"] = measure("demo", demo, rounds(DEMO_ROUNDS, args), cwd)
+        results["demo"] = measure("demo", lambda w: demo(w, tokens), rounds(DEMO_ROUNDS, args), cwd)
     finally:
         if tmp is not None:
             tmp.cleanup()
