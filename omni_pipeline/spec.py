@@ -199,14 +199,28 @@ class NatsSpec(_Model):
     )
 
 
+API_KEYS_ENV: Final = "OMNI_API_KEYS"
+"""Comma-separated API keys the gateway requires (with API_KEYS_FILE_ENV; neither set: none)."""
+API_KEYS_FILE_ENV: Final = "OMNI_API_KEYS_FILE"
+"""A file of API keys, one per line, `#` comments."""
+
+
 class GatewaySpec(_Model):
     replicas: int = Field(default=1, ge=1, description="Gateway replicas (Distributed mode).")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port of the gateway.")
     request_timeout_s: float = Field(default=600.0, gt=0, description="A request's deadline.")
+    max_request_bytes: int = Field(
+        default=16 << 20, ge=1024, description="Largest request body the gateway reads; larger ones get 413."
+    )
+    api_keys_secret: str | None = Field(
+        default=None,
+        description="Kubernetes: a Secret whose `keys` entry (one key per line) the gateway requires as "
+        "`Authorization: Bearer`. Elsewhere: OMNI_API_KEYS or OMNI_API_KEYS_FILE.",
+    )
 
 
-RESERVED_VOLUMES: Final = frozenset({"pipeline", "dshm"})
-"""Volumes every rendered pod already has: the pipeline ConfigMap and /dev/shm."""
+RESERVED_VOLUMES: Final = frozenset({"pipeline", "dshm", "api-keys"})
+"""Volumes rendered pods already have: the pipeline ConfigMap, /dev/shm, the gateway's API keys."""
 
 
 class PodsSpec(_Model):

@@ -19,11 +19,12 @@ import yaml
 
 from omni_pipeline.connectors.mooncake import MASTER_ENV, METADATA_ENV
 from omni_pipeline.control import NATS_URL_ENV
-from omni_pipeline.spec import REQUEST_SOURCE, ConnectorKind, Mode, PipelineFile, StageSpec
+from omni_pipeline.spec import API_KEYS_FILE_ENV, REQUEST_SOURCE, ConnectorKind, Mode, PipelineFile, StageSpec
 
 DEFAULT_IMAGE: Final = "ghcr.io/omni-pipeline/omni-pipeline:0.1.0"
 PIPELINE_DIR: Final = "/etc/omni"
 PIPELINE_PATH: Final = f"{PIPELINE_DIR}/pipeline.yaml"
+API_KEYS_DIR: Final = "/var/run/omni/api-keys"
 HEALTH_PORT: Final = 9090
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
@@ -224,6 +225,18 @@ def _pod(
     return {"metadata": meta, "spec": spec}
 
 
+def _with_api_keys(p: PipelineFile, pod: dict[str, Any]) -> dict[str, Any]:
+    """The gateway's pod reads its API keys from spec.gateway.apiKeysSecret's `keys` entry."""
+    if (secret := p.spec.gateway.api_keys_secret) is None:
+        return pod
+    container = pod["spec"]["containers"][0]
+    container["env"].append({"name": API_KEYS_FILE_ENV, "value": f"{API_KEYS_DIR}/keys"})
+    container["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+    secret_volume = {"secretName": secret, "items": [{"key": "keys", "path": "keys"}], "defaultMode": 0o440}
+    pod["spec"]["volumes"].append({"name": "api-keys", "secret": secret_volume})
+    return pod
+
+
 def _deployment(
     names: Names, name: str, component: str, namespace: str, replicas: int | None, pod: dict[str, Any]
 ) -> dict[str, Any]:
@@ -327,8 +340,8 @@ def _stage(
 def _gateway(p: PipelineFile, names: Names, namespace: str, image: str) -> list[dict[str, Any]]:
     port = p.spec.gateway.port or 8000
     args = ["gateway", "--pipeline", PIPELINE_PATH, "--host", "0.0.0.0", "--port", str(port)]
-    container = _container(p, "gateway", image, args, port, "/v1/models", "/health", {})
-    pod = _pod(p, names, "gateway", container, None)
+    container = _container(p, "gateway", image, args, port, "/health/live", "/health", {})
+    pod = _with_api_keys(p, _pod(p, names, "gateway", container, None))
     return [
         _deployment(names, names.gateway, "gateway", namespace, p.spec.gateway.replicas, pod),
         _service(names, names.gateway, "gateway", namespace, port, headless=False),
@@ -340,9 +353,9 @@ def _single_node(p: PipelineFile, names: Names, namespace: str, image: str) -> l
     gpus = sum(s.resources.gpus * s.replicas for s in p.spec.stages)
     args = ["serve", PIPELINE_PATH, "--host", "0.0.0.0", "--port", str(port)]
     container = _container(
-        p, "omni", image, args, port, "/v1/models", "/health", _resources(gpus, None, None)
+        p, "omni", image, args, port, "/health/live", "/health", _resources(gpus, None, None)
     )
-    pod = _pod(p, names, "single-node", container, None)
+    pod = _with_api_keys(p, _pod(p, names, "single-node", container, None))
     return [
         _deployment(names, names.single_node, "single-node", namespace, 1, pod),
         _service(names, names.single_node, "single-node", namespace, port, headless=False),

@@ -56,11 +56,16 @@ def cmd_stage(a: argparse.Namespace) -> int:
 
 def cmd_gateway(a: argparse.Namespace) -> int:
     from omni_gateway.app import run_gateway
+    from omni_gateway.guards import ApiKeyError
 
     pipeline = load_pipeline(a.pipeline)
     url = resolve_nats_url(_nats_url(a.nats, pipeline))
     port = a.port if a.port is not None else pipeline.spec.gateway.port
-    run_gateway(_log_ready("gateway"), pipeline, url, a.host, port, wait_for_stages=False)
+    try:
+        run_gateway(_log_ready("gateway"), pipeline, url, a.host, port, wait_for_stages=False)
+    except ApiKeyError as exc:
+        print(f"omni: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 

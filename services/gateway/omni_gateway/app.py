@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_gateway.errors import BadRequest, OmniError
+from omni_gateway.guards import ApiKeyAuth, BodyLimit, load_api_keys
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.routes import router
 from omni_gateway.service import PipelineClient
@@ -76,11 +77,19 @@ def _error_response(err: OmniError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def build_app(service: PipelineClient, lifespan: Callable[[FastAPI], Any] | None = None) -> FastAPI:
+def build_app(
+    service: PipelineClient,
+    lifespan: Callable[[FastAPI], Any] | None = None,
+    api_keys: frozenset[str] = frozenset(),
+) -> FastAPI:
     app = FastAPI(title="omni-pipeline gateway", lifespan=lifespan)
     app.state.service = service
     app.state.metrics = metrics = GatewayMetrics()
     app.include_router(router)
+    # Added innermost first: the key is checked before the body is read; every answer, the
+    # guards' included, carries X-Request-Id and is counted.
+    app.add_middleware(BodyLimit, max_bytes=service.spec.gateway.max_request_bytes)
+    app.add_middleware(ApiKeyAuth, keys=api_keys)
     app.add_middleware(RequestIdMiddleware)
 
     app.add_middleware(StatusCounter, metrics=metrics)
@@ -126,6 +135,8 @@ def run_gateway(
 ) -> None:
     """Process entry point (`omni gateway`, and `omni serve` through the lifecycle)."""
     configure_logging()
+    api_keys = load_api_keys()  # before anything starts: bad key settings stop the gateway here
+    log.info("gateway: API keys %s", f"required ({len(api_keys)})" if api_keys else "off")
 
     async def main() -> None:
         service = PipelineClient(pipeline, nats_url)
@@ -153,7 +164,7 @@ def run_gateway(
             await service.stop()
 
         sock = listen(host, port)
-        server = make_server(build_app(service, lifespan), timeout_graceful_shutdown=30)
+        server = make_server(build_app(service, lifespan, api_keys), timeout_graceful_shutdown=30)
 
         def stop() -> None:
             server.should_exit = True

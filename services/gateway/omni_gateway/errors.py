@@ -33,6 +33,18 @@ class BadRequest(OmniError):
     type = "invalid_request_error"
 
 
+class Unauthorized(OmniError):
+    status = 401
+    type = "invalid_request_error"
+    code = "invalid_api_key"
+
+
+class PayloadTooLarge(OmniError):
+    status = 413
+    type = "invalid_request_error"
+    code = "request_too_large"
+
+
 class ModelNotFound(OmniError):
     status = 404
     type = "invalid_request_error"

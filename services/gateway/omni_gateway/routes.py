@@ -47,6 +47,12 @@ async def models(request: Request) -> dict[str, Any]:
     }
 
 
+@router.get("/health/live")
+async def live() -> dict[str, str]:
+    """The process answers (Kubernetes' liveness probe; /health says whether it can serve)."""
+    return {"status": "alive"}
+
+
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     svc = _service(request)

@@ -201,3 +201,21 @@ def test_a_spec_change_rolls_the_pods_but_scaling_does_not() -> None:
     single = ROOT / "examples" / "tiny-omni.yaml"
     more = template_hashes(pipeline(lambda s: s["stages"][1].update(replicas=2), single))
     assert more != template_hashes(pipeline(path=single))  # omni serve starts the replicas itself
+
+
+def test_api_keys_reach_only_the_gateway_and_probes_need_none() -> None:
+    objects = render(pipeline(lambda s: s["gateway"].update(apiKeysSecret="gw-keys")), namespace="omni")
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.33", strict=True)
+    deployments = by_kind(objects, "Deployment")
+    gw = deployments["tiny-omni-gateway"]
+    c = container(gw)
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    mounts = {m["name"]: m for m in c["volumeMounts"]}
+    assert env["OMNI_API_KEYS_FILE"] == f"{mounts['api-keys']['mountPath']}/keys"
+    volumes = {v["name"]: v for v in gw["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["api-keys"]["secret"]["secretName"] == "gw-keys"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health/live"  # open with keys on
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+    talker = container(deployments["tiny-omni-talker"])
+    assert "OMNI_API_KEYS_FILE" not in {e["name"] for e in talker["env"]}

@@ -1,0 +1,120 @@
+"""What the gateway checks before a request reaches a route: the API key and the body's size.
+
+Both are pure ASGI (BaseHTTPMiddleware would break streaming disconnects) and answer with
+OpenAI's error body, like every other error of the gateway.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from pathlib import Path
+from typing import Final
+
+import msgspec
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from omni_gateway.errors import OmniError, PayloadTooLarge, Unauthorized
+from omni_pipeline.spec import API_KEYS_ENV, API_KEYS_FILE_ENV
+
+OPEN_PATHS: Final = frozenset({"/health", "/health/live", "/metrics"})
+"""Probes and Prometheus reach these without a key; they carry no request data."""
+
+
+class ApiKeyError(RuntimeError):
+    """The API key configuration is unusable: the gateway refuses to start rather than run open."""
+
+
+def load_api_keys() -> frozenset[str]:
+    """Keys from OMNI_API_KEYS (comma-separated) and OMNI_API_KEYS_FILE (one per line, `#`
+    comments); empty when neither is set, which turns authentication off."""
+    keys = {k.strip() for k in os.environ.get(API_KEYS_ENV, "").split(",") if k.strip()}
+    if path := os.environ.get(API_KEYS_FILE_ENV):
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError as exc:
+            raise ApiKeyError(f"{API_KEYS_FILE_ENV}={path}: {exc.strerror or exc}") from None
+        from_file = {ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")}
+        if not from_file:
+            raise ApiKeyError(f"{API_KEYS_FILE_ENV}={path} holds no key")
+        keys |= from_file
+    return frozenset(keys)
+
+
+async def _refuse(send: Send, err: OmniError) -> None:
+    body = msgspec.json.encode(err.body())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class ApiKeyAuth:
+    """`Authorization: Bearer <key>` on every path but OPEN_PATHS, when keys are configured."""
+
+    def __init__(self, app: ASGIApp, keys: frozenset[str]) -> None:
+        self.app = app
+        self.keys = [k.encode() for k in keys]
+
+    def _allowed(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        if scheme.lower() != b"bearer" or not token:
+            return False
+        ok = False
+        for key in self.keys:  # every key compared, in constant time each
+            ok |= hmac.compare_digest(token.strip(), key)
+        return ok
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        if not self._allowed(header):
+            msg = "missing or invalid API key: send 'Authorization: Bearer <key>'"
+            await _refuse(send, Unauthorized(msg, headers={"WWW-Authenticate": "Bearer"}))
+            return
+        await self.app(scope, receive, send)
+
+
+class BodyLimit:
+    """Refuse request bodies over `max_bytes` with 413: by Content-Length, or by reading the
+    body here first (at most `max_bytes` of it) and handing it on whole."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        err = PayloadTooLarge(f"request body over the gateway's limit of {self.max_bytes} bytes")
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await _refuse(send, err)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_bytes:
+                await _refuse(send, err)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()  # after the body: disconnects, for streamed responses
+
+        await self.app(scope, replay, send)
