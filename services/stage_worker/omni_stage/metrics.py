@@ -30,9 +30,9 @@ class StageMetrics:
             labels.keys(),
             registry=r,
         ).labels(**labels)
-        self.shm_pool_bytes = Gauge(
-            "omni_shm_pool_bytes",
-            "Shared memory this replica keeps mapped for its outputs, in use or idle",
+        self.pool_bytes = Gauge(
+            "omni_connector_pool_bytes",
+            "Memory connectors keep warm for reuse: shm segments this replica owns, idle mooncake buffers",
             labels.keys(),
             registry=r,
         ).labels(**labels)

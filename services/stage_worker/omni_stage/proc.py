@@ -202,7 +202,7 @@ class StageWorker:
         self.metrics.inflight.set(load.inflight)
         self.metrics.tracked.set(len(self.requests))
         self.metrics.shm_segments.set(sum(c.live_objects() for c in self.connectors.values()))
-        self.metrics.shm_pool_bytes.set(sum(c.pooled_bytes() for c in self.connectors.values()))
+        self.metrics.pool_bytes.set(sum(c.pooled_bytes() for c in self.connectors.values()))
         if (held := self.engine.active_requests()) is not None:
             self.metrics.engine_requests.set(held)
 
