@@ -13,11 +13,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import yaml
 
 OMNI = [sys.executable, "-c", "import sys; from omni_cli.main import main; sys.exit(main())"]
+
+
+FILE: Final = "<pipeline file>"
 
 
 def pipeline_file(directory: Path, name: str, spec: dict[str, Any]) -> Path:
@@ -50,44 +53,49 @@ def _stop(proc: subprocess.Popen[bytes], sig: int) -> None:
 
 
 @contextlib.contextmanager
-def served(
-    name: str, spec: dict[str, Any], cwd: Path | None = None, nats_url: str | None = None
-) -> Iterator[str]:
-    """`omni serve` of `spec` (on `nats_url`, else its own embedded NATS); yields the gateway's
-    base URL (http://127.0.0.1:PORT)."""
+def _omni(
+    name: str,
+    spec: dict[str, Any],
+    args: list[str],
+    ready: str,
+    stop: int,
+    cwd: Path | None,
+    timeout_s: float,
+) -> Iterator[re.Match[str]]:
+    """`omni <args>` with FILE in `args` standing for `spec` written to a file; yields the match
+    of `ready` in its output, and stops it (and all it started) with signal `stop` afterwards."""
     with tempfile.TemporaryDirectory() as tmp:
         path = pipeline_file(Path(tmp), name, spec)
-        log = Path(tmp) / "serve.log"
+        log = Path(tmp) / "omni.log"
         with log.open("wb") as fh:
             proc = subprocess.Popen(
-                [*OMNI, "serve", str(path), "--port", "0", *(["--nats", nats_url] if nats_url else [])],
+                [*OMNI, *(str(path) if a is FILE else a for a in args)],
                 cwd=cwd or Path.cwd(),
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
             try:
-                m = _wait_output(proc, log, r"ready at (http://127\.0\.0\.1:\d+)/v1", 300)
-                yield m.group(1)
+                yield _wait_output(proc, log, ready, timeout_s)
             finally:
-                _stop(proc, signal.SIGINT)
+                _stop(proc, stop)
+
+
+@contextlib.contextmanager
+def served(
+    name: str, spec: dict[str, Any], cwd: Path | None = None, nats_url: str | None = None
+) -> Iterator[str]:
+    """`omni serve` of `spec` (on `nats_url`, else its own embedded NATS); yields the gateway's
+    base URL (http://127.0.0.1:PORT)."""
+    args = ["serve", FILE, "--port", "0", *(["--nats", nats_url] if nats_url else [])]
+    ready = r"ready at (http://127\.0\.0\.1:\d+)/v1"
+    with _omni(name, spec, args, ready, signal.SIGINT, cwd, 300) as m:
+        yield m.group(1)
 
 
 @contextlib.contextmanager
 def stage(name: str, spec: dict[str, Any], stage_name: str, nats_url: str) -> Iterator[None]:
     """`omni stage` for replica 0 of one stage of `spec`, ready when the block starts."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = pipeline_file(Path(tmp), name, spec)
-        log = Path(tmp) / "stage.log"
-        with log.open("wb") as fh:
-            proc = subprocess.Popen(
-                [*OMNI, "stage", "--pipeline", str(path), "--stage", stage_name, "--nats", nats_url],
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-            try:
-                _wait_output(proc, log, rf"stage {stage_name}/0 ready", 120)
-                yield
-            finally:
-                _stop(proc, signal.SIGTERM)
+    args = ["stage", "--pipeline", FILE, "--stage", stage_name, "--nats", nats_url]
+    with _omni(name, spec, args, rf"stage {stage_name}/0 ready", signal.SIGTERM, None, 120):
+        yield
