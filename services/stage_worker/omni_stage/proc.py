@@ -281,12 +281,16 @@ class StageWorker:
         where = f"stage '{self.spec.name}' replica {self.replica}"
         if self.spec.name not in ctx.route:
             return None, Admitted(False, "bad_route", f"{where} is not on the route of request {rid}")
+        windows = {p: w for p, w in self.in_windows.items() if p == REQUEST_SOURCE or p in ctx.route}
+        if not windows:  # nothing on the route feeds this stage: it would wait for ever
+            inputs = ", ".join(self.in_windows)
+            why = f"{where}: none of its inputs ({inputs}) is on the route of request {rid}"
+            return None, Admitted(False, "bad_route", why)
         admission = self.core.admit(rid)
         if admission is Admission.REJECT_DRAINING:
             return None, Admitted(False, "draining", f"{where} is draining")
         if admission is Admission.REJECT_FULL:
             return None, Admitted(False, "full", f"{where} is full")
-        windows = {p: w for p, w in self.in_windows.items() if p == REQUEST_SOURCE or p in ctx.route}
         st = _Request(ctx, InputAssembler(windows))
         self.requests[rid] = st
         if admission is Admission.RUN:
