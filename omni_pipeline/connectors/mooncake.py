@@ -146,6 +146,8 @@ class MooncakeConnector(OmniConnector):
         self.pipeline = pipeline
         self._store = MooncakeStore.acquire(config)
         self._buffers = BufferPool(spec.pool_bytes)
+        self._written: set[str] = set()  # keys put here, until seen gone (for the leak gauge)
+        self._written_lock = threading.Lock()
         self._closed = False
 
     def _put_frame(
@@ -160,6 +162,8 @@ class MooncakeConnector(OmniConnector):
             self._buffers.give(buf)
         if rc != 0:
             raise ConnectorError(f"Mooncake put of {key} ({frame.size} bytes) failed with code {rc}")
+        with self._written_lock:
+            self._written.add(key)
         return key
 
     def _get_frame(self, request_id: str, handle: ConnectorHandle) -> Any:
@@ -179,6 +183,17 @@ class MooncakeConnector(OmniConnector):
     def cleanup(self, request_id: str) -> int:
         pattern = f"^{re.escape(self.pipeline)}/{re.escape(request_id)}/"
         return max(0, int(self._store.store.remove_by_regex(pattern, True)))
+
+    def live_objects(self) -> int:
+        """Keys this process put that are still in the store (their consumer removes them)."""
+        with self._written_lock:
+            keys = list(self._written)
+        if not keys:
+            return 0
+        exists = self._store.store.batch_is_exist(keys)
+        with self._written_lock:
+            self._written.difference_update(k for k, e in zip(keys, exists, strict=True) if e == 0)
+            return len(self._written)
 
     def pooled_bytes(self) -> int:
         return self._buffers.idle()

@@ -62,8 +62,9 @@ async def health(request: Request) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    m = _metrics(request)
-    m.tracked.set(len(_service(request).inflight))
+    m, svc = _metrics(request), _service(request)
+    m.tracked.set(len(svc.inflight))
+    m.resources.refresh(svc.nc, svc.connectors.values())
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -25,8 +25,8 @@ def health_app(
         return {"status": "ready" if ok else "not ready", "reason": why}
 
     @app.get("/metrics")
-    def metrics() -> Response:
-        refresh()  # gauges reflect this moment, not the last heartbeat
+    async def metrics() -> Response:
+        refresh()  # on the event loop (it counts its tasks); this moment, not the last heartbeat
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

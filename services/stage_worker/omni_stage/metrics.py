@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from omni_pipeline.resource_metrics import ResourceGauges
+
 _LATENCY = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -21,18 +23,6 @@ class StageMetrics:
         self.tracked = Gauge(
             "omni_stage_tracked_requests",
             "Per-request states held (queued, running)",
-            labels.keys(),
-            registry=r,
-        ).labels(**labels)
-        self.shm_segments = Gauge(
-            "omni_shm_segments",
-            "Shared-memory segments of this deployment that requests hold (idle pooled ones not counted)",
-            labels.keys(),
-            registry=r,
-        ).labels(**labels)
-        self.pool_bytes = Gauge(
-            "omni_connector_pool_bytes",
-            "Memory connectors keep warm for reuse: shm segments this replica owns, idle mooncake buffers",
             labels.keys(),
             registry=r,
         ).labels(**labels)
@@ -85,6 +75,7 @@ class StageMetrics:
             buckets=_LATENCY,
             registry=r,
         ).labels(**labels)
+        self.resources = ResourceGauges(r, labels)
         self._labels = labels
 
     def outcome(self, outcome: str) -> None:

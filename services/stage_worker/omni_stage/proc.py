@@ -201,8 +201,7 @@ class StageWorker:
         self.metrics.queued.set(load.queued)
         self.metrics.inflight.set(load.inflight)
         self.metrics.tracked.set(len(self.requests))
-        self.metrics.shm_segments.set(sum(c.live_objects() for c in self.connectors.values()))
-        self.metrics.pool_bytes.set(sum(c.pooled_bytes() for c in self.connectors.values()))
+        self.metrics.resources.refresh(self.nc, self.connectors.values())
         if (held := self.engine.active_requests()) is not None:
             self.metrics.engine_requests.set(held)
 
