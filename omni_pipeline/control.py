@@ -12,6 +12,7 @@ import contextlib
 import logging
 import re
 import time
+from collections.abc import Callable
 from typing import Any, Final
 from urllib.parse import urlparse
 
@@ -201,14 +202,20 @@ def resolve_nats_url(url: str | None) -> str:
 
 
 async def connect_nats(
-    url: str, name: str, *, retry_for_s: float | None = None, stop: asyncio.Event | None = None
+    url: str,
+    name: str,
+    *,
+    retry_for_s: float | None = None,
+    stop: asyncio.Event | None = None,
+    on_disconnect: Callable[[], None] | None = None,
 ) -> NatsClient | None:
     """Connect, waiting while the server is not up yet (saying so in the log every few seconds).
 
     nats-py itself retries the first connection, every `reconnect_time_wait`, and once
     connected it reconnects by itself for ever: servers restart; we outlive them. With
     `retry_for_s` the first connection is given up after that long (ControlError); when `stop`
-    is set first (SIGTERM during startup), the wait ends and None is returned.
+    is set first (SIGTERM during startup), the wait ends and None is returned. `on_disconnect`
+    runs when an established connection drops (not when we close it).
     """
     resolve_nats_url(url)
     client: list[NatsClient] = []
@@ -218,6 +225,8 @@ async def connect_nats(
         if client and (client[0].is_closed or client[0].is_draining):
             return  # we are closing it ourselves
         log.warning("%s: disconnected from NATS at %s", name, url)
+        if on_disconnect is not None:
+            on_disconnect()
 
     async def on_reconnect() -> None:
         log.info("%s: reconnected to NATS", name)

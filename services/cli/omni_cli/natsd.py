@@ -16,6 +16,7 @@ from omni_pipeline.lifecycle import die_with_parent, kill_tree
 log = logging.getLogger("omni.nats")
 
 _LISTENING: Final = re.compile(r"Listening for client connections on (\S+):(\d+)")
+_MONITOR: Final = re.compile(r"Starting http monitor on (\S+):(\d+)")
 
 
 def nats_server_binary() -> str:
@@ -27,11 +28,24 @@ def nats_server_binary() -> str:
 
 
 class EmbeddedNats:
-    """nats-server on loopback with a port the kernel picks; stopped with the supervisor."""
+    """nats-server on loopback with a port the kernel picks; stopped with the supervisor.
 
-    def __init__(self, host: str = "127.0.0.1", start_timeout_s: float = 20.0) -> None:
+    `port` reuses a known port (a restart); `monitor` also serves nats-server's HTTP monitoring
+    (`monitor_url`: /connz, /subsz); `args` go to nats-server as they are (auth, TLS).
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        start_timeout_s: float = 20.0,
+        *,
+        port: int = -1,
+        monitor: bool = False,
+        args: tuple[str, ...] = (),
+    ) -> None:
+        cmd = [nats_server_binary(), "-a", host, "-p", str(port), *(["-m", "-1"] if monitor else []), *args]
         self.proc = subprocess.Popen(
-            [nats_server_binary(), "-a", host, "-p", "-1"],
+            cmd,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -39,13 +53,17 @@ class EmbeddedNats:
             start_new_session=True,  # a terminal's Ctrl-C is for the supervisor, which stops us last
         )
         found = threading.Event()
-        self.url = ""
+        self.url = self.monitor_url = ""
+        self.port = 0
 
         def read() -> None:
             assert self.proc.stderr is not None
             for line in self.proc.stderr:
+                if mon := _MONITOR.search(line):
+                    self.monitor_url = f"http://{mon.group(1)}:{mon.group(2)}"
                 m = _LISTENING.search(line)
                 if m and not found.is_set():
+                    self.port = int(m.group(2))
                     self.url = f"nats://{m.group(1)}:{m.group(2)}"
                     found.set()
                 log.debug("nats-server: %s", line.rstrip())

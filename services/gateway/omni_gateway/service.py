@@ -54,6 +54,7 @@ ADMIT_TIMEOUT_S: Final = 5.0
 MAX_ATTEMPTS: Final = 2
 RETRYABLE: Final = frozenset({"replica_lost", "draining", "full"})
 """Errors that say where a request went, not what it is: another replica may well serve it."""
+NATS_LOST: Final = "nats_disconnected"
 EVENT_QUEUE: Final = 1024
 """Outputs one request may have waiting for its client; a client this far behind is dropped."""
 
@@ -107,7 +108,9 @@ class PipelineClient:
 
     async def start(self, stop: asyncio.Event | None = None) -> bool:
         """Connect and subscribe; False if `stop` was set before NATS could be reached."""
-        nc = await connect_nats(self.nats_url, f"gateway-{self.gateway_id}", stop=stop)
+        nc = await connect_nats(
+            self.nats_url, f"gateway-{self.gateway_id}", stop=stop, on_disconnect=self._on_nats_lost
+        )
         if nc is None:
             return False
         self.nc = nc
@@ -253,7 +256,8 @@ class PipelineClient:
         while pending:
             msg = await t.queue.get()
             if isinstance(msg, ErrorMsg):
-                raise StageFailed(msg.message, code=msg.code)
+                error = Unavailable if msg.code == NATS_LOST else StageFailed
+                raise error(msg.message, code=msg.code)
             if msg.stage not in pending:
                 continue
             held[(msg.stage, msg.sequence)] = msg
@@ -308,6 +312,12 @@ class PipelineClient:
                 t.queue.put_nowait(t.failed)
 
     # --- NATS callbacks ----------------------------------------------------------------------
+
+    def _on_nats_lost(self) -> None:
+        """Outputs sent while we are away are lost, so no request in flight can finish: end them
+        now rather than at their deadline (their aborts go out once NATS is back)."""
+        for t in list(self.inflight.values()):
+            self._fail(t, "the gateway lost its connection to NATS while serving this request", NATS_LOST)
 
     async def _on_reply(self, msg: Msg) -> None:
         try:

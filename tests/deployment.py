@@ -1,0 +1,137 @@
+"""A pipeline deployed as separate `omni` processes (one per replica, one per gateway), as pods
+are: each started, killed and stopped on its own, against a real nats-server."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.helpers import OmniProcess, decode_wav, start_gateway, start_stage, wait_for
+
+
+@dataclass
+class Deployment:
+    pipeline: Path
+    nats_url: str
+    cwd: Path
+    logs: Path
+    env: dict[str, str] = field(default_factory=dict)
+    stages: dict[str, OmniProcess] = field(default_factory=dict)
+    gateways: list[tuple[OmniProcess, str]] = field(default_factory=list)
+
+    @property
+    def base(self) -> str:
+        """The first gateway's base URL."""
+        return self.gateways[0][1]
+
+    def add_stage(self, stage: str, replica: str, wait: bool = False) -> OmniProcess:
+        p = start_stage(
+            self.pipeline, stage, replica, self.nats_url, self.cwd, self.logs, self.env, wait=wait
+        )
+        self.stages[f"{stage}-{replica}"] = p
+        return p
+
+    def add_gateway(self) -> str:
+        gw = start_gateway(
+            self.pipeline,
+            self.nats_url,
+            self.cwd,
+            self.logs,
+            name=f"gateway-{len(self.gateways)}",
+            env=self.env,
+        )
+        self.gateways.append(gw)
+        return gw[1]
+
+    def stop(self) -> None:
+        codes = {}
+        for name, p in [(f"gateway-{i}", g[0]) for i, g in enumerate(self.gateways)] + list(
+            self.stages.items()
+        ):
+            codes[name] = p.stop()
+        assert all(c in (0, -signal.SIGKILL) for c in codes.values()), codes
+
+
+def deploy(
+    pipeline: Path,
+    layout: dict[str, int],
+    gateways: int,
+    nats_url: str,
+    cwd: Path,
+    logs: Path,
+    env: dict[str, str] | None = None,
+) -> Deployment:
+    """`layout`: replicas per stage (named a, b, ...); returns once every gateway is ready."""
+    d = Deployment(pipeline, nats_url, cwd, logs, env or {})
+    try:
+        for stage, n in layout.items():
+            for i in range(n):
+                d.add_stage(stage, chr(ord("a") + i))
+        for _ in range(gateways):
+            base = d.add_gateway()
+            wait_for(
+                lambda b=base: httpx.get(f"{b}/health").status_code == 200, 120, "every stage registered"
+            )
+    except BaseException:
+        d.stop()
+        raise
+    return d
+
+
+def ask(base: str, content: str, timeout: float = 90, **extra: object) -> str:
+    """One text+audio request; returns 'ok' or the error message."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    try:
+        r = client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": content}],
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+            **extra,  # type: ignore[arg-type]
+        )
+    except openai.APIError as exc:
+        return f"error: {exc}"
+    samples, _ = decode_wav(r.choices[0].message.audio.data)
+    return "ok" if r.choices[0].message.content and len(samples) > 0 else "empty"
+
+
+class SteadyLoad:
+    """`workers` threads sending one request after another until the block ends; every answer
+    is kept, in order. Leaving the block waits for each thread's last request: none may hang."""
+
+    def __init__(self, base: str, workers: int = 3, timeout: float = 90) -> None:
+        self.base = base
+        self.timeout = timeout
+        self.results: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(w,)) for w in range(workers)]
+
+    def _run(self, worker: int) -> None:
+        i = 0
+        while not self._stop.is_set():
+            self.results.append(ask(self.base, f"steady {worker}-{i}", timeout=self.timeout))
+            i += 1
+
+    def __enter__(self) -> SteadyLoad:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def flowing(self, n: int = 3, timeout: float = 60) -> None:
+        """Wait until `n` more requests have ended."""
+        have = len(self.results)
+        wait_for(lambda: len(self.results) >= have + n, timeout, f"{n} more requests to end")
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.timeout + 30)
+        assert not any(t.is_alive() for t in self._threads), "a request never ended"
+
+    def failures(self) -> list[str]:
+        return [r for r in self.results if r != "ok"]

@@ -1,0 +1,37 @@
+"""The fault tests' deployment: every replica and the gateway its own process, a real
+nats-server (with its monitoring port, to count subscriptions from the server's side), a real
+mooncake_master with a store server, and shared memory under a prefix of their own."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omni_cli.mooncaked import LocalMooncake
+from omni_cli.natsd import EmbeddedNats
+from tests.deployment import Deployment, deploy
+from tests.helpers import ROOT, our_shm_segments
+
+PIPELINE = ROOT / "tests" / "data" / "synthetic-faults.yaml"
+SHM_PREFIX = "omni-faults"
+
+
+@pytest.fixture
+def nats() -> Iterator[EmbeddedNats]:
+    server = EmbeddedNats(monitor=True)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def faults(nats: EmbeddedNats, mooncake: LocalMooncake, tmp_path: Path) -> Iterator[Deployment]:
+    """One replica per stage, one gateway; afterwards no segment of ours is left in /dev/shm."""
+    env = {"OMNI_SHM_PREFIX": SHM_PREFIX}
+    d = deploy(PIPELINE, {"thinker": 1, "talker": 1, "vocoder": 1}, 1, nats.url, ROOT, tmp_path, env)
+    try:
+        yield d
+    finally:
+        d.stop()
+    assert our_shm_segments(SHM_PREFIX) == []

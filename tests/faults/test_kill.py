@@ -1,0 +1,99 @@
+"""Fault 1: SIGKILL of a stage replica under steady load.
+
+Every request ends by its deadline (a result, or an error naming the dead replica); the
+pipeline serves again within 10 s (single node: the supervisor restarts the process;
+distributed: the surviving replica takes over); nothing of ours is left in /dev/shm or in
+Mooncake.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from omni_cli.mooncaked import LocalMooncake
+from tests.deployment import Deployment, SteadyLoad, ask, deploy
+from tests.helpers import (
+    ROOT,
+    OmniProcess,
+    get_json,
+    group_alive,
+    our_shm_segments,
+    replica_metric,
+    replicas,
+    wait_for,
+)
+
+SERVES_AGAIN_S = 10.0
+
+
+def _serves_again(base: str) -> None:
+    wait_for(
+        lambda: ask(base, "probe", timeout=SERVES_AGAIN_S) == "ok", SERVES_AGAIN_S, "the pipeline to serve"
+    )
+
+
+def test_single_node_supervisor_restarts_a_killed_stage(tmp_path: Path) -> None:
+    pipeline = ROOT / "tests" / "data" / "synthetic.yaml"
+    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], ROOT, tmp_path / "serve.log")
+    try:
+        serve.wait_output("ready at", 180)
+        base = re.search(r"ready at (http://127.0.0.1:\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
+        prefix = re.search(r"shared memory: /dev/shm/(\S+)-\*", serve.output()).group(1)  # type: ignore[union-attr]
+        with SteadyLoad(base) as load:
+            load.flowing()
+            [talker] = replicas(base, "talker")
+            wait_for(
+                lambda: replica_metric(base, "talker", "omni_stage_inflight_requests") > 0,
+                30,
+                "a busy talker",
+            )
+            os.kill(talker["pid"], signal.SIGKILL)
+            _serves_again(base)
+            load.flowing()
+        assert all("stage 'talker'" in r for r in load.failures()), load.failures()
+        assert load.results.count("ok") >= 6
+        assert "talker-0 died" in serve.output()
+        [restarted] = replicas(base, "talker")
+        assert restarted["instance"] != talker["instance"]
+    finally:
+        serve.interrupt_group()
+        wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
+    assert serve.proc.returncode == 0, serve.output()[-3000:]
+    wait_for(lambda: not group_alive(serve.proc.pid), 30, "every process of the tree to exit")
+    assert our_shm_segments(f"{prefix}-") == []
+
+
+@pytest.fixture
+def two_talkers(nats_url: str, mooncake: LocalMooncake, tmp_path: Path) -> Iterator[Deployment]:
+    synth = ROOT / "tests" / "data" / "synthetic-distributed.yaml"
+    d = deploy(synth, {"thinker": 1, "talker": 2, "vocoder": 1}, 1, nats_url, ROOT, tmp_path)
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def test_distributed_survivors_take_over(two_talkers: Deployment, mooncake: LocalMooncake) -> None:
+    base = two_talkers.base
+    with SteadyLoad(base, workers=4) as load:
+        load.flowing()
+        wait_for(
+            lambda: replica_metric(base, "talker", "omni_stage_inflight_requests", replica="b") > 0,
+            60,
+            "talker b to be serving",
+        )
+        two_talkers.stages["talker-b"].proc.send_signal(signal.SIGKILL)
+        _serves_again(base)
+        load.flowing()
+    assert all("stage 'talker' replica b" in r for r in load.failures()), load.failures()
+    assert len(load.failures()) <= 4  # at most what talker b held at once
+    wait_for(lambda: [r["replica"] for r in replicas(base, "talker")] == ["a"], 30, "b to leave the table")
+    wait_for(lambda: mooncake.key_count() == 0, 30, "the dead talker's inputs to be freed")
+    assert our_shm_segments() == []
+    assert get_json(f"{base}/health")["status"] == "ok"
