@@ -208,6 +208,7 @@ async def connect_nats(
     retry_for_s: float | None = None,
     stop: asyncio.Event | None = None,
     on_disconnect: Callable[[], None] | None = None,
+    on_reconnect: Callable[[], None] | None = None,
 ) -> NatsClient | None:
     """Connect, waiting while the server is not up yet (saying so in the log every few seconds).
 
@@ -215,7 +216,8 @@ async def connect_nats(
     connected it reconnects by itself for ever: servers restart; we outlive them. With
     `retry_for_s` the first connection is given up after that long (ControlError); when `stop`
     is set first (SIGTERM during startup), the wait ends and None is returned. `on_disconnect`
-    runs when an established connection drops (not when we close it).
+    runs when an established connection drops (not when we close it), `on_reconnect` when it
+    is back.
     """
     resolve_nats_url(url)
     client: list[NatsClient] = []
@@ -230,6 +232,8 @@ async def connect_nats(
 
     async def on_reconnect() -> None:
         log.info("%s: reconnected to NATS", name)
+        if on_reconnect is not None:
+            on_reconnect()
 
     async def on_error(exc: Exception) -> None:
         now = time.monotonic()

@@ -64,3 +64,11 @@ def test_a_restarted_replica_starts_from_its_own_beat() -> None:
     assert table.update(beat(instance="i2"), 0.5) is not None
     table.release("s", "0", "i1")  # a request of the old instance ending: not the new one's
     assert table.get("s", "0").load == 0  # type: ignore[union-attr]
+
+
+def test_beats_missed_while_the_gateway_could_not_hear_do_not_count() -> None:
+    table = ReplicaTable()
+    table.update(beat(), 0.0)
+    table.heard_all(10.0)  # NATS came back at t=10 after a long outage
+    assert table.expire(12.0) == []
+    assert [r.hb.replica for r in table.expire(13.5)] == ["0"]  # three beats missed since

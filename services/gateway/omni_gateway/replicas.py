@@ -53,6 +53,12 @@ class ReplicaTable:
         """Forget a replica at once (it answered no request: it is gone)."""
         return self._by_stage.get(stage, {}).pop(replica, None)
 
+    def heard_all(self, now: float) -> None:
+        """Count missed heartbeats from `now` on (after a time we could not hear anyone)."""
+        for stage in self._by_stage.values():
+            for r in stage.values():
+                r.last_seen = max(r.last_seen, now)
+
     def expire(self, now: float) -> list[Replica]:
         gone = []
         for stage in self._by_stage.values():

@@ -109,7 +109,11 @@ class PipelineClient:
     async def start(self, stop: asyncio.Event | None = None) -> bool:
         """Connect and subscribe; False if `stop` was set before NATS could be reached."""
         nc = await connect_nats(
-            self.nats_url, f"gateway-{self.gateway_id}", stop=stop, on_disconnect=self._on_nats_lost
+            self.nats_url,
+            f"gateway-{self.gateway_id}",
+            stop=stop,
+            on_disconnect=self._on_nats_lost,
+            on_reconnect=lambda: self.table.heard_all(time.monotonic()),
         )
         if nc is None:
             return False
@@ -361,6 +365,8 @@ class PipelineClient:
     async def _expire_replicas(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # the expiry period, not synchronisation
+            if not self.connected:
+                continue  # silence we cannot hear proves nothing; counting resumes on reconnect
             for r in self.table.expire(time.monotonic()):
                 log.warning("gateway: replica %s/%s missed its heartbeats", r.hb.stage, r.hb.replica)
                 self._replica_gone(r, "stopped sending heartbeats")

@@ -1,0 +1,50 @@
+"""Fault 2: the nats-server restarts under steady load.
+
+Gateway and replicas reconnect by themselves; requests in flight end at once with a clear
+error (their outputs may have been lost with the server) or with their result; new requests
+succeed within 5 s of NATS coming back; nothing is left held afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from omni_cli.natsd import EmbeddedNats
+from tests.deployment import Deployment, SteadyLoad, ask
+from tests.faults.conftest import SHM_PREFIX
+from tests.helpers import replica_metric, shm_segments_in_use, wait_for
+
+BACK_WITHIN_S = 5.0
+
+
+def test_nats_restart_under_load(faults: Deployment, nats: EmbeddedNats) -> None:
+    base = faults.base
+    restarted: EmbeddedNats | None = None
+    try:
+        with SteadyLoad(base, workers=4) as load:
+            load.flowing()
+            nats.stop()
+            wait_for(lambda: httpx.get(f"{base}/health").status_code == 503, 10, "the gateway to notice")
+            restarted = EmbeddedNats(port=nats.port, monitor=True)
+            back = time.monotonic()
+            wait_for(lambda: ask(base, "probe", timeout=BACK_WITHIN_S) == "ok", BACK_WITHIN_S, "a request")
+            served_again_s = time.monotonic() - back
+            load.flowing()
+        failures = load.failures()
+        assert [f for f in failures if "NATS" not in f] == [], failures  # each one says why
+        assert load.results.count("ok") >= 6
+        for p in faults.stages.values():
+            assert "reconnected to NATS" in p.output()
+        for stage in ("thinker", "talker", "vocoder"):
+            wait_for(
+                lambda s=stage: replica_metric(base, s, "omni_stage_tracked_requests") == 0,
+                30,
+                f"{stage} to let go of every request",
+            )
+        wait_for(lambda: shm_segments_in_use(SHM_PREFIX) == [], 10, "no segment in use")
+        print(f"served again {served_again_s:.2f}s after NATS came back; {len(failures)} requests failed")
+    finally:
+        if restarted is not None:
+            restarted.stop()
