@@ -7,11 +7,33 @@ import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Final
 
 import httpx
 import openai
+from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import OmniProcess, decode_wav, start_gateway, start_stage, wait_for
+from tests.helpers import OmniProcess, decode_wav, get_json, start_gateway, start_stage, wait_for
+
+HELD: Final = (
+    "omni_gateway_tracked_requests",
+    "omni_stage_tracked_requests",
+    "omni_asyncio_tasks",
+    "omni_nats_subscriptions",
+    "omni_shm_segments",
+    "omni_mooncake_keys",
+)
+"""What a process holds per request; each returns to its idle value when requests end."""
+
+
+def metric_values(url: str, names: tuple[str, ...]) -> dict[str, float]:
+    text = httpx.get(url, timeout=5).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name in names:
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out
 
 
 @dataclass
@@ -28,6 +50,29 @@ class Deployment:
     def base(self) -> str:
         """The first gateway's base URL."""
         return self.gateways[0][1]
+
+    def metrics_urls(self) -> dict[str, str]:
+        """Every process's /metrics: each gateway's, and each live replica's (from the table)."""
+        urls = {f"gateway-{i}": f"{base}/metrics" for i, (_, base) in enumerate(self.gateways)}
+        for r in get_json(f"{self.base}/replicas")["replicas"]:
+            urls[f"{r['stage']}-{r['replica']}"] = f"http://127.0.0.1:{r['metrics_port']}/metrics"
+        return urls
+
+    def gauges(self, names: tuple[str, ...] = HELD) -> dict[str, dict[str, float]]:
+        """process -> {gauge: value} for the gauges named, each summed over its labels."""
+        return {proc: metric_values(url, names) for proc, url in self.metrics_urls().items()}
+
+    def settle(self, idle: dict[str, dict[str, float]], timeout: float = 30) -> None:
+        """Wait until every process holds what it held when `idle` was read."""
+        try:
+            wait_for(lambda: self.gauges() == idle, timeout, "every process to let go")
+        except AssertionError:
+            now = self.gauges()
+            diff = {
+                p: {k: (v, now.get(p, {}).get(k)) for k, v in g.items() if now.get(p, {}).get(k) != v}
+                for p, g in idle.items()
+            }
+            raise AssertionError(f"still held after {timeout}s, (idle, now): {diff}") from None
 
     def add_stage(self, stage: str, replica: str, wait: bool = False) -> OmniProcess:
         p = start_stage(

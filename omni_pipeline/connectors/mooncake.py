@@ -41,6 +41,18 @@ METADATA_ENV: Final = "OMNI_MOONCAKE_METADATA"
 BIND_ENV: Final = "MC_TCP_BIND_ADDRESS"
 _NOT_FOUND: Final = -704
 _HEALTH: Final = {0: "healthy", 1: "not initialised or closed", 2: "master unreachable"}
+_ERRORS: Final = {  # Mooncake's ErrorCode (types.h): the ones a transfer meets in practice
+    -200: "NO_AVAILABLE_HANDLE: no store server has room or is registered",
+    -704: "OBJECT_NOT_FOUND",
+    -707: "LEASE_EXPIRED",
+    -800: "TRANSFER_FAIL",
+    -900: "RPC_FAIL: the master did not answer (down or restarted)",
+    -901: "RPC_TIMEOUT",
+}
+
+
+def _error(code: int) -> str:
+    return f"code {code} ({_ERRORS[code]})" if code in _ERRORS else f"code {code}"
 
 
 @dataclass(frozen=True)
@@ -161,7 +173,7 @@ class MooncakeConnector(OmniConnector):
         finally:
             self._buffers.give(buf)
         if rc != 0:
-            raise ConnectorError(f"Mooncake put of {key} ({frame.size} bytes) failed with code {rc}")
+            raise ConnectorError(f"Mooncake put of {key} ({frame.size} bytes) failed with {_error(rc)}")
         with self._written_lock:
             self._written.add(key)
         return key
@@ -174,7 +186,7 @@ class MooncakeConnector(OmniConnector):
         buf = self._buffers.lease(handle.nbytes)
         n = self._store.store.get_into(key, buf.ctypes.data, handle.nbytes)
         if n != handle.nbytes:
-            raise ConnectorError(f"Mooncake get of {key} failed with code {n}")
+            raise ConnectorError(f"Mooncake get of {key} failed with {_error(n)}")
         rc = self._store.store.remove(key, True)  # forced: the fresh read lease would refuse it
         if rc not in (0, _NOT_FOUND):
             log.warning("Mooncake remove of %s failed with code %d; cleanup will retry", key, rc)

@@ -11,7 +11,7 @@ import pytest
 
 from omni_cli.mooncaked import LocalMooncake
 from omni_cli.natsd import EmbeddedNats
-from tests.deployment import Deployment, deploy
+from tests.deployment import Deployment, ask, deploy
 from tests.helpers import ROOT, our_shm_segments
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic-faults.yaml"
@@ -27,10 +27,13 @@ def nats() -> Iterator[EmbeddedNats]:
 
 @pytest.fixture
 def faults(nats: EmbeddedNats, mooncake: LocalMooncake, tmp_path: Path) -> Iterator[Deployment]:
-    """One replica per stage, one gateway; afterwards no segment of ours is left in /dev/shm."""
+    """One replica per stage, one gateway, warmed by one request (the first one makes what a
+    process keeps for good: NATS's reply subscription, pooled segments); afterwards no segment
+    of ours is left in /dev/shm."""
     env = {"OMNI_SHM_PREFIX": SHM_PREFIX}
     d = deploy(PIPELINE, {"thinker": 1, "talker": 1, "vocoder": 1}, 1, nats.url, ROOT, tmp_path, env)
     try:
+        assert ask(d.base, "warm up") == "ok"
         yield d
     finally:
         d.stop()

@@ -36,8 +36,7 @@ class LocalMooncake:
         self._logs: list[IO[str]] = []
         self._procs: list[subprocess.Popen[bytes]] = []
         try:
-            self._start(
-                log_dir / "mooncake_master.log",
+            self._master_cmd = (
                 bindir / "mooncake_master",
                 "--rpc_address=127.0.0.1",
                 f"--rpc_port={rpc}",
@@ -47,6 +46,7 @@ class LocalMooncake:
                 "--metrics_host=127.0.0.1",
                 f"--metrics_port={metrics}",
             )
+            self._start(log_dir / "mooncake_master.log", *self._master_cmd)
             self._wait(lambda: self.key_count() == 0, start_timeout_s, "mooncake_master to serve")
             self._start(
                 log_dir / "mooncake_store.log",
@@ -68,16 +68,27 @@ class LocalMooncake:
             self.stop()
             raise
 
+    def restart_master(self, start_timeout_s: float = 30.0) -> None:
+        """Kill mooncake_master and start it again on the same ports (a fault, for tests)."""
+        self._procs[0].kill()
+        self._procs[0].wait(10)
+        self._logs[0].close()
+        self._logs[0] = Path(self._logs[0].name).with_suffix(".restarted.log").open("w")
+        self._procs[0] = self._spawn(self._logs[0], *self._master_cmd)
+        self._wait(lambda: self.key_count() == 0, start_timeout_s, "mooncake_master to serve again")
+
     def _start(self, log: Path, binary: Path, *args: str) -> None:
         self._logs.append(fh := log.open("w"))
-        self._procs.append(
-            subprocess.Popen(
-                [str(binary), *args],
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                env={**os.environ, BIND_ENV: "127.0.0.1"},
-                preexec_fn=die_with_parent,
-            )
+        self._procs.append(self._spawn(fh, binary, *args))
+
+    @staticmethod
+    def _spawn(log: IO[str], binary: Path, *args: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            [str(binary), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, BIND_ENV: "127.0.0.1"},
+            preexec_fn=die_with_parent,
         )
 
     def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
