@@ -288,7 +288,9 @@ class PipelineClient:
             audio = payload.get("audio")
             if not isinstance(audio, torch.Tensor):
                 raise StageFailed(f"stage '{m.stage}' sent audio without samples")
-            return [AudioChunk(audio.float().reshape(-1).numpy(), int(payload.get("sample_rate", 24000)))]
+            # A copy: the payload is a view on a shm segment, which a slow client must not pin.
+            samples = audio.reshape(-1).float().numpy().copy()
+            return [AudioChunk(samples, int(payload.get("sample_rate", 24000)))]
         raise StageFailed(f"stage '{m.stage}': output kind '{m.kind}' is not served by this endpoint")
 
     async def _end(self, rid: str, completed: bool, reason: str) -> None:

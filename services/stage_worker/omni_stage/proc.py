@@ -71,7 +71,7 @@ class _Request:
     assembler: InputAssembler[Inbound]
     triggers: asyncio.Queue[Trigger[Inbound]] = field(default_factory=lambda: asyncio.Queue(MAX_TRIGGERS))
     sampling: dict[str, Any] = field(default_factory=dict)
-    task: asyncio.Task[None] | None = None
+    task: asyncio.Task[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -298,6 +298,9 @@ class StageWorker:
 
     def _start(self, st: _Request) -> None:
         st.task = asyncio.get_running_loop().create_task(self._serve(st), name=f"req-{st.ctx.request_id}")
+        # A done callback, not a finally: an abort may cancel the task before it ever ran, and
+        # then no line of `_serve` runs at all.
+        st.task.add_done_callback(lambda task: self._finished(st, task))
 
     async def _on_abort(self, msg: Msg) -> None:
         try:
@@ -324,14 +327,14 @@ class StageWorker:
 
     # --- one request -------------------------------------------------------------------------
 
-    async def _serve(self, st: _Request) -> None:
+    async def _serve(self, st: _Request) -> str:
+        """Run one request to its end; returns its outcome (`_finished` frees what it held)."""
         rid = st.ctx.request_id
         t0 = time.monotonic()
         seg = Segmenter(self.spec.max_segment_units, self.spec.flush_interval_ms / 1000)
         windows = {e.consumer: WindowState(e.window) for e in self.out_edges if e.consumer in st.ctx.route}
         engine_state: dict[str, Any] = {}
         emitted = _Emitted()
-        outcome = "aborted"
         try:
             async with asyncio.timeout(max(0.0, st.ctx.deadline - time.time())):
                 while True:
@@ -353,28 +356,37 @@ class StageWorker:
                 await self._emit(st, last, windows, emitted, t0, (finish, usage))
                 if self.spec.final_output is None and self.nc is not None:
                     await self.nc.publish(st.ctx.reply_to, pack(StageDone(rid, self.spec.name, self.replica)))
-            outcome = "ok"
             self.metrics.latency.observe(time.monotonic() - t0)
+            return "ok"
         except asyncio.CancelledError:
-            pass  # aborted (or shutting down); freed below
+            return "aborted"  # (or shutting down)
         except TimeoutError:
-            outcome = "timeout"
             await self._fail(st.ctx, f"stage '{self.spec.name}': request deadline exceeded", "timeout")
+            return "timeout"
+        except ConnectorError as exc:  # its message says it all (e.g. inputs freed by an abort)
+            log.warning("stage %s: request %s: %s", self.spec.name, rid, exc)
+            await self._fail(st.ctx, f"stage '{self.spec.name}': {exc}", "connector_error")
+            return "error"
         except Exception as exc:
-            outcome = "error"
             log.exception("stage %s: request %s failed", self.spec.name, rid)
             await self._fail(st.ctx, f"stage '{self.spec.name}': {type(exc).__name__}: {exc}", "stage_error")
+            return "error"
         finally:
             engine_state.clear()
-            if outcome != "ok":
-                self.core.abort(rid)
-                self._cleanup(rid)
-            self.metrics.outcome(outcome)
-            self.requests.pop(rid, None)
-            for nxt in self.core.release(rid):
-                if (s2 := self.requests.get(nxt)) is not None:
-                    self._start(s2)
-            self._wake_drain()
+
+    def _finished(self, st: _Request, task: asyncio.Task[str]) -> None:
+        """A request's task ended, whether or not it ever ran: free what the request held."""
+        rid = st.ctx.request_id
+        outcome = "aborted" if task.cancelled() else ("error" if task.exception() else task.result())
+        if outcome != "ok":
+            self.core.abort(rid)
+            self._cleanup(rid)
+        self.metrics.outcome(outcome)
+        self.requests.pop(rid, None)
+        for nxt in self.core.release(rid):
+            if (s2 := self.requests.get(nxt)) is not None:
+                self._start(s2)
+        self._wake_drain()
 
     def _fetch(self, st: _Request, trig: Trigger[Inbound]) -> dict[str, dict[str, Any]]:
         """Read each producer's payload through its edge's connector and run the edge processor."""
