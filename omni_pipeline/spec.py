@@ -212,6 +212,11 @@ class GatewaySpec(_Model):
     max_request_bytes: int = Field(
         default=16 << 20, ge=1024, description="Largest request body the gateway reads; larger ones get 413."
     )
+    max_tokens: int = Field(
+        default=32768,
+        ge=1,
+        description="Most tokens a request may ask for (max_tokens, max_completion_tokens); more gets 400.",
+    )
     api_keys_secret: str | None = Field(
         default=None,
         description="Kubernetes: a Secret whose `keys` entry (one key per line) the gateway requires as "

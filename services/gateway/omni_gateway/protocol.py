@@ -51,7 +51,7 @@ class ChatCompletionRequest(BaseModel):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
 

@@ -79,6 +79,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     svc = _service(request)
     if req.model != svc.spec.served_model_name:
         raise ModelNotFound(f"model '{req.model}' does not exist", param="model")
+    limit = svc.spec.gateway.max_tokens
+    if (asked := req.max_completion_tokens or req.max_tokens) is not None and asked > limit:
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        raise BadRequest(f"{param}: {asked} is more than this model's limit of {limit}", param=param)
     missing = req.wanted_outputs() - svc.spec.output_kinds()
     if missing:
         raise BadRequest(

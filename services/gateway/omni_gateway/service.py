@@ -24,7 +24,7 @@ import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from omni_gateway.errors import OmniError, Overloaded, StageFailed, Timeout, Unavailable
+from omni_gateway.errors import BadRequest, OmniError, Overloaded, StageFailed, Timeout, Unavailable
 from omni_gateway.replicas import Replica, ReplicaTable
 from omni_pipeline import wire
 from omni_pipeline.connectors import OmniConnector, build_connectors
@@ -186,8 +186,7 @@ class PipelineClient:
             for s in needed:
                 picked[s] = self.table.pick(s)
         except OmniError:
-            for s, r in picked.items():
-                self.table.release(s, r.hb.replica, r.hb.instance)
+            self._release(picked)
             raise
         tracked = _Tracked(
             rid,
@@ -198,6 +197,11 @@ class PipelineClient:
         ctx = RequestContext(
             rid, {s: r[0] for s, r in tracked.route.items()}, self.inbox, time.time() + remaining
         )
+        try:  # before anything is sent: what cannot travel is the client's error
+            request = pack(StageRequest(ctx, inputs, sampling))
+        except wire.WireError as exc:
+            self._release(picked)
+            raise BadRequest(f"the request cannot be sent on: {exc}") from None
         self.inflight[rid] = tracked
         completed = False
         reason = "the client went away"
@@ -206,9 +210,7 @@ class PipelineClient:
             # it, so a refusal (draining, full, gone) comes before any output.
             downstream = [s for s in needed if s not in self._sources]
             await self._reserve(ctx, downstream, pack(StageRequest(ctx, {}, {})))
-            await self._reserve(
-                ctx, [s for s in needed if s in self._sources], pack(StageRequest(ctx, inputs, sampling))
-            )
+            await self._reserve(ctx, [s for s in needed if s in self._sources], request)
             async with asyncio.timeout(remaining):
                 async for ev in self._events(tracked):
                     yield ev
@@ -221,6 +223,10 @@ class PipelineClient:
             raise
         finally:
             await self._end(rid, completed, reason)
+
+    def _release(self, picked: dict[str, Replica]) -> None:
+        for stage, r in picked.items():
+            self.table.release(stage, r.hb.replica, r.hb.instance)
 
     async def _reserve(self, ctx: RequestContext, stages: list[str], request: bytes) -> None:
         """Send the request to these stages' replicas and wait until every one has admitted it."""

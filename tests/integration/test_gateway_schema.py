@@ -1,0 +1,114 @@
+"""Property-based tests of the gateway against its own OpenAPI schema (schemathesis), with a
+real stage behind it on a real nats-server: whatever a client sends, valid by the schema or
+not, the answer is never a server error. Then the edge values that found real 500s before,
+each a clear OpenAI-style 400 naming the field.
+
+(schemathesis's pytest plugin does not run on pytest 9, so each operation's strategy is
+driven through hypothesis directly; the cases and the check are schemathesis's own.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis.errors import Unsatisfiable
+from schemathesis.checks import not_a_server_error
+
+from omni_cli.natsd import EmbeddedNats
+from tests.helpers import ROOT, start_gateway, start_stage, wait_for
+
+PIPELINE = ROOT / "tests" / "data" / "echo.yaml"
+EXAMPLES = 120
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("schema")
+    nats = EmbeddedNats()
+    stage = start_stage(PIPELINE, "echo", "0", nats.url, ROOT, logs)
+    gw, base = start_gateway(PIPELINE, nats.url, ROOT, logs)
+    try:
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "the stage registered")
+        yield base
+    finally:
+        for p in (gw, stage):
+            assert p.stop() == 0, p.output()[-2000:]
+        nats.stop()
+
+
+def _operations(base: str) -> dict[str, schemathesis.APIOperation]:
+    schema = schemathesis.openapi.from_url(f"{base}/openapi.json")
+    ops = [r.ok() for r in schema.get_all_operations()]
+    return {f"{op.method.upper()} {op.path}": op for op in ops}
+
+
+def test_the_schema_covers_the_api(gateway: str) -> None:
+    assert {"POST /v1/chat/completions", "GET /v1/models", "GET /health"} <= set(_operations(gateway))
+
+
+@pytest.mark.parametrize("mode", list(schemathesis.GenerationMode), ids=lambda m: m.value)
+def test_no_input_makes_a_server_error(
+    gateway: str, mode: schemathesis.GenerationMode, tmp_path: Path
+) -> None:
+    for name, op in _operations(gateway).items():
+
+        @given(case=op.as_strategy(generation_mode=mode))
+        @settings(
+            max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+        )
+        def never_a_server_error(case: schemathesis.Case) -> None:
+            response = case.call(base_url=gateway, timeout=30)
+            case.validate_response(response, checks=[not_a_server_error])
+
+        try:
+            never_a_server_error()
+        except Unsatisfiable:
+            assert mode is schemathesis.GenerationMode.NEGATIVE, name  # nothing to negate (no input)
+        except Exception as exc:
+            raise AssertionError(f"{name}: {exc}") from exc
+
+
+USER = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"seed": 2**70}, "seed", "less than 9223372036854775808"),
+        ({"max_tokens": 65}, "max_tokens", "65 is more than this model's limit of 64"),
+        ({"max_completion_tokens": 2**70}, "max_completion_tokens", "limit of 64"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "n": 2**80}]}]}, None, "sent on"),
+        ({"modalities": ["audio"], "audio": {"voice": "alloy"}}, "modalities", "cannot output ['audio']"),
+        ({"temperature": 3}, "temperature", "less than or equal to 2"),
+        ({"n": 2}, "n", "less than or equal to 1"),
+    ],
+    ids=[
+        "huge-seed",
+        "too-many-tokens",
+        "huge-max-tokens",
+        "unencodable-part",
+        "unknown-modality",
+        "hot",
+        "n",
+    ],
+)
+def test_edge_values_are_client_errors(
+    gateway: str, body: dict[str, object], param: str | None, says: str
+) -> None:
+    r = httpx.post(f"{gateway}/v1/chat/completions", json={"model": "echo", "messages": USER, **body})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and says in err["message"], err
+
+
+def test_non_json_numbers_are_client_errors(gateway: str) -> None:
+    body = b'{"model": "echo", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
+    r = httpx.post(
+        f"{gateway}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
