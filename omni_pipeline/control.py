@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import re
+import ssl
 import time
 from collections.abc import Callable
 from typing import Any, Final
@@ -26,6 +28,14 @@ from omni_pipeline.connectors.base import ConnectorHandle
 log = logging.getLogger(__name__)
 
 NATS_URL_ENV: Final = "OMNI_NATS_URL"
+"""The NATS URL; a token or user and password go in it (nats://TOKEN@host, nats://user:pw@host)."""
+NATS_CREDS_ENV: Final = "OMNI_NATS_CREDS"
+"""A NATS credentials file (JWT and NKey seed), for servers with decentralised auth."""
+NATS_TLS_CA_ENV: Final = "OMNI_NATS_TLS_CA"
+NATS_TLS_CERT_ENV: Final = "OMNI_NATS_TLS_CERT"
+NATS_TLS_KEY_ENV: Final = "OMNI_NATS_TLS_KEY"
+"""PEM files: the CA that signed the server's certificate; our client certificate and key
+(mutual TLS). Any of them turns TLS on."""
 HEARTBEAT_INTERVAL_S: Final = 1.0
 HEARTBEAT_MISSES: Final = 3
 NATS_WAIT_LOG_EVERY_S: Final = 5.0
@@ -201,6 +211,33 @@ def resolve_nats_url(url: str | None) -> str:
     return url
 
 
+def nats_security() -> dict[str, Any]:
+    """nats.connect options from the environment: a credentials file, TLS. Missing or unreadable
+    files are a ControlError, said in one line before any connection is tried."""
+    env = {
+        k: os.environ.get(k, "")
+        for k in (NATS_CREDS_ENV, NATS_TLS_CA_ENV, NATS_TLS_CERT_ENV, NATS_TLS_KEY_ENV)
+    }
+    for name, path in env.items():
+        if path and not os.access(path, os.R_OK):
+            raise ControlError(f"{name}={path}: no such readable file")
+    opts: dict[str, Any] = {}
+    if creds := env[NATS_CREDS_ENV]:
+        opts["user_credentials"] = creds
+    ca, cert, key = env[NATS_TLS_CA_ENV], env[NATS_TLS_CERT_ENV], env[NATS_TLS_KEY_ENV]
+    if ca or cert:
+        try:
+            tls = ssl.create_default_context(cafile=ca or None)
+            if cert:
+                tls.load_cert_chain(cert, key or None)
+        except (ssl.SSLError, ValueError) as exc:
+            raise ControlError(f"NATS TLS files ({ca or '-'}, {cert or '-'}, {key or '-'}): {exc}") from None
+        opts["tls"] = tls
+    elif key:
+        raise ControlError(f"{NATS_TLS_KEY_ENV} is set without {NATS_TLS_CERT_ENV}")
+    return opts
+
+
 async def connect_nats(
     url: str,
     name: str,
@@ -220,6 +257,7 @@ async def connect_nats(
     is back.
     """
     resolve_nats_url(url)
+    security = nats_security()
     client: list[NatsClient] = []
     last_warning = [-NATS_WAIT_LOG_EVERY_S]
 
@@ -255,6 +293,7 @@ async def connect_nats(
             disconnected_cb=on_disconnect,
             reconnected_cb=on_reconnect,
             error_cb=on_error,
+            **security,
         )
 
     attempt = asyncio.ensure_future(connect())

@@ -195,8 +195,31 @@ class SecretKeyRef(_Model):
 class NatsSpec(_Model):
     url: str = Field(default="", description="NATS URL; empty in SingleNode starts an embedded server.")
     url_secret: SecretKeyRef | None = Field(
-        default=None, description="Read the NATS URL (with credentials) from this Secret instead."
+        default=None,
+        description="Read the NATS URL from this Secret instead: with a token or user and password in "
+        "it (nats://TOKEN@host:4222, nats://user:password@host:4222).",
     )
+    creds_secret: str | None = Field(
+        default=None,
+        description="Kubernetes: a Secret whose `creds` entry is a NATS credentials file (JWT and NKey). "
+        "Elsewhere: OMNI_NATS_CREDS.",
+    )
+    tls_secret: str | None = Field(
+        default=None,
+        description="Kubernetes: a Secret whose `ca.crt` signed the NATS server's certificate (as "
+        "cert-manager writes them). Elsewhere: OMNI_NATS_TLS_CA.",
+    )
+    tls_client_cert: bool = Field(
+        default=False,
+        description="Mutual TLS: tlsSecret also holds our client certificate, `tls.crt` and `tls.key`. "
+        "Elsewhere: OMNI_NATS_TLS_CERT and OMNI_NATS_TLS_KEY.",
+    )
+
+    @model_validator(mode="after")
+    def _client_cert_needs_secret(self) -> NatsSpec:
+        if self.tls_client_cert and self.tls_secret is None:
+            raise ValueError("tlsClientCert needs tlsSecret")
+        return self
 
 
 API_KEYS_ENV: Final = "OMNI_API_KEYS"
@@ -224,8 +247,9 @@ class GatewaySpec(_Model):
     )
 
 
-RESERVED_VOLUMES: Final = frozenset({"pipeline", "dshm", "api-keys"})
-"""Volumes rendered pods already have: the pipeline ConfigMap, /dev/shm, the gateway's API keys."""
+RESERVED_VOLUMES: Final = frozenset({"pipeline", "dshm", "api-keys", "nats-creds", "nats-tls"})
+"""Volumes rendered pods may already have: the pipeline ConfigMap, /dev/shm, the gateway's API
+keys, NATS credentials and TLS files."""
 
 
 class PodsSpec(_Model):

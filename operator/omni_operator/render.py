@@ -18,13 +18,20 @@ from typing import Any, Final
 import yaml
 
 from omni_pipeline.connectors.mooncake import MASTER_ENV, METADATA_ENV
-from omni_pipeline.control import NATS_URL_ENV
+from omni_pipeline.control import (
+    NATS_CREDS_ENV,
+    NATS_TLS_CA_ENV,
+    NATS_TLS_CERT_ENV,
+    NATS_TLS_KEY_ENV,
+    NATS_URL_ENV,
+)
 from omni_pipeline.spec import API_KEYS_FILE_ENV, REQUEST_SOURCE, ConnectorKind, Mode, PipelineFile, StageSpec
 
 DEFAULT_IMAGE: Final = "ghcr.io/omni-pipeline/omni-pipeline:0.1.0"
 PIPELINE_DIR: Final = "/etc/omni"
 PIPELINE_PATH: Final = f"{PIPELINE_DIR}/pipeline.yaml"
-API_KEYS_DIR: Final = "/var/run/omni/api-keys"
+SECRETS_DIR: Final = "/var/run/omni"
+"""Where Secrets the pods read as files are mounted, one directory per volume."""
 HEALTH_PORT: Final = 9090
 GPU_RESOURCE: Final = "nvidia.com/gpu"
 INSTANCE_LABEL: Final = "app.kubernetes.io/instance"
@@ -225,16 +232,40 @@ def _pod(
     return {"metadata": meta, "spec": spec}
 
 
+def _with_secret_files(
+    pod: dict[str, Any], volume: str, secret: str, files: dict[str, str]
+) -> dict[str, Any]:
+    """Mount `files` (Secret key -> the env var that names its path) of `secret` read-only
+    under /var/run/omni/<volume>."""
+    directory = f"{SECRETS_DIR}/{volume}"
+    container = pod["spec"]["containers"][0]
+    container["env"].extend({"name": k, "value": f"{directory}/{key}"} for key, k in files.items())
+    container["volumeMounts"].append({"name": volume, "mountPath": directory, "readOnly": True})
+    items = [{"key": key, "path": key} for key in files]
+    pod["spec"]["volumes"].append(
+        {"name": volume, "secret": {"secretName": secret, "items": items, "defaultMode": 0o440}}
+    )
+    return pod
+
+
+def _with_nats_secrets(p: PipelineFile, pod: dict[str, Any]) -> dict[str, Any]:
+    """Every pod talks to NATS: the credentials file and TLS files of spec.nats, if any."""
+    nats = p.spec.nats
+    if nats.creds_secret is not None:
+        _with_secret_files(pod, "nats-creds", nats.creds_secret, {"creds": NATS_CREDS_ENV})
+    if nats.tls_secret is not None:
+        files = {"ca.crt": NATS_TLS_CA_ENV}
+        if nats.tls_client_cert:
+            files |= {"tls.crt": NATS_TLS_CERT_ENV, "tls.key": NATS_TLS_KEY_ENV}
+        _with_secret_files(pod, "nats-tls", nats.tls_secret, files)
+    return pod
+
+
 def _with_api_keys(p: PipelineFile, pod: dict[str, Any]) -> dict[str, Any]:
     """The gateway's pod reads its API keys from spec.gateway.apiKeysSecret's `keys` entry."""
     if (secret := p.spec.gateway.api_keys_secret) is None:
         return pod
-    container = pod["spec"]["containers"][0]
-    container["env"].append({"name": API_KEYS_FILE_ENV, "value": f"{API_KEYS_DIR}/keys"})
-    container["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
-    secret_volume = {"secretName": secret, "items": [{"key": "keys", "path": "keys"}], "defaultMode": 0o440}
-    pod["spec"]["volumes"].append({"name": "api-keys", "secret": secret_volume})
-    return pod
+    return _with_secret_files(pod, "api-keys", secret, {"keys": API_KEYS_FILE_ENV})
 
 
 def _deployment(
@@ -309,7 +340,14 @@ def _stage(
     )
     replicas = None if stage.autoscaling is not None else stage.replicas
     out = [
-        _deployment(names, name, component, namespace, replicas, _pod(p, names, component, container, stage)),
+        _deployment(
+            names,
+            name,
+            component,
+            namespace,
+            replicas,
+            _with_nats_secrets(p, _pod(p, names, component, container, stage)),
+        ),
         _service(names, name, component, namespace, HEALTH_PORT, headless=True),
     ]
     if (a := stage.autoscaling) is not None:
@@ -341,7 +379,7 @@ def _gateway(p: PipelineFile, names: Names, namespace: str, image: str) -> list[
     port = p.spec.gateway.port or 8000
     args = ["gateway", "--pipeline", PIPELINE_PATH, "--host", "0.0.0.0", "--port", str(port)]
     container = _container(p, "gateway", image, args, port, "/health/live", "/health", {})
-    pod = _with_api_keys(p, _pod(p, names, "gateway", container, None))
+    pod = _with_api_keys(p, _with_nats_secrets(p, _pod(p, names, "gateway", container, None)))
     return [
         _deployment(names, names.gateway, "gateway", namespace, p.spec.gateway.replicas, pod),
         _service(names, names.gateway, "gateway", namespace, port, headless=False),
@@ -355,7 +393,7 @@ def _single_node(p: PipelineFile, names: Names, namespace: str, image: str) -> l
     container = _container(
         p, "omni", image, args, port, "/health/live", "/health", _resources(gpus, None, None)
     )
-    pod = _with_api_keys(p, _pod(p, names, "single-node", container, None))
+    pod = _with_api_keys(p, _with_nats_secrets(p, _pod(p, names, "single-node", container, None)))
     return [
         _deployment(names, names.single_node, "single-node", namespace, 1, pod),
         _service(names, names.single_node, "single-node", namespace, port, headless=False),

@@ -11,13 +11,20 @@ from pathlib import Path
 from typing import Any
 
 from omni_pipeline.connectors import ConnectorError
-from omni_pipeline.control import NATS_URL_ENV, ControlError, resolve_nats_url
+from omni_pipeline.control import NATS_URL_ENV, ControlError, nats_security, resolve_nats_url
 from omni_pipeline.logs import configure_logging
 from omni_pipeline.spec import PipelineFile, SpecError, load_pipeline
 
 
 def _nats_url(arg: str | None, pipeline: PipelineFile) -> str | None:
     return arg or os.environ.get(NATS_URL_ENV) or pipeline.spec.nats.url or None
+
+
+def _checked_nats_url(arg: str | None, pipeline: PipelineFile) -> str:
+    """The NATS URL and security settings, checked before anything starts (ControlError)."""
+    url = resolve_nats_url(_nats_url(arg, pipeline))
+    nats_security()
+    return url
 
 
 def _log_ready(what: str) -> Callable[[dict[str, Any]], None]:
@@ -30,7 +37,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     pipeline = load_pipeline(a.pipeline)
     url = _nats_url(a.nats, pipeline)
     if url:
-        resolve_nats_url(url)
+        _checked_nats_url(url, pipeline)
     port = a.port if a.port is not None else pipeline.spec.gateway.port
     return Supervisor(pipeline, a.pipeline, a.host, port, url).run()
 
@@ -41,7 +48,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
     pipeline = load_pipeline(a.pipeline)
     if a.stage not in {s.name for s in pipeline.spec.stages}:
         raise SpecError(f"{a.pipeline}: no stage named '{a.stage}'")
-    url = resolve_nats_url(_nats_url(a.nats, pipeline))
+    url = _checked_nats_url(a.nats, pipeline)
     run_stage(
         _log_ready(f"stage {a.stage}/{a.replica_id}"),
         pipeline,
@@ -59,7 +66,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     from omni_gateway.guards import ApiKeyError
 
     pipeline = load_pipeline(a.pipeline)
-    url = resolve_nats_url(_nats_url(a.nats, pipeline))
+    url = _checked_nats_url(a.nats, pipeline)
     port = a.port if a.port is not None else pipeline.spec.gateway.port
     try:
         run_gateway(_log_ready("gateway"), pipeline, url, a.host, port, wait_for_stages=False)

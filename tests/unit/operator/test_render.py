@@ -219,3 +219,27 @@ def test_api_keys_reach_only_the_gateway_and_probes_need_none() -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     talker = container(deployments["tiny-omni-talker"])
     assert "OMNI_API_KEYS_FILE" not in {e["name"] for e in talker["env"]}
+
+
+@pytest.mark.parametrize("client_cert", [False, True], ids=["tls", "mutual-tls"])
+def test_nats_credentials_and_tls_reach_every_pod(client_cert: bool) -> None:
+    def secure(spec: dict[str, Any]) -> None:
+        spec["nats"].update(credsSecret="nats-creds", tlsSecret="nats-tls", tlsClientCert=client_cert)
+
+    for p in (pipeline(secure), pipeline(secure, ROOT / "examples" / "tiny-omni.yaml")):
+        for dep in by_kind(render(p, namespace="omni"), "Deployment").values():
+            kubernetes_validate.validate(dep, "1.33", strict=True)
+            c = container(dep)
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+            volumes = {
+                v["name"]: v["secret"] for v in dep["spec"]["template"]["spec"]["volumes"] if "secret" in v
+            }
+            assert env["OMNI_NATS_CREDS"] == f"{mounts['nats-creds']}/creds"
+            assert env["OMNI_NATS_TLS_CA"] == f"{mounts['nats-tls']}/ca.crt"
+            assert ("OMNI_NATS_TLS_CERT" in env) is client_cert and (
+                "OMNI_NATS_TLS_KEY" in env
+            ) is client_cert
+            keys = [i["key"] for i in volumes["nats-tls"]["items"]]
+            assert keys == (["ca.crt", "tls.crt", "tls.key"] if client_cert else ["ca.crt"])
+            assert volumes["nats-creds"]["secretName"] == "nats-creds"

@@ -1,0 +1,173 @@
+"""NATS authentication and TLS, passed through to a real nats-server that requires them: a
+token or user and password in the URL, TLS with our CA, mutual TLS with a client certificate.
+A client without the right secret never gets in; one with a bad setting stops in one line.
+
+(Credentials files go to nats-py as `user_credentials` the same way; exercising them needs an
+operator-mode server with minted JWTs, which this suite does not build.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import subprocess
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from omni_cli.natsd import EmbeddedNats
+from omni_pipeline.control import ControlError, connect_nats
+from tests.helpers import OMNI, ROOT, start_gateway, start_stage, wait_for
+
+PIPELINE = ROOT / "tests" / "data" / "echo.yaml"
+
+
+def _issue(
+    name: str, issuer: tuple[x509.Name, ec.EllipticCurvePrivateKey] | None, ca: bool = False
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    issuer_name, issuer_key = issuer or (subject, key)
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(issuer_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
+    if not ca:
+        san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+        builder = builder.add_extension(san, critical=False)
+    return key, builder.sign(issuer_key, hashes.SHA256())
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, as PEM files."""
+    d = tmp_path_factory.mktemp("pki")
+    ca_key, ca = _issue("omni test CA", None, ca=True)
+    files: dict[str, Path] = {}
+    for name, (key, cert) in {
+        "ca": (ca_key, ca),
+        "server": _issue("nats", (ca.subject, ca_key)),
+        "client": _issue("omni", (ca.subject, ca_key)),
+    }.items():
+        files[f"{name}.crt"] = d / f"{name}.crt"
+        files[f"{name}.crt"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        files[f"{name}.key"] = d / f"{name}.key"
+        files[f"{name}.key"].write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+            )
+        )
+    return files
+
+
+def _server(
+    mode: str, pki: dict[str, Path], more: tuple[str, ...] = ()
+) -> tuple[EmbeddedNats, str, dict[str, str]]:
+    """A nats-server requiring `mode`; the URL and environment a client that may enter uses."""
+    tls = ("--tls", "--tlscert", str(pki["server.crt"]), "--tlskey", str(pki["server.key"]))
+    ca_env = {"OMNI_NATS_TLS_CA": str(pki["ca.crt"])}
+    if mode == "token":
+        s = EmbeddedNats(args=("--auth", "s3cret-token"))
+        return s, s.url.replace("nats://", "nats://s3cret-token@"), {}
+    if mode == "user-password":
+        s = EmbeddedNats(args=("--user", "omni", "--pass", "pa55word"))
+        return s, s.url.replace("nats://", "nats://omni:pa55word@"), {}
+    if mode == "tls":
+        s = EmbeddedNats(args=tls)
+        return s, s.url.replace("nats://", "tls://"), ca_env
+    assert mode == "mutual-tls"
+    s = EmbeddedNats(args=(*tls, "--tlsverify", "--tlscacert", str(pki["ca.crt"]), *more))
+    client = {"OMNI_NATS_TLS_CERT": str(pki["client.crt"]), "OMNI_NATS_TLS_KEY": str(pki["client.key"])}
+    return s, s.url.replace("nats://", "tls://"), {**ca_env, **client}
+
+
+async def _round_trip(url: str, retry_for_s: float = 10) -> bytes:
+    nc = await connect_nats(url, "security-test", retry_for_s=retry_for_s)
+    assert nc is not None
+    try:
+        sub = await nc.subscribe("omni.security.echo")
+        await nc.publish("omni.security.echo", b"through")
+        return (await sub.next_msg(timeout=5)).data
+    finally:
+        await nc.close()
+
+
+MODES = ["token", "user-password", "tls", "mutual-tls"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_right_secret_gets_in_and_no_other(
+    mode: str, pki: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server, url, env = _server(mode, pki)
+    try:
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert asyncio.run(_round_trip(url)) == b"through"
+        # Without the secret: a wrong token or password, no CA, no client certificate.
+        wrong_url = url.replace("s3cret-token", "guess").replace("pa55word", "guess")
+        wrong_env = {k: v for k, v in env.items() if k == "OMNI_NATS_TLS_CA" and mode == "mutual-tls"}
+        for k in env:
+            monkeypatch.delenv(k)
+        for k, v in wrong_env.items():
+            monkeypatch.setenv(k, v)
+        with pytest.raises(ControlError, match="unreachable"):
+            asyncio.run(_round_trip(wrong_url, retry_for_s=3))
+    finally:
+        server.stop()
+
+
+def test_a_pipeline_serves_over_mutual_tls_with_a_password(pki: dict[str, Path], tmp_path: Path) -> None:
+    server, url, env = _server("mutual-tls", pki, ("--user", "u", "--pass", "p"))
+    url = url.replace("tls://", "tls://u:p@")
+    stage = start_stage(PIPELINE, "echo", "0", url, ROOT, tmp_path, env)
+    gw, base = start_gateway(PIPELINE, url, ROOT, tmp_path, env=env)
+    try:
+        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "the stage registered")
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+        r = client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}])
+        assert r.choices[0].message.content == "tok0 tok1 tok2 "
+    finally:
+        for p in (gw, stage):
+            assert p.stop() == 0, p.output()[-2000:]
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        (
+            {"OMNI_NATS_TLS_CA": "/nonexistent/ca.crt"},
+            "OMNI_NATS_TLS_CA=/nonexistent/ca.crt: no such readable file",
+        ),
+        ({"OMNI_NATS_CREDS": "/nonexistent/user.creds"}, "OMNI_NATS_CREDS=/nonexistent/user.creds: no such"),
+        ({"OMNI_NATS_TLS_CA": str(PIPELINE)}, "NATS TLS files"),
+    ],
+    ids=["missing-ca", "missing-creds", "not-a-certificate"],
+)
+def test_bad_security_settings_stop_a_stage_in_one_line(env: dict[str, str], says: str) -> None:
+    args = ["stage", "--pipeline", str(PIPELINE), "--stage", "echo", "--nats", "nats://127.0.0.1:1"]
+    out = subprocess.run(
+        [*OMNI, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, **env},
+    )
+    assert out.returncode == 2, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and says in out.stderr, out.stderr
