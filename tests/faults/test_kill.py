@@ -8,9 +8,11 @@ Mooncake.
 
 from __future__ import annotations
 
+import collections
 import os
 import re
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,9 +35,17 @@ SERVES_AGAIN_S = 10.0
 
 
 def _serves_again(base: str) -> None:
+    t0 = time.monotonic()
     wait_for(
         lambda: ask(base, "probe", timeout=SERVES_AGAIN_S) == "ok", SERVES_AGAIN_S, "the pipeline to serve"
     )
+    print(f"served again {time.monotonic() - t0:.2f}s after the kill")
+
+
+def _report(load: SteadyLoad) -> None:
+    """Failures by kind: requests the dead replica held, and ones refused while it was away."""
+    kinds = collections.Counter("refused" if "no live replica" in f else "lost" for f in load.failures())
+    print(f"{len(load.results)} requests: {dict(kinds)}")
 
 
 def test_single_node_supervisor_restarts_a_killed_stage(tmp_path: Path) -> None:
@@ -57,6 +67,7 @@ def test_single_node_supervisor_restarts_a_killed_stage(tmp_path: Path) -> None:
             _serves_again(base)
             load.flowing()
         assert all("stage 'talker'" in r for r in load.failures()), load.failures()
+        _report(load)
         assert load.results.count("ok") >= 6
         assert "talker-0 died" in serve.output()
         [restarted] = replicas(base, "talker")
@@ -93,6 +104,7 @@ def test_distributed_survivors_take_over(two_talkers: Deployment, mooncake: Loca
         load.flowing()
     assert all("stage 'talker' replica b" in r for r in load.failures()), load.failures()
     assert len(load.failures()) <= 4  # at most what talker b held at once
+    _report(load)
     wait_for(lambda: [r["replica"] for r in replicas(base, "talker")] == ["a"], 30, "b to leave the table")
     wait_for(lambda: mooncake.key_count() == 0, 30, "the dead talker's inputs to be freed")
     assert our_shm_segments() == []

@@ -41,7 +41,8 @@ def test_nats_restart_under_load(faults: Deployment, nats: EmbeddedNats, mooncak
             assert "reconnected to NATS" in p.output()
         faults.settle(idle)
         assert shm_segments_in_use(SHM_PREFIX) == [] and mooncake.key_count() == 0
-        print(f"served again {served_again_s:.2f}s after NATS came back; {len(failures)} requests failed")
+        print(f"served again {served_again_s:.2f}s after NATS came back")
+        print(f"{len(failures)} of {len(load.results)} requests failed")
     finally:
         if restarted is not None:
             restarted.stop()

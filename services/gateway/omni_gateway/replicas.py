@@ -70,7 +70,7 @@ class ReplicaTable:
     def pick(self, stage: str) -> Replica:
         live = [r for r in self._by_stage.get(stage, {}).values() if not r.hb.draining]
         if not live:
-            raise Unavailable(f"stage '{stage}' has no live replica")
+            raise Unavailable(f"stage '{stage}' has no live replica", headers={"Retry-After": "1"})
         open_ = [r for r in live if r.room]
         if not open_:
             raise Overloaded(f"every replica of stage '{stage}' is full", headers={"Retry-After": "1"})
