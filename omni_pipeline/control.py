@@ -41,6 +41,10 @@ HEARTBEAT_MISSES: Final = 3
 NATS_WAIT_LOG_EVERY_S: Final = 5.0
 """A replica not heard from for this many intervals is gone."""
 
+NATS_LOST: Final = "nats_disconnected"
+"""ErrorMsg code: a process lost NATS while serving the request, so some of its messages may be
+gone; the request ends at once rather than at its deadline."""
+
 _TOKEN: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -261,14 +265,14 @@ async def connect_nats(
     client: list[NatsClient] = []
     last_warning = [-NATS_WAIT_LOG_EVERY_S]
 
-    async def on_disconnect() -> None:
+    async def disconnected() -> None:
         if client and (client[0].is_closed or client[0].is_draining):
             return  # we are closing it ourselves
         log.warning("%s: disconnected from NATS at %s", name, url)
         if on_disconnect is not None:
             on_disconnect()
 
-    async def on_reconnect() -> None:
+    async def reconnected() -> None:
         log.info("%s: reconnected to NATS", name)
         if on_reconnect is not None:
             on_reconnect()
@@ -290,8 +294,8 @@ async def connect_nats(
             allow_reconnect=True,
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,
-            disconnected_cb=on_disconnect,
-            reconnected_cb=on_reconnect,
+            disconnected_cb=disconnected,
+            reconnected_cb=reconnected,
             error_cb=on_error,
             **security,
         )

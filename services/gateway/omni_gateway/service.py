@@ -30,6 +30,7 @@ from omni_pipeline import wire
 from omni_pipeline.connectors import OmniConnector, build_connectors
 from omni_pipeline.control import (
     HEARTBEAT_INTERVAL_S,
+    NATS_LOST,
     AbortMsg,
     Admitted,
     ErrorMsg,
@@ -54,7 +55,6 @@ ADMIT_TIMEOUT_S: Final = 5.0
 MAX_ATTEMPTS: Final = 2
 RETRYABLE: Final = frozenset({"replica_lost", "draining", "full"})
 """Errors that say where a request went, not what it is: another replica may well serve it."""
-NATS_LOST: Final = "nats_disconnected"
 EVENT_QUEUE: Final = 1024
 """Outputs one request may have waiting for its client; a client this far behind is dropped."""
 

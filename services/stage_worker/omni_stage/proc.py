@@ -29,6 +29,7 @@ from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError, OmniConnector, build_connectors, check_request_id
 from omni_pipeline.control import (
     HEARTBEAT_INTERVAL_S,
+    NATS_LOST,
     AbortMsg,
     Admitted,
     ErrorMsg,
@@ -112,6 +113,7 @@ class StageWorker:
         self.metrics_port = 0
         self._stop = asyncio.Event()
         self._drained = asyncio.Event()
+        self._notices: set[asyncio.Task[None]] = set()  # error notices waiting for NATS to return
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -137,7 +139,12 @@ class StageWorker:
         try:
             log.info("stage %s/%s: loading engine %s", self.spec.name, self.replica, self.spec.engine.kind)
             await self.engine.start()
-            nc = await connect_nats(self.nats_url, f"stage-{self.spec.name}-{self.replica}", stop=self._stop)
+            nc = await connect_nats(
+                self.nats_url,
+                f"stage-{self.spec.name}-{self.replica}",
+                stop=self._stop,
+                on_disconnect=self._on_nats_lost,
+            )
             if nc is None:
                 log.info("stage %s/%s: stopped before NATS was reachable", self.spec.name, self.replica)
                 return
@@ -226,6 +233,22 @@ class StageWorker:
         if self.nc is not None and self.nc.is_connected:
             with contextlib.suppress(Exception):
                 await self.nc.publish(self.subjects.heartbeat, pack(hb))
+
+    def _on_nats_lost(self) -> None:
+        """What we sent just before the drop may be lost, so no request we hold can be trusted to
+        finish: end each now (its error goes out once NATS is back), not at its deadline."""
+        held = [st.ctx for st in self.requests.values()]
+        why = f"stage '{self.spec.name}' replica {self.replica} lost its connection to NATS"
+        for ctx in held:
+            self._abort(ctx.request_id)
+        if held:
+            task = asyncio.get_running_loop().create_task(self._fail_all(held, why))
+            self._notices.add(task)
+            task.add_done_callback(self._notices.discard)
+
+    async def _fail_all(self, held: list[RequestContext], why: str) -> None:
+        for ctx in held:
+            await self._fail(ctx, f"{why} while serving this request", NATS_LOST)
 
     # --- inbound -----------------------------------------------------------------------------
 
