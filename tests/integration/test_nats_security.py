@@ -1,20 +1,24 @@
 """NATS authentication and TLS, passed through to a real nats-server that requires them: a
-token or user and password in the URL, TLS with our CA, mutual TLS with a client certificate.
-A client without the right secret never gets in; one with a bad setting stops in one line.
-
-(Credentials files go to nats-py as `user_credentials` the same way; exercising them needs an
-operator-mode server with minted JWTs, which this suite does not build.)
+token or user and password in the URL, a credentials file (an operator-mode server trusting
+JWTs minted here with nkeys), TLS with our CA, mutual TLS with a client certificate. A client
+without the right secret never gets in; one with a bad setting stops in one line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import datetime
+import hashlib
 import ipaddress
+import json
+import os
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
+import nkeys
 import openai
 import pytest
 from cryptography import x509
@@ -74,6 +78,53 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return files
 
 
+def _jwt(issuer: nkeys.KeyPair, subject: nkeys.KeyPair, name: str, nats: dict[str, object]) -> str:
+    """A NATS JWT (ed25519-nkey) that `issuer` signs for `subject`."""
+
+    def b64(data: bytes) -> str:
+        return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+    claims = {"iat": int(time.time()), "iss": issuer.public_key.decode(), "name": name}
+    claims |= {"sub": subject.public_key.decode(), "nats": nats}
+    claims["jti"] = base64.b32encode(hashlib.sha256(json.dumps(claims).encode()).digest()).decode()
+    header = {"typ": "JWT", "alg": "ed25519-nkey"}
+    signed = f"{b64(json.dumps(header).encode())}.{b64(json.dumps(claims).encode())}"
+    return f"{signed}.{b64(issuer.sign(signed.encode()))}"
+
+
+def _keypair(prefix: int) -> tuple[nkeys.KeyPair, bytes]:
+    seed = nkeys.encode_seed(os.urandom(32), prefix)
+    return nkeys.from_seed(seed), seed
+
+
+def _operator_mode(d: Path) -> tuple[tuple[str, ...], Path, Path]:
+    """nats-server args trusting one operator and its account; a user's creds file signed by that
+    account, and one signed by an account the server does not know."""
+    op, _ = _keypair(nkeys.PREFIX_BYTE_OPERATOR)
+    (d / "operator.jwt").write_text(_jwt(op, op, "operator", {"type": "operator", "version": 2}))
+    unlimited = {"subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1, "conn": -1, "leaf": -1}
+    creds = []
+    for name in ("trusted", "stranger"):
+        account, _ = _keypair(nkeys.PREFIX_BYTE_ACCOUNT)
+        account_jwt = _jwt(op, account, name, {"type": "account", "version": 2, "limits": unlimited})
+        user, seed = _keypair(nkeys.PREFIX_BYTE_USER)
+        user_jwt = _jwt(
+            account, user, "omni", {"type": "user", "version": 2, "subs": -1, "data": -1, "payload": -1}
+        )
+        (path := d / f"{name}.creds").write_text(
+            f"-----BEGIN NATS USER JWT-----\n{user_jwt}\n------END NATS USER JWT------\n\n"
+            f"-----BEGIN USER NKEY SEED-----\n{seed.decode()}\n------END USER NKEY SEED------\n"
+        )
+        creds.append(path)
+        if name == "trusted":
+            trusted_account = f"{account.public_key.decode()}: {json.dumps(account_jwt)}"
+    (d / "server.conf").write_text(
+        f"operator: {json.dumps(str(d / 'operator.jwt'))}\nresolver: MEMORY\n"
+        f"resolver_preload: {{ {trusted_account} }}\n"
+    )
+    return ("-c", str(d / "server.conf")), creds[0], creds[1]
+
+
 def _server(
     mode: str, pki: dict[str, Path], more: tuple[str, ...] = ()
 ) -> tuple[EmbeddedNats, str, dict[str, str]]:
@@ -86,6 +137,10 @@ def _server(
     if mode == "user-password":
         s = EmbeddedNats(args=("--user", "omni", "--pass", "pa55word"))
         return s, s.url.replace("nats://", "nats://omni:pa55word@"), {}
+    if mode == "creds":
+        args, trusted, _ = _operator_mode(pki["ca.crt"].parent)
+        s = EmbeddedNats(args=args)
+        return s, s.url, {"OMNI_NATS_CREDS": str(trusted)}
     if mode == "tls":
         s = EmbeddedNats(args=tls)
         return s, s.url.replace("nats://", "tls://"), ca_env
@@ -106,7 +161,7 @@ async def _round_trip(url: str, retry_for_s: float = 10) -> bytes:
         await nc.close()
 
 
-MODES = ["token", "user-password", "tls", "mutual-tls"]
+MODES = ["token", "user-password", "creds", "tls", "mutual-tls"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -121,6 +176,8 @@ def test_the_right_secret_gets_in_and_no_other(
         # Without the secret: a wrong token or password, no CA, no client certificate.
         wrong_url = url.replace("s3cret-token", "guess").replace("pa55word", "guess")
         wrong_env = {k: v for k, v in env.items() if k == "OMNI_NATS_TLS_CA" and mode == "mutual-tls"}
+        if mode == "creds":  # a well-formed credentials file of an account this server does not trust
+            wrong_env = {"OMNI_NATS_CREDS": env["OMNI_NATS_CREDS"].replace("trusted", "stranger")}
         for k in env:
             monkeypatch.delenv(k)
         for k, v in wrong_env.items():
