@@ -229,7 +229,7 @@ def _pod(
         if stage.affinity:
             spec["affinity"] = dict(stage.affinity)
     meta = {"labels": names.labels(component), "annotations": {CONFIG_HASH_ANNOTATION: config_hash(p)}}
-    return {"metadata": meta, "spec": spec}
+    return _with_nats_secrets(p, {"metadata": meta, "spec": spec})
 
 
 def _with_secret_files(
@@ -346,7 +346,7 @@ def _stage(
             component,
             namespace,
             replicas,
-            _with_nats_secrets(p, _pod(p, names, component, container, stage)),
+            _pod(p, names, component, container, stage),
         ),
         _service(names, name, component, namespace, HEALTH_PORT, headless=True),
     ]
@@ -379,7 +379,7 @@ def _gateway(p: PipelineFile, names: Names, namespace: str, image: str) -> list[
     port = p.spec.gateway.port or 8000
     args = ["gateway", "--pipeline", PIPELINE_PATH, "--host", "0.0.0.0", "--port", str(port)]
     container = _container(p, "gateway", image, args, port, "/health/live", "/health", {})
-    pod = _with_api_keys(p, _with_nats_secrets(p, _pod(p, names, "gateway", container, None)))
+    pod = _with_api_keys(p, _pod(p, names, "gateway", container, None))
     return [
         _deployment(names, names.gateway, "gateway", namespace, p.spec.gateway.replicas, pod),
         _service(names, names.gateway, "gateway", namespace, port, headless=False),
@@ -393,7 +393,7 @@ def _single_node(p: PipelineFile, names: Names, namespace: str, image: str) -> l
     container = _container(
         p, "omni", image, args, port, "/health/live", "/health", _resources(gpus, None, None)
     )
-    pod = _with_api_keys(p, _with_nats_secrets(p, _pod(p, names, "single-node", container, None)))
+    pod = _with_api_keys(p, _pod(p, names, "single-node", container, None))
     return [
         _deployment(names, names.single_node, "single-node", namespace, 1, pod),
         _service(names, names.single_node, "single-node", namespace, port, headless=False),
