@@ -36,14 +36,15 @@ def test_nats_restart_under_load(faults: Deployment, nats: EmbeddedNats, mooncak
             served_again_s = time.monotonic() - back
             load.flowing()
         failures = load.failures()
-        assert [f for f in failures if "NATS" not in f] == [], failures  # each one says why
+        # Each a 503 saying why (NATS lost, or a replica not yet back on it): none waited for its
+        # deadline, none is a stage error.
+        assert [f for f in failures if "Error code: 503" not in f] == [], failures
         assert load.results.count("ok") >= 6
         for p in faults.stages.values():
             assert "reconnected to NATS" in p.output()
         faults.settle(idle)
         assert shm_segments_in_use(SHM_PREFIX) == [] and mooncake.key_count() == 0
         print(f"served again {served_again_s:.2f}s after NATS came back")
-        # None waited for its deadline (that would say "deadline exceeded", not NATS).
         kinds = collections.Counter(
             "in flight" if "lost its connection" in f else "refused" for f in failures
         )
