@@ -10,6 +10,8 @@ import pytest
 from omni_cli.mooncaked import LocalMooncake
 from omni_cli.natsd import EmbeddedNats
 from omni_stage.demo import init_demo
+from tests.deployment import Deployment, deployed
+from tests.helpers import ROOT
 
 
 @pytest.fixture
@@ -39,3 +41,12 @@ def mooncake(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[LocalM
         yield mc
     finally:
         mc.stop()
+
+
+@pytest.fixture
+def synth_distributed(nats_url: str, mooncake: LocalMooncake, tmp_path: Path) -> Iterator[Deployment]:
+    """tests/data/synthetic-distributed.yaml as separate processes: a thinker, two talkers (a,
+    b), a vocoder and a gateway, tensors through Mooncake."""
+    pipeline = ROOT / "tests" / "data" / "synthetic-distributed.yaml"
+    with deployed(pipeline, {"thinker": 1, "talker": 2, "vocoder": 1}, 1, nats_url, ROOT, tmp_path) as d:
+        yield d

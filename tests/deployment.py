@@ -3,8 +3,10 @@ are: each started, killed and stopped on its own, against a real nats-server."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -58,6 +60,11 @@ class Deployment:
             urls[f"{r['stage']}-{r['replica']}"] = f"http://127.0.0.1:{r['metrics_port']}/metrics"
         return urls
 
+    def rss(self) -> dict[str, float]:
+        """process -> resident memory in bytes, from each process's own /metrics."""
+        name = "process_resident_memory_bytes"
+        return {proc: metric_values(url, (name,))[name] for proc, url in self.metrics_urls().items()}
+
     def gauges(self, names: tuple[str, ...] = HELD) -> dict[str, dict[str, float]]:
         """process -> {gauge: value} for the gauges named, each summed over its labels."""
         return {proc: metric_values(url, names) for proc, url in self.metrics_urls().items()}
@@ -94,15 +101,15 @@ class Deployment:
         return gw[1]
 
     def stop(self) -> None:
-        codes = {}
-        for name, p in [(f"gateway-{i}", g[0]) for i, g in enumerate(self.gateways)] + list(
-            self.stages.items()
-        ):
-            codes[name] = p.stop()
-        assert all(c in (0, -signal.SIGKILL) for c in codes.values()), codes
+        """Stop every process; each must exit 0, unless the test itself killed it."""
+        procs = [(f"gateway-{i}", g[0]) for i, g in enumerate(self.gateways)] + list(self.stages.items())
+        killed = {name for name, p in procs if p.proc.poll() == -signal.SIGKILL}
+        codes = {name: p.stop() for name, p in procs}
+        assert all(c == 0 for name, c in codes.items() if name not in killed), codes
 
 
-def deploy(
+@contextlib.contextmanager
+def deployed(
     pipeline: Path,
     layout: dict[str, int],
     gateways: int,
@@ -110,8 +117,9 @@ def deploy(
     cwd: Path,
     logs: Path,
     env: dict[str, str] | None = None,
-) -> Deployment:
-    """`layout`: replicas per stage (named a, b, ...); returns once every gateway is ready."""
+) -> Iterator[Deployment]:
+    """`layout`: replicas per stage (named a, b, ...); yields once every gateway is ready, and
+    stops every process when the block ends, however it ends."""
     d = Deployment(pipeline, nats_url, cwd, logs, env or {})
     try:
         for stage, n in layout.items():
@@ -122,10 +130,9 @@ def deploy(
             wait_for(
                 lambda b=base: httpx.get(f"{b}/health").status_code == 200, 120, "every stage registered"
             )
-    except BaseException:
+        yield d
+    finally:
         d.stop()
-        raise
-    return d
 
 
 def ask(base: str, content: str, timeout: float = 90, **extra: object) -> str:

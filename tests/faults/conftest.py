@@ -11,7 +11,7 @@ import pytest
 
 from omni_cli.mooncaked import LocalMooncake
 from omni_cli.natsd import EmbeddedNats
-from tests.deployment import Deployment, ask, deploy
+from tests.deployment import Deployment, ask, deployed
 from tests.helpers import ROOT, our_shm_segments
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic-faults.yaml"
@@ -31,10 +31,7 @@ def faults(nats: EmbeddedNats, mooncake: LocalMooncake, tmp_path: Path) -> Itera
     process keeps for good: NATS's reply subscription, pooled segments); afterwards no segment
     of ours is left in /dev/shm."""
     env = {"OMNI_SHM_PREFIX": SHM_PREFIX}
-    d = deploy(PIPELINE, {"thinker": 1, "talker": 1, "vocoder": 1}, 1, nats.url, ROOT, tmp_path, env)
-    try:
+    with deployed(PIPELINE, {"thinker": 1, "talker": 1, "vocoder": 1}, 1, nats.url, ROOT, tmp_path, env) as d:
         assert ask(d.base, "warm up") == "ok"
         yield d
-    finally:
-        d.stop()
     assert our_shm_segments(SHM_PREFIX) == []

@@ -15,7 +15,7 @@ import random
 import httpx
 
 from omni_cli.mooncaked import LocalMooncake
-from tests.deployment import Deployment, metric_values
+from tests.deployment import Deployment
 from tests.faults.conftest import SHM_PREFIX
 from tests.helpers import shm_segments_in_use
 
@@ -57,19 +57,12 @@ async def _storm(base: str, n: int, seed: int) -> collections.Counter[str]:
         return collections.Counter(await asyncio.gather(*(one(client, *p) for p in plans)))
 
 
-def _rss(faults: Deployment) -> dict[str, float]:
-    return {
-        proc: metric_values(url, ("process_resident_memory_bytes",))["process_resident_memory_bytes"]
-        for proc, url in faults.metrics_urls().items()
-    }
-
-
 def test_a_thousand_clients_that_walk_away(faults: Deployment, mooncake: LocalMooncake) -> None:
     idle = faults.gauges()
     warm = asyncio.run(_storm(faults.base, WARM_UP, seed=1))
     assert set(warm) <= {"finished", "left"}, warm
     faults.settle(idle)
-    baseline = _rss(faults)
+    baseline = faults.rss()
 
     outcomes = asyncio.run(_storm(faults.base, REQUESTS, seed=2))
     assert set(outcomes) <= {"finished", "left"}, outcomes
@@ -77,7 +70,7 @@ def test_a_thousand_clients_that_walk_away(faults: Deployment, mooncake: LocalMo
     faults.settle(idle)
     assert shm_segments_in_use(SHM_PREFIX) == [] and mooncake.key_count() == 0
 
-    after = _rss(faults)
+    after = faults.rss()
     growth = {p: after[p] / baseline[p] for p in baseline}
     print(f"outcomes {dict(outcomes)}; RSS growth { ({p: round(g, 4) for p, g in growth.items()}) }")
     assert all(g <= RSS_GROWTH for g in growth.values()), growth

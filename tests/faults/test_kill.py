@@ -13,13 +13,10 @@ import os
 import re
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from omni_cli.mooncaked import LocalMooncake
-from tests.deployment import Deployment, SteadyLoad, ask, deploy
+from tests.deployment import Deployment, SteadyLoad, ask
 from tests.helpers import (
     ROOT,
     OmniProcess,
@@ -80,18 +77,8 @@ def test_single_node_supervisor_restarts_a_killed_stage(tmp_path: Path) -> None:
     assert our_shm_segments(f"{prefix}-") == []
 
 
-@pytest.fixture
-def two_talkers(nats_url: str, mooncake: LocalMooncake, tmp_path: Path) -> Iterator[Deployment]:
-    synth = ROOT / "tests" / "data" / "synthetic-distributed.yaml"
-    d = deploy(synth, {"thinker": 1, "talker": 2, "vocoder": 1}, 1, nats_url, ROOT, tmp_path)
-    try:
-        yield d
-    finally:
-        d.stop()
-
-
-def test_distributed_survivors_take_over(two_talkers: Deployment, mooncake: LocalMooncake) -> None:
-    base = two_talkers.base
+def test_distributed_survivors_take_over(synth_distributed: Deployment, mooncake: LocalMooncake) -> None:
+    base = synth_distributed.base
     with SteadyLoad(base, workers=4) as load:
         load.flowing()
         wait_for(
@@ -99,7 +86,7 @@ def test_distributed_survivors_take_over(two_talkers: Deployment, mooncake: Loca
             60,
             "talker b to be serving",
         )
-        two_talkers.stages["talker-b"].proc.send_signal(signal.SIGKILL)
+        synth_distributed.stages["talker-b"].proc.send_signal(signal.SIGKILL)
         _serves_again(base)
         load.flowing()
     assert all("stage 'talker' replica b" in r for r in load.failures()), load.failures()

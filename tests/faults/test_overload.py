@@ -14,7 +14,7 @@ import collections
 import httpx
 
 from omni_cli.mooncaked import LocalMooncake
-from tests.deployment import Deployment, ask, metric_values
+from tests.deployment import Deployment, ask
 from tests.faults.conftest import SHM_PREFIX
 from tests.helpers import shm_segments_in_use
 
@@ -39,16 +39,11 @@ async def _burst(base: str, contents: list[str]) -> list[httpx.Response]:
         return list(await asyncio.gather(*(one(c) for c in contents)))
 
 
-def _gateway_rss(faults: Deployment) -> float:
-    url = faults.metrics_urls()["gateway-0"]
-    return metric_values(url, ("process_resident_memory_bytes",))["process_resident_memory_bytes"]
-
-
 def test_overload_at_ten_times_capacity(faults: Deployment, mooncake: LocalMooncake) -> None:
     idle = faults.gauges()
     asyncio.run(_burst(faults.base, ["warm"] * CAPACITY))  # the gateway's buffers at full load
     faults.settle(idle)
-    rss_before = _gateway_rss(faults)
+    rss_before = faults.rss()["gateway-0"]
 
     responses = asyncio.run(_burst(faults.base, [f"burst {i}" for i in range(10 * CAPACITY)]))
     statuses = collections.Counter(r.status_code for r in responses)
@@ -63,7 +58,7 @@ def test_overload_at_ten_times_capacity(faults: Deployment, mooncake: LocalMoonc
     faults.settle(idle)  # the backlog drains
     assert shm_segments_in_use(SHM_PREFIX) == [] and mooncake.key_count() == 0
     assert [ask(faults.base, f"after {i}") for i in range(3)] == ["ok"] * 3
-    growth = _gateway_rss(faults) / rss_before
+    growth = faults.rss()["gateway-0"] / rss_before
     print(f"statuses {dict(statuses)}; gateway RSS x{growth:.3f}")
     assert growth <= GATEWAY_RSS_GROWTH
 

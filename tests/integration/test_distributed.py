@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from omni_cli.mooncaked import LocalMooncake
-from tests.deployment import Deployment, SteadyLoad, ask, deploy
+from tests.deployment import Deployment, SteadyLoad, ask, deployed
 from tests.helpers import (
     OMNI,
     ROOT,
@@ -31,20 +31,8 @@ SYNTH = ROOT / "tests" / "data" / "synthetic-distributed.yaml"
 
 @pytest.fixture
 def demo(nats_url: str, mooncake: LocalMooncake, demo_dir: Path, tmp_path: Path) -> Iterator[Deployment]:
-    d = deploy(DEMO, {"thinker": 1, "talker": 2, "vocoder": 2}, 2, nats_url, demo_dir, tmp_path)
-    try:
+    with deployed(DEMO, {"thinker": 1, "talker": 2, "vocoder": 2}, 2, nats_url, demo_dir, tmp_path) as d:
         yield d
-    finally:
-        d.stop()
-
-
-@pytest.fixture
-def synth(nats_url: str, mooncake: LocalMooncake, tmp_path: Path) -> Iterator[Deployment]:
-    d = deploy(SYNTH, {"thinker": 1, "talker": 2, "vocoder": 1}, 1, nats_url, ROOT, tmp_path)
-    try:
-        yield d
-    finally:
-        d.stop()
 
 
 def test_demo_n_to_m_replicas_two_gateways(demo: Deployment, mooncake: LocalMooncake) -> None:
@@ -65,16 +53,18 @@ def test_demo_n_to_m_replicas_two_gateways(demo: Deployment, mooncake: LocalMoon
     assert our_shm_segments() == []
 
 
-def test_rolling_restart_under_load_loses_nothing(synth: Deployment, mooncake: LocalMooncake) -> None:
-    base = synth.base
+def test_rolling_restart_under_load_loses_nothing(
+    synth_distributed: Deployment, mooncake: LocalMooncake
+) -> None:
+    base = synth_distributed.base
     with SteadyLoad(base) as load:
         for rep in ("a", "b"):
-            old = synth.stages[f"talker-{rep}"]
+            old = synth_distributed.stages[f"talker-{rep}"]
             load.flowing()
             old.proc.send_signal(signal.SIGTERM)  # drain: finish what it holds, take nothing new
             assert old.proc.wait(60) == 0, old.output()[-2000:]
             assert "draining" in old.output()
-            synth.add_stage("talker", rep, wait=True)
+            synth_distributed.add_stage("talker", rep, wait=True)
             wait_for(
                 lambda r=rep: any(x["replica"] == r and not x["draining"] for x in replicas(base, "talker")),
                 30,

@@ -11,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import OMNI, ROOT, start_gateway, start_stage, wait_for
+from tests.deployment import deployed
+from tests.helpers import OMNI, ROOT
 
 PIPELINE = ROOT / "tests" / "data" / "echo.yaml"
 KEYS = ("k-first", "k-second")
@@ -21,14 +22,9 @@ KEYS = ("k-first", "k-second")
 def gateway(nats_url: str, tmp_path: Path) -> Iterator[str]:
     keys = tmp_path / "keys"
     keys.write_text(f"# rotated monthly\n{KEYS[0]}\n\n{KEYS[1]}\n")
-    stage = start_stage(PIPELINE, "echo", "0", nats_url, ROOT, tmp_path)
-    gw, base = start_gateway(PIPELINE, nats_url, ROOT, tmp_path, env={"OMNI_API_KEYS_FILE": str(keys)})
-    try:
-        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "the stage registered")
-        yield base
-    finally:
-        for p in (gw, stage):
-            assert p.stop() == 0, p.output()[-2000:]
+    env = {"OMNI_API_KEYS_FILE": str(keys)}
+    with deployed(PIPELINE, {"echo": 1}, 1, nats_url, ROOT, tmp_path, env) as d:
+        yield d.base
 
 
 def test_api_keys(gateway: str) -> None:

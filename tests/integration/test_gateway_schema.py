@@ -20,7 +20,8 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis.checks import not_a_server_error
 
 from omni_cli.natsd import EmbeddedNats
-from tests.helpers import ROOT, start_gateway, start_stage, wait_for
+from tests.deployment import deployed
+from tests.helpers import ROOT
 
 PIPELINE = ROOT / "tests" / "data" / "echo.yaml"
 EXAMPLES = 120
@@ -30,14 +31,10 @@ EXAMPLES = 120
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     logs = tmp_path_factory.mktemp("schema")
     nats = EmbeddedNats()
-    stage = start_stage(PIPELINE, "echo", "0", nats.url, ROOT, logs)
-    gw, base = start_gateway(PIPELINE, nats.url, ROOT, logs)
     try:
-        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "the stage registered")
-        yield base
+        with deployed(PIPELINE, {"echo": 1}, 1, nats.url, ROOT, logs) as d:
+            yield d.base
     finally:
-        for p in (gw, stage):
-            assert p.stop() == 0, p.output()[-2000:]
         nats.stop()
 
 
