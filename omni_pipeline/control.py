@@ -44,6 +44,9 @@ NATS_WAIT_LOG_EVERY_S: Final = 5.0
 NATS_LOST: Final = "nats_disconnected"
 """ErrorMsg code: a process lost NATS while serving the request, so some of its messages may be
 gone; the request ends at once rather than at its deadline."""
+INVALID_REQUEST: Final = "invalid_request"
+"""ErrorMsg code: an engine cannot do what the request asks (a size, a speed); the client's
+error, answered 400."""
 
 _TOKEN: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

@@ -38,6 +38,33 @@ def metric_values(url: str, names: tuple[str, ...]) -> dict[str, float]:
     return out
 
 
+def metrics_urls(gateways: list[str]) -> dict[str, str]:
+    """Every process's /metrics behind these gateway base URLs: each gateway's, and each live
+    replica's (from the first gateway's replica table)."""
+    urls = {f"gateway-{i}": f"{base}/metrics" for i, base in enumerate(gateways)}
+    for r in get_json(f"{gateways[0]}/replicas")["replicas"]:
+        urls[f"{r['stage']}-{r['replica']}"] = f"http://127.0.0.1:{r['metrics_port']}/metrics"
+    return urls
+
+
+def gauges(gateways: list[str], names: tuple[str, ...] = HELD) -> dict[str, dict[str, float]]:
+    """process -> {gauge: value} for the gauges named, each summed over its labels."""
+    return {proc: metric_values(url, names) for proc, url in metrics_urls(gateways).items()}
+
+
+def settle(gateways: list[str], idle: dict[str, dict[str, float]], timeout: float = 30) -> None:
+    """Wait until every process holds what it held when `idle` was read."""
+    try:
+        wait_for(lambda: gauges(gateways) == idle, timeout, "every process to let go")
+    except AssertionError:
+        now = gauges(gateways)
+        diff = {
+            p: {k: (v, now.get(p, {}).get(k)) for k, v in g.items() if now.get(p, {}).get(k) != v}
+            for p, g in idle.items()
+        }
+        raise AssertionError(f"still held after {timeout}s, (idle, now): {diff}") from None
+
+
 @dataclass
 class Deployment:
     pipeline: Path
@@ -53,33 +80,20 @@ class Deployment:
         """The first gateway's base URL."""
         return self.gateways[0][1]
 
-    def metrics_urls(self) -> dict[str, str]:
-        """Every process's /metrics: each gateway's, and each live replica's (from the table)."""
-        urls = {f"gateway-{i}": f"{base}/metrics" for i, (_, base) in enumerate(self.gateways)}
-        for r in get_json(f"{self.base}/replicas")["replicas"]:
-            urls[f"{r['stage']}-{r['replica']}"] = f"http://127.0.0.1:{r['metrics_port']}/metrics"
-        return urls
+    @property
+    def bases(self) -> list[str]:
+        return [base for _, base in self.gateways]
 
     def rss(self) -> dict[str, float]:
         """process -> resident memory in bytes, from each process's own /metrics."""
         name = "process_resident_memory_bytes"
-        return {proc: metric_values(url, (name,))[name] for proc, url in self.metrics_urls().items()}
+        return {proc: metric_values(url, (name,))[name] for proc, url in metrics_urls(self.bases).items()}
 
     def gauges(self, names: tuple[str, ...] = HELD) -> dict[str, dict[str, float]]:
-        """process -> {gauge: value} for the gauges named, each summed over its labels."""
-        return {proc: metric_values(url, names) for proc, url in self.metrics_urls().items()}
+        return gauges(self.bases, names)
 
     def settle(self, idle: dict[str, dict[str, float]], timeout: float = 30) -> None:
-        """Wait until every process holds what it held when `idle` was read."""
-        try:
-            wait_for(lambda: self.gauges() == idle, timeout, "every process to let go")
-        except AssertionError:
-            now = self.gauges()
-            diff = {
-                p: {k: (v, now.get(p, {}).get(k)) for k, v in g.items() if now.get(p, {}).get(k) != v}
-                for p, g in idle.items()
-            }
-            raise AssertionError(f"still held after {timeout}s, (idle, now): {diff}") from None
+        settle(self.bases, idle, timeout)
 
     def add_stage(self, stage: str, replica: str, wait: bool = False) -> OmniProcess:
         p = start_stage(

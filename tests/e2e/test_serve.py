@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import os
 import re
 import shutil
@@ -17,6 +18,7 @@ import openai
 import pytest
 import soundfile as sf
 
+from tests.deployment import metric_values, metrics_urls
 from tests.helpers import ROOT, OmniProcess, decode_wav, get_json, group_alive, our_shm_segments, wait_for
 
 pytestmark = pytest.mark.slow
@@ -116,8 +118,79 @@ def test_text_only_and_models(demo: str) -> None:
     )
     assert r.choices[0].message.audio is None and r.choices[0].finish_reason == "length"
     assert r.usage is not None and r.usage.completion_tokens == 5
-    models = client.models.list()
-    assert [m.id for m in models.data] == ["tiny-omni"]
+    [model] = client.models.list().data
+    assert model.id == "tiny-omni" and (model.model_extra or {})["modalities"] == ["audio", "text"]
+
+
+SPOKEN = 32 * 4 * 480  # samples: 32 thinker tokens -> 4 codes each -> 480 samples per code
+
+
+def test_speech_wav_pcm_and_speed(demo: str) -> None:
+    speech = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused").audio.speech.with_raw_response
+    wav = speech.create(model="tiny-omni", input="Hello there", voice="alloy", response_format="wav")
+    samples, rate = sf.read(io.BytesIO(wav.content))
+    assert rate == 24000 and len(samples) == SPOKEN
+    assert wav.headers["content-type"] == "audio/wav" and wav.headers["x-sample-rate"] == "24000"
+    pcm = speech.create(model="tiny-omni", input="Hello there", voice="alloy", response_format="pcm")
+    assert pcm.headers["content-type"] == "audio/pcm" and len(pcm.content) == 2 * SPOKEN
+    fast = speech.create(model="tiny-omni", input="Hello there", voice={"id": "alloy"}, speed=2.0)
+    faster, _ = sf.read(io.BytesIO(fast.content))
+    assert 0.45 * SPOKEN < len(faster) < 0.55 * SPOKEN  # each window of 25 codes spoken as 12
+
+
+def test_speech_as_sse_events(demo: str) -> None:
+    body = {"model": "tiny-omni", "input": "Hi", "voice": "alloy", "stream_format": "sse"}
+    r = httpx.post(f"{demo}/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events[-1:]] == ["speech.audio.done"] and len(events) > 2
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert len(audio) == 2 * SPOKEN
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({"response_format": "mp3"}, "response_format", "use wav or pcm"),
+        ({"speed": 5}, "speed", "less than or equal to 4"),
+        ({"input": ""}, "input", "at least 1 character"),
+        ({"voice": None}, "voice", ""),
+    ],
+    ids=["mp3", "too-fast", "nothing-to-say", "no-voice"],
+)
+def test_speech_refusals(demo: str, body: dict[str, object], param: str, says: str) -> None:
+    request = {"model": "tiny-omni", "input": "x", "voice": "alloy", **body}
+    r = httpx.post(f"{demo}/v1/audio/speech", json=request, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+
+
+def test_an_audio_pipeline_refuses_images(demo: str) -> None:
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+    with pytest.raises(openai.BadRequestError, match="cannot output image; it outputs audio, text"):
+        client.images.generate(model="tiny-omni", prompt="a cat")
+
+
+def test_speech_streams_as_the_vocoder_produces(tmp_path: Path) -> None:
+    """The slow pipeline's talker takes 40 ms a code for 100 codes, so synthesis lasts about 4 s;
+    the first bytes reach the client while the vocoder still holds the request."""
+    serve, base = start_serve(ROOT / "tests" / "data" / "slow-synthetic.yaml", ROOT, tmp_path / "serve.log")
+    try:
+        vocoder = metrics_urls([base])["vocoder-0"]
+        speech = openai.OpenAI(base_url=f"{base}/v1", api_key="unused").audio.speech
+        with speech.with_streaming_response.create(
+            model="slow", input="speak", voice="alloy", response_format="pcm"
+        ) as response:
+            chunks = response.iter_bytes()
+            first = next(chunks)
+            held = metric_values(vocoder, ("omni_stage_tracked_requests",))["omni_stage_tracked_requests"]
+            audio = first + b"".join(chunks)
+        assert first and held == 1, "the first bytes came only after synthesis ended"
+        assert len(audio) == 2 * 100 * 480 and response.headers["x-sample-rate"] == "24000"
+    finally:
+        serve.interrupt_group()
+        assert_all_gone(serve)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from omni_pipeline.spec import OutputKind
 
@@ -85,3 +85,116 @@ def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
         "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
     }
     return {k: v for k, v in params.items() if v is not None}
+
+
+MAX_IMAGE_SIDE = 4096
+"""Largest width or height the gateway passes on; the model's own limit is usually lower."""
+
+
+class ImageGenerationRequest(BaseModel):
+    """POST /v1/images/generations: OpenAI's fields, and the diffusion ones it lacks (seed,
+    num_inference_steps, guidance_scale, negative_prompt). quality, style and background are
+    accepted and ignored: a diffusion model has no such switches."""
+
+    model_config = ConfigDict(extra="ignore")
+    prompt: str = Field(min_length=1, max_length=32000)
+    model: str | None = None
+    n: int = Field(default=1, ge=1, le=10)
+    size: str | None = Field(default=None, pattern=r"^(auto|[0-9]{1,5}x[0-9]{1,5})$")
+    response_format: str | None = None
+    output_format: Literal["png", "jpeg", "webp"] = "png"
+    output_compression: int | None = Field(default=None, ge=0, le=100)
+    stream: bool = False
+    partial_images: int | None = Field(default=None, ge=0, le=10)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
+    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
+    guidance_scale: float | None = Field(default=None, ge=0, le=100)
+    negative_prompt: str | None = Field(default=None, max_length=32000)
+
+    @field_validator("response_format")
+    @classmethod
+    def _b64_only(cls, v: str | None) -> str | None:
+        if v not in (None, "b64_json"):
+            raise ValueError(f"'{v}' is not served here; use b64_json")
+        return v
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, v: str | None) -> str | None:
+        if v not in (None, "auto") and not all(1 <= int(x) <= MAX_IMAGE_SIDE for x in v.split("x")):
+            raise ValueError(f"width and height must be from 1 to {MAX_IMAGE_SIDE}")
+        return v
+
+    def width_height(self) -> tuple[int, int] | None:
+        if self.size is None or self.size == "auto":
+            return None
+        w, h = self.size.split("x")
+        return int(w), int(h)
+
+
+def image_inputs(req: ImageGenerationRequest) -> dict[str, Any]:
+    out: dict[str, Any] = {"prompt": req.prompt, "modalities": [OutputKind.IMAGE.value]}
+    if req.negative_prompt:
+        out["negative_prompt"] = req.negative_prompt
+    return out
+
+
+def image_sampling(req: ImageGenerationRequest) -> dict[str, Any]:
+    """Previews are asked for only by a stream: a whole response would throw them away."""
+    wh = req.width_height()
+    params: dict[str, Any] = {
+        "n": req.n,
+        "width": wh[0] if wh else None,
+        "height": wh[1] if wh else None,
+        "seed": req.seed,
+        "num_inference_steps": req.num_inference_steps,
+        "guidance_scale": req.guidance_scale,
+        "previews": req.stream or None,
+        "partial_images": req.partial_images if req.stream else None,
+    }
+    return {k: v for k, v in params.items() if v is not None}
+
+
+SPEECH_FORMATS = ("wav", "pcm")
+
+
+class SpeechRequest(BaseModel):
+    """POST /v1/audio/speech. `response_format` defaults to wav (OpenAI's mp3 needs an encoder
+    this server does not have); `stream_format` sse sends base64 deltas instead of raw audio."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str = Field(min_length=1)
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str = Field(min_length=1, max_length=64, description="A voice name, or OpenAI's {id: ...}.")
+    instructions: str | None = Field(default=None, max_length=4096)
+    response_format: str = "wav"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_id(cls, v: Any) -> Any:
+        return v.get("id") if isinstance(v, dict) else v
+
+    @field_validator("response_format")
+    @classmethod
+    def _served_format(cls, v: str) -> str:
+        if v not in SPEECH_FORMATS:
+            raise ValueError(f"'{v}' is not served here; use {' or '.join(SPEECH_FORMATS)}")
+        return v
+
+
+def speech_inputs(req: SpeechRequest) -> dict[str, Any]:
+    """The text to speak is the source stage's prompt (no chat template: nothing to answer)."""
+    out: dict[str, Any] = {
+        "prompt": req.input,
+        "voice": req.voice,
+        "modalities": [OutputKind.AUDIO.value],
+    }
+    if req.instructions:
+        out["instructions"] = req.instructions
+    return out
+
+
+def speech_sampling(req: SpeechRequest) -> dict[str, Any]:
+    return {"speed": req.speed} if req.speed != 1.0 else {}

@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
@@ -14,10 +15,23 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from omni_gateway.chat import ChatResult, completion_body, now, sse_chunks
-from omni_gateway.errors import BadRequest, ModelNotFound
+from omni_gateway.errors import BadRequest, ModelNotFound, StageFailed
+from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.metrics import GatewayMetrics
-from omni_gateway.protocol import ChatCompletionRequest, sampling_params, stage_inputs
-from omni_gateway.service import Event, PipelineClient
+from omni_gateway.protocol import (
+    ChatCompletionRequest,
+    ImageGenerationRequest,
+    SpeechRequest,
+    image_inputs,
+    image_sampling,
+    sampling_params,
+    speech_inputs,
+    speech_sampling,
+    stage_inputs,
+)
+from omni_gateway.service import AudioChunk, Event, PipelineClient
+from omni_gateway.speech import MEDIA_TYPES, audio_stream, sse_stream
+from omni_pipeline.spec import OutputKind
 
 router = APIRouter()
 
@@ -74,40 +88,56 @@ async def replicas(request: Request) -> dict[str, Any]:
     return {"replicas": _service(request).table.snapshot()}
 
 
-@router.post("/v1/chat/completions", response_model=None)
-async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-    svc = _service(request)
-    if req.model != svc.spec.served_model_name:
-        raise ModelNotFound(f"model '{req.model}' does not exist", param="model")
-    limit = svc.spec.gateway.max_tokens
-    if (asked := req.max_completion_tokens or req.max_tokens) is not None and asked > limit:
-        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        raise BadRequest(f"{param}: {asked} is more than this model's limit of {limit}", param=param)
-    missing = req.wanted_outputs() - svc.spec.output_kinds()
-    if missing:
+@dataclass(frozen=True, slots=True)
+class Streamed:
+    """A response body sent as it is produced."""
+
+    body: AsyncIterator[str] | AsyncIterator[bytes]
+    media_type: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+def _check_model(svc: PipelineClient, model: str | None, wanted: set[OutputKind], param: str) -> None:
+    """404 for another model's name; 400 for an output this pipeline does not make."""
+    name = svc.spec.served_model_name
+    if model is not None and model != name:
+        raise ModelNotFound(f"model '{model}' does not exist", param="model")
+    offered = svc.spec.output_kinds()
+    if missing := wanted - offered:
         raise BadRequest(
-            f"model '{req.model}' cannot output {sorted(m.value for m in missing)}", param="modalities"
+            f"model '{name}' cannot output {', '.join(sorted(m.value for m in missing))}; "
+            f"it outputs {', '.join(sorted(k.value for k in offered))}",
+            param=param,
         )
+
+
+async def _respond(
+    request: Request,
+    svc: PipelineClient,
+    inputs: dict[str, Any],
+    sampling: dict[str, Any],
+    outputs: set[OutputKind],
+    respond: Callable[[str, Event, AsyncIterator[Event]], Awaitable[Response | Streamed]],
+) -> Response:
+    """Run one request: count it, wait for its first output (an error before any output keeps
+    its HTTP status), then let `respond` build the response from it and the rest. A streamed
+    body takes over the in-flight count; a client that leaves aborts the request."""
     rid = uuid.uuid4().hex
     m = _metrics(request)
     t0 = time.monotonic()
-    events = svc.generate(rid, stage_inputs(req), sampling_params(req), req.wanted_outputs())
+    events = svc.generate(rid, inputs, sampling, outputs)
     m.inflight.inc()
-    streaming = False  # once the stream exists, it owns the in-flight count (see _counted)
+    streaming = False
     try:
-        first = await _first(events, request)  # errors before any output keep their HTTP status
+        first = await _first(events, request)
         m.first_output.observe(time.monotonic() - t0)
-        if req.stream:
-            response = StreamingResponse(
-                _counted(sse_chunks(req, rid, now(), first, events), m, t0), media_type="text/event-stream"
-            )
+        answer = await _until_disconnect(respond(rid, first, events), request)
+        if isinstance(answer, Streamed):
+            body = _counted(answer.body, m, t0)
             streaming = True
-            return response
-        result = ChatResult()
-        result.add(first)
-        await _until_disconnect(_collect(events, result), request)
+            return StreamingResponse(body, media_type=answer.media_type, headers=answer.headers)
         m.latency.observe(time.monotonic() - t0)
-        return JSONResponse(completion_body(req, rid, now(), result))
+        return answer
     except BaseException:
         await events.aclose()
         raise
@@ -116,16 +146,68 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             m.inflight.dec()
 
 
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+    svc = _service(request)
+    _check_model(svc, req.model, req.wanted_outputs(), "modalities")
+    limit = svc.spec.gateway.max_tokens
+    if (asked := req.max_completion_tokens or req.max_tokens) is not None and asked > limit:
+        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+        raise BadRequest(f"{param}: {asked} is more than this model's limit of {limit}", param=param)
+
+    async def respond(rid: str, first: Event, events: AsyncIterator[Event]) -> Response | Streamed:
+        if req.stream:
+            return Streamed(sse_chunks(req, rid, now(), first, events), "text/event-stream")
+        result = ChatResult()
+        for ev in await _rest(first, events):
+            result.add(ev)
+        return JSONResponse(completion_body(req, rid, now(), result))
+
+    return await _respond(
+        request, svc, stage_inputs(req), sampling_params(req), req.wanted_outputs(), respond
+    )
+
+
+@router.post("/v1/images/generations", response_model=None)
+async def images_generations(req: ImageGenerationRequest, request: Request) -> Response:
+    svc = _service(request)
+    _check_model(svc, req.model, {OutputKind.IMAGE}, "model")
+
+    async def respond(_: str, first: Event, events: AsyncIterator[Event]) -> Response | Streamed:
+        if req.stream:
+            return Streamed(image_stream(req, now(), first, events), "text/event-stream")
+        final = final_images(await _rest(first, events))
+        return JSONResponse(await images_body(req, now(), final))
+
+    return await _respond(request, svc, image_inputs(req), image_sampling(req), {OutputKind.IMAGE}, respond)
+
+
+@router.post("/v1/audio/speech", response_model=None)
+async def audio_speech(req: SpeechRequest, request: Request) -> Response:
+    svc = _service(request)
+    _check_model(svc, req.model, {OutputKind.AUDIO}, "model")
+
+    async def respond(_: str, first: Event, events: AsyncIterator[Event]) -> Response | Streamed:
+        if not isinstance(first, AudioChunk):
+            raise StageFailed("the pipeline ended without producing audio")
+        headers = {"X-Sample-Rate": str(first.sample_rate)}
+        if req.stream_format == "sse":
+            return Streamed(sse_stream(first, events), "text/event-stream", headers)
+        return Streamed(audio_stream(req, first, events), MEDIA_TYPES[req.response_format], headers)
+
+    return await _respond(request, svc, speech_inputs(req), speech_sampling(req), {OutputKind.AUDIO}, respond)
+
+
+async def _rest(first: Event, events: AsyncIterator[Event]) -> list[Event]:
+    """The first event and all that follow it (for a whole, non-streamed response)."""
+    return [first, *[ev async for ev in events]]
+
+
 async def _first(events: AsyncIterator[Event], request: Request) -> Event:
     async def first() -> Event:
         return await anext(events)
 
     return await _until_disconnect(first(), request)
-
-
-async def _collect(events: AsyncIterator[Event], result: ChatResult) -> None:
-    async for ev in events:
-        result.add(ev)
 
 
 async def _until_disconnect(coro: Any, request: Request) -> Any:

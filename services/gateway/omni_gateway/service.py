@@ -30,6 +30,7 @@ from omni_pipeline import wire
 from omni_pipeline.connectors import OmniConnector, build_connectors
 from omni_pipeline.control import (
     HEARTBEAT_INTERVAL_S,
+    INVALID_REQUEST,
     NATS_LOST,
     AbortMsg,
     Admitted,
@@ -55,6 +56,8 @@ ADMIT_TIMEOUT_S: Final = 5.0
 MAX_ATTEMPTS: Final = 2
 RETRYABLE: Final = frozenset({"replica_lost", "draining", "full"})
 """Errors that say where a request went, not what it is: another replica may well serve it."""
+_ERRORS: Final[dict[str, type[OmniError]]] = {NATS_LOST: Unavailable, INVALID_REQUEST: BadRequest}
+"""Stage error codes that are not a stage's failure: the client's request, or our connection."""
 EVENT_QUEUE: Final = 1024
 """Outputs one request may have waiting for its client; a client this far behind is dropped."""
 
@@ -71,12 +74,22 @@ class AudioChunk:
 
 
 @dataclass(frozen=True, slots=True)
+class ImageProgress:
+    """Seed 000's ImageProgressEvent: a preview after `step` steps, or the final images
+    (`is_last`); one RGB array [height, width, 3] uint8 per image of the request."""
+
+    step: int
+    images: list[np.ndarray]
+    is_last: bool
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     finish_reason: str
     usage: dict[str, int]
 
 
-Event = TextDelta | AudioChunk | Finished
+Event = TextDelta | AudioChunk | ImageProgress | Finished
 
 
 @dataclass
@@ -209,7 +222,7 @@ class PipelineClient:
             # Downstream replicas first: each holds a slot before any source starts producing for
             # it, so a refusal (draining, full, gone) comes before any output.
             downstream = [s for s in needed if s not in self._sources]
-            await self._reserve(ctx, downstream, pack(StageRequest(ctx, {}, {})))
+            await self._reserve(ctx, downstream, pack(StageRequest(ctx, {}, sampling)))
             await self._reserve(ctx, [s for s in needed if s in self._sources], request)
             async with asyncio.timeout(remaining):
                 async for ev in self._events(tracked):
@@ -266,7 +279,7 @@ class PipelineClient:
         while pending:
             msg = await t.queue.get()
             if isinstance(msg, ErrorMsg):
-                error = Unavailable if msg.code == NATS_LOST else StageFailed
+                error = _ERRORS.get(msg.code, StageFailed)
                 raise error(msg.message, code=msg.code)
             if msg.stage not in pending:
                 continue
@@ -297,6 +310,8 @@ class PipelineClient:
             # A copy: the payload is a view on a shm segment, which a slow client must not pin.
             samples = audio.reshape(-1).float().numpy().copy()
             return [AudioChunk(samples, int(payload.get("sample_rate", 24000)))]
+        if m.kind == OutputKind.IMAGE:
+            return _image_events(m.stage, payload)
         raise StageFailed(f"stage '{m.stage}': output kind '{m.kind}' is not served by this endpoint")
 
     async def _end(self, rid: str, completed: bool, reason: str) -> None:
@@ -390,6 +405,24 @@ class PipelineClient:
                 self._fail(
                     t, f"stage '{stage}' replica {replica} {why} while serving this request", "replica_lost"
                 )
+
+
+def _image_events(stage: str, payload: dict[str, Any]) -> list[Event]:
+    """One event per unit: images [units, n, H, W, 3] uint8, with `step` and `final` per unit."""
+    images, steps, final = payload.get("images"), payload.get("step"), payload.get("final")
+    if not (
+        isinstance(images, torch.Tensor)
+        and isinstance(steps, torch.Tensor)
+        and isinstance(final, torch.Tensor)
+    ):
+        raise StageFailed(f"stage '{stage}' sent an image without images, step and final")
+    if images.dim() != 5 or images.dtype != torch.uint8 or images.shape[-1] != 3:
+        raise StageFailed(f"stage '{stage}' sent images of shape {tuple(images.shape)} {images.dtype}")
+    # Copies: the payload is a view on a shm segment, which a slow client must not pin.
+    return [
+        ImageProgress(int(steps[u]), [img.numpy().copy() for img in images[u]], bool(final[u]))
+        for u in range(images.shape[0])
+    ]
 
 
 def error_from(exc: BaseException) -> OmniError:

@@ -4,6 +4,9 @@
   ASCII only, so whatever it says is readable) with a chat template; returns hidden states.
 - tiny-talker: a Qwen2 causal LM over 256 codec tokens, fed the thinker's hidden states.
 - tiny-vocoder: codec tokens -> 24 kHz waveform, 480 samples per code (a small conv decoder).
+- tiny-image: a diffusers pipeline directory of a PixArt-alpha transformer (its captions are the
+  thinker's hidden states, so tiny-thinker is its text encoder), a DPM-Solver scheduler and a
+  KL VAE with 4x downsampling: images in multiples of 8 pixels.
 """
 
 from __future__ import annotations
@@ -38,8 +41,11 @@ class TinyVocoder(torch.nn.Module):
         self.conv = torch.nn.Conv1d(dim, dim, kernel_size=3, padding=1)
         self.up = torch.nn.ConvTranspose1d(dim, 1, kernel_size=hop, stride=hop)
 
-    def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, speed: float = 1.0) -> torch.Tensor:
         x = self.embed(token_ids.long().reshape(-1)).T.unsqueeze(0)  # [1, dim, n]
+        if speed != 1.0:  # fewer or more frames, each still `hop` samples: faster speech, same pitch
+            frames = max(1, round(x.shape[-1] / speed))
+            x = torch.nn.functional.interpolate(x, size=frames, mode="linear", align_corners=False)
         x = torch.nn.functional.gelu(self.conv(x))
         return torch.tanh(self.up(x)).reshape(-1)
 
@@ -110,10 +116,56 @@ def _qwen2(vocab: int, eos: int | None, seed: int):  # type: ignore[no-untyped-d
     return model
 
 
+def _image_pipeline(path: Path, caption_channels: int) -> None:
+    """A diffusers pipeline directory: model_index.json naming each part, each part saved by
+    its own save_pretrained. The text encoder is the separate text stage, so it has none."""
+    import diffusers
+    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
+
+    torch.manual_seed(3)
+    transformer = PixArtTransformer2DModel(
+        num_attention_heads=2,
+        attention_head_dim=16,
+        in_channels=4,
+        out_channels=8,  # PixArt learns the variance too; the sampler drops that half
+        num_layers=2,
+        cross_attention_dim=32,
+        caption_channels=caption_channels,
+        sample_size=16,
+        patch_size=2,
+        norm_type="ada_norm_single",
+        use_additional_conditions=False,
+    )
+    vae = AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 3,
+        up_block_types=("UpDecoderBlock2D",) * 3,
+        block_out_channels=(16, 32, 32),
+        layers_per_block=1,
+        latent_channels=4,
+        norm_num_groups=8,
+        sample_size=64,
+    )
+    transformer.save_pretrained(path / "transformer")
+    vae.save_pretrained(path / "vae")
+    DPMSolverMultistepScheduler().save_pretrained(path / "scheduler")
+    index = {
+        "_class_name": "PixArtAlphaPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "transformer": ["diffusers", "PixArtTransformer2DModel"],
+        "scheduler": ["diffusers", "DPMSolverMultistepScheduler"],
+        "vae": ["diffusers", "AutoencoderKL"],
+        "text_encoder": [None, None],
+        "tokenizer": [None, None],
+    }
+    (path / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
 def init_demo(out_dir: str | Path) -> dict[str, Path]:
-    """Write tiny-thinker, tiny-talker and tiny-vocoder under `out_dir`; returns their paths."""
+    """Write tiny-thinker, tiny-talker, tiny-vocoder and tiny-image under `out_dir`; returns their paths."""
     out = Path(out_dir)
-    paths = {name: out / f"tiny-{name}" for name in ("thinker", "talker", "vocoder")}
+    paths = {name: out / f"tiny-{name}" for name in ("thinker", "talker", "vocoder", "image")}
 
     tok = _tokenizer()
     thinker = _qwen2(len(tok), tok.convert_tokens_to_ids("<|im_end|>"), seed=0)
@@ -130,4 +182,6 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
         json.dumps({"vocab": CODEC_VOCAB, "dim": 32, "hop": HOP, "sample_rate": SAMPLE_RATE})
     )
     save_file(voc.state_dict(), str(paths["vocoder"] / "model.safetensors"))
+
+    _image_pipeline(paths["image"], caption_channels=HIDDEN)
     return paths

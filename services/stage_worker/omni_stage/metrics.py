@@ -32,6 +32,13 @@ class StageMetrics:
             labels.keys(),
             registry=r,
         ).labels(**labels)
+        self.engine_steps = Counter(
+            "omni_engine_steps",
+            "Loop steps the engine has run (diffusion steps and decodes)",
+            labels.keys(),
+            registry=r,
+        ).labels(**labels)
+        self._engine_steps_seen = 0
         self.requests = Counter(
             "omni_stage_requests", "Requests ended, by outcome", [*labels.keys(), "outcome"], registry=r
         )
@@ -77,6 +84,11 @@ class StageMetrics:
         ).labels(**labels)
         self.resources = ResourceGauges(r, labels)
         self._labels = labels
+
+    def engine_steps_reached(self, total: int) -> None:
+        """The engine counts its own steps; the counter follows its total."""
+        self.engine_steps.inc(max(0, total - self._engine_steps_seen))
+        self._engine_steps_seen = max(total, self._engine_steps_seen)
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(**self._labels, outcome=outcome).inc()

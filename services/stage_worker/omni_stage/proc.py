@@ -29,6 +29,7 @@ from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError, OmniConnector, build_connectors, check_request_id
 from omni_pipeline.control import (
     HEARTBEAT_INTERVAL_S,
+    INVALID_REQUEST,
     NATS_LOST,
     AbortMsg,
     Admitted,
@@ -51,7 +52,7 @@ from omni_pipeline.serving import listen, make_server, on_shutdown_signals
 from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, PipelineFile, StageSpec
 from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
 from omni_stage.core import Admission, StageCore
-from omni_stage.engines.base import Engine, EngineCall, build_engine, import_object
+from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine, import_object
 from omni_stage.health import health_app
 from omni_stage.metrics import StageMetrics
 from omni_stage.segments import Segment, Segmenter
@@ -211,6 +212,8 @@ class StageWorker:
         self.metrics.resources.refresh(self.nc, self.connectors.values())
         if (held := self.engine.active_requests()) is not None:
             self.metrics.engine_requests.set(held)
+        if (steps := self.engine.steps_run()) is not None:
+            self.metrics.engine_steps_reached(steps)
 
     async def _publish_heartbeat(self, stopping: bool = False) -> None:
         self._refresh_gauges()
@@ -278,10 +281,13 @@ class StageWorker:
                 return
         try:
             if isinstance(m, StageRequest):
+                source = REQUEST_SOURCE in self.in_windows
+                keys = self.engine.request_keys
+                asked = m.sampling if source else {k: v for k, v in m.sampling.items() if k in keys}
+                st.sampling = {**self.spec.sampling, **asked}
                 await self._answer(msg, Admitted(True))
-                if REQUEST_SOURCE not in self.in_windows:
+                if not source:
                     return  # a reservation: inputs come from upstream stages
-                st.sampling = {**self.spec.sampling, **m.sampling}
                 triggers = st.assembler.add(REQUEST_SOURCE, 0, m, 0, True)
             else:
                 triggers = st.assembler.add(m.from_stage, m.sequence, m, m.units, m.is_last)
@@ -386,6 +392,9 @@ class StageWorker:
         except TimeoutError:
             await self._fail(st.ctx, f"stage '{self.spec.name}': request deadline exceeded", "timeout")
             return "timeout"
+        except InvalidRequest as exc:  # the client asked for what this stage cannot do
+            await self._fail(st.ctx, f"stage '{self.spec.name}': {exc}", INVALID_REQUEST)
+            return "invalid"
         except ConnectorError as exc:  # its message says it all (e.g. inputs freed by an abort)
             log.warning("stage %s: request %s: %s", self.spec.name, rid, exc)
             await self._fail(st.ctx, f"stage '{self.spec.name}': {exc}", "connector_error")

@@ -22,6 +22,11 @@ class EngineError(RuntimeError):
     """An engine cannot be built or cannot serve a request."""
 
 
+class InvalidRequest(EngineError):
+    """The request asks for what this engine cannot do (a size the model cannot make, a speed
+    the vocoder cannot change): the client's error, a 400, not the stage's."""
+
+
 @dataclass(slots=True)
 class EngineCall:
     request_id: str
@@ -34,6 +39,11 @@ class EngineCall:
 
 class Engine(ABC):
     """Computes one stage. Heavy work runs off the event loop (threads), so I/O stays live."""
+
+    request_keys: frozenset[str] = frozenset()
+    """Request parameters this engine reads when its stage is not a source (a diffusion stage's
+    steps and size, a vocoder's speed). A source stage reads them all; others get only these,
+    so a talker never takes the client's max_tokens meant for the thinker."""
 
     def __init__(self, stage: StageSpec) -> None:
         self.stage = stage
@@ -48,6 +58,10 @@ class Engine(ABC):
 
     def active_requests(self) -> int | None:
         """Requests the engine itself holds, where it tracks them (for the leak gauges)."""
+        return None
+
+    def steps_run(self) -> int | None:
+        """Loop steps run so far (diffusion steps), where the engine counts them."""
         return None
 
     async def close(self) -> None:
@@ -81,4 +95,8 @@ def build_engine(stage: StageSpec) -> Engine:
         from omni_stage.engines.vllm import VllmEngine
 
         return VllmEngine(stage)
+    if kind is EngineKind.DIFFUSERS:
+        from omni_stage.engines.diffusers import build_diffusers_engine
+
+        return build_diffusers_engine(stage)
     raise EngineError(f"stage '{stage.name}': engine kind '{kind}' is not available in this build")

@@ -5,18 +5,22 @@ nn.Module. Each call runs `module(**tensors)` on the edge's payload in a worker 
 emits the result as one output: under `audio` (with the module's `sample_rate`) when the
 stage's final output is audio, else under `outputKey` (default `tensor`). For audio a unit is
 a sample; otherwise a unit is a row of the output.
+
+A request's `speed` (text to speech) is passed on as `module(..., speed=x)` to a module whose
+`forward` takes it; asked of one that does not, the request is refused.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator
 from typing import Any
 
 import torch
 
 from omni_pipeline.spec import OutputKind, StageSpec
-from omni_stage.engines.base import Engine, EngineCall, EngineError, import_object
+from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest, import_object
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
 
@@ -24,12 +28,15 @@ _OWN_ARGS = ("device", "threads", "outputKey")
 
 
 class TorchModuleEngine(Engine):
+    request_keys = frozenset({"speed"})
+
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.device = torch.device(self.args.get("device", "cpu"))
         self.audio = stage.final_output is OutputKind.AUDIO
         self.output_key = "audio" if self.audio else str(self.args.get("outputKey", "tensor"))
         self.module: Any = None
+        self.takes_speed = False
 
     async def start(self) -> None:
         await asyncio.to_thread(self._load)
@@ -46,22 +53,28 @@ class TorchModuleEngine(Engine):
                 f"factory {self.stage.engine.factory!r} returned {type(module).__name__}, not a Module"
             )
         self.module = module.to(self.device).eval()
+        self.takes_speed = "speed" in inspect.signature(module.forward).parameters
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         payload = concat(list(call.inputs.values()))
         tensors = {k: v.to(self.device) for k, v in payload.items() if isinstance(v, torch.Tensor)}
         if not tensors:
             raise EngineError(f"stage '{self.stage.name}': no tensor inputs")
-        out = await asyncio.to_thread(self._run, tensors)
+        options: dict[str, Any] = {}
+        if (speed := call.sampling.get("speed")) is not None and float(speed) != 1.0:
+            if not self.takes_speed:
+                raise InvalidRequest("speed: this pipeline's audio cannot be made faster or slower")
+            options["speed"] = float(speed)
+        out = await asyncio.to_thread(self._run, tensors, options)
         data: dict[str, Any] = {self.output_key: out}
         if self.audio and (sr := getattr(self.module, "sample_rate", None)):
             data["sample_rate"] = int(sr)
         yield EngineOutput(units=int(out.shape[0]) if out.dim() else 1, data=data)
 
     @torch.inference_mode()
-    def _run(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _run(self, tensors: dict[str, torch.Tensor], options: dict[str, Any]) -> torch.Tensor:
         try:
-            out = self.module(**tensors)
+            out = self.module(**tensors, **options)
         except TypeError as exc:
             raise EngineError(
                 f"stage '{self.stage.name}': module does not take {sorted(tensors)}: {exc}"

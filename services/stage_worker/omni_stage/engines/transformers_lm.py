@@ -10,8 +10,13 @@ upstream stage, `inputs_embeds` [n, hidden] (after the edge's processor) or `tok
 Outputs per step: the token id, the text delta (if the model has a tokenizer), and with
 `returnHiddenStates: true` the last layer's hidden state that produced the token.
 
-Arguments (`engine.args`): device, dtype, threads, returnHiddenStates, tokensPerInputUnit
-(new tokens per input unit for upstream inputs), ignoreEos.
+With `mode: encode` the model is a text encoder instead (as Qwen-Image conditions its diffusion
+transformer on a Qwen2 model's hidden states): one forward pass over the request's prompt, and
+over its `negative_prompt` if it has one, emitting the last layer's states as one unit,
+`prompt_embeds` [1, tokens, hidden] (and `negative_prompt_embeds`).
+
+Arguments (`engine.args`): mode (generate, encode), device, dtype, threads, returnHiddenStates,
+tokensPerInputUnit (new tokens per input unit for upstream inputs), ignoreEos.
 """
 
 from __future__ import annotations
@@ -40,6 +45,10 @@ class TransformersEngine(Engine):
         self.return_hidden = bool(self.args.get("returnHiddenStates", False))
         self.tokens_per_input_unit = float(self.args.get("tokensPerInputUnit", 1.0))
         self.ignore_eos = bool(self.args.get("ignoreEos", False))
+        mode = self.args.get("mode", "generate")
+        if mode not in ("generate", "encode"):
+            raise EngineError(f"stage '{stage.name}': engine.args.mode must be 'generate' or 'encode'")
+        self.encode = mode == "encode"
         self.model: Any = None
         self.tokenizer: Any = None
         self.eos: set[int] = set()
@@ -71,6 +80,9 @@ class TransformersEngine(Engine):
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        if self.encode:
+            yield await self._encode(call)
+            return
         st = call.state
         ids, embeds, n_units = self._inputs(call)
         max_tokens = call.sampling.get("max_tokens")
@@ -108,6 +120,25 @@ class TransformersEngine(Engine):
                 return
         if "request" in call.inputs:
             st["finish_reason"] = "length"
+
+    async def _encode(self, call: EngineCall) -> EngineOutput:
+        request = call.inputs.get("request")
+        if request is None or self.tokenizer is None:
+            raise EngineError(
+                f"stage '{self.stage.name}': mode encode reads the client request with a tokenizer"
+            )
+        ids = prompt_token_ids(self.tokenizer, request)
+        data = {"prompt_embeds": await asyncio.to_thread(self._last_hidden, ids)}
+        if negative := request.get("negative_prompt"):
+            negative_ids = prompt_token_ids(self.tokenizer, {"prompt": str(negative)})
+            data["negative_prompt_embeds"] = await asyncio.to_thread(self._last_hidden, negative_ids)
+        call.state["prompt_tokens"] = len(ids)
+        return EngineOutput(units=1, data=data)
+
+    @torch.inference_mode()
+    def _last_hidden(self, ids: list[int]) -> torch.Tensor:
+        out = self.model.base_model(input_ids=torch.tensor([ids], device=self.device))
+        return out.last_hidden_state.float().cpu()
 
     def _with_pending(
         self, st: dict[str, Any], ids: torch.Tensor | None, embeds: torch.Tensor | None

@@ -1,0 +1,48 @@
+"""Text to speech: the vocoder's chunks -> the response body as they come (WAV, raw PCM, or
+OpenAI's `speech.audio.delta` SSE events)."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from omni_gateway.audio import to_pcm16, wav_stream_header
+from omni_gateway.protocol import SpeechRequest
+from omni_gateway.service import AudioChunk, Event, error_from
+
+MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+
+
+async def _pcm(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    ev: Event | None = first
+    while ev is not None:
+        if isinstance(ev, AudioChunk):
+            yield to_pcm16(ev.samples)
+        ev = await anext(events, None)
+
+
+async def audio_stream(
+    req: SpeechRequest, first: AudioChunk, events: AsyncIterator[Event]
+) -> AsyncIterator[bytes]:
+    """Chunked audio. A WAV starts with a header of unknown length, as streaming servers write
+    it. A failure mid-stream can only cut the response short (it raises)."""
+    if req.response_format == "wav":
+        yield wav_stream_header(first.sample_rate)
+    async for pcm in _pcm(first, events):
+        yield pcm
+
+
+async def sse_stream(first: AudioChunk, events: AsyncIterator[Event]) -> AsyncIterator[str]:
+    """`speech.audio.delta` events of base64 PCM16, then `speech.audio.done` (or `error`)."""
+
+    def sse(obj: dict[str, Any]) -> str:
+        return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+    try:
+        async for pcm in _pcm(first, events):
+            yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()})
+        yield sse({"type": "speech.audio.done"})
+    except Exception as exc:
+        yield sse({"type": "error", **error_from(exc).body()})

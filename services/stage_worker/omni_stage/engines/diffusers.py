@@ -1,0 +1,412 @@
+"""Diffusion stages with diffusers: a denoiser that samples latents, a VAE that decodes them
+(seed 000 section 4: D0 plan, D1 sampling loop with previews, D2 decode).
+
+`engine.model` is a diffusers pipeline directory; its `model_index.json` names each part's
+class, and a stage loads only the parts its `role` needs, each with diffusers' own
+`from_pretrained(path, subfolder=part)`. The text encoder is not one of them: it is the
+upstream text stage (the transformers engine with `mode: encode`), as Qwen-Image conditions
+its transformer on a Qwen2 language model's hidden states.
+
+role `denoise` (transformer or UNet, and the scheduler). Reads `prompt_embeds` and, if given,
+`negative_prompt_embeds` from upstream. Each scheduler step is one call on the engine's compute
+thread, so cancelling the request stops the loop after the step in progress. Emits the final
+latents and, when the request asks for previews, the latents every k steps.
+role `decode` (the VAE). Latents in, RGB images out. A preview is decoded from 2x downsampled
+latents and scaled back to the full size; when several previews wait, only the newest is
+decoded. The final image is decoded at full resolution.
+
+Every output is one unit, and its tensors carry a leading unit dimension:
+`latents` [1, n, C, h, w] or `images` uint8 [1, n, H, W, 3], with `step` [1] and `final` [1].
+So segments and windows may join outputs and still keep them apart.
+
+Request parameters: n, width, height, num_inference_steps, guidance_scale, seed, previews,
+partial_images. Arguments (`engine.args`): role, device, dtype, threads, width, height (the
+default size), maxSize, steps, guidanceScale, previewEvery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import secrets
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import torch
+import torch.nn.functional as F
+
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.payload import concat
+from omni_stage.segments import EngineOutput
+
+_DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DENOISERS: Final = ("PixArtTransformer2DModel", "UNet2DConditionModel")
+"""Denoiser classes whose call this engine knows (text-conditioned, cross-attention)."""
+MAX_IMAGES: Final = 10
+MAX_STEPS: Final = 1000
+
+T = TypeVar("T")
+
+
+def build_diffusers_engine(stage: StageSpec) -> Engine:
+    role = stage.engine.args.get("role")
+    if role == "denoise":
+        return DenoiseEngine(stage)
+    if role == "decode":
+        return DecodeEngine(stage)
+    raise EngineError(f"stage '{stage.name}': engine.args.role must be 'denoise' or 'decode', got {role!r}")
+
+
+class _DiffusersPart(Engine):
+    """Loading by `model_index.json`, and the one compute thread every step and decode runs on
+    (a replica's requests take turns on the device; a cancelled request's step in progress
+    finishes there before the next one starts)."""
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.device = torch.device(self.args.get("device", "cpu"))
+        dtype = self.args.get("dtype", "float32")
+        if dtype not in _DTYPES:
+            raise EngineError(f"stage '{stage.name}': engine.args.dtype must be one of {sorted(_DTYPES)}")
+        self.dtype = _DTYPES[dtype]
+        self.path = Path(str(stage.engine.model))
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-compute")
+        self._active: set[str] = set()
+        self._steps = 0
+
+    async def start(self) -> None:
+        await self._run(self._load)
+
+    def _load(self) -> None:
+        raise NotImplementedError
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    def _part_class(self, part: str) -> Any:
+        import diffusers
+
+        index_file = self.path / "model_index.json"
+        try:
+            index = json.loads(index_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise EngineError(f"stage '{self.stage.name}': cannot read {index_file}: {exc}") from exc
+        entry = index.get(part)
+        if not isinstance(entry, list) or len(entry) != 2 or entry[0] != "diffusers":
+            raise EngineError(f"stage '{self.stage.name}': {index_file} has no diffusers part '{part}'")
+        cls = getattr(diffusers, str(entry[1]), None)
+        if cls is None:
+            raise EngineError(
+                f"stage '{self.stage.name}': diffusers has no class {entry[1]!r} (for '{part}')"
+            )
+        return cls
+
+    def _has_part(self, part: str) -> bool:
+        try:
+            self._part_class(part)
+        except EngineError:
+            return False
+        return True
+
+    def _load_part(self, part: str) -> Any:
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()  # a server's log is not a terminal
+        if threads := self.args.get("threads"):
+            torch.set_num_threads(int(threads))
+        cls = self._part_class(part)
+        try:
+            if hasattr(cls, "set_timesteps"):  # a scheduler: a config, no weights
+                return cls.from_pretrained(self.path, subfolder=part)
+            return (
+                cls.from_pretrained(self.path, subfolder=part, torch_dtype=self.dtype).to(self.device).eval()
+            )
+        except (OSError, ValueError) as exc:
+            raise EngineError(
+                f"stage '{self.stage.name}': cannot load '{part}' from {self.path}: {exc}"
+            ) from exc
+
+    def _vae_scale(self) -> int:
+        """Pixels per latent cell, from the VAE's config (the denoiser never loads the VAE)."""
+        config = self._part_class("vae").load_config(self.path, subfolder="vae")
+        return int(2 ** (len(config["block_out_channels"]) - 1))
+
+    def active_requests(self) -> int:
+        return len(self._active)
+
+    def steps_run(self) -> int:
+        return self._steps
+
+    async def close(self) -> None:
+        self._compute.shutdown(wait=False, cancel_futures=True)
+
+
+@dataclass
+class _Sampling:
+    """One request's state in the sampling loop (D0's plan, advanced by D1's steps)."""
+
+    scheduler: Any
+    latents: torch.Tensor
+    cond: torch.Tensor
+    mask: torch.Tensor
+    guidance: float
+    generator: torch.Generator
+    previews: set[int]
+    size: tuple[int, int]
+    """(height, width) in pixels."""
+
+    @property
+    def cfg(self) -> bool:
+        return self.guidance > 1.0
+
+
+class DenoiseEngine(_DiffusersPart):
+    request_keys = frozenset(
+        {
+            "n",
+            "width",
+            "height",
+            "num_inference_steps",
+            "guidance_scale",
+            "seed",
+            "previews",
+            "partial_images",
+        }
+    )
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        a = self.args
+        self.width = int(a.get("width", 512))
+        self.height = int(a.get("height", 512))
+        self.max_size = int(a.get("maxSize", 1024))
+        self.steps = int(a.get("steps", 20))
+        self.guidance = float(a.get("guidanceScale", 4.5))
+        self.preview_every = max(1, int(a.get("previewEvery", 5)))
+        self.denoiser: Any = None
+        self.scheduler: Any = None
+        self.vae_scale = 8
+        self.multiple = 8
+        self._takes_generator = False
+
+    def _load(self) -> None:
+        part = "transformer" if self._has_part("transformer") else "unet"
+        cls = self._part_class(part).__name__
+        if cls not in _DENOISERS:
+            raise EngineError(
+                f"stage '{self.stage.name}': denoiser {cls} is not supported; "
+                f"supported: {', '.join(_DENOISERS)}"
+            )
+        self.denoiser = self._load_part(part)
+        self.scheduler = self._load_part("scheduler")
+        self._takes_generator = "generator" in inspect.signature(self.scheduler.step).parameters
+        c = self.denoiser.config
+        cells = c.patch_size if cls == "PixArtTransformer2DModel" else 2 ** (len(c.block_out_channels) - 1)
+        self.vae_scale = self._vae_scale()
+        self.multiple = self.vae_scale * int(cells)
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        embeds = _inputs(call, "prompt_embeds")
+        if embeds is None:
+            raise EngineError(
+                f"stage '{self.stage.name}': no prompt_embeds in its inputs (a text stage with mode: encode?)"
+            )
+        negative = _inputs(call, "negative_prompt_embeds")
+        plan = await self._run(
+            self._plan, embeds[-1], None if negative is None else negative[-1], call.sampling
+        )
+        self._active.add(call.request_id)
+        try:
+            timesteps = plan.scheduler.timesteps
+            for i in range(len(timesteps)):
+                await self._run(self._step, plan, timesteps[i])
+                if i + 1 in plan.previews:
+                    yield EngineOutput(units=1, data=_latents_unit(plan.latents, i + 1, final=False))
+            yield EngineOutput(units=1, data=_latents_unit(plan.latents, len(timesteps), final=True))
+        finally:
+            self._active.discard(call.request_id)
+
+    def _params(self, sampling: dict[str, Any]) -> tuple[int, int, int, int, float]:
+        n = int(sampling.get("n") or 1)
+        width = int(sampling.get("width") or self.width)
+        height = int(sampling.get("height") or self.height)
+        steps = int(sampling.get("num_inference_steps") or self.steps)
+        guidance = sampling.get("guidance_scale")
+        guidance = self.guidance if guidance is None else float(guidance)
+        m, top = self.multiple, self.max_size
+        if not (m <= width <= top and m <= height <= top and width % m == 0 and height % m == 0):
+            raise InvalidRequest(
+                f"size {width}x{height}: this model makes widths and heights that are multiples of {m}, "
+                f"from {m} to {top}"
+            )
+        if not 1 <= n <= MAX_IMAGES:
+            raise InvalidRequest(f"n: {n} images; from 1 to {MAX_IMAGES}")
+        if not 1 <= steps <= MAX_STEPS:
+            raise InvalidRequest(f"num_inference_steps: {steps}; from 1 to {MAX_STEPS}")
+        if guidance < 0:
+            raise InvalidRequest(f"guidance_scale: {guidance}; must not be negative")
+        return n, width, height, steps, guidance
+
+    def _preview_steps(self, steps: int, sampling: dict[str, Any]) -> set[int]:
+        """After which steps a preview goes out: every k steps, or `partial_images` spread evenly."""
+        if not sampling.get("previews"):
+            return set()
+        partial = sampling.get("partial_images")
+        if partial is None:
+            return set(range(self.preview_every, steps, self.preview_every))
+        every = steps / (int(partial) + 1)
+        return {s for i in range(int(partial)) if 0 < (s := round(every * (i + 1))) < steps}
+
+    @torch.inference_mode()
+    def _plan(
+        self, embeds: torch.Tensor, negative: torch.Tensor | None, sampling: dict[str, Any]
+    ) -> _Sampling:
+        n, width, height, steps, guidance = self._params(sampling)
+        width_in = embeds.shape[-1]
+        c = self.denoiser.config
+        wants = c.caption_channels if hasattr(c, "caption_channels") else c.cross_attention_dim
+        if width_in != wants:
+            raise EngineError(
+                f"stage '{self.stage.name}': prompt embeddings are {width_in} wide, "
+                f"the denoiser takes {wants}"
+            )
+        seed = sampling.get("seed")
+        generator = torch.Generator().manual_seed(int(seed) if seed is not None else secrets.randbits(63))
+        scheduler = type(self.scheduler).from_config(self.scheduler.config)  # its state is per request
+        scheduler.set_timesteps(steps, device=self.device)
+        shape = (n, c.in_channels, height // self.vae_scale, width // self.vae_scale)
+        latents = torch.randn(shape, generator=generator, dtype=torch.float32)
+        latents = (latents * scheduler.init_noise_sigma).to(self.device, self.dtype)
+        cond, mask = _conditioning(embeds, negative, n, guidance > 1.0)
+        return _Sampling(
+            scheduler,
+            latents,
+            cond.to(self.device, self.dtype),
+            mask.to(self.device, self.dtype),
+            guidance,
+            generator,
+            self._preview_steps(steps, sampling),
+            (height, width),
+        )
+
+    @torch.inference_mode()
+    def _step(self, s: _Sampling, t: torch.Tensor) -> None:
+        x = torch.cat([s.latents] * 2) if s.cfg else s.latents
+        x = s.scheduler.scale_model_input(x, t)
+        out = self._denoise(x, t, s)
+        if out.shape[1] == 2 * s.latents.shape[1]:  # a learned variance rides along; drop it
+            out = out.chunk(2, dim=1)[0]
+        if s.cfg:
+            uncond, cond = out.chunk(2)
+            out = uncond + s.guidance * (cond - uncond)
+        extra = {"generator": s.generator} if self._takes_generator else {}
+        s.latents = s.scheduler.step(out, t, s.latents, return_dict=False, **extra)[0]
+        self._steps += 1
+
+    def _denoise(self, x: torch.Tensor, t: torch.Tensor, s: _Sampling) -> torch.Tensor:
+        if type(self.denoiser).__name__ == "UNet2DConditionModel":
+            return self.denoiser(
+                x, t, encoder_hidden_states=s.cond, encoder_attention_mask=s.mask, return_dict=False
+            )[0]
+        batch = x.shape[0]
+        added: dict[str, Any] = {"resolution": None, "aspect_ratio": None}
+        if getattr(self.denoiser, "use_additional_conditions", False):
+            h, w = s.size
+            added = {
+                "resolution": torch.tensor([[h, w]], dtype=self.dtype, device=self.device).repeat(batch, 1),
+                "aspect_ratio": torch.tensor([[h / w]], dtype=self.dtype, device=self.device).repeat(
+                    batch, 1
+                ),
+            }
+        return self.denoiser(
+            x,
+            encoder_hidden_states=s.cond,
+            encoder_attention_mask=s.mask,
+            timestep=t.expand(batch),
+            added_cond_kwargs=added,
+            return_dict=False,
+        )[0]
+
+
+class DecodeEngine(_DiffusersPart):
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.vae: Any = None
+
+    def _load(self) -> None:
+        self.vae = self._load_part("vae")
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        parts = [p for p in call.inputs.values() if "latents" in p]
+        if not parts:
+            return
+        payload = concat(parts)
+        latents, steps, final = payload["latents"], payload["step"], payload["final"]
+        finals = [i for i in range(len(final)) if bool(final[i])]
+        self._active.add(call.request_id)
+        try:
+            for i in finals or [len(final) - 1]:  # the final image, else only the newest preview
+                images = await self._run(self._decode, latents[i], not bool(final[i]))
+                yield EngineOutput(
+                    units=1,
+                    data={"images": images[None], "step": steps[i : i + 1], "final": final[i : i + 1]},
+                )
+        finally:
+            self._active.discard(call.request_id)
+
+    @torch.inference_mode()
+    def _decode(self, latents: torch.Tensor, preview: bool) -> torch.Tensor:
+        c = self.vae.config
+        lat = latents.to(self.device, self.dtype) / c.scaling_factor + (
+            getattr(c, "shift_factor", None) or 0.0
+        )
+        scale = 2 ** (len(c.block_out_channels) - 1)
+        size = (lat.shape[-2] * scale, lat.shape[-1] * scale)
+        if preview and min(lat.shape[-2:]) >= 2:
+            lat = F.avg_pool2d(lat, 2)
+        image = self.vae.decode(lat, return_dict=False)[0]
+        if tuple(image.shape[-2:]) != size:
+            image = F.interpolate(image.float(), size=size, mode="bilinear", align_corners=False)
+        self._steps += 1
+        rgb = ((image.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        return rgb.permute(0, 2, 3, 1).cpu().contiguous()
+
+
+def _inputs(call: EngineCall, key: str) -> torch.Tensor | None:
+    found = [p[key] for p in call.inputs.values() if isinstance(p.get(key), torch.Tensor)]
+    return torch.cat(found) if found else None
+
+
+def _conditioning(
+    embeds: torch.Tensor, negative: torch.Tensor | None, n: int, cfg: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cross-attention inputs for a batch of n: with guidance, the negative (or a null embedding)
+    and the prompt, padded to one length, the padding masked out."""
+    embeds = embeds.float()
+    if not cfg:
+        return embeds.expand(n, -1, -1), torch.ones(n, embeds.shape[0])
+    neg = negative.float() if negative is not None else torch.zeros(1, embeds.shape[-1])
+    length = max(embeds.shape[0], neg.shape[0])
+
+    def padded(e: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.zeros(length)
+        mask[: e.shape[0]] = 1
+        return F.pad(e, (0, 0, 0, length - e.shape[0])), mask
+
+    (ne, nm), (pe, pm) = padded(neg), padded(embeds)
+    cond = torch.cat([ne.expand(n, -1, -1), pe.expand(n, -1, -1)])
+    mask = torch.cat([nm.expand(n, -1), pm.expand(n, -1)])
+    return cond, mask
+
+
+def _latents_unit(latents: torch.Tensor, step: int, final: bool) -> dict[str, torch.Tensor]:
+    return {
+        "latents": latents.float().cpu().clone()[None],
+        "step": torch.tensor([step], dtype=torch.int64),
+        "final": torch.tensor([final], dtype=torch.bool),
+    }
