@@ -28,7 +28,7 @@ class StageMetrics:
         ).labels(**labels)
         self.engine_requests = Gauge(
             "omni_engine_active_requests",
-            "Requests the engine itself holds (vLLM)",
+            "Requests the engine itself holds (vLLM, diffusers)",
             labels.keys(),
             registry=r,
         ).labels(**labels)
