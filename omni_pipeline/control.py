@@ -184,6 +184,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     metrics_port: int = 0
     stopping: bool = False
     """Sent once when the replica exits: forget it now, do not wait for missed beats."""
+    by_gateway: dict[str, int] = msgspec.field(default_factory=dict)
+    """Requests held (queued + inflight) per gateway inbox, so each gateway can tell its own
+    share of the load from the others' even when the beat lags behind its releases."""
     ts: float = msgspec.field(default_factory=time.time)
 
 

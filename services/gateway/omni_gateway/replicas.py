@@ -13,15 +13,17 @@ from omni_pipeline.control import HEARTBEAT_MISSES, Heartbeat
 class Replica:
     hb: Heartbeat
     last_seen: float
+    inbox: str
+    """Our gateway's inbox: how the heartbeat names our share of its load."""
     ours: int = 0
     """Requests this gateway has on this replica now: routed there, its part not yet done."""
-    ours_at_beat: int = 0
-    """`ours` when `hb` arrived. The heartbeat already counts those, and it lags by up to a
-    beat, so the load is the others' part of it plus ours as of now."""
 
     @property
     def load(self) -> int:
-        return max(0, self.hb.queued + self.hb.inflight - self.ours_at_beat) + self.ours
+        """The other gateways' requests as of the last beat, plus ours as of now. (The beat lags
+        by up to an interval; ours never do, even when many ended since it was sent.)"""
+        theirs = self.hb.queued + self.hb.inflight - self.hb.by_gateway.get(self.inbox, 0)
+        return max(0, theirs) + self.ours
 
     @property
     def room(self) -> bool:
@@ -29,7 +31,8 @@ class Replica:
 
 
 class ReplicaTable:
-    def __init__(self) -> None:
+    def __init__(self, inbox: str) -> None:
+        self.inbox = inbox
         self._by_stage: dict[str, dict[str, Replica]] = {}
 
     def update(self, hb: Heartbeat, now: float) -> Replica | None:
@@ -40,7 +43,7 @@ class ReplicaTable:
             return stage.pop(hb.replica, None)
         restarted = old is not None and old.hb.instance != hb.instance
         ours = old.ours if old is not None and not restarted else 0
-        stage[hb.replica] = Replica(hb, now, ours, ours)
+        stage[hb.replica] = Replica(hb, now, self.inbox, ours)
         return old if restarted else None
 
     def release(self, stage: str, replica: str, instance: str) -> None:

@@ -110,7 +110,7 @@ class PipelineClient:
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self.subjects = Subjects(pipeline.name)
         self.inbox = self.subjects.gateway_inbox(self.gateway_id)
-        self.table = ReplicaTable()
+        self.table = ReplicaTable(self.inbox)
         self.connectors: dict[str, OmniConnector] = build_connectors(self.spec, pipeline.name)
         self.inflight: dict[str, _Tracked] = {}
         self.nc: NatsClient | None = None

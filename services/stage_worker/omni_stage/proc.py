@@ -12,6 +12,7 @@ request holds in every connector (`cleanup`). A consumer frees a payload once it
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import os
@@ -232,6 +233,7 @@ class StageWorker:
             interval_s=HEARTBEAT_INTERVAL_S,
             metrics_port=self.metrics_port,
             stopping=stopping,
+            by_gateway=dict(collections.Counter(st.ctx.reply_to for st in self.requests.values())),
         )
         if self.nc is not None and self.nc.is_connected:
             with contextlib.suppress(Exception):

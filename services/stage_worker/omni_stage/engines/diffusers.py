@@ -27,6 +27,7 @@ default size), maxSize, steps, guidanceScale, previewEvery.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import json
 import secrets
@@ -88,15 +89,23 @@ class _DiffusersPart(Engine):
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
-    def _part_class(self, part: str) -> Any:
-        import diffusers
-
+    @functools.cached_property
+    def _index(self) -> dict[str, Any]:
+        """The pipeline directory's model_index.json: which class each part is."""
         index_file = self.path / "model_index.json"
         try:
             index = json.loads(index_file.read_text())
         except (OSError, ValueError) as exc:
             raise EngineError(f"stage '{self.stage.name}': cannot read {index_file}: {exc}") from exc
-        entry = index.get(part)
+        if not isinstance(index, dict):
+            raise EngineError(f"stage '{self.stage.name}': {index_file} is not a diffusers model index")
+        return index
+
+    def _part_class(self, part: str) -> Any:
+        import diffusers
+
+        index_file = self.path / "model_index.json"
+        entry = self._index.get(part)
         if not isinstance(entry, list) or len(entry) != 2 or entry[0] != "diffusers":
             raise EngineError(f"stage '{self.stage.name}': {index_file} has no diffusers part '{part}'")
         cls = getattr(diffusers, str(entry[1]), None)
