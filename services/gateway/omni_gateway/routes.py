@@ -192,7 +192,7 @@ async def audio_speech(req: SpeechRequest, request: Request) -> Response:
             raise StageFailed("the pipeline ended without producing audio")
         headers = {"X-Sample-Rate": str(first.sample_rate)}
         if req.stream_format == "sse":
-            return Streamed(sse_stream(first, events), "text/event-stream", headers)
+            return Streamed(sse_stream(req, first, events), "text/event-stream", headers)
         return Streamed(audio_stream(req, first, events), MEDIA_TYPES[req.response_format], headers)
 
     return await _respond(request, svc, speech_inputs(req), speech_sampling(req), {OutputKind.AUDIO}, respond)

@@ -117,6 +117,7 @@ class PipelineClient:
         self.covered = asyncio.Event()
         self.started_at = int(time.time())
         self._sweeper: asyncio.Task[None] | None = None
+        self._ended_by_outage: set[str] = set()
         self._sources = [s.name for s in self.spec.stages if any(e.from_ == REQUEST_SOURCE for e in s.inputs)]
 
     async def start(self, stop: asyncio.Event | None = None) -> bool:
@@ -126,7 +127,7 @@ class PipelineClient:
             f"gateway-{self.gateway_id}",
             stop=stop,
             on_disconnect=self._on_nats_lost,
-            on_reconnect=lambda: self.table.heard_all(time.monotonic()),
+            on_reconnect=self._on_nats_back,
         )
         if nc is None:
             return False
@@ -322,7 +323,7 @@ class PipelineClient:
             self.table.release(stage, replica, instance)
         if completed:
             return
-        if self.nc is not None and self.nc.is_connected:
+        if self.nc is not None and not self.nc.is_closed:  # while reconnecting, sent once back
             with contextlib.suppress(Exception):
                 await self.nc.publish(self.subjects.abort, pack(AbortMsg(rid, reason)))
         self._free_payloads(rid)
@@ -343,8 +344,18 @@ class PipelineClient:
     def _on_nats_lost(self) -> None:
         """Outputs sent while we are away are lost, so no request in flight can finish: end them
         now rather than at their deadline (their aborts go out once NATS is back)."""
+        self._ended_by_outage.update(self.inflight)
         for t in list(self.inflight.values()):
             self._fail(t, "the gateway lost its connection to NATS while serving this request", NATS_LOST)
+
+    def _on_nats_back(self) -> None:
+        """Free the requests the outage ended once more: a stage may have been writing a payload
+        for one when we freed it first (a write in progress is not freed), and its message
+        saying so was lost with the server."""
+        self.table.heard_all(time.monotonic())
+        for rid in self._ended_by_outage:
+            self._free_payloads(rid)
+        self._ended_by_outage.clear()
 
     async def _on_reply(self, msg: Msg) -> None:
         try:

@@ -34,15 +34,18 @@ async def audio_stream(
         yield pcm
 
 
-async def sse_stream(first: AudioChunk, events: AsyncIterator[Event]) -> AsyncIterator[str]:
-    """`speech.audio.delta` events of base64 PCM16, then `speech.audio.done` (or `error`)."""
+async def sse_stream(
+    req: SpeechRequest, first: AudioChunk, events: AsyncIterator[Event]
+) -> AsyncIterator[str]:
+    """`speech.audio.delta` events, base64 pieces of the same bytes `audio_stream` sends, then
+    `speech.audio.done` (or `error`)."""
 
     def sse(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
     try:
-        async for pcm in _pcm(first, events):
-            yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(pcm).decode()})
+        async for data in audio_stream(req, first, events):
+            yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
         yield sse({"type": "speech.audio.done"})
     except Exception as exc:
         yield sse({"type": "error", **error_from(exc).body()})

@@ -116,6 +116,7 @@ class StageWorker:
         self._stop = asyncio.Event()
         self._drained = asyncio.Event()
         self._notices: set[asyncio.Task[None]] = set()  # error notices waiting for NATS to return
+        self._ended_by_outage: set[str] = set()  # freed again when NATS is back
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -146,6 +147,7 @@ class StageWorker:
                 f"stage-{self.spec.name}-{self.replica}",
                 stop=self._stop,
                 on_disconnect=self._on_nats_lost,
+                on_reconnect=self._on_nats_back,
             )
             if nc is None:
                 log.info("stage %s/%s: stopped before NATS was reachable", self.spec.name, self.replica)
@@ -245,11 +247,20 @@ class StageWorker:
         held = [st.ctx for st in self.requests.values()]
         why = f"stage '{self.spec.name}' replica {self.replica} lost its connection to NATS"
         for ctx in held:
+            self._ended_by_outage.add(ctx.request_id)
             self._abort(ctx.request_id)
         if held:
             task = asyncio.get_running_loop().create_task(self._fail_all(held, why))
             self._notices.add(task)
             task.add_done_callback(self._notices.discard)
+
+    def _on_nats_back(self) -> None:
+        """Free the requests the outage ended once more: another stage may have been writing a
+        payload for one when we freed it first (a write in progress is not freed), and its
+        message saying so was lost with the server."""
+        for rid in self._ended_by_outage:
+            self._cleanup(rid)
+        self._ended_by_outage.clear()
 
     async def _fail_all(self, held: list[RequestContext], why: str) -> None:
         for ctx in held:
