@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import re
@@ -10,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -195,3 +196,30 @@ def read_handles(reader: Any) -> list[Any]:
             handles.append(wire.decode(reader.recv_bytes(), ConnectorHandle))
         except EOFError:
             return handles
+
+
+def start_serve(pipeline: Path, cwd: Path, log: Path) -> tuple[OmniProcess, str]:
+    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], cwd, log)
+    serve.wait_output("ready at", 180)
+    port = re.search(r"ready at http://127.0.0.1:(\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
+    return serve, f"http://127.0.0.1:{port}"
+
+
+def assert_all_gone(serve: OmniProcess) -> None:
+    wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
+    assert serve.proc.returncode == 0, serve.output()[-3000:]
+    wait_for(lambda: not group_alive(serve.proc.pid), 30, "every process of the tree to exit")
+    prefix = re.search(r"shared memory: /dev/shm/(\S+)-\*", serve.output()).group(1)  # type: ignore[union-attr]
+    assert our_shm_segments(f"{prefix}-") == [], "shared-memory segments left behind"
+
+
+@contextlib.contextmanager
+def served(pipeline: Path, cwd: Path, log: Path) -> Iterator[tuple[OmniProcess, str]]:
+    """`omni serve PIPELINE` until the block ends; then Ctrl-C, as a terminal sends it, and
+    nothing of the tree may be left: no process, no shared-memory segment."""
+    serve, base = start_serve(pipeline, cwd, log)
+    try:
+        yield serve, base
+    finally:
+        serve.interrupt_group()
+        assert_all_gone(serve)

@@ -18,8 +18,7 @@ import pytest
 from PIL import Image
 
 from tests.deployment import gauges, metric_values, metrics_urls, settle
-from tests.e2e.test_serve import assert_all_gone, start_serve
-from tests.helpers import ROOT, wait_for
+from tests.helpers import ROOT, served, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -30,12 +29,8 @@ STEPS = "omni_engine_steps_total"
 def image_demo(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pipeline = demo_dir / "tiny-image.yaml"
     shutil.copy(ROOT / "examples" / "tiny-image.yaml", pipeline)
-    serve, base = start_serve(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log")
-    try:
+    with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, base):
         yield base
-    finally:
-        serve.interrupt_group()
-        assert_all_gone(serve)
 
 
 def client(base: str) -> openai.OpenAI:

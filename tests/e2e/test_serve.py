@@ -19,16 +19,11 @@ import pytest
 import soundfile as sf
 
 from tests.deployment import metric_values, metrics_urls
-from tests.helpers import ROOT, OmniProcess, decode_wav, get_json, group_alive, our_shm_segments, wait_for
+from tests.helpers import ROOT, OmniProcess, decode_wav, get_json, group_alive, served, wait_for
 
 pytestmark = pytest.mark.slow
 
-
-def start_serve(pipeline: Path, cwd: Path, log: Path) -> tuple[OmniProcess, str]:
-    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], cwd, log)
-    serve.wait_output("ready at", 180)
-    port = re.search(r"ready at http://127.0.0.1:(\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
-    return serve, f"http://127.0.0.1:{port}"
+SLOW = ROOT / "tests" / "data" / "slow-synthetic.yaml"
 
 
 def audio_delta(chunk: object) -> dict[str, object] | None:
@@ -43,24 +38,12 @@ def audio_delta(chunk: object) -> dict[str, object] | None:
     return a if isinstance(a, dict) else a.model_dump()
 
 
-def assert_all_gone(serve: OmniProcess) -> None:
-    wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
-    assert serve.proc.returncode == 0, serve.output()[-3000:]
-    wait_for(lambda: not group_alive(serve.proc.pid), 30, "every process of the tree to exit")
-    prefix = re.search(r"shared memory: /dev/shm/(\S+)-\*", serve.output()).group(1)  # type: ignore[union-attr]
-    assert our_shm_segments(f"{prefix}-") == [], "shared-memory segments left behind"
-
-
 @pytest.fixture(scope="module")
 def demo(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     pipeline = demo_dir / "tiny-omni.yaml"
     shutil.copy(ROOT / "examples" / "tiny-omni.yaml", pipeline)
-    serve, base = start_serve(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log")
-    try:
+    with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, base):
         yield base
-    finally:
-        serve.interrupt_group()  # Ctrl-C, as a terminal sends it
-        assert_all_gone(serve)
 
 
 def test_text_and_audio(demo: str) -> None:
@@ -176,8 +159,7 @@ def test_an_audio_pipeline_refuses_images(demo: str) -> None:
 def test_speech_streams_as_the_vocoder_produces(tmp_path: Path) -> None:
     """The slow pipeline's talker takes 40 ms a code for 100 codes, so synthesis lasts about 4 s;
     the first bytes reach the client while the vocoder still holds the request."""
-    serve, base = start_serve(ROOT / "tests" / "data" / "slow-synthetic.yaml", ROOT, tmp_path / "serve.log")
-    try:
+    with served(SLOW, ROOT, tmp_path / "serve.log") as (_, base):
         vocoder = metrics_urls([base])["vocoder-0"]
         speech = openai.OpenAI(base_url=f"{base}/v1", api_key="unused").audio.speech
         with speech.with_streaming_response.create(
@@ -189,9 +171,6 @@ def test_speech_streams_as_the_vocoder_produces(tmp_path: Path) -> None:
             audio = first + b"".join(chunks)
         assert first and held == 1, "the first bytes came only after synthesis ended"
         assert len(audio) == 2 * 100 * 480 and response.headers["x-sample-rate"] == "24000"
-    finally:
-        serve.interrupt_group()
-        assert_all_gone(serve)
 
 
 @pytest.mark.parametrize(
@@ -250,8 +229,7 @@ def test_request_id_is_made_when_absent(demo: str) -> None:
 
 
 def test_sigkill_of_a_stage_mid_request(tmp_path: Path) -> None:
-    serve, base = start_serve(ROOT / "tests" / "data" / "slow-synthetic.yaml", ROOT, tmp_path / "serve.log")
-    try:
+    with served(SLOW, ROOT, tmp_path / "serve.log") as (serve, base):
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
         talker = next(r for r in get_json(f"{base}/replicas")["replicas"] if r["stage"] == "talker")
         stream = client.chat.completions.create(
@@ -283,9 +261,6 @@ def test_sigkill_of_a_stage_mid_request(tmp_path: Path) -> None:
         )
         assert r.choices[0].message.content.startswith("tok0") and r.choices[0].message.audio is not None
         assert "talker-0 died" in serve.output()
-    finally:
-        serve.interrupt_group()
-        assert_all_gone(serve)
 
 
 def test_a_stage_that_cannot_start_fails_serve_cleanly(demo_dir: Path, tmp_path: Path) -> None:
