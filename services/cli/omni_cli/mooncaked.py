@@ -45,6 +45,9 @@ class LocalMooncake:
                 f"--http_metadata_server_port={meta}",
                 "--metrics_host=127.0.0.1",
                 f"--metrics_port={metrics}",
+                # A key whose writer was killed mid-put is discarded after this (30 s by default);
+                # a put on loopback takes milliseconds.
+                "--put_start_discard_timeout_sec=5",
             )
             self._start(log_dir / "mooncake_master.log", *self._master_cmd)
             self._wait(lambda: self.key_count() == 0, start_timeout_s, "mooncake_master to serve")
