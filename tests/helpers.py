@@ -7,6 +7,7 @@ import contextlib
 import io
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -223,3 +224,12 @@ def served(pipeline: Path, cwd: Path, log: Path) -> Iterator[tuple[OmniProcess, 
     finally:
         serve.interrupt_group()
         assert_all_gone(serve)
+
+
+@contextlib.contextmanager
+def served_example(name: str, demo_dir: Path, logs: Path) -> Iterator[str]:
+    """examples/NAME served from the directory holding the demo models; yields its base URL."""
+    pipeline = demo_dir / name
+    shutil.copy(ROOT / "examples" / name, pipeline)
+    with served(pipeline, demo_dir, logs / "serve.log") as (_, base):
+        yield base

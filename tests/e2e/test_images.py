@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import base64
 import io
-import shutil
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 from PIL import Image
 
 from tests.deployment import gauges, metric_values, metrics_urls, settle
-from tests.helpers import ROOT, served, wait_for
+from tests.helpers import served_example, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -27,9 +26,7 @@ STEPS = "omni_engine_steps_total"
 
 @pytest.fixture(scope="module")
 def image_demo(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    pipeline = demo_dir / "tiny-image.yaml"
-    shutil.copy(ROOT / "examples" / "tiny-image.yaml", pipeline)
-    with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, base):
+    with served_example("tiny-image.yaml", demo_dir, tmp_path_factory.mktemp("logs")) as base:
         yield base
 
 

@@ -8,7 +8,6 @@ import io
 import json
 import os
 import re
-import shutil
 import signal
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +18,16 @@ import pytest
 import soundfile as sf
 
 from tests.deployment import metric_values, metrics_urls
-from tests.helpers import ROOT, OmniProcess, decode_wav, get_json, group_alive, served, wait_for
+from tests.helpers import (
+    ROOT,
+    OmniProcess,
+    decode_wav,
+    get_json,
+    group_alive,
+    served,
+    served_example,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -40,9 +48,7 @@ def audio_delta(chunk: object) -> dict[str, object] | None:
 
 @pytest.fixture(scope="module")
 def demo(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    pipeline = demo_dir / "tiny-omni.yaml"
-    shutil.copy(ROOT / "examples" / "tiny-omni.yaml", pipeline)
-    with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, base):
+    with served_example("tiny-omni.yaml", demo_dir, tmp_path_factory.mktemp("logs")) as base:
         yield base
 
 

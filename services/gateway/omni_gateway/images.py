@@ -95,7 +95,8 @@ async def image_stream(
                     if not ev.is_last:
                         body["partial_image_index"] = partial
                     yield _sse(kind, body)
-                partial += 0 if ev.is_last else 1
+                if not ev.is_last:
+                    partial += 1
             ev = await anext(events, None)
     except Exception as exc:
         yield _sse("error", {"type": "error", **error_from(exc).body()})

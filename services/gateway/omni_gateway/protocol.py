@@ -155,7 +155,8 @@ def image_sampling(req: ImageGenerationRequest) -> dict[str, Any]:
     return {k: v for k, v in params.items() if v is not None}
 
 
-SPEECH_FORMATS = ("wav", "pcm")
+SPEECH_MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+"""The speech formats served, and the Content-Type of each."""
 
 
 class SpeechRequest(BaseModel):
@@ -179,8 +180,8 @@ class SpeechRequest(BaseModel):
     @field_validator("response_format")
     @classmethod
     def _served_format(cls, v: str) -> str:
-        if v not in SPEECH_FORMATS:
-            raise ValueError(f"'{v}' is not served here; use {' or '.join(SPEECH_FORMATS)}")
+        if v not in SPEECH_MEDIA_TYPES:
+            raise ValueError(f"'{v}' is not served here; use {' or '.join(SPEECH_MEDIA_TYPES)}")
         return v
 
 

@@ -19,6 +19,7 @@ from omni_gateway.errors import BadRequest, ModelNotFound, StageFailed
 from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.protocol import (
+    SPEECH_MEDIA_TYPES,
     ChatCompletionRequest,
     ImageGenerationRequest,
     SpeechRequest,
@@ -30,7 +31,7 @@ from omni_gateway.protocol import (
     stage_inputs,
 )
 from omni_gateway.service import AudioChunk, Event, PipelineClient
-from omni_gateway.speech import MEDIA_TYPES, audio_stream, sse_stream
+from omni_gateway.speech import audio_stream, sse_stream
 from omni_pipeline.spec import OutputKind
 
 router = APIRouter()
@@ -193,7 +194,7 @@ async def audio_speech(req: SpeechRequest, request: Request) -> Response:
         headers = {"X-Sample-Rate": str(first.sample_rate)}
         if req.stream_format == "sse":
             return Streamed(sse_stream(req, first, events), "text/event-stream", headers)
-        return Streamed(audio_stream(req, first, events), MEDIA_TYPES[req.response_format], headers)
+        return Streamed(audio_stream(req, first, events), SPEECH_MEDIA_TYPES[req.response_format], headers)
 
     return await _respond(request, svc, speech_inputs(req), speech_sampling(req), {OutputKind.AUDIO}, respond)
 

@@ -12,8 +12,6 @@ from omni_gateway.audio import to_pcm16, wav_stream_header
 from omni_gateway.protocol import SpeechRequest
 from omni_gateway.service import AudioChunk, Event, error_from
 
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
-
 
 async def _pcm(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
     ev: Event | None = first

@@ -79,11 +79,24 @@ class _DiffusersPart(Engine):
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-compute")
         self._active: set[str] = set()
         self._steps = 0
+        self.vae_scale = 8
+        """Pixels per latent cell, from the VAE's config (the denoiser never loads the VAE)."""
 
     async def start(self) -> None:
-        await self._run(self._load)
+        await self._run(self._start)
+
+    def _start(self) -> None:
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()  # a server's log is not a terminal
+        if threads := self.args.get("threads"):
+            torch.set_num_threads(int(threads))
+        config = self._part_class("vae").load_config(self.path, subfolder="vae")
+        self.vae_scale = int(2 ** (len(config["block_out_channels"]) - 1))
+        self._load()
 
     def _load(self) -> None:
+        """Load this role's parts (on the compute thread)."""
         raise NotImplementedError
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
@@ -123,11 +136,6 @@ class _DiffusersPart(Engine):
         return True
 
     def _load_part(self, part: str) -> Any:
-        from diffusers.utils import logging as diffusers_logging
-
-        diffusers_logging.disable_progress_bar()  # a server's log is not a terminal
-        if threads := self.args.get("threads"):
-            torch.set_num_threads(int(threads))
         cls = self._part_class(part)
         try:
             if hasattr(cls, "set_timesteps"):  # a scheduler: a config, no weights
@@ -139,11 +147,6 @@ class _DiffusersPart(Engine):
             raise EngineError(
                 f"stage '{self.stage.name}': cannot load '{part}' from {self.path}: {exc}"
             ) from exc
-
-    def _vae_scale(self) -> int:
-        """Pixels per latent cell, from the VAE's config (the denoiser never loads the VAE)."""
-        config = self._part_class("vae").load_config(self.path, subfolder="vae")
-        return int(2 ** (len(config["block_out_channels"]) - 1))
 
     def active_requests(self) -> int:
         return len(self._active)
@@ -199,7 +202,6 @@ class DenoiseEngine(_DiffusersPart):
         self.preview_every = max(1, int(a.get("previewEvery", 5)))
         self.denoiser: Any = None
         self.scheduler: Any = None
-        self.vae_scale = 8
         self.multiple = 8
         self._takes_generator = False
 
@@ -216,7 +218,6 @@ class DenoiseEngine(_DiffusersPart):
         self._takes_generator = "generator" in inspect.signature(self.scheduler.step).parameters
         c = self.denoiser.config
         cells = c.patch_size if cls == "PixArtTransformer2DModel" else 2 ** (len(c.block_out_channels) - 1)
-        self.vae_scale = self._vae_scale()
         self.multiple = self.vae_scale * int(cells)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
@@ -374,8 +375,7 @@ class DecodeEngine(_DiffusersPart):
         lat = latents.to(self.device, self.dtype) / c.scaling_factor + (
             getattr(c, "shift_factor", None) or 0.0
         )
-        scale = 2 ** (len(c.block_out_channels) - 1)
-        size = (lat.shape[-2] * scale, lat.shape[-1] * scale)
+        size = (lat.shape[-2] * self.vae_scale, lat.shape[-1] * self.vae_scale)
         if preview and min(lat.shape[-2:]) >= 2:
             lat = F.avg_pool2d(lat, 2)
         image = self.vae.decode(lat, return_dict=False)[0]
