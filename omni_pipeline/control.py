@@ -38,8 +38,8 @@ NATS_TLS_KEY_ENV: Final = "OMNI_NATS_TLS_KEY"
 (mutual TLS). Any of them turns TLS on."""
 HEARTBEAT_INTERVAL_S: Final = 1.0
 HEARTBEAT_MISSES: Final = 3
-NATS_WAIT_LOG_EVERY_S: Final = 5.0
 """A replica not heard from for this many intervals is gone."""
+NATS_WAIT_LOG_EVERY_S: Final = 5.0
 
 NATS_LOST: Final = "nats_disconnected"
 """ErrorMsg code: a process lost NATS while serving the request, so some of its messages may be
@@ -47,6 +47,11 @@ gone; the request ends at once rather than at its deadline."""
 INVALID_REQUEST: Final = "invalid_request"
 """ErrorMsg code: an engine cannot do what the request asks (a size, a speed); the client's
 error, answered 400."""
+CONNECTOR_ERROR: Final = "connector_error"
+"""ErrorMsg code: a payload could not be stored or fetched (the message names the connector)."""
+PAYLOAD_GONE: Final = "payload_gone"
+"""ErrorMsg code: an input's payload no longer existed. Usually the echo of its producer's
+failure (which freed it), so the gateway waits a moment for that root cause."""
 
 _TOKEN: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 

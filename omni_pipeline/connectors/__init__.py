@@ -7,6 +7,7 @@ from omni_pipeline.connectors.base import (
     ConnectorHandle,
     InlineConnector,
     OmniConnector,
+    PayloadGone,
     check_request_id,
 )
 from omni_pipeline.connectors.shm import ShmConnector
@@ -17,6 +18,7 @@ __all__ = [
     "ConnectorHandle",
     "InlineConnector",
     "OmniConnector",
+    "PayloadGone",
     "ShmConnector",
     "build_connectors",
     "check_request_id",

@@ -24,6 +24,11 @@ class ConnectorError(RuntimeError):
     """A payload could not be stored or fetched; it fails the request that owns it."""
 
 
+class PayloadGone(ConnectorError):
+    """The payload a handle names no longer exists. Usually the echo of another failure: its
+    producer failed and freed what it had written, and that producer's own error is on its way."""
+
+
 class ConnectorHandle(msgspec.Struct, frozen=True, omit_defaults=True):
     """Where a payload is: inline bytes, or a key in the connector's backend."""
 
@@ -45,6 +50,7 @@ class OmniConnector(ABC):
 
     def __init__(self, name: str, spec: ConnectorSpec) -> None:
         self.name = name
+        self.kind = spec.kind.value
         self.inline_threshold = spec.inline_threshold_bytes
 
     def put(
@@ -55,19 +61,33 @@ class OmniConnector(ABC):
         frame = wire.encode_frame(data)
         if frame.size < self.inline_threshold:
             return True, frame.size, ConnectorHandle(self.name, frame.size, inline=bytes(frame.to_bytes()))
-        key = self._put_frame(from_stage, to_stage, request_id, seq, frame)
+        try:
+            key = self._put_frame(from_stage, to_stage, request_id, seq, frame)
+        except Exception as exc:
+            raise self._failed("put", exc) from exc
         return True, frame.size, ConnectorHandle(self.name, frame.size, key=key)
 
     def get(
         self, from_stage: str, to_stage: str, request_id: str, handle: ConnectorHandle
     ) -> tuple[Any, int]:
-        """Fetch the payload a handle names; the backend copy is released once read."""
-        if handle.inline is not None:
-            return wire.decode(handle.inline), handle.nbytes
-        if handle.key is None:
-            raise ConnectorError("handle names neither inline data nor a key")
-        check_request_id(request_id)
-        return self._get_frame(request_id, handle), handle.nbytes
+        """Fetch the payload a handle names; the backend copy is released once read.
+
+        Every failure is a ConnectorError (PayloadGone if the payload no longer exists) whose
+        message names this connector, its kind and what the backend said."""
+        try:
+            if handle.inline is not None:
+                return wire.decode(handle.inline), handle.nbytes
+            if handle.key is None:
+                raise ConnectorError("handle names neither inline data nor a key")
+            check_request_id(request_id)
+            return self._get_frame(request_id, handle), handle.nbytes
+        except Exception as exc:
+            raise self._failed("get", exc) from exc
+
+    def _failed(self, op: str, exc: Exception) -> ConnectorError:
+        """`exc`, whatever the backend raised, as a ConnectorError naming this connector."""
+        kind = PayloadGone if isinstance(exc, PayloadGone) else ConnectorError
+        return kind(f"connector '{self.name}' ({self.kind}): {op} failed: {exc}")
 
     @abstractmethod
     def _put_frame(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from omni_pipeline import wire
-from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector
+from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector, PayloadGone
 from omni_pipeline.connectors.buffers import BufferPool
 from omni_pipeline.spec import ConnectorSpec, MooncakeSpec
 
@@ -186,7 +186,8 @@ class MooncakeConnector(OmniConnector):
         buf = self._buffers.lease(handle.nbytes)
         n = self._store.store.get_into(key, buf.ctypes.data, handle.nbytes)
         if n != handle.nbytes:
-            raise ConnectorError(f"Mooncake get of {key} failed with {_error(n)}")
+            gone = n == _NOT_FOUND
+            raise (PayloadGone if gone else ConnectorError)(f"Mooncake get of {key} failed with {_error(n)}")
         rc = self._store.store.remove(key, True)  # forced: the fresh read lease would refuse it
         if rc not in (0, _NOT_FOUND):
             log.warning("Mooncake remove of %s failed with code %d; cleanup will retry", key, rc)

@@ -45,7 +45,7 @@ from typing import Any, Final
 import numpy as np
 
 from omni_pipeline import wire
-from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector
+from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector, PayloadGone
 from omni_pipeline.connectors.buffers import capacity_class, fits
 from omni_pipeline.spec import ConnectorSpec
 
@@ -218,7 +218,7 @@ class ShmConnector(OmniConnector):
         try:
             os.rename(_DIR + key, held)
         except FileNotFoundError:
-            raise ConnectorError(f"segment {key} is gone (request cleaned up?)") from None
+            raise PayloadGone(f"segment {key} is gone (request cleaned up?)") from None
         try:
             mm = self._mapping(held, owner, n)
             if len(mm) < handle.nbytes:

@@ -73,8 +73,16 @@ class LocalMooncake:
 
     def restart_master(self, start_timeout_s: float = 30.0) -> None:
         """Kill mooncake_master and start it again on the same ports (a fault, for tests)."""
+        self.kill_master()
+        self.start_master(start_timeout_s)
+
+    def kill_master(self) -> None:
+        """SIGKILL mooncake_master (a fault, for tests): every key it knew of is gone with it."""
         self._procs[0].kill()
         self._procs[0].wait(10)
+
+    def start_master(self, start_timeout_s: float = 30.0) -> None:
+        """Start mooncake_master again on the same ports, after `kill_master`."""
         self._logs[0].close()
         self._logs[0] = Path(self._logs[0].name).with_suffix(".restarted.log").open("w")
         self._procs[0] = self._spawn(self._logs[0], *self._master_cmd)
