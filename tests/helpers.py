@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -41,6 +42,16 @@ def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float =
     raise AssertionError(f"timed out after {timeout}s waiting for {what} (last error: {last_exc})")
 
 
+async def wait_until(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.01) -> T:
+    """`wait_for` for async tests: polls without blocking the event loop the code under test runs on."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if v := pred():
+            return v
+        await asyncio.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 def decode_wav(data: str) -> tuple[np.ndarray, int]:
     """The samples and sample rate of a base64 WAV, as the gateway returns `message.audio.data`."""
     samples, rate = sf.read(io.BytesIO(base64.b64decode(data)))
@@ -60,6 +71,10 @@ class OmniProcess:
     """An `omni ...` subprocess in its own process group, with its output in a log file."""
 
     def __init__(self, args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> None:
+        n = 1
+        while log.exists():  # a process restarted under the same name: keep its predecessor's log
+            log = log.with_name(f"{log.stem.split('~')[0]}~{n}{log.suffix}")
+            n += 1
         self.log = log
         self._fh = log.open("w")
         self.proc = subprocess.Popen(

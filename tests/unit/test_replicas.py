@@ -13,7 +13,14 @@ from omni_pipeline.control import Heartbeat
 OURS = "omni.p.gateway.g1.in"
 
 
-def beat(queued: int = 0, inflight: int = 0, instance: str = "i1", ours: int = 0) -> Heartbeat:
+def beat(
+    queued: int = 0,
+    inflight: int = 0,
+    instance: str = "i1",
+    ours: int = 0,
+    draining: bool = False,
+    stopping: bool = False,
+) -> Heartbeat:
     return Heartbeat(
         stage="s",
         replica="0",
@@ -24,7 +31,8 @@ def beat(queued: int = 0, inflight: int = 0, instance: str = "i1", ours: int = 0
         inflight=inflight,
         capacity=1,
         max_queued=4,
-        draining=False,
+        draining=draining,
+        stopping=stopping,
         interval_s=1.0,
         by_gateway={OURS: ours} if ours else {},
     )
@@ -35,7 +43,7 @@ def test_requests_that_finish_between_beats_free_their_room() -> None:
     table.update(beat(), 0.0)
     for _ in range(100):  # far more than capacity + max_queued, one at a time, within one beat
         r = table.pick("s")
-        table.release("s", "0", "i1")
+        table.release("s", "i1")
     assert r.load == 0
 
 
@@ -48,9 +56,9 @@ def test_a_replica_is_full_at_capacity_plus_queue() -> None:
         table.pick("s")
     # The next beat counts those five; the load stays five, not ten.
     table.update(beat(queued=4, inflight=1, ours=5), 0.5)
-    assert table.get("s", "0").load == 5  # type: ignore[union-attr]
-    table.release("s", "0", "i1")
-    assert table.get("s", "0").load == 4  # type: ignore[union-attr]
+    assert table.get("s", "i1").load == 5  # type: ignore[union-attr]
+    table.release("s", "i1")
+    assert table.get("s", "i1").load == 4  # type: ignore[union-attr]
 
 
 def test_other_gateways_load_counts_too() -> None:
@@ -65,9 +73,52 @@ def test_a_restarted_replica_starts_from_its_own_beat() -> None:
     table = ReplicaTable(OURS)
     table.update(beat(), 0.0)
     table.pick("s")
-    assert table.update(beat(instance="i2"), 0.5) is not None
-    table.release("s", "0", "i1")  # a request of the old instance ending: not the new one's
-    assert table.get("s", "0").load == 0  # type: ignore[union-attr]
+    assert [r.hb.instance for r in table.update(beat(instance="i2"), 0.5)] == ["i1"]
+    table.release("s", "i1")  # a request of the old instance ending: not the new one's
+    assert table.get("s", "i2").load == 0  # type: ignore[union-attr]
+
+
+def test_a_draining_instance_and_its_successor_live_side_by_side() -> None:
+    """A rolling restart under one replica name: the old instance finishes its requests while
+    the new one takes new ones; neither beat order takes either out of the table early."""
+    table = ReplicaTable(OURS)
+    table.update(beat(), 0.0)
+    table.update(beat(draining=True), 0.2)
+    assert table.update(beat(instance="i2"), 0.5) == []  # draining is no sign of death
+    assert table.pick("s").hb.instance == "i2"
+    table.update(beat(draining=True), 0.9)  # the old one's beats go on until it is done
+    assert table.update(beat(stopping=True), 1.0) == []
+    assert [r["instance"] for r in table.snapshot()] == ["i2"]
+
+
+def test_a_late_beat_of_a_stopped_instance_never_brings_it_back() -> None:
+    table = ReplicaTable(OURS)
+    table.update(beat(draining=True), 0.0)
+    table.update(beat(stopping=True), 0.5)
+    table.update(beat(instance="i2"), 0.6)
+    assert table.update(beat(draining=True), 0.7) == []  # sent before its stop, read after
+    assert [r["instance"] for r in table.snapshot()] == ["i2"]
+    assert table.update(beat(stopping=True), 0.8) == []  # the old one's stop again: i2 stays
+    assert table.pick("s").hb.instance == "i2"
+
+
+def test_removing_an_instance_leaves_its_successor() -> None:
+    table = ReplicaTable(OURS)
+    table.update(beat(draining=True), 0.0)
+    table.update(beat(instance="i2"), 0.1)
+    assert table.remove("s", "i1") is not None  # nothing answered on the old one's behalf
+    assert table.pick("s").hb.instance == "i2"
+
+
+def test_a_replica_that_only_went_quiet_comes_back_with_its_next_beat() -> None:
+    """Not answering (reconnecting to NATS) or missing beats is no proof of death."""
+    table = ReplicaTable(OURS)
+    table.update(beat(), 0.0)
+    assert table.remove("s", "i1") is not None
+    table.update(beat(), 0.5)
+    assert [r.hb.instance for r in table.expire(4.0)] == ["i1"]
+    table.update(beat(), 4.5)
+    assert table.pick("s").hb.instance == "i1"
 
 
 def test_beats_missed_while_the_gateway_could_not_hear_do_not_count() -> None:
@@ -86,9 +137,9 @@ def test_a_beat_sent_before_our_requests_ended_does_not_hold_their_room() -> Non
     for _ in range(5):
         table.pick("s")
     for _ in range(3):
-        table.release("s", "0", "i1")
+        table.release("s", "i1")
     table.update(beat(queued=4, inflight=1, ours=5), 0.9)
-    assert table.get("s", "0").load == 2  # type: ignore[union-attr]
+    assert table.get("s", "i1").load == 2  # type: ignore[union-attr]
     for _ in range(3):
         table.pick("s")
     with pytest.raises(Overloaded):

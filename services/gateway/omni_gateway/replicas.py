@@ -1,12 +1,24 @@
-"""The live replica table, fed by heartbeats; picks the least-loaded replica of a stage."""
+"""The live replica table, fed by heartbeats; picks the least-loaded replica of a stage.
+
+Entries are keyed by instance (one process's life), not by replica name: a replica restarted
+under the same name is a new instance, and an old instance that is draining keeps its own entry
+until it says it stopped, however the beats of the two interleave. An instance that said it
+stopped, or that a successor showed to be dead, is retired: a late beat of its never brings it
+back. One that only went quiet (expired, or not answering while it reconnects) comes back with
+its next beat.
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from omni_gateway.errors import Overloaded, Unavailable
 from omni_pipeline.control import HEARTBEAT_MISSES, Heartbeat
+
+RETIRED_KEPT: Final = 4096
+"""Retired instance ids remembered (their late beats are ignored); the oldest are forgotten."""
 
 
 @dataclass(slots=True)
@@ -33,28 +45,47 @@ class Replica:
 class ReplicaTable:
     def __init__(self, inbox: str) -> None:
         self.inbox = inbox
-        self._by_stage: dict[str, dict[str, Replica]] = {}
+        self._by_stage: dict[str, dict[str, Replica]] = {}  # stage -> instance -> entry
+        self._retired: OrderedDict[str, None] = OrderedDict()
 
-    def update(self, hb: Heartbeat, now: float) -> Replica | None:
-        """Record a heartbeat; returns the entry it replaces if that was another instance."""
+    def update(self, hb: Heartbeat, now: float) -> list[Replica]:
+        """Record a heartbeat; returns the instances it shows to be dead: an earlier instance of
+        the same replica that was serving (not draining) cannot be alive beside its successor.
+
+        A `stopping` beat only forgets its instance: it finished (or itself failed) every
+        request it held before saying so, and those messages reach each gateway on its inbox,
+        in their own time."""
+        if hb.instance in self._retired:
+            return []
         stage = self._by_stage.setdefault(hb.stage, {})
-        old = stage.get(hb.replica)
         if hb.stopping:
-            return stage.pop(hb.replica, None)
-        restarted = old is not None and old.hb.instance != hb.instance
-        ours = old.ours if old is not None and not restarted else 0
-        stage[hb.replica] = Replica(hb, now, self.inbox, ours)
-        return old if restarted else None
+            self._retire(hb.instance)
+            stage.pop(hb.instance, None)
+            return []
+        if (r := stage.get(hb.instance)) is not None:
+            r.hb, r.last_seen = hb, now
+            return []
+        dead = [r for r in stage.values() if r.hb.replica == hb.replica and not r.hb.draining]
+        for r in dead:
+            self._retire(r.hb.instance)
+            del stage[r.hb.instance]
+        stage[hb.instance] = Replica(hb, now, self.inbox)
+        return dead
 
-    def release(self, stage: str, replica: str, instance: str) -> None:
-        """This gateway's request is done with that replica (finished, failed or aborted)."""
-        r = self._by_stage.get(stage, {}).get(replica)
-        if r is not None and r.hb.instance == instance:
+    def _retire(self, instance: str) -> None:
+        self._retired[instance] = None
+        while len(self._retired) > RETIRED_KEPT:
+            self._retired.popitem(last=False)
+
+    def release(self, stage: str, instance: str) -> None:
+        """This gateway's request is done with that instance (finished, failed or aborted)."""
+        if (r := self._by_stage.get(stage, {}).get(instance)) is not None:
             r.ours = max(0, r.ours - 1)
 
-    def remove(self, stage: str, replica: str) -> Replica | None:
-        """Forget a replica at once (it answered no request: it is gone)."""
-        return self._by_stage.get(stage, {}).pop(replica, None)
+    def remove(self, stage: str, instance: str) -> Replica | None:
+        """Forget an instance for now (nothing answers on its subject). Not retired: it may only
+        be reconnecting to NATS, and its next beat brings it back."""
+        return self._by_stage.get(stage, {}).pop(instance, None)
 
     def heard_all(self, now: float) -> None:
         """Count missed heartbeats from `now` on (after a time we could not hear anyone)."""
@@ -65,9 +96,9 @@ class ReplicaTable:
     def expire(self, now: float) -> list[Replica]:
         gone = []
         for stage in self._by_stage.values():
-            for rid, r in list(stage.items()):
-                if now - r.last_seen > r.hb.interval_s * HEARTBEAT_MISSES:
-                    gone.append(stage.pop(rid))
+            for instance, r in list(stage.items()):
+                if now - r.last_seen > r.hb.interval_s * HEARTBEAT_MISSES:  # (a late beat brings it back)
+                    gone.append(stage.pop(instance))
         return gone
 
     def pick(self, stage: str) -> Replica:
@@ -84,8 +115,8 @@ class ReplicaTable:
     def covers(self, stages: list[str]) -> bool:
         return all(any(not r.hb.draining for r in self._by_stage.get(s, {}).values()) for s in stages)
 
-    def get(self, stage: str, replica: str) -> Replica | None:
-        return self._by_stage.get(stage, {}).get(replica)
+    def get(self, stage: str, instance: str) -> Replica | None:
+        return self._by_stage.get(stage, {}).get(instance)
 
     def snapshot(self) -> list[dict[str, Any]]:
         return [

@@ -27,11 +27,13 @@ from nats.aio.msg import Msg
 from omni_gateway.errors import BadRequest, OmniError, Overloaded, StageFailed, Timeout, Unavailable
 from omni_gateway.replicas import Replica, ReplicaTable
 from omni_pipeline import wire
-from omni_pipeline.connectors import OmniConnector, build_connectors
+from omni_pipeline.connectors import ConnectorError, OmniConnector, PayloadGone, build_connectors
 from omni_pipeline.control import (
+    CONNECTOR_ERROR,
     HEARTBEAT_INTERVAL_S,
     INVALID_REQUEST,
     NATS_LOST,
+    PAYLOAD_GONE,
     AbortMsg,
     Admitted,
     ErrorMsg,
@@ -58,6 +60,8 @@ RETRYABLE: Final = frozenset({"replica_lost", "draining", "full"})
 """Errors that say where a request went, not what it is: another replica may well serve it."""
 _ERRORS: Final[dict[str, type[OmniError]]] = {NATS_LOST: Unavailable, INVALID_REQUEST: BadRequest}
 """Stage error codes that are not a stage's failure: the client's request, or our connection."""
+ROOT_CAUSE_WAIT_S: Final = 2.0
+"""How long a request that met a vanished payload waits for the error that explains it."""
 EVENT_QUEUE: Final = 1024
 """Outputs one request may have waiting for its client; a client this far behind is dropped."""
 
@@ -223,8 +227,8 @@ class PipelineClient:
             # Downstream replicas first: each holds a slot before any source starts producing for
             # it, so a refusal (draining, full, gone) comes before any output.
             downstream = [s for s in needed if s not in self._sources]
-            await self._reserve(ctx, downstream, pack(StageRequest(ctx, {}, sampling)))
-            await self._reserve(ctx, [s for s in needed if s in self._sources], request)
+            await self._reserve(tracked, ctx, downstream, pack(StageRequest(ctx, {}, sampling)))
+            await self._reserve(tracked, ctx, [s for s in needed if s in self._sources], request)
             async with asyncio.timeout(remaining):
                 async for ev in self._events(tracked):
                     yield ev
@@ -240,22 +244,22 @@ class PipelineClient:
 
     def _release(self, picked: dict[str, Replica]) -> None:
         for stage, r in picked.items():
-            self.table.release(stage, r.hb.replica, r.hb.instance)
+            self.table.release(stage, r.hb.instance)
 
-    async def _reserve(self, ctx: RequestContext, stages: list[str], request: bytes) -> None:
+    async def _reserve(self, t: _Tracked, ctx: RequestContext, stages: list[str], request: bytes) -> None:
         """Send the request to these stages' replicas and wait until every one has admitted it."""
         assert self.nc is not None
         nc = self.nc
 
         async def ask(stage: str) -> None:
-            replica = ctx.route[stage]
+            replica, instance = t.route[stage]
             where = f"stage '{stage}' replica {replica}"
             try:
                 reply = await nc.request(
                     self.subjects.stage_inbox(stage, replica), request, timeout=ADMIT_TIMEOUT_S
                 )
             except nats.errors.NoRespondersError:
-                if (gone := self.table.remove(stage, replica)) is not None:
+                if (gone := self.table.remove(stage, instance)) is not None:
                     self._replica_gone(gone, "is gone")  # fail what it still held, as expiry would
                 raise StageFailed(f"{where} is gone", code="replica_lost") from None
             except (TimeoutError, nats.errors.TimeoutError):
@@ -280,14 +284,21 @@ class PipelineClient:
         while pending:
             msg = await t.queue.get()
             if isinstance(msg, ErrorMsg):
-                error = _ERRORS.get(msg.code, StageFailed)
-                raise error(msg.message, code=msg.code)
+                raise await self._root_cause(t, msg)
             if msg.stage not in pending:
                 continue
             held[(msg.stage, msg.sequence)] = msg
             while (m := held.pop((msg.stage, expected[msg.stage]), None)) is not None:
                 expected[msg.stage] += 1
-                for ev in self._final_events(t.request_id, m):
+                try:
+                    events = self._final_events(t.request_id, m)
+                except ConnectorError as exc:
+                    code = PAYLOAD_GONE if isinstance(exc, PayloadGone) else CONNECTOR_ERROR
+                    where = f"stage '{m.stage}' replica {m.replica} -> gateway"
+                    raise await self._root_cause(
+                        t, ErrorMsg(t.request_id, m.stage, m.replica, f"{where}: {exc}", code)
+                    ) from None
+                for ev in events:
                     yield ev
                 if m.is_last:
                     pending.discard(m.stage)
@@ -297,13 +308,31 @@ class PipelineClient:
         usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
         yield Finished(finish, usage)
 
+    async def _root_cause(self, t: _Tracked, err: ErrorMsg) -> OmniError:
+        """The error to answer `err` with. A payload that was gone is usually the echo of its
+        producer's failure, which freed it after sending its own error: wait a moment for
+        that error (the real cause) before blaming the missing payload."""
+        if err.code == PAYLOAD_GONE:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ROOT_CAUSE_WAIT_S):
+                    while True:  # outputs met on the way are freed when the request ends
+                        m = await t.queue.get()
+                        if isinstance(m, ErrorMsg) and m.code != PAYLOAD_GONE:
+                            err = m
+                            break
+        return _ERRORS.get(err.code, StageFailed)(err.message, code=err.code)
+
     def _final_events(self, rid: str, m: FinalMsg) -> list[Event]:
         if m.kind == OutputKind.TEXT:
             return [TextDelta(m.text)] if m.text else []
         if m.handle is None:
             return []
-        conn = self.connectors[m.handle.connector]
+        conn = self.connectors.get(m.handle.connector)
+        if conn is None:
+            raise StageFailed(f"stage '{m.stage}' sent a handle of unknown connector '{m.handle.connector}'")
         payload, _ = conn.get(m.stage, "gateway", rid, m.handle)
+        if not isinstance(payload, dict):
+            raise StageFailed(f"stage '{m.stage}' sent a {type(payload).__name__}, not a payload")
         if m.kind == OutputKind.AUDIO:
             audio = payload.get("audio")
             if not isinstance(audio, torch.Tensor):
@@ -319,8 +348,8 @@ class PipelineClient:
         t = self.inflight.pop(rid, None)
         if t is None:
             return
-        for stage, (replica, instance) in t.route.items():
-            self.table.release(stage, replica, instance)
+        for stage, (_, instance) in t.route.items():
+            self.table.release(stage, instance)
         if completed:
             return
         if self.nc is not None and not self.nc.is_closed:  # while reconnecting, sent once back
@@ -330,8 +359,10 @@ class PipelineClient:
 
     def _free_payloads(self, rid: str) -> None:
         for c in self.connectors.values():
-            with contextlib.suppress(Exception):
+            try:
                 c.cleanup(rid)
+            except Exception as exc:  # the backend's own expiry is the last owner then
+                log.warning("gateway: cleanup of %s in connector %s failed: %s", rid, c.name, exc)
 
     def _fail(self, t: _Tracked, message: str, code: str) -> None:
         if t.failed is None:
@@ -366,7 +397,7 @@ class PipelineClient:
         t = self.inflight.get(m.request_id)
         part_done = isinstance(m, StageDone) or (isinstance(m, FinalMsg) and m.is_last)
         if t is not None and part_done and (done := t.route.pop(m.stage, None)) is not None:
-            self.table.release(m.stage, *done)  # and its loss no longer matters to the request
+            self.table.release(m.stage, done[1])  # and its loss no longer matters to the request
         if isinstance(m, StageDone):
             return
         if t is None:
@@ -388,31 +419,42 @@ class PipelineClient:
         except wire.WireError as exc:
             log.warning("gateway: refused a heartbeat: %s", exc)
             return
-        replaced = self.table.update(hb, time.monotonic())
-        if replaced is not None:
-            self._replica_gone(replaced, "restarted")
-        elif hb.stopping:
-            self._replica_gone_ids(hb.stage, hb.replica, hb.instance, "stopped")
+        known = self.table.get(hb.stage, hb.instance) is not None
+        for dead in self.table.update(hb, time.monotonic()):
+            self._replica_gone(dead, "restarted")
+        if (now_known := self.table.get(hb.stage, hb.instance) is not None) != known:
+            log.info(
+                "gateway: %s/%s (instance %s) %s",
+                hb.stage,
+                hb.replica,
+                hb.instance,
+                "joined" if now_known else "stopped",
+            )
         if self.ready():
             self.covered.set()
 
     async def _expire_replicas(self) -> None:
+        woke = time.monotonic()
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # the expiry period, not synchronisation
-            if not self.connected:
-                continue  # silence we cannot hear proves nothing; counting resumes on reconnect
-            for r in self.table.expire(time.monotonic()):
-                log.warning("gateway: replica %s/%s missed its heartbeats", r.hb.stage, r.hb.replica)
+            now = time.monotonic()
+            late, woke = now - woke - HEARTBEAT_INTERVAL_S, now
+            if not self.connected or late > HEARTBEAT_INTERVAL_S:
+                # Silence we could not hear proves nothing: NATS was away, or this process was
+                # stalled (CPU starvation, a pause) and the beats sent meanwhile still wait
+                # unread in our subscription. Missed beats count again from now.
+                self.table.heard_all(now)
+                continue
+            for r in self.table.expire(now):
                 self._replica_gone(r, "stopped sending heartbeats")
             if not self.ready():
                 self.covered.clear()
 
     def _replica_gone(self, r: Replica, why: str) -> None:
-        self._replica_gone_ids(r.hb.stage, r.hb.replica, r.hb.instance, why)
-
-    def _replica_gone_ids(self, stage: str, replica: str, instance: str, why: str) -> None:
+        stage, replica = r.hb.stage, r.hb.replica
+        log.warning("gateway: %s/%s (instance %s) %s", stage, replica, r.hb.instance, why)
         for t in list(self.inflight.values()):
-            if t.route.get(stage) == (replica, instance):
+            if t.route.get(stage) == (replica, r.hb.instance):
                 self._fail(
                     t, f"stage '{stage}' replica {replica} {why} while serving this request", "replica_lost"
                 )

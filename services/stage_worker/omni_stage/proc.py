@@ -27,11 +27,19 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
 from omni_pipeline import wire
-from omni_pipeline.connectors import ConnectorError, OmniConnector, build_connectors, check_request_id
+from omni_pipeline.connectors import (
+    ConnectorError,
+    OmniConnector,
+    PayloadGone,
+    build_connectors,
+    check_request_id,
+)
 from omni_pipeline.control import (
+    CONNECTOR_ERROR,
     HEARTBEAT_INTERVAL_S,
     INVALID_REQUEST,
     NATS_LOST,
+    PAYLOAD_GONE,
     AbortMsg,
     Admitted,
     ErrorMsg,
@@ -170,6 +178,7 @@ class StageWorker:
             await self._stop.wait()
             await self._finish_drain()
             hb.cancel()
+            await self._fail_held("stopped before finishing this request")
             await self._publish_heartbeat(stopping=True)
         finally:
             for st in list(self.requests.values()):
@@ -261,6 +270,13 @@ class StageWorker:
         for rid in self._ended_by_outage:
             self._cleanup(rid)
         self._ended_by_outage.clear()
+
+    async def _fail_held(self, why: str) -> None:
+        """Before the stopping beat, on the same connection as every other message about them:
+        a gateway learns each request's end from its own inbox, never from the beat."""
+        where = f"stage '{self.spec.name}' replica {self.replica}"
+        for st in list(self.requests.values()):
+            await self._fail(st.ctx, f"{where} {why}", "replica_lost")
 
     async def _fail_all(self, held: list[RequestContext], why: str) -> None:
         for ctx in held:
@@ -408,9 +424,10 @@ class StageWorker:
         except InvalidRequest as exc:  # the client asked for what this stage cannot do
             await self._fail(st.ctx, f"stage '{self.spec.name}': {exc}", INVALID_REQUEST)
             return "invalid"
-        except ConnectorError as exc:  # its message says it all (e.g. inputs freed by an abort)
+        except ConnectorError as exc:  # its message names the connector and what it said
             log.warning("stage %s: request %s: %s", self.spec.name, rid, exc)
-            await self._fail(st.ctx, f"stage '{self.spec.name}': {exc}", "connector_error")
+            code = PAYLOAD_GONE if isinstance(exc, PayloadGone) else CONNECTOR_ERROR
+            await self._fail(st.ctx, f"stage '{self.spec.name}': {exc}", code)
             return "error"
         except Exception as exc:
             log.exception("stage %s: request %s failed", self.spec.name, rid)
