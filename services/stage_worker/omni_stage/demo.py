@@ -4,6 +4,8 @@
   ASCII only, so whatever it says is readable) with a chat template; returns hidden states.
 - tiny-talker: a Qwen2 causal LM over 256 codec tokens, fed the thinker's hidden states.
 - tiny-vocoder: codec tokens -> 24 kHz waveform, 480 samples per code (a small conv decoder).
+- tiny-qwen2.5-omni: a genuine Qwen2.5-Omni checkpoint (thinker, talker, token2wav), see
+  omni_stage.demo_qwen_omni.
 - tiny-image: a diffusers pipeline directory of a PixArt-alpha transformer (its captions are the
   thinker's hidden states, so tiny-thinker is its text encoder), a DPM-Solver scheduler and a
   KL VAE with 4x downsampling: images in multiples of 8 pixels.
@@ -163,9 +165,12 @@ def _image_pipeline(path: Path, caption_channels: int) -> None:
 
 
 def init_demo(out_dir: str | Path) -> dict[str, Path]:
-    """Write tiny-thinker, tiny-talker, tiny-vocoder and tiny-image under `out_dir`; returns their paths."""
+    """Write tiny-thinker, tiny-talker, tiny-vocoder, tiny-qwen2.5-omni and tiny-image (last:
+    its index means all are there) under `out_dir`; returns their paths."""
+    from omni_stage.demo_qwen_omni import write_tiny_qwen_omni
+
     out = Path(out_dir)
-    paths = {name: out / f"tiny-{name}" for name in ("thinker", "talker", "vocoder", "image")}
+    paths = {name: out / f"tiny-{name}" for name in ("thinker", "talker", "vocoder", "qwen2.5-omni", "image")}
 
     tok = _tokenizer()
     thinker = _qwen2(len(tok), tok.convert_tokens_to_ids("<|im_end|>"), seed=0)
@@ -183,5 +188,6 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
     )
     save_file(voc.state_dict(), str(paths["vocoder"] / "model.safetensors"))
 
+    write_tiny_qwen_omni(paths["qwen2.5-omni"])
     _image_pipeline(paths["image"], caption_channels=HIDDEN)
     return paths

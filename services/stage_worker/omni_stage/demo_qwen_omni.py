@@ -1,0 +1,299 @@
+"""tiny-qwen2.5-omni: a genuine Qwen2.5-Omni checkpoint with tiny dimensions and random weights.
+
+Built from transformers' own config classes and saved with `save_pretrained`, so it loads with
+`Qwen2_5OmniForConditionalGeneration.from_pretrained` and carries the files a real checkpoint
+has: config and generation config, safetensors, a tokenizer with Qwen's special tokens (audio,
+image and video pads with their bos/eos, the TTS text tokens, one bos token per voice), the chat
+template, the audio feature extractor's and image/video processors' settings in
+`preprocessor_config.json` and `video_preprocessor_config.json`, and `spk_dict.pt` with the
+voices Chelsie and Ethan. The real model's token ids are ~151k; here they follow the byte-level
+vocabulary, and every config that names one says which.
+
+Sizes: hidden 64 with head_dim 32 (the smallest vLLM's CPU attention takes), two layers per
+transformer, the real codec vocabulary (8448) so the talker's special codes keep their real ids;
+the DiT embeds all 8448 codes (the real one only 8193 codec entries: random weights may pick any).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from omni_stage.demo import _byte_level_chars, _printable_bytes
+
+HIDDEN: Final = 64
+HEADS: Final = 2  # head_dim 32
+MROPE_SECTION: Final = [4, 6, 6]  # sums to head_dim / 2, as [16, 24, 24] does for 128
+CODEC_VOCAB: Final = 8448
+CODEC_PAD, CODEC_START, CODEC_END, CODEC_MASK = 8292, 8293, 8294, 8296  # the real ids
+MEL_DIM: Final = 80
+SPEAKER_DIM: Final = 16  # the DiT's ECAPA embedding (192 in the real model)
+VOICES: Final = ("Chelsie", "Ethan")
+
+SPECIAL_TOKENS: Final = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+    "<|vision_bos|>",
+    "<|vision_eos|>",
+    "<|vision_pad|>",
+    "<|IMAGE|>",
+    "<|VIDEO|>",
+    "<|tts_pad|>",
+    "<|tts_text_bos|>",
+    "<|tts_text_eod|>",
+    *(f"<|spk_{v.lower()}|>" for v in VOICES),
+]
+TOKEN_ROLES: Final = {
+    "image_token": "<|IMAGE|>",
+    "audio_token": "<|AUDIO|>",
+    "video_token": "<|VIDEO|>",
+    "vision_bos_token": "<|vision_bos|>",
+    "vision_eos_token": "<|vision_eos|>",
+    "audio_bos_token": "<|audio_bos|>",
+    "audio_eos_token": "<|audio_eos|>",
+}
+SYSTEM_PROMPT: Final = (
+    "You are Qwen, a virtual human developed by the Qwen Team, Alibaba Group, capable of "
+    "perceiving auditory and visual inputs, as well as generating text and speech."
+)
+# Qwen2.5-Omni's template: a content list of text, audio, image and video parts, each media
+# part as its placeholder between its bos/eos tokens.
+CHAT_TEMPLATE: Final = (
+    "{% set audio_count = namespace(value=0) %}{% set image_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\n"
+    + SYSTEM_PROMPT
+    + "<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+    "<|audio_bos|><|AUDIO|><|audio_eos|>"
+    "{% elif content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_bos|><|IMAGE|><|vision_eos|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "<|vision_bos|><|VIDEO|><|vision_eos|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tokenizer() -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(_byte_level_chars())}
+    assert len(vocab) == len(_printable_bytes())
+    vocab["<unk>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS,
+        extra_special_tokens=TOKEN_ROLES,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def _config(ids: dict[str, int], vocab: int) -> Any:
+    from transformers import Qwen2_5OmniConfig
+
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": MROPE_SECTION}
+    thinker = {
+        "audio_config": {
+            "num_mel_bins": 128,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "d_model": 32,
+            "output_dim": HIDDEN,
+            "n_window": 100,
+            "max_source_positions": 1500,
+        },
+        "vision_config": {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": HIDDEN,
+            "fullatt_block_indexes": [1],
+            "window_size": 112,
+            "patch_size": 14,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+        "text_config": {
+            "vocab_size": vocab,
+            "hidden_size": HIDDEN,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": HEADS,
+            "num_key_value_heads": 1,
+            "max_position_embeddings": 8192,
+            "rope_parameters": rope,
+            "tie_word_embeddings": False,
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        "audio_token_index": ids["<|AUDIO|>"],
+        "image_token_index": ids["<|IMAGE|>"],
+        "video_token_index": ids["<|VIDEO|>"],
+        "audio_start_token_id": ids["<|audio_bos|>"],
+        "audio_end_token_id": ids["<|audio_eos|>"],
+        "vision_start_token_id": ids["<|vision_bos|>"],
+        "vision_end_token_id": ids["<|vision_eos|>"],
+        "user_token_id": ids["<|im_start|>"],
+        "initializer_range": 0.5,
+    }
+    talker = {
+        "vocab_size": CODEC_VOCAB,
+        "embedding_size": HIDDEN,
+        "hidden_size": HIDDEN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 1,
+        "head_dim": HIDDEN // HEADS,
+        "max_position_embeddings": 8192,
+        "rope_parameters": rope,
+        "audio_token_index": ids["<|AUDIO|>"],
+        "image_token_index": ids["<|IMAGE|>"],
+        "video_token_index": ids["<|VIDEO|>"],
+        "audio_start_token_id": ids["<|audio_bos|>"],
+        "audio_end_token_id": ids["<|audio_eos|>"],
+        "vision_start_token_id": ids["<|vision_bos|>"],
+        "vision_end_token_id": ids["<|vision_eos|>"],
+        "tts_text_start_token_id": ids["<|tts_text_bos|>"],
+        "tts_text_end_token_id": ids["<|tts_text_eod|>"],
+        "tts_text_pad_token_id": ids["<|tts_pad|>"],
+        "tts_codec_start_token_id": CODEC_START,
+        "tts_codec_end_token_id": CODEC_END,
+        "tts_codec_pad_token_id": CODEC_PAD,
+        "tts_codec_mask_token_id": CODEC_MASK,
+        "initializer_range": 0.5,
+    }
+    token2wav = {
+        "dit_config": {
+            "hidden_size": 32,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "head_dim": 16,
+            "ff_mult": 2,
+            "emb_dim": 32,
+            "num_embeds": CODEC_VOCAB,
+            "mel_dim": MEL_DIM,
+            "repeats": 2,
+            "block_size": 24,
+            "look_ahead_layers": [1],
+            "look_backward_layers": [0],
+            "max_position_embeddings": 8192,
+            "enc_emb_dim": SPEAKER_DIM,
+            "enc_dim": 16,
+            "enc_channels": [32, 32, 32, 32, 96],
+            "enc_attention_channels": 16,
+            "enc_se_channels": 16,
+        },
+        "bigvgan_config": {
+            "mel_dim": MEL_DIM,
+            "upsample_initial_channel": 64,
+            "resblock_kernel_sizes": [3],
+            "resblock_dilation_sizes": [[1, 3, 5]],
+            "upsample_rates": [5, 3, 2, 2, 2, 2],  # 240 samples a mel frame, 2 frames a code: 24 kHz
+            "upsample_kernel_sizes": [11, 7, 4, 4, 4, 4],
+        },
+    }
+    return Qwen2_5OmniConfig(
+        thinker_config=thinker, talker_config=talker, token2wav_config=token2wav, enable_audio_output=True
+    )
+
+
+def _preprocessor_configs(path: Path) -> None:
+    """What a real checkpoint's preprocessor_config.json holds: the Whisper feature extractor's
+    settings and the Qwen2-VL image processor's in one file, plus the video processor's own."""
+    from transformers import WhisperFeatureExtractor
+
+    audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=300)
+    vision = {
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.48145466, 0.4578275, 0.40821073],
+        "image_std": [0.26862954, 0.26130258, 0.27577711],
+        "rescale_factor": 1 / 255,
+        "min_pixels": 3136,
+        "max_pixels": 12845056,
+        "patch_size": 14,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    merged = {
+        **audio.to_dict(),
+        **vision,
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen2_5OmniProcessor",
+        "return_attention_mask": True,
+    }
+    merged.pop("mel_filters", None)  # derived from the settings above on load
+    (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
+    video = {
+        **vision,
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "processor_class": "Qwen2_5OmniProcessor",
+    }
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2))
+
+
+def write_tiny_qwen_omni(path: Path, seed: int = 5) -> Path:
+    """Write tiny-qwen2.5-omni into `path` (a directory); returns it."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    tok = _tokenizer()
+    ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}
+    torch.manual_seed(seed)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the default sub-configs it builds first name ~151k ids
+    try:
+        model = Qwen2_5OmniForConditionalGeneration(_config(ids, len(tok))).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    with torch.no_grad():
+        # Random weights would end answers at random, or with media placeholders: keep every
+        # special token out of replies, so it speaks printable text until max_tokens (greedy
+        # never picks a zero logit here).
+        for i in ids.values():
+            model.thinker.lm_head.weight[i].zero_()
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    _preprocessor_configs(path)
+    gen = torch.Generator().manual_seed(seed)
+    speakers = {
+        voice: {
+            "bos_token": ids[f"<|spk_{voice.lower()}|>"],
+            "cond": torch.randn(SPEAKER_DIM, generator=gen),
+            "ref_mel": torch.randn(40, MEL_DIM, generator=gen),
+        }
+        for voice in VOICES
+    }
+    torch.save(speakers, path / "spk_dict.pt")
+    return path
