@@ -83,6 +83,9 @@ def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
         "top_p": req.top_p,
         "seed": req.seed,
         "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
+        # Also a request parameter, not only an input: the stages that speak (a talker, a
+        # code2wav) read it downstream of the source stage.
+        "voice": req.audio.voice if req.audio is not None else None,
     }
     return {k: v for k, v in params.items() if v is not None}
 
@@ -198,4 +201,4 @@ def speech_inputs(req: SpeechRequest) -> dict[str, Any]:
 
 
 def speech_sampling(req: SpeechRequest) -> dict[str, Any]:
-    return {"speed": req.speed} if req.speed != 1.0 else {}
+    return {"voice": req.voice, **({"speed": req.speed} if req.speed != 1.0 else {})}

@@ -280,6 +280,11 @@ def write_tiny_qwen_omni(path: Path, seed: int = 5) -> Path:
         # never picks a zero logit here).
         for i in ids.values():
             model.thinker.lm_head.weight[i].zero_()
+        # BigVGAN at the model's own init (std 0.02) shrinks the signal through six upsampling
+        # convolutions to ~1e-8: PyTorch's default init keeps a real waveform (peak ~0.5).
+        for module in model.token2wav.code2wav_bigvgan_model.modules():
+            if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
+                module.reset_parameters()
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     path.mkdir(parents=True, exist_ok=True)

@@ -83,6 +83,10 @@ def build_engine(stage: StageSpec) -> Engine:
         from omni_stage.engines.synthetic import SyntheticEngine
 
         return SyntheticEngine(stage)
+    if kind is EngineKind.TRANSFORMERS and stage.engine.args.get("part") is not None:
+        from omni_stage.engines.qwen_omni import build_qwen_omni_engine
+
+        return build_qwen_omni_engine(stage)
     if kind is EngineKind.TRANSFORMERS:
         from omni_stage.engines.transformers_lm import TransformersEngine
 

@@ -1,0 +1,368 @@
+"""Qwen2.5-Omni as three stages from one checkpoint: thinker -> talker -> code2wav.
+
+`engine: {kind: transformers, model: DIR, args: {part: thinker|talker|token2wav}}` on a
+checkpoint whose config is `qwen2_5_omni`. Each stage loads only its part, with transformers'
+own class and `from_pretrained(DIR, config=<its sub-config>, key_mapping={"^part.": ""})`, and
+computes what `Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)` computes,
+split where the model splits:
+
+- thinker: the chat template, then greedy (or sampled) decoding with a KV cache. Unit `s` is
+  generated token `s` with, from the forward that produced it, the input embedding and last
+  hidden state of the position it consumed: the prompt's (`prompt_embeds`, `prompt_hidden`,
+  `prompt_ids`, [1, P, ...], in unit 0 only) or token `s - 1`'s. That is all the talker reads.
+- talker: prefill on the prompt's hidden+embedding, the voice's text bos and token 0's reply
+  state, then one codec code per step, each step fed the next reply state (then the thinker's
+  text eos, then its pad) as the model's own forward does. As transformers' `generate` runs it
+  (5.x): its attention mask never reaches the talker's forward, so the forward's prefill
+  branch does not run: no codec pad/bos embedding on the last two prefill positions, and
+  positions count 0, 1, 2, ... (Qwen's original code adds both; with text-only input the
+  positions are the same.) We compute what the reference computes; docs/models.md says more.
+  Step `k` needs reply state `k`, which the thinker sends with token `k + 1`: on a window
+  that ends earlier the talker stops and goes on with the next window, its KV cache kept in
+  the request's state. Codes: greedy with the reference's repetition penalty (1.05 over every
+  code fed so far) and the codec bos suppressed; it stops at the codec pad or end code.
+- token2wav: the DiT (an ODE from noise, 10 Runge-Kutta steps with guidance) and BigVGAN, on
+  the whole code sequence (window -1): 24 kHz. The noise comes from the request's seed (0 by
+  default) exactly as the reference draws it after `torch.manual_seed(seed)`.
+
+The request's voice (`audio.voice`, Chelsie or Ethan here) picks the talker's text bos and the
+DiT's speaker conditioning; the thinker refuses an unknown one before it starts (a 400).
+Each replica runs its forwards on one compute thread: per-request state (KV cache, rope
+offsets) lives in the request, never in the model, so requests interleave step by step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Final, TypeVar
+
+import torch
+
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.prompts import messages_to_chat
+from omni_stage.segments import EngineOutput
+
+T = TypeVar("T")
+PARTS: Final = ("thinker", "talker", "token2wav")
+DEFAULT_VOICE: Final = "Chelsie"
+REPETITION_PENALTY: Final = 1.05  # Qwen2_5OmniForConditionalGeneration.generate's talker default
+TALKER_MAX_CODES: Final = 4096  # its talker_max_new_tokens
+_DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def build_qwen_omni_engine(stage: StageSpec) -> Engine:
+    part = stage.engine.args.get("part")
+    engines: dict[str, type[_Part]] = {"thinker": Thinker, "talker": Talker, "token2wav": Token2Wav}
+    if part not in engines:
+        raise EngineError(f"stage '{stage.name}': engine.args.part must be one of {', '.join(PARTS)}")
+    return engines[part](stage)
+
+
+class _Part(Engine):
+    """Loading one part of the checkpoint, the voices, and the one compute thread."""
+
+    part: str
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.device = torch.device(self.args.get("device", "cpu"))
+        self.dtype = _DTYPES[self.args.get("dtype", "float32")]
+        self.path = str(stage.engine.model)
+        self.model: Any = None
+        self.config: Any = None
+        self.voices: dict[str, dict[str, Any]] = {}
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-compute")
+
+    async def start(self) -> None:
+        await self._run(self._load)
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    def _load(self) -> None:
+        from transformers import Qwen2_5OmniConfig
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()  # the load report lists the other parts' weights
+        if threads := self.args.get("threads"):
+            torch.set_num_threads(int(threads))
+        if not Path(self.path).is_dir():
+            raise EngineError(f"stage '{self.stage.name}': model directory {self.path!r} not found")
+        try:
+            self.config = Qwen2_5OmniConfig.from_pretrained(self.path)
+        except (OSError, ValueError) as exc:
+            raise EngineError(
+                f"stage '{self.stage.name}': {self.path} is not a Qwen2.5-Omni checkpoint: {exc}"
+            ) from exc
+        cls, sub = self._part_class()
+        self.model = (
+            cls.from_pretrained(self.path, config=sub, key_mapping={f"^{self.part}\\.": ""}, dtype=self.dtype)
+            .to(self.device)
+            .eval()
+        )
+        spk = Path(self.path, "spk_dict.pt")
+        if spk.exists():  # a file of the checkpoint, loaded as transformers loads it
+            self.voices = torch.load(spk, weights_only=True)
+
+    def _part_class(self) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def voice(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        name = str(sampling.get("voice") or DEFAULT_VOICE)
+        if name not in self.voices:
+            raise InvalidRequest(
+                f"voice '{name}' is not one of this model's voices: {', '.join(self.voices)}"
+            )
+        return self.voices[name]
+
+    async def close(self) -> None:
+        self._compute.shutdown(wait=False, cancel_futures=True)
+
+
+class Thinker(_Part):
+    part = "thinker"
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.tokenizer: Any = None
+        self.eos: set[int] = set()
+
+    def _part_class(self) -> tuple[Any, Any]:
+        from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+        return Qwen2_5OmniThinkerForConditionalGeneration, self.config.thinker_config
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        super()._load()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        eos = GenerationConfig.from_pretrained(self.path).eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        request = call.inputs.get("request")
+        if request is None:
+            raise EngineError(f"stage '{self.stage.name}': the thinker reads the client request")
+        if "audio" in request.get("modalities", []):
+            self.voice({"voice": request.get("voice"), **call.sampling})  # refuse before any work
+        ids = self._prompt_ids(request)
+        st = call.state
+        st["prompt_tokens"] = int(ids.shape[1])
+        budget = int(call.sampling.get("max_tokens") or 64)
+        temperature = float(call.sampling.get("temperature", 0.0) or 0.0)
+        gen = torch.Generator().manual_seed(int(call.sampling.get("seed", 0) or 0))
+        generated: list[int] = []
+        text = ""
+        feed = ids
+        for s in range(budget):
+            tok, embeds, hidden = await self._run(self._step, st, feed, temperature, gen)
+            data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
+            if s == 0:  # [1, P, ...]: the prompt is one unit's worth
+                data |= {"prompt_ids": ids.cpu(), "prompt_embeds": embeds, "prompt_hidden": hidden}
+            else:  # [1, hidden]: the position that consumed token s - 1
+                data |= {"reply_embeds": embeds[0], "reply_hidden": hidden[0]}
+            done = tok in self.eos
+            generated.append(tok)
+            delta = ""
+            if not done:
+                full = self.tokenizer.decode(generated, skip_special_tokens=True)
+                if not full.endswith("\ufffd"):
+                    delta, text = full[len(text) :], full
+            yield EngineOutput(units=1, text=delta, data=data, finish_reason="stop" if done else None)
+            if done:
+                return
+            feed = torch.tensor([[tok]], device=self.device)
+        st["finish_reason"] = "length"
+
+    def _prompt_ids(self, request: dict[str, Any]) -> torch.Tensor:
+        if "messages" in request:
+            text = self.tokenizer.apply_chat_template(
+                messages_to_chat(request["messages"]), add_generation_prompt=True, tokenize=False
+            )
+        else:
+            text = str(request.get("prompt", ""))
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        if ids.shape[1] == 0:
+            raise InvalidRequest("empty prompt")
+        return ids.to(self.device)
+
+    @torch.inference_mode()
+    def _step(
+        self, st: dict[str, Any], ids: torch.Tensor, temperature: float, gen: torch.Generator
+    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+        m = self.model
+        past = st.get("past")
+        if past is None:  # the prompt: its 3-D (M-RoPE) positions, and the offset decoding keeps
+            positions, st["rope_deltas"] = m.get_rope_index(ids, None, None, torch.ones_like(ids))
+        else:
+            at = past.get_seq_length() + st["rope_deltas"]
+            positions = (torch.arange(ids.shape[1], device=ids.device) + at).view(1, 1, -1).expand(3, 1, -1)
+        out = m(
+            input_ids=ids,
+            position_ids=positions,
+            past_key_values=past,
+            use_cache=True,
+            output_hidden_states=True,
+        )
+        st["past"] = out.past_key_values
+        logits = out.logits[0, -1].float()
+        if temperature <= 0:
+            tok = int(torch.argmax(logits))
+        else:
+            tok = int(torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=gen))
+        # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
+        return tok, out.hidden_states[0].float().cpu(), out.hidden_states[-1].float().cpu()
+
+
+class Talker(_Part):
+    part = "talker"
+    request_keys = frozenset({"voice"})
+
+    def _part_class(self) -> tuple[Any, Any]:
+        from transformers import Qwen2_5OmniTalkerForConditionalGeneration
+
+        return Qwen2_5OmniTalkerForConditionalGeneration, self.config.talker_config
+
+    def _load(self) -> None:
+        from safetensors import safe_open
+
+        super()._load()
+        # The talker's text-side tokens (voice bos, text eos and pad) are rows of the thinker's
+        # input embedding table: only that tensor is read, not the thinker.
+        c = self.config.talker_config
+        name = "thinker.model.embed_tokens.weight"
+        table = None
+        for f in sorted(Path(self.path).glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as sf:
+                if name in sf.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                    table = sf.get_tensor(name)
+        if table is None:
+            raise EngineError(f"stage '{self.stage.name}': {self.path} has no {name}")
+        self.text_embeds = table.to(self.device, self.dtype)
+        self.text_eos, self.text_pad = c.tts_text_end_token_id, c.tts_text_pad_token_id
+        self.codec = {
+            "bos": c.tts_codec_start_token_id,
+            "end": c.tts_codec_end_token_id,
+            "pad": c.tts_codec_pad_token_id,
+            "mask": c.tts_codec_mask_token_id,
+        }
+        self.stop_codes = {self.codec["pad"], self.codec["end"]}
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        st = call.state
+        self._take(st, call.inputs)
+        budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
+        if "past" not in st:
+            if "prompt_embeds" not in st or not st["reply"]:
+                if call.is_last:
+                    raise EngineError(f"stage '{self.stage.name}': the thinker sent no reply to speak")
+                return  # the prefill needs token 0's reply state: the next window brings it
+            voice = self.voice(call.sampling)
+            code = await self._run(self._prefill, st, voice)
+            st["codes"] = 0
+        else:
+            code = None
+        while not st.get("done"):
+            if code is None:
+                step = st["codes"]  # reply state `step` feeds the step after code `step - 1`
+                if step < len(st["reply"]):
+                    reply = st["reply"][step]
+                elif call.is_last:
+                    n = len(st["reply"])
+                    reply = self._text_embed(self.text_eos if step == n else self.text_pad)
+                else:
+                    return  # waits for the thinker's next window
+                code = await self._run(self._decode, st, reply)
+            if code in self.stop_codes or st["codes"] >= budget:
+                st["done"] = True
+                return
+            st["codes"] += 1
+            st["last_code"] = code
+            yield EngineOutput(units=1, data={"codes": torch.tensor([code])})
+            code = None
+
+    def _take(self, st: dict[str, Any], inputs: dict[str, Any]) -> None:
+        """Gather this window's thinker states: the prompt once, and one reply state per token."""
+        st.setdefault("reply", [])
+        for p in inputs.values():
+            if "prompt_embeds" in p and p["prompt_embeds"].shape[0] and "prompt_embeds" not in st:
+                st["prompt_ids"] = p["prompt_ids"][0]
+                st["prompt_embeds"], st["prompt_hidden"] = p["prompt_embeds"][0], p["prompt_hidden"][0]
+                st["token0"] = int(p["token_ids"][0])
+            if "reply_embeds" in p:
+                for e, h in zip(p["reply_embeds"], p["reply_hidden"], strict=True):
+                    st["reply"].append((e + h).to(self.device, self.dtype))
+
+    def _text_embed(self, token: int) -> torch.Tensor:
+        return self.text_embeds[token]
+
+    @torch.inference_mode()
+    def _prefill(self, st: dict[str, Any], voice: dict[str, Any]) -> int:
+        embeds = (st["prompt_embeds"] + st["prompt_hidden"]).to(self.device, self.dtype)
+        bos = self._text_embed(int(voice["bos_token"]))
+        inputs = torch.cat([embeds, bos[None], st["reply"][0][None]]).unsqueeze(0)
+        # What the model's codes have "seen" for the repetition penalty: its prompt ids.
+        st["seen"] = {self.codec["mask"], self.codec["pad"], self.codec["bos"]}
+        return self._forward(st, inputs)
+
+    @torch.inference_mode()
+    def _decode(self, st: dict[str, Any], reply: torch.Tensor) -> int:
+        code = st["last_code"]
+        inputs = (self.model.get_input_embeddings()(torch.tensor([code], device=self.device)) + reply)[None]
+        st["seen"].add(code)
+        return self._forward(st, inputs)
+
+    def _forward(self, st: dict[str, Any], inputs: torch.Tensor) -> int:
+        past = st.get("past")
+        at = 0 if past is None else past.get_seq_length()
+        positions = torch.arange(at, at + inputs.shape[1], device=self.device).view(1, 1, -1).expand(3, 1, -1)
+        out = self.model(inputs_embeds=inputs, position_ids=positions, past_key_values=past, use_cache=True)
+        st["past"] = out.past_key_values
+        logits = out.logits[0, -1].float()
+        seen = torch.tensor(sorted(st["seen"]), device=logits.device)
+        scores = logits[seen]
+        logits[seen] = torch.where(scores < 0, scores * REPETITION_PENALTY, scores / REPETITION_PENALTY)
+        logits[self.codec["bos"]] = -float("inf")
+        return int(torch.argmax(logits))
+
+
+class Token2Wav(_Part):
+    part = "token2wav"
+    request_keys = frozenset({"voice", "seed"})
+    sample_rate: Final = 24000
+
+    def _part_class(self) -> tuple[Any, Any]:
+        from transformers import Qwen2_5OmniToken2WavModel
+
+        return Qwen2_5OmniToken2WavModel, self.config.token2wav_config
+
+    def _load(self) -> None:
+        super()._load()
+        self.model.float()  # the reference runs token2wav in float32 whatever the rest is
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        codes = [p["codes"] for p in call.inputs.values() if "codes" in p]
+        if not codes or not call.is_last:
+            return  # window -1: the whole sequence at once
+        seq = torch.cat(codes).long()
+        if seq.numel() == 0:
+            return
+        voice = self.voice(call.sampling)
+        seed = int(call.sampling.get("seed", 0) or 0)
+        wav = await self._run(self._synthesize, seq, voice, seed)
+        yield EngineOutput(units=int(seq.numel()), data={"audio": wav, "sample_rate": self.sample_rate})
+
+    @torch.inference_mode()
+    def _synthesize(self, codes: torch.Tensor, voice: dict[str, Any], seed: int) -> torch.Tensor:
+        cond = voice["cond"].to(self.device).float().unsqueeze(0)
+        ref = voice["ref_mel"].to(self.device).float().unsqueeze(0)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)  # the DiT's starting noise, as the reference draws it
+            wav = self.model(codes.unsqueeze(0).to(self.device), conditioning=cond, reference_mel=ref)
+        return wav.reshape(-1).float().cpu()

@@ -1,0 +1,108 @@
+"""Qwen2.5-Omni served end to end: `omni serve examples/qwen2.5-omni.yaml` (thinker -> talker
+-> code2wav from one tiny checkpoint), the official openai client, and the reference computed
+here: transformers' `Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)`,
+same checkpoint, same prompt, greedy, the DiT's noise from the same seed."""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import torch
+
+from tests.e2e.test_serve import audio_delta
+from tests.helpers import decode_wav, served_example
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
+THINKER_TOKENS, TALKER_CODES, SEED = 10, 48, 11  # TALKER_CODES: the example's talker max_tokens
+
+
+@pytest.fixture(scope="module")
+def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with served_example("qwen2.5-omni.yaml", demo_dir, tmp_path_factory.mktemp("logs")) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference(demo_dir: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+
+    path = demo_dir / "models" / "tiny-qwen2.5-omni"
+    ref = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = tok(
+        tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False), return_tensors="pt"
+    )
+    talker = ref.config.talker_config
+    torch.manual_seed(SEED)
+    seq, wav = ref.generate(
+        ids["input_ids"],
+        speaker="Ethan",
+        thinker_max_new_tokens=THINKER_TOKENS,
+        talker_max_new_tokens=TALKER_CODES,
+        talker_do_sample=False,
+        talker_eos_token_id=[talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id],
+        return_audio=True,
+    )
+    reply = seq[0, ids["input_ids"].shape[1] :]
+    return {"text": tok.decode(reply, skip_special_tokens=True), "audio": wav.numpy()}
+
+
+def pcm16(samples: np.ndarray) -> np.ndarray:
+    """What the gateway's 16-bit PCM carries of a float waveform, read back as soundfile reads it."""
+    return (np.clip(samples, -1.0, 1.0) * 32767.0).astype(np.int16) / 32768.0
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def ask(base: str, **extra: Any) -> Any:
+    return client(base).chat.completions.create(
+        model="qwen2.5-omni",
+        messages=MESSAGES,  # type: ignore[arg-type]
+        modalities=["text", "audio"],
+        max_tokens=THINKER_TOKENS,
+        seed=SEED,
+        **extra,
+    )
+
+
+def test_text_and_speech_equal_the_reference(base: str, reference: dict[str, Any]) -> None:
+    """Text exactly; the waveform to within one step of 16-bit PCM (the stages' float32 output
+    is within 1e-5 of the reference's, tests/unit/test_qwen_omni.py)."""
+    r = ask(base, audio={"voice": "Ethan", "format": "wav"})
+    assert r.choices[0].message.content == reference["text"]
+    samples, rate = decode_wav(r.choices[0].message.audio.data)
+    assert rate == 24000
+    expected = pcm16(reference["audio"])
+    assert samples.shape == expected.shape
+    assert np.abs(samples - expected).max() <= 1 / 32768
+
+
+def test_streamed_text_and_speech_equal_the_reference(base: str, reference: dict[str, Any]) -> None:
+    text, pcm = "", b""
+    for chunk in ask(base, audio={"voice": "Ethan", "format": "pcm16"}, stream=True):
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if (a := audio_delta(chunk)) is not None and a.get("data"):
+            pcm += base64.b64decode(str(a["data"]))
+    assert text == reference["text"]
+    samples = np.frombuffer(pcm, dtype="<i2") / 32768.0
+    expected = pcm16(reference["audio"])
+    assert samples.shape == expected.shape
+    assert np.abs(samples - expected).max() <= 1 / 32768
+
+
+def test_an_unknown_voice_is_a_400_that_lists_the_voices(base: str) -> None:
+    with pytest.raises(
+        openai.BadRequestError, match="voice 'alloy' is not one of this model's voices: Chelsie, Ethan"
+    ):
+        ask(base, audio={"voice": "alloy", "format": "wav"})

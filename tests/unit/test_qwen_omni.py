@@ -1,0 +1,139 @@
+"""Qwen2.5-Omni's three stages, driven directly (no processes) and fed window by window as the
+pipeline feeds them, against the reference: transformers' own
+`Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)` on the same tiny
+checkpoint, same prompt, greedy."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from omni_pipeline.spec import load_pipeline
+from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine
+from omni_stage.payload import Payload, concat, split
+from omni_stage.segments import EngineOutput
+from tests.helpers import ROOT
+
+EXAMPLE = ROOT / "examples" / "qwen2.5-omni.yaml"
+MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
+THINKER_TOKENS, TALKER_CODES, SEED = 12, 40, 7
+
+
+def engine(stage: str, model: Path) -> Engine:
+    spec = load_pipeline(EXAMPLE).spec.stage(stage)
+    eng = spec.engine.model_copy(update={"model": str(model)})
+    return build_engine(spec.model_copy(update={"engine": eng}))
+
+
+def windows(outputs: list[EngineOutput], n: int) -> list[tuple[Payload, bool]]:
+    """The producer's outputs as the consumer receives them: `n` units a call, then the rest."""
+    data = concat([o.data for o in outputs if o.data])
+    units = sum(o.units for o in outputs)
+    out = []
+    while units > n:
+        head, data = split(data, n)
+        out.append((head, False))
+        units -= n
+    out.append((data, True))
+    return out
+
+
+async def run_pipeline(model: Path, voice: str, thinker_window: int) -> dict[str, Any]:
+    thinker, talker, code2wav = (engine(s, model) for s in ("thinker", "talker", "code2wav"))
+    for e in (thinker, talker, code2wav):
+        await e.start()
+    request = {"messages": MESSAGES, "modalities": ["audio", "text"], "voice": voice}
+    sampling = {"max_tokens": THINKER_TOKENS, "voice": voice, "seed": SEED}
+    call = EngineCall("r", {"request": request}, True, sampling)
+    thought = [o async for o in thinker.generate(call)]
+    state: dict[str, Any] = {}
+    codes: list[EngineOutput] = []
+    for payload, last in windows(thought, thinker_window):
+        talk = EngineCall(
+            "r", {"thinker": payload}, last, {"max_tokens": TALKER_CODES, "voice": voice}, state
+        )
+        codes += [o async for o in talker.generate(talk)]
+    code_data = concat([o.data for o in codes])
+    wav_call = EngineCall("r", {"talker": code_data}, True, {"voice": voice, "seed": SEED})
+    audio = [o async for o in code2wav.generate(wav_call)]
+    return {
+        "tokens": torch.cat([o.data["token_ids"] for o in thought]),
+        "text": "".join(o.text for o in thought),
+        "codes": code_data["codes"],
+        "audio": audio[0].data["audio"],
+    }
+
+
+@pytest.fixture(scope="module")
+def model(demo_dir: Path) -> Path:
+    return demo_dir / "models" / "tiny-qwen2.5-omni"
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> dict[str, Any]:
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+
+    ref = Qwen2_5OmniForConditionalGeneration.from_pretrained(model).eval()
+    tok = AutoTokenizer.from_pretrained(model)
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    talker_cfg = ref.config.talker_config
+    seen: dict[str, torch.Tensor] = {}
+
+    # The codes the reference's talker made, as its token2wav receives them.
+    def keep_codes(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        seen["codes"] = args[0][0].clone()
+
+    ref.token2wav.register_forward_pre_hook(keep_codes)
+    torch.manual_seed(SEED)  # the DiT's starting noise is the first random draw after this
+    seq, wav = ref.generate(
+        ids,
+        speaker="Ethan",
+        thinker_max_new_tokens=THINKER_TOKENS,
+        talker_max_new_tokens=TALKER_CODES,
+        talker_do_sample=False,
+        talker_eos_token_id=[talker_cfg.tts_codec_pad_token_id, talker_cfg.tts_codec_end_token_id],
+        return_audio=True,
+    )
+    reply = seq[0, ids.shape[1] :]
+    return {
+        "tokens": reply,
+        "text": tok.decode(reply, skip_special_tokens=True),
+        "codes": seen["codes"],
+        "audio": wav,
+    }
+
+
+@pytest.mark.parametrize("thinker_window", [1, 4, 1000])
+def test_the_stages_compute_what_the_reference_computes(
+    model: Path, reference: dict[str, Any], thinker_window: int
+) -> None:
+    """Text token for token, codes code for code. The waveform within 1e-5 (float32, the same
+    operations in the same order on the same noise: any difference is summation order)."""
+    ours = asyncio.run(run_pipeline(model, "Ethan", thinker_window))
+    assert ours["tokens"].tolist() == reference["tokens"].tolist()
+    assert ours["text"] == reference["text"] and len(ours["text"]) == THINKER_TOKENS
+    assert ours["codes"].tolist() == reference["codes"].tolist()
+    assert len(ours["codes"]) > 8
+    assert ours["audio"].shape == reference["audio"].shape == (len(ours["codes"]) * 480,)
+    assert float(reference["audio"].std()) > 0.01  # a real waveform, not a silent one
+    torch.testing.assert_close(ours["audio"], reference["audio"], rtol=0, atol=1e-5)
+
+
+def test_the_voice_changes_the_speech(model: Path, reference: dict[str, Any]) -> None:
+    """Chelsie against the reference's Ethan: a difference far above the parity tolerance
+    (random weights make it small: about 3e-4 on a waveform of std 0.016)."""
+    other = asyncio.run(run_pipeline(model, "Chelsie", 4))
+    n = min(len(other["audio"]), len(reference["audio"]))
+    assert float((other["audio"][:n] - reference["audio"][:n]).abs().max()) > 1e-4
+
+
+def test_an_unknown_voice_is_refused_before_any_work(model: Path) -> None:
+    with pytest.raises(
+        InvalidRequest, match="voice 'alloy' is not one of this model's voices: Chelsie, Ethan"
+    ):
+        asyncio.run(run_pipeline(model, "alloy", 4))
