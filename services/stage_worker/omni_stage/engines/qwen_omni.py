@@ -22,8 +22,9 @@ split where the model splits:
   the request's state. Codes: greedy with the reference's repetition penalty (1.05 over every
   code fed so far) and the codec bos suppressed; it stops at the codec pad or end code.
 - token2wav: the DiT (an ODE from noise, 10 Runge-Kutta steps with guidance) and BigVGAN, on
-  the whole code sequence (window -1): 24 kHz. The noise comes from the request's seed (0 by
-  default) exactly as the reference draws it after `torch.manual_seed(seed)`.
+  the whole code sequence or in chunks with context (`chunkCodes`): 24 kHz. The noise comes
+  from the request's seed (0 by default) exactly as the reference draws it after
+  `torch.manual_seed(seed)`.
 
 The request's voice (`audio.voice`, Chelsie or Ethan here) picks the talker's text bos and the
 DiT's speaker conditioning; the thinker refuses an unknown one before it starts (a 400).
@@ -333,9 +334,26 @@ class Talker(_Part):
 
 
 class Token2Wav(_Part):
+    """The DiT and BigVGAN, on the whole code sequence or in chunks as codes arrive.
+
+    `chunkCodes: 0` (the default) waits for the last code and decodes everything at once,
+    exactly as the reference does. `chunkCodes: C` decodes C codes at a time, each chunk with
+    `leftContextCodes` before it and `rightContextCodes` after it (waiting for those unless
+    the codes have ended), and emits only the chunk's own samples. The DiT's attention is
+    block-local, but its ODE applies it 36 times, so context reaches far: a chunk is close to
+    the whole decode, not equal (tests/unit/test_qwen_omni.py states how close). Either way the
+    starting noise is one draw from the request's seed, sliced, so the whole decode's frames
+    get the reference's noise."""
+
     part = "token2wav"
     request_keys = frozenset({"voice", "seed"})
     sample_rate: Final = 24000
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.chunk = int(self.args.get("chunkCodes", 0))
+        self.left = int(self.args.get("leftContextCodes", 24))
+        self.right = int(self.args.get("rightContextCodes", 12))
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniToken2WavModel
@@ -345,24 +363,75 @@ class Token2Wav(_Part):
     def _load(self) -> None:
         super()._load()
         self.model.float()  # the reference runs token2wav in float32 whatever the rest is
+        dit = self.model.code2wav_dit_model
+        self.repeats, self.mel_dim = dit.repeats, dit.mel_dim
+        rates = self.config.token2wav_config.bigvgan_config.upsample_rates
+        self.samples_per_frame = int(torch.tensor(rates).prod())
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        codes = [p["codes"] for p in call.inputs.values() if "codes" in p]
-        if not codes or not call.is_last:
-            return  # window -1: the whole sequence at once
-        seq = torch.cat(codes).long()
-        if seq.numel() == 0:
+        st = call.state
+        for p in call.inputs.values():
+            if "codes" in p and p["codes"].numel():
+                st.setdefault("codes", []).append(p["codes"].long())
+        if "codes" not in st:
             return
-        voice = self.voice(call.sampling)
-        seed = int(call.sampling.get("seed", 0) or 0)
-        wav = await self._run(self._synthesize, seq, voice, seed)
-        yield EngineOutput(units=int(seq.numel()), data={"audio": wav, "sample_rate": self.sample_rate})
+        codes = torch.cat(st["codes"])
+        st["codes"] = [codes]
+        done = st.get("done", 0)
+        while done < len(codes):
+            end = len(codes) if self.chunk <= 0 else min(done + self.chunk, len(codes))
+            if not call.is_last and (self.chunk <= 0 or end + self.right > len(codes)):
+                return  # wait for the rest, or for this chunk's right context
+            voice = self.voice(call.sampling)
+            seed = int(call.sampling.get("seed", 0) or 0)
+            wav = await self._run(self._synthesize, st, codes, done, end, voice, seed)
+            yield EngineOutput(units=end - done, data={"audio": wav, "sample_rate": self.sample_rate})
+            done = st["done"] = end
 
     @torch.inference_mode()
-    def _synthesize(self, codes: torch.Tensor, voice: dict[str, Any], seed: int) -> torch.Tensor:
+    def _synthesize(
+        self, st: dict[str, Any], codes: torch.Tensor, start: int, end: int, voice: dict[str, Any], seed: int
+    ) -> torch.Tensor:
+        """The samples of codes [start, end), decoded with context [lo, hi)."""
+        lo = 0 if self.chunk <= 0 else max(0, start - self.left)
+        hi = len(codes) if self.chunk <= 0 else min(len(codes), end + self.right)
+        frames = hi * self.repeats
+        if st.get("noise") is None or st["noise"].shape[1] < frames:
+            # The reference draws randn([1, frames, mel]) after manual_seed(seed); a longer draw
+            # from the same seed begins with the shorter one, so slices of it are the same noise.
+            gen = torch.Generator().manual_seed(seed)
+            st["noise"] = torch.randn([1, frames, self.mel_dim], generator=gen)
+        noise = st["noise"][:, lo * self.repeats : frames].to(self.device)
         cond = voice["cond"].to(self.device).float().unsqueeze(0)
         ref = voice["ref_mel"].to(self.device).float().unsqueeze(0)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)  # the DiT's starting noise, as the reference draws it
-            wav = self.model(codes.unsqueeze(0).to(self.device), conditioning=cond, reference_mel=ref)
-        return wav.reshape(-1).float().cpu()
+        mel = self._dit(codes[lo:hi].unsqueeze(0).to(self.device), cond, ref, noise)
+        wav = self.model.code2wav_bigvgan_model(mel).reshape(-1)
+        per_code = self.repeats * self.samples_per_frame
+        return wav[(start - lo) * per_code : (end - lo) * per_code].float().cpu()
+
+    def _dit(
+        self, codes: torch.Tensor, cond: torch.Tensor, ref: torch.Tensor, noise: torch.Tensor
+    ) -> torch.Tensor:
+        """Qwen2_5OmniToken2WavDiTModel.sample with its defaults (10 steps, guidance 0.5, sway
+        -1), from the given starting noise instead of a fresh draw."""
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+        dit = self.model.code2wav_dit_model
+        guidance, sway, steps = 0.5, -1.0, 10
+        cond = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
+
+        def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+            out = dit(
+                hidden_states=x,
+                quantized_code=codes,
+                speaker_embedding=cond,
+                condition_vector=ref,
+                time_step=t,
+                apply_cfg=True,
+            )
+            guided, null = torch.chunk(out, 2, dim=0)
+            return guided + (guided - null) * guidance
+
+        t = torch.linspace(0, 1, steps, device=noise.device, dtype=cond.dtype)
+        t = t + sway * (torch.cos(torch.pi / 2 * t) - 1 + t)
+        return RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)[-1].permute(0, 2, 1)
