@@ -123,7 +123,10 @@ def _bench_dir() -> Path:
 
 
 def _benchmarks() -> list[str]:
-    return sorted(p.stem for p in _bench_dir().glob("*.py") if p.stem not in ("__init__", "common"))
+    """Benchmark names: each module of bench/ with a `main` (the others are its helpers), spelled
+    as is or with hyphens (`qwen-omni`)."""
+    stems = {p.stem for p in _bench_dir().glob("*.py") if "\ndef main(" in p.read_text()}
+    return sorted(stems | {s.replace("_", "-") for s in stems})
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
@@ -133,7 +136,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         print("omni bench: no benchmarks here: they run from a source checkout", file=sys.stderr)
         return 2
     sys.path.insert(0, str(_bench_dir().parent))  # spawned children inherit sys.path
-    importlib.import_module(f"bench.{a.name}").main(a.args)
+    importlib.import_module(f"bench.{a.name.replace('-', '_')}").main(a.args)
     return 0
 
 

@@ -1,0 +1,173 @@
+"""qwen-omni: Qwen2.5-Omni served (examples/qwen2.5-omni.yaml, the tiny checkpoint, this CPU):
+audio time to first packet, real-time factor and request throughput, as vLLM-Omni defines them
+(`vllm bench serve --omni`): TTFP is the time from sending a streamed chat completion to its
+first audio chunk; RTF is a request's end-to-end time over the seconds of audio it returned;
+throughput is requests completed per second at a concurrency.
+
+Each request: the same prompt, 200 thinker tokens, up to 400 talker codes (8 s of audio at
+most; the random talker ends where its greedy pick is a stop code), greedy, voice Ethan,
+streamed as 16-bit PCM.
+
+Ratios, each against a baseline measured in the same run:
+- ttfp_window_vs_full: median TTFP with code2wav in chunks of 12 codes (the example) over
+  code2wav on the whole code sequence (`chunkCodes: 0`, `window: -1`), at concurrency 1.
+  Goal <= 0.15.
+- throughput_c8_vs_c1: requests/s at concurrency 8 over concurrency 1 (goal >= 4 with batched
+  forwards; the stages interleave requests step by step but do not batch them yet, so this is
+  the baseline that batching will be measured against).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from bench.common import bars, figure, machine, median, parser, report, rounds
+from bench.load import chat
+from bench.procs import served
+
+ROOT = Path(__file__).resolve().parents[1]
+SAMPLE_RATE = 24000
+ROUNDS = 5
+THINKER_TOKENS = 200
+TALKER_CODES = 400  # up to 8 s of audio: streaming matters for long answers
+
+
+def pipeline(chunked: bool, codes: int) -> dict[str, Any]:
+    spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "qwen2.5-omni.yaml").read_text())["spec"])
+    spec["servedModelName"] = "bench"
+    spec["gateway"]["requestTimeoutS"] = 300
+    for stage in spec["stages"]:
+        stage["maxInflight"] = 8
+    spec["stages"][1]["sampling"]["max_tokens"] = codes
+    if not chunked:
+        code2wav = spec["stages"][2]
+        code2wav["engine"]["args"]["chunkCodes"] = 0
+        code2wav["inputs"][0]["window"] = -1
+    return spec
+
+
+async def one(client: httpx.AsyncClient, tokens: int) -> dict[str, float]:
+    """One streamed request: TTFP, end-to-end seconds and seconds of audio."""
+    body = chat(
+        "Tell me about the sea.",
+        stream=True,
+        max_tokens=tokens,
+        modalities=["text", "audio"],
+        audio={"voice": "Ethan", "format": "pcm16"},
+    )
+    first: float | None = None
+    samples = 0
+    t = time.perf_counter()
+    async with client.stream("POST", "/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"gateway answered {r.status_code}: {(await r.aread())[:500]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choices = json.loads(line[6:]).get("choices") or [{}]
+            audio = (choices[0].get("delta") or {}).get("audio") or {}
+            if data := audio.get("data"):
+                first = first if first is not None else time.perf_counter() - t
+                samples += len(data) * 3 // 4 // 2  # base64 of 16-bit samples
+    end = time.perf_counter() - t
+    if first is None:
+        raise RuntimeError("the response carried no audio")
+    return {"ttfp": first, "e2e": end, "audio_s": samples / SAMPLE_RATE}
+
+
+async def load(base: str, concurrency: int, requests: int, tokens: int) -> dict[str, float]:
+    async with httpx.AsyncClient(base_url=f"{base}/v1", timeout=300) as client:
+        await one(client, tokens)  # warm-up
+        queue = list(range(requests))
+        done: list[dict[str, float]] = []
+
+        async def worker() -> None:
+            while queue:
+                queue.pop()
+                done.append(await one(client, tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - t0
+    return {
+        "ttfp_ms": round(median([d["ttfp"] for d in done]) * 1000, 1),
+        "rtf": round(median([d["e2e"] / d["audio_s"] for d in done]), 3),
+        "audio_s": round(median([d["audio_s"] for d in done]), 3),
+        "req_per_s": round(len(done) / wall, 3),
+    }
+
+
+def models_dir() -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:
+    if (ROOT / "models" / "tiny-qwen2.5-omni" / "config.json").exists():
+        return ROOT, None
+    from omni_stage.demo import init_demo
+
+    tmp = tempfile.TemporaryDirectory()
+    init_demo(Path(tmp.name) / "models")
+    return Path(tmp.name), tmp
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    fig, (a, b) = figure(2)
+    runs = result["runs"]
+    bars(
+        a,
+        ["c1"],
+        {k: [runs[k]["ttfp_ms"]] for k in ("chunked_c1", "full_c1")},
+        "TTFP, ms",
+        "chunked vs whole",
+    )
+    bars(
+        b,
+        ["req/s"],
+        {k: [runs[k]["req_per_s"]] for k in ("chunked_c1", "chunked_c8")},
+        "requests/s",
+        "c1 vs c8",
+    )
+    from bench.common import save
+
+    save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser(__doc__).parse_args(argv)
+    n = rounds(ROUNDS, args)
+    tokens, codes = (32, 48) if args.quick else (THINKER_TOKENS, TALKER_CODES)
+    cwd, tmp = models_dir()
+    runs: dict[str, dict[str, float]] = {}
+    try:
+        with served("bench", pipeline(True, codes), cwd=cwd) as base:
+            runs["chunked_c1"] = asyncio.run(load(base, 1, n, tokens))
+            runs["chunked_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
+        with served("bench", pipeline(False, codes), cwd=cwd) as base:
+            runs["full_c1"] = asyncio.run(load(base, 1, n, tokens))
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    result = {
+        "benchmark": "qwen-omni",
+        "machine": machine(),
+        "runs": runs,
+        "ratios": {
+            "ttfp_window_vs_full": round(runs["chunked_c1"]["ttfp_ms"] / runs["full_c1"]["ttfp_ms"], 3),
+            "throughput_c8_vs_c1": round(
+                runs["chunked_c8"]["req_per_s"] / runs["chunked_c1"]["req_per_s"], 3
+            ),
+        },
+    }
+    rows = [(name, "  ".join(f"{k} {v}" for k, v in r.items())) for name, r in runs.items()]
+    rows += [(k, str(v)) for k, v in result["ratios"].items()]
+    report("qwen_omni", rows, result, args, plot)
+
+
+if __name__ == "__main__":
+    main()
