@@ -174,3 +174,19 @@ def test_audio_decoded_in_chunks_with_context_equals_the_whole_decode(
         )
     )
     assert float((blind - reference["audio"]).abs().max()) > 1e-2
+
+
+def test_media_parts_are_the_clients_error_and_a_one_token_reply_speaks_nothing(model: Path) -> None:
+    async def go() -> None:
+        thinker, talker = engine("thinker", model), engine("talker", model)
+        await thinker.start()
+        await talker.start()
+        image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
+        with pytest.raises(InvalidRequest, match="'image_url' part: media input is not served"):
+            [o async for o in thinker.generate(EngineCall("a", {"request": {"messages": [image]}}, True, {}))]
+        call = EngineCall("b", {"request": {"messages": MESSAGES}}, True, {"max_tokens": 1})
+        one = [o async for o in thinker.generate(call)]
+        talk = EngineCall("b", {"thinker": concat([o.data for o in one])}, True, {"voice": "Ethan"})
+        assert [o async for o in talker.generate(talk)] == []
+
+    asyncio.run(go())

@@ -183,9 +183,11 @@ class Thinker(_Part):
 
     def _prompt_ids(self, request: dict[str, Any]) -> torch.Tensor:
         if "messages" in request:
-            text = self.tokenizer.apply_chat_template(
-                messages_to_chat(request["messages"]), add_generation_prompt=True, tokenize=False
-            )
+            try:
+                chat = messages_to_chat(request["messages"])
+            except EngineError as exc:  # the client's request, not this stage's failure
+                raise InvalidRequest(f"{exc}: media input is not served by this pipeline yet") from None
+            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         else:
             text = str(request.get("prompt", ""))
         ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
@@ -261,9 +263,10 @@ class Talker(_Part):
         budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
         if "past" not in st:
             if "prompt_embeds" not in st or not st["reply"]:
-                if call.is_last:
-                    raise EngineError(f"stage '{self.stage.name}': the thinker sent no reply to speak")
-                return  # the prefill needs token 0's reply state: the next window brings it
+                # The prefill needs token 0's reply state, which comes with token 1: the next
+                # window brings it, or, if the reply was one token long, there is nothing to
+                # speak (the reference's generate fails on that; a server answers text only).
+                return
             voice = self.voice(call.sampling)
             code = await self._run(self._prefill, st, voice)
             st["codes"] = 0
