@@ -13,10 +13,10 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
-import torch
 
 from tests.e2e.test_serve import audio_delta
 from tests.helpers import decode_wav, served_example
+from tests.qwen_reference import reference_generate
 
 pytestmark = pytest.mark.slow
 
@@ -32,27 +32,9 @@ def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
 
 @pytest.fixture(scope="module")
 def reference(demo_dir: Path) -> dict[str, Any]:
-    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
-
     path = demo_dir / "models" / "tiny-qwen2.5-omni"
-    ref = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = tok(
-        tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False), return_tensors="pt"
-    )
-    talker = ref.config.talker_config
-    torch.manual_seed(SEED)
-    seq, wav = ref.generate(
-        ids["input_ids"],
-        speaker="Ethan",
-        thinker_max_new_tokens=THINKER_TOKENS,
-        talker_max_new_tokens=TALKER_CODES,
-        talker_do_sample=False,
-        talker_eos_token_id=[talker.tts_codec_pad_token_id, talker.tts_codec_end_token_id],
-        return_audio=True,
-    )
-    reply = seq[0, ids["input_ids"].shape[1] :]
-    return {"text": tok.decode(reply, skip_special_tokens=True), "audio": wav.numpy()}
+    ref = reference_generate(path, MESSAGES, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
+    return {"text": ref["text"], "audio": ref["audio"].numpy()}
 
 
 def pcm16(samples: np.ndarray) -> np.ndarray:

@@ -17,6 +17,7 @@ from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_en
 from omni_stage.payload import Payload, concat, split
 from omni_stage.segments import EngineOutput
 from tests.helpers import ROOT
+from tests.qwen_reference import reference_generate
 
 EXAMPLE = ROOT / "examples" / "qwen2.5-omni.yaml"
 MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
@@ -77,37 +78,7 @@ def model(demo_dir: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(model: Path) -> dict[str, Any]:
-    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
-
-    ref = Qwen2_5OmniForConditionalGeneration.from_pretrained(model).eval()
-    tok = AutoTokenizer.from_pretrained(model)
-    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-    ids = tok(text, return_tensors="pt")["input_ids"]
-    talker_cfg = ref.config.talker_config
-    seen: dict[str, torch.Tensor] = {}
-
-    # The codes the reference's talker made, as its token2wav receives them.
-    def keep_codes(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        seen["codes"] = args[0][0].clone()
-
-    ref.token2wav.register_forward_pre_hook(keep_codes)
-    torch.manual_seed(SEED)  # the DiT's starting noise is the first random draw after this
-    seq, wav = ref.generate(
-        ids,
-        speaker="Ethan",
-        thinker_max_new_tokens=THINKER_TOKENS,
-        talker_max_new_tokens=TALKER_CODES,
-        talker_do_sample=False,
-        talker_eos_token_id=[talker_cfg.tts_codec_pad_token_id, talker_cfg.tts_codec_end_token_id],
-        return_audio=True,
-    )
-    reply = seq[0, ids.shape[1] :]
-    return {
-        "tokens": reply,
-        "text": tok.decode(reply, skip_special_tokens=True),
-        "codes": seen["codes"],
-        "audio": wav,
-    }
+    return reference_generate(model, MESSAGES, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
 
 
 @pytest.mark.parametrize("thinker_window", [1, 4, 1000])

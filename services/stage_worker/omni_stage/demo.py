@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -60,7 +60,12 @@ def vocoder(path: str) -> TinyVocoder:
     return model
 
 
-def _tokenizer():  # type: ignore[no-untyped-def]
+def byte_level_tokenizer(
+    chat_template: str, special_tokens: list[str], roles: dict[str, str] | None = None
+) -> Any:
+    """A byte-level BPE tokenizer over printable ASCII (whatever a random model says is
+    readable), `<|im_end|>` its eos and `<|endoftext|>` its pad, with `special_tokens` and the
+    named `roles` (`image_token: <|IMAGE|>`, as a processor looks them up)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -75,9 +80,10 @@ def _tokenizer():  # type: ignore[no-untyped-def]
         unk_token="<unk>",
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=special_tokens,
+        **({"extra_special_tokens": roles} if roles else {}),
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
@@ -172,7 +178,7 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
     out = Path(out_dir)
     paths = {name: out / f"tiny-{name}" for name in ("thinker", "talker", "vocoder", "qwen2.5-omni", "image")}
 
-    tok = _tokenizer()
+    tok = byte_level_tokenizer(CHAT_TEMPLATE, ["<|im_start|>"])
     thinker = _qwen2(len(tok), tok.convert_tokens_to_ids("<|im_end|>"), seed=0)
     thinker.save_pretrained(paths["thinker"])
     tok.save_pretrained(paths["thinker"])

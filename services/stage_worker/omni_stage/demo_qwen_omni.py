@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import torch
 
-from omni_stage.demo import _byte_level_chars, _printable_bytes
+from omni_stage.demo import byte_level_tokenizer
 
 HIDDEN: Final = 64
 HEADS: Final = 2  # head_dim 32
@@ -87,32 +87,19 @@ CHAT_TEMPLATE: Final = (
 )
 
 
-def _tokenizer() -> Any:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {c: i for i, c in enumerate(_byte_level_chars())}
-    assert len(vocab) == len(_printable_bytes())
-    vocab["<unk>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS,
-        extra_special_tokens=TOKEN_ROLES,
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
 def _config(ids: dict[str, int], vocab: int) -> Any:
     from transformers import Qwen2_5OmniConfig
 
     rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": MROPE_SECTION}
+    media = {  # where the thinker and the talker find media placeholders and their bounds
+        "audio_token_index": ids["<|AUDIO|>"],
+        "image_token_index": ids["<|IMAGE|>"],
+        "video_token_index": ids["<|VIDEO|>"],
+        "audio_start_token_id": ids["<|audio_bos|>"],
+        "audio_end_token_id": ids["<|audio_eos|>"],
+        "vision_start_token_id": ids["<|vision_bos|>"],
+        "vision_end_token_id": ids["<|vision_eos|>"],
+    }
     thinker = {
         "audio_config": {
             "num_mel_bins": 128,
@@ -149,13 +136,7 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
         },
-        "audio_token_index": ids["<|AUDIO|>"],
-        "image_token_index": ids["<|IMAGE|>"],
-        "video_token_index": ids["<|VIDEO|>"],
-        "audio_start_token_id": ids["<|audio_bos|>"],
-        "audio_end_token_id": ids["<|audio_eos|>"],
-        "vision_start_token_id": ids["<|vision_bos|>"],
-        "vision_end_token_id": ids["<|vision_eos|>"],
+        **media,
         "user_token_id": ids["<|im_start|>"],
         "initializer_range": 0.5,
     }
@@ -170,13 +151,7 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
         "head_dim": HIDDEN // HEADS,
         "max_position_embeddings": 8192,
         "rope_parameters": rope,
-        "audio_token_index": ids["<|AUDIO|>"],
-        "image_token_index": ids["<|IMAGE|>"],
-        "video_token_index": ids["<|VIDEO|>"],
-        "audio_start_token_id": ids["<|audio_bos|>"],
-        "audio_end_token_id": ids["<|audio_eos|>"],
-        "vision_start_token_id": ids["<|vision_bos|>"],
-        "vision_end_token_id": ids["<|vision_eos|>"],
+        **media,
         "tts_text_start_token_id": ids["<|tts_text_bos|>"],
         "tts_text_end_token_id": ids["<|tts_text_eod|>"],
         "tts_text_pad_token_id": ids["<|tts_pad|>"],
@@ -265,7 +240,7 @@ def write_tiny_qwen_omni(path: Path, seed: int = 5) -> Path:
     from transformers import Qwen2_5OmniForConditionalGeneration
     from transformers.utils import logging as hf_logging
 
-    tok = _tokenizer()
+    tok = byte_level_tokenizer(CHAT_TEMPLATE, SPECIAL_TOKENS, TOKEN_ROLES)
     ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}
     torch.manual_seed(seed)
     verbosity = hf_logging.get_verbosity()
