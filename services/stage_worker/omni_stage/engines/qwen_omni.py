@@ -35,6 +35,7 @@ offsets) lives in the request, never in the model, so requests interleave step b
 from __future__ import annotations
 
 import asyncio
+from abc import abstractmethod
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +46,7 @@ import torch
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.prompts import messages_to_chat
+from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
 
 T = TypeVar("T")
@@ -110,8 +112,9 @@ class _Part(Engine):
         if spk.exists():  # a file of the checkpoint, loaded as transformers loads it
             self.voices = torch.load(spk, weights_only=True)
 
+    @abstractmethod
     def _part_class(self) -> tuple[Any, Any]:
-        raise NotImplementedError
+        """The transformers class of this part and its sub-config."""
 
     def voice(self, sampling: dict[str, Any]) -> dict[str, Any]:
         name = str(sampling.get("voice") or DEFAULT_VOICE)
@@ -157,12 +160,13 @@ class Thinker(_Part):
         st["prompt_tokens"] = int(ids.shape[1])
         budget = int(call.sampling.get("max_tokens") or 64)
         temperature = float(call.sampling.get("temperature", 0.0) or 0.0)
+        top_p = float(call.sampling.get("top_p", 1.0) or 1.0)
         gen = torch.Generator().manual_seed(int(call.sampling.get("seed", 0) or 0))
         generated: list[int] = []
         text = ""
         feed = ids
         for s in range(budget):
-            tok, embeds, hidden = await self._run(self._step, st, feed, temperature, gen)
+            tok, embeds, hidden = await self._run(self._step, st, feed, temperature, top_p, gen)
             data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
             if s == 0:  # [1, P, ...]: the prompt is one unit's worth
                 data |= {"prompt_ids": ids.cpu(), "prompt_embeds": embeds, "prompt_hidden": hidden}
@@ -197,7 +201,7 @@ class Thinker(_Part):
 
     @torch.inference_mode()
     def _step(
-        self, st: dict[str, Any], ids: torch.Tensor, temperature: float, gen: torch.Generator
+        self, st: dict[str, Any], ids: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         m = self.model
         past = st.get("past")
@@ -214,11 +218,7 @@ class Thinker(_Part):
             output_hidden_states=True,
         )
         st["past"] = out.past_key_values
-        logits = out.logits[0, -1].float()
-        if temperature <= 0:
-            tok = int(torch.argmax(logits))
-        else:
-            tok = int(torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=gen))
+        tok = pick_token(out.logits[0, -1].float(), temperature, top_p, gen)
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
         return tok, out.hidden_states[0].float().cpu(), out.hidden_states[-1].float().cpu()
 

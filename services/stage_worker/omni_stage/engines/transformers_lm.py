@@ -32,6 +32,7 @@ import torch
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError
 from omni_stage.engines.prompts import prompt_token_ids
+from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -188,16 +189,8 @@ class TransformersEngine(Engine):
             output_hidden_states=self.return_hidden,
         )
         st["past"] = out.past_key_values
-        logits = out.logits[0, -1].float()
         hidden = out.hidden_states[-1][0, -1:].float().cpu() if self.return_hidden else torch.empty(0)
-        if temperature <= 0:
-            return int(torch.argmax(logits)), hidden
-        probs = torch.softmax(logits / temperature, dim=-1)
-        if top_p < 1.0:
-            sorted_p, idx = torch.sort(probs, descending=True)
-            keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
-            probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-        return int(torch.multinomial(probs.cpu(), 1, generator=st["generator"])), hidden
+        return pick_token(out.logits[0, -1].float(), temperature, top_p, st["generator"]), hidden
 
     def _text_delta(self, st: dict[str, Any]) -> str:
         if self.tokenizer is None:
