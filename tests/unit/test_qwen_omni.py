@@ -161,3 +161,21 @@ def test_media_parts_are_the_clients_error_and_a_one_token_reply_speaks_nothing(
         assert [o async for o in talker.generate(talk)] == []
 
     asyncio.run(go())
+
+
+@pytest.mark.parametrize("cut", [1, 5])
+def test_a_stop_string_ends_the_reply_before_it(model: Path, reference: dict[str, Any], cut: int) -> None:
+    """OpenAI's `stop`: the text ends just before the first stop string, finish_reason stop;
+    the text streamed before it is exactly the reference's up to there."""
+    stop = reference["text"][cut : cut + 2]
+
+    async def go() -> list[EngineOutput]:
+        thinker = engine("thinker", model)
+        await thinker.start()
+        sampling = {"max_tokens": THINKER_TOKENS, "stop": ["never", stop]}
+        call = EngineCall("s", {"request": {"messages": MESSAGES}}, True, sampling)
+        return [o async for o in thinker.generate(call)]
+
+    out = asyncio.run(go())
+    assert "".join(o.text for o in out) == reference["text"][: reference["text"].index(stop)]
+    assert out[-1].finish_reason == "stop" and len(out) < THINKER_TOKENS

@@ -162,8 +162,7 @@ class Thinker(_Part):
         temperature = float(call.sampling.get("temperature", 0.0) or 0.0)
         top_p = float(call.sampling.get("top_p", 1.0) or 1.0)
         gen = torch.Generator().manual_seed(int(call.sampling.get("seed", 0) or 0))
-        generated: list[int] = []
-        text = ""
+        text = _Reply(self.tokenizer, [str(x) for x in call.sampling.get("stop") or [] if x])
         feed = ids
         for s in range(budget):
             tok, embeds, hidden = await self._run(self._step, st, feed, temperature, top_p, gen)
@@ -172,13 +171,9 @@ class Thinker(_Part):
                 data |= {"prompt_ids": ids.cpu(), "prompt_embeds": embeds, "prompt_hidden": hidden}
             else:  # [1, hidden]: the position that consumed token s - 1
                 data |= {"reply_embeds": embeds[0], "reply_hidden": hidden[0]}
-            done = tok in self.eos
-            generated.append(tok)
-            delta = ""
-            if not done:
-                full = self.tokenizer.decode(generated, skip_special_tokens=True)
-                if not full.endswith("\ufffd"):
-                    delta, text = full[len(text) :], full
+            eos = tok in self.eos
+            delta, stopped = text.add(None if eos else tok, last=eos or s == budget - 1)
+            done = eos or stopped
             yield EngineOutput(units=1, text=delta, data=data, finish_reason="stop" if done else None)
             if done:
                 return
@@ -221,6 +216,32 @@ class Thinker(_Part):
         tok = pick_token(out.logits[0, -1].float(), temperature, top_p, gen)
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
         return tok, out.hidden_states[0].float().cpu(), out.hidden_states[-1].float().cpu()
+
+
+class _Reply:
+    """The reply's text as its tokens come: whole characters only, never past a stop string
+    (OpenAI's `stop`: the text ends before it), and the last few characters held back while
+    they could still be the start of one."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.hold = max((len(x) for x in stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    def add(self, token: int | None, last: bool) -> tuple[str, bool]:
+        """This token's text delta (`token` None: the reply ended without one), and whether a
+        stop string ended the reply here."""
+        if token is not None:
+            self.tokens.append(token)
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if full.endswith("\ufffd") and not last:
+            return "", False  # an incomplete UTF-8 sequence; wait for the next byte
+        cuts = [i for x in self.stops if (i := full.find(x)) >= 0]
+        end = min(cuts) if cuts else len(full) if last else max(self.sent, len(full) - self.hold)
+        delta, self.sent = full[self.sent : max(self.sent, end)], max(self.sent, end)
+        return delta, bool(cuts)
 
 
 class Talker(_Part):
