@@ -9,7 +9,7 @@ split where the model splits:
 - thinker: the chat template, then greedy (or sampled) decoding with a KV cache. Unit `s` is
   generated token `s` with, from the forward that produced it, the input embedding and last
   hidden state of the position it consumed: the prompt's (`prompt_embeds`, `prompt_hidden`,
-  `prompt_ids`, [1, P, ...], in unit 0 only) or token `s - 1`'s. That is all the talker reads.
+  [1, P, hidden], in unit 0 only) or token `s - 1`'s. That is all the talker reads.
 - talker: prefill on the prompt's hidden+embedding, the voice's text bos and token 0's reply
   state, then one codec code per step, each step fed the next reply state (then the thinker's
   text eos, then its pad) as the model's own forward does. As transformers' `generate` runs it
@@ -168,7 +168,7 @@ class Thinker(_Part):
             tok, embeds, hidden = await self._run(self._step, st, feed, temperature, top_p, gen)
             data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
             if s == 0:  # [1, P, ...]: the prompt is one unit's worth
-                data |= {"prompt_ids": ids.cpu(), "prompt_embeds": embeds, "prompt_hidden": hidden}
+                data |= {"prompt_embeds": embeds, "prompt_hidden": hidden}
             else:  # [1, hidden]: the position that consumed token s - 1
                 data |= {"reply_embeds": embeds[0], "reply_hidden": hidden[0]}
             eos = tok in self.eos
@@ -317,9 +317,7 @@ class Talker(_Part):
         st.setdefault("reply", [])
         for p in inputs.values():
             if "prompt_embeds" in p and p["prompt_embeds"].shape[0] and "prompt_embeds" not in st:
-                st["prompt_ids"] = p["prompt_ids"][0]
                 st["prompt_embeds"], st["prompt_hidden"] = p["prompt_embeds"][0], p["prompt_hidden"][0]
-                st["token0"] = int(p["token_ids"][0])
             if "reply_embeds" in p:
                 for e, h in zip(p["reply_embeds"], p["reply_hidden"], strict=True):
                     st["reply"].append((e + h).to(self.device, self.dtype))
