@@ -99,16 +99,20 @@ class RequestContext(msgspec.Struct, frozen=True):
     """Unix time after which the request is abandoned."""
 
 
-class StageRequest(msgspec.Struct, tag="request", frozen=True):
+class StageRequest(msgspec.Struct, tag="request", frozen=True, omit_defaults=True):
     """A new request, sent by request/reply to every replica on its route (answered by Admitted).
 
     Stages that read `request` get the client's inputs; the others an empty dict: for them it
     only reserves a slot, so admission (full, draining) is decided before any work starts.
+    The request's media tensors, if any, wait on the request edge's connector under `media`
+    (the inputs' messages refer to them by key): a source stage reads them once, like any
+    payload, and the gateway frees them if the request ends before that.
     """
 
     ctx: RequestContext
     inputs: dict[str, Any]
     sampling: dict[str, Any]
+    media: ConnectorHandle | None = None
 
 
 class Admitted(msgspec.Struct, tag="admitted", frozen=True):

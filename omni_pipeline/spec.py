@@ -228,6 +228,25 @@ API_KEYS_FILE_ENV: Final = "OMNI_API_KEYS_FILE"
 """A file of API keys, one per line, `#` comments."""
 
 
+class MediaSpec(_Model):
+    """What the gateway accepts as media input (chat content parts `image_url`, `input_audio`).
+    Every part is decoded once, at the gateway, and checked against these before any stage
+    sees it; over a limit is a 400 naming the part."""
+
+    max_parts: int = Field(default=8, ge=0, le=256, description="Media parts in one request, all messages.")
+    max_audio_seconds: float = Field(
+        default=300.0, gt=0, description="Longest audio part (Qwen2.5-Omni's feature extractor takes 300 s)."
+    )
+    max_image_pixels: int = Field(
+        default=4096 * 4096, ge=1, description="Largest image part, width x height, checked before decoding."
+    )
+    fetch_urls: bool = Field(
+        default=False, description="Fetch http(s) image URLs; off: only data: URLs (a URL is a 400)."
+    )
+    fetch_timeout_s: float = Field(default=10.0, gt=0, le=300, description="Time limit of one URL fetch.")
+    fetch_max_bytes: int = Field(default=20 << 20, ge=1, description="Largest body a URL fetch may return.")
+
+
 class GatewaySpec(_Model):
     replicas: int = Field(default=1, ge=1, description="Gateway replicas (Distributed mode).")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port of the gateway.")
@@ -245,6 +264,7 @@ class GatewaySpec(_Model):
         description="Kubernetes: a Secret whose `keys` entry (one key per line) the gateway requires as "
         "`Authorization: Bearer`. Elsewhere: OMNI_API_KEYS or OMNI_API_KEYS_FILE.",
     )
+    media: MediaSpec = Field(default_factory=MediaSpec, description="Limits on media input parts.")
 
 
 RESERVED_VOLUMES: Final = frozenset({"pipeline", "dshm", "api-keys", "nats-creds", "nats-tls"})

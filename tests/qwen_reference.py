@@ -5,24 +5,66 @@ documentation runs it."""
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
+
+
+def reference_processor(path: Path) -> Any:
+    """transformers' `Qwen2_5OmniProcessor`. Where torchvision is missing it cannot be built
+    the usual way (transformers 5 makes its video processor torchvision-only, and its
+    constructor checks every part's class), so it is then put together from its other parts,
+    loaded as it loads them: its own `__call__` runs on text, audio and images unchanged (only
+    a video would need the missing part)."""
+    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer, Qwen2_5OmniProcessor
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return Qwen2_5OmniProcessor.from_pretrained(path)
+    proc = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
+    tok = AutoTokenizer.from_pretrained(path)
+    proc.tokenizer, proc.chat_template = tok, tok.chat_template
+    proc.feature_extractor = AutoFeatureExtractor.from_pretrained(path)
+    proc.image_processor = AutoImageProcessor.from_pretrained(path)
+    proc.video_processor = SimpleNamespace(merge_size=proc.image_processor.merge_size)
+    for name in ("image", "audio", "video", "vision_bos", "vision_eos", "audio_bos", "audio_eos"):
+        setattr(proc, f"{name}_token", getattr(tok, f"{name}_token"))
+    return proc
 
 
 def reference_generate(
-    path: Path, messages: list[dict[str, Any]], thinker_tokens: int, talker_codes: int, seed: int, voice: str
+    path: Path,
+    messages: list[dict[str, Any]],
+    thinker_tokens: int,
+    talker_codes: int,
+    seed: int,
+    voice: str,
+    audio: list[np.ndarray] | None = None,
+    images: list[Image.Image] | None = None,
 ) -> dict[str, Any]:
     """The reply's token ids and text, the talker's codes (as its token2wav receives them) and
     the waveform. `torch.manual_seed(seed)` goes right before generate: greedy decoding draws
-    nothing, so the DiT's starting noise is the first random draw after it."""
-    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+    nothing, so the DiT's starting noise is the first random draw after it. `audio` (16 kHz)
+    and `images` fill the messages' `{"type": "audio"}` and `{"type": "image"}` parts, in
+    order, through the model's processor, as its documentation runs it."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
 
     ref = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
-    tok = AutoTokenizer.from_pretrained(path)
-    ids = tok(
-        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), return_tensors="pt"
-    )
+    proc = reference_processor(path)
+    tok = proc.tokenizer
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = proc(text=text, audio=audio, images=images, return_tensors="pt")
+    # The image goes to the thinker alone (the `thinker_` prefix generate documents): unprefixed,
+    # generate hands `pixel_values` to the talker's generate too, which refuses it (5.19). The
+    # talker reads neither: without an attention mask its positions ignore the grid.
+    media = {
+        f"thinker_{k}" if k.startswith(("pixel_values", "image_grid")) else k: v
+        for k, v in ids.items()
+        if k not in ("input_ids", "attention_mask")
+    }
     seen: dict[str, torch.Tensor] = {}
 
     def keep_codes(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
@@ -33,6 +75,7 @@ def reference_generate(
     torch.manual_seed(seed)
     seq, wav = ref.generate(
         ids["input_ids"],
+        **media,
         speaker=voice,
         thinker_max_new_tokens=thinker_tokens,
         talker_max_new_tokens=talker_codes,

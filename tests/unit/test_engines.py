@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, EngineError, build_engine
+from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest, build_engine
 from omni_stage.processors import thinker_to_talker
 from omni_stage.segments import EngineOutput
 from tests.helpers import ROOT
@@ -112,10 +112,10 @@ def test_missing_model_directory_is_named(tmp_path: Path) -> None:
         run(engine, EngineCall("r", {"request": {"messages": []}}, True, {}))
 
 
-def test_non_text_parts_are_refused(models: Path) -> None:
+def test_media_parts_are_the_clients_error_for_a_text_model(models: Path) -> None:
     engine = engine_for("thinker", models)
-    msg = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}
-    with pytest.raises(EngineError, match="text only"):
+    msg = {"role": "user", "content": [{"type": "image", "media": "m0"}]}
+    with pytest.raises(InvalidRequest, match="this model takes text only; it cannot read the 'image' part"):
         run(engine, EngineCall("r", {"request": {"messages": [msg]}}, True, {}))
 
 

@@ -6,13 +6,19 @@ checkpoint, same prompt, greedy."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import soundfile
 import torch
+from PIL import Image
 
-from omni_pipeline.spec import load_pipeline
+from omni_gateway.media import decode_media
+from omni_pipeline.spec import MediaSpec, load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine
 from omni_stage.payload import Payload, concat, split
 from omni_stage.segments import EngineOutput
@@ -43,13 +49,17 @@ def windows(outputs: list[EngineOutput], n: int) -> list[tuple[Payload, bool]]:
     return out
 
 
-async def run_pipeline(model: Path, voice: str, thinker_window: int) -> dict[str, Any]:
-    """The three stages, code2wav on the whole code sequence (as the reference decodes it)."""
+async def run_pipeline(
+    model: Path, voice: str, thinker_window: int, messages: list[dict[str, Any]] = MESSAGES
+) -> dict[str, Any]:
+    """The three stages, code2wav on the whole code sequence (as the reference decodes it).
+    `messages` as a client sends them: media parts are decoded by the gateway's own code."""
     thinker, talker = engine("thinker", model), engine("talker", model)
     code2wav = engine("code2wav", model, chunkCodes=0)
     for e in (thinker, talker, code2wav):
         await e.start()
-    request = {"messages": MESSAGES, "modalities": ["audio", "text"], "voice": voice}
+    messages, media = await decode_media(messages, MediaSpec())
+    request = {"messages": messages, "media": media.tensors, "modalities": ["audio", "text"], "voice": voice}
     sampling = {"max_tokens": THINKER_TOKENS, "voice": voice, "seed": SEED}
     call = EngineCall("r", {"request": request}, True, sampling)
     thought = [o async for o in thinker.generate(call)]
@@ -147,14 +157,21 @@ def test_audio_decoded_in_chunks_with_context_equals_the_whole_decode(
     assert float((blind - reference["audio"]).abs().max()) > 1e-2
 
 
-def test_media_parts_are_the_clients_error_and_a_one_token_reply_speaks_nothing(model: Path) -> None:
+def test_what_the_thinker_cannot_read_is_the_clients_error_and_a_one_token_reply_speaks_nothing(
+    model: Path,
+) -> None:
     async def go() -> None:
         thinker, talker = engine("thinker", model), engine("talker", model)
         await thinker.start()
         await talker.start()
-        image = {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}
-        with pytest.raises(InvalidRequest, match="'image_url' part: media input is not served"):
-            [o async for o in thinker.generate(EngineCall("a", {"request": {"messages": [image]}}, True, {}))]
+        refused = {
+            "this model cannot read the 'video' part": [{"type": "video", "media": "m0"}],
+            "the messages contain the model's special token <\\|AUDIO\\|>": "hear <|AUDIO|>",
+        }
+        for why, content in refused.items():
+            request = {"messages": [{"role": "user", "content": content}], "media": {}}
+            with pytest.raises(InvalidRequest, match=why):
+                [o async for o in thinker.generate(EngineCall("a", {"request": request}, True, {}))]
         call = EngineCall("b", {"request": {"messages": MESSAGES}}, True, {"max_tokens": 1})
         one = [o async for o in thinker.generate(call)]
         talk = EngineCall("b", {"thinker": concat([o.data for o in one])}, True, {"voice": "Ethan"})
@@ -179,3 +196,65 @@ def test_a_stop_string_ends_the_reply_before_it(model: Path, reference: dict[str
     out = asyncio.run(go())
     assert "".join(o.text for o in out) == reference["text"][: reference["text"].index(stop)]
     assert out[-1].finish_reason == "stop" and len(out) < THINKER_TOKENS
+
+
+def media_clips() -> tuple[bytes, bytes]:
+    """A 1.5 s 16 kHz clip (a tone in noise, float WAV: lossless) and a 90x60 PNG, from a seed."""
+    rng = np.random.default_rng(3)
+    t = np.arange(24000) / 16000
+    clip = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+    wav = io.BytesIO()
+    soundfile.write(wav, clip, 16000, format="WAV", subtype="FLOAT")
+    png = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)).save(png, format="PNG")
+    return wav.getvalue(), png.getvalue()
+
+
+MEDIA_QUESTION = "What do you hear and see?"
+
+
+def media_message(wav: bytes, png: bytes) -> dict[str, Any]:
+    """Text, audio and an image, as the openai client sends them."""
+    return {
+        "role": "user",
+        "content": [
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+            {
+                "type": "image_url",
+                "image_url": {"url": f"data:image/png;base64,{base64.b64encode(png).decode()}"},
+            },
+            {"type": "text", "text": MEDIA_QUESTION},
+        ],
+    }
+
+
+@pytest.fixture(scope="module")
+def media_reference(model: Path) -> dict[str, Any]:
+    wav, png = media_clips()
+    clip, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+    assert rate == 16000
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "audio"}, {"type": "image"}, {"type": "text", "text": MEDIA_QUESTION}],
+        }
+    ]
+    image = Image.open(io.BytesIO(png))
+    return reference_generate(
+        model, messages, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan", audio=[clip], images=[image]
+    )
+
+
+@pytest.mark.parametrize("thinker_window", [1, 1000])
+def test_with_audio_and_an_image_the_stages_compute_what_the_reference_computes(
+    model: Path, reference: dict[str, Any], media_reference: dict[str, Any], thinker_window: int
+) -> None:
+    """The same, with an audio clip and an image in the message (decoded by the gateway's
+    code, prompt and features built by the thinker, which the reference builds with the
+    model's processor): text, codes and waveform as above, and not the text-only answer."""
+    ours = asyncio.run(run_pipeline(model, "Ethan", thinker_window, [media_message(*media_clips())]))
+    assert ours["tokens"].tolist() == media_reference["tokens"].tolist()
+    assert ours["tokens"].tolist() != reference["tokens"].tolist()
+    assert ours["codes"].tolist() == media_reference["codes"].tolist()
+    assert ours["audio"].shape == media_reference["audio"].shape
+    torch.testing.assert_close(ours["audio"], media_reference["audio"], rtol=0, atol=1e-5)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -14,17 +14,43 @@ class TextPart(BaseModel):
     text: str
 
 
-class MediaPart(BaseModel):
-    """Image/audio input parts pass through to the source stage, which decides if it takes them."""
+class ImageURL(BaseModel):
+    url: str = Field(min_length=1, description="A data: URL, or http(s) where the gateway fetches URLs.")
+    detail: Literal["auto"] = Field(
+        default="auto", description="Only `auto`: the model's own processor picks the resolution."
+    )
+
+
+class ImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+class InputAudio(BaseModel):
+    data: str = Field(description="Base64 of the whole file.")
+    format: str = Field(description="wav, flac or mp3.")
+
+
+class AudioPart(BaseModel):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class OtherPart(BaseModel):
+    """Parts OpenAI defines that this server does not take (files, video): a 400 naming the
+    part, from the media decoder, rather than a schema error listing every part type."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["image_url", "input_audio", "file"]
+    type: Literal["file", "video_url", "input_video", "refusal"]
+
+
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | OtherPart, Field(discriminator="type")]
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart | MediaPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
 
 

@@ -17,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from omni_gateway.chat import ChatResult, completion_body, now, sse_chunks
 from omni_gateway.errors import BadRequest, ModelNotFound, StageFailed
 from omni_gateway.images import final_images, image_stream, images_body
+from omni_gateway.media import Media, decode_media
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.protocol import (
     SPEECH_MEDIA_TYPES,
@@ -119,6 +120,7 @@ async def _respond(
     sampling: dict[str, Any],
     outputs: set[OutputKind],
     respond: Callable[[str, Event, AsyncIterator[Event]], Awaitable[Response | Streamed]],
+    media: Media | None = None,
 ) -> Response:
     """Run one request: count it, wait for its first output (an error before any output keeps
     its HTTP status), then let `respond` build the response from it and the rest. A streamed
@@ -126,7 +128,7 @@ async def _respond(
     rid = uuid.uuid4().hex
     m = _metrics(request)
     t0 = time.monotonic()
-    events = svc.generate(rid, inputs, sampling, outputs)
+    events = svc.generate(rid, inputs, sampling, outputs, media.tensors if media else None)
     m.inflight.inc()
     streaming = False
     try:
@@ -164,9 +166,9 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             result.add(ev)
         return JSONResponse(completion_body(req, rid, now(), result))
 
-    return await _respond(
-        request, svc, stage_inputs(req), sampling_params(req), req.wanted_outputs(), respond
-    )
+    inputs = stage_inputs(req)
+    inputs["messages"], media = await decode_media(inputs["messages"], svc.spec.gateway.media)
+    return await _respond(request, svc, inputs, sampling_params(req), req.wanted_outputs(), respond, media)
 
 
 @router.post("/v1/images/generations", response_model=None)

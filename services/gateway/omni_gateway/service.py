@@ -122,7 +122,8 @@ class PipelineClient:
         self.started_at = int(time.time())
         self._sweeper: asyncio.Task[None] | None = None
         self._ended_by_outage: set[str] = set()
-        self._sources = [s.name for s in self.spec.stages if any(e.from_ == REQUEST_SOURCE for e in s.inputs)]
+        self._sources = {s.name: e.connector for s, e in self.spec.consumers(REQUEST_SOURCE)}
+        """The stages that read the client's request, and the connector their media goes on."""
 
     async def start(self, stop: asyncio.Event | None = None) -> bool:
         """Connect and subscribe; False if `stop` was set before NATS could be reached."""
@@ -161,9 +162,15 @@ class PipelineClient:
     # --- requests ----------------------------------------------------------------------------
 
     async def generate(
-        self, rid: str, inputs: dict[str, Any], sampling: dict[str, Any], outputs: set[OutputKind]
+        self,
+        rid: str,
+        inputs: dict[str, Any],
+        sampling: dict[str, Any],
+        outputs: set[OutputKind],
+        media: dict[str, torch.Tensor] | None = None,
     ) -> AsyncIterator[Event]:
         """Run one request; yields its outputs as they arrive. Closing the iterator aborts it.
+        `media`: the tensors the inputs' messages refer to, for the source stages.
 
         A request whose replica is lost, or refuses it (draining, full), before anything was
         yielded is sent again on a fresh route, up to MAX_ATTEMPTS times in all.
@@ -173,7 +180,7 @@ class PipelineClient:
             yielded = False
             try:
                 async for ev in self._attempt(
-                    rid if attempt == 0 else f"{rid}-{attempt}", deadline, inputs, sampling, outputs
+                    rid if attempt == 0 else f"{rid}-{attempt}", deadline, inputs, sampling, outputs, media
                 ):
                     yielded = True
                     yield ev
@@ -194,6 +201,7 @@ class PipelineClient:
         inputs: dict[str, Any],
         sampling: dict[str, Any],
         outputs: set[OutputKind],
+        media: dict[str, torch.Tensor] | None,
     ) -> AsyncIterator[Event]:
         assert self.nc is not None
         if not self.connected:
@@ -216,7 +224,7 @@ class PipelineClient:
             rid, {s: r[0] for s, r in tracked.route.items()}, self.inbox, time.time() + remaining
         )
         try:  # before anything is sent: what cannot travel is the client's error
-            request = pack(StageRequest(ctx, inputs, sampling))
+            pack(StageRequest(ctx, inputs, sampling))
         except wire.WireError as exc:
             self._release(picked)
             raise BadRequest(f"the request cannot be sent on: {exc}") from None
@@ -226,9 +234,12 @@ class PipelineClient:
         try:
             # Downstream replicas first: each holds a slot before any source starts producing for
             # it, so a refusal (draining, full, gone) comes before any output.
-            downstream = [s for s in needed if s not in self._sources]
-            await self._reserve(tracked, ctx, downstream, pack(StageRequest(ctx, {}, sampling)))
-            await self._reserve(tracked, ctx, [s for s in needed if s in self._sources], request)
+            reservation = pack(StageRequest(ctx, {}, sampling))
+            await self._reserve(tracked, {s: reservation for s in needed if s not in self._sources})
+            sources = [s for s in needed if s in self._sources]
+            await self._reserve(
+                tracked, {s: self._source_request(s, ctx, inputs, sampling, media) for s in sources}
+            )
             async with asyncio.timeout(remaining):
                 async for ev in self._events(tracked):
                     yield ev
@@ -246,12 +257,31 @@ class PipelineClient:
         for stage, r in picked.items():
             self.table.release(stage, r.hb.instance)
 
-    async def _reserve(self, t: _Tracked, ctx: RequestContext, stages: list[str], request: bytes) -> None:
-        """Send the request to these stages' replicas and wait until every one has admitted it."""
+    def _source_request(
+        self,
+        stage: str,
+        ctx: RequestContext,
+        inputs: dict[str, Any],
+        sampling: dict[str, Any],
+        media: dict[str, torch.Tensor] | None,
+    ) -> bytes:
+        """A source stage's StageRequest, its media put on its request edge's connector (its own
+        copy: a read frees it). Once the request is in flight, so that its end frees the copy."""
+        handle = None
+        if media:
+            conn = self.connectors[self._sources[stage]]
+            try:
+                _, _, handle = conn.put(REQUEST_SOURCE, stage, ctx.request_id, media)
+            except ConnectorError as exc:
+                raise StageFailed(f"gateway -> stage '{stage}': {exc}", code=CONNECTOR_ERROR) from None
+        return pack(StageRequest(ctx, inputs, sampling, handle))
+
+    async def _reserve(self, t: _Tracked, requests: dict[str, bytes]) -> None:
+        """Send each stage's request to its replica and wait until every one has admitted it."""
         assert self.nc is not None
         nc = self.nc
 
-        async def ask(stage: str) -> None:
+        async def ask(stage: str, request: bytes) -> None:
             replica, instance = t.route[stage]
             where = f"stage '{stage}' replica {replica}"
             try:
@@ -273,7 +303,7 @@ class PipelineClient:
             if not answer.ok:
                 raise StageFailed(answer.message, code=answer.code)
 
-        await asyncio.gather(*(ask(s) for s in stages))
+        await asyncio.gather(*(ask(s, r) for s, r in requests.items()))
 
     async def _events(self, t: _Tracked) -> AsyncIterator[Event]:
         pending = set(t.final_stages)

@@ -29,6 +29,7 @@ from nats.aio.msg import Msg
 from omni_pipeline import wire
 from omni_pipeline.connectors import (
     ConnectorError,
+    ConnectorHandle,
     OmniConnector,
     PayloadGone,
     build_connectors,
@@ -454,17 +455,22 @@ class StageWorker:
         """Read each producer's payload through its edge's connector and run the edge processor."""
         inputs: dict[str, dict[str, Any]] = {}
         for producer, m in trig.inputs.items():
-            if isinstance(m, StageRequest):
-                inputs[producer] = m.inputs
+            if isinstance(m, StageRequest):  # the client's inputs, with its media if it sent any
+                media = {} if m.media is None else {"media": self._get(st, producer, m.media)}
+                inputs[producer] = {**m.inputs, **media}
                 continue
-            conn = self.in_connectors[producer]
-            t = time.perf_counter()
-            payload, nbytes = conn.get(producer, self.spec.name, st.ctx.request_id, m.handle)
-            self.metrics.connector(conn.name, "get", nbytes, time.perf_counter() - t)
+            payload = self._get(st, producer, m.handle)
             if (proc := self.processors.get(producer)) is not None:
                 payload = proc(payload)
             inputs[producer] = payload
         return inputs
+
+    def _get(self, st: _Request, producer: str, handle: ConnectorHandle) -> Any:
+        conn = self.in_connectors[producer]
+        t = time.perf_counter()
+        payload, nbytes = conn.get(producer, self.spec.name, st.ctx.request_id, handle)
+        self.metrics.connector(conn.name, "get", nbytes, time.perf_counter() - t)
+        return payload
 
     async def _emit(
         self,

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_stage.engines.base import EngineError
+from omni_stage.engines.base import EngineError, InvalidRequest
 
 
 def messages_to_chat(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """OpenAI messages -> plain {role, content} text turns; non-text parts are refused."""
+    """OpenAI messages -> plain {role, content} text turns; a media part is the client's error."""
     out = []
     for m in messages:
         content = m.get("content")
@@ -17,7 +17,9 @@ def messages_to_chat(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
             texts = []
             for part in content:
                 if part.get("type") != "text":
-                    raise EngineError(f"this stage takes text only, got a '{part.get('type')}' part")
+                    raise InvalidRequest(
+                        f"this model takes text only; it cannot read the '{part.get('type')}' part"
+                    )
                 texts.append(str(part.get("text", "")))
             content = "".join(texts)
         out.append({"role": str(m.get("role", "user")), "content": "" if content is None else str(content)})

@@ -45,7 +45,7 @@ import torch
 
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
-from omni_stage.engines.prompts import messages_to_chat
+from omni_stage.engines.qwen_omni_prompt import Prompt, Prompts
 from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
 
@@ -129,11 +129,14 @@ class _Part(Engine):
 
 
 class Thinker(_Part):
+    """Reads the client's messages, their audio and images included (see `Prompt`)."""
+
     part = "thinker"
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.tokenizer: Any = None
+        self.prompts: Prompts | None = None
         self.eos: set[int] = set()
 
     def _part_class(self) -> tuple[Any, Any]:
@@ -146,6 +149,7 @@ class Thinker(_Part):
 
         super()._load()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.prompts = Prompts(self.path, self.tokenizer, self.config.thinker_config, self.device)
         eos = GenerationConfig.from_pretrained(self.path).eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 
@@ -155,7 +159,9 @@ class Thinker(_Part):
             raise EngineError(f"stage '{self.stage.name}': the thinker reads the client request")
         if "audio" in request.get("modalities", []):
             self.voice({"voice": request.get("voice"), **call.sampling})  # refuse before any work
-        ids = self._prompt_ids(request)
+        assert self.prompts is not None
+        prompt = await self._run(self.prompts.build, request)
+        ids = prompt.ids
         st = call.state
         st["prompt_tokens"] = int(ids.shape[1])
         budget = int(call.sampling.get("max_tokens") or 64)
@@ -165,7 +171,7 @@ class Thinker(_Part):
         text = _Reply(self.tokenizer, [str(x) for x in call.sampling.get("stop") or [] if x])
         feed = ids
         for s in range(budget):
-            tok, embeds, hidden = await self._run(self._step, st, feed, temperature, top_p, gen)
+            tok, embeds, hidden = await self._run(self._step, st, feed, temperature, top_p, gen, prompt)
             data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
             if s == 0:  # [1, P, ...]: the prompt is one unit's worth
                 data |= {"prompt_embeds": embeds, "prompt_hidden": hidden}
@@ -180,28 +186,29 @@ class Thinker(_Part):
             feed = torch.tensor([[tok]], device=self.device)
         st["finish_reason"] = "length"
 
-    def _prompt_ids(self, request: dict[str, Any]) -> torch.Tensor:
-        if "messages" in request:
-            try:
-                chat = messages_to_chat(request["messages"])
-            except EngineError as exc:  # the client's request, not this stage's failure
-                raise InvalidRequest(f"{exc}: media input is not served by this pipeline yet") from None
-            text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
-        else:
-            text = str(request.get("prompt", ""))
-        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        if ids.shape[1] == 0:
-            raise InvalidRequest("empty prompt")
-        return ids.to(self.device)
-
     @torch.inference_mode()
     def _step(
-        self, st: dict[str, Any], ids: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator
+        self,
+        st: dict[str, Any],
+        ids: torch.Tensor,
+        temperature: float,
+        top_p: float,
+        gen: torch.Generator,
+        prompt: Prompt,
     ) -> tuple[int, torch.Tensor, torch.Tensor]:
         m = self.model
         past = st.get("past")
+        media: dict[str, torch.Tensor] = {}
         if past is None:  # the prompt: its 3-D (M-RoPE) positions, and the offset decoding keeps
-            positions, st["rope_deltas"] = m.get_rope_index(ids, None, None, torch.ones_like(ids))
+            media = prompt.features
+            positions, st["rope_deltas"] = m.get_rope_index(
+                ids,
+                media.get("image_grid_thw"),
+                None,
+                torch.ones_like(ids),
+                False,
+                media["feature_attention_mask"].sum(-1) if "feature_attention_mask" in media else None,
+            )
         else:
             at = past.get_seq_length() + st["rope_deltas"]
             positions = (torch.arange(ids.shape[1], device=ids.device) + at).view(1, 1, -1).expand(3, 1, -1)
@@ -211,11 +218,15 @@ class Thinker(_Part):
             past_key_values=past,
             use_cache=True,
             output_hidden_states=True,
+            **media,
         )
         st["past"] = out.past_key_values
         tok = pick_token(out.logits[0, -1].float(), temperature, top_p, gen)
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
-        return tok, out.hidden_states[0].float().cpu(), out.hidden_states[-1].float().cpu()
+        embeds = out.hidden_states[0].float().cpu()
+        if media:  # but not the audio and image features: zeros there, as the reference hands it
+            embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
+        return tok, embeds, out.hidden_states[-1].float().cpu()
 
 
 class _Reply:

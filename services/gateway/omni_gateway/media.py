@@ -1,0 +1,169 @@
+"""Media input parts of a chat request, checked and decoded once, here, for any model.
+
+The gateway knows no model's processor. It turns each part into what every processor starts
+from (an image into RGB pixels, uint8 [H, W, 3]; audio into mono float32 PCM at the clip's
+own rate) and leaves resizing, resampling and feature extraction to the source stage's
+engine. The tensors travel on the request edge's connector, never as base64 on NATS: the
+messages keep, in place of each part, a reference to its tensor
+(`{"type": "image", "media": "m0"}`, `{"type": "audio", "media": "m1", "sample_rate": 16000}`).
+
+Every failure is a 400 that names the part (`messages[1].content[2]`) and says why: not
+base64, not decodable, truncated, an unsupported format, over a limit of `spec.gateway.media`,
+a URL while fetching is off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import io
+from dataclasses import dataclass, field
+from typing import Any, Final
+from urllib.parse import unquote_to_bytes, urlsplit
+
+import httpx
+import numpy as np
+import soundfile
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from omni_gateway.errors import BadRequest
+from omni_pipeline.spec import MediaSpec
+
+AUDIO_FORMATS: Final = {"wav": ("WAV", "WAVEX", "RF64"), "flac": ("FLAC",), "mp3": ("MP3",)}
+"""`input_audio.format` values served, and the containers libsndfile may find in the data."""
+IMAGE_FORMATS: Final = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
+
+
+@dataclass
+class Media:
+    """A request's decoded media: the tensors by reference, for the source stages' connector."""
+
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def add(self, tensor: torch.Tensor) -> str:
+        key = f"m{len(self.tensors)}"
+        self.tensors[key] = tensor
+        return key
+
+
+async def decode_media(
+    messages: list[dict[str, Any]], limits: MediaSpec
+) -> tuple[list[dict[str, Any]], Media]:
+    """The messages with each media part replaced by a reference, and the tensors referred to."""
+    media = Media()
+    out = []
+    for i, msg in enumerate(messages):
+        content = msg.get("content")
+        if not isinstance(content, list):
+            out.append(msg)
+            continue
+        parts = []
+        for j, part in enumerate(content):
+            kind = part.get("type")
+            if kind == "text":
+                parts.append(part)
+                continue
+            where = f"messages[{i}].content[{j}]"
+            if len(media.tensors) == limits.max_parts:
+                raise BadRequest(
+                    f"{where}: more than {limits.max_parts} media parts in one request", param=where
+                )
+            try:
+                if kind == "image_url":
+                    data = await _url_bytes(part["image_url"]["url"], limits)
+                    pixels = await asyncio.to_thread(decode_image, data, limits.max_image_pixels)
+                    parts.append({"type": "image", "media": media.add(pixels)})
+                elif kind == "input_audio":
+                    audio = part["input_audio"]
+                    data = _base64(audio["data"])
+                    pcm, rate = await asyncio.to_thread(
+                        decode_audio, data, audio["format"], limits.max_audio_seconds
+                    )
+                    parts.append({"type": "audio", "media": media.add(pcm), "sample_rate": rate})
+                else:
+                    raise ValueError(f"'{kind}' parts are not served (image_url and input_audio are)")
+            except ValueError as exc:
+                raise BadRequest(f"{where} ({kind}): {exc}", param=where) from None
+        out.append({**msg, "content": parts})
+    return out, media
+
+
+def decode_image(data: bytes, max_pixels: int) -> torch.Tensor:
+    """RGB pixels [H, W, 3] uint8. The size is checked from the header, before decoding."""
+    try:
+        img = Image.open(io.BytesIO(data))
+    except (UnidentifiedImageError, OSError) as exc:
+        raise ValueError(f"not an image ({exc})") from None
+    if img.format not in IMAGE_FORMATS:
+        raise ValueError(f"{img.format} images are not served ({', '.join(sorted(IMAGE_FORMATS))} are)")
+    w, h = img.size
+    if w * h > max_pixels:
+        raise ValueError(f"{w}x{h} is {w * h} pixels, more than the limit of {max_pixels}")
+    try:
+        rgb = img.convert("RGB")  # decodes; a truncated or corrupt file fails here
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise ValueError(f"the {img.format} data is corrupt or truncated ({exc})") from None
+    return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
+
+
+def decode_audio(data: bytes, fmt: str, max_seconds: float) -> tuple[torch.Tensor, int]:
+    """Mono float32 PCM [samples] in [-1, 1], and its sample rate. The length is checked from
+    the header, before decoding; fewer samples than the header announces is a truncated file."""
+    if fmt not in AUDIO_FORMATS:
+        raise ValueError(f"format '{fmt}' is not served (use {', '.join(AUDIO_FORMATS)})")
+    try:
+        with soundfile.SoundFile(io.BytesIO(data)) as f:
+            if f.format not in AUDIO_FORMATS[fmt]:
+                raise ValueError(f"the data is {f.format}, not {fmt}")
+            rate, frames = f.samplerate, f.frames
+            if frames / rate > max_seconds:
+                raise ValueError(f"{frames / rate:.1f} s of audio, more than the limit of {max_seconds:g} s")
+            pcm = f.read(dtype="float32", always_2d=True)
+    except soundfile.LibsndfileError as exc:
+        raise ValueError(f"not decodable as {fmt} ({exc.error_string})") from None
+    if len(pcm) < frames:
+        raise ValueError(f"truncated: {len(pcm)} of the {frames} samples its header announces")
+    if len(pcm) == 0:
+        raise ValueError("no samples")
+    return torch.from_numpy(np.ascontiguousarray(pcm.mean(axis=1, dtype=np.float32))), rate
+
+
+def _base64(text: str) -> bytes:
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError("data is not base64") from None
+
+
+async def _url_bytes(url: str, limits: MediaSpec) -> bytes:
+    """A data: URL's bytes, or an http(s) URL's body when fetching is on (within its limits)."""
+    if url.startswith("data:"):
+        head, sep, body = url[5:].partition(",")
+        if not sep:
+            raise ValueError("a data: URL needs a ',' before its data")
+        return _base64(body) if head.endswith(";base64") else unquote_to_bytes(body)
+    scheme = urlsplit(url).scheme
+    if scheme not in ("http", "https"):
+        raise ValueError("the URL must be a data: URL or http(s)")
+    if not limits.fetch_urls:
+        raise ValueError("this server does not fetch URLs (spec.gateway.media.fetchUrls); send a data: URL")
+    body = bytearray()
+    try:
+        async with (
+            asyncio.timeout(limits.fetch_timeout_s),
+            httpx.AsyncClient() as client,
+            client.stream("GET", url) as r,
+        ):
+            if r.status_code != 200:
+                raise ValueError(f"fetching {url} answered {r.status_code}")
+            async for chunk in r.aiter_bytes():
+                body += chunk
+                if len(body) > limits.fetch_max_bytes:
+                    raise ValueError(f"{url} is larger than the limit of {limits.fetch_max_bytes} bytes")
+    except TimeoutError:
+        raise ValueError(f"fetching {url} took longer than {limits.fetch_timeout_s:g} s") from None
+    except httpx.HTTPError as exc:
+        raise ValueError(f"fetching {url} failed: {exc}") from None
+    return bytes(body)

@@ -1,0 +1,122 @@
+"""Qwen2.5-Omni's thinker prompt: chat messages with audio and images -> token ids and the
+features its encoders read, as `Qwen2_5OmniProcessor` builds them.
+
+The processor itself cannot be built where torchvision is missing (transformers 5 makes its
+video processor torchvision-only, and the processor always builds one), so its parts are
+loaded the way it loads them: the checkpoint's Whisper feature extractor (16 kHz, padded to
+its 300 s window, with the mask) and its Qwen2-VL image processor (`AutoImageProcessor`, the
+backend transformers picks), and its placeholder expansion is done here: each
+`<|AUDIO|>` becomes one token per audio frame the encoder outputs
+(`((mask.sum() - 1) // 2 + 1 - 2) // 2 + 1`) and each `<|IMAGE|>` one per merged patch
+(`grid_thw.prod() // merge_size**2`), in the order they appear. The parity test builds its
+inputs with the processor's own code and compares token for token.
+
+Media arrive decoded by the gateway (RGB uint8 [H, W, 3]; mono float32 PCM with its rate,
+resampled here to the feature extractor's rate with soxr, as librosa loads it by default).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import soxr
+import torch
+
+from omni_stage.engines.base import InvalidRequest
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The thinker's prompt: ids [1, P], the encoders' inputs for the prefill (empty for text
+    only), and which positions hold media features (the talker gets zeros there)."""
+
+    ids: torch.Tensor
+    features: dict[str, torch.Tensor] = field(default_factory=dict)
+    media_mask: torch.Tensor | None = None
+
+
+class Prompts:
+    def __init__(self, path: str, tokenizer: Any, thinker_config: Any, device: torch.device) -> None:
+        from transformers import AutoFeatureExtractor, AutoImageProcessor
+
+        self.tokenizer = tokenizer
+        self.device = device
+        self.audio_token: str = tokenizer.audio_token
+        self.image_token: str = tokenizer.image_token
+        self.audio_id = int(thinker_config.audio_token_index)
+        self.image_id = int(thinker_config.image_token_index)
+        self.features = AutoFeatureExtractor.from_pretrained(path)
+        self.images = AutoImageProcessor.from_pretrained(path)
+        self._placeholder = re.compile(f"{re.escape(self.audio_token)}|{re.escape(self.image_token)}")
+
+    def build(self, request: dict[str, Any]) -> Prompt:
+        if "messages" not in request:
+            return Prompt(self._ids(str(request.get("prompt", ""))))
+        media: dict[str, torch.Tensor] = request.get("media") or {}
+        chat, audios, images = [], [], []
+        for m in request["messages"]:
+            content = m.get("content")
+            if isinstance(content, list):
+                parts: list[dict[str, str]] = []
+                for p in content:
+                    kind = p.get("type")
+                    if kind == "text":
+                        parts.append({"type": "text", "text": str(p.get("text", ""))})
+                    elif kind == "audio":
+                        audios.append(self._audio(media[p["media"]], int(p["sample_rate"])))
+                        parts.append({"type": "audio"})
+                    elif kind == "image":
+                        images.append(media[p["media"]].numpy())
+                        parts.append({"type": "image"})
+                    else:
+                        raise InvalidRequest(f"this model cannot read the '{kind}' part")
+                content = parts
+            chat.append({"role": str(m.get("role", "user")), "content": content or ""})
+        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        features: dict[str, torch.Tensor] = {}
+        counts: dict[str, list[int]] = {self.audio_token: [], self.image_token: []}
+        if audios:
+            out = self.features(
+                audios,
+                sampling_rate=self.features.sampling_rate,
+                padding="max_length",
+                return_attention_mask=True,
+                return_tensors="pt",
+            )
+            features["input_features"] = out["input_features"]
+            features["feature_attention_mask"] = out["attention_mask"]
+            frames = (out["attention_mask"].sum(-1) - 1) // 2 + 1
+            counts[self.audio_token] = ((frames - 2) // 2 + 1).tolist()
+        if images:
+            out = self.images(images=images, return_tensors="pt")
+            features["pixel_values"], features["image_grid_thw"] = out["pixel_values"], out["image_grid_thw"]
+            merge = int(self.images.merge_size) ** 2
+            counts[self.image_token] = (out["image_grid_thw"].prod(-1) // merge).tolist()
+        text = self._expand(text, counts)
+        ids = self._ids(text)
+        mask = (ids == self.audio_id) | (ids == self.image_id)
+        return Prompt(ids, {k: v.to(self.device) for k, v in features.items()}, mask)
+
+    def _expand(self, text: str, counts: dict[str, list[int]]) -> str:
+        found = self._placeholder.findall(text)
+        for token, n in counts.items():
+            if found.count(token) != len(n):  # the text itself spells a placeholder token
+                raise InvalidRequest(f"the messages contain the model's special token {token}")
+        left = {token: iter(n) for token, n in counts.items()}
+        return self._placeholder.sub(lambda m: m.group() * next(left[m.group()]), text)
+
+    def _ids(self, text: str) -> torch.Tensor:
+        ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        if ids.shape[1] == 0:
+            raise InvalidRequest("empty prompt")
+        return ids.to(self.device)
+
+    def _audio(self, pcm: torch.Tensor, rate: int) -> np.ndarray:
+        samples = pcm.numpy().astype(np.float32, copy=False)
+        target = int(self.features.sampling_rate)
+        if rate == target:
+            return samples
+        return soxr.resample(samples, rate, target, quality="HQ").astype(np.float32, copy=False)
