@@ -34,6 +34,8 @@ from omni_pipeline.spec import MediaSpec
 AUDIO_FORMATS: Final = {"wav": ("WAV", "WAVEX", "RF64"), "flac": ("FLAC",), "mp3": ("MP3",)}
 """`input_audio.format` values served, and the containers libsndfile may find in the data."""
 IMAGE_FORMATS: Final = frozenset({"PNG", "JPEG", "WEBP", "GIF", "BMP"})
+_RIFF_UNKNOWN_SIZE: Final = 0xFFFFFFFF
+"""What a streaming WAV writer (ours included) puts where it cannot know the size yet."""
 
 
 @dataclass
@@ -94,8 +96,8 @@ def decode_image(data: bytes, max_pixels: int) -> torch.Tensor:
     """RGB pixels [H, W, 3] uint8. The size is checked from the header, before decoding."""
     try:
         img = Image.open(io.BytesIO(data))
-    except (UnidentifiedImageError, OSError) as exc:
-        raise ValueError(f"not an image ({exc})") from None
+    except (UnidentifiedImageError, OSError):
+        raise ValueError(f"not an image (one of {', '.join(sorted(IMAGE_FORMATS))})") from None
     if img.format not in IMAGE_FORMATS:
         raise ValueError(f"{img.format} images are not served ({', '.join(sorted(IMAGE_FORMATS))} are)")
     w, h = img.size
@@ -110,9 +112,13 @@ def decode_image(data: bytes, max_pixels: int) -> torch.Tensor:
 
 def decode_audio(data: bytes, fmt: str, max_seconds: float) -> tuple[torch.Tensor, int]:
     """Mono float32 PCM [samples] in [-1, 1], and its sample rate. The length is checked from
-    the header, before decoding; fewer samples than the header announces is a truncated file."""
+    the header, before decoding. A WAV file shorter than its RIFF header says is truncated
+    (libsndfile would quietly read what is there)."""
     if fmt not in AUDIO_FORMATS:
         raise ValueError(f"format '{fmt}' is not served (use {', '.join(AUDIO_FORMATS)})")
+    if data[:4] == b"RIFF" and (size := int.from_bytes(data[4:8], "little")) != _RIFF_UNKNOWN_SIZE:
+        if size + 8 > len(data):
+            raise ValueError(f"truncated: {len(data)} bytes of the {size + 8} its RIFF header announces")
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
             if f.format not in AUDIO_FORMATS[fmt]:
@@ -121,8 +127,8 @@ def decode_audio(data: bytes, fmt: str, max_seconds: float) -> tuple[torch.Tenso
             if frames / rate > max_seconds:
                 raise ValueError(f"{frames / rate:.1f} s of audio, more than the limit of {max_seconds:g} s")
             pcm = f.read(dtype="float32", always_2d=True)
-    except soundfile.LibsndfileError as exc:
-        raise ValueError(f"not decodable as {fmt} ({exc.error_string})") from None
+    except soundfile.LibsndfileError:
+        raise ValueError(f"not decodable as {fmt}: corrupt, truncated or another format") from None
     if len(pcm) < frames:
         raise ValueError(f"truncated: {len(pcm)} of the {frames} samples its header announces")
     if len(pcm) == 0:
