@@ -4,11 +4,14 @@ documentation runs it."""
 
 from __future__ import annotations
 
+import base64
+import io
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import soundfile
 import torch
 from PIL import Image
 
@@ -90,3 +93,48 @@ def reference_generate(
         "codes": seen["codes"],
         "audio": wav,
     }
+
+
+def media_clips() -> tuple[bytes, bytes]:
+    """A 1.5 s 16 kHz clip (a tone in noise, float WAV: lossless) and a 90x60 PNG, from a seed."""
+    rng = np.random.default_rng(3)
+    t = np.arange(24000) / 16000
+    clip = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+    wav = io.BytesIO()
+    soundfile.write(wav, clip, 16000, format="WAV", subtype="FLOAT")
+    png = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)).save(png, format="PNG")
+    return wav.getvalue(), png.getvalue()
+
+
+MEDIA_QUESTION = "What do you hear and see?"
+
+
+def media_message(wav: bytes, png: bytes) -> dict[str, Any]:
+    """Text, audio and an image, as the openai client sends them."""
+    return {
+        "role": "user",
+        "content": [
+            {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
+            {
+                "type": "image_url",
+                "image_url": {"url": f"data:image/png;base64,{base64.b64encode(png).decode()}"},
+            },
+            {"type": "text", "text": MEDIA_QUESTION},
+        ],
+    }
+
+
+def reference_with_media(
+    path: Path, thinker_tokens: int, talker_codes: int, seed: int, voice: str
+) -> dict[str, Any]:
+    """The reference on `media_message`'s question, clip and image, as a transformers user
+    passes them: the clip read with soundfile, the image opened with Pillow."""
+    wav, png = media_clips()
+    clip, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
+    assert rate == 16000
+    parts = [{"type": "audio"}, {"type": "image"}, {"type": "text", "text": MEDIA_QUESTION}]
+    image = Image.open(io.BytesIO(png))
+    return reference_generate(
+        path, [{"role": "user", "content": parts}], thinker_tokens, talker_codes, seed, voice, [clip], [image]
+    )

@@ -81,7 +81,16 @@ USER = [{"role": "user", "content": "x"}]
         ({"seed": 2**70}, "seed", "less than 9223372036854775808"),
         ({"max_tokens": 65}, "max_tokens", "65 is more than this model's limit of 64"),
         ({"max_completion_tokens": 2**70}, "max_completion_tokens", "limit of 64"),
-        ({"messages": [{"role": "user", "content": [{"type": "image_url", "n": 2**80}]}]}, None, "sent on"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "file", "n": 2**80}]}]},
+            "messages[0].content[0]",
+            "'file' parts are not served",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+            "must be a data: URL or http(s)",
+        ),
         (
             {"modalities": ["audio"], "audio": {"voice": "alloy"}},
             "modalities",
@@ -94,7 +103,8 @@ USER = [{"role": "user", "content": "x"}]
         "huge-seed",
         "too-many-tokens",
         "huge-max-tokens",
-        "unencodable-part",
+        "file-part",
+        "bad-url",
         "unknown-modality",
         "hot",
         "n",

@@ -6,16 +6,11 @@ checkpoint, same prompt, greedy."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import io
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import soundfile
 import torch
-from PIL import Image
 
 from omni_gateway.media import decode_media
 from omni_pipeline.spec import MediaSpec, load_pipeline
@@ -23,7 +18,7 @@ from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_en
 from omni_stage.payload import Payload, concat, split
 from omni_stage.segments import EngineOutput
 from tests.helpers import ROOT
-from tests.qwen_reference import reference_generate
+from tests.qwen_reference import media_clips, media_message, reference_generate, reference_with_media
 
 EXAMPLE = ROOT / "examples" / "qwen2.5-omni.yaml"
 MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
@@ -198,51 +193,9 @@ def test_a_stop_string_ends_the_reply_before_it(model: Path, reference: dict[str
     assert out[-1].finish_reason == "stop" and len(out) < THINKER_TOKENS
 
 
-def media_clips() -> tuple[bytes, bytes]:
-    """A 1.5 s 16 kHz clip (a tone in noise, float WAV: lossless) and a 90x60 PNG, from a seed."""
-    rng = np.random.default_rng(3)
-    t = np.arange(24000) / 16000
-    clip = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
-    wav = io.BytesIO()
-    soundfile.write(wav, clip, 16000, format="WAV", subtype="FLOAT")
-    png = io.BytesIO()
-    Image.fromarray(rng.integers(0, 256, (60, 90, 3), dtype=np.uint8)).save(png, format="PNG")
-    return wav.getvalue(), png.getvalue()
-
-
-MEDIA_QUESTION = "What do you hear and see?"
-
-
-def media_message(wav: bytes, png: bytes) -> dict[str, Any]:
-    """Text, audio and an image, as the openai client sends them."""
-    return {
-        "role": "user",
-        "content": [
-            {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}},
-            {
-                "type": "image_url",
-                "image_url": {"url": f"data:image/png;base64,{base64.b64encode(png).decode()}"},
-            },
-            {"type": "text", "text": MEDIA_QUESTION},
-        ],
-    }
-
-
 @pytest.fixture(scope="module")
 def media_reference(model: Path) -> dict[str, Any]:
-    wav, png = media_clips()
-    clip, rate = soundfile.read(io.BytesIO(wav), dtype="float32")
-    assert rate == 16000
-    messages = [
-        {
-            "role": "user",
-            "content": [{"type": "audio"}, {"type": "image"}, {"type": "text", "text": MEDIA_QUESTION}],
-        }
-    ]
-    image = Image.open(io.BytesIO(png))
-    return reference_generate(
-        model, messages, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan", audio=[clip], images=[image]
-    )
+    return reference_with_media(model, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
 
 
 @pytest.mark.parametrize("thinker_window", [1, 1000])

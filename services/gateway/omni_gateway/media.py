@@ -116,9 +116,9 @@ def decode_audio(data: bytes, fmt: str, max_seconds: float) -> tuple[torch.Tenso
     (libsndfile would quietly read what is there)."""
     if fmt not in AUDIO_FORMATS:
         raise ValueError(f"format '{fmt}' is not served (use {', '.join(AUDIO_FORMATS)})")
-    if data[:4] == b"RIFF" and (size := int.from_bytes(data[4:8], "little")) != _RIFF_UNKNOWN_SIZE:
-        if size + 8 > len(data):
-            raise ValueError(f"truncated: {len(data)} bytes of the {size + 8} its RIFF header announces")
+    size = int.from_bytes(data[4:8], "little") + 8 if data[:4] == b"RIFF" else 0
+    if len(data) < size and size != _RIFF_UNKNOWN_SIZE + 8:
+        raise ValueError(f"truncated: {len(data)} bytes of the {size} its RIFF header announces")
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
             if f.format not in AUDIO_FORMATS[fmt]:

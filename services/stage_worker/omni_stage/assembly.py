@@ -4,7 +4,8 @@ Chunks of one edge are put back in `sequence` order. A chunk on a windowed edge 
 triggers the engine on its own. Chunks on full-window edges (-1), and the client request
 itself, are held and delivered together in the last trigger, once every edge has ended, so a
 fan-in of full windows triggers exactly once. Exactly one trigger carries `is_last`; it may
-carry no inputs at all (the request ended with an empty remainder) and then runs no engine.
+carry no inputs at all (the request ended with an empty remainder); then only an engine that
+`needs_last_call` runs on it.
 """
 
 from __future__ import annotations

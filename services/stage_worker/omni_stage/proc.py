@@ -398,7 +398,7 @@ class StageWorker:
             async with asyncio.timeout(max(0.0, st.ctx.deadline - time.time())):
                 while True:
                     trig = await st.triggers.get()
-                    if trig.inputs:
+                    if trig.inputs or (trig.is_last and self.engine.needs_last_call):
                         self.metrics.window_triggers.inc()
                         call = EngineCall(rid, self._fetch(st, trig), trig.is_last, st.sampling, engine_state)
                         async for out in self.engine.generate(call):

@@ -44,6 +44,11 @@ class Engine(ABC):
     """Request parameters this engine reads when its stage is not a source (a diffusion stage's
     steps and size, a vocoder's speed). A source stage reads them all; others get only these,
     so a talker never takes the client's max_tokens meant for the thinker."""
+    needs_last_call: bool = False
+    """This engine holds work back until it is told its inputs have ended (a talker still to
+    speak past the reply, a vocoder waiting for right context): it is called on the request's
+    last trigger even when that brings no inputs (a producer's stream that ended on a window
+    boundary sends an empty last chunk). Others are not called for nothing."""
 
     def __init__(self, stage: StageSpec) -> None:
         self.stage = stage

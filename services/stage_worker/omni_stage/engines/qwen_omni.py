@@ -258,6 +258,7 @@ class _Reply:
 class Talker(_Part):
     part = "talker"
     request_keys = frozenset({"voice"})
+    needs_last_call = True  # past the reply it speaks on the thinker's text eos, then its pad
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniTalkerForConditionalGeneration
@@ -380,6 +381,7 @@ class Token2Wav(_Part):
 
     part = "token2wav"
     request_keys = frozenset({"voice", "seed"})
+    needs_last_call = True  # the last chunk waits for right context until the codes end
     sample_rate: Final = 24000
 
     def __init__(self, stage: StageSpec) -> None:
