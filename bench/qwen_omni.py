@@ -12,9 +12,11 @@ Ratios, each against a baseline measured in the same run:
 - ttfp_window_vs_full: median TTFP with code2wav in chunks of 12 codes (the example) over
   code2wav on the whole code sequence (`chunkCodes: 0`, `window: -1`), at concurrency 1.
   Goal <= 0.15.
-- throughput_c8_vs_c1: requests/s at concurrency 8 over concurrency 1 (goal >= 4 with batched
-  forwards; the stages interleave requests step by step but do not batch them yet, so this is
-  the baseline that batching will be measured against).
+- throughput_c8_vs_c1: requests/s at concurrency 8 over concurrency 1 (goal >= 4). code2wav
+  decodes the chunks of concurrent requests in batches; the thinker and talker interleave
+  requests step by step without batching them.
+- c8_batched_vs_unbatched: requests/s at concurrency 8 with code2wav's batching on (its
+  default) over the same with it off (`maxBatch: 1`).
 """
 
 from __future__ import annotations
@@ -41,13 +43,15 @@ THINKER_TOKENS = 200
 TALKER_CODES = 400  # up to 8 s of audio: streaming matters for long answers
 
 
-def pipeline(chunked: bool, codes: int) -> dict[str, Any]:
+def pipeline(chunked: bool, codes: int, batched: bool = True) -> dict[str, Any]:
     spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "qwen2.5-omni.yaml").read_text())["spec"])
     spec["servedModelName"] = "bench"
     spec["gateway"]["requestTimeoutS"] = 300
     for stage in spec["stages"]:
         stage["maxInflight"] = 8
     spec["stages"][1]["sampling"]["max_tokens"] = codes
+    if not batched:
+        spec["stages"][2]["engine"]["args"]["maxBatch"] = 1
     if not chunked:
         code2wav = spec["stages"][2]
         code2wav["engine"]["args"]["chunkCodes"] = 0
@@ -129,9 +133,9 @@ def plot(result: dict[str, Any], path: Any) -> None:
     bars(
         b,
         ["req/s"],
-        {k: [runs[k]["req_per_s"]] for k in ("chunked_c1", "chunked_c8")},
+        {k: [runs[k]["req_per_s"]] for k in ("chunked_c1", "unbatched_c8", "chunked_c8")},
         "requests/s",
-        "c1 vs c8",
+        "c1, c8 unbatched, c8 batched",
     )
     from bench.common import save
 
@@ -148,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
         with served("bench", pipeline(True, codes), cwd=cwd) as base:
             runs["chunked_c1"] = asyncio.run(load(base, 1, n, tokens))
             runs["chunked_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
+        with served("bench", pipeline(True, codes, batched=False), cwd=cwd) as base:
+            runs["unbatched_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
         with served("bench", pipeline(False, codes), cwd=cwd) as base:
             runs["full_c1"] = asyncio.run(load(base, 1, n, tokens))
     finally:
@@ -161,6 +167,9 @@ def main(argv: list[str] | None = None) -> None:
             "ttfp_window_vs_full": round(runs["chunked_c1"]["ttfp_ms"] / runs["full_c1"]["ttfp_ms"], 3),
             "throughput_c8_vs_c1": round(
                 runs["chunked_c8"]["req_per_s"] / runs["chunked_c1"]["req_per_s"], 3
+            ),
+            "c8_batched_vs_unbatched": round(
+                runs["chunked_c8"]["req_per_s"] / runs["unbatched_c8"]["req_per_s"], 3
             ),
         },
     }

@@ -18,7 +18,7 @@ RATIOS = {
     "pipeline": {"throughput_vs_ideal", "bottleneck_2_replicas_speedup"},
     "streaming": {"ttfa_window_vs_full"},
     "gateway": {"added_latency_p50_ms"},
-    "qwen-omni": {"ttfp_window_vs_full", "throughput_c8_vs_c1"},
+    "qwen-omni": {"ttfp_window_vs_full", "throughput_c8_vs_c1", "c8_batched_vs_unbatched"},
 }
 
 

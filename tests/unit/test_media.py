@@ -8,7 +8,9 @@ import asyncio
 import base64
 import http.server
 import io
+import struct
 import threading
+import zlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -99,6 +101,16 @@ def wav_bytes() -> bytes:
     return audio_file(clip(), "WAV")
 
 
+def png_header(w: int, h: int) -> bytes:
+    """A PNG that is only its header: a size and no pixels (what a decompression bomb shows)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", w, h, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", b"")
+
+
 BAD: dict[str, tuple[dict[str, Any], str]] = {
     "audio-not-base64": (audio_part("bm90 IGJhc2U2NA*=", "wav"), "data is not base64"),
     "image-not-base64": (image_part("data:image/png;base64,%%%"), "data is not base64"),
@@ -111,6 +123,8 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
     "format-mismatch": (audio_part(audio_file(clip(), "FLAC"), "wav"), "the data is FLAC, not wav"),
     "truncated-png": (image_part(image_file(64, 64)[:60]), "corrupt or truncated"),
     "not-an-image": (image_part(b"GIF89a but not really"), "not an image"),
+    "huge-image": (image_part(png_header(5000, 5000)), "5000x5000 is 25000000 pixels, more than the limit"),
+    "bomb": (image_part(png_header(30000, 30000)), "more pixels than the limit of 16777216"),
     "unsupported-image": (image_part(image_file(4, 4, "TIFF")), "TIFF images are not served"),
     "url-while-fetching-is-off": (
         image_part("https://example.com/cat.png"),

@@ -211,3 +211,43 @@ def test_with_audio_and_an_image_the_stages_compute_what_the_reference_computes(
     assert ours["codes"].tolist() == media_reference["codes"].tolist()
     assert ours["audio"].shape == media_reference["audio"].shape
     torch.testing.assert_close(ours["audio"], media_reference["audio"], rtol=0, atol=1e-5)
+
+
+def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
+    model: Path, reference: dict[str, Any], media_reference: dict[str, Any]
+) -> None:
+    """Four requests (two code sequences, three seeds) fed to one code2wav replica at once,
+    in chunks: the chunks of the same length and voice are decoded together (all four, once
+    the first, which ran at once, is done), and every request's audio is what it is decoded
+    alone (within 1e-6: a batched matmul may sum in another order)."""
+
+    async def go() -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+        code2wav = engine("code2wav", model, chunkCodes=12)
+        await code2wav.start()
+        jobs = [
+            (reference["codes"], 1),
+            (media_reference["codes"], 1),
+            (reference["codes"], 2),
+            (media_reference["codes"], 3),
+        ]
+
+        async def decode(codes: torch.Tensor, seed: int) -> torch.Tensor:
+            call = EngineCall(
+                f"r{seed}{len(codes)}",
+                {"talker": {"codes": codes}},
+                True,
+                {"voice": "Ethan", "seed": seed},
+                {},
+            )
+            return torch.cat([o.data["audio"] async for o in code2wav.generate(call)])
+
+        together = await asyncio.gather(*(decode(c, s) for c, s in jobs))
+        batched = code2wav.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
+        alone = [await decode(c, s) for c, s in jobs]
+        return together, alone, batched
+
+    together, alone, batched = asyncio.run(go())
+    assert max(batched) == 4, batched
+    for a, b in zip(together, alone, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

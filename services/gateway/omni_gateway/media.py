@@ -96,6 +96,8 @@ def decode_image(data: bytes, max_pixels: int) -> torch.Tensor:
     """RGB pixels [H, W, 3] uint8. The size is checked from the header, before decoding."""
     try:
         img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as exc:  # Pillow's own ceiling, far above any sane limit
+        raise ValueError(f"more pixels than the limit of {max_pixels} ({exc})") from None
     except (UnidentifiedImageError, OSError):
         raise ValueError(f"not an image (one of {', '.join(sorted(IMAGE_FORMATS))})") from None
     if img.format not in IMAGE_FORMATS:
@@ -105,7 +107,7 @@ def decode_image(data: bytes, max_pixels: int) -> torch.Tensor:
         raise ValueError(f"{w}x{h} is {w * h} pixels, more than the limit of {max_pixels}")
     try:
         rgb = img.convert("RGB")  # decodes; a truncated or corrupt file fails here
-    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+    except Exception as exc:  # whatever the decoder raises on client data is the client's error
         raise ValueError(f"the {img.format} data is corrupt or truncated ({exc})") from None
     return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
 
@@ -127,7 +129,9 @@ def decode_audio(data: bytes, fmt: str, max_seconds: float) -> tuple[torch.Tenso
             if frames / rate > max_seconds:
                 raise ValueError(f"{frames / rate:.1f} s of audio, more than the limit of {max_seconds:g} s")
             pcm = f.read(dtype="float32", always_2d=True)
-    except soundfile.LibsndfileError:
+    except ValueError:
+        raise
+    except Exception:  # libsndfile's errors, and whatever else its decoders raise on client data
         raise ValueError(f"not decodable as {fmt}: corrupt, truncated or another format") from None
     if len(pcm) < frames:
         raise ValueError(f"truncated: {len(pcm)} of the {frames} samples its header announces")

@@ -38,6 +38,7 @@ import asyncio
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
@@ -45,6 +46,7 @@ import torch
 
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.qwen_omni_prompt import Prompt, Prompts
 from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
@@ -367,6 +369,18 @@ class Talker(_Part):
         return int(torch.argmax(logits))
 
 
+@dataclass(frozen=True, slots=True)
+class _Piece:
+    """One stretch of one request's codes to decode, with what the decode needs."""
+
+    codes: torch.Tensor
+    noise: torch.Tensor
+    cond: torch.Tensor
+    ref: torch.Tensor
+    samples: slice
+    """The stretch's own samples, of those the decode makes (the rest is context)."""
+
+
 class Token2Wav(_Part):
     """The DiT and BigVGAN, on the whole code sequence or in chunks as codes arrive.
 
@@ -389,6 +403,8 @@ class Token2Wav(_Part):
         self.chunk = int(self.args.get("chunkCodes", 0))
         self.left = int(self.args.get("leftContextCodes", 24))
         self.right = int(self.args.get("rightContextCodes", 12))
+        max_batch = int(self.args.get("maxBatch", stage.max_inflight))
+        self.batcher = StepBatcher(self._synthesize, self._compute, max_batch)
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniToken2WavModel
@@ -417,17 +433,20 @@ class Token2Wav(_Part):
             end = len(codes) if self.chunk <= 0 else min(done + self.chunk, len(codes))
             if not call.is_last and (self.chunk <= 0 or end + self.right > len(codes)):
                 return  # wait for the rest, or for this chunk's right context
-            voice = self.voice(call.sampling)
-            seed = int(call.sampling.get("seed", 0) or 0)
-            wav = await self._run(self._synthesize, st, codes, done, end, voice, seed)
+            name = str(call.sampling.get("voice") or DEFAULT_VOICE)
+            piece = self._piece(
+                st, codes, done, end, self.voice(call.sampling), int(call.sampling.get("seed", 0) or 0)
+            )
+            # Pieces of the same length and voice, from any requests, stack into one decode.
+            wav = await self.batcher.submit((piece.codes.shape[0], name), piece)
             yield EngineOutput(units=end - done, data={"audio": wav, "sample_rate": self.sample_rate})
             done = st["done"] = end
 
-    @torch.inference_mode()
-    def _synthesize(
+    def _piece(
         self, st: dict[str, Any], codes: torch.Tensor, start: int, end: int, voice: dict[str, Any], seed: int
-    ) -> torch.Tensor:
-        """The samples of codes [start, end), decoded with context [lo, hi)."""
+    ) -> _Piece:
+        """What decoding codes [start, end) takes: the codes with their context [lo, hi) and
+        that stretch's noise."""
         lo = 0 if self.chunk <= 0 else max(0, start - self.left)
         hi = len(codes) if self.chunk <= 0 else min(len(codes), end + self.right)
         frames = hi * self.repeats
@@ -436,13 +455,27 @@ class Token2Wav(_Part):
             # from the same seed begins with the shorter one, so slices of it are the same noise.
             gen = torch.Generator().manual_seed(seed)
             st["noise"] = torch.randn([1, frames, self.mel_dim], generator=gen)
-        noise = st["noise"][:, lo * self.repeats : frames].to(self.device)
-        cond = voice["cond"].to(self.device).float().unsqueeze(0)
-        ref = voice["ref_mel"].to(self.device).float().unsqueeze(0)
-        mel = self._dit(codes[lo:hi].unsqueeze(0).to(self.device), cond, ref, noise)
-        wav = self.model.code2wav_bigvgan_model(mel).reshape(-1)
         per_code = self.repeats * self.samples_per_frame
-        return wav[(start - lo) * per_code : (end - lo) * per_code].float().cpu()
+        return _Piece(
+            codes[lo:hi],
+            st["noise"][0, lo * self.repeats : frames],
+            voice["cond"].float(),
+            voice["ref_mel"].float(),
+            slice((start - lo) * per_code, (end - lo) * per_code),
+        )
+
+    @torch.inference_mode()
+    def _synthesize(self, pieces: list[_Piece]) -> list[torch.Tensor]:
+        """Pieces of one length and voice, as one batch: the DiT and BigVGAN on [B, ...]."""
+        stack = lambda xs: torch.stack(xs).to(self.device)  # noqa: E731
+        mel = self._dit(
+            stack([p.codes for p in pieces]),
+            stack([p.cond for p in pieces]),
+            stack([p.ref for p in pieces]),
+            stack([p.noise for p in pieces]),
+        )
+        wav = self.model.code2wav_bigvgan_model(mel).reshape(len(pieces), -1)
+        return [w[p.samples].float().cpu() for w, p in zip(wav, pieces, strict=True)]
 
     def _dit(
         self, codes: torch.Tensor, cond: torch.Tensor, ref: torch.Tensor, noise: torch.Tensor

@@ -1,0 +1,102 @@
+"""Batched compute for the requests of one replica: what they submit while the compute thread
+is busy is run, next, as one call per shape.
+
+A replica serves up to `maxInflight` requests at once, each in its own task, and has one
+compute thread. Each task submits its next piece of work (a code2wav chunk, say) with a key
+saying what it can be stacked with; when the thread comes free, the batcher takes the oldest
+waiting piece and every other waiting piece of the same key (up to `max_batch`) and runs them
+as one batched call. Nothing waits for a batch to fill: under light load a piece runs alone
+at once; under load the pieces that queued behind a running call go together. A request
+cancelled while waiting is dropped from its batch; a batch that fails is run again piece by
+piece, so only the piece that fails fails its request, never the batch the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Hashable
+from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+I = TypeVar("I")  # noqa: E741 (the item type)
+O = TypeVar("O")  # noqa: E741
+
+
+@dataclass(slots=True, eq=False)  # compared by identity: an item may hold tensors
+class _Waiting(Generic[I, O]):
+    key: Hashable
+    item: I
+    done: asyncio.Future[O]
+
+
+class StepBatcher(Generic[I, O]):
+    def __init__(self, run: Callable[[list[I]], list[O]], executor: Executor, max_batch: int) -> None:
+        if max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        self.run = run
+        self.executor = executor
+        self.max_batch = max_batch
+        self._waiting: list[_Waiting[I, O]] = []
+        self._busy = False
+        self.batch_sizes: Counter[int] = Counter()
+        """How many batches of each size have run (for tests and metrics)."""
+
+    async def submit(self, key: Hashable, item: I) -> O:
+        done: asyncio.Future[O] = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Waiting(key, item, done))
+        self._next()
+        return await done
+
+    def _next(self) -> None:
+        self._waiting = [w for w in self._waiting if not w.done.cancelled()]
+        if self._busy or not self._waiting:
+            return
+        key = self._waiting[0].key
+        batch = [w for w in self._waiting if w.key == key][: self.max_batch]
+        self._waiting = [w for w in self._waiting if w not in batch]
+        self._busy = True
+        self.batch_sizes[len(batch)] += 1
+        work = asyncio.get_running_loop().run_in_executor(
+            self.executor, self._run_batch, [w.item for w in batch]
+        )
+        work.add_done_callback(lambda f: self._finished(batch, f))
+
+    def _run_batch(self, items: list[I]) -> list[O | BaseException]:
+        """On the compute thread: the batch, or, if it fails, each item alone."""
+        try:
+            out = self.run(items)
+            if len(out) != len(items):
+                raise RuntimeError(f"a batch of {len(items)} gave {len(out)} results")
+            return list(out)
+        except Exception:
+            if len(items) == 1:
+                raise
+        results: list[O | BaseException] = []
+        for item in items:
+            try:
+                results.append(self.run([item])[0])
+            except Exception as exc:
+                results.append(exc)
+        return results
+
+    def _finished(self, batch: list[_Waiting[I, O]], work: asyncio.Future[list[O | BaseException]]) -> None:
+        self._busy = False
+        error = None if work.cancelled() else work.exception()
+        for i, w in enumerate(batch):
+            if w.done.done():
+                continue  # cancelled meanwhile: its result is dropped
+            if work.cancelled():
+                w.done.cancel()
+            elif error is not None:
+                w.done.set_exception(error)
+            else:
+                r = work.result()[i]
+                if isinstance(r, BaseException):
+                    w.done.set_exception(r)
+                else:
+                    w.done.set_result(r)
+        # Not at once: first let the requests just answered run up to their next submit, so
+        # that their next pieces can join the one already waiting.
+        asyncio.get_running_loop().call_soon(self._next)

@@ -1,0 +1,69 @@
+"""StepBatcher: pieces submitted while the compute thread is busy run next as one call per
+key; a failing piece fails only its own request; a cancelled one leaves its batch."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from omni_stage.engines.batching import StepBatcher
+
+
+class Doubler:
+    """Doubles numbers in batches; refuses 13, and holds its first call until let go."""
+
+    def __init__(self) -> None:
+        self.calls: list[list[int]] = []
+        self.go = threading.Event()
+
+    def __call__(self, items: list[int]) -> list[int]:
+        self.go.wait(10)
+        self.calls.append(items)
+        if 13 in items:
+            raise ValueError("13")
+        return [2 * x for x in items]
+
+
+async def _started(b: StepBatcher[int, int], key: str, x: int) -> asyncio.Task[int]:
+    task = asyncio.create_task(b.submit(key, x))
+    await asyncio.sleep(0)  # one loop step: the task has submitted (not a wait for time)
+    return task
+
+
+def test_pieces_that_wait_run_together_by_key_and_a_bad_one_fails_alone() -> None:
+    async def go() -> None:
+        run = Doubler()
+        b = StepBatcher(run, ThreadPoolExecutor(1), max_batch=3)
+        first = await _started(b, "a", 1)  # runs at once, alone, held by `go`
+        waiting = [await _started(b, k, x) for k, x in [("a", 2), ("b", 5), ("a", 13), ("a", 4), ("a", 6)]]
+        run.go.set()
+        assert await first == 2
+        results = await asyncio.gather(*waiting, return_exceptions=True)
+        assert results[0] == 4 and results[2].args == ("13",) and results[3] == 8  # type: ignore[union-attr]
+        assert results[1] == 10 and results[4] == 12
+        # [1]; the oldest key's three ([2, 13, 4]: failed, so again one by one); then what was
+        # left, oldest first: b's [5], a's [6].
+        assert run.calls == [[1], [2, 13, 4], [2], [13], [4], [5], [6]]
+        assert b.batch_sizes == {1: 3, 3: 1}
+
+    asyncio.run(go())
+
+
+def test_a_cancelled_piece_leaves_its_batch() -> None:
+    async def go() -> None:
+        run = Doubler()
+        b = StepBatcher(run, ThreadPoolExecutor(1), max_batch=8)
+        first = await _started(b, "a", 1)
+        gone = await _started(b, "a", 2)
+        kept = await _started(b, "a", 3)
+        gone.cancel()
+        run.go.set()
+        assert await first == 2 and await kept == 6
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+        assert run.calls == [[1], [3]]
+
+    asyncio.run(go())
