@@ -251,3 +251,41 @@ def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
     for a, b in zip(together, alone, strict=True):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_output(model: Path) -> None:
+    """Three requests of different prompt lengths (one with audio and an image) on one thinker
+    and one talker replica at once: their decode steps run as batches (each request's KV cache
+    stacked, left-padded, masked), and each request's tokens and codes are exactly those it
+    gets alone."""
+    requests = [
+        MESSAGES,
+        [media_message(*media_clips())],
+        [{"role": "user", "content": "A much longer question, to make the prompts differ in length: why?"}],
+    ]
+
+    async def go() -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]], Any, Any]:
+        thinker, talker = engine("thinker", model), engine("talker", model)
+        await thinker.start()
+        await talker.start()
+
+        async def speak(messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+            messages, media = await decode_media(messages, MediaSpec())
+            request = {"messages": messages, "media": media.tensors, "modalities": ["audio", "text"]}
+            call = EngineCall(
+                "r", {"request": request}, True, {"max_tokens": THINKER_TOKENS, "voice": "Ethan"}
+            )
+            thought = [o async for o in thinker.generate(call)]
+            data = concat([o.data for o in thought])
+            talk = EngineCall("r", {"thinker": data}, True, {"max_tokens": TALKER_CODES, "voice": "Ethan"})
+            codes = [o async for o in talker.generate(talk)]
+            return data["token_ids"].tolist(), concat([o.data for o in codes])["codes"].tolist()
+
+        together = await asyncio.gather(*(speak(m) for m in requests))
+        sizes = (thinker.batcher.batch_sizes.copy(), talker.batcher.batch_sizes.copy())  # type: ignore[attr-defined]
+        alone = [await speak(m) for m in requests]
+        return together, alone, *sizes
+
+    together, alone, thinker_batches, talker_batches = asyncio.run(go())
+    assert max(thinker_batches) == 3 and max(talker_batches) >= 2, (thinker_batches, talker_batches)
+    assert together == alone

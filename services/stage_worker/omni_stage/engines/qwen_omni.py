@@ -47,6 +47,7 @@ import torch
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.batching import StepBatcher
+from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.qwen_omni_prompt import Prompt, Prompts
 from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
@@ -81,6 +82,8 @@ class _Part(Engine):
         self.config: Any = None
         self.voices: dict[str, dict[str, Any]] = {}
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-compute")
+        self.max_batch = int(self.args.get("maxBatch", stage.max_inflight))
+        """Most requests' steps run as one batched call (1: no batching)."""
 
     async def start(self) -> None:
         await self._run(self._load)
@@ -140,6 +143,7 @@ class Thinker(_Part):
         self.tokenizer: Any = None
         self.prompts: Prompts | None = None
         self.eos: set[int] = set()
+        self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniThinkerForConditionalGeneration
@@ -173,7 +177,10 @@ class Thinker(_Part):
         text = _Reply(self.tokenizer, [str(x) for x in call.sampling.get("stop") or [] if x])
         feed = ids
         for s in range(budget):
-            tok, embeds, hidden = await self._run(self._step, st, feed, temperature, top_p, gen, prompt)
+            # Decode steps of concurrent requests run together; a prompt runs on its own.
+            key = "decode" if s else object()
+            step = _ThinkerStep(st, feed, temperature, top_p, gen, prompt)
+            tok, embeds, hidden = await self.batcher.submit(key, step)
             data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
             if s == 0:  # [1, P, ...]: the prompt is one unit's worth
                 data |= {"prompt_embeds": embeds, "prompt_hidden": hidden}
@@ -187,6 +194,34 @@ class Thinker(_Part):
                 return
             feed = torch.tensor([[tok]], device=self.device)
         st["finish_reason"] = "length"
+
+    def _steps(self, steps: list[_ThinkerStep]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        if len(steps) == 1:
+            s = steps[0]
+            return [self._step(s.st, s.ids, s.temperature, s.top_p, s.gen, s.prompt)]
+        return self._decode_together(steps)
+
+    @torch.inference_mode()
+    def _decode_together(self, steps: list[_ThinkerStep]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+        out, caches = decode_together(
+            self.model,
+            [s.st["past"] for s in steps],
+            [self._decode_positions(s.st) for s in steps],
+            input_ids=torch.cat([s.ids for s in steps]),
+            output_hidden_states=True,
+        )
+        results = []
+        for row, (s, cache) in enumerate(zip(steps, caches, strict=True)):
+            s.st["past"] = cache
+            tok = pick_token(out.logits[row, -1].float(), s.temperature, s.top_p, s.gen)
+            first, last = out.hidden_states[0][row : row + 1], out.hidden_states[-1][row : row + 1]
+            results.append((tok, first.float().cpu(), last.float().cpu()))
+        return results
+
+    def _decode_positions(self, st: dict[str, Any]) -> torch.Tensor:
+        """The next position's 3-D ids: the same on all three axes, offset as the prompt's were."""
+        at = st["past"].get_seq_length() + st["rope_deltas"]
+        return (torch.arange(1, device=self.device) + at).view(1, 1, -1).expand(3, 1, -1)
 
     @torch.inference_mode()
     def _step(
@@ -212,8 +247,7 @@ class Thinker(_Part):
                 media["feature_attention_mask"].sum(-1) if "feature_attention_mask" in media else None,
             )
         else:
-            at = past.get_seq_length() + st["rope_deltas"]
-            positions = (torch.arange(ids.shape[1], device=ids.device) + at).view(1, 1, -1).expand(3, 1, -1)
+            positions = self._decode_positions(st)
         out = m(
             input_ids=ids,
             position_ids=positions,
@@ -229,6 +263,18 @@ class Thinker(_Part):
         if media:  # but not the audio and image features: zeros there, as the reference hands it
             embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
         return tok, embeds, out.hidden_states[-1].float().cpu()
+
+
+@dataclass(frozen=True, slots=True)
+class _ThinkerStep:
+    """One request's next forward: its prompt, or its last token."""
+
+    st: dict[str, Any]
+    ids: torch.Tensor
+    temperature: float
+    top_p: float
+    gen: torch.Generator
+    prompt: Prompt
 
 
 class _Reply:
@@ -261,6 +307,11 @@ class Talker(_Part):
     part = "talker"
     request_keys = frozenset({"voice"})
     needs_last_call = True  # past the reply it speaks on the thinker's text eos, then its pad
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        # Decode steps of concurrent requests run together; a prefill runs on its own.
+        self.batcher = StepBatcher(self._decodes, self._compute, self.max_batch)
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniTalkerForConditionalGeneration
@@ -317,7 +368,7 @@ class Talker(_Part):
                     reply = self._text_embed(self.text_eos if step == n else self.text_pad)
                 else:
                     return  # waits for the thinker's next window
-                code = await self._run(self._decode, st, reply)
+                code = await self.batcher.submit("decode", (st, reply))
             if code in self.stop_codes or st["codes"] >= budget:
                 st["done"] = True
                 return
@@ -349,19 +400,45 @@ class Talker(_Part):
         return self._forward(st, inputs)
 
     @torch.inference_mode()
-    def _decode(self, st: dict[str, Any], reply: torch.Tensor) -> int:
-        code = st["last_code"]
-        inputs = (self.model.get_input_embeddings()(torch.tensor([code], device=self.device)) + reply)[None]
-        st["seen"].add(code)
-        return self._forward(st, inputs)
+    def _decodes(self, steps: list[tuple[dict[str, Any], torch.Tensor]]) -> list[int]:
+        """Each request's next code: its last code's embedding plus its next reply state."""
+        inputs = []
+        for st, reply in steps:
+            code = st["last_code"]
+            inputs.append(
+                (self.model.get_input_embeddings()(torch.tensor([code], device=self.device)) + reply)[None]
+            )
+            st["seen"].add(code)
+        if len(steps) == 1:
+            return [self._forward(steps[0][0], inputs[0])]
+        states = [st for st, _ in steps]
+        out, caches = decode_together(
+            self.model,
+            [st["past"] for st in states],
+            [self._positions(st, 1) for st in states],
+            inputs_embeds=torch.cat(inputs),
+        )
+        codes = []
+        for row, (st, cache) in enumerate(zip(states, caches, strict=True)):
+            st["past"] = cache
+            codes.append(self._pick(st, out.logits[row, -1].float()))
+        return codes
+
+    def _positions(self, st: dict[str, Any], n: int) -> torch.Tensor:
+        at = 0 if st.get("past") is None else st["past"].get_seq_length()
+        return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(3, 1, -1)
 
     def _forward(self, st: dict[str, Any], inputs: torch.Tensor) -> int:
-        past = st.get("past")
-        at = 0 if past is None else past.get_seq_length()
-        positions = torch.arange(at, at + inputs.shape[1], device=self.device).view(1, 1, -1).expand(3, 1, -1)
-        out = self.model(inputs_embeds=inputs, position_ids=positions, past_key_values=past, use_cache=True)
+        positions = self._positions(st, inputs.shape[1])
+        out = self.model(
+            inputs_embeds=inputs, position_ids=positions, past_key_values=st.get("past"), use_cache=True
+        )
         st["past"] = out.past_key_values
-        logits = out.logits[0, -1].float()
+        return self._pick(st, out.logits[0, -1].float())
+
+    def _pick(self, st: dict[str, Any], logits: torch.Tensor) -> int:
+        """Greedy, with the reference's repetition penalty over every code fed so far and the
+        codec bos suppressed."""
         seen = torch.tensor(sorted(st["seen"]), device=logits.device)
         scores = logits[seen]
         logits[seen] = torch.where(scores < 0, scores * REPETITION_PENALTY, scores / REPETITION_PENALTY)
@@ -403,8 +480,7 @@ class Token2Wav(_Part):
         self.chunk = int(self.args.get("chunkCodes", 0))
         self.left = int(self.args.get("leftContextCodes", 24))
         self.right = int(self.args.get("rightContextCodes", 12))
-        max_batch = int(self.args.get("maxBatch", stage.max_inflight))
-        self.batcher = StepBatcher(self._synthesize, self._compute, max_batch)
+        self.batcher = StepBatcher(self._synthesize, self._compute, self.max_batch)
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniToken2WavModel
