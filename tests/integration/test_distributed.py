@@ -5,13 +5,18 @@ Each stage replica and gateway is started, killed and stopped independently, as 
 
 from __future__ import annotations
 
+import base64
+import io
 import signal
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+import numpy as np
 import pytest
+from PIL import Image
 
 from omni_cli.mooncaked import LocalMooncake
 from tests.deployment import Deployment, SteadyLoad, ask, deployed
@@ -49,6 +54,25 @@ def test_demo_n_to_m_replicas_two_gateways(demo: Deployment, mooncake: LocalMoon
     assert (
         replica_metric(bases[0], "thinker", "omni_connector_bytes_total", connector="default", op="put") > 0
     )
+    # Media go to the thinker as tensors in Mooncake (its request edge's connector), never on
+    # NATS; its read frees them. This thinker takes text only: its answer is a 400.
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(png, "PNG")
+    url = f"data:image/png;base64,{base64.b64encode(png.getvalue()).decode()}"
+    got = replica_metric(bases[0], "thinker", "omni_connector_bytes_total", connector="default", op="get")
+    r = httpx.post(
+        f"{bases[0]}/v1/chat/completions",
+        json={
+            "model": "tiny-omni",
+            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+        },
+        timeout=30,
+    )
+    assert r.status_code == 400 and "cannot read the 'image' part" in r.json()["error"]["message"], r.text
+    read = (
+        replica_metric(bases[0], "thinker", "omni_connector_bytes_total", connector="default", op="get") - got
+    )
+    assert read > 64 * 64 * 3  # the pixels came through Mooncake
     wait_for(lambda: mooncake.key_count() == 0, 10, "no Mooncake key left")
     assert our_shm_segments() == []
 
