@@ -27,18 +27,12 @@ class Doubler:
         return [2 * x for x in items]
 
 
-async def _started(b: StepBatcher[int, int], key: str, x: int) -> asyncio.Task[int]:
-    task = asyncio.create_task(b.submit(key, x))
-    await asyncio.sleep(0)  # one loop step: the task has submitted (not a wait for time)
-    return task
-
-
 def test_pieces_that_wait_run_together_by_key_and_a_bad_one_fails_alone() -> None:
     async def go() -> None:
         run = Doubler()
         b = StepBatcher(run, ThreadPoolExecutor(1), max_batch=3)
-        first = await _started(b, "a", 1)  # runs at once, alone, held by `go`
-        waiting = [await _started(b, k, x) for k, x in [("a", 2), ("b", 5), ("a", 13), ("a", 4), ("a", 6)]]
+        first = b.submit("a", 1)  # runs at once, alone, held by `go`
+        waiting = [b.submit(k, x) for k, x in [("a", 2), ("b", 5), ("a", 13), ("a", 4), ("a", 6)]]
         run.go.set()
         assert await first == 2
         results = await asyncio.gather(*waiting, return_exceptions=True)
@@ -56,9 +50,9 @@ def test_a_cancelled_piece_leaves_its_batch() -> None:
     async def go() -> None:
         run = Doubler()
         b = StepBatcher(run, ThreadPoolExecutor(1), max_batch=8)
-        first = await _started(b, "a", 1)
-        gone = await _started(b, "a", 2)
-        kept = await _started(b, "a", 3)
+        first = b.submit("a", 1)
+        gone = b.submit("a", 2)
+        kept = b.submit("a", 3)
         gone.cancel()
         run.go.set()
         assert await first == 2 and await kept == 6

@@ -43,11 +43,12 @@ class StepBatcher(Generic[I, O]):
         self.batch_sizes: Counter[int] = Counter()
         """How many batches of each size have run (for tests and metrics)."""
 
-    async def submit(self, key: Hashable, item: I) -> O:
+    def submit(self, key: Hashable, item: I) -> asyncio.Future[O]:
+        """Queue `item` now; the future is its result. Cancelling it drops the item."""
         done: asyncio.Future[O] = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(key, item, done))
         self._next()
-        return await done
+        return done
 
     def _next(self) -> None:
         self._waiting = [w for w in self._waiting if not w.done.cancelled()]
