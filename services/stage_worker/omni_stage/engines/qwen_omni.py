@@ -157,7 +157,7 @@ class Thinker(_Part):
 
         super()._load()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.prompts = Prompts(self.path, self.tokenizer, self.config.thinker_config, self.device)
+        self.prompts = Prompts(self.path, self.tokenizer, self.config.thinker_config, self.device, self.dtype)
         eos = GenerationConfig.from_pretrained(self.path).eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
 

@@ -39,11 +39,13 @@ class Prompt:
 
 
 class Prompts:
-    def __init__(self, path: str, tokenizer: Any, thinker_config: Any, device: torch.device) -> None:
+    def __init__(
+        self, path: str, tokenizer: Any, thinker_config: Any, device: torch.device, dtype: torch.dtype
+    ) -> None:
         from transformers import AutoFeatureExtractor, AutoImageProcessor
 
         self.tokenizer = tokenizer
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.audio_token: str = tokenizer.audio_token
         self.image_token: str = tokenizer.image_token
         self.audio_id = int(thinker_config.audio_token_index)
@@ -98,7 +100,12 @@ class Prompts:
         text = self._expand(text, counts)
         ids = self._ids(text)
         mask = (ids == self.audio_id) | (ids == self.image_id)
-        return Prompt(ids, {k: v.to(self.device) for k, v in features.items()}, mask)
+        # On the model's device, and float features in its dtype (as `inputs.to(model.dtype)`).
+        on_device = {
+            k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
+            for k, v in features.items()
+        }
+        return Prompt(ids, on_device, mask)
 
     def _expand(self, text: str, counts: dict[str, list[int]]) -> str:
         found = self._placeholder.findall(text)
