@@ -57,6 +57,37 @@ def ask(base: str, **extra: Any) -> Any:
     )
 
 
+def stream(
+    base: str, messages: list[dict[str, Any]] = MESSAGES, voice: str = "Ethan", **extra: Any
+) -> tuple[list[str], str, bytes]:
+    """A streamed answer in audio (pcm16) and text: the order of its events, its text, its PCM."""
+    events, text, pcm = [], "", b""
+    for chunk in ask(
+        base, messages=messages, stream=True, audio={"voice": voice, "format": "pcm16"}, **extra
+    ):
+        if chunk.choices and chunk.choices[0].delta.content:
+            events.append("text")
+            text += chunk.choices[0].delta.content
+        if (a := audio_delta(chunk)) is not None and a.get("data"):
+            events.append("audio")
+            pcm += base64.b64decode(str(a["data"]))
+    return events, text, pcm
+
+
+def assert_speech_is(pcm: bytes, reference_audio: np.ndarray) -> None:
+    """Streamed PCM16 against the reference's float waveform: the same length, within one step."""
+    samples = np.frombuffer(pcm, dtype="<i2") / 32768.0
+    expected = pcm16(reference_audio)
+    assert samples.shape == expected.shape
+    assert np.abs(samples - expected).max() <= 1 / 32768
+
+
+def assert_audio_starts_before_the_text_ends(events: list[str]) -> None:
+    assert events.count("audio") > 1
+    last_text = len(events) - 1 - events[::-1].index("text")
+    assert events.index("audio") < last_text, events
+
+
 def test_text_and_speech_equal_the_reference(base: str, reference: dict[str, Any]) -> None:
     """Text exactly; the waveform, decoded in chunks as it streams, to within one step of
     16-bit PCM (in float32 it is within 1e-5 of the reference's, tests/unit/test_qwen_omni.py)."""
@@ -70,17 +101,9 @@ def test_text_and_speech_equal_the_reference(base: str, reference: dict[str, Any
 
 
 def test_streamed_text_and_speech_equal_the_reference(base: str, reference: dict[str, Any]) -> None:
-    text, pcm = "", b""
-    for chunk in ask(base, audio={"voice": "Ethan", "format": "pcm16"}, stream=True):
-        if chunk.choices and chunk.choices[0].delta.content:
-            text += chunk.choices[0].delta.content
-        if (a := audio_delta(chunk)) is not None and a.get("data"):
-            pcm += base64.b64decode(str(a["data"]))
+    _, text, pcm = stream(base)
     assert text == reference["text"]
-    samples = np.frombuffer(pcm, dtype="<i2") / 32768.0
-    expected = pcm16(reference["audio"])
-    assert samples.shape == expected.shape
-    assert np.abs(samples - expected).max() <= 1 / 32768
+    assert_speech_is(pcm, reference["audio"])
 
 
 def test_an_unknown_voice_is_a_400_that_lists_the_voices(base: str) -> None:
@@ -94,15 +117,8 @@ def test_audio_starts_before_the_text_ends(base: str) -> None:
     """The first audio chunk needs 24 codes (12, and 12 of right context), so 25 thinker
     tokens, and one chunk's decode; the thinker writes 1000. Measured on 2 cores: the first
     audio came about 220 tokens in. Order of events in the stream, not timing."""
-    events = []
-    for chunk in ask(base, audio={"voice": "Chelsie", "format": "pcm16"}, stream=True, max_tokens=1000):
-        if chunk.choices and chunk.choices[0].delta.content:
-            events.append("text")
-        if (a := audio_delta(chunk)) is not None and a.get("data"):
-            events.append("audio")
-    assert events.count("audio") > 1
-    last_text = len(events) - 1 - events[::-1].index("text")
-    assert events.index("audio") < last_text, events
+    events, _, _ = stream(base, voice="Chelsie", max_tokens=1000)
+    assert_audio_starts_before_the_text_ends(events)
 
 
 def test_a_one_token_answer_is_text_and_no_speech(base: str) -> None:
@@ -121,21 +137,6 @@ def media_reference(demo_dir: Path) -> dict[str, Any]:
     return {"text": ref["text"], "audio": ref["audio"].numpy()}
 
 
-def stream(base: str, messages: list[dict[str, Any]], **extra: Any) -> tuple[list[str], str, bytes]:
-    """A streamed answer in audio (pcm16) and text: the order of its events, its text, its PCM."""
-    events, text, pcm = [], "", b""
-    for chunk in ask(
-        base, messages=messages, stream=True, audio={"voice": "Ethan", "format": "pcm16"}, **extra
-    ):
-        if chunk.choices and chunk.choices[0].delta.content:
-            events.append("text")
-            text += chunk.choices[0].delta.content
-        if (a := audio_delta(chunk)) is not None and a.get("data"):
-            events.append("audio")
-            pcm += base64.b64decode(str(a["data"]))
-    return events, text, pcm
-
-
 def test_text_audio_and_an_image_in_stream_text_and_speech_out(
     base: str, media_reference: dict[str, Any]
 ) -> None:
@@ -148,13 +149,9 @@ def test_text_audio_and_an_image_in_stream_text_and_speech_out(
     message = media_message(*media_clips())
     _, text, pcm = stream(base, [message])
     assert text == media_reference["text"]
-    samples = np.frombuffer(pcm, dtype="<i2") / 32768.0
-    expected = pcm16(media_reference["audio"])
-    assert samples.shape == expected.shape
-    assert np.abs(samples - expected).max() <= 1 / 32768
+    assert_speech_is(pcm, media_reference["audio"])
     events, _, _ = stream(base, [message], max_tokens=1000)
-    last_text = len(events) - 1 - events[::-1].index("text")
-    assert events.count("audio") > 1 and events.index("audio") < last_text, events
+    assert_audio_starts_before_the_text_ends(events)
     settle([base], idle)
 
 

@@ -224,7 +224,7 @@ class PipelineClient:
             rid, {s: r[0] for s, r in tracked.route.items()}, self.inbox, time.time() + remaining
         )
         try:  # before anything is sent: what cannot travel is the client's error
-            pack(StageRequest(ctx, inputs, sampling))
+            request = pack(StageRequest(ctx, inputs, sampling))
         except wire.WireError as exc:
             self._release(picked)
             raise BadRequest(f"the request cannot be sent on: {exc}") from None
@@ -237,9 +237,11 @@ class PipelineClient:
             reservation = pack(StageRequest(ctx, {}, sampling))
             await self._reserve(tracked, {s: reservation for s in needed if s not in self._sources})
             sources = [s for s in needed if s in self._sources]
-            await self._reserve(
-                tracked, {s: self._source_request(s, ctx, inputs, sampling, media) for s in sources}
-            )
+            if media:  # each source its own copy of the media, and a request naming it
+                requests = {s: self._with_media(s, ctx, inputs, sampling, media) for s in sources}
+            else:
+                requests = dict.fromkeys(sources, request)
+            await self._reserve(tracked, requests)
             async with asyncio.timeout(remaining):
                 async for ev in self._events(tracked):
                     yield ev
@@ -257,23 +259,21 @@ class PipelineClient:
         for stage, r in picked.items():
             self.table.release(stage, r.hb.instance)
 
-    def _source_request(
+    def _with_media(
         self,
         stage: str,
         ctx: RequestContext,
         inputs: dict[str, Any],
         sampling: dict[str, Any],
-        media: dict[str, torch.Tensor] | None,
+        media: dict[str, torch.Tensor],
     ) -> bytes:
         """A source stage's StageRequest, its media put on its request edge's connector (its own
         copy: a read frees it). Once the request is in flight, so that its end frees the copy."""
-        handle = None
-        if media:
-            conn = self.connectors[self._sources[stage]]
-            try:
-                _, _, handle = conn.put(REQUEST_SOURCE, stage, ctx.request_id, media)
-            except ConnectorError as exc:
-                raise StageFailed(f"gateway -> stage '{stage}': {exc}", code=CONNECTOR_ERROR) from None
+        conn = self.connectors[self._sources[stage]]
+        try:
+            _, _, handle = conn.put(REQUEST_SOURCE, stage, ctx.request_id, media)
+        except ConnectorError as exc:
+            raise StageFailed(f"gateway -> stage '{stage}': {exc}", code=CONNECTOR_ERROR) from None
         return pack(StageRequest(ctx, inputs, sampling, handle))
 
     async def _reserve(self, t: _Tracked, requests: dict[str, bytes]) -> None:

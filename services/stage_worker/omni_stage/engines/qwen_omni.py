@@ -62,6 +62,10 @@ TALKER_MAX_CODES: Final = 4096  # its talker_max_new_tokens
 _DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def voice_name(sampling: dict[str, Any]) -> str:
+    return str(sampling.get("voice") or DEFAULT_VOICE)
+
+
 def build_qwen_omni_engine(stage: StageSpec) -> Engine:
     part = stage.engine.args.get("part")
     engines: dict[str, type[_Part]] = {"thinker": Thinker, "talker": Talker, "token2wav": Token2Wav}
@@ -124,7 +128,7 @@ class _Part(Engine):
         """The transformers class of this part and its sub-config."""
 
     def voice(self, sampling: dict[str, Any]) -> dict[str, Any]:
-        name = str(sampling.get("voice") or DEFAULT_VOICE)
+        name = voice_name(sampling)
         if name not in self.voices:
             raise InvalidRequest(
                 f"voice '{name}' is not one of this model's voices: {', '.join(self.voices)}"
@@ -511,12 +515,11 @@ class Token2Wav(_Part):
             end = len(codes) if self.chunk <= 0 else min(done + self.chunk, len(codes))
             if not call.is_last and (self.chunk <= 0 or end + self.right > len(codes)):
                 return  # wait for the rest, or for this chunk's right context
-            name = str(call.sampling.get("voice") or DEFAULT_VOICE)
             piece = self._piece(
                 st, codes, done, end, self.voice(call.sampling), int(call.sampling.get("seed", 0) or 0)
             )
             # Pieces of the same length and voice, from any requests, stack into one decode.
-            wav = await self.batcher.submit((piece.codes.shape[0], name), piece)
+            wav = await self.batcher.submit((piece.codes.shape[0], voice_name(call.sampling)), piece)
             yield EngineOutput(units=end - done, data={"audio": wav, "sample_rate": self.sample_rate})
             done = st["done"] = end
 
