@@ -86,6 +86,58 @@ def test_talker_takes_embeddings_and_continues_across_calls(models: Path) -> Non
     assert state["past"].get_seq_length() == cached + 1 + 8 + 31
 
 
+def test_concurrent_requests_decode_in_batched_steps_with_the_same_output(models: Path) -> None:
+    """Three chat requests of different prompt lengths on one thinker replica, and two windowed
+    embedding streams on one talker replica, at once: their one-token decode steps run as
+    batches (caches stacked, left-padded, masked), and each request gets exactly the tokens
+    it gets alone, its hidden states within 1e-5 (a batched matmul may sum in another order)."""
+    prompts = [
+        "hi",
+        "What is omni, and why does it speak?",
+        "A longer question still, so the caches differ: why?",
+    ]
+    hidden = [torch.randn(16, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    async def go() -> tuple[list[Any], list[Any], Any, Any]:
+        thinker, talker = engine_for("thinker", models), engine_for("talker", models)
+        await thinker.start()
+        await talker.start()
+
+        async def think(prompt: str) -> tuple[list[int], torch.Tensor]:
+            request = {"messages": [{"role": "user", "content": prompt}]}
+            outs = [
+                o
+                async for o in thinker.generate(
+                    EngineCall("r", {"request": request}, True, {"max_tokens": 12})
+                )
+            ]
+            return [int(o.data["token_ids"][0]) for o in outs], torch.cat(
+                [o.data["hidden_states"] for o in outs]
+            )
+
+        async def talk(states: torch.Tensor) -> list[int]:
+            state: dict[str, Any] = {}
+            tokens: list[int] = []
+            for window, last in ((states[:8], False), (states[8:], True)):
+                call = EngineCall(
+                    "r", {"thinker": thinker_to_talker({"hidden_states": window})}, last, {}, state
+                )
+                tokens += [int(o.data["token_ids"][0]) async for o in talker.generate(call)]
+            return tokens
+
+        together = await asyncio.gather(*(think(p) for p in prompts), *(talk(h) for h in hidden))
+        sizes = thinker.batcher.batch_sizes.copy(), talker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
+        alone = [await think(p) for p in prompts] + [await talk(h) for h in hidden]
+        return together, alone, *sizes
+
+    together, alone, thinker_batches, talker_batches = asyncio.run(go())
+    assert max(thinker_batches) == 3 and max(talker_batches) == 2, (thinker_batches, talker_batches)
+    for (tokens, states), (tokens_alone, states_alone) in zip(together[:3], alone[:3], strict=True):
+        assert tokens == tokens_alone
+        torch.testing.assert_close(states, states_alone, rtol=0, atol=1e-5)
+    assert together[3:] == alone[3:]
+
+
 def test_sampling_is_seeded(models: Path) -> None:
     engine = engine_for("thinker", models)
     req = {"request": {"messages": [{"role": "user", "content": "hi"}]}}
@@ -104,6 +156,38 @@ def test_vocoder_turns_codes_into_samples(models: Path) -> None:
     assert out.units == 25 * 480 and out.data["sample_rate"] == 24000
     audio = out.data["audio"]
     assert audio.shape == (25 * 480,) and audio.abs().max() <= 1.0
+
+
+def test_a_batched_module_runs_concurrent_windows_of_one_shape_as_one_call(models: Path) -> None:
+    """Four vocoder windows of 25 codes (one at speed 2) and one of 10, on one replica at once:
+    the three of one shape and speed that queued behind the first go as one call, the others
+    alone; every waveform is what the window gives alone (within 1e-6: a batched conv may sum
+    in another order)."""
+    windows = [(torch.arange(25) + i, 1.0) for i in range(4)] + [
+        (torch.arange(10), 1.0),
+        (torch.arange(25), 2.0),
+    ]
+
+    async def go() -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
+        vocoder = engine_for("vocoder", models)
+        await vocoder.start()
+
+        async def speak(codes: torch.Tensor, speed: float) -> torch.Tensor:
+            call = EngineCall("r", {"talker": {"token_ids": codes}}, True, {"speed": speed})
+            (out,) = [o async for o in vocoder.generate(call)]
+            return out.data["audio"]
+
+        together = await asyncio.gather(*(speak(*w) for w in windows))
+        batched = vocoder.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
+        alone = [await speak(*w) for w in windows]
+        return together, alone, batched
+
+    together, alone, batched = asyncio.run(go())
+    assert batched == {1: 3, 3: 1}, batched
+    for a, b in zip(together, alone, strict=True):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    assert together[5].shape == (round(25 / 2) * 480,)
 
 
 def test_missing_model_directory_is_named(tmp_path: Path) -> None:

@@ -32,7 +32,9 @@ CHAT_TEMPLATE: Final = (
 
 
 class TinyVocoder(torch.nn.Module):
-    """Codec tokens [n] -> waveform [n * hop] in [-1, 1]."""
+    """Codec tokens [batch, n] -> waveforms [batch, n * hop] in [-1, 1]."""
+
+    batched = True  # the torch engine stacks concurrent requests' windows into one call
 
     def __init__(
         self, vocab: int = CODEC_VOCAB, dim: int = 32, hop: int = HOP, sample_rate: int = SAMPLE_RATE
@@ -44,12 +46,12 @@ class TinyVocoder(torch.nn.Module):
         self.up = torch.nn.ConvTranspose1d(dim, 1, kernel_size=hop, stride=hop)
 
     def forward(self, token_ids: torch.Tensor, speed: float = 1.0) -> torch.Tensor:
-        x = self.embed(token_ids.long().reshape(-1)).T.unsqueeze(0)  # [1, dim, n]
+        x = self.embed(token_ids.long()).transpose(1, 2)  # [batch, dim, n]
         if speed != 1.0:  # fewer or more frames, each still `hop` samples: faster speech, same pitch
             frames = max(1, round(x.shape[-1] / speed))
             x = torch.nn.functional.interpolate(x, size=frames, mode="linear", align_corners=False)
         x = torch.nn.functional.gelu(self.conv(x))
-        return torch.tanh(self.up(x)).reshape(-1)
+        return torch.tanh(self.up(x)).flatten(1)
 
 
 def vocoder(path: str) -> TinyVocoder:

@@ -7,15 +7,19 @@ the stage owns and drops when the request ends, however it ends.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from omni_pipeline.spec import EngineKind, StageSpec
 from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
+
+T = TypeVar("T")
 
 
 class EngineError(RuntimeError):
@@ -71,6 +75,29 @@ class Engine(ABC):
 
     async def close(self) -> None:
         """Free what `start` took."""
+
+
+class ComputeEngine(Engine):
+    """An engine whose forwards all run on one compute thread of its own.
+
+    A replica's requests take turns on the device (a cancelled request's step in progress
+    finishes there before the next one starts), so no two forwards race for the cores, and
+    the steps that queue while one runs can go as one batched call (`StepBatcher`), up to
+    `engine.args.maxBatch` requests (default: the stage's maxInflight; 1: no batching).
+    """
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.max_batch = int(self.args.get("maxBatch", stage.max_inflight))
+        if self.max_batch < 1:
+            raise EngineError(f"stage '{stage.name}': engine.args.maxBatch must be at least 1")
+        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-compute")
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+
+    async def close(self) -> None:
+        self._compute.shutdown(wait=False, cancel_futures=True)
 
 
 def import_object(ref: str) -> Callable[..., Any]:

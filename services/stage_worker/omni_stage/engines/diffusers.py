@@ -26,22 +26,20 @@ default size), maxSize, steps, guidanceScale, previewEvery.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import inspect
 import json
 import secrets
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import torch
 import torch.nn.functional as F
 
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.base import ComputeEngine, Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
 
@@ -50,8 +48,6 @@ _DENOISERS: Final = ("PixArtTransformer2DModel", "UNet2DConditionModel")
 """Denoiser classes whose call this engine knows (text-conditioned, cross-attention)."""
 MAX_IMAGES: Final = 10
 MAX_STEPS: Final = 1000
-
-T = TypeVar("T")
 
 
 def build_diffusers_engine(stage: StageSpec) -> Engine:
@@ -63,10 +59,8 @@ def build_diffusers_engine(stage: StageSpec) -> Engine:
     raise EngineError(f"stage '{stage.name}': engine.args.role must be 'denoise' or 'decode', got {role!r}")
 
 
-class _DiffusersPart(Engine):
-    """Loading by `model_index.json`, and the one compute thread every step and decode runs on
-    (a replica's requests take turns on the device; a cancelled request's step in progress
-    finishes there before the next one starts)."""
+class _DiffusersPart(ComputeEngine):
+    """Loading by `model_index.json`."""
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -76,7 +70,6 @@ class _DiffusersPart(Engine):
             raise EngineError(f"stage '{stage.name}': engine.args.dtype must be one of {sorted(_DTYPES)}")
         self.dtype = _DTYPES[dtype]
         self.path = Path(str(stage.engine.model))
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-compute")
         self._active: set[str] = set()
         self._steps = 0
         self.vae_scale = 8
@@ -98,9 +91,6 @@ class _DiffusersPart(Engine):
     def _load(self) -> None:
         """Load this role's parts (on the compute thread)."""
         raise NotImplementedError
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     @functools.cached_property
     def _index(self) -> dict[str, Any]:
@@ -153,9 +143,6 @@ class _DiffusersPart(Engine):
 
     def steps_run(self) -> int:
         return self._steps
-
-    async def close(self) -> None:
-        self._compute.shutdown(wait=False, cancel_futures=True)
 
 
 @dataclass

@@ -20,8 +20,9 @@ def decode_together(
     model: Any, caches: list[Any], positions: list[torch.Tensor], **inputs: torch.Tensor
 ) -> tuple[Any, list[Any]]:
     """`model(**inputs)` for B requests at one new position each: `inputs` are batched on dim 0
-    ([B, 1, ...]); `positions[i]` is row i's position ids ([3, 1, 1] for M-RoPE). Returns the
-    model's output and each request's cache with the step added."""
+    ([B, 1, ...]); `positions[i]` is row i's position ids ([1, 1], or [3, 1, 1] for M-RoPE),
+    joined on their batch dimension. Returns the model's output and each request's cache with
+    the step added."""
     from transformers import DynamicCache
 
     lengths = [c.get_seq_length() for c in caches]
@@ -44,7 +45,7 @@ def decode_together(
     out = model(
         **inputs,
         attention_mask=mask,
-        position_ids=torch.cat(positions, dim=1),
+        position_ids=torch.cat(positions, dim=-2),
         past_key_values=past,
         use_cache=True,
     )

@@ -36,25 +36,22 @@ as batches (`StepBatcher`): thinker and talker decode steps with their caches st
 
 from __future__ import annotations
 
-import asyncio
 from abc import abstractmethod
-from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import torch
 
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.base import ComputeEngine, Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.qwen_omni_prompt import Prompt, Prompts
 from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
 
-T = TypeVar("T")
 PARTS: Final = ("thinker", "talker", "token2wav")
 DEFAULT_VOICE: Final = "Chelsie"
 REPETITION_PENALTY: Final = 1.05  # Qwen2_5OmniForConditionalGeneration.generate's talker default
@@ -74,8 +71,8 @@ def build_qwen_omni_engine(stage: StageSpec) -> Engine:
     return engines[part](stage)
 
 
-class _Part(Engine):
-    """Loading one part of the checkpoint, the voices, and the one compute thread."""
+class _Part(ComputeEngine):
+    """Loading one part of the checkpoint, and the voices."""
 
     part: str
 
@@ -87,15 +84,9 @@ class _Part(Engine):
         self.model: Any = None
         self.config: Any = None
         self.voices: dict[str, dict[str, Any]] = {}
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-compute")
-        self.max_batch = int(self.args.get("maxBatch", stage.max_inflight))
-        """Most requests' steps run as one batched call (1: no batching)."""
 
     async def start(self) -> None:
         await self._run(self._load)
-
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     def _load(self) -> None:
         from transformers import Qwen2_5OmniConfig
@@ -134,9 +125,6 @@ class _Part(Engine):
                 f"voice '{name}' is not one of this model's voices: {', '.join(self.voices)}"
             )
         return self.voices[name]
-
-    async def close(self) -> None:
-        self._compute.shutdown(wait=False, cancel_futures=True)
 
 
 class Thinker(_Part):

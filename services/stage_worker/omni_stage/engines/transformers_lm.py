@@ -1,9 +1,11 @@
 """A Hugging Face causal LM run step by step, for AR stages (thinker, talker) on CPU or GPU.
 
-Each forward step runs in a worker thread, so the event loop keeps serving NATS while torch
-computes; cancelling the request's task stops the loop after the current step. The KV cache
-lives in the request's `call.state`, so a windowed consumer (a talker fed 8 thinker states at
-a time) continues one sequence across calls instead of starting over.
+Each forward step runs on the engine's compute thread, so the event loop keeps serving NATS
+while torch computes; cancelling the request's task stops the loop after the current step. The
+KV cache lives in the request's `call.state`, so a windowed consumer (a talker fed 8 thinker
+states at a time) continues one sequence across calls instead of starting over. The one-token
+decode steps of concurrent requests run as one batched forward, their caches stacked
+(`kv_batch.py`); a prompt or a window of embeddings runs on its own.
 
 Inputs: the client request (`messages`, chat template applied by the tokenizer) or, from an
 upstream stage, `inputs_embeds` [n, hidden] (after the edge's processor) or `token_ids` [n].
@@ -16,21 +18,23 @@ over its `negative_prompt` if it has one, emitting the last layer's states as on
 `prompt_embeds` [1, tokens, hidden] (and `negative_prompt_embeds`).
 
 Arguments (`engine.args`): mode (generate, encode), device, dtype, threads, returnHiddenStates,
-tokensPerInputUnit (new tokens per input unit for upstream inputs), ignoreEos.
+tokensPerInputUnit (new tokens per input unit for upstream inputs), ignoreEos, maxBatch.
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import Engine, EngineCall, EngineError
+from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
+from omni_stage.engines.batching import StepBatcher
+from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompts import prompt_token_ids
 from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
@@ -38,7 +42,23 @@ from omni_stage.segments import EngineOutput
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-class TransformersEngine(Engine):
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One request's next forward: token ids or embeddings, on top of its cache."""
+
+    st: dict[str, Any]
+    ids: torch.Tensor | None
+    embeds: torch.Tensor | None
+    temperature: float
+    top_p: float
+
+    @property
+    def is_decode(self) -> bool:
+        """One token on a cache: a step that batches with other requests' decode steps."""
+        return self.ids is not None and self.ids.shape[1] == 1 and "past" in self.st
+
+
+class TransformersEngine(ComputeEngine):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.device = torch.device(self.args.get("device", "cpu"))
@@ -53,9 +73,10 @@ class TransformersEngine(Engine):
         self.model: Any = None
         self.tokenizer: Any = None
         self.eos: set[int] = set()
+        self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._load)
+        await self._run(self._load)
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -102,7 +123,8 @@ class TransformersEngine(Engine):
         top_p = float(call.sampling.get("top_p", 1.0) or 1.0)
         feed_ids, feed_embeds = self._with_pending(st, ids, embeds)
         for _ in range(budget):
-            tok, hidden = await asyncio.to_thread(self._step, st, feed_ids, feed_embeds, temperature, top_p)
+            step = _Step(st, feed_ids, feed_embeds, temperature, top_p)
+            tok, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
             feed_ids, feed_embeds = torch.tensor([[tok]], device=self.device), None
             st["pending"] = tok  # sampled, not yet fed: the next step (or call) feeds it
             st["generated"].append(tok)
@@ -129,10 +151,10 @@ class TransformersEngine(Engine):
                 f"stage '{self.stage.name}': mode encode reads the client request with a tokenizer"
             )
         ids = prompt_token_ids(self.tokenizer, request)
-        data = {"prompt_embeds": await asyncio.to_thread(self._last_hidden, ids)}
+        data = {"prompt_embeds": await self._run(self._last_hidden, ids)}
         if negative := request.get("negative_prompt"):
             negative_ids = prompt_token_ids(self.tokenizer, {"prompt": str(negative)})
-            data["negative_prompt_embeds"] = await asyncio.to_thread(self._last_hidden, negative_ids)
+            data["negative_prompt_embeds"] = await self._run(self._last_hidden, negative_ids)
         call.state["prompt_tokens"] = len(ids)
         return EngineOutput(units=1, data=data)
 
@@ -172,25 +194,41 @@ class TransformersEngine(Engine):
             return t.unsqueeze(0), None, int(t.shape[0])
         raise EngineError(f"stage '{self.stage.name}': inputs carry neither inputs_embeds nor token_ids")
 
+    def _steps(self, steps: list[_Step]) -> list[tuple[int, torch.Tensor]]:
+        if len(steps) == 1:
+            return [self._step(steps[0])]
+        return self._decode_together(steps)
+
     @torch.inference_mode()
-    def _step(
-        self,
-        st: dict[str, Any],
-        ids: torch.Tensor | None,
-        embeds: torch.Tensor | None,
-        temperature: float,
-        top_p: float,
-    ) -> tuple[int, torch.Tensor]:
+    def _step(self, s: _Step) -> tuple[int, torch.Tensor]:
         out = self.model(
-            input_ids=ids,
-            inputs_embeds=embeds,
-            past_key_values=st.get("past"),
+            input_ids=s.ids,
+            inputs_embeds=s.embeds,
+            past_key_values=s.st.get("past"),
             use_cache=True,
             output_hidden_states=self.return_hidden,
         )
-        st["past"] = out.past_key_values
-        hidden = out.hidden_states[-1][0, -1:].float().cpu() if self.return_hidden else torch.empty(0)
-        return pick_token(out.logits[0, -1].float(), temperature, top_p, st["generator"]), hidden
+        s.st["past"] = out.past_key_values
+        return self._pick(s, out, 0)
+
+    @torch.inference_mode()
+    def _decode_together(self, steps: list[_Step]) -> list[tuple[int, torch.Tensor]]:
+        caches = [s.st["past"] for s in steps]
+        out, caches = decode_together(
+            self.model,
+            caches,
+            [torch.tensor([[c.get_seq_length()]], device=self.device) for c in caches],
+            input_ids=torch.cat([s.ids for s in steps if s.ids is not None]),
+            output_hidden_states=self.return_hidden,
+        )
+        for s, cache in zip(steps, caches, strict=True):
+            s.st["past"] = cache
+        return [self._pick(s, out, row) for row, s in enumerate(steps)]
+
+    def _pick(self, s: _Step, out: Any, row: int) -> tuple[int, torch.Tensor]:
+        """Row `row`'s next token, and the last layer's state that produced it."""
+        hidden = out.hidden_states[-1][row, -1:].float().cpu() if self.return_hidden else torch.empty(0)
+        return pick_token(out.logits[row, -1].float(), s.temperature, s.top_p, s.st["generator"]), hidden
 
     def _text_delta(self, st: dict[str, Any]) -> str:
         if self.tokenizer is None:
