@@ -61,3 +61,23 @@ def test_a_cancelled_piece_leaves_its_batch() -> None:
         assert run.calls == [[1], [3]]
 
     asyncio.run(go())
+
+
+def test_requests_answered_together_step_again_together() -> None:
+    """Three requests of four steps each: once their steps have met in one batch, every
+    request's next step is queued before the next batch starts, so they stay together (the
+    first request's first step ran alone, so it is one step ahead of the others)."""
+
+    async def go() -> None:
+        run = Doubler()
+        run.go.set()
+        b = StepBatcher(run, ThreadPoolExecutor(1), max_batch=8)
+
+        async def request(r: int) -> None:
+            for step in range(4):
+                assert await b.submit("a", 100 * r + step) == 2 * (100 * r + step)
+
+        await asyncio.gather(*(request(r) for r in (1, 2, 3)))
+        assert run.calls == [[100], [200, 300, 101], [201, 301, 102], [202, 302, 103], [203, 303]]
+
+    asyncio.run(go())

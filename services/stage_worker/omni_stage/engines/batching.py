@@ -83,7 +83,6 @@ class StepBatcher(Generic[I, O]):
         return results
 
     def _finished(self, batch: list[_Waiting[I, O]], work: asyncio.Future[list[O | BaseException]]) -> None:
-        self._busy = False
         error = None if work.cancelled() else work.exception()
         for i, w in enumerate(batch):
             if w.done.done():
@@ -98,6 +97,10 @@ class StepBatcher(Generic[I, O]):
                     w.done.set_exception(r)
                 else:
                     w.done.set_result(r)
-        # Not at once: first let the requests just answered run up to their next submit, so
-        # that their next pieces can join the one already waiting.
-        asyncio.get_running_loop().call_soon(self._next)
+        # Not at once: first let the requests just answered run up to their next submit (their
+        # wake-ups were queued above, before this), so that their next pieces go together.
+        asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        self._busy = False
+        self._next()
