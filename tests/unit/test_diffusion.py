@@ -171,6 +171,57 @@ def test_previews_every_k_steps_and_only_the_newest_is_decoded(pixart: Path) -> 
     assert int(preview.data["step"][0]) == 6 and preview.data["images"].shape == (1, 1, 32, 32, 3)
 
 
+def test_concurrent_requests_denoise_and_decode_in_batches_with_the_same_images(pixart: Path) -> None:
+    """Four requests on one denoise and one decode replica at once: prompts of three lengths,
+    with and without guidance (and a negative prompt), 1 or 2 images, 6 or 8 steps, and one of
+    another size. The three of one size step together (one denoiser forward, each row at its
+    own timestep, prompts padded and masked); decoded at once, the two of them that queue
+    behind the first go together, the one of another size alone. Each
+    request's latents are what it gets alone within 1e-4, relative (float32 sums in another
+    order in a batched matmul, about 1e-6, grown over the steps), its pixels within 1 (a pixel
+    is rounded)."""
+    g = torch.Generator().manual_seed(0)
+    jobs = [
+        (torch.randn(3, 64, generator=g), None, {"guidance_scale": 1.0, "seed": 1}),
+        (torch.randn(7, 64, generator=g), torch.randn(5, 64, generator=g), {"n": 2, "guidance_scale": 3.0}),
+        (torch.randn(5, 64, generator=g), None, {"num_inference_steps": 6, "seed": 3}),
+        (torch.randn(4, 64, generator=g), None, {"width": 48, "seed": 4}),
+    ]
+
+    async def go() -> tuple[list[Any], list[Any], Any, Any]:
+        denoise = stage("denoise", pixart, width=32, height=32, steps=8, maxBatch=4)
+        decode = stage("decode", pixart, maxBatch=4)
+        await denoise.start()
+        await decode.start()
+
+        async def denoised(
+            embeds: torch.Tensor, negative: torch.Tensor | None, sampling: dict[str, Any]
+        ) -> Any:
+            cond = {"prompt_embeds": embeds[None]}
+            if negative is not None:
+                cond["negative_prompt_embeds"] = negative[None]
+            call = EngineCall("r", {"encoder": cond}, True, {"seed": 2, **sampling})
+            [final] = [o.data async for o in denoise.generate(call)]
+            return final
+
+        async def decoded(final: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+            [image] = [o.data async for o in decode.generate(EngineCall("r", {"dit": final}, True, {}))]
+            return final["latents"], image["images"]
+
+        finals = await asyncio.gather(*(denoised(*job) for job in jobs))
+        together = await asyncio.gather(*(decoded(final) for final in finals))
+        sizes = denoise.batcher.batch_sizes.copy(), decode.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
+        alone = [await decoded(await denoised(*job)) for job in jobs]
+        return together, alone, *sizes
+
+    together, alone, denoise_batches, decode_batches = asyncio.run(go())
+    assert max(denoise_batches) == 3 and decode_batches == {1: 2, 2: 1}, (denoise_batches, decode_batches)
+    for (latents, images), (latents_alone, images_alone) in zip(together, alone, strict=True):
+        torch.testing.assert_close(latents, latents_alone, rtol=1e-4, atol=1e-4)
+        assert images.shape == images_alone.shape
+        assert (images.int() - images_alone.int()).abs().max() <= 1
+
+
 def test_uneven_prompts_are_padded_and_masked(pixart: Path) -> None:
     """A negative prompt longer than the prompt: padding masked out changes nothing."""
     engine = started(stage("denoise", pixart, width=16, height=16))

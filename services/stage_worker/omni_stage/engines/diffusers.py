@@ -10,10 +10,14 @@ its transformer on a Qwen2 language model's hidden states.
 role `denoise` (transformer or UNet, and the scheduler). Reads `prompt_embeds` and, if given,
 `negative_prompt_embeds` from upstream. Each scheduler step is one call on the engine's compute
 thread, so cancelling the request stops the loop after the step in progress. Emits the final
-latents and, when the request asks for previews, the latents every k steps.
+latents and, when the request asks for previews, the latents every k steps. The steps of
+concurrent requests with latents of one size run as one denoiser forward, each row at its own
+timestep, prompts padded to the longest and masked; each request's scheduler then steps its
+own rows.
 role `decode` (the VAE). Latents in, RGB images out. A preview is decoded from 2x downsampled
 latents and scaled back to the full size; when several previews wait, only the newest is
-decoded. The final image is decoded at full resolution.
+decoded. The final image is decoded at full resolution. Concurrent requests' latents of one
+size (and kind: preview or final) are decoded as one batch.
 
 Every output is one unit, and its tensors carry a leading unit dimension:
 `latents` [1, n, C, h, w] or `images` uint8 [1, n, H, W, 3], with `step` [1] and `final` [1].
@@ -21,7 +25,7 @@ So segments and windows may join outputs and still keep them apart.
 
 Request parameters: n, width, height, num_inference_steps, guidance_scale, seed, previews,
 partial_images. Arguments (`engine.args`): role, device, dtype, threads, width, height (the
-default size), maxSize, steps, guidanceScale, previewEvery.
+default size), maxSize, steps, guidanceScale, previewEvery, maxBatch.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import torch.nn.functional as F
 
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.batching import StepBatcher
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
 
@@ -191,6 +196,7 @@ class DenoiseEngine(_DiffusersPart):
         self.scheduler: Any = None
         self.multiple = 8
         self._takes_generator = False
+        self.batcher = StepBatcher(self._steps_together, self._compute, self.max_batch)
 
     def _load(self) -> None:
         part = "transformer" if self._has_part("transformer") else "unet"
@@ -221,7 +227,7 @@ class DenoiseEngine(_DiffusersPart):
         try:
             timesteps = plan.scheduler.timesteps
             for i in range(len(timesteps)):
-                await self._run(self._step, plan, timesteps[i])
+                await self.batcher.submit(tuple(plan.latents.shape[1:]), (plan, timesteps[i]))
                 if i + 1 in plan.previews:
                     yield EngineOutput(units=1, data=_latents_unit(plan.latents, i + 1, final=False))
             yield EngineOutput(units=1, data=_latents_unit(plan.latents, len(timesteps), final=True))
@@ -292,39 +298,61 @@ class DenoiseEngine(_DiffusersPart):
         )
 
     @torch.inference_mode()
-    def _step(self, s: _Sampling, t: torch.Tensor) -> None:
-        x = torch.cat([s.latents] * 2) if s.cfg else s.latents
-        x = s.scheduler.scale_model_input(x, t)
-        out = self._denoise(x, t, s)
-        if out.shape[1] == 2 * s.latents.shape[1]:  # a learned variance rides along; drop it
-            out = out.chunk(2, dim=1)[0]
-        if s.cfg:
-            uncond, cond = out.chunk(2)
-            out = uncond + s.guidance * (cond - uncond)
-        extra = {"generator": s.generator} if self._takes_generator else {}
-        s.latents = s.scheduler.step(out, t, s.latents, return_dict=False, **extra)[0]
-        self._steps += 1
+    def _steps_together(self, steps: list[tuple[_Sampling, torch.Tensor]]) -> list[None]:
+        """One scheduler step for each request: one denoiser forward over all their rows (with
+        guidance, a request's rows are its negative's and its prompt's), then each request's
+        scheduler on its own rows."""
+        xs = [
+            s.scheduler.scale_model_input(torch.cat([s.latents] * 2) if s.cfg else s.latents, t)
+            for s, t in steps
+        ]
+        rows = [x.shape[0] for x in xs]
+        length = max(s.cond.shape[1] for s, _ in steps)
+        out = self._denoise(
+            torch.cat(xs),
+            torch.cat([t.reshape(1).expand(n) for (_, t), n in zip(steps, rows, strict=True)]),
+            torch.cat([F.pad(s.cond, (0, 0, 0, length - s.cond.shape[1])) for s, _ in steps]),
+            torch.cat([F.pad(s.mask, (0, length - s.mask.shape[1])) for s, _ in steps]),
+            [s.size for (s, _), n in zip(steps, rows, strict=True) for _ in range(n)],
+        )
+        for (s, t), o in zip(steps, out.split(rows), strict=True):
+            if o.shape[1] == 2 * s.latents.shape[1]:  # a learned variance rides along; drop it
+                o = o.chunk(2, dim=1)[0]
+            if s.cfg:
+                uncond, cond = o.chunk(2)
+                o = uncond + s.guidance * (cond - uncond)
+            extra = {"generator": s.generator} if self._takes_generator else {}
+            s.latents = s.scheduler.step(o, t, s.latents, return_dict=False, **extra)[0]
+            self._steps += 1
+        return [None] * len(steps)
 
-    def _denoise(self, x: torch.Tensor, t: torch.Tensor, s: _Sampling) -> torch.Tensor:
+    def _denoise(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cond: torch.Tensor,
+        mask: torch.Tensor,
+        sizes: list[tuple[int, int]],
+    ) -> torch.Tensor:
+        """The denoiser on rows `x` at timesteps `t` (one per row), each row's (height, width)
+        in `sizes`."""
         if type(self.denoiser).__name__ == "UNet2DConditionModel":
             return self.denoiser(
-                x, t, encoder_hidden_states=s.cond, encoder_attention_mask=s.mask, return_dict=False
+                x, t, encoder_hidden_states=cond, encoder_attention_mask=mask, return_dict=False
             )[0]
-        batch = x.shape[0]
         added: dict[str, Any] = {"resolution": None, "aspect_ratio": None}
         if getattr(self.denoiser, "use_additional_conditions", False):
-            h, w = s.size
             added = {
-                "resolution": torch.tensor([[h, w]], dtype=self.dtype, device=self.device).repeat(batch, 1),
-                "aspect_ratio": torch.tensor([[h / w]], dtype=self.dtype, device=self.device).repeat(
-                    batch, 1
+                "resolution": torch.tensor([[h, w] for h, w in sizes], dtype=self.dtype, device=self.device),
+                "aspect_ratio": torch.tensor(
+                    [[h / w] for h, w in sizes], dtype=self.dtype, device=self.device
                 ),
             }
         return self.denoiser(
             x,
-            encoder_hidden_states=s.cond,
-            encoder_attention_mask=s.mask,
-            timestep=t.expand(batch),
+            encoder_hidden_states=cond,
+            encoder_attention_mask=mask,
+            timestep=t,
             added_cond_kwargs=added,
             return_dict=False,
         )[0]
@@ -334,6 +362,7 @@ class DecodeEngine(_DiffusersPart):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.vae: Any = None
+        self.batcher = StepBatcher(self._decode_together, self._compute, self.max_batch)
 
     def _load(self) -> None:
         self.vae = self._load_part("vae")
@@ -348,13 +377,21 @@ class DecodeEngine(_DiffusersPart):
         self._active.add(call.request_id)
         try:
             for i in finals or [len(final) - 1]:  # the final image, else only the newest preview
-                images = await self._run(self._decode, latents[i], not bool(final[i]))
+                preview = not bool(final[i])
+                images = await self.batcher.submit(
+                    (tuple(latents[i].shape[1:]), preview), (latents[i], preview)
+                )
                 yield EngineOutput(
                     units=1,
                     data={"images": images[None], "step": steps[i : i + 1], "final": final[i : i + 1]},
                 )
         finally:
             self._active.discard(call.request_id)
+
+    def _decode_together(self, items: list[tuple[torch.Tensor, bool]]) -> list[torch.Tensor]:
+        """Latents [n, C, h, w] of one size and kind from several requests, in one VAE decode."""
+        images = self._decode(torch.cat([latents for latents, _ in items]), items[0][1])
+        return list(images.split([latents.shape[0] for latents, _ in items]))
 
     @torch.inference_mode()
     def _decode(self, latents: torch.Tensor, preview: bool) -> torch.Tensor:
