@@ -70,12 +70,23 @@ def generate(base: str, **body: object) -> tuple[str, str]:
 
 
 def test_requests_at_the_same_moment_stay_apart(image_demo: str) -> None:
-    """Eight identical requests at once: each its own id, each the image its seed makes."""
+    """Eight identical requests at once: each its own id, each the image its seed makes alone.
+
+    They run in batches (one denoiser forward for the steps of several requests), where float
+    sums go in another order than alone: a pixel may round the other way, by 1 (the engine
+    tests bound the latents; `maxBatch: 1` is bit for bit). A request that saw another's
+    latents or prompt would be a different image altogether, as another seed's is."""
+    alone = pixels(generate(image_demo, seed=11)[0])
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda _: generate(image_demo, seed=11), range(8)))
     assert len({rid for _, rid in results}) == 8
-    assert len({img for img, _ in results}) == 1  # same seed, same image: no request saw another's
-    assert generate(image_demo, seed=12)[0] != results[0][0]
+    for img, _ in results:
+        assert np.abs(pixels(img) - alone).max() <= 1
+    assert np.abs(pixels(generate(image_demo, seed=12)[0]) - alone).mean() > 8
+
+
+def pixels(b64: str) -> np.ndarray:
+    return np.asarray(decode(b64), dtype=np.int16)
 
 
 def test_guidance_and_negative_prompt_steer_the_image(image_demo: str) -> None:
