@@ -1,7 +1,7 @@
 """A user's torch module as a stage (vocoders, codecs): `engine.factory: module:function`.
 
 The factory is called with `engine.args` (less the keys this engine reads) and returns an
-nn.Module. Each call runs `module(**tensors)` on the edge's payload in a worker thread and
+nn.Module. Each call runs `module(**tensors)` on the edge's payload on the compute thread and
 emits the result as one output: under `audio` (with the module's `sample_rate`) when the
 stage's final output is audio, else under `outputKey` (default `tensor`). For audio a unit is
 a sample; otherwise a unit is a row of the output.
