@@ -47,6 +47,9 @@ gone; the request ends at once rather than at its deadline."""
 INVALID_REQUEST: Final = "invalid_request"
 """ErrorMsg code: an engine cannot do what the request asks (a size, a speed); the client's
 error, answered 400."""
+DEADLINE_EXCEEDED: Final = "timeout"
+"""ErrorMsg code: the request's deadline passed while a stage held it; answered 504, as the
+gateway's own timer is."""
 CONNECTOR_ERROR: Final = "connector_error"
 """ErrorMsg code: a payload could not be stored or fetched (the message names the connector)."""
 PAYLOAD_GONE: Final = "payload_gone"
@@ -196,6 +199,10 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     by_gateway: dict[str, int] = msgspec.field(default_factory=dict)
     """Requests held (queued + inflight) per gateway inbox, so each gateway can tell its own
     share of the load from the others' even when the beat lags behind its releases."""
+    accepts: list[str] | None = None
+    """The kinds of message content part its engine reads from a client's request (`text`,
+    `image`, `audio`, `video`), so a gateway refuses the others before any work; None: not
+    declared (the engine refuses what it cannot read itself)."""
     ts: float = msgspec.field(default_factory=time.time)
 
 

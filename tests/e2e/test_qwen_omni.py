@@ -172,7 +172,10 @@ def test_bad_media_is_a_400_naming_the_part_and_leaves_nothing_behind(base: str)
             "input_audio": {"data": "AAAA", "format": "aac"},
         },
         "does not fetch URLs": {"type": "image_url", "image_url": {"url": "http://127.0.0.1:1/x.png"}},
-        "'video_url' parts are not served": {"type": "video_url", "video_url": {"url": "data:,"}},
+        "cannot read video_url parts; it reads audio, image, text": {
+            "type": "video_url",
+            "video_url": {"url": "data:,"},
+        },
     }
     for says, part in cases.items():
         message = {"role": "user", "content": [*good, part]}

@@ -11,19 +11,23 @@ import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
 import pytest
 import soundfile as sf
+import yaml
 
-from tests.deployment import metric_values, metrics_urls
+from tests.deployment import gauges, metric_values, metrics_urls, settle
 from tests.helpers import (
     ROOT,
     OmniProcess,
     decode_wav,
     get_json,
     group_alive,
+    replica_metric,
+    replicas,
     served,
     served_example,
     wait_for,
@@ -47,8 +51,13 @@ def audio_delta(chunk: object) -> dict[str, object] | None:
 
 
 @pytest.fixture(scope="module")
-def demo(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with served_example("tiny-omni.yaml", demo_dir, tmp_path_factory.mktemp("logs")) as base:
+def demo_logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("logs")
+
+
+@pytest.fixture(scope="module")
+def demo(demo_dir: Path, demo_logs: Path) -> Iterator[str]:
+    with served_example("tiny-omni.yaml", demo_dir, demo_logs) as base:
         yield base
 
 
@@ -162,6 +171,61 @@ def test_an_audio_pipeline_refuses_images(demo: str) -> None:
         client.images.generate(model="tiny-omni", prompt="a cat")
 
 
+def test_media_to_a_text_only_model_is_refused_before_anything_runs(demo: str) -> None:
+    """The demo thinker declares (in its heartbeat) that it reads text only: an image part is a
+    400 naming the part, from the gateway, and no stage sees the request."""
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused", max_retries=0)
+    seen = replica_metric(demo, "thinker", "omni_stage_requests_total")
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(
+            model="tiny-omni", messages=[{"role": "user", "content": [{"type": "text", "text": "hi"}, image]}]
+        )
+    body = err.value.body
+    assert isinstance(body, dict) and body["param"] == "messages[0].content[1]", body
+    assert "cannot read image_url parts; it reads text" in body["message"]
+    assert replica_metric(demo, "thinker", "omni_stage_requests_total") == seen
+
+
+def test_the_clients_request_id_names_the_request_in_every_stage(demo: str, demo_logs: Path) -> None:
+    """A client's X-Request-Id comes back as sent, and is the request's id inside the pipeline
+    (with a suffix that keeps two requests with one id apart): every stage's log line for the
+    request and each replica's latency exemplar carry it. An id the pipeline cannot carry is
+    replaced, and the client gets the replacement."""
+    body = {
+        "model": "tiny-omni",
+        "messages": [{"role": "user", "content": "hi"}],
+        "modalities": ["text", "audio"],
+    }
+    body["audio"] = {"voice": "alloy", "format": "wav"}
+    r = httpx.post(
+        f"{demo}/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-7f3a"}, timeout=60
+    )
+    assert r.status_code == 200 and r.headers["x-request-id"] == "trace-7f3a"
+    assert re.fullmatch(r"chatcmpl-trace-7f3a-[0-9a-f]{12}", r.json()["id"])
+    log = demo_logs / "serve.log"
+    for stage in ("thinker", "talker", "vocoder"):
+        wait_for(
+            lambda s=stage: re.search(rf"stage {s}/0: request trace-7f3a-[0-9a-f]{{12}} ok", log.read_text()),
+            10,
+            f"the {stage}'s log line for the request",
+        )
+        rep = replicas(demo, stage)[0]
+        metrics = httpx.get(
+            f"http://127.0.0.1:{rep['metrics_port']}/metrics",
+            headers={"Accept": "application/openmetrics-text; version=1.0.0"},
+            timeout=5,
+        ).text
+        assert re.search(r'omni_stage_request_seconds_bucket\{.*\} [\d.]+ # \{request_id="trace-7f3a-', metrics)
+
+    r = httpx.post(
+        f"{demo}/v1/chat/completions", json=body, headers={"X-Request-Id": "no spaces/here"}, timeout=60
+    )
+    made = r.headers["x-request-id"]
+    assert r.status_code == 200 and re.fullmatch(r"[0-9a-f]{32}", made)
+    wait_for(lambda: f"stage thinker/0: request {made} ok" in log.read_text(), 10, "the made id in the log")
+
+
 def test_speech_streams_as_the_vocoder_produces(tmp_path: Path) -> None:
     """The slow pipeline's talker takes 40 ms a code for 100 codes, so synthesis lasts about 4 s;
     the first bytes reach the client while the vocoder still holds the request."""
@@ -232,6 +296,34 @@ def test_malformed_json_is_400(demo: str) -> None:
 def test_request_id_is_made_when_absent(demo: str) -> None:
     r = httpx.get(f"{demo}/v1/models")
     assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+
+
+def test_a_request_past_its_deadline_is_a_504(tmp_path: Path) -> None:
+    """The slow pipeline with a 2 s deadline: its talker takes about 4 s to speak a reply, its
+    thinker 0.2 s to write one. Text alone is served; speech runs past the deadline and is a
+    504 (the talker's timer fires; its error is answered as the gateway's own timer's would
+    be), non-streamed or as the stream's error event; nothing stays held."""
+    pipeline = yaml.safe_load(SLOW.read_text())
+    pipeline["spec"]["gateway"]["requestTimeoutS"] = 2
+    (tmp_path / "deadline.yaml").write_text(yaml.safe_dump(pipeline))
+    with served(tmp_path / "deadline.yaml", ROOT, tmp_path / "serve.log") as (_, base):
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        messages = [{"role": "user", "content": "hi"}]
+        text = client.chat.completions.create(model="slow", messages=messages)  # type: ignore[arg-type]
+        assert text.choices[0].message.content
+        idle = gauges([base])  # after a first request: NATS's reply subscription is for good
+        speech: dict[str, Any] = {"modalities": ["text", "audio"]}
+        speech["audio"] = {"voice": "alloy", "format": "wav"}
+        with pytest.raises(openai.APIStatusError) as err:
+            client.chat.completions.create(model="slow", messages=messages, **speech)  # type: ignore[arg-type]
+        assert err.value.status_code == 504, err.value.body
+        assert isinstance(err.value.body, dict) and err.value.body["code"] == "timeout"
+        assert "deadline" in err.value.body["message"]
+        with pytest.raises(openai.APIError) as streamed:
+            for _ in client.chat.completions.create(model="slow", messages=messages, stream=True, **speech):  # type: ignore[arg-type]
+                pass
+        assert isinstance(streamed.value.body, dict) and streamed.value.body["code"] == "timeout"
+        settle([base], idle)
 
 
 def test_sigkill_of_a_stage_mid_request(tmp_path: Path) -> None:

@@ -54,24 +54,42 @@ def test_demo_n_to_m_replicas_two_gateways(demo: Deployment, mooncake: LocalMoon
     assert (
         replica_metric(bases[0], "thinker", "omni_connector_bytes_total", connector="default", op="put") > 0
     )
-    # Media go to the thinker as tensors in Mooncake (its request edge's connector), never on
-    # NATS; its read frees them. This thinker takes text only: its answer is a 400.
+    # This thinker reads text only, as its replica declares: an image is refused by the
+    # gateway before anything runs (the thinker reads nothing).
+    got = replica_metric(bases[0], "thinker", "omni_connector_bytes_total", connector="default", op="get")
+    r = httpx.post(f"{bases[0]}/v1/chat/completions", json=image_request("tiny-omni"), timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "messages[0].content[0]"
+    assert "cannot read image_url parts; it reads text" in error["message"]
+    assert (
+        replica_metric(bases[0], "thinker", "omni_connector_bytes_total", connector="default", op="get")
+        == got
+    )
+    wait_for(lambda: mooncake.key_count() == 0, 10, "no Mooncake key left")
+    assert our_shm_segments() == []
+
+
+def image_request(model: str) -> dict[str, object]:
     png = io.BytesIO()
     Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(png, "PNG")
     url = f"data:image/png;base64,{base64.b64encode(png.getvalue()).decode()}"
-    got = replica_metric(bases[0], "thinker", "omni_connector_bytes_total", connector="default", op="get")
-    r = httpx.post(
-        f"{bases[0]}/v1/chat/completions",
-        json={
-            "model": "tiny-omni",
-            "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
-        },
-        timeout=30,
-    )
-    assert r.status_code == 400 and "cannot read the 'image' part" in r.json()["error"]["message"], r.text
-    read = (
-        replica_metric(bases[0], "thinker", "omni_connector_bytes_total", connector="default", op="get") - got
-    )
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}],
+    }
+
+
+def test_media_reach_the_thinker_through_mooncake(
+    synth_distributed: Deployment, mooncake: LocalMooncake
+) -> None:
+    """Media go to a thinker that reads them as tensors in Mooncake (its request edge's
+    connector), never on NATS; its read frees them."""
+    base = synth_distributed.base
+    got = replica_metric(base, "thinker", "omni_connector_bytes_total", connector="default", op="get")
+    r = httpx.post(f"{base}/v1/chat/completions", json=image_request("synthd"), timeout=30)
+    assert r.status_code == 200, r.text
+    read = replica_metric(base, "thinker", "omni_connector_bytes_total", connector="default", op="get") - got
     assert read > 64 * 64 * 3  # the pixels came through Mooncake
     wait_for(lambda: mooncake.key_count() == 0, 10, "no Mooncake key left")
     assert our_shm_segments() == []

@@ -27,12 +27,21 @@ from omni_pipeline.spec import PipelineFile
 
 log = logging.getLogger("omni.gateway")
 
-_REQUEST_ID_OK: Final = re.compile(r"^[\x21-\x7e]{1,256}$")
+_CLIENT_ID_OK: Final = re.compile(r"^[A-Za-z0-9_.-]{1,96}$")
+"""A client's X-Request-Id the pipeline can carry: its ids go into NATS messages, segment names
+and store keys (see `check_request_id`), with room for the suffix."""
 READY_WAIT_S: Final = 60.0
 
 
+def pipeline_request_id(client_id: str) -> str:
+    """The id a request has inside the pipeline (every stage's log lines, metric exemplars):
+    the client's own id, with a suffix that keeps two requests sent with one id apart."""
+    return f"{client_id}-{uuid.uuid4().hex[:12]}"
+
+
 class RequestIdMiddleware:
-    """Honour X-Request-Id (or make one) and echo it on every response, streaming included."""
+    """Honour X-Request-Id and echo it on every response, streaming included. An id the
+    pipeline cannot carry (or none) is replaced by one made here, and that one is returned."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -42,8 +51,11 @@ class RequestIdMiddleware:
             await self.app(scope, receive, send)
             return
         given = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
-        rid = given if _REQUEST_ID_OK.match(given) else uuid.uuid4().hex
-        scope.setdefault("state", {})["request_id"] = rid
+        if _CLIENT_ID_OK.match(given):
+            rid, pipeline_rid = given, pipeline_request_id(given)
+        else:
+            rid = pipeline_rid = uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = pipeline_rid
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

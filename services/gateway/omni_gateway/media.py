@@ -50,10 +50,20 @@ class Media:
         return key
 
 
+_PART_KINDS: Final = {
+    "image_url": "image",
+    "input_audio": "audio",
+    "video_url": "video",
+    "input_video": "video",
+}
+"""OpenAI's content part types -> the kinds engines declare they read (`Engine.accepts`)."""
+
+
 async def decode_media(
-    messages: list[dict[str, Any]], limits: MediaSpec
+    messages: list[dict[str, Any]], limits: MediaSpec, accepts: frozenset[str] | None = None
 ) -> tuple[list[dict[str, Any]], Media]:
-    """The messages with each media part replaced by a reference, and the tensors referred to."""
+    """The messages with each media part replaced by a reference, and the tensors referred to.
+    `accepts`: the part kinds the model reads (None: unknown); any other is refused first."""
     media = Media()
     out = []
     for i, msg in enumerate(messages):
@@ -68,6 +78,11 @@ async def decode_media(
                 parts.append(part)
                 continue
             where = f"messages[{i}].content[{j}]"
+            if accepts is not None and kind in _PART_KINDS and _PART_KINDS[kind] not in accepts:
+                reads = ", ".join(sorted(accepts))
+                raise BadRequest(
+                    f"{where}: this model cannot read {kind} parts; it reads {reads}", param=where
+                )
             if len(media.tensors) == limits.max_parts:
                 raise BadRequest(
                     f"{where}: more than {limits.max_parts} media parts in one request", param=where

@@ -115,6 +115,14 @@ class ReplicaTable:
     def covers(self, stages: list[str]) -> bool:
         return all(any(not r.hb.draining for r in self._by_stage.get(s, {}).values()) for s in stages)
 
+    def accepts(self, stage: str) -> frozenset[str] | None:
+        """The content part kinds the stage's engine reads, as its replicas declare them (all
+        run one engine); None while none has."""
+        for r in self._by_stage.get(stage, {}).values():
+            if r.hb.accepts is not None:
+                return frozenset(r.hb.accepts)
+        return None
+
     def get(self, stage: str, instance: str) -> Replica | None:
         return self._by_stage.get(stage, {}).get(instance)
 

@@ -5,14 +5,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import choose_encoder
 
 from omni_gateway.chat import ChatResult, completion_body, now, sse_chunks
 from omni_gateway.errors import BadRequest, ModelNotFound, StageFailed
@@ -81,7 +80,8 @@ async def metrics(request: Request) -> Response:
     m, svc = _metrics(request), _service(request)
     m.tracked.set(len(svc.inflight))
     m.resources.refresh(svc.nc, svc.connectors.values())
-    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+    encode, content_type = choose_encoder(request.headers.get("accept", ""))  # OpenMetrics: exemplars
+    return Response(encode(m.registry), media_type=content_type)
 
 
 @router.get("/replicas")
@@ -125,7 +125,7 @@ async def _respond(
     """Run one request: count it, wait for its first output (an error before any output keeps
     its HTTP status), then let `respond` build the response from it and the rest. A streamed
     body takes over the in-flight count; a client that leaves aborts the request."""
-    rid = uuid.uuid4().hex
+    rid: str = request.state.request_id  # the client's X-Request-Id, made unique (app.py)
     m = _metrics(request)
     t0 = time.monotonic()
     events = svc.generate(rid, inputs, sampling, outputs, media.tensors if media else None)
@@ -133,13 +133,13 @@ async def _respond(
     streaming = False
     try:
         first = await _first(events, request)
-        m.first_output.observe(time.monotonic() - t0)
+        m.first_output.observe(time.monotonic() - t0, exemplar={"request_id": rid})
         answer = await _until_disconnect(respond(rid, first, events), request)
         if isinstance(answer, Streamed):
-            body = _counted(answer.body, m, t0)
+            body = _counted(answer.body, m, t0, rid)
             streaming = True
             return StreamingResponse(body, media_type=answer.media_type, headers=answer.headers)
-        m.latency.observe(time.monotonic() - t0)
+        m.latency.observe(time.monotonic() - t0, exemplar={"request_id": rid})
         return answer
     except BaseException:
         await events.aclose()
@@ -167,7 +167,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         return JSONResponse(completion_body(req, rid, now(), result))
 
     inputs = stage_inputs(req)
-    inputs["messages"], media = await decode_media(inputs["messages"], svc.spec.gateway.media)
+    accepts = svc.accepted_parts(req.wanted_outputs())
+    inputs["messages"], media = await decode_media(inputs["messages"], svc.spec.gateway.media, accepts)
     return await _respond(request, svc, inputs, sampling_params(req), req.wanted_outputs(), respond, media)
 
 
@@ -234,10 +235,10 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _counted(chunks: AsyncIterator[str], m: GatewayMetrics, t0: float) -> AsyncIterator[str]:
+async def _counted(chunks: AsyncIterator[str], m: GatewayMetrics, t0: float, rid: str) -> AsyncIterator[str]:
     try:
         async for c in chunks:
             yield c
     finally:
         m.inflight.dec()
-        m.latency.observe(time.monotonic() - t0)
+        m.latency.observe(time.monotonic() - t0, exemplar={"request_id": rid})

@@ -30,6 +30,7 @@ from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError, OmniConnector, PayloadGone, build_connectors
 from omni_pipeline.control import (
     CONNECTOR_ERROR,
+    DEADLINE_EXCEEDED,
     HEARTBEAT_INTERVAL_S,
     INVALID_REQUEST,
     NATS_LOST,
@@ -58,7 +59,11 @@ ADMIT_TIMEOUT_S: Final = 5.0
 MAX_ATTEMPTS: Final = 2
 RETRYABLE: Final = frozenset({"replica_lost", "draining", "full"})
 """Errors that say where a request went, not what it is: another replica may well serve it."""
-_ERRORS: Final[dict[str, type[OmniError]]] = {NATS_LOST: Unavailable, INVALID_REQUEST: BadRequest}
+_ERRORS: Final[dict[str, type[OmniError]]] = {
+    NATS_LOST: Unavailable,
+    INVALID_REQUEST: BadRequest,
+    DEADLINE_EXCEEDED: Timeout,
+}
 """Stage error codes that are not a stage's failure: the client's request, or our connection."""
 ROOT_CAUSE_WAIT_S: Final = 2.0
 """How long a request that met a vanished payload waits for the error that explains it."""
@@ -160,6 +165,18 @@ class PipelineClient:
         return self.connected and self.table.covers([s.name for s in self.spec.stages if s.replicas > 0])
 
     # --- requests ----------------------------------------------------------------------------
+
+    def accepted_parts(self, outputs: set[OutputKind]) -> frozenset[str] | None:
+        """The content part kinds every source stage on these outputs' route reads; None while
+        one of them has not declared its own."""
+        kinds: frozenset[str] | None = None
+        for stage in self.spec.needed_stages(outputs):
+            if stage not in self._sources:
+                continue
+            if (declared := self.table.accepts(stage)) is None:
+                return None
+            kinds = declared if kinds is None else kinds & declared
+        return kinds
 
     async def generate(
         self,

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from fastapi import FastAPI, Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from fastapi import FastAPI, Request, Response
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
 
 
 def health_app(
@@ -25,8 +26,9 @@ def health_app(
         return {"status": "ready" if ok else "not ready", "reason": why}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
         refresh()  # on the event loop (it counts its tasks); this moment, not the last heartbeat
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        encode, content_type = choose_encoder(request.headers.get("accept", ""))  # OpenMetrics: exemplars
+        return Response(encode(registry), media_type=content_type)
 
     return app

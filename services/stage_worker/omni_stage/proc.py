@@ -37,6 +37,7 @@ from omni_pipeline.connectors import (
 )
 from omni_pipeline.control import (
     CONNECTOR_ERROR,
+    DEADLINE_EXCEEDED,
     HEARTBEAT_INTERVAL_S,
     INVALID_REQUEST,
     NATS_LOST,
@@ -246,6 +247,7 @@ class StageWorker:
             metrics_port=self.metrics_port,
             stopping=stopping,
             by_gateway=dict(collections.Counter(st.ctx.reply_to for st in self.requests.values())),
+            accepts=sorted(self.engine.accepts),
         )
         if self.nc is not None and self.nc.is_connected:
             with contextlib.suppress(Exception):
@@ -344,6 +346,8 @@ class StageWorker:
             inputs = ", ".join(self.in_windows)
             why = f"{where}: none of its inputs ({inputs}) is on the route of request {rid}"
             return None, Admitted(False, "bad_route", why)
+        if self.core.known(rid):  # ids are made unique by the gateway; never let one clash
+            return None, Admitted(False, "duplicate_request", f"{where} already holds request {rid}")
         admission = self.core.admit(rid)
         if admission is Admission.REJECT_DRAINING:
             return None, Admitted(False, "draining", f"{where} is draining")
@@ -415,12 +419,13 @@ class StageWorker:
                 await self._emit(st, last, windows, emitted, t0, (finish, usage))
                 if self.spec.final_output is None and self.nc is not None:
                     await self.nc.publish(st.ctx.reply_to, pack(StageDone(rid, self.spec.name, self.replica)))
-            self.metrics.latency.observe(time.monotonic() - t0)
+            self.metrics.latency.observe(time.monotonic() - t0, exemplar={"request_id": rid})
             return "ok"
         except asyncio.CancelledError:
             return "aborted"  # (or shutting down)
         except TimeoutError:
-            await self._fail(st.ctx, f"stage '{self.spec.name}': request deadline exceeded", "timeout")
+            message = f"stage '{self.spec.name}': request deadline exceeded"
+            await self._fail(st.ctx, message, DEADLINE_EXCEEDED)
             return "timeout"
         except InvalidRequest as exc:  # the client asked for what this stage cannot do
             await self._fail(st.ctx, f"stage '{self.spec.name}': {exc}", INVALID_REQUEST)
@@ -441,6 +446,7 @@ class StageWorker:
         """A request's task ended, whether or not it ever ran: free what the request held."""
         rid = st.ctx.request_id
         outcome = "aborted" if task.cancelled() else ("error" if task.exception() else task.result())
+        log.info("stage %s/%s: request %s %s", self.spec.name, self.replica, rid, outcome)
         if outcome != "ok":
             self.core.abort(rid)
             self._cleanup(rid)

@@ -48,6 +48,10 @@ class Engine(ABC):
     """Request parameters this engine reads when its stage is not a source (a diffusion stage's
     steps and size, a vocoder's speed). A source stage reads them all; others get only these,
     so a talker never takes the client's max_tokens meant for the thinker."""
+    accepts: frozenset[str] = frozenset({"text"})
+    """The kinds of message content part this engine reads from a client's request (`text`,
+    `image`, `audio`, `video`), announced in the replica's heartbeat: a gateway refuses a
+    request with any other kind (a 400 naming the part) before anything runs."""
     needs_last_call: bool = False
     """This engine holds work back until it is told its inputs have ended (a talker still to
     speak past the reply, a vocoder waiting for right context): it is called on the request's

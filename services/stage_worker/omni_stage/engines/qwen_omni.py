@@ -131,6 +131,7 @@ class Thinker(_Part):
     """Reads the client's messages, their audio and images included (see `Prompt`)."""
 
     part = "thinker"
+    accepts = frozenset({"text", "image", "audio"})
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)

@@ -8,6 +8,8 @@ Arguments (`engine.args`):
   samplesPerUnit    audio samples per unit, for stages whose finalOutput is audio (default 240)
   sampleRate        audio sample rate (default 24000)
   failOn            fail any request whose input text contains this string (poisoned input)
+  accepts           the content part kinds it declares it reads (default: text, image, audio,
+                    video: it stands in for any model, and reads only the text)
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class SyntheticEngine(Engine):
         self.sample_rate = int(a.get("sampleRate", 24000))
         self.fail_on = a.get("failOn")
         self.audio = stage.final_output is OutputKind.AUDIO
+        self.accepts = frozenset(a.get("accepts", ("text", "image", "audio", "video")))
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         text = _request_text(call.inputs)
