@@ -107,15 +107,18 @@ class StageRequest(msgspec.Struct, tag="request", frozen=True, omit_defaults=Tru
 
     Stages that read `request` get the client's inputs; the others an empty dict: for them it
     only reserves a slot, so admission (full, draining) is decided before any work starts.
-    The request's media tensors, if any, wait on the request edge's connector under `media`
-    (the inputs' messages refer to them by key): a source stage reads them once, like any
-    payload, and the gateway frees them if the request ends before that.
+    A source stage's inputs come by `payload`, on its request edge's connector, as any stage's
+    inputs do: `{"inputs": {...}, "media": {key: tensor}}` (the messages refer to the media
+    tensors by key). Small ones ride inline in the handle; large ones (a long prompt, images)
+    wait in shared memory or Mooncake, never in a NATS message, which is capped (1 MiB by
+    default). The stage reads its copy once, and the gateway frees it if the request ends
+    before that.
     """
 
     ctx: RequestContext
     inputs: dict[str, Any]
     sampling: dict[str, Any]
-    media: ConnectorHandle | None = None
+    payload: ConnectorHandle | None = None
 
 
 class Admitted(msgspec.Struct, tag="admitted", frozen=True):

@@ -187,6 +187,16 @@ def test_media_to_a_text_only_model_is_refused_before_anything_runs(demo: str) -
     assert replica_metric(demo, "thinker", "omni_stage_requests_total") == seen
 
 
+def test_a_prompt_over_the_models_context_is_a_400(demo: str) -> None:
+    """5 MB of text (five times a NATS message) reaches the thinker, which counts its tokens
+    against the model's context and refuses it as the client's error, saying why."""
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.BadRequestError, match="this model's context is 4096 tokens: the prompt is"):
+        client.chat.completions.create(
+            model="tiny-omni", messages=[{"role": "user", "content": "ab " * 1_700_000}]
+        )
+
+
 def test_the_clients_request_id_names_the_request_in_every_stage(demo: str, demo_logs: Path) -> None:
     """A client's X-Request-Id comes back as sent, and is the request's id inside the pipeline
     (with a suffix that keeps two requests with one id apart): every stage's log line for the
@@ -216,7 +226,9 @@ def test_the_clients_request_id_names_the_request_in_every_stage(demo: str, demo
             headers={"Accept": "application/openmetrics-text; version=1.0.0"},
             timeout=5,
         ).text
-        assert re.search(r'omni_stage_request_seconds_bucket\{.*\} [\d.]+ # \{request_id="trace-7f3a-', metrics)
+        assert re.search(
+            r'omni_stage_request_seconds_bucket\{.*\} [\d.]+ # \{request_id="trace-7f3a-', metrics
+        )
 
     r = httpx.post(
         f"{demo}/v1/chat/completions", json=body, headers={"X-Request-Id": "no spaces/here"}, timeout=60

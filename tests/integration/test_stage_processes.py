@@ -96,6 +96,17 @@ def test_text_only_request_stops_at_the_thinker(cluster: str) -> None:
     assert replica_metric(cluster, "talker", "omni_stage_window_triggers_total") == 0
 
 
+def test_a_prompt_of_5_mb_is_served_through_the_connector(cluster: str) -> None:
+    """A 5 MB prompt, five times what NATS carries in one message: the gateway puts the
+    client's inputs on the thinker's request edge (shared memory here), as stages pass their
+    outputs, and the thinker reads them from there."""
+    read = replica_metric(cluster, "thinker", "omni_connector_bytes_total", op="get")
+    client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0)
+    r = client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "x" * 5_000_000}])
+    assert r.choices[0].message.content and r.usage is not None
+    assert replica_metric(cluster, "thinker", "omni_connector_bytes_total", op="get") - read > 5_000_000
+
+
 def test_poisoned_input_fails_only_its_request(cluster: str) -> None:
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.InternalServerError) as info:

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from omni_pipeline.spec import EngineKind, EngineSpec, load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, build_engine
+from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine
 from omni_stage.engines.vllm import VllmEngine
 from omni_stage.segments import EngineOutput
 from tests.helpers import ROOT, OmniProcess, decode_wav, group_alive, wait_for
@@ -124,6 +124,16 @@ def test_abort_mid_stream_frees_the_request_in_vllm(vllm_engine: VllmEngine, loo
     assert vllm_engine.active_requests() == 1
     fut.cancel()  # what a stage does when the request is aborted
     wait_for(lambda: vllm_engine.active_requests() == 0, 30, "vLLM to drop the aborted request")
+
+
+def test_a_prompt_over_the_context_is_the_clients_error(vllm_engine: VllmEngine, loop: LoopThread) -> None:
+    """vLLM's own validation error (a client error in its hierarchy) is a 400, not a stage's
+    failure: the prompt is longer than max_model_len (512)."""
+    long = [{"role": "user", "content": "word " * 600}]
+    call = EngineCall("toolong", {"request": {"messages": long}}, True, {"max_tokens": 8})
+    with pytest.raises(InvalidRequest, match="maximum context length is 512 tokens"):
+        loop.run(collect(vllm_engine, call))
+    assert vllm_engine.active_requests() == 0
 
 
 def test_prompt_embeds_give_what_the_tokens_give(

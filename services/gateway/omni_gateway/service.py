@@ -24,7 +24,15 @@ import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 
-from omni_gateway.errors import BadRequest, OmniError, Overloaded, StageFailed, Timeout, Unavailable
+from omni_gateway.errors import (
+    BadRequest,
+    OmniError,
+    Overloaded,
+    PayloadTooLarge,
+    StageFailed,
+    Timeout,
+    Unavailable,
+)
 from omni_gateway.replicas import Replica, ReplicaTable
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError, OmniConnector, PayloadGone, build_connectors
@@ -240,11 +248,6 @@ class PipelineClient:
         ctx = RequestContext(
             rid, {s: r[0] for s, r in tracked.route.items()}, self.inbox, time.time() + remaining
         )
-        try:  # before anything is sent: what cannot travel is the client's error
-            request = pack(StageRequest(ctx, inputs, sampling))
-        except wire.WireError as exc:
-            self._release(picked)
-            raise BadRequest(f"the request cannot be sent on: {exc}") from None
         self.inflight[rid] = tracked
         completed = False
         reason = "the client went away"
@@ -254,11 +257,8 @@ class PipelineClient:
             reservation = pack(StageRequest(ctx, {}, sampling))
             await self._reserve(tracked, {s: reservation for s in needed if s not in self._sources})
             sources = [s for s in needed if s in self._sources]
-            if media:  # each source its own copy of the media, and a request naming it
-                requests = {s: self._with_media(s, ctx, inputs, sampling, media) for s in sources}
-            else:
-                requests = dict.fromkeys(sources, request)
-            await self._reserve(tracked, requests)
+            payload = {"inputs": inputs, "media": media or {}}
+            await self._reserve(tracked, {s: self._for_source(s, ctx, sampling, payload) for s in sources})
             async with asyncio.timeout(remaining):
                 async for ev in self._events(tracked):
                     yield ev
@@ -276,22 +276,27 @@ class PipelineClient:
         for stage, r in picked.items():
             self.table.release(stage, r.hb.instance)
 
-    def _with_media(
-        self,
-        stage: str,
-        ctx: RequestContext,
-        inputs: dict[str, Any],
-        sampling: dict[str, Any],
-        media: dict[str, torch.Tensor],
+    def _for_source(
+        self, stage: str, ctx: RequestContext, sampling: dict[str, Any], payload: dict[str, Any]
     ) -> bytes:
-        """A source stage's StageRequest, its media put on its request edge's connector (its own
-        copy: a read frees it). Once the request is in flight, so that its end frees the copy."""
+        """A source stage's StageRequest, the client's inputs put on its request edge's connector
+        (its own copy: a read frees it; inline in the handle when small). Once the request is
+        in flight, so that its end frees the copy."""
         conn = self.connectors[self._sources[stage]]
         try:
-            _, _, handle = conn.put(REQUEST_SOURCE, stage, ctx.request_id, media)
+            _, _, handle = conn.put(REQUEST_SOURCE, stage, ctx.request_id, payload)
+        except wire.WireError as exc:  # what cannot travel is the client's error
+            raise BadRequest(f"the request cannot be sent on: {exc}") from None
         except ConnectorError as exc:
             raise StageFailed(f"gateway -> stage '{stage}': {exc}", code=CONNECTOR_ERROR) from None
-        return pack(StageRequest(ctx, inputs, sampling, handle))
+        request = pack(StageRequest(ctx, {}, sampling, handle))
+        if self.nc is not None and len(request) > self.nc.max_payload:
+            raise PayloadTooLarge(
+                f"the request is {len(request)} bytes as a NATS message, over the server's limit of "
+                f"{self.nc.max_payload}: stage '{stage}' reads it through connector '{conn.name}' "
+                f"({conn.kind}), which sends everything inline; a shm or mooncake connector carries any size"
+            )
+        return request
 
     async def _reserve(self, t: _Tracked, requests: dict[str, bytes]) -> None:
         """Send each stage's request to its replica and wait until every one has admitted it."""

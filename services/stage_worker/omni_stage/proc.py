@@ -461,15 +461,24 @@ class StageWorker:
         """Read each producer's payload through its edge's connector and run the edge processor."""
         inputs: dict[str, dict[str, Any]] = {}
         for producer, m in trig.inputs.items():
-            if isinstance(m, StageRequest):  # the client's inputs, with its media if it sent any
-                media = {} if m.media is None else {"media": self._get(st, producer, m.media)}
-                inputs[producer] = {**m.inputs, **media}
+            if isinstance(m, StageRequest):
+                inputs[producer] = self._client_inputs(st, producer, m)
                 continue
             payload = self._get(st, producer, m.handle)
             if (proc := self.processors.get(producer)) is not None:
                 payload = proc(payload)
             inputs[producer] = payload
         return inputs
+
+    def _client_inputs(self, st: _Request, producer: str, m: StageRequest) -> dict[str, Any]:
+        """The client's inputs (and media tensors, under `media`, if it sent any)."""
+        if m.payload is None:
+            return dict(m.inputs)
+        payload = self._get(st, producer, m.payload)
+        if not (isinstance(payload, dict) and isinstance(payload.get("inputs"), dict)):
+            raise ConnectorError(f"the request's payload is a {type(payload).__name__}, not its inputs")
+        media = payload.get("media") or {}
+        return {**payload["inputs"], **({"media": media} if media else {})}
 
     def _get(self, st: _Request, producer: str, handle: ConnectorHandle) -> Any:
         conn = self.in_connectors[producer]

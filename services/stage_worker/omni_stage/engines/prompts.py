@@ -26,6 +26,15 @@ def messages_to_chat(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
     return out
 
 
+def check_context(prompt_tokens: int, max_tokens: int, context: int) -> None:
+    """A prompt and reply that do not fit the model's positions are the client's error."""
+    if prompt_tokens + max_tokens > context:
+        raise InvalidRequest(
+            f"this model's context is {context} tokens: the prompt is {prompt_tokens} tokens and "
+            f"max_tokens asks for {max_tokens} more"
+        )
+
+
 def prompt_token_ids(tokenizer: Any, request: dict[str, Any]) -> list[int]:
     """The request's `messages` through the tokenizer's chat template, or its raw `prompt`."""
     if "messages" in request:

@@ -48,6 +48,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.prompts import check_context
 from omni_stage.engines.qwen_omni_prompt import Prompt, Prompts
 from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
@@ -166,6 +167,9 @@ class Thinker(_Part):
         st = call.state
         st["prompt_tokens"] = int(ids.shape[1])
         budget = int(call.sampling.get("max_tokens") or 64)
+        check_context(
+            int(ids.shape[1]), budget, self.config.thinker_config.text_config.max_position_embeddings
+        )
         temperature = float(call.sampling.get("temperature", 0.0) or 0.0)
         top_p = float(call.sampling.get("top_p", 1.0) or 1.0)
         gen = torch.Generator().manual_seed(int(call.sampling.get("seed", 0) or 0))

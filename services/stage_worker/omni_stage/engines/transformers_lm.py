@@ -35,7 +35,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
-from omni_stage.engines.prompts import prompt_token_ids
+from omni_stage.engines.prompts import check_context, prompt_token_ids
 from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
 
@@ -106,10 +106,13 @@ class TransformersEngine(ComputeEngine):
             yield await self._encode(call)
             return
         st = call.state
-        ids, embeds, n_units = self._inputs(call)
+        # On the compute thread: tokenizing a long prompt must not stall the event loop (and
+        # with it the replica's heartbeats).
+        ids, embeds, n_units = await self._run(self._inputs, call)
         max_tokens = call.sampling.get("max_tokens")
         if "request" in call.inputs:
             budget = int(max_tokens or 64)
+            check_context(n_units, budget, self.model.config.max_position_embeddings)
             st["prompt_tokens"] = st.get("prompt_tokens", 0) + n_units
         else:
             budget = math.ceil(n_units * self.tokens_per_input_unit)
@@ -150,7 +153,7 @@ class TransformersEngine(ComputeEngine):
             raise EngineError(
                 f"stage '{self.stage.name}': mode encode reads the client request with a tokenizer"
             )
-        ids = prompt_token_ids(self.tokenizer, request)
+        ids = await self._run(prompt_token_ids, self.tokenizer, request)
         data = {"prompt_embeds": await self._run(self._last_hidden, ids)}
         if negative := request.get("negative_prompt"):
             negative_ids = prompt_token_ids(self.tokenizer, {"prompt": str(negative)})

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import Engine, EngineCall, EngineError
+from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.prompts import prompt_token_ids
 from omni_stage.segments import EngineOutput
 
@@ -97,7 +97,9 @@ class VllmEngine(Engine):
             raise EngineError(f"stage '{self.stage.name}': bad sampling parameters: {exc}") from None
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        prompt, n_in = self._prompt(call)
+        from vllm.exceptions import VLLMClientError
+
+        prompt, n_in = await asyncio.to_thread(self._prompt, call)  # a long prompt's tokenizing
         if "request" in call.inputs:
             call.state["prompt_tokens"] = call.state.get("prompt_tokens", 0) + n_in
         vllm_id = f"{call.request_id}-{next(self._ids)}"
@@ -115,6 +117,8 @@ class VllmEngine(Engine):
                         data={"token_ids": torch.tensor(ids, dtype=torch.int64)} if ids else {},
                         finish_reason=finish,
                     )
+        except VLLMClientError as exc:  # vLLM's own word that the request is at fault (a 400)
+            raise InvalidRequest(str(exc)) from None
         finally:
             if not finished:  # cancelled or failed: free it in vLLM now, not at its max_tokens
                 with contextlib.suppress(Exception):
