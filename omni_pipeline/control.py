@@ -202,6 +202,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     by_gateway: dict[str, int] = msgspec.field(default_factory=dict)
     """Requests held (queued + inflight) per gateway inbox, so each gateway can tell its own
     share of the load from the others' even when the beat lags behind its releases."""
+    unhealthy: str = ""
+    """Why the replica takes nothing new although it is up (a connector's backend is down):
+    gateways route around it until it clears."""
     accepts: list[str] | None = None
     """The kinds of message content part its engine reads from a client's request (`text`,
     `image`, `audio`, `video`), so a gateway refuses the others before any work; None: not

@@ -40,6 +40,8 @@ MASTER_ENV: Final = "OMNI_MOONCAKE_MASTER"
 METADATA_ENV: Final = "OMNI_MOONCAKE_METADATA"
 BIND_ENV: Final = "MC_TCP_BIND_ADDRESS"
 _NOT_FOUND: Final = -704
+HEALTH_TIMEOUT_S: Final = 1.0
+"""How long a health check waits for the master to accept a connection."""
 _HEALTH: Final = {0: "healthy", 1: "not initialised or closed", 2: "master unreachable"}
 _ERRORS: Final = {  # Mooncake's ErrorCode (types.h): the ones a transfer meets in practice
     -200: "NO_AVAILABLE_HANDLE: no store server has room or is registered",
@@ -212,8 +214,17 @@ class MooncakeConnector(OmniConnector):
         return self._buffers.idle()
 
     def health(self) -> dict[str, Any]:
+        """The client's own state, and whether the master answers a connection now: the client
+        keeps saying "healthy" long after its master has gone."""
+        master = self._store.config.master
         rc = int(self._store.store.health_check())
-        return {"ok": rc == 0, "status": _HEALTH.get(rc, f"code {rc}"), "master": self._store.config.master}
+        if rc != 0:
+            return {"ok": False, "status": _HEALTH.get(rc, f"code {rc}"), "master": master}
+        try:
+            socket.create_connection(_host_port(master), timeout=HEALTH_TIMEOUT_S).close()
+        except OSError as exc:
+            return {"ok": False, "status": f"master {master} unreachable ({exc})", "master": master}
+        return {"ok": True, "status": "healthy", "master": master}
 
     def close(self) -> None:
         if not self._closed:

@@ -9,7 +9,7 @@ A segment's state is its name in /dev/shm, and each change of state is one atomi
 two processes can never claim one segment and any process can see who holds what:
 
     <prefix>-@busy-<owner>-<n>                          its owner is writing it
-    <prefix>-<request>-<from>-<to>-<seq>@<owner>-<n>    written, waiting for its consumer
+    <prefix>-<request>~<from>-<to>-<seq>@<owner>-<n>    written, waiting for its consumer
     <prefix>-@held-<owner>-<n>-<reader>                 read: the reader's tensors are views on it
     <prefix>-@free-<owner>-<n>                          its owner may reuse it
 
@@ -119,7 +119,7 @@ class ShmConnector(OmniConnector):
     ) -> str:
         seg = self._claim(frame.size)
         busy = self._state("busy", self._pid, seg.n)
-        key = f"{self.prefix}-{request_id}-{from_stage}-{to_stage}-{seq}@{self._pid}-{seg.n}"
+        key = f"{self.prefix}-{request_id}~{from_stage}-{to_stage}-{seq}@{self._pid}-{seg.n}"
         try:
             with memoryview(seg.mm) as out:
                 frame.write_into(out)
@@ -211,7 +211,7 @@ class ShmConnector(OmniConnector):
         key = handle.key
         assert key is not None
         m = _WRITTEN.search(key)
-        if not key.startswith(f"{self.prefix}-{request_id}-") or "/" in key or m is None:
+        if not key.startswith(f"{self.prefix}-{request_id}~") or "/" in key or m is None:
             raise ConnectorError(f"segment {key!r} is not one of request {request_id}'s")
         owner, n = int(m.group(1)), int(m.group(2))
         held = self._held(owner, n)
@@ -264,7 +264,8 @@ class ShmConnector(OmniConnector):
 
     def cleanup(self, request_id: str) -> int:
         n_freed = 0
-        for path in SHM_DIR.glob(f"{self.prefix}-{request_id}-*"):
+        # `~` ends the id (ids cannot hold it): request `r` is not `r-1`, its retry.
+        for path in SHM_DIR.glob(f"{self.prefix}-{request_id}~*"):
             m = _WRITTEN.search(path.name)
             if m is None:
                 continue
@@ -310,7 +311,7 @@ class ShmConnector(OmniConnector):
 
     def pooled_bytes(self) -> int:
         """Shared memory this process owns, in use or free."""
-        return sum(s.capacity for s in self._segments.values())
+        return sum(s.capacity for s in list(self._segments.values()))  # a snapshot: health() runs in a thread
 
     def health(self) -> dict[str, Any]:
         try:

@@ -88,9 +88,9 @@ def test_audio_gone_before_the_gateway_reads_it(pipeline: Deployment) -> None:
             )
             written = our_shm_segments(f"{SHM_PREFIX}-")
             rids = {
-                n.split("-vocoder-gateway-")[0][len(SHM_PREFIX) + 1 :]
+                n.split("~vocoder-gateway-")[0][len(SHM_PREFIX) + 1 :]
                 for n in written
-                if "-vocoder-gateway-" in n
+                if "~vocoder-gateway-" in n
             }
             assert len(rids) == 1, written
             freed = ShmConnector("default", ConnectorSpec(), prefix=SHM_PREFIX)

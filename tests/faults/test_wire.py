@@ -138,7 +138,7 @@ def test_garbage_in_a_segment_fails_only_its_request(stages: Stages, tmp_path: P
     marker = tmp_path / "unpickled"
     inbox = Subjects("synth").stage_inbox("talker", "0")
     route = {"thinker": "0", "talker": "0"}
-    crafted = Path("/dev/shm") / f"{PREFIX}-in-shm-thinker-talker-0@{os.getpid()}-990001"
+    crafted = Path("/dev/shm") / f"{PREFIX}-in-shm~thinker-talker-0@{os.getpid()}-990001"
     crafted.write_bytes(pickle.dumps(_Bomb(marker)).ljust(4096, b"\x00"))
     evil = {
         "in-shm": ConnectorHandle("default", 4096, key=crafted.name),

@@ -80,7 +80,7 @@ def test_put_get_cleanup_across_processes() -> None:
     assert proc.exitcode == 0 and len(handles) == 60
 
     # Each segment is private to its owner and named after its request.
-    assert handles[0].key is not None and handles[0].key.startswith(f"{prefix}-req0-thinker-talker-0@")
+    assert handles[0].key is not None and handles[0].key.startswith(f"{prefix}-req0~thinker-talker-0@")
     assert stat.S_IMODE(os.stat(f"/dev/shm/{handles[0].key}").st_mode) == 0o600
 
     # Requests 0..9 are read; 10..19 are aborted.

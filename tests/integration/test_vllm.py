@@ -4,6 +4,7 @@ engine, batching of concurrent requests, abort, prompt embeddings, and the examp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import openai
+import psutil
 import pytest
 import torch
 
@@ -173,11 +175,42 @@ def test_example_pipeline_answers_the_openai_client(demo_dir: Path, tmp_path: Pa
         assert r.choices[0].message.content and r.usage is not None and r.usage.completion_tokens == 24
         samples, sr = decode_wav(r.choices[0].message.audio.data)
         assert sr == 24000 and len(samples) == 24 * 4 * 480
+
+        # vLLM's engine core process dies (as on a GPU fault): the thinker's replica sees it at
+        # its next heartbeat, fails what it holds, and exits; the supervisor starts it afresh.
+        # No request waits on the dead engine (each is answered well inside the 600 s deadline).
+        core = engine_core(serve.proc.pid)
+        core.kill()
+        serve.wait_output("engine dead: vLLM's engine core is dead", 60)
+        fast = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30
+        )
+        with contextlib.suppress(openai.InternalServerError, openai.APIStatusError):
+            fast.chat.completions.create(model="tiny-voice-vllm", messages=MESSAGES)
+        serve.wait_output("restarting thinker", 60)
+        wait_for(lambda: answers(fast), 300, "the restarted thinker to answer")
+        assert engine_core(serve.proc.pid).pid != core.pid
     finally:
         serve.interrupt_group()
         wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
         wait_for(lambda: not group_alive(serve.proc.pid), 30, "vLLM's engine process to exit too")
     assert serve.proc.returncode == 0
+
+
+def engine_core(root: int) -> psutil.Process:
+    """vLLM's engine core: a process of its own under the stage's."""
+    for p in psutil.Process(root).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
+                return p
+    raise AssertionError("no vLLM engine core process")
+
+
+def answers(client: openai.OpenAI) -> bool:
+    try:
+        return bool(client.chat.completions.create(model="tiny-voice-vllm", messages=MESSAGES).choices)
+    except openai.APIStatusError:
+        return False
 
 
 def test_clear_error_when_vllm_is_not_installed(demo_dir: Path) -> None:

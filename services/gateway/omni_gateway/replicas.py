@@ -38,6 +38,11 @@ class Replica:
         return max(0, theirs) + self.ours
 
     @property
+    def serving(self) -> bool:
+        """Takes new requests: neither draining nor, by its own word, unhealthy."""
+        return not (self.hb.draining or self.hb.unhealthy)
+
+    @property
     def room(self) -> bool:
         return self.load < self.hb.capacity + self.hb.max_queued
 
@@ -102,9 +107,12 @@ class ReplicaTable:
         return gone
 
     def pick(self, stage: str) -> Replica:
-        live = [r for r in self._by_stage.get(stage, {}).values() if not r.hb.draining]
+        known = self._by_stage.get(stage, {}).values()
+        live = [r for r in known if r.serving]
         if not live:
-            raise Unavailable(f"stage '{stage}' has no live replica", headers={"Retry-After": "1"})
+            sick = sorted({r.hb.unhealthy for r in known if r.hb.unhealthy and not r.hb.draining})
+            why = f" (unhealthy: {'; '.join(sick)})" if sick else ""
+            raise Unavailable(f"stage '{stage}' has no live replica{why}", headers={"Retry-After": "1"})
         open_ = [r for r in live if r.room]
         if not open_:
             raise Overloaded(f"every replica of stage '{stage}' is full", headers={"Retry-After": "1"})
@@ -113,7 +121,7 @@ class ReplicaTable:
         return best
 
     def covers(self, stages: list[str]) -> bool:
-        return all(any(not r.hb.draining for r in self._by_stage.get(s, {}).values()) for s in stages)
+        return all(any(r.serving for r in self._by_stage.get(s, {}).values()) for s in stages)
 
     def accepts(self, stage: str) -> frozenset[str] | None:
         """The content part kinds the stage's engine reads, as its replicas declare them (all
@@ -138,6 +146,7 @@ class ReplicaTable:
                 "inflight": r.hb.inflight,
                 "capacity": r.hb.capacity,
                 "draining": r.hb.draining,
+                "unhealthy": r.hb.unhealthy,
                 "metrics_port": r.hb.metrics_port,
             }
             for stage in self._by_stage.values()

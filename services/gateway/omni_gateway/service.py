@@ -65,7 +65,7 @@ log = logging.getLogger("omni.gateway")
 ADMIT_TIMEOUT_S: Final = 5.0
 """How long a replica may take to admit a request before it counts as lost."""
 MAX_ATTEMPTS: Final = 2
-RETRYABLE: Final = frozenset({"replica_lost", "draining", "full"})
+RETRYABLE: Final = frozenset({"replica_lost", "draining", "full", "unhealthy"})
 """Errors that say where a request went, not what it is: another replica may well serve it."""
 _ERRORS: Final[dict[str, type[OmniError]]] = {
     NATS_LOST: Unavailable,

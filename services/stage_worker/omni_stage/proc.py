@@ -63,7 +63,14 @@ from omni_pipeline.serving import listen, make_server, on_shutdown_signals
 from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, PipelineFile, StageSpec
 from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
 from omni_stage.core import Admission, StageCore
-from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine, import_object
+from omni_stage.engines.base import (
+    Engine,
+    EngineCall,
+    EngineError,
+    InvalidRequest,
+    build_engine,
+    import_object,
+)
 from omni_stage.health import health_app
 from omni_stage.metrics import StageMetrics
 from omni_stage.segments import Segment, Segmenter
@@ -122,6 +129,10 @@ class StageWorker:
         self.requests: dict[str, _Request] = {}
         self.nc: NatsClient | None = None
         self.ready = False
+        self.unhealthy = ""
+        """Why the replica takes nothing new for now (a connector's backend is down)."""
+        self.engine_dead: str | None = None
+        """Why the engine can serve nothing more: the replica fails what it holds and exits."""
         self.metrics_port = 0
         self._stop = asyncio.Event()
         self._drained = asyncio.Event()
@@ -131,8 +142,12 @@ class StageWorker:
     # --- lifecycle ---------------------------------------------------------------------------
 
     def readiness(self) -> tuple[bool, str]:
+        if self.engine_dead is not None:
+            return False, f"engine dead: {self.engine_dead}"
         if not self.ready:
             return False, "starting"
+        if self.unhealthy:
+            return False, self.unhealthy
         if self.core.draining:
             return False, "draining"
         if self.nc is None or not self.nc.is_connected:
@@ -178,9 +193,14 @@ class StageWorker:
                 self.metrics_port,
             )
             await self._stop.wait()
-            await self._finish_drain()
+            if self.engine_dead is None:
+                await self._finish_drain()
             hb.cancel()
-            await self._fail_held("stopped before finishing this request")
+            await self._fail_held(
+                "stopped before finishing this request"
+                if self.engine_dead is None
+                else f"lost its engine ({self.engine_dead})"
+            )
             await self._publish_heartbeat(stopping=True)
         finally:
             for st in list(self.requests.values()):
@@ -193,6 +213,8 @@ class StageWorker:
             await self.engine.close()
             for c in self.connectors.values():
                 c.close()
+        if self.engine_dead is not None:  # a non-zero exit: the supervisor (or kubelet) restarts us
+            raise EngineError(f"stage {self.spec.name}/{self.replica}: {self.engine_dead}")
 
     def begin_drain(self) -> None:
         """SIGTERM: take no new requests, finish the ones we have, then stop. Twice: stop now."""
@@ -216,7 +238,36 @@ class StageWorker:
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # the heartbeat period itself
+            await self._check_health()
             await self._publish_heartbeat()
+
+    async def _check_health(self) -> None:
+        """The engine's and the connectors' own word on whether this replica can serve: a dead
+        engine stops the replica (to be restarted); a connector whose backend is down makes it
+        take nothing new until the backend answers again."""
+        if (why := self.engine.dead()) is not None:
+            log.error(
+                "stage %s/%s: engine dead: %s; failing what it holds", self.spec.name, self.replica, why
+            )
+            self.engine_dead = why
+            self._drained.set()
+            self._stop.set()
+            return
+        # Off the event loop: a backend that is down may take its timeout to say so.
+        health = await asyncio.to_thread(lambda: [(c, c.health()) for c in self._used_connectors()])
+        unhealthy = "; ".join(
+            f"connector '{c.name}' ({c.kind}): {h.get('status') or h.get('error') or 'unhealthy'}"
+            for c, h in sorted(health, key=lambda ch: ch[0].name)
+            if not h.get("ok", False)
+        )
+        if unhealthy != self.unhealthy:
+            now = unhealthy or "connectors healthy again"
+            log.warning("stage %s/%s: %s", self.spec.name, self.replica, now)
+        self.unhealthy = unhealthy
+
+    def _used_connectors(self) -> set[OmniConnector]:
+        """The connectors this stage reads or writes through (every process builds them all)."""
+        return {*self.in_connectors.values(), *(e.connector for e in self.out_edges), self.final_connector}
 
     def _refresh_gauges(self) -> None:
         load = self.core.load()
@@ -244,6 +295,7 @@ class StageWorker:
             max_queued=load.max_queued,
             draining=self.core.draining,
             interval_s=HEARTBEAT_INTERVAL_S,
+            unhealthy=self.unhealthy,
             metrics_port=self.metrics_port,
             stopping=stopping,
             by_gateway=dict(collections.Counter(st.ctx.reply_to for st in self.requests.values())),
@@ -346,6 +398,8 @@ class StageWorker:
             inputs = ", ".join(self.in_windows)
             why = f"{where}: none of its inputs ({inputs}) is on the route of request {rid}"
             return None, Admitted(False, "bad_route", why)
+        if self.unhealthy:
+            return None, Admitted(False, "unhealthy", f"{where} is unhealthy: {self.unhealthy}")
         if self.core.known(rid):  # ids are made unique by the gateway; never let one clash
             return None, Admitted(False, "duplicate_request", f"{where} already holds request {rid}")
         admission = self.core.admit(rid)

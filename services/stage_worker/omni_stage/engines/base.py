@@ -77,6 +77,11 @@ class Engine(ABC):
         """Loop steps run so far (diffusion steps), where the engine counts them."""
         return None
 
+    def dead(self) -> str | None:
+        """Why this engine can serve nothing more (its engine process died), or None while it
+        can. The replica then fails what it holds and exits, to be started afresh."""
+        return None
+
     async def close(self) -> None:
         """Free what `start` took."""
 

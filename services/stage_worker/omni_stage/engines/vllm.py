@@ -64,6 +64,11 @@ class VllmEngine(Engine):
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.stage.engine.model)
 
+    def dead(self) -> str | None:
+        if self.llm is not None and self.llm.errored:
+            return "vLLM's engine core is dead (EngineDeadError)"
+        return None
+
     def active_requests(self) -> int:
         """Requests vLLM holds right now (0 once every request ended or was aborted)."""
         return int(self.llm.get_num_unfinished_requests()) if self.llm is not None else 0
