@@ -182,6 +182,7 @@ class StageWorker:
             await self.nc.subscribe(self.subjects.abort, cb=self._on_abort)
             self.ready = True
             hb = asyncio.create_task(self._heartbeats(), name="heartbeat")
+            checks = asyncio.create_task(self._health_checks(), name="health-checks")
             await self._publish_heartbeat()
             await self.nc.flush()
             on_ready({"stage": self.spec.name, "replica": self.replica, "metrics_port": self.metrics_port})
@@ -196,6 +197,7 @@ class StageWorker:
             if self.engine_dead is None:
                 await self._finish_drain()
             hb.cancel()
+            checks.cancel()
             await self._fail_held(
                 "stopped before finishing this request"
                 if self.engine_dead is None
@@ -238,8 +240,13 @@ class StageWorker:
     async def _heartbeats(self) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # the heartbeat period itself
-            await self._check_health()
             await self._publish_heartbeat()
+
+    async def _health_checks(self) -> None:
+        """Beside the heartbeats, never in their way: a check may wait on a backend's timeout."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            await self._check_health()
 
     async def _check_health(self) -> None:
         """The engine's and the connectors' own word on whether this replica can serve: a dead
@@ -281,7 +288,8 @@ class StageWorker:
             self.metrics.engine_steps_reached(steps)
 
     async def _publish_heartbeat(self, stopping: bool = False) -> None:
-        self._refresh_gauges()
+        # No gauge refresh here (/metrics does its own): counting a connector's objects may wait
+        # on its backend (Mooncake's master, when it is gone), and a beat must never wait.
         load = self.core.load()
         hb = Heartbeat(
             stage=self.spec.name,
