@@ -59,7 +59,9 @@ class OmniConnector(ABC):
         """Store `data` for the edge; returns (ok, serialized size, handle for the consumer)."""
         check_request_id(request_id)
         frame = wire.encode_frame(data)
-        if frame.size < self.inline_threshold:
+        # An empty payload (a stream's end marker, which a consumer may never read) is inline
+        # whatever the threshold: held out of band, nothing would ever free it.
+        if frame.size < self.inline_threshold or (isinstance(data, dict) and not data):
             return True, frame.size, ConnectorHandle(self.name, frame.size, inline=bytes(frame.to_bytes()))
         try:
             key = self._put_frame(from_stage, to_stage, request_id, seq, frame)

@@ -43,6 +43,9 @@ class WindowState:
                 out.append(Chunk(head, self.window, False))
         if is_last:
             self._done = True
-            out.append(Chunk(concat(self._parts) if self._parts else {}, self._units, True))
+            # On a windowed edge a last chunk of no units only marks the end (the consumer reads
+            # no payload from it), so it carries none.
+            marker = self.window != FULL_WINDOW and not self._units
+            out.append(Chunk(concat(self._parts) if self._parts and not marker else {}, self._units, True))
             self._parts, self._units = [], 0
         return out
