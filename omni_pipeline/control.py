@@ -140,6 +140,16 @@ class SegmentMsg(msgspec.Struct, tag="segment", frozen=True):
     handle: ConnectorHandle
 
 
+class CreditMsg(msgspec.Struct, tag="credit", frozen=True):
+    """A consumer has read `chunks` of a request's chunks from `consumer`'s in-edge: the producer
+    may put that many more (flow control: a producer pauses a request that has no credit left,
+    so a slow consumer slows its producer instead of filling the connector)."""
+
+    request_id: str
+    consumer: str
+    chunks: int = 1
+
+
 class FinalMsg(msgspec.Struct, tag="final", frozen=True, omit_defaults=True):
     """Client-facing output of a final stage, in order by `sequence`."""
 
@@ -212,7 +222,7 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     ts: float = msgspec.field(default_factory=time.time)
 
 
-StageInbound = StageRequest | SegmentMsg
+StageInbound = StageRequest | SegmentMsg | CreditMsg
 GatewayInbound = FinalMsg | ErrorMsg | StageDone
 
 

@@ -25,6 +25,10 @@ FULL_WINDOW: Final = -1
 
 DEFAULT_CONNECTOR: Final = "default"
 
+DEFAULT_CREDIT: Final = 16
+"""Chunks a producer may have unread by its consumer, per request and edge, unless the edge says."""
+MAX_CREDIT: Final = 1024
+
 
 class SpecError(ValueError):
     """A pipeline file that cannot run; the message names the stage and the field."""
@@ -92,6 +96,15 @@ class InputSpec(_Model):
         default=None, description="`module:function` run on the consumer to turn the payload into inputs."
     )
     connector: str = Field(default=DEFAULT_CONNECTOR, description="Name of an entry in spec.connectors.")
+    credit: int = Field(
+        default=DEFAULT_CREDIT,
+        ge=1,
+        le=MAX_CREDIT,
+        description=(
+            "Chunks the producer may have put for one request and this stage not yet read; past it the "
+            "producer pauses that request until a read returns credit (backpressure)."
+        ),
+    )
 
     @field_validator("window")
     @classmethod
@@ -147,6 +160,14 @@ class StageSpec(_Model):
     )
     affinity: dict[str, Any] = Field(default_factory=dict, description="Pod affinity (Kubernetes).")
     autoscaling: AutoscalingSpec | None = Field(default=None, description="Scale this stage with an HPA.")
+    max_unread_bytes: int = Field(
+        default=1 << 30,
+        ge=1,
+        description=(
+            "Bytes of this replica's output put on connectors and not yet read by its consumers; at this "
+            "mark it admits no new request (answers full) until they catch up."
+        ),
+    )
     max_segment_units: int = Field(default=16, ge=1, description="Flush a segment after this many units.")
     flush_interval_ms: float = Field(default=50.0, gt=0, description="Flush a segment after this long.")
 

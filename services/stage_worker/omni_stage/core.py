@@ -5,6 +5,12 @@ drive it directly. It decides which requests run (at most `max_inflight`), which
 most `max_queued`, first come first served) and which are refused, and it remembers recently
 aborted requests so their late messages are dropped and their data freed instead of
 starting them again.
+
+A running request that waits for its consumer (no credit left on an out-edge) is *paused*:
+it gives its slot to the next queued request and takes one back when it goes on, so two
+stages that admitted the same requests in different orders cannot wait on each other for
+ever. A paused request keeps its engine state, so the bound on what a replica holds is
+`max_inflight + max_queued` requests, running, paused and queued together.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ class Admission(enum.Enum):
 class Load:
     queued: int
     inflight: int
+    """Running and paused: both hold a request's engine state."""
     capacity: int
     max_queued: int
+    paused: int = 0
 
 
 class StageCore:
@@ -38,12 +46,13 @@ class StageCore:
         self.max_inflight = max_inflight
         self.max_queued = max_queued
         self.running: set[str] = set()
+        self.paused: set[str] = set()
         self.waiting: deque[str] = deque()
         self.draining = False
         self._aborted: OrderedDict[str, None] = OrderedDict()
 
     def known(self, request_id: str) -> bool:
-        return request_id in self.running or request_id in self.waiting
+        return request_id in self.running or request_id in self.paused or request_id in self.waiting
 
     def is_aborted(self, request_id: str) -> bool:
         return request_id in self._aborted
@@ -54,6 +63,10 @@ class StageCore:
         if self.draining:
             self._forget(request_id)
             return Admission.REJECT_DRAINING
+        held = len(self.running) + len(self.paused) + len(self.waiting)
+        if held >= self.max_inflight + self.max_queued:
+            self._forget(request_id)
+            return Admission.REJECT_FULL
         if len(self.running) < self.max_inflight and not self.waiting:
             self.running.add(request_id)
             return Admission.RUN
@@ -64,8 +77,26 @@ class StageCore:
         return Admission.REJECT_FULL
 
     def release(self, request_id: str) -> list[str]:
-        """A running request ended; returns the queued requests that start now."""
+        """A running (or paused) request ended; returns the queued requests that start now."""
         self.running.discard(request_id)
+        self.paused.discard(request_id)
+        return self._start_waiting()
+
+    def pause(self, request_id: str) -> list[str]:
+        """A running request waits on its consumer; returns the queued requests that start now."""
+        if request_id in self.running:
+            self.running.remove(request_id)
+            self.paused.add(request_id)
+        return self._start_waiting()
+
+    def resume(self, request_id: str) -> None:
+        """A paused request goes on, even past `max_inflight` for a while: it was admitted to run,
+        and holding it back could make it wait on a request that waits on it."""
+        if request_id in self.paused:
+            self.paused.remove(request_id)
+            self.running.add(request_id)
+
+    def _start_waiting(self) -> list[str]:
         started = []
         while self.waiting and len(self.running) < self.max_inflight:
             rid = self.waiting.popleft()
@@ -74,11 +105,11 @@ class StageCore:
         return started
 
     def abort(self, request_id: str) -> bool:
-        """Mark aborted; returns True if it was running (the caller cancels its task)."""
+        """Mark aborted; returns True if it was running or paused (the caller cancels its task)."""
         self._forget(request_id)
         if request_id in self.waiting:
             self.waiting.remove(request_id)
-        return request_id in self.running
+        return request_id in self.running or request_id in self.paused
 
     def _forget(self, request_id: str) -> None:
         self._aborted[request_id] = None
@@ -87,7 +118,8 @@ class StageCore:
             self._aborted.popitem(last=False)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.paused or self.waiting)
 
     def load(self) -> Load:
-        return Load(len(self.waiting), len(self.running), self.max_inflight, self.max_queued)
+        inflight = len(self.running) + len(self.paused)
+        return Load(len(self.waiting), inflight, self.max_inflight, self.max_queued, len(self.paused))

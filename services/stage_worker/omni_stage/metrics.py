@@ -18,8 +18,32 @@ class StageMetrics:
             "omni_stage_queued_requests", "Requests waiting for a slot", labels.keys(), registry=r
         ).labels(**labels)
         self.inflight = Gauge(
-            "omni_stage_inflight_requests", "Requests running", labels.keys(), registry=r
+            "omni_stage_inflight_requests", "Requests running or paused", labels.keys(), registry=r
         ).labels(**labels)
+        self.paused = Gauge(
+            "omni_stage_paused_requests",
+            "Running requests paused until a consumer returns credit",
+            labels.keys(),
+            registry=r,
+        ).labels(**labels)
+        self.unread_bytes = Gauge(
+            "omni_stage_unread_bytes",
+            "Bytes of output put on connectors and not yet read by the consumer stages",
+            labels.keys(),
+            registry=r,
+        ).labels(**labels)
+        self.credit_accounts = Gauge(
+            "omni_stage_credit_accounts",
+            "Requests whose output to consumer stages is not all read yet",
+            labels.keys(),
+            registry=r,
+        ).labels(**labels)
+        self.credit_wait_seconds = Counter(
+            "omni_stage_credit_wait_seconds",
+            "Time requests spent paused for credit, by consumer stage (the edge)",
+            [*labels.keys(), "consumer"],
+            registry=r,
+        )
         self.tracked = Gauge(
             "omni_stage_tracked_requests",
             "Per-request states held (queued, running)",
@@ -92,6 +116,9 @@ class StageMetrics:
 
     def outcome(self, outcome: str) -> None:
         self.requests.labels(**self._labels, outcome=outcome).inc()
+
+    def credit_wait(self, consumer: str, seconds: float) -> None:
+        self.credit_wait_seconds.labels(**self._labels, consumer=consumer).inc(seconds)
 
     def connector(self, connector: str, op: str, nbytes: int, seconds: float) -> None:
         self.connector_bytes.labels(**self._labels, connector=connector, op=op).inc(nbytes)

@@ -6,7 +6,9 @@ queue, runs the engine, flushes segments and applies each out-edge's window. The
 heavy work runs in threads, so heartbeats, aborts and new inputs keep flowing meanwhile.
 
 Ownership: a request's task owns its engine state and, on error or abort, frees whatever the
-request holds in every connector (`cleanup`). A consumer frees a payload once it reads it.
+request holds in every connector (`cleanup`). A consumer frees a payload once it reads it,
+and returns the producer one chunk of credit for it (omni_stage.credit): a request with no
+credit left on an out-edge pauses between engine steps until its consumer catches up.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from omni_pipeline.control import (
     PAYLOAD_GONE,
     AbortMsg,
     Admitted,
+    CreditMsg,
     ErrorMsg,
     FinalMsg,
     Heartbeat,
@@ -60,9 +63,17 @@ from omni_pipeline.control import (
 )
 from omni_pipeline.logs import configure_logging
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
-from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, PipelineFile, StageSpec
+from omni_pipeline.spec import (
+    DEFAULT_CONNECTOR,
+    FULL_WINDOW,
+    REQUEST_SOURCE,
+    OutputKind,
+    PipelineFile,
+    StageSpec,
+)
 from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
 from omni_stage.core import Admission, StageCore
+from omni_stage.credit import CreditLedger
 from omni_stage.engines.base import (
     Engine,
     EngineCall,
@@ -78,8 +89,6 @@ from omni_stage.windows import WindowState
 
 log = logging.getLogger("omni.stage")
 
-MAX_TRIGGERS: Final = 4096
-"""Triggers one request may have waiting; past that the consumer is hopelessly behind."""
 DRAIN_TIMEOUT_S: Final = 120.0
 
 Inbound = StageRequest | SegmentMsg
@@ -89,9 +98,11 @@ Inbound = StageRequest | SegmentMsg
 class _Request:
     ctx: RequestContext
     assembler: InputAssembler[Inbound]
-    triggers: asyncio.Queue[Trigger[Inbound]] = field(default_factory=lambda: asyncio.Queue(MAX_TRIGGERS))
+    triggers: asyncio.Queue[Trigger[Inbound]]
+    """Bounded by the in-edges' credit: a producer never has more chunks unread than that."""
     sampling: dict[str, Any] = field(default_factory=dict)
     task: asyncio.Task[str] | None = None
+    credit_returned: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,12 @@ class _OutEdge:
     consumer: str
     window: int
     connector: OmniConnector
+    credit: int
+
+    def charges(self, units: int) -> bool:
+        """Whether the consumer reads a chunk of this many units (and so returns its credit): an
+        empty last chunk on a windowed edge only marks the end."""
+        return units > 0 or self.window == FULL_WINDOW
 
 
 class StageWorker:
@@ -122,9 +139,13 @@ class StageWorker:
             e.from_: import_object(e.processor) for e in self.spec.inputs if e.processor
         }
         self.out_edges = [
-            _OutEdge(s.name, e.window, self.connectors[e.connector])
+            _OutEdge(s.name, e.window, self.connectors[e.connector], e.credit)
             for s, e in pipeline.spec.consumers(stage)
         ]
+        self.ledger = CreditLedger({e.consumer: e.credit for e in self.out_edges})
+        # Every chunk in flight to us is one credit: with the client request and an empty last
+        # chunk, a request's triggers can never outgrow this.
+        self.max_triggers = sum(e.credit for e in self.spec.inputs) + 2
         self.engine: Engine = build_engine(self.spec)
         self.requests: dict[str, _Request] = {}
         self.nc: NatsClient | None = None
@@ -246,6 +267,8 @@ class StageWorker:
         """Beside the heartbeats, never in their way: a check may wait on a backend's timeout."""
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            for rid in self.ledger.expire(time.time(), keep=self.requests):
+                log.info("stage %s: request %s: its unread output expired", self.spec.name, rid)
             await self._check_health()
 
     async def _check_health(self) -> None:
@@ -280,7 +303,10 @@ class StageWorker:
         load = self.core.load()
         self.metrics.queued.set(load.queued)
         self.metrics.inflight.set(load.inflight)
+        self.metrics.paused.set(load.paused)
         self.metrics.tracked.set(len(self.requests))
+        self.metrics.unread_bytes.set(self.ledger.unread_bytes)
+        self.metrics.credit_accounts.set(self.ledger.tracked())
         self.metrics.resources.refresh(self.nc, self.connectors.values())
         if (held := self.engine.active_requests()) is not None:
             self.metrics.engine_requests.set(held)
@@ -349,11 +375,16 @@ class StageWorker:
 
     async def _on_inbound(self, msg: Msg) -> None:
         try:
-            m: Inbound = unpack(msg.data, StageInbound)
-            check_request_id(m.ctx.request_id)
+            m: Inbound | CreditMsg = unpack(msg.data, StageInbound)
+            check_request_id(m.request_id if isinstance(m, CreditMsg) else m.ctx.request_id)
         except (wire.WireError, ConnectorError) as exc:
             log.warning("stage %s: refused a message on %s: %s", self.spec.name, msg.subject, exc)
             self.metrics.outcome("refused")
+            return
+        if isinstance(m, CreditMsg):
+            returned = self.ledger.returned(m.request_id, m.consumer, m.chunks)
+            if returned and (held := self.requests.get(m.request_id)) is not None:
+                held.credit_returned.set()
             return
         rid = m.ctx.request_id
         if self.core.is_aborted(rid):
@@ -386,9 +417,8 @@ class StageWorker:
             for t in triggers:
                 st.triggers.put_nowait(t)
         except (AssemblyError, asyncio.QueueFull) as exc:
-            await self._fail(
-                st.ctx, f"broken input stream: {exc or 'too many pending inputs'}", "input_error"
-            )
+            why = str(exc) or f"more than {self.max_triggers} inputs pending (past the edges' credit)"
+            await self._fail(st.ctx, f"broken input stream: {why}", "input_error")
             self._abort(rid)
 
     async def _answer(self, msg: Msg, answer: Admitted) -> None:
@@ -408,6 +438,12 @@ class StageWorker:
             return None, Admitted(False, "bad_route", why)
         if self.unhealthy:
             return None, Admitted(False, "unhealthy", f"{where} is unhealthy: {self.unhealthy}")
+        if (unread := self.ledger.unread_bytes) >= self.spec.max_unread_bytes:
+            why = (
+                f"{where} is full: {unread} bytes of its output wait unread by its consumers "
+                f"(maxUnreadBytes {self.spec.max_unread_bytes})"
+            )
+            return None, Admitted(False, "full", why)
         if self.core.known(rid):  # ids are made unique by the gateway; never let one clash
             return None, Admitted(False, "duplicate_request", f"{where} already holds request {rid}")
         admission = self.core.admit(rid)
@@ -415,11 +451,16 @@ class StageWorker:
             return None, Admitted(False, "draining", f"{where} is draining")
         if admission is Admission.REJECT_FULL:
             return None, Admitted(False, "full", f"{where} is full")
-        st = _Request(ctx, InputAssembler(windows))
+        st = _Request(ctx, InputAssembler(windows), asyncio.Queue(self.max_triggers))
         self.requests[rid] = st
         if admission is Admission.RUN:
             self._start(st)
         return st, None
+
+    def _start_all(self, rids: list[str]) -> None:
+        for rid in rids:
+            if (st := self.requests.get(rid)) is not None:
+                self._start(st)
 
     def _start(self, st: _Request) -> None:
         st.task = asyncio.get_running_loop().create_task(self._serve(st), name=f"req-{st.ctx.request_id}")
@@ -458,20 +499,25 @@ class StageWorker:
         t0 = time.monotonic()
         seg = Segmenter(self.spec.max_segment_units, self.spec.flush_interval_ms / 1000)
         windows = {e.consumer: WindowState(e.window) for e in self.out_edges if e.consumer in st.ctx.route}
+        self.ledger.open(rid, st.ctx.deadline, list(windows))
         engine_state: dict[str, Any] = {}
         emitted = _Emitted()
         try:
             async with asyncio.timeout(max(0.0, st.ctx.deadline - time.time())):
-                while True:
+                ended = False
+                while not ended:
                     trig = await st.triggers.get()
-                    if trig.inputs or (trig.is_last and self.engine.needs_last_call):
+                    ended = trig.is_last
+                    if trig.inputs or (ended and self.engine.needs_last_call):
                         self.metrics.window_triggers.inc()
-                        call = EngineCall(rid, self._fetch(st, trig), trig.is_last, st.sampling, engine_state)
+                        inputs = self._fetch(st, trig)
+                        await self._return_credit(st, trig)
+                        call = EngineCall(rid, inputs, ended, st.sampling, engine_state)
                         async for out in self.engine.generate(call):
                             if (s := seg.add(out)) is not None:
                                 await self._emit(st, s, windows, emitted, t0)
-                    if trig.is_last:
-                        break
+                        # Inputs read zero-copy pin their segments: let go before the next window.
+                        del inputs, call
                 last = seg.finish()
                 usage = {
                     "prompt_tokens": int(engine_state.get("prompt_tokens", 0)),
@@ -479,6 +525,7 @@ class StageWorker:
                 }
                 finish = last.finish_reason or engine_state.get("finish_reason") or "stop"
                 await self._emit(st, last, windows, emitted, t0, (finish, usage))
+                self.ledger.close(rid)
                 if self.spec.final_output is None and self.nc is not None:
                     await self.nc.publish(st.ctx.reply_to, pack(StageDone(rid, self.spec.name, self.replica)))
             self.metrics.latency.observe(time.monotonic() - t0, exemplar={"request_id": rid})
@@ -514,9 +561,7 @@ class StageWorker:
             self._cleanup(rid)
         self.metrics.outcome(outcome)
         self.requests.pop(rid, None)
-        for nxt in self.core.release(rid):
-            if (s2 := self.requests.get(nxt)) is not None:
-                self._start(s2)
+        self._start_all(self.core.release(rid))
         self._wake_drain()
 
     def _fetch(self, st: _Request, trig: Trigger[Inbound]) -> dict[str, dict[str, Any]]:
@@ -531,6 +576,31 @@ class StageWorker:
                 payload = proc(payload)
             inputs[producer] = payload
         return inputs
+
+    async def _return_credit(self, st: _Request, trig: Trigger[Inbound]) -> None:
+        """A chunk read is a chunk of credit back to its producer's replica."""
+        assert self.nc is not None
+        rid = st.ctx.request_id
+        for producer, m in trig.inputs.items():
+            if isinstance(m, SegmentMsg):
+                credit = pack(CreditMsg(rid, self.spec.name))
+                await self.nc.publish(self.subjects.stage_inbox(producer, st.ctx.route[producer]), credit)
+
+    async def _wait_for_credit(self, st: _Request, consumer: str) -> None:
+        """Pause the request (between engine steps: the engine's generator waits on us) until its
+        consumer has read enough to take another chunk; its slot goes to a queued request."""
+        rid = st.ctx.request_id
+        if self.ledger.available(rid, consumer) > 0:
+            return
+        t = time.monotonic()
+        self._start_all(self.core.pause(rid))
+        try:
+            while self.ledger.available(rid, consumer) <= 0:
+                st.credit_returned.clear()
+                await st.credit_returned.wait()
+        finally:
+            self.core.resume(rid)
+            self.metrics.credit_wait(consumer, time.monotonic() - t)
 
     def _client_inputs(self, st: _Request, producer: str, m: StageRequest) -> dict[str, Any]:
         """The client's inputs (and media tensors, under `media`, if it sent any)."""
@@ -572,12 +642,17 @@ class StageWorker:
             if ws is None:
                 continue
             for chunk in ws.push(seg.data, seg.units, seg.is_last):
+                charged = edge.charges(chunk.units)
+                if charged:
+                    await self._wait_for_credit(st, edge.consumer)
                 seq = emitted.next(edge.consumer)
                 t = time.perf_counter()
                 _, nbytes, handle = edge.connector.put(
                     self.spec.name, edge.consumer, ctx.request_id, chunk.payload, seq=seq
                 )
                 self.metrics.connector(edge.connector.name, "put", nbytes, time.perf_counter() - t)
+                if charged:
+                    self.ledger.sent(ctx.request_id, edge.consumer, nbytes)
                 out = SegmentMsg(ctx, self.spec.name, seq, chunk.is_last, chunk.units, handle)
                 await self.nc.publish(
                     self.subjects.stage_inbox(edge.consumer, ctx.route[edge.consumer]), pack(out)
@@ -620,6 +695,7 @@ class StageWorker:
             await self.nc.publish(ctx.reply_to, pack(err))
 
     def _cleanup(self, rid: str) -> None:
+        self.ledger.forget(rid)
         for c in self.connectors.values():
             try:
                 c.cleanup(rid)
