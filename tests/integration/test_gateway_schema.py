@@ -1,7 +1,10 @@
-"""Property-based tests of the gateway against its own OpenAPI schema (schemathesis), with a
-real stage behind it on a real nats-server: whatever a client sends, valid by the schema or
-not, the answer is never a server error. Then the edge values that found real 500s before,
-each a clear OpenAI-style 400 naming the field.
+"""Property-based tests of the gateway against its own OpenAPI schema (schemathesis), with real
+stages behind it on a real nats-server: whatever a client sends, valid by the schema or not,
+the answer is never a server error. Twice: behind a synthetic stage with small limits, and
+behind the tiny demo's real models (thinker -> talker -> vocoder) with the default body limit
+(16 MiB, past NATS's 1 MiB message cap), where what a real tokenizer and model make of the
+inputs is part of the answer. Then the edge values that found real 500s before, each a clear
+OpenAI-style 400 naming the field.
 
 (schemathesis's pytest plugin does not run on pytest 9, so each operation's strategy is
 driven through hypothesis directly; the cases and the check are schemathesis's own.)
@@ -24,7 +27,10 @@ from tests.deployment import deployed
 from tests.helpers import ROOT
 
 PIPELINE = ROOT / "tests" / "data" / "echo.yaml"
-EXAMPLES = 120
+REAL_PIPELINE = ROOT / "tests" / "data" / "tiny-omni-api.yaml"
+EXAMPLES = {"echo": 120, "real": 60}
+"""Per operation and mode; fewer behind real models, whose answers take a forward pass each."""
+SERVED = {"echo": "echo", "real": "tiny-omni"}
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +39,18 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     nats = EmbeddedNats()
     try:
         with deployed(PIPELINE, {"echo": 1}, 1, nats.url, ROOT, logs) as d:
+            yield d.base
+    finally:
+        nats.stop()
+
+
+@pytest.fixture(scope="module")
+def real_gateway(tmp_path_factory: pytest.TempPathFactory, demo_dir: Path) -> Iterator[str]:
+    logs = tmp_path_factory.mktemp("schema-real")
+    nats = EmbeddedNats()
+    layout = {"thinker": 1, "talker": 1, "vocoder": 1}
+    try:
+        with deployed(REAL_PIPELINE, layout, 1, nats.url, demo_dir, logs) as d:
             yield d.base
     finally:
         nats.stop()
@@ -50,17 +68,24 @@ def test_the_schema_covers_the_api(gateway: str) -> None:
     assert {"GET /v1/models", "GET /health"} <= ops
 
 
+@pytest.mark.parametrize("behind", ["echo", "real"])
 @pytest.mark.parametrize("mode", list(schemathesis.GenerationMode), ids=lambda m: m.value)
 def test_no_input_makes_a_server_error(
-    gateway: str, mode: schemathesis.GenerationMode, tmp_path: Path
+    request: pytest.FixtureRequest, behind: str, mode: schemathesis.GenerationMode
 ) -> None:
+    gateway: str = request.getfixturevalue("gateway" if behind == "echo" else "real_gateway")
     for name, op in _operations(gateway).items():
 
         @given(case=op.as_strategy(generation_mode=mode))
         @settings(
-            max_examples=EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+            max_examples=EXAMPLES[behind],
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
         )
         def never_a_server_error(case: schemathesis.Case) -> None:
+            if mode is schemathesis.GenerationMode.POSITIVE and isinstance(case.body, dict):
+                case.body["model"] = SERVED[behind]  # else most valid requests stop at a 404
             response = case.call(base_url=gateway, timeout=30)
             case.validate_response(response, checks=[not_a_server_error])
 

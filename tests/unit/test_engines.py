@@ -150,6 +150,21 @@ def test_sampling_is_seeded(models: Path) -> None:
     assert sample(1) != sample(2)
 
 
+def test_a_vanishing_temperature_is_greedy_and_an_empty_prompt_the_clients_error(models: Path) -> None:
+    """Both found by schemathesis against the real models: a temperature of 1e-154 made the
+    logits inf and the sampler raise; text the tokenizer drops whole made an empty prompt."""
+    engine = engine_for("thinker", models)
+    req = {"request": {"messages": [{"role": "user", "content": "hi"}]}}
+
+    def tokens(sampling: dict[str, Any]) -> list[int]:
+        call = EngineCall("r", req, True, {"max_tokens": 6, **sampling})
+        return [int(o.data["token_ids"][0]) for o in run(engine, call)]
+
+    assert tokens({"temperature": 2.7e-154, "seed": 3}) == tokens({"temperature": 0})
+    with pytest.raises(InvalidRequest, match="the prompt is empty once tokenized"):
+        run(engine, EngineCall("r", {"request": {"prompt": ""}}, True, {}))
+
+
 def test_vocoder_turns_codes_into_samples(models: Path) -> None:
     engine = engine_for("vocoder", models)
     (out,) = run(engine, EngineCall("r", {"talker": {"token_ids": torch.arange(25)}}, True, {}))

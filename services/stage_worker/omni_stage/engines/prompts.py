@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_stage.engines.base import EngineError, InvalidRequest
+from omni_stage.engines.base import InvalidRequest
 
 
 def messages_to_chat(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -44,6 +44,6 @@ def prompt_token_ids(tokenizer: Any, request: dict[str, Any]) -> list[int]:
     else:
         text = str(request.get("prompt", ""))
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if not ids:
-        raise EngineError("empty prompt")
+    if not ids:  # text the tokenizer drops whole (control characters): nothing to go on from
+        raise InvalidRequest("the prompt is empty once tokenized: there is nothing to continue from")
     return ids
