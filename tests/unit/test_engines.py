@@ -165,6 +165,17 @@ def test_a_vanishing_temperature_is_greedy_and_an_empty_prompt_the_clients_error
         run(engine, EngineCall("r", {"request": {"prompt": ""}}, True, {}))
 
 
+def test_stop_ends_the_reply_before_the_stop_string(models: Path) -> None:
+    engine = engine_for("thinker", models)
+    req = {"request": {"messages": [{"role": "user", "content": "hi"}]}}
+    full = "".join(o.text for o in run(engine, EngineCall("r", req, True, {"max_tokens": 24})))
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    assert len(stop) == 3 and full.find(stop) > 0, full
+    outs = run(engine, EngineCall("r", req, True, {"max_tokens": 24, "stop": [stop]}))
+    assert "".join(o.text for o in outs) == full[: full.find(stop)]
+    assert outs[-1].finish_reason == "stop" and len(outs) < 24
+
+
 def test_vocoder_turns_codes_into_samples(models: Path) -> None:
     engine = engine_for("vocoder", models)
     (out,) = run(engine, EngineCall("r", {"talker": {"token_ids": torch.arange(25)}}, True, {}))

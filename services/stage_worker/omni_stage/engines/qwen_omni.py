@@ -50,6 +50,7 @@ from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompts import check_context
 from omni_stage.engines.qwen_omni_prompt import Prompt, Prompts
+from omni_stage.engines.reply import ReplyText
 from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
 
@@ -173,7 +174,7 @@ class Thinker(_Part):
         temperature = float(call.sampling.get("temperature", 0.0) or 0.0)
         top_p = float(call.sampling.get("top_p", 1.0) or 1.0)
         gen = torch.Generator().manual_seed(int(call.sampling.get("seed", 0) or 0))
-        text = _Reply(self.tokenizer, [str(x) for x in call.sampling.get("stop") or [] if x])
+        text = ReplyText.for_request(self.tokenizer, call.sampling)
         feed = ids
         for s in range(budget):
             # Decode steps of concurrent requests run together; a prompt runs on its own.
@@ -274,32 +275,6 @@ class _ThinkerStep:
     top_p: float
     gen: torch.Generator
     prompt: Prompt
-
-
-class _Reply:
-    """The reply's text as its tokens come: whole characters only, never past a stop string
-    (OpenAI's `stop`: the text ends before it), and the last few characters held back while
-    they could still be the start of one."""
-
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stops = stops
-        self.hold = max((len(x) for x in stops), default=1) - 1
-        self.tokens: list[int] = []
-        self.sent = 0
-
-    def add(self, token: int | None, last: bool) -> tuple[str, bool]:
-        """This token's text delta (`token` None: the reply ended without one), and whether a
-        stop string ended the reply here."""
-        if token is not None:
-            self.tokens.append(token)
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if full.endswith("\ufffd") and not last:
-            return "", False  # an incomplete UTF-8 sequence; wait for the next byte
-        cuts = [i for x in self.stops if (i := full.find(x)) >= 0]
-        end = min(cuts) if cuts else len(full) if last else max(self.sent, len(full) - self.hold)
-        delta, self.sent = full[self.sent : max(self.sent, end)], max(self.sent, end)
-        return delta, bool(cuts)
 
 
 class Talker(_Part):

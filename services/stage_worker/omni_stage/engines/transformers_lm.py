@@ -36,6 +36,7 @@ from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompts import check_context, prompt_token_ids
+from omni_stage.engines.reply import ReplyText
 from omni_stage.engines.sampling import pick_token
 from omni_stage.segments import EngineOutput
 
@@ -121,26 +122,28 @@ class TransformersEngine(ComputeEngine):
         if "generator" not in st:
             st["generator"] = torch.Generator().manual_seed(int(call.sampling.get("seed", 0) or 0))
             st["generated"] = []
-            st["text"] = ""
+            st["reply_text"] = (
+                ReplyText.for_request(self.tokenizer, call.sampling) if self.tokenizer else None
+            )
         temperature = float(call.sampling.get("temperature", 0.0) or 0.0)
         top_p = float(call.sampling.get("top_p", 1.0) or 1.0)
         feed_ids, feed_embeds = self._with_pending(st, ids, embeds)
-        for _ in range(budget):
+        reply: ReplyText | None = st["reply_text"]
+        for i in range(budget):
             step = _Step(st, feed_ids, feed_embeds, temperature, top_p)
             tok, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
             feed_ids, feed_embeds = torch.tensor([[tok]], device=self.device), None
             st["pending"] = tok  # sampled, not yet fed: the next step (or call) feeds it
             st["generated"].append(tok)
-            done = tok in self.eos and not self.ignore_eos
+            eos = tok in self.eos and not self.ignore_eos
+            delta, stopped = (
+                ("", False) if reply is None else reply.add(None if eos else tok, eos or i == budget - 1)
+            )
+            done = eos or stopped
             data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
             if self.return_hidden:
                 data["hidden_states"] = hidden
-            yield EngineOutput(
-                units=1,
-                text="" if done else self._text_delta(st),
-                data=data,
-                finish_reason="stop" if done else None,
-            )
+            yield EngineOutput(units=1, text=delta, data=data, finish_reason="stop" if done else None)
             if done:
                 st["finished"] = True
                 return
@@ -232,12 +235,3 @@ class TransformersEngine(ComputeEngine):
         """Row `row`'s next token, and the last layer's state that produced it."""
         hidden = out.hidden_states[-1][row, -1:].float().cpu() if self.return_hidden else torch.empty(0)
         return pick_token(out.logits[row, -1].float(), s.temperature, s.top_p, s.st["generator"]), hidden
-
-    def _text_delta(self, st: dict[str, Any]) -> str:
-        if self.tokenizer is None:
-            return ""
-        text = self.tokenizer.decode(st["generated"], skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""  # an incomplete UTF-8 sequence; wait for the next byte
-        delta, st["text"] = text[len(st["text"]) :], text
-        return delta

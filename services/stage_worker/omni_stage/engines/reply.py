@@ -1,0 +1,34 @@
+"""A reply's text as its tokens come, for every engine that detokenizes its own output."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class ReplyText:
+    """Whole characters only, never past a stop string (OpenAI's `stop`: the text ends before
+    it), and the last few characters held back while they could still be the start of one."""
+
+    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.hold = max((len(x) for x in stops), default=1) - 1
+        self.tokens: list[int] = []
+        self.sent = 0
+
+    @classmethod
+    def for_request(cls, tokenizer: Any, sampling: dict[str, Any]) -> ReplyText:
+        return cls(tokenizer, [str(x) for x in sampling.get("stop") or [] if x])
+
+    def add(self, token: int | None, last: bool) -> tuple[str, bool]:
+        """This token's text delta (`token` None: the reply ended without one), and whether a
+        stop string ended the reply here."""
+        if token is not None:
+            self.tokens.append(token)
+        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if full.endswith("\ufffd") and not last:
+            return "", False  # an incomplete UTF-8 sequence; wait for the next byte
+        cuts = [i for x in self.stops if (i := full.find(x)) >= 0]
+        end = min(cuts) if cuts else len(full) if last else max(self.sent, len(full) - self.hold)
+        delta, self.sent = full[self.sent : max(self.sent, end)], max(self.sent, end)
+        return delta, bool(cuts)
