@@ -163,6 +163,7 @@ class FinalMsg(msgspec.Struct, tag="final", frozen=True, omit_defaults=True):
     handle: ConnectorHandle | None = None
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
+    """On the last message: `prompt_tokens` the stage read and `completion_tokens`, its units."""
 
 
 class StageDone(msgspec.Struct, tag="done", frozen=True):
@@ -172,6 +173,9 @@ class StageDone(msgspec.Struct, tag="done", frozen=True):
     request_id: str
     stage: str
     replica: str
+    usage: dict[str, int] | None = None
+    """What the stage read and made (`prompt_tokens`, `completion_tokens`: its units), for the
+    usage a speech or image response reports."""
 
 
 class ErrorMsg(msgspec.Struct, tag="error", frozen=True):

@@ -6,6 +6,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import json
 import os
 import re
 import shutil
@@ -50,6 +51,15 @@ async def wait_until(pred: Callable[[], T], timeout: float, what: str, interval:
             return v
         await asyncio.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def sse_data(body: str) -> list[Any]:
+    """The JSON of each `data:` line of an SSE body, `[DONE]` left out."""
+    return [
+        json.loads(line.removeprefix("data: "))
+        for line in body.splitlines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 def decode_wav(data: str) -> tuple[np.ndarray, int]:

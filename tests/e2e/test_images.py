@@ -17,7 +17,8 @@ import pytest
 from PIL import Image
 
 from tests.deployment import gauges, metric_values, metrics_urls, settle
-from tests.helpers import served_example, wait_for
+from tests.helpers import served_example, sse_data, wait_for
+from tests.openai_schema import violations
 
 pytestmark = pytest.mark.slow
 
@@ -179,3 +180,26 @@ def test_an_image_pipeline_refuses_text_and_speech(image_demo: str) -> None:
         c.images.generate(model="other", prompt="x")
     [model] = c.models.list().data
     assert model.id == "tiny-image" and (model.model_extra or {})["modalities"] == ["image"]
+
+
+def test_every_response_conforms_to_openais_schema(image_demo: str) -> None:
+    """A whole response, every stream event and an error body, validated against OpenAI's own
+    OpenAPI description (with our sizes allowed, as its README says); usage counts the
+    prompt's tokens as the text encoder read them."""
+    body = {"model": "tiny-image", "prompt": "a city of glass", "size": "64x32", "num_inference_steps": 8}
+    whole = httpx.post(f"{image_demo}/v1/images/generations", json=body, timeout=120)
+    assert whole.status_code == 200, whole.text
+    usage = whole.json()["usage"]
+    assert usage["input_tokens"] == usage["input_tokens_details"]["text_tokens"] > 0
+    stream = httpx.post(f"{image_demo}/v1/images/generations", json={**body, "stream": True}, timeout=120)
+    events = sse_data(stream.text)
+    assert events[-1]["type"] == "image_generation.completed" and events[-1]["usage"] == usage
+    bad = httpx.post(f"{image_demo}/v1/images/generations", json={**body, "n": 11}, timeout=30)
+    assert bad.status_code == 400
+    checked = [
+        (whole.json(), "ImagesResponse"),
+        *[(e, "ImageGenStreamEvent") for e in events],
+        (bad.json(), "ErrorResponse"),
+    ]
+    problems = [v for b, schema in checked if (v := violations(b, schema)) is not None]
+    assert problems == [], problems

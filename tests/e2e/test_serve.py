@@ -4,6 +4,7 @@ process tree (embedded nats-server, one process per stage, the gateway)."""
 from __future__ import annotations
 
 import base64
+import functools
 import io
 import json
 import os
@@ -30,8 +31,10 @@ from tests.helpers import (
     replicas,
     served,
     served_example,
+    sse_data,
     wait_for,
 )
+from tests.openai_schema import violations
 
 pytestmark = pytest.mark.slow
 
@@ -393,3 +396,54 @@ def test_bad_pipeline_file_is_refused_before_anything_starts(tmp_path: Path) -> 
     assert serve.proc.wait(60) == 2
     assert "stage 'talker': inputs[0].from: unknown stage 'thinkr'" in serve.output()
     assert "nats" not in serve.output().lower()
+
+
+def test_every_response_conforms_to_openais_schema(demo: str) -> None:
+    """Chat (whole, and every streamed chunk with the usage chunk), the models list and one
+    model, speech's SSE events, and error bodies, validated against OpenAI's own OpenAPI
+    description."""
+    chat = {
+        "model": "tiny-omni",
+        "messages": [{"role": "user", "content": "Hello!"}],
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "alloy", "format": "wav"},
+        "max_tokens": 8,
+    }
+    checked: list[tuple[Any, str]] = []
+    post = functools.partial(httpx.post, timeout=120)
+
+    whole = post(f"{demo}/v1/chat/completions", json=chat)
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["choices"][0]["message"]["refusal"] is None
+    checked.append((whole.json(), "CreateChatCompletionResponse"))
+    stream = post(
+        f"{demo}/v1/chat/completions",
+        json={**chat, "stream": True, "stream_options": {"include_usage": True}},
+    )
+    chunks = sse_data(stream.text)
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    checked += [(c, "CreateChatCompletionStreamResponse") for c in chunks]
+
+    checked.append((httpx.get(f"{demo}/v1/models").json(), "ListModelsResponse"))
+    one = httpx.get(f"{demo}/v1/models/tiny-omni")
+    assert one.status_code == 200 and one.json()["id"] == "tiny-omni"
+    checked.append((one.json(), "Model"))
+
+    speech = post(
+        f"{demo}/v1/audio/speech",
+        json={"model": "tiny-omni", "input": "Hello there", "voice": "alloy", "stream_format": "sse"},
+    )
+    events = sse_data(speech.text)
+    done = events[-1]
+    assert done["type"] == "speech.audio.done"
+    # The text's tokens as the thinker read them; the codec codes the talker made for the vocoder.
+    assert done["usage"]["input_tokens"] > 0 and done["usage"]["output_tokens"] == 4 * 32
+    checked += [(e, "CreateSpeechResponseStreamEvent") for e in events]
+
+    missing = httpx.get(f"{demo}/v1/models/nope")
+    bad = post(f"{demo}/v1/chat/completions", json={**chat, "temperature": 3})
+    assert (missing.status_code, bad.status_code) == (404, 400)
+    checked += [(missing.json(), "ErrorResponse"), (bad.json(), "ErrorResponse")]
+
+    problems = [v for body, schema in checked if (v := violations(body, schema)) is not None]
+    assert problems == [], problems

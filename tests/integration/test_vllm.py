@@ -14,6 +14,7 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -23,7 +24,8 @@ from omni_pipeline.spec import EngineKind, EngineSpec, load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine
 from omni_stage.engines.vllm import VllmEngine
 from omni_stage.segments import EngineOutput
-from tests.helpers import ROOT, OmniProcess, decode_wav, group_alive, wait_for
+from tests.helpers import ROOT, OmniProcess, decode_wav, group_alive, sse_data, wait_for
+from tests.openai_schema import violations
 
 T = TypeVar("T")
 MESSAGES = [{"role": "user", "content": "What is omni?"}]
@@ -175,6 +177,18 @@ def test_example_pipeline_answers_the_openai_client(demo_dir: Path, tmp_path: Pa
         assert r.choices[0].message.content and r.usage is not None and r.usage.completion_tokens == 24
         samples, sr = decode_wav(r.choices[0].message.audio.data)
         assert sr == 24000 and len(samples) == 24 * 4 * 480
+        # What vLLM's thinker answers is valid by OpenAI's own schema, whole and streamed.
+        body = {"model": "tiny-voice-vllm", "messages": MESSAGES, "max_tokens": 4}
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        whole = httpx.post(url, json=body, timeout=60).json()
+        stream = httpx.post(
+            url, json={**body, "stream": True, "stream_options": {"include_usage": True}}, timeout=60
+        )
+        checked = [
+            (whole, "CreateChatCompletionResponse"),
+            *[(c, "CreateChatCompletionStreamResponse") for c in sse_data(stream.text)],
+        ]
+        assert [v for b, schema in checked if (v := violations(b, schema))] == []
 
         # vLLM's engine core process dies (as on a GPU fault): the thinker's replica sees it at
         # its next heartbeat, fails what it holds, and exits; the supervisor starts it afresh.

@@ -39,7 +39,7 @@ class ChatResult:
 
 def completion_body(req: ChatCompletionRequest, rid: str, created: int, r: ChatResult) -> dict[str, Any]:
     text = "".join(r.text)
-    message: dict[str, Any] = {"role": "assistant", "content": text}
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if req.audio is not None and "audio" in (req.modalities or []):
         pcm = to_pcm16(np.concatenate(r.audio) if r.audio else np.zeros(0, np.float32))
         data = wav_bytes(pcm, r.sample_rate) if req.audio.format == "wav" else pcm

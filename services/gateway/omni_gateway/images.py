@@ -17,7 +17,7 @@ from PIL import Image
 
 from omni_gateway.errors import StageFailed
 from omni_gateway.protocol import ImageGenerationRequest
-from omni_gateway.service import Event, ImageProgress, error_from
+from omni_gateway.service import Event, Finished, ImageProgress, error_from
 
 _PIL_FORMATS: Final = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 
@@ -49,19 +49,33 @@ def size_of(ev: ImageProgress) -> str:
     return f"{w}x{h}"
 
 
-def final_images(events: list[Event]) -> ImageProgress:
-    for ev in events:
-        if isinstance(ev, ImageProgress) and ev.is_last:
-            return ev
-    raise StageFailed("the pipeline ended without a final image")
+def image_usage(f: Finished) -> dict[str, Any]:
+    """OpenAI's image usage: the prompt's text tokens (as the text encoder counted them); a
+    diffusion model makes no image tokens."""
+    return {
+        "total_tokens": f.prompt_tokens,
+        "input_tokens": f.prompt_tokens,
+        "output_tokens": 0,
+        "input_tokens_details": {"text_tokens": f.prompt_tokens, "image_tokens": 0},
+    }
 
 
-async def images_body(req: ImageGenerationRequest, created: int, final: ImageProgress) -> dict[str, Any]:
+def final_images(events: list[Event]) -> tuple[ImageProgress, Finished]:
+    final = next((ev for ev in events if isinstance(ev, ImageProgress) and ev.is_last), None)
+    if final is None:
+        raise StageFailed("the pipeline ended without a final image")
+    return final, next((ev for ev in events if isinstance(ev, Finished)), Finished("stop", {}))
+
+
+async def images_body(
+    req: ImageGenerationRequest, created: int, final: ImageProgress, finished: Finished
+) -> dict[str, Any]:
     return {
         "created": created,
-        "data": [{"b64_json": b64, "revised_prompt": None} for b64 in await encoded(req, final)],
+        "data": [{"b64_json": b64} for b64 in await encoded(req, final)],
         "output_format": req.output_format,
         "size": size_of(final),
+        "usage": image_usage(finished),
     }
 
 
@@ -73,13 +87,17 @@ async def image_stream(
     req: ImageGenerationRequest, created: int, first: Event, events: AsyncIterator[Event]
 ) -> AsyncIterator[str]:
     """OpenAI's image stream: `image_generation.partial_image` per preview and image, then
-    `image_generation.completed` per image (`index` says which of n). A failure mid-stream
-    becomes an `error` event."""
+    `image_generation.completed` per image (`index` says which of n), held until the request's
+    end brings the usage they carry. A failure mid-stream becomes an `error` event."""
     partial = 0
+    completed: list[dict[str, Any]] = []
     try:
         ev: Event | None = first
         while ev is not None:
-            if isinstance(ev, ImageProgress):
+            if isinstance(ev, Finished):
+                for body in completed:
+                    yield _sse(body["type"], {**body, "usage": image_usage(ev)})
+            elif isinstance(ev, ImageProgress):
                 kind = "image_generation.completed" if ev.is_last else "image_generation.partial_image"
                 for i, b64 in enumerate(await encoded(req, ev)):
                     body: dict[str, Any] = {
@@ -92,9 +110,11 @@ async def image_stream(
                         "output_format": req.output_format,
                         "index": i,
                     }
-                    if not ev.is_last:
+                    if ev.is_last:
+                        completed.append(body)
+                    else:
                         body["partial_image_index"] = partial
-                    yield _sse(kind, body)
+                        yield _sse(kind, body)
                 if not ev.is_last:
                     partial += 1
             ev = await anext(events, None)

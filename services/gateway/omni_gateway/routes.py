@@ -45,21 +45,27 @@ def _metrics(request: Request) -> GatewayMetrics:
     return request.app.state.metrics  # type: ignore[no-any-return]
 
 
+def _model(svc: PipelineClient) -> dict[str, Any]:
+    return {
+        "id": svc.spec.served_model_name,
+        "object": "model",
+        "created": svc.started_at,
+        "owned_by": "omni-pipeline",
+        "modalities": sorted(k.value for k in svc.spec.output_kinds()),
+    }
+
+
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": [_model(_service(request))]}
+
+
+@router.get("/v1/models/{model:path}")
+async def model(request: Request, model: str) -> dict[str, Any]:
     svc = _service(request)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": svc.spec.served_model_name,
-                "object": "model",
-                "created": svc.started_at,
-                "owned_by": "omni-pipeline",
-                "modalities": sorted(k.value for k in svc.spec.output_kinds()),
-            }
-        ],
-    }
+    if model != svc.spec.served_model_name:
+        raise ModelNotFound(f"model '{model}' does not exist", param="model")
+    return _model(svc)
 
 
 @router.get("/health/live")
@@ -180,8 +186,8 @@ async def images_generations(req: ImageGenerationRequest, request: Request) -> R
     async def respond(_: str, first: Event, events: AsyncIterator[Event]) -> Response | Streamed:
         if req.stream:
             return Streamed(image_stream(req, now(), first, events), "text/event-stream")
-        final = final_images(await _rest(first, events))
-        return JSONResponse(await images_body(req, now(), final))
+        final, finished = final_images(await _rest(first, events))
+        return JSONResponse(await images_body(req, now(), final, finished))
 
     return await _respond(request, svc, image_inputs(req), image_sampling(req), {OutputKind.IMAGE}, respond)
 

@@ -104,6 +104,12 @@ class ImageProgress:
 class Finished:
     finish_reason: str
     usage: dict[str, int]
+    """The text stage's: `prompt_tokens`, `completion_tokens`, `total_tokens` (chat's usage)."""
+    prompt_tokens: int = 0
+    """What every stage on the route read of the client's request (the source stages count it)."""
+    fed_units: int = 0
+    """What the stages feeding the final audio or image stages made for them (a talker's codec
+    codes): a speech response's output tokens."""
 
 
 Event = TextDelta | AudioChunk | ImageProgress | Finished
@@ -117,6 +123,8 @@ class _Tracked:
     final_stages: set[str]
     queue: asyncio.Queue[GatewayInbound] = field(default_factory=lambda: asyncio.Queue(EVENT_QUEUE))
     failed: ErrorMsg | None = None
+    stage_usage: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per stage on the route, from its last message: what it read and made."""
 
 
 class PipelineClient:
@@ -354,11 +362,25 @@ class PipelineClient:
                     yield ev
                 if m.is_last:
                     pending.discard(m.stage)
-                    usage.update(m.usage or {})
                     if m.kind == OutputKind.TEXT:
+                        usage.update(m.usage or {})
                         finish = m.finish_reason or finish
         usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
-        yield Finished(finish, usage)
+        yield Finished(finish, usage, *self._media_usage(t))
+
+    def _media_usage(self, t: _Tracked) -> tuple[int, int]:
+        """(prompt tokens read on the route, units fed to its audio and image stages). Every
+        stage's last message has come by now: it precedes, through the same NATS server, the
+        outputs the final stages made from it."""
+        prompt = sum(u.get("prompt_tokens", 0) for u in t.stage_usage.values())
+        feeders = {
+            e.from_
+            for s in t.final_stages
+            if self.spec.stage(s).final_output is not OutputKind.TEXT
+            for e in self.spec.stage(s).inputs
+        }
+        fed = sum(t.stage_usage.get(p, {}).get("completion_tokens", 0) for p in feeders)
+        return prompt, fed
 
     async def _root_cause(self, t: _Tracked, err: ErrorMsg) -> OmniError:
         """The error to answer `err` with. A payload that was gone is usually the echo of its
@@ -450,6 +472,8 @@ class PipelineClient:
         part_done = isinstance(m, StageDone) or (isinstance(m, FinalMsg) and m.is_last)
         if t is not None and part_done and (done := t.route.pop(m.stage, None)) is not None:
             self.table.release(m.stage, done[1])  # and its loss no longer matters to the request
+            if m.usage:
+                t.stage_usage[m.stage] = dict(m.usage)
         if isinstance(m, StageDone):
             return
         if t is None:

@@ -10,7 +10,17 @@ from typing import Any
 
 from omni_gateway.audio import to_pcm16, wav_stream_header
 from omni_gateway.protocol import SpeechRequest
-from omni_gateway.service import AudioChunk, Event, error_from
+from omni_gateway.service import AudioChunk, Event, Finished, error_from
+
+
+def speech_usage(f: Finished) -> dict[str, int]:
+    """OpenAI's speech usage: the text tokens read, and the audio tokens made (what the stages
+    feeding the vocoder made for it: a talker's codec codes)."""
+    return {
+        "input_tokens": f.prompt_tokens,
+        "output_tokens": f.fed_units,
+        "total_tokens": f.prompt_tokens + f.fed_units,
+    }
 
 
 async def _pcm(first: Event, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
@@ -41,9 +51,18 @@ async def sse_stream(
     def sse(obj: dict[str, Any]) -> str:
         return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
+    finished = Finished("stop", {})
+
+    async def noting_the_end() -> AsyncIterator[Event]:
+        nonlocal finished
+        async for ev in events:
+            if isinstance(ev, Finished):
+                finished = ev
+            yield ev
+
     try:
-        async for data in audio_stream(req, first, events):
+        async for data in audio_stream(req, first, noting_the_end()):
             yield sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-        yield sse({"type": "speech.audio.done"})
+        yield sse({"type": "speech.audio.done", "usage": speech_usage(finished)})
     except Exception as exc:
         yield sse({"type": "error", **error_from(exc).body()})

@@ -527,7 +527,8 @@ class StageWorker:
                 await self._emit(st, last, windows, emitted, t0, (finish, usage))
                 self.ledger.close(rid)
                 if self.spec.final_output is None and self.nc is not None:
-                    await self.nc.publish(st.ctx.reply_to, pack(StageDone(rid, self.spec.name, self.replica)))
+                    done = StageDone(rid, self.spec.name, self.replica, usage)
+                    await self.nc.publish(st.ctx.reply_to, pack(done))
             self.metrics.latency.observe(time.monotonic() - t0, exemplar={"request_id": rid})
             return "ok"
         except asyncio.CancelledError:
@@ -684,7 +685,7 @@ class StageWorker:
             text=seg.text,
             handle=handle,
             finish_reason=finish,
-            usage=usage if kind is OutputKind.TEXT else None,
+            usage=usage,
         )
 
     async def _fail(self, ctx: RequestContext, message: str, code: str) -> None:
