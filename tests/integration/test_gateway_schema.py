@@ -123,6 +123,25 @@ USER = [{"role": "user", "content": "x"}]
         ),
         ({"temperature": 3}, "temperature", "less than or equal to 2"),
         ({"n": 2}, "n", "less than or equal to 1"),
+        (
+            {"frequency_penalty": 0.5},
+            "frequency_penalty",
+            "not served by this server; leave it out (or send 0)",
+        ),
+        ({"logprobs": True}, "logprobs", "not served by this server"),
+        ({"response_format": {"type": "json_object"}}, "response_format", "not served by this server"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not served by this server"),
+        ({"top_k": 5}, "top_k", "unrecognized request argument"),
+        (
+            {"messages": [*USER, {"role": "assistant", "content": "no", "refusal": "I won't"}]},
+            "messages.1.refusal",
+            "not served by this server",
+        ),
+        (
+            {"stream_options": {"continuous_usage_stats": True}},
+            "stream_options.continuous_usage_stats",
+            "unrecognized",
+        ),
     ],
     ids=[
         "huge-seed",
@@ -133,6 +152,13 @@ USER = [{"role": "user", "content": "x"}]
         "unknown-modality",
         "hot",
         "n",
+        "penalty",
+        "logprobs",
+        "json-mode",
+        "tools",
+        "unknown-field",
+        "refusal-in-history",
+        "unknown-stream-option",
     ],
 )
 def test_edge_values_are_client_errors(
@@ -150,3 +176,26 @@ def test_non_json_numbers_are_client_errors(gateway: str) -> None:
         f"{gateway}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
     )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_platform_fields_and_fields_at_off_are_accepted(gateway: str) -> None:
+    """OpenAI's platform fields (ignored, documented), unserved fields at the value that turns
+    them off, and an assistant turn sent back as the openai client dumps it."""
+    earlier = {"role": "assistant", "content": "x", "refusal": None, "tool_calls": None, "audio": None}
+    body = {
+        "model": "echo",
+        "messages": [*USER, earlier, *USER],
+        "user": "u-1",
+        "metadata": {"team": "a"},
+        "store": False,
+        "service_tier": "auto",
+        "frequency_penalty": 0,
+        "presence_penalty": 0.0,
+        "logprobs": False,
+        "logit_bias": {},
+        "tool_choice": "none",
+        "response_format": {"type": "text"},
+        "parallel_tool_calls": True,
+    }
+    r = httpx.post(f"{gateway}/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text

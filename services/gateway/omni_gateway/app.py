@@ -116,6 +116,8 @@ def build_app(
         first = errs[0] if errs else {"loc": (), "msg": "invalid request"}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":  # as OpenAI words it
+            msg = "unrecognized request argument"
         param = ".".join(loc) or None
         text = f"{param}: {msg}" if param else msg
         return _error_response(BadRequest(text, param=param))

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from omni_pipeline.spec import OutputKind
 
@@ -47,11 +47,42 @@ class OtherPart(BaseModel):
 ContentPart = Annotated[TextPart | ImagePart | AudioPart | OtherPart, Field(discriminator="type")]
 
 
+def refuse_unless_off(value: Any, info: ValidationInfo, off: dict[str, tuple[Any, ...]]) -> None:
+    """A field this server does not serve is taken only at the value that turns it off (or
+    null): anything else is a 400 naming it, never a silent no."""
+    allowed = off[str(info.field_name)]
+    if value is not None and value not in allowed:
+        say = " or ".join(repr(v) for v in allowed) if allowed else "null"
+        raise ValueError(f"not served by this server; leave it out (or send {say})")
+
+
+_MESSAGE_OFF: Final[dict[str, tuple[Any, ...]]] = {
+    "tool_calls": ([],),
+    "tool_call_id": (),
+    "function_call": (),
+    "audio": (),
+    "refusal": (),
+}
+"""What an assistant turn a client sends back may carry, only as null: the parts of a reply
+this server never makes (tool calls, a reference to earlier audio, a refusal)."""
+
+
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    annotations: list[Any] | None = Field(default=None, description="Accepted and ignored (web citations).")
+    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    audio: Any = None
+    refusal: str | None = None
+
+    @field_validator(*_MESSAGE_OFF, mode="before")
+    @classmethod
+    def _not_served(cls, v: Any, info: ValidationInfo) -> None:
+        refuse_unless_off(v, info, _MESSAGE_OFF)
 
 
 class AudioParams(BaseModel):
@@ -60,13 +91,35 @@ class AudioParams(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    include_obfuscation: bool | None = Field(default=None, description="Accepted and ignored (no padding).")
+
+
+_CHAT_OFF: Final[dict[str, tuple[Any, ...]]] = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "prediction": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "web_search_options": (),
+}
+"""OpenAI's chat fields this server does not serve yet, each with the values that mean "off"."""
 
 
 class ChatCompletionRequest(BaseModel):
-    """POST /v1/chat/completions. Unknown fields are ignored, as OpenAI clients send many."""
+    """POST /v1/chat/completions. Every field is served, refused unless off (`_CHAT_OFF`), or
+    one of OpenAI's platform fields, accepted and ignored; an unknown field is a 400."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     modalities: list[Literal["text", "audio"]] | None = None
@@ -80,6 +133,37 @@ class ChatCompletionRequest(BaseModel):
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
     n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
+    parallel_tool_calls: bool | None = Field(
+        default=None, description="Without tools, as at OpenAI: no effect."
+    )
+    # OpenAI's platform, not the model's: accepted and ignored.
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    # Not served yet: refused unless off.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    response_format: dict[str, Any] | None = None
+    prediction: Any = None
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: Any = None
+
+    @field_validator(*_CHAT_OFF, mode="before")
+    @classmethod
+    def _not_served(cls, v: Any, info: ValidationInfo) -> None:
+        refuse_unless_off(v, info, _CHAT_OFF)
 
     @model_validator(mode="after")
     def _audio(self) -> ChatCompletionRequest:
@@ -94,7 +178,9 @@ class ChatCompletionRequest(BaseModel):
 def stage_inputs(req: ChatCompletionRequest) -> dict[str, Any]:
     """What the source stages get: messages and output wishes, model-agnostic."""
     out: dict[str, Any] = {
-        "messages": [m.model_dump(exclude_none=True) for m in req.messages],
+        "messages": [
+            m.model_dump(exclude_none=True, include={"role", "content", "name"}) for m in req.messages
+        ],
         "modalities": sorted(k.value for k in req.wanted_outputs()),
     }
     if req.audio is not None:
@@ -120,12 +206,21 @@ MAX_IMAGE_SIDE = 4096
 """Largest width or height the gateway passes on; the model's own limit is usually lower."""
 
 
+_IMAGE_OFF: Final[dict[str, tuple[Any, ...]]] = {
+    "quality": ("auto",),
+    "style": (),
+    "background": ("auto", "opaque"),
+}
+"""Switches a diffusion model does not have, taken only at the values it gives anyway."""
+
+
 class ImageGenerationRequest(BaseModel):
     """POST /v1/images/generations: OpenAI's fields, and the diffusion ones it lacks (seed,
     num_inference_steps, guidance_scale, negative_prompt). quality, style and background are
-    accepted and ignored: a diffusion model has no such switches."""
+    refused unless at what a diffusion model gives anyway (`_IMAGE_OFF`); `user` and
+    `moderation` concern OpenAI's platform and are ignored; an unknown field is a 400."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     prompt: str = Field(min_length=1, max_length=32000)
     model: str | None = None
     n: int = Field(default=1, ge=1, le=10)
@@ -139,6 +234,16 @@ class ImageGenerationRequest(BaseModel):
     num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
     guidance_scale: float | None = Field(default=None, ge=0, le=100)
     negative_prompt: str | None = Field(default=None, max_length=32000)
+    quality: str | None = None
+    style: str | None = None
+    background: str | None = None
+    user: str | None = None
+    moderation: str | None = None
+
+    @field_validator(*_IMAGE_OFF, mode="before")
+    @classmethod
+    def _not_served(cls, v: Any, info: ValidationInfo) -> None:
+        refuse_unless_off(v, info, _IMAGE_OFF)
 
     @field_validator("response_format")
     @classmethod
@@ -192,14 +297,22 @@ class SpeechRequest(BaseModel):
     """POST /v1/audio/speech. `response_format` defaults to wav (OpenAI's mp3 needs an encoder
     this server does not have); `stream_format` sse sends base64 deltas instead of raw audio."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     model: str = Field(min_length=1)
     input: str = Field(min_length=1, max_length=4096)
     voice: str = Field(min_length=1, max_length=64, description="A voice name, or OpenAI's {id: ...}.")
-    instructions: str | None = Field(default=None, max_length=4096)
+    instructions: str | None = Field(
+        default=None, description="Not served (no engine here steers a voice by text): refused unless empty."
+    )
     response_format: str = "wav"
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
+
+    @field_validator("instructions")
+    @classmethod
+    def _no_instructions(cls, v: str | None) -> None:
+        if v:
+            raise ValueError("not served: no engine here steers a voice by instructions; leave it out")
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -221,8 +334,6 @@ def speech_inputs(req: SpeechRequest) -> dict[str, Any]:
         "voice": req.voice,
         "modalities": [OutputKind.AUDIO.value],
     }
-    if req.instructions:
-        out["instructions"] = req.instructions
     return out
 
 
