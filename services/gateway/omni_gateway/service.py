@@ -385,15 +385,18 @@ class PipelineClient:
     async def _root_cause(self, t: _Tracked, err: ErrorMsg) -> OmniError:
         """The error to answer `err` with. A payload that was gone is usually the echo of its
         producer's failure, which freed it after sending its own error: wait a moment for
-        that error (the real cause) before blaming the missing payload."""
+        that error (the real cause) before blaming the missing payload. A stage's own error
+        that a payload was gone still beats ours: it is a step nearer the cause (a Mooncake
+        key lost with its master, say, which only the stage that read it can name)."""
         if err.code == PAYLOAD_GONE:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(ROOT_CAUSE_WAIT_S):
                     while True:  # outputs met on the way are freed when the request ends
                         m = await t.queue.get()
-                        if isinstance(m, ErrorMsg) and m.code != PAYLOAD_GONE:
+                        if isinstance(m, ErrorMsg):
                             err = m
-                            break
+                            if m.code != PAYLOAD_GONE:
+                                break
         return _ERRORS.get(err.code, StageFailed)(err.message, code=err.code)
 
     def _final_events(self, rid: str, m: FinalMsg) -> list[Event]:
