@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Final, Generic, TypeVar
 
 from omni_pipeline.spec import FULL_WINDOW
+from omni_stage.windows import is_read
 
 MAX_REORDER: Final = 1024
 """Out-of-order chunks one edge may hold before the request is failed (a lost message)."""
@@ -67,7 +68,7 @@ class InputAssembler(Generic[H]):
         while edge.next_seq in edge.pending:
             it, n, last = edge.pending.pop(edge.next_seq)
             edge.next_seq += 1
-            if it is not None and (n > 0 or edge.window == FULL_WINDOW):
+            if it is not None and is_read(edge.window, n):
                 if edge.window == FULL_WINDOW:
                     edge.held.append((it, n))
                 else:

@@ -14,48 +14,32 @@ class StageMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         labels = {"stage": stage, "replica": replica}
-        self.queued = Gauge(
-            "omni_stage_queued_requests", "Requests waiting for a slot", labels.keys(), registry=r
-        ).labels(**labels)
-        self.inflight = Gauge(
-            "omni_stage_inflight_requests", "Requests running or paused", labels.keys(), registry=r
-        ).labels(**labels)
-        self.paused = Gauge(
-            "omni_stage_paused_requests",
-            "Running requests paused until a consumer returns credit",
-            labels.keys(),
-            registry=r,
-        ).labels(**labels)
-        self.unread_bytes = Gauge(
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, labels.keys(), registry=r).labels(**labels)
+
+        self.queued = gauge("omni_stage_queued_requests", "Requests waiting for a slot")
+        self.inflight = gauge("omni_stage_inflight_requests", "Requests running or paused")
+        self.paused = gauge(
+            "omni_stage_paused_requests", "Running requests paused until a consumer returns credit"
+        )
+        self.unread_bytes = gauge(
             "omni_stage_unread_bytes",
             "Bytes of output put on connectors and not yet read by the consumer stages",
-            labels.keys(),
-            registry=r,
-        ).labels(**labels)
-        self.credit_accounts = Gauge(
-            "omni_stage_credit_accounts",
-            "Requests whose output to consumer stages is not all read yet",
-            labels.keys(),
-            registry=r,
-        ).labels(**labels)
+        )
+        self.credit_accounts = gauge(
+            "omni_stage_credit_accounts", "Requests whose output to consumer stages is not all read yet"
+        )
         self.credit_wait_seconds = Counter(
             "omni_stage_credit_wait_seconds",
             "Time requests spent paused for credit, by consumer stage (the edge)",
             [*labels.keys(), "consumer"],
             registry=r,
         )
-        self.tracked = Gauge(
-            "omni_stage_tracked_requests",
-            "Per-request states held (queued, running)",
-            labels.keys(),
-            registry=r,
-        ).labels(**labels)
-        self.engine_requests = Gauge(
-            "omni_engine_active_requests",
-            "Requests the engine itself holds (vLLM, diffusers)",
-            labels.keys(),
-            registry=r,
-        ).labels(**labels)
+        self.tracked = gauge("omni_stage_tracked_requests", "Per-request states held (queued, running)")
+        self.engine_requests = gauge(
+            "omni_engine_active_requests", "Requests the engine itself holds (vLLM, diffusers)"
+        )
         self.engine_steps = Counter(
             "omni_engine_steps",
             "Loop steps the engine has run (diffusion steps and decodes)",

@@ -63,14 +63,7 @@ from omni_pipeline.control import (
 )
 from omni_pipeline.logs import configure_logging
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
-from omni_pipeline.spec import (
-    DEFAULT_CONNECTOR,
-    FULL_WINDOW,
-    REQUEST_SOURCE,
-    OutputKind,
-    PipelineFile,
-    StageSpec,
-)
+from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, PipelineFile, StageSpec
 from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
 from omni_stage.core import Admission, StageCore
 from omni_stage.credit import CreditLedger
@@ -85,7 +78,7 @@ from omni_stage.engines.base import (
 from omni_stage.health import health_app
 from omni_stage.metrics import StageMetrics
 from omni_stage.segments import Segment, Segmenter
-from omni_stage.windows import WindowState
+from omni_stage.windows import WindowState, is_read
 
 log = logging.getLogger("omni.stage")
 
@@ -111,11 +104,6 @@ class _OutEdge:
     window: int
     connector: OmniConnector
     credit: int
-
-    def charges(self, units: int) -> bool:
-        """Whether the consumer reads a chunk of this many units (and so returns its credit): an
-        empty last chunk on a windowed edge only marks the end."""
-        return units > 0 or self.window == FULL_WINDOW
 
 
 class StageWorker:
@@ -643,7 +631,7 @@ class StageWorker:
             if ws is None:
                 continue
             for chunk in ws.push(seg.data, seg.units, seg.is_last):
-                charged = edge.charges(chunk.units)
+                charged = is_read(edge.window, chunk.units)
                 if charged:
                     await self._wait_for_credit(st, edge.consumer)
                 seq = emitted.next(edge.consumer)

@@ -13,6 +13,12 @@ from omni_pipeline.spec import FULL_WINDOW
 from omni_stage.payload import Payload, concat, split
 
 
+def is_read(window: int, units: int) -> bool:
+    """Whether a consumer reads a chunk of `units` on an edge of this window (and so returns
+    its credit): on a windowed edge, a last chunk of no units only marks the end."""
+    return units > 0 or window == FULL_WINDOW
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     payload: Payload
@@ -43,9 +49,8 @@ class WindowState:
                 out.append(Chunk(head, self.window, False))
         if is_last:
             self._done = True
-            # On a windowed edge a last chunk of no units only marks the end (the consumer reads
-            # no payload from it), so it carries none.
-            marker = self.window != FULL_WINDOW and not self._units
-            out.append(Chunk(concat(self._parts) if self._parts and not marker else {}, self._units, True))
+            # A chunk no consumer reads (the end marker) carries no payload.
+            read = is_read(self.window, self._units)
+            out.append(Chunk(concat(self._parts) if self._parts and read else {}, self._units, True))
             self._parts, self._units = [], 0
         return out
