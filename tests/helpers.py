@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,6 +27,16 @@ from prometheus_client.parser import text_string_to_metric_families
 T = TypeVar("T")
 ROOT = Path(__file__).parents[1]
 OMNI = [sys.executable, "-m", "omni_cli.main"]
+
+SHM_SESSION = os.environ.setdefault("OMNI_SHM_PREFIX", f"omni-run{uuid.uuid4().hex[:8]}")
+"""This test run's shared memory: set before any process starts, so everything the run makes
+(its own connectors, every omni process it starts, which inherit the variable) is named under
+it. A run never sees another run's segments, such as those a run killed mid-test leaves."""
+
+
+def shm_prefix(name: str) -> str:
+    """A prefix of the run's own, for a test that counts segments apart from the rest."""
+    return f"{SHM_SESSION}-{name}"
 
 
 def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
@@ -68,11 +79,11 @@ def decode_wav(data: str) -> tuple[np.ndarray, int]:
     return samples, int(rate)
 
 
-def our_shm_segments(prefix: str = "omni-") -> list[str]:
+def our_shm_segments(prefix: str = SHM_SESSION) -> list[str]:
     return sorted(p.name for p in Path("/dev/shm").glob(f"{prefix}*"))
 
 
-def shm_segments_in_use(prefix: str = "omni-") -> list[str]:
+def shm_segments_in_use(prefix: str = SHM_SESSION) -> list[str]:
     """Segments some request holds; free ones stay pooled while their owner lives."""
     return [name for name in our_shm_segments(prefix) if "-@free-" not in name]
 

@@ -12,10 +12,10 @@ import pytest
 from omni_cli.mooncaked import LocalMooncake
 from omni_cli.natsd import EmbeddedNats
 from tests.deployment import Deployment, ask, deployed
-from tests.helpers import ROOT, our_shm_segments
+from tests.helpers import ROOT, our_shm_segments, shm_prefix
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic-faults.yaml"
-SHM_PREFIX = "omni-faults"
+SHM_PREFIX = shm_prefix("faults")
 
 
 @pytest.fixture

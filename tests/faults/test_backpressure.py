@@ -35,10 +35,10 @@ from omni_pipeline.control import (
     unpack,
 )
 from tests.deployment import Deployment, deployed, metric_values
-from tests.helpers import ROOT, replicas, shm_segments_in_use, wait_for
+from tests.helpers import ROOT, replicas, shm_prefix, shm_segments_in_use, wait_for
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic-backpressure.yaml"
-PREFIX = "omni-backpressure"
+PREFIX = shm_prefix("backpressure")
 CREDIT = 8
 TOKENS = 2000
 HIDDEN_BYTES = 1024 * 4  # the producer's hidden states per unit (float32)

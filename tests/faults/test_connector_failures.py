@@ -19,10 +19,10 @@ from omni_cli.mooncaked import LocalMooncake
 from omni_pipeline.connectors import ShmConnector
 from omni_pipeline.spec import ConnectorSpec
 from tests.deployment import Deployment, ask, deployed, metric_values, metrics_urls
-from tests.helpers import ROOT, our_shm_segments, wait_for
+from tests.helpers import ROOT, our_shm_segments, shm_prefix, wait_for
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic-connectors.yaml"
-SHM_PREFIX = "omni-connfaults"
+SHM_PREFIX = shm_prefix("connfaults")
 
 
 @pytest.fixture

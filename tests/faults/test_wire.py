@@ -35,10 +35,10 @@ from omni_pipeline.control import (
     pack,
     unpack,
 )
-from tests.helpers import ROOT, OmniProcess, start_stage, wait_for
+from tests.helpers import ROOT, OmniProcess, shm_prefix, start_stage, wait_for
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic.yaml"
-PREFIX = "omni-wiretest"
+PREFIX = shm_prefix("wire")
 INBOX = "omni.synth.gateway.wiretest"
 
 

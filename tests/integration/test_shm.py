@@ -17,14 +17,14 @@ import torch
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError, ConnectorHandle, ShmConnector
 from omni_pipeline.spec import ConnectorSpec
-from tests.helpers import our_shm_segments, read_handles, shm_segments_in_use
+from tests.helpers import our_shm_segments, read_handles, shm_prefix, shm_segments_in_use
 
 SPEC = ConnectorSpec(kind="shm", inline_threshold_bytes=1024)
 SPAWN = mp.get_context("spawn")
 
 
 def _prefix() -> str:
-    return f"omni-test{uuid.uuid4().hex[:6]}"
+    return shm_prefix(uuid.uuid4().hex[:6])
 
 
 def _producer(prefix: str, requests: int, out: Connection) -> None:

@@ -26,6 +26,7 @@ from tests.helpers import (
     our_shm_segments,
     replica_metric,
     replicas,
+    shm_prefix,
     shm_segments_in_use,
     start_gateway,
     start_stage,
@@ -33,7 +34,7 @@ from tests.helpers import (
 )
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic.yaml"
-PREFIX = "omni-itest"
+PREFIX = shm_prefix("itest")
 
 
 @dataclass

@@ -22,7 +22,7 @@ from typing import Final
 
 from omni_cli.children import gateway_child, stage_child
 from omni_cli.natsd import EmbeddedNats
-from omni_pipeline.connectors.shm import SHM_PREFIX_ENV, ShmConnector
+from omni_pipeline.connectors.shm import DEFAULT_PREFIX, SHM_PREFIX_ENV, ShmConnector
 from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState
 from omni_pipeline.spec import ConnectorSpec, PipelineFile
 
@@ -53,7 +53,8 @@ class Supervisor:
         self.host = host
         self.port = port
         self.nats_url = nats_url
-        self.shm_prefix = f"omni-{uuid.uuid4().hex[:8]}"
+        # Under OMNI_SHM_PREFIX when set, so one variable names everything a host runs.
+        self.shm_prefix = f"{os.environ.get(SHM_PREFIX_ENV) or DEFAULT_PREFIX}-{uuid.uuid4().hex[:8]}"
         self.shm = ShmConnector("serve", ConnectorSpec(), prefix=self.shm_prefix)  # frees, never writes
         self.events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self.slots: dict[str, _Slot] = {}
