@@ -127,6 +127,8 @@ class Admitted(msgspec.Struct, tag="admitted", frozen=True):
     ok: bool
     code: str = ""
     message: str = ""
+    unhealthy: str | None = None
+    """Why the replica is unhealthy, when that is why it refused (code `unhealthy`)."""
 
 
 class SegmentMsg(msgspec.Struct, tag="segment", frozen=True):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from omni_gateway.errors import Overloaded
+from omni_gateway.errors import Overloaded, Unavailable
 from omni_gateway.replicas import ReplicaTable
-from omni_pipeline.control import Heartbeat
+from omni_pipeline.control import Admitted, Heartbeat
 
 OURS = "omni.p.gateway.g1.in"
 
@@ -143,4 +143,22 @@ def test_a_beat_sent_before_our_requests_ended_does_not_hold_their_room() -> Non
     for _ in range(3):
         table.pick("s")
     with pytest.raises(Overloaded):
+        table.pick("s")
+
+
+def test_a_replica_that_refuses_for_its_health_is_believed_until_its_next_beat() -> None:
+    """Its health check can find its connector down a beat before the gateway hears it: the
+    refusal says so, and a retry is a 503 naming why, not the same replica asked again (seen
+    in tests/faults/test_mooncake_restart.py as a 500)."""
+    table = ReplicaTable(OURS)
+    table.update(beat(), 0.0)
+    table.refused(
+        "s", "i1", Admitted(False, "unhealthy", "stage 's' replica 0 is unhealthy: x", unhealthy="x")
+    )
+    with pytest.raises(Unavailable, match=r"no live replica \(unhealthy: x\)"):
+        table.pick("s")
+    table.update(beat(), 0.5)  # its next beat: healthy again
+    assert table.pick("s").hb.instance == "i1"
+    table.refused("s", "i1", Admitted(False, "draining", "stage 's' replica 0 is draining"))
+    with pytest.raises(Unavailable):
         table.pick("s")

@@ -14,8 +14,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Final
 
+import msgspec
+
 from omni_gateway.errors import Overloaded, Unavailable
-from omni_pipeline.control import HEARTBEAT_MISSES, Heartbeat
+from omni_pipeline.control import HEARTBEAT_MISSES, Admitted, Heartbeat
 
 RETIRED_KEPT: Final = 4096
 """Retired instance ids remembered (their late beats are ignored); the oldest are forgotten."""
@@ -130,6 +132,16 @@ class ReplicaTable:
             if r.hb.accepts is not None:
                 return frozenset(r.hb.accepts)
         return None
+
+    def refused(self, stage: str, instance: str, answer: Admitted) -> None:
+        """A replica refused a request for its own state (unhealthy, draining), which its next
+        beat would have told us: believe it now, so that a retry goes elsewhere, or is a 503
+        that says why, instead of asking it again. Its next beat has the last word."""
+        r = self._by_stage.get(stage, {}).get(instance)
+        if r is not None and answer.code == "unhealthy":
+            r.hb = msgspec.structs.replace(r.hb, unhealthy=answer.unhealthy or answer.message)
+        elif r is not None and answer.code == "draining":
+            r.hb = msgspec.structs.replace(r.hb, draining=True)
 
     def get(self, stage: str, instance: str) -> Replica | None:
         return self._by_stage.get(stage, {}).get(instance)

@@ -331,6 +331,7 @@ class PipelineClient:
             except wire.WireError as exc:
                 raise StageFailed(f"{where} answered with an invalid message: {exc}") from None
             if not answer.ok:
+                self.table.refused(stage, instance, answer)
                 raise StageFailed(answer.message, code=answer.code)
 
         await asyncio.gather(*(ask(s, r) for s, r in requests.items()))

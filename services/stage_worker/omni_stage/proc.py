@@ -425,7 +425,8 @@ class StageWorker:
             why = f"{where}: none of its inputs ({inputs}) is on the route of request {rid}"
             return None, Admitted(False, "bad_route", why)
         if self.unhealthy:
-            return None, Admitted(False, "unhealthy", f"{where} is unhealthy: {self.unhealthy}")
+            why = f"{where} is unhealthy: {self.unhealthy}"
+            return None, Admitted(False, "unhealthy", why, unhealthy=self.unhealthy)
         if (unread := self.ledger.unread_bytes) >= self.spec.max_unread_bytes:
             why = (
                 f"{where} is full: {unread} bytes of its output wait unread by its consumers "
