@@ -152,6 +152,15 @@ class CreditMsg(msgspec.Struct, tag="credit", frozen=True):
     chunks: int = 1
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One generated token's log probability under the model, and the most likely tokens at its
+    position (as many as the request's `top_logprobs`), for OpenAI's `logprobs`."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]] = []
+
+
 class FinalMsg(msgspec.Struct, tag="final", frozen=True, omit_defaults=True):
     """Client-facing output of a final stage, in order by `sequence`."""
 
@@ -166,6 +175,8 @@ class FinalMsg(msgspec.Struct, tag="final", frozen=True, omit_defaults=True):
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
     """On the last message: `prompt_tokens` the stage read and `completion_tokens`, its units."""
+    logprobs: list[TokenLogprob] | None = None
+    """For the tokens behind `text`, when the request asked for `logprobs`."""
 
 
 class StageDone(msgspec.Struct, tag="done", frozen=True):
@@ -225,6 +236,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     """The kinds of message content part its engine reads from a client's request (`text`,
     `image`, `audio`, `video`), so a gateway refuses the others before any work; None: not
     declared (the engine refuses what it cannot read itself)."""
+    honours: list[str] | None = None
+    """The request parameters its engine honours as a source stage (`temperature`,
+    `logprobs`, ...), so a gateway refuses a request that sets any other; None: not declared."""
     ts: float = msgspec.field(default_factory=time.time)
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import soundfile as sf
@@ -121,6 +122,81 @@ def test_text_only_and_models(demo: str) -> None:
     assert r.usage is not None and r.usage.completion_tokens == 5
     [model] = client.models.list().data
     assert model.id == "tiny-omni" and (model.model_extra or {})["modalities"] == ["audio", "text"]
+
+
+def test_logprobs_logit_bias_and_penalties_through_the_openai_client(demo: str, demo_dir: Path) -> None:
+    """The thinker's engine declares it honours them, so the gateway passes them on; each shows
+    its effect on a greedy reply (the sampler itself is checked against transformers and vLLM
+    in tests/unit/test_engines.py and tests/integration/test_vllm.py)."""
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+    messages: Any = [{"role": "user", "content": "Tell me a story"}]
+
+    def ask(**extra: Any) -> Any:
+        return client.chat.completions.create(model="tiny-omni", messages=messages, max_tokens=16, **extra)
+
+    plain = ask(logprobs=True, top_logprobs=2)
+    content, lp = plain.choices[0].message.content, plain.choices[0].logprobs.content
+    assert len(lp) == 16 and "".join(t.token for t in lp) == content
+    for t in lp:  # greedy: each token is its position's most likely, and bytes are its UTF-8
+        assert len(t.top_logprobs) == 2 and t.top_logprobs[0].token == t.token
+        assert t.logprob == t.top_logprobs[0].logprob <= 0 and bytes(t.bytes or []) == t.token.encode()
+    streamed = [
+        t
+        for c in ask(logprobs=True, top_logprobs=2, stream=True)
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content or []
+    ]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in lp]
+    assert ask().choices[0].logprobs is None
+
+    from transformers import AutoTokenizer
+
+    vocab = AutoTokenizer.from_pretrained(demo_dir / "models" / "tiny-thinker")
+    favourite = next(
+        t for t in range(vocab.vocab_size) if (v := vocab.decode([t])).isalpha() and v not in content
+    )
+    biased = ask(logit_bias={str(favourite): 100})
+    with pytest.raises(openai.BadRequestError, match="logit_bias: token 100000 is not in the vocabulary"):
+        ask(logit_bias={"100000": 1})
+    assert biased.choices[0].message.content == vocab.decode([favourite]) * 16
+
+    # A penalty lowers only tokens the reply has used: greedy is unchanged until the plain
+    # reply first repeats a token, and there the penalised one says something else.
+    tokens = [t.token for t in lp]
+    first_repeat = next(i for i, t in enumerate(tokens) if t in tokens[:i])
+    for penalty in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}):
+        penalised = [t.token for t in ask(logprobs=True, **penalty).choices[0].logprobs.content]
+        assert penalised[:first_repeat] == tokens[:first_repeat], penalty
+        assert penalised[first_repeat] != tokens[first_repeat], penalty
+
+
+def test_json_mode_through_the_openai_client(demo: str) -> None:
+    """`response_format` constrains the thinker's decoding to the schema (xgrammar, as vLLM);
+    the reply parses and validates. (This prompt's greedy reply closes within the budget.)"""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+    messages: Any = [{"role": "user", "content": "Give me JSON"}]
+    r = client.chat.completions.create(
+        model="tiny-omni",
+        messages=messages,
+        max_tokens=64,
+        response_format={"type": "json_schema", "json_schema": {"name": "verdict", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(r.choices[0].message.content or ""), schema)
+    r = client.chat.completions.create(
+        model="tiny-omni", messages=messages, max_tokens=64, response_format={"type": "json_object"}
+    )
+    assert isinstance(json.loads(r.choices[0].message.content or ""), dict)
+    bad: Any = {"type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": 5}}}
+    with pytest.raises(
+        openai.BadRequestError, match="response_format: the schema cannot be used: Type should"
+    ):
+        client.chat.completions.create(model="tiny-omni", messages=messages, response_format=bad)
 
 
 SPOKEN = 32 * 4 * 480  # samples: 32 thinker tokens -> 4 codes each -> 480 samples per code
@@ -422,6 +498,15 @@ def test_every_response_conforms_to_openais_schema(demo: str) -> None:
     )
     chunks = sse_data(stream.text)
     assert chunks[-1]["usage"]["completion_tokens"] == 8
+    checked += [(c, "CreateChatCompletionStreamResponse") for c in chunks]
+    with_logprobs = {**chat, "logprobs": True, "top_logprobs": 2}
+    checked.append(
+        (post(f"{demo}/v1/chat/completions", json=with_logprobs).json(), "CreateChatCompletionResponse")
+    )
+    chunks = sse_data(post(f"{demo}/v1/chat/completions", json={**with_logprobs, "stream": True}).text)
+    assert (
+        sum(len(c["choices"][0]["logprobs"]["content"]) for c in chunks if c["choices"][0]["logprobs"]) == 8
+    )
     checked += [(c, "CreateChatCompletionStreamResponse") for c in chunks]
 
     checked.append((httpx.get(f"{demo}/v1/models").json(), "ListModelsResponse"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import re
 import shutil
 import subprocess
@@ -91,6 +92,58 @@ def test_greedy_output_equals_the_transformers_engine(
     assert token_ids(ours) == token_ids(ref) and len(token_ids(ours)) == 16
     assert "".join(o.text for o in ours) == "".join(o.text for o in ref)
     assert ours[-1].finish_reason == "length"
+
+
+def test_penalties_bias_and_logprobs_mean_what_they_mean_in_vllm(
+    vllm_engine: VllmEngine, loop: LoopThread, demo_dir: Path
+) -> None:
+    """The step-loop engines' sampler (omni_stage/engines/sampling.py) against vLLM's own, on
+    the same checkpoint: greedy under frequency and presence penalties and a logit bias picks
+    the same tokens, and reports the same log probabilities and top alternatives."""
+    call = {"request": {"messages": MESSAGES}}
+    plain = token_ids(loop.run(collect(vllm_engine, EngineCall("p", call, True, {"max_tokens": 24}))))
+    assert len(set(plain)) < len(plain), "the tiny model repeats itself unpenalised"
+    sampling = {
+        "max_tokens": 24,
+        "frequency_penalty": 0.8,
+        "presence_penalty": 0.4,
+        "logit_bias": {str(plain[3]): -5.0, "7": 2.5},
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    ours = loop.run(collect(vllm_engine, EngineCall("b", call, True, sampling)))
+    hf = thinker(demo_dir / "models", EngineKind.TRANSFORMERS)
+    ref = asyncio.run(_start_and_collect(hf, EngineCall("b", call, True, sampling)))
+    assert token_ids(ours) == token_ids(ref) != plain[:24]
+    vllm_lp = [t for o in ours for t in o.logprobs]
+    step_lp = [t for o in ref for t in o.logprobs]
+    assert [t.token for t in vllm_lp] == [t.token for t in step_lp] and len(step_lp) == 24
+    assert [t.logprob for t in vllm_lp] == pytest.approx([t.logprob for t in step_lp], abs=1e-4)
+    for v, h in zip(vllm_lp, step_lp, strict=True):
+        assert [tok for tok, _ in v.top] == [tok for tok, _ in h.top] and len(h.top) == 3
+        assert [lp for _, lp in v.top] == pytest.approx([lp for _, lp in h.top], abs=1e-4)
+
+
+def test_json_mode_is_the_same_grammar_as_vllms(
+    vllm_engine: VllmEngine, loop: LoopThread, demo_dir: Path
+) -> None:
+    """vLLM's structured outputs and the step-loop engines' xgrammar constraint, on the same
+    checkpoint: the same greedy tokens, and JSON valid against the schema."""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    }
+    call = {"request": {"messages": [{"role": "user", "content": "Give me JSON"}]}}
+    hf = thinker(demo_dir / "models", EngineKind.TRANSFORMERS)
+    for response_format in ({"type": "json_object"}, {"type": "json_schema", "schema": schema}):
+        sampling = {"max_tokens": 64, "response_format": response_format}
+        ours = loop.run(collect(vllm_engine, EngineCall("j", call, True, sampling)))
+        ref = asyncio.run(_start_and_collect(hf, EngineCall("j", call, True, sampling)))
+        assert token_ids(ours) == token_ids(ref)
+        assert json.loads("".join(o.text for o in ours)) == json.loads("".join(o.text for o in ref))
+    assert json.loads("".join(o.text for o in ours))["answer"] in ("yes", "no")
 
 
 async def _start_and_collect(engine: Engine, call: EngineCall) -> list[EngineOutput]:

@@ -5,9 +5,11 @@ engines."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -174,6 +176,80 @@ def test_stop_ends_the_reply_before_the_stop_string(models: Path) -> None:
     outs = run(engine, EngineCall("r", req, True, {"max_tokens": 24, "stop": [stop]}))
     assert "".join(o.text for o in outs) == full[: full.find(stop)]
     assert outs[-1].finish_reason == "stop" and len(outs) < 24
+
+
+def test_logit_bias_is_transformers_sequence_bias_and_logprobs_its_raw_scores(models: Path) -> None:
+    """The reference for logit_bias is transformers' own `sequence_bias` (one-token sequences);
+    for logprobs, the log-softmax of the model's raw logits, which generate returns. (Penalties
+    are checked against vLLM's sampler in tests/integration/test_vllm.py.)"""
+    messages = [{"role": "user", "content": "What is omni?"}]
+    engine = engine_for("thinker", models)
+    plain = [
+        int(o.data["token_ids"][0])
+        for o in run(engine, EngineCall("r", {"request": {"messages": messages}}, True, {"max_tokens": 12}))
+    ]
+    bias = {plain[2]: -100.0, 11: 3.0}
+    sampling = {
+        "max_tokens": 12,
+        "logit_bias": {str(k): v for k, v in bias.items()},
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    outs = run(engine, EngineCall("r", {"request": {"messages": messages}}, True, sampling))
+    ours = [int(o.data["token_ids"][0]) for o in outs]
+
+    tok = AutoTokenizer.from_pretrained(models / "tiny-thinker")
+    model = AutoModelForCausalLM.from_pretrained(models / "tiny-thinker")
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = torch.tensor([tok(text, add_special_tokens=False)["input_ids"]])
+    ref = model.generate(
+        ids,
+        max_new_tokens=12,
+        do_sample=False,
+        sequence_bias={(k,): v for k, v in bias.items()},
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    assert ours == ref.sequences[0, ids.shape[1] :].tolist() != plain and plain[2] not in ours
+    raw = [torch.log_softmax(step[0].float(), -1) for step in ref.logits]
+    got = [lp for o in outs for lp in o.logprobs]
+    assert [g.token for g in got] == [tok.decode([t]) for t in ours[: len(got)]] and len(got) >= len(ours) - 1
+    assert [g.logprob for g in got] == pytest.approx(
+        [float(raw[i][t]) for i, t in enumerate(ours[: len(got)])], abs=1e-5
+    )
+    for i, g in enumerate(got):
+        best = torch.topk(raw[i], 2)
+        assert [t for t, _ in g.top] == [tok.decode([t]) for t in best.indices.tolist()]
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_the_clients_error(models: Path) -> None:
+    req = {"request": {"messages": [{"role": "user", "content": "hi"}]}}
+    with pytest.raises(InvalidRequest, match="logit_bias: token 999999 is not in the vocabulary"):
+        run(engine_for("thinker", models), EngineCall("r", req, True, {"logit_bias": {"999999": 1.0}}))
+
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer"}},
+    "required": ["answer"],
+    "additionalProperties": False,
+}
+
+
+def test_json_mode_constrains_the_reply_to_the_schema(models: Path) -> None:
+    """Through xgrammar, as vLLM constrains it (their equality: tests/integration/test_vllm.py).
+    The tiny random model's greedy reply to this prompt closes its object within the budget;
+    to another it may write one key for ever, which the grammar allows (a `length` finish)."""
+    engine = engine_for("thinker", models)
+    req = {"request": {"messages": [{"role": "user", "content": "Give me JSON"}]}}
+    for response_format in ({"type": "json_object"}, {"type": "json_schema", "schema": SCHEMA}):
+        outs = run(engine, EngineCall("r", req, True, {"max_tokens": 64, "response_format": response_format}))
+        reply = json.loads("".join(o.text for o in outs))
+        assert isinstance(reply, dict) and outs[-1].finish_reason == "stop"
+    jsonschema.validate(reply, SCHEMA)
+    bad = {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}
+    with pytest.raises(InvalidRequest, match="response_format: the schema cannot be used"):
+        run(engine, EngineCall("r", req, True, {"response_format": bad}))
 
 
 def test_vocoder_turns_codes_into_samples(models: Path) -> None:

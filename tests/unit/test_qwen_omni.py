@@ -193,6 +193,55 @@ def test_a_stop_string_ends_the_reply_before_it(model: Path, reference: dict[str
     assert out[-1].finish_reason == "stop" and len(out) < THINKER_TOKENS
 
 
+def test_the_thinker_honours_logit_bias_and_logprobs_as_its_reference(
+    model: Path, reference: dict[str, Any]
+) -> None:
+    """The thinker picks with the step-loop engines' sampler: a logit bias is the reference
+    thinker's `generate(..., sequence_bias=...)`, logprobs the log-softmax of its raw logits."""
+    from transformers import AutoTokenizer, Qwen2_5OmniForConditionalGeneration
+
+    banned = int(reference["tokens"][2])
+    sampling = {
+        "max_tokens": THINKER_TOKENS,
+        "logit_bias": {str(banned): -100},
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+
+    async def go() -> list[EngineOutput]:
+        thinker = engine("thinker", model)
+        await thinker.start()
+        call = EngineCall("b", {"request": {"messages": MESSAGES}}, True, sampling)
+        return [o async for o in thinker.generate(call)]
+
+    out = asyncio.run(go())
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok(
+        tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False), return_tensors="pt"
+    )
+    thinker = Qwen2_5OmniForConditionalGeneration.from_pretrained(model).thinker.eval()
+    ref = thinker.generate(
+        ids["input_ids"],
+        max_new_tokens=THINKER_TOKENS,
+        do_sample=False,
+        sequence_bias={(banned,): -100.0},
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    ref_tokens = ref.sequences[0, ids["input_ids"].shape[1] :].tolist()
+    ours = [int(o.data["token_ids"][0]) for o in out]
+    assert ours == ref_tokens != reference["tokens"].tolist() and banned not in ours
+    raw = [torch.log_softmax(step[0].float(), -1) for step in ref.logits]
+    got = [lp for o in out for lp in o.logprobs]
+    assert [g.token for g in got] == [tok.decode([t]) for t in ours[: len(got)]]
+    assert [g.logprob for g in got] == pytest.approx(
+        [float(raw[i][t]) for i, t in enumerate(ours[: len(got)])], abs=1e-4
+    )
+    assert [[t for t, _ in g.top] for g in got] == [
+        [tok.decode([t]) for t in torch.topk(raw[i], 3).indices.tolist()] for i in range(len(got))
+    ]
+
+
 @pytest.fixture(scope="module")
 def media_reference(model: Path) -> dict[str, Any]:
     return reference_with_media(model, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")

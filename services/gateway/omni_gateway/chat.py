@@ -14,6 +14,7 @@ from omni_gateway.audio import to_pcm16, wav_bytes, wav_stream_header
 from omni_gateway.errors import OmniError
 from omni_gateway.protocol import ChatCompletionRequest
 from omni_gateway.service import AudioChunk, Event, Finished, TextDelta, error_from
+from omni_pipeline.control import TokenLogprob
 
 AUDIO_TTL_S = 3600
 
@@ -23,6 +24,7 @@ class ChatResult:
 
     def __init__(self) -> None:
         self.text: list[str] = []
+        self.logprobs: list[TokenLogprob] = []
         self.audio: list[np.ndarray] = []
         self.sample_rate = 24000
         self.finished = Finished("stop", {})
@@ -30,6 +32,7 @@ class ChatResult:
     def add(self, ev: Event) -> None:
         if isinstance(ev, TextDelta):
             self.text.append(ev.text)
+            self.logprobs += ev.logprobs
         elif isinstance(ev, AudioChunk):
             self.audio.append(ev.samples)
             self.sample_rate = ev.sample_rate
@@ -55,10 +58,31 @@ def completion_body(req: ChatCompletionRequest, rid: str, created: int, r: ChatR
         "created": created,
         "model": req.model,
         "choices": [
-            {"index": 0, "message": message, "finish_reason": r.finished.finish_reason, "logprobs": None}
+            {
+                "index": 0,
+                "message": message,
+                "finish_reason": r.finished.finish_reason,
+                "logprobs": choice_logprobs(req, r.logprobs),
+            }
         ],
         "usage": r.finished.usage,
     }
+
+
+def choice_logprobs(req: ChatCompletionRequest, tokens: list[TokenLogprob]) -> dict[str, Any] | None:
+    """OpenAI's `choices[].logprobs`, where the request asked for them."""
+    if not req.logprobs:
+        return None
+    return {
+        "content": [
+            _token(t.token, t.logprob) | {"top_logprobs": [_token(*a) for a in t.top]} for t in tokens
+        ],
+        "refusal": None,
+    }
+
+
+def _token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8", errors="replace"))}
 
 
 def _sse(obj: dict[str, Any]) -> str:
@@ -81,9 +105,11 @@ async def sse_chunks(
         "model": req.model,
     }
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+    def chunk(
+        delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None
+    ) -> str:
         return _sse(
-            {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+            {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
         )
 
     header_sent = req.audio is None or req.audio.format != "wav"
@@ -92,7 +118,7 @@ async def sse_chunks(
         ev: Event | None = first
         while ev is not None:
             if isinstance(ev, TextDelta):
-                yield chunk({"content": ev.text})
+                yield chunk({"content": ev.text}, logprobs=choice_logprobs(req, ev.logprobs))
             elif isinstance(ev, AudioChunk):
                 data = to_pcm16(ev.samples)
                 if not header_sent:

@@ -96,17 +96,42 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = Field(default=None, description="Accepted and ignored (no padding).")
 
 
+class JsonSchema(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = Field(default=None, description="Either way the reply follows the schema.")
+
+
+class ResponseFormat(BaseModel):
+    """`text`; `json_object`: some JSON object; `json_schema`: JSON valid against its schema.
+    Both JSON kinds constrain decoding to a grammar (where the engine honours them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_with_its_type(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("`json_schema` goes with, and only with, type 'json_schema'")
+        return self
+
+    def sampling(self) -> dict[str, Any] | None:
+        """What the engines get: None for text."""
+        if self.type == "text":
+            return None
+        if self.json_schema is None:
+            return {"type": self.type}
+        return {"type": self.type, "schema": self.json_schema.json_schema or {}}
+
+
 _CHAT_OFF: Final[dict[str, tuple[Any, ...]]] = {
-    "frequency_penalty": (0,),
-    "presence_penalty": (0,),
-    "logit_bias": ({},),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "prediction": (),
     "reasoning_effort": (),
     "verbosity": (),
@@ -132,6 +157,14 @@ class ChatCompletionRequest(BaseModel):
     top_p: float | None = Field(default=None, gt=0, le=1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: (
+        dict[Annotated[str, Field(pattern=r"^[0-9]{1,9}$")], Annotated[float, Field(ge=-100, le=100)]] | None
+    ) = Field(default=None, description="Token id (a decimal string) -> bias added to its logit.")
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
     n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
     parallel_tool_calls: bool | None = Field(
         default=None, description="Without tools, as at OpenAI: no effect."
@@ -145,16 +178,10 @@ class ChatCompletionRequest(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     # Not served yet: refused unless off.
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, Any] | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
-    response_format: dict[str, Any] | None = None
     prediction: Any = None
     reasoning_effort: str | None = None
     verbosity: str | None = None
@@ -170,6 +197,13 @@ class ChatCompletionRequest(BaseModel):
         if "audio" in self.wanted_outputs() and self.audio is None:
             raise ValueError("`audio` (voice and format) is required when modalities include 'audio'")
         return self
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _with_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
+        if v and not info.data.get("logprobs"):
+            raise ValueError("needs `logprobs: true`")
+        return v
 
     def wanted_outputs(self) -> set[OutputKind]:
         return {OutputKind(m) for m in (self.modalities or ["text"])}
@@ -188,13 +222,25 @@ def stage_inputs(req: ChatCompletionRequest) -> dict[str, Any]:
     return out
 
 
+SAMPLING_EVERY_ENGINE: Final = frozenset({"max_tokens", "voice"})
+"""What every source stage takes: its budget, and the voice (refused, if unknown, by the stage
+that speaks). Any other parameter the source stages must declare they honour (`honours`)."""
+
+
 def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The request's sampling parameters that are set, each away from its "off" value."""
     params: dict[str, Any] = {
         "max_tokens": req.max_completion_tokens or req.max_tokens,
         "temperature": req.temperature,
         "top_p": req.top_p,
         "seed": req.seed,
-        "stop": [req.stop] if isinstance(req.stop, str) else req.stop,
+        "stop": ([req.stop] if isinstance(req.stop, str) else req.stop) or None,
+        "frequency_penalty": req.frequency_penalty or None,
+        "presence_penalty": req.presence_penalty or None,
+        "logit_bias": req.logit_bias or None,
+        "logprobs": req.logprobs or None,
+        "top_logprobs": req.top_logprobs if req.logprobs else None,
+        "response_format": req.response_format.sampling() if req.response_format else None,
         # Also a request parameter, not only an input: the stages that speak (a talker, a
         # code2wav) read it downstream of the source stage.
         "voice": req.audio.voice if req.audio is not None else None,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import msgspec
 
@@ -125,12 +125,12 @@ class ReplicaTable:
     def covers(self, stages: list[str]) -> bool:
         return all(any(r.serving for r in self._by_stage.get(s, {}).values()) for s in stages)
 
-    def accepts(self, stage: str) -> frozenset[str] | None:
-        """The content part kinds the stage's engine reads, as its replicas declare them (all
-        run one engine); None while none has."""
+    def declared(self, stage: str, what: Literal["accepts", "honours"]) -> frozenset[str] | None:
+        """What the stage's engine reads (`accepts`: content part kinds) or honours (`honours`:
+        request parameters), as its replicas declare it (all run one engine); None while none has."""
         for r in self._by_stage.get(stage, {}).values():
-            if r.hb.accepts is not None:
-                return frozenset(r.hb.accepts)
+            if (declared := getattr(r.hb, what)) is not None:
+                return frozenset(declared)
         return None
 
     def refused(self, stage: str, instance: str, answer: Admitted) -> None:

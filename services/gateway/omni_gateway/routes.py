@@ -19,6 +19,7 @@ from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.media import Media, decode_media
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.protocol import (
+    SAMPLING_EVERY_ENGINE,
     SPEECH_MEDIA_TYPES,
     ChatCompletionRequest,
     ImageGenerationRequest,
@@ -172,10 +173,12 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             result.add(ev)
         return JSONResponse(completion_body(req, rid, now(), result))
 
+    params = sampling_params(req)
+    svc.refuse_unhonoured(req.wanted_outputs(), params, SAMPLING_EVERY_ENGINE)
     inputs = stage_inputs(req)
     accepts = svc.accepted_parts(req.wanted_outputs())
     inputs["messages"], media = await decode_media(inputs["messages"], svc.spec.gateway.media, accepts)
-    return await _respond(request, svc, inputs, sampling_params(req), req.wanted_outputs(), respond, media)
+    return await _respond(request, svc, inputs, params, req.wanted_outputs(), respond, media)
 
 
 @router.post("/v1/images/generations", response_model=None)

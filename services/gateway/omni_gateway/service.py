@@ -16,7 +16,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import nats
 import numpy as np
@@ -53,6 +53,7 @@ from omni_pipeline.control import (
     StageDone,
     StageRequest,
     Subjects,
+    TokenLogprob,
     close_nats,
     connect_nats,
     pack,
@@ -82,6 +83,8 @@ EVENT_QUEUE: Final = 1024
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """For the tokens behind the text, when the request asked for them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,14 +188,30 @@ class PipelineClient:
     def accepted_parts(self, outputs: set[OutputKind]) -> frozenset[str] | None:
         """The content part kinds every source stage on these outputs' route reads; None while
         one of them has not declared its own."""
-        kinds: frozenset[str] | None = None
+        return self._sources_declare(outputs, "accepts")
+
+    def refuse_unhonoured(
+        self, outputs: set[OutputKind], params: dict[str, Any], always: frozenset[str]
+    ) -> None:
+        """A 400 naming the first of `params` (beyond the `always` ones) that a source stage on
+        these outputs' route does not declare it honours; none while one has not declared."""
+        honoured = self._sources_declare(outputs, "honours")
+        if honoured is None:
+            return
+        for name in sorted(set(params) - always - honoured):
+            raise BadRequest(f"{name}: not honoured by this model's engine; leave it out", param=name)
+
+    def _sources_declare(
+        self, outputs: set[OutputKind], what: Literal["accepts", "honours"]
+    ) -> frozenset[str] | None:
+        declared: frozenset[str] | None = None
         for stage in self.spec.needed_stages(outputs):
             if stage not in self._sources:
                 continue
-            if (declared := self.table.accepts(stage)) is None:
+            if (own := self.table.declared(stage, what)) is None:
                 return None
-            kinds = declared if kinds is None else kinds & declared
-        return kinds
+            declared = own if declared is None else declared & own
+        return declared
 
     async def generate(
         self,
@@ -402,7 +421,7 @@ class PipelineClient:
 
     def _final_events(self, rid: str, m: FinalMsg) -> list[Event]:
         if m.kind == OutputKind.TEXT:
-            return [TextDelta(m.text)] if m.text else []
+            return [TextDelta(m.text, m.logprobs or [])] if m.text or m.logprobs else []
         if m.handle is None:
             return []
         conn = self.connectors.get(m.handle.connector)

@@ -322,6 +322,7 @@ class StageWorker:
             stopping=stopping,
             by_gateway=dict(collections.Counter(st.ctx.reply_to for st in self.requests.values())),
             accepts=sorted(self.engine.accepts),
+            honours=sorted(self.engine.honours),
         )
         if self.nc is not None and self.nc.is_connected:
             with contextlib.suppress(Exception):
@@ -675,6 +676,7 @@ class StageWorker:
             handle=handle,
             finish_reason=finish,
             usage=usage,
+            logprobs=seg.logprobs or None,
         )
 
     async def _fail(self, ctx: RequestContext, message: str, code: str) -> None:

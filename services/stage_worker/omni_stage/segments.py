@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from omni_pipeline.control import TokenLogprob
 from omni_stage.payload import Payload, concat
 
 
@@ -21,6 +22,8 @@ class EngineOutput:
     text: str = ""
     data: Payload = field(default_factory=dict)
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """The step's tokens' log probabilities, where the request asked for them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,7 @@ class Segment:
     data: Payload
     is_last: bool
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class Segmenter:
@@ -45,6 +49,7 @@ class Segmenter:
         self._last_flush = clock()
         self._parts: list[Payload] = []
         self._text: list[str] = []
+        self._logprobs: list[TokenLogprob] = []
         self._units = 0
         self._finish: str | None = None
         self.sequence = 0
@@ -55,6 +60,7 @@ class Segmenter:
             self._parts.append(out.data)
         if out.text:
             self._text.append(out.text)
+        self._logprobs += out.logprobs
         self._units += out.units
         self._finish = out.finish_reason or self._finish
         due = self._units >= self.max_units or self._clock() - self._last_flush >= self.flush_interval_s
@@ -71,9 +77,10 @@ class Segmenter:
             data=concat(self._parts) if self._parts else {},
             is_last=is_last,
             finish_reason=self._finish if is_last else None,
+            logprobs=self._logprobs,
         )
         self.sequence += 1
         self.total_units += self._units
-        self._parts, self._text, self._units = [], [], 0
+        self._parts, self._text, self._logprobs, self._units = [], [], [], 0
         self._last_flush = self._clock()
         return seg

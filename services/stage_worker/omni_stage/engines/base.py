@@ -52,6 +52,10 @@ class Engine(ABC):
     """The kinds of message content part this engine reads from a client's request (`text`,
     `image`, `audio`, `video`), announced in the replica's heartbeat: a gateway refuses a
     request with any other kind (a 400 naming the part) before anything runs."""
+    honours: frozenset[str] = frozenset()
+    """OpenAI's optional sampling fields this engine honours as a source stage (`temperature`,
+    `logprobs`, ...; max_tokens every engine does), announced in the replica's heartbeat: a
+    gateway refuses a request that sets any other (a 400 naming it) before anything runs."""
     needs_last_call: bool = False
     """This engine holds work back until it is told its inputs have ended (a talker still to
     speak past the reply, a vocoder waiting for right context): it is called on the request's

@@ -50,8 +50,9 @@ from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompts import check_context
 from omni_stage.engines.qwen_omni_prompt import Prompt, Prompts
-from omni_stage.engines.reply import ReplyText
-from omni_stage.engines.sampling import pick_token
+from omni_stage.engines.reply import ReplyText, token_logprobs
+from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
+from omni_stage.engines.structured import JsonGrammars
 from omni_stage.segments import EngineOutput
 
 PARTS: Final = ("thinker", "talker", "token2wav")
@@ -134,13 +135,19 @@ class Thinker(_Part):
 
     part = "thinker"
     accepts = frozenset({"text", "image", "audio"})
+    honours = HONOURED
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.tokenizer: Any = None
         self.prompts: Prompts | None = None
         self.eos: set[int] = set()
+        self.grammars: JsonGrammars | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.thinker_config.text_config.vocab_size)
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniThinkerForConditionalGeneration
@@ -155,6 +162,8 @@ class Thinker(_Part):
         self.prompts = Prompts(self.path, self.tokenizer, self.config.thinker_config, self.device, self.dtype)
         eos = GenerationConfig.from_pretrained(self.path).eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if "response_format" in self.honours:
+            self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         request = call.inputs.get("request")
@@ -171,16 +180,15 @@ class Thinker(_Part):
         check_context(
             int(ids.shape[1]), budget, self.config.thinker_config.text_config.max_position_embeddings
         )
-        temperature = float(call.sampling.get("temperature", 0.0) or 0.0)
-        top_p = float(call.sampling.get("top_p", 1.0) or 1.0)
-        gen = torch.Generator().manual_seed(int(call.sampling.get("seed", 0) or 0))
+        sampler = await self._run(TokenSampler, call.sampling, self.vocab_size, self.grammars)
         text = ReplyText.for_request(self.tokenizer, call.sampling)
         feed = ids
         for s in range(budget):
             # Decode steps of concurrent requests run together; a prompt runs on its own.
             key = "decode" if s else object()
-            step = _ThinkerStep(st, feed, temperature, top_p, gen, prompt)
-            tok, embeds, hidden = await self.batcher.submit(key, step)
+            step = _ThinkerStep(st, feed, sampler, prompt)
+            choice, embeds, hidden = await self.batcher.submit(key, step)
+            tok = choice.token
             data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
             if s == 0:  # [1, P, ...]: the prompt is one unit's worth
                 data |= {"prompt_embeds": embeds, "prompt_hidden": hidden}
@@ -189,20 +197,23 @@ class Thinker(_Part):
             eos = tok in self.eos
             delta, stopped = text.add(None if eos else tok, last=eos or s == budget - 1)
             done = eos or stopped
-            yield EngineOutput(units=1, text=delta, data=data, finish_reason="stop" if done else None)
+            logprobs = [] if eos else token_logprobs(self.tokenizer, choice)
+            yield EngineOutput(
+                units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
+            )
             if done:
                 return
             feed = torch.tensor([[tok]], device=self.device)
         st["finish_reason"] = "length"
 
-    def _steps(self, steps: list[_ThinkerStep]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _steps(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
         if len(steps) == 1:
             s = steps[0]
-            return [self._step(s.st, s.ids, s.temperature, s.top_p, s.gen, s.prompt)]
+            return [self._step(s.st, s.ids, s.sampler, s.prompt)]
         return self._decode_together(steps)
 
     @torch.inference_mode()
-    def _decode_together(self, steps: list[_ThinkerStep]) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    def _decode_together(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
         out, caches = decode_together(
             self.model,
             [s.st["past"] for s in steps],
@@ -213,9 +224,9 @@ class Thinker(_Part):
         results = []
         for row, (s, cache) in enumerate(zip(steps, caches, strict=True)):
             s.st["past"] = cache
-            tok = pick_token(out.logits[row, -1].float(), s.temperature, s.top_p, s.gen)
+            choice = s.sampler.pick(out.logits[row, -1])
             first, last = out.hidden_states[0][row : row + 1], out.hidden_states[-1][row : row + 1]
-            results.append((tok, first.float().cpu(), last.float().cpu()))
+            results.append((choice, first.float().cpu(), last.float().cpu()))
         return results
 
     def _decode_positions(self, st: dict[str, Any]) -> torch.Tensor:
@@ -228,11 +239,9 @@ class Thinker(_Part):
         self,
         st: dict[str, Any],
         ids: torch.Tensor,
-        temperature: float,
-        top_p: float,
-        gen: torch.Generator,
+        sampler: TokenSampler,
         prompt: Prompt,
-    ) -> tuple[int, torch.Tensor, torch.Tensor]:
+    ) -> tuple[Choice, torch.Tensor, torch.Tensor]:
         m = self.model
         past = st.get("past")
         media: dict[str, torch.Tensor] = {}
@@ -257,12 +266,12 @@ class Thinker(_Part):
             **media,
         )
         st["past"] = out.past_key_values
-        tok = pick_token(out.logits[0, -1].float(), temperature, top_p, gen)
+        choice = sampler.pick(out.logits[0, -1])
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
         embeds = out.hidden_states[0].float().cpu()
         if media:  # but not the audio and image features: zeros there, as the reference hands it
             embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
-        return tok, embeds, out.hidden_states[-1].float().cpu()
+        return choice, embeds, out.hidden_states[-1].float().cpu()
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,9 +280,7 @@ class _ThinkerStep:
 
     st: dict[str, Any]
     ids: torch.Tensor
-    temperature: float
-    top_p: float
-    gen: torch.Generator
+    sampler: TokenSampler
     prompt: Prompt
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_pipeline.control import TokenLogprob
+from omni_stage.engines.sampling import Choice
+
 
 class ReplyText:
     """Whole characters only, never past a stop string (OpenAI's `stop`: the text ends before
@@ -32,3 +35,12 @@ class ReplyText:
         end = min(cuts) if cuts else len(full) if last else max(self.sent, len(full) - self.hold)
         delta, self.sent = full[self.sent : max(self.sent, end)], max(self.sent, end)
         return delta, bool(cuts)
+
+
+def token_logprobs(tokenizer: Any, choice: Choice) -> list[TokenLogprob]:
+    """The choice's log probability as the client sees it (token text, not ids); none where the
+    request did not ask."""
+    if choice.logprob is None:
+        return []
+    top = [(tokenizer.decode([t]), lp) for t, lp in choice.top]
+    return [TokenLogprob(tokenizer.decode([choice.token]), choice.logprob, top)]

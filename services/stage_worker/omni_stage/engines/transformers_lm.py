@@ -36,8 +36,9 @@ from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompts import check_context, prompt_token_ids
-from omni_stage.engines.reply import ReplyText
-from omni_stage.engines.sampling import pick_token
+from omni_stage.engines.reply import ReplyText, token_logprobs
+from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
+from omni_stage.engines.structured import JsonGrammars
 from omni_stage.segments import EngineOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -50,8 +51,7 @@ class _Step:
     st: dict[str, Any]
     ids: torch.Tensor | None
     embeds: torch.Tensor | None
-    temperature: float
-    top_p: float
+    sampler: TokenSampler
 
     @property
     def is_decode(self) -> bool:
@@ -60,6 +60,8 @@ class _Step:
 
 
 class TransformersEngine(ComputeEngine):
+    honours = HONOURED
+
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.device = torch.device(self.args.get("device", "cpu"))
@@ -74,6 +76,8 @@ class TransformersEngine(ComputeEngine):
         self.model: Any = None
         self.tokenizer: Any = None
         self.eos: set[int] = set()
+        self.vocab_size = 0
+        self.grammars: JsonGrammars | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
 
     async def start(self) -> None:
@@ -101,6 +105,9 @@ class TransformersEngine(ComputeEngine):
             self.tokenizer = AutoTokenizer.from_pretrained(path)
         eos = self.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        if self.tokenizer is not None and "response_format" in self.honours:
+            self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         if self.encode:
@@ -119,22 +126,20 @@ class TransformersEngine(ComputeEngine):
             budget = math.ceil(n_units * self.tokens_per_input_unit)
             if max_tokens:
                 budget = min(budget, int(max_tokens))
-        if "generator" not in st:
-            st["generator"] = torch.Generator().manual_seed(int(call.sampling.get("seed", 0) or 0))
-            st["generated"] = []
+        if "sampler" not in st:
+            # On the compute thread: a grammar compiles against the whole vocabulary.
+            st["sampler"] = await self._run(TokenSampler, call.sampling, self.vocab_size, self.grammars)
             st["reply_text"] = (
                 ReplyText.for_request(self.tokenizer, call.sampling) if self.tokenizer else None
             )
-        temperature = float(call.sampling.get("temperature", 0.0) or 0.0)
-        top_p = float(call.sampling.get("top_p", 1.0) or 1.0)
         feed_ids, feed_embeds = self._with_pending(st, ids, embeds)
         reply: ReplyText | None = st["reply_text"]
         for i in range(budget):
-            step = _Step(st, feed_ids, feed_embeds, temperature, top_p)
-            tok, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
+            step = _Step(st, feed_ids, feed_embeds, st["sampler"])
+            choice, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
+            tok = choice.token
             feed_ids, feed_embeds = torch.tensor([[tok]], device=self.device), None
             st["pending"] = tok  # sampled, not yet fed: the next step (or call) feeds it
-            st["generated"].append(tok)
             eos = tok in self.eos and not self.ignore_eos
             delta, stopped = (
                 ("", False) if reply is None else reply.add(None if eos else tok, eos or i == budget - 1)
@@ -143,7 +148,10 @@ class TransformersEngine(ComputeEngine):
             data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
             if self.return_hidden:
                 data["hidden_states"] = hidden
-            yield EngineOutput(units=1, text=delta, data=data, finish_reason="stop" if done else None)
+            logprobs = token_logprobs(self.tokenizer, choice) if reply is not None and not eos else []
+            yield EngineOutput(
+                units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
+            )
             if done:
                 st["finished"] = True
                 return
@@ -200,13 +208,13 @@ class TransformersEngine(ComputeEngine):
             return t.unsqueeze(0), None, int(t.shape[0])
         raise EngineError(f"stage '{self.stage.name}': inputs carry neither inputs_embeds nor token_ids")
 
-    def _steps(self, steps: list[_Step]) -> list[tuple[int, torch.Tensor]]:
+    def _steps(self, steps: list[_Step]) -> list[tuple[Choice, torch.Tensor]]:
         if len(steps) == 1:
             return [self._step(steps[0])]
         return self._decode_together(steps)
 
     @torch.inference_mode()
-    def _step(self, s: _Step) -> tuple[int, torch.Tensor]:
+    def _step(self, s: _Step) -> tuple[Choice, torch.Tensor]:
         out = self.model(
             input_ids=s.ids,
             inputs_embeds=s.embeds,
@@ -218,7 +226,7 @@ class TransformersEngine(ComputeEngine):
         return self._pick(s, out, 0)
 
     @torch.inference_mode()
-    def _decode_together(self, steps: list[_Step]) -> list[tuple[int, torch.Tensor]]:
+    def _decode_together(self, steps: list[_Step]) -> list[tuple[Choice, torch.Tensor]]:
         caches = [s.st["past"] for s in steps]
         out, caches = decode_together(
             self.model,
@@ -231,7 +239,7 @@ class TransformersEngine(ComputeEngine):
             s.st["past"] = cache
         return [self._pick(s, out, row) for row, s in enumerate(steps)]
 
-    def _pick(self, s: _Step, out: Any, row: int) -> tuple[int, torch.Tensor]:
+    def _pick(self, s: _Step, out: Any, row: int) -> tuple[Choice, torch.Tensor]:
         """Row `row`'s next token, and the last layer's state that produced it."""
         hidden = out.hidden_states[-1][row, -1:].float().cpu() if self.return_hidden else torch.empty(0)
-        return pick_token(out.logits[row, -1].float(), s.temperature, s.top_p, s.st["generator"]), hidden
+        return s.sampler.pick(out.logits[row, -1]), hidden

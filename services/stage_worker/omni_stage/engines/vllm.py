@@ -27,15 +27,30 @@ from typing import Any
 
 import torch
 
+from omni_pipeline.control import TokenLogprob
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.prompts import prompt_token_ids
+from omni_stage.engines.sampling import HONOURED
+from omni_stage.engines.structured import schema_of
 from omni_stage.segments import EngineOutput
 
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "repetition_penalty")
+_SAMPLING_KEYS = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 class VllmEngine(Engine):
+    honours = HONOURED
+
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.llm: Any = None
@@ -91,11 +106,17 @@ class VllmEngine(Engine):
 
     def _sampling(self, call: EngineCall) -> Any:
         from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
         params = {k: call.sampling[k] for k in _SAMPLING_KEYS if call.sampling.get(k) is not None}
         params.setdefault("temperature", 0.0)
         params.setdefault("max_tokens", 64)
+        if bias := call.sampling.get("logit_bias"):
+            params["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+        if call.sampling.get("logprobs"):
+            params["logprobs"] = int(call.sampling.get("top_logprobs") or 0)
+        if response_format := call.sampling.get("response_format"):
+            params["structured_outputs"] = StructuredOutputsParams(json=schema_of(response_format))
         try:
             return SamplingParams(output_kind=RequestOutputKind.DELTA, **params)
         except (TypeError, ValueError) as exc:
@@ -121,6 +142,7 @@ class VllmEngine(Engine):
                         text=c.text,
                         data={"token_ids": torch.tensor(ids, dtype=torch.int64)} if ids else {},
                         finish_reason=finish,
+                        logprobs=_logprobs(ids, c.logprobs, int(call.sampling.get("top_logprobs") or 0)),
                     )
         except VLLMClientError as exc:  # vLLM's own word that the request is at fault (a 400)
             raise InvalidRequest(str(exc)) from None
@@ -133,3 +155,20 @@ class VllmEngine(Engine):
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+
+
+def _logprobs(ids: list[int], steps: Any, top: int) -> list[TokenLogprob]:
+    """vLLM's per-token {token id: Logprob}, the sampled token's and the `top` best (ranked from
+    1), as ours."""
+    if steps is None:  # not asked for
+        return []
+    out = []
+    for tok, step in zip(ids, steps, strict=True):
+        best = sorted((lp for lp in step.values() if lp.rank <= top), key=lambda lp: lp.rank)
+        chosen = step[tok]
+        out.append(
+            TokenLogprob(
+                chosen.decoded_token or "", chosen.logprob, [(b.decoded_token or "", b.logprob) for b in best]
+            )
+        )
+    return out
