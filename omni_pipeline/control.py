@@ -161,6 +161,15 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top: list[tuple[str, float]] = []
 
 
+class ToolCall(msgspec.Struct, frozen=True, array_like=True):
+    """A function call the model made instead of (or after) its text, for OpenAI's
+    `tool_calls`: `arguments` is the JSON text it wrote."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class FinalMsg(msgspec.Struct, tag="final", frozen=True, omit_defaults=True):
     """Client-facing output of a final stage, in order by `sequence`."""
 
@@ -177,6 +186,8 @@ class FinalMsg(msgspec.Struct, tag="final", frozen=True, omit_defaults=True):
     """On the last message: `prompt_tokens` the stage read and `completion_tokens`, its units."""
     logprobs: list[TokenLogprob] | None = None
     """For the tokens behind `text`, when the request asked for `logprobs`."""
+    tool_calls: list[ToolCall] | None = None
+    """The calls the reply ends with, when the request offered `tools`."""
 
 
 class StageDone(msgspec.Struct, tag="done", frozen=True):

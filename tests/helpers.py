@@ -39,6 +39,21 @@ def shm_prefix(name: str) -> str:
     return f"{SHM_SESSION}-{name}"
 
 
+WEATHER: Any = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+"""A tool, in OpenAI's shape, whose arguments a constrained tiny model can finish."""
+
+
 def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll `pred` until it returns something truthy; fail the test at the deadline."""
     deadline = time.monotonic() + timeout

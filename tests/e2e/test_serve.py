@@ -24,6 +24,7 @@ import yaml
 from tests.deployment import gauges, metric_values, metrics_urls, settle
 from tests.helpers import (
     ROOT,
+    WEATHER,
     OmniProcess,
     decode_wav,
     get_json,
@@ -197,6 +198,59 @@ def test_json_mode_through_the_openai_client(demo: str) -> None:
         openai.BadRequestError, match="response_format: the schema cannot be used: Type should"
     ):
         client.chat.completions.create(model="tiny-omni", messages=messages, response_format=bad)
+
+
+def test_tool_calls_through_the_openai_client(demo: str) -> None:
+    """A named or required tool choice comes back as `tool_calls` (whole and streamed, as OpenAI
+    streams them), arguments valid against the tool's parameters; a follow-up turn with the
+    call and its result is taken. `auto` needs the model's tool parser, which the demo's engine
+    does not name: a 400 that says so; tools with a spoken reply are a 400."""
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+    messages: Any = [{"role": "user", "content": "Weather?"}]
+    named: Any = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model="tiny-omni", messages=messages, max_tokens=64, tools=[WEATHER], tool_choice=named
+    )
+    [call] = r.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather" and r.choices[0].message.content is None
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    stream = client.chat.completions.create(
+        model="tiny-omni", messages=messages, max_tokens=64, tools=[WEATHER], tool_choice=named, stream=True
+    )
+    streamed = [
+        t
+        for c in stream
+        if c.choices and c.choices[0].delta.tool_calls
+        for t in c.choices[0].delta.tool_calls
+    ]
+    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [  # type: ignore[union-attr]
+        (0, "get_weather", call.function.arguments)
+    ]
+
+    r = client.chat.completions.create(
+        model="tiny-omni", messages=messages, max_tokens=250, tools=[WEATHER], tool_choice="required"
+    )
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
+    follow_up: Any = [
+        *messages,
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": r.choices[0].message.tool_calls[0].id, "content": "sunny"},
+    ]
+    again = client.chat.completions.create(
+        model="tiny-omni", messages=follow_up, max_tokens=4, tools=[WEATHER], tool_choice="none"
+    )
+    assert again.choices[0].message.content and not again.choices[0].message.tool_calls
+
+    with pytest.raises(openai.BadRequestError, match="'auto' needs the model's tool call parser"):
+        client.chat.completions.create(model="tiny-omni", messages=messages, tools=[WEATHER])
+    with pytest.raises(openai.BadRequestError, match="a spoken reply cannot carry tool calls"):
+        client.chat.completions.create(
+            model="tiny-omni",
+            messages=messages,
+            tools=[WEATHER],
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+        )
 
 
 SPOKEN = 32 * 4 * 480  # samples: 32 thinker tokens -> 4 codes each -> 480 samples per code
@@ -507,6 +561,18 @@ def test_every_response_conforms_to_openais_schema(demo: str) -> None:
     assert (
         sum(len(c["choices"][0]["logprobs"]["content"]) for c in chunks if c["choices"][0]["logprobs"]) == 8
     )
+    checked += [(c, "CreateChatCompletionStreamResponse") for c in chunks]
+    tool_call = {
+        "model": "tiny-omni",
+        "messages": chat["messages"],
+        "tools": [WEATHER],
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "max_tokens": 64,
+    }
+    called = post(f"{demo}/v1/chat/completions", json=tool_call).json()
+    assert called["choices"][0]["message"]["tool_calls"], called
+    checked.append((called, "CreateChatCompletionResponse"))
+    chunks = sse_data(post(f"{demo}/v1/chat/completions", json={**tool_call, "stream": True}).text)
     checked += [(c, "CreateChatCompletionStreamResponse") for c in chunks]
 
     checked.append((httpx.get(f"{demo}/v1/models").json(), "ListModelsResponse"))

@@ -137,7 +137,13 @@ USER = [{"role": "user", "content": "x"}]
             "not honoured by this model's engine",
         ),
         ({"response_format": {"type": "json_schema"}}, "response_format", "goes with, and only with"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not served by this server"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f"}}]},
+            "tools",
+            "not honoured by this model's engine",
+        ),
+        ({"tool_choice": "required"}, None, "other than none or auto needs `tools`"),
+        ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0.type", "'function'"),
         ({"top_k": 5}, "top_k", "unrecognized request argument"),
         (
             {"messages": [*USER, {"role": "assistant", "content": "no", "refusal": "I won't"}]},
@@ -169,6 +175,8 @@ USER = [{"role": "user", "content": "x"}]
         "json-mode",
         "json-schema-without-one",
         "tools",
+        "tool-choice-without-tools",
+        "custom-tool",
         "unknown-field",
         "refusal-in-history",
         "unknown-stream-option",

@@ -124,11 +124,12 @@ def test_penalties_bias_and_logprobs_mean_what_they_mean_in_vllm(
         assert [lp for _, lp in v.top] == pytest.approx([lp for _, lp in h.top], abs=1e-4)
 
 
-def test_json_mode_is_the_same_grammar_as_vllms(
+def test_json_mode_and_tool_choice_are_the_same_grammar_as_vllms(
     vllm_engine: VllmEngine, loop: LoopThread, demo_dir: Path
 ) -> None:
     """vLLM's structured outputs and the step-loop engines' xgrammar constraint, on the same
-    checkpoint: the same greedy tokens, and JSON valid against the schema."""
+    checkpoint: the same greedy tokens, and JSON valid against the schema; for a named tool
+    choice, the same call."""
     schema = {
         "type": "object",
         "properties": {"answer": {"enum": ["yes", "no"]}},
@@ -144,6 +145,20 @@ def test_json_mode_is_the_same_grammar_as_vllms(
         assert token_ids(ours) == token_ids(ref)
         assert json.loads("".join(o.text for o in ours)) == json.loads("".join(o.text for o in ref))
     assert json.loads("".join(o.text for o in ours))["answer"] in ("yes", "no")
+
+    # A named tool choice: vLLM's schema for it, on both engines; the same call comes back.
+    tool = {"type": "function", "function": {"name": "verdict", "parameters": schema}}
+    sampling = {
+        "max_tokens": 64,
+        "tools": [tool],
+        "tool_choice": {"type": "function", "function": {"name": "verdict"}},
+    }
+    ours = loop.run(collect(vllm_engine, EngineCall("t", call, True, sampling)))
+    ref = asyncio.run(_start_and_collect(hf, EngineCall("t", call, True, sampling)))
+    assert token_ids(ours) == token_ids(ref)
+    [vllm_call], [step_call] = ours[-1].tool_calls, ref[-1].tool_calls
+    assert (vllm_call.name, vllm_call.arguments) == (step_call.name, step_call.arguments)
+    assert json.loads(vllm_call.arguments)["answer"] in ("yes", "no")
 
 
 async def _start_and_collect(engine: Engine, call: EngineCall) -> list[EngineOutput]:

@@ -16,9 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest, build_engine
+from omni_stage.engines.tools import ToolPlan
 from omni_stage.processors import thinker_to_talker
 from omni_stage.segments import EngineOutput
-from tests.helpers import ROOT
+from tests.helpers import ROOT, WEATHER
 
 EXAMPLE = ROOT / "examples" / "tiny-omni.yaml"
 
@@ -250,6 +251,48 @@ def test_json_mode_constrains_the_reply_to_the_schema(models: Path) -> None:
     bad = {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}}
     with pytest.raises(InvalidRequest, match="response_format: the schema cannot be used"):
         run(engine, EngineCall("r", req, True, {"response_format": bad}))
+
+
+def test_a_named_or_required_tool_choice_constrains_the_reply_to_calls(models: Path) -> None:
+    """vLLM's schema for the choice (its own code), through the engine's grammar: a named choice
+    is one call of that function, `required` one or more; arguments valid against the tool's
+    parameters. Without a parser, `auto` is refused before any output."""
+    engine = engine_for("thinker", models)
+    params = WEATHER["function"]["parameters"]  # type: ignore[index]
+    req = {"request": {"messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    outs = run(
+        engine, EngineCall("r", req, True, {"max_tokens": 64, "tools": [WEATHER], "tool_choice": named})
+    )
+    [call] = outs[-1].tool_calls
+    assert call.name == "get_weather" and outs[-1].finish_reason == "stop"
+    jsonschema.validate(json.loads(call.arguments), params)
+    assert "".join(o.text for o in outs) == ""  # the call is the whole reply
+    outs = run(
+        engine, EngineCall("r", req, True, {"max_tokens": 250, "tools": [WEATHER], "tool_choice": "required"})
+    )
+    assert outs[-1].tool_calls and outs[-1].finish_reason == "tool_calls"
+    for call in outs[-1].tool_calls:
+        assert call.name == "get_weather"
+        jsonschema.validate(json.loads(call.arguments), params)
+    with pytest.raises(InvalidRequest, match="tool_choice: 'auto' needs the model's tool call parser"):
+        run(engine, EngineCall("r", req, True, {"tools": [WEATHER], "tool_choice": "auto"}))
+
+
+def test_auto_tool_calls_are_read_with_vllms_parser_for_the_model_family(models: Path) -> None:
+    """What the model wrote, read by vLLM's hermes parser (Qwen2.5's format): the text before
+    the call stays content. (A random tiny model never writes a call; this is a reply one
+    would write.)"""
+    tokenizer = AutoTokenizer.from_pretrained(models / "tiny-thinker")
+    plan = ToolPlan({"tools": [WEATHER], "tool_choice": "auto"}, tokenizer, "hermes")
+    assert plan.schema is None
+    reply = 'Let me look. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>'
+    out = plan.settle(EngineOutput(units=1, text=reply, finish_reason="stop"), last=True)
+    assert out.text == "Let me look. " and out.finish_reason == "tool_calls"
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Rome"})]
+    plain = ToolPlan({"tools": [WEATHER]}, tokenizer, "hermes")
+    out = plain.settle(EngineOutput(units=1, text="no call here", finish_reason="stop"), last=True)
+    assert (out.text, out.tool_calls, out.finish_reason) == ("no call here", [], "stop")
 
 
 def test_vocoder_turns_codes_into_samples(models: Path) -> None:

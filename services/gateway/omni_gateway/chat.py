@@ -14,7 +14,7 @@ from omni_gateway.audio import to_pcm16, wav_bytes, wav_stream_header
 from omni_gateway.errors import OmniError
 from omni_gateway.protocol import ChatCompletionRequest
 from omni_gateway.service import AudioChunk, Event, Finished, TextDelta, error_from
-from omni_pipeline.control import TokenLogprob
+from omni_pipeline.control import TokenLogprob, ToolCall
 
 AUDIO_TTL_S = 3600
 
@@ -25,6 +25,7 @@ class ChatResult:
     def __init__(self) -> None:
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
+        self.tool_calls: list[ToolCall] = []
         self.audio: list[np.ndarray] = []
         self.sample_rate = 24000
         self.finished = Finished("stop", {})
@@ -33,6 +34,7 @@ class ChatResult:
         if isinstance(ev, TextDelta):
             self.text.append(ev.text)
             self.logprobs += ev.logprobs
+            self.tool_calls += ev.tool_calls
         elif isinstance(ev, AudioChunk):
             self.audio.append(ev.samples)
             self.sample_rate = ev.sample_rate
@@ -43,6 +45,9 @@ class ChatResult:
 def completion_body(req: ChatCompletionRequest, rid: str, created: int, r: ChatResult) -> dict[str, Any]:
     text = "".join(r.text)
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if r.tool_calls:
+        message["content"] = text or None
+        message["tool_calls"] = [_tool_call(c) for c in r.tool_calls]
     if req.audio is not None and "audio" in (req.modalities or []):
         pcm = to_pcm16(np.concatenate(r.audio) if r.audio else np.zeros(0, np.float32))
         data = wav_bytes(pcm, r.sample_rate) if req.audio.format == "wav" else pcm
@@ -79,6 +84,11 @@ def choice_logprobs(req: ChatCompletionRequest, tokens: list[TokenLogprob]) -> d
         ],
         "refusal": None,
     }
+
+
+def _tool_call(c: ToolCall, index: int | None = None) -> dict[str, Any]:
+    at = {} if index is None else {"index": index}
+    return {**at, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
 
 
 def _token(token: str, logprob: float) -> dict[str, Any]:
@@ -118,7 +128,10 @@ async def sse_chunks(
         ev: Event | None = first
         while ev is not None:
             if isinstance(ev, TextDelta):
-                yield chunk({"content": ev.text}, logprobs=choice_logprobs(req, ev.logprobs))
+                if ev.text or ev.logprobs:
+                    yield chunk({"content": ev.text}, logprobs=choice_logprobs(req, ev.logprobs))
+                if ev.tool_calls:
+                    yield chunk({"tool_calls": [_tool_call(c, i) for i, c in enumerate(ev.tool_calls)]})
             elif isinstance(ev, AudioChunk):
                 data = to_pcm16(ev.samples)
                 if not header_sent:

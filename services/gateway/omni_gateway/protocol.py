@@ -57,14 +57,25 @@ def refuse_unless_off(value: Any, info: ValidationInfo, off: dict[str, tuple[Any
 
 
 _MESSAGE_OFF: Final[dict[str, tuple[Any, ...]]] = {
-    "tool_calls": ([],),
-    "tool_call_id": (),
     "function_call": (),
     "audio": (),
     "refusal": (),
 }
 """What an assistant turn a client sends back may carry, only as null: the parts of a reply
-this server never makes (tool calls, a reference to earlier audio, a refusal)."""
+this server never makes (a reference to earlier audio, a refusal, the old function_call)."""
+
+
+class CalledFunction(BaseModel):
+    name: str = Field(min_length=1, max_length=64)
+    arguments: str
+
+
+class ToolCallMade(BaseModel):
+    """A call an earlier assistant turn made, as the client sends the conversation back."""
+
+    id: str = Field(max_length=256)
+    type: Literal["function"] = "function"
+    function: CalledFunction
 
 
 class ChatMessage(BaseModel):
@@ -73,8 +84,8 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
     name: str | None = None
     annotations: list[Any] | None = Field(default=None, description="Accepted and ignored (web citations).")
-    tool_calls: list[Any] | None = None
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCallMade] | None = None
+    tool_call_id: str | None = Field(default=None, max_length=256)
     function_call: Any = None
     audio: Any = None
     refusal: str | None = None
@@ -127,9 +138,34 @@ class ResponseFormat(BaseModel):
         return {"type": self.type, "schema": self.json_schema.json_schema or {}}
 
 
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(default=None, description="A JSON schema of its arguments.")
+    strict: bool | None = Field(default=None, description="Either way the arguments follow the schema.")
+
+
+class Tool(BaseModel):
+    """A function the model may call (OpenAI's `custom` tools are not served: a 400)."""
+
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["function"]
+    function: NamedFunction
+
+
 _CHAT_OFF: Final[dict[str, tuple[Any, ...]]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "prediction": (),
@@ -166,8 +202,10 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(
-        default=None, description="Without tools, as at OpenAI: no effect."
+        default=None, description="With tools: false allows one call at most. Without, no effect."
     )
     # OpenAI's platform, not the model's: accepted and ignored.
     user: str | None = None
@@ -178,8 +216,6 @@ class ChatCompletionRequest(BaseModel):
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     # Not served yet: refused unless off.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     functions: list[Any] | None = None
     function_call: Any = None
     prediction: Any = None
@@ -198,6 +234,25 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("`audio` (voice and format) is required when modalities include 'audio'")
         return self
 
+    @model_validator(mode="after")
+    def _tools(self) -> ChatCompletionRequest:
+        choice = self.tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("`tool_choice` other than none or auto needs `tools`")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {
+            t.function.name for t in self.tools or []
+        }:
+            raise ValueError(f"`tool_choice` names '{choice.function.name}', which is not in `tools`")
+        if self.calls_tools() and "audio" in self.wanted_outputs():
+            raise ValueError("`tools` with an audio reply: a spoken reply cannot carry tool calls")
+        if self.calls_tools() and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("`tools` and a JSON `response_format` together: ask for one")
+        return self
+
+    def calls_tools(self) -> bool:
+        """The model may call a tool (OpenAI's default with tools is `auto`)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
     @field_validator("top_logprobs")
     @classmethod
     def _with_logprobs(cls, v: int | None, info: ValidationInfo) -> int | None:
@@ -213,13 +268,20 @@ def stage_inputs(req: ChatCompletionRequest) -> dict[str, Any]:
     """What the source stages get: messages and output wishes, model-agnostic."""
     out: dict[str, Any] = {
         "messages": [
-            m.model_dump(exclude_none=True, include={"role", "content", "name"}) for m in req.messages
+            m.model_dump(exclude_none=True, include={"role", "content", "name", "tool_calls", "tool_call_id"})
+            for m in req.messages
         ],
         "modalities": sorted(k.value for k in req.wanted_outputs()),
     }
     if req.audio is not None:
         out["voice"] = req.audio.voice
+    if req.tools:  # for the chat template, whether or not the model may call them
+        out["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     return out
+
+
+def _dump(value: Any) -> Any:
+    return value.model_dump() if isinstance(value, BaseModel) else value
 
 
 SAMPLING_EVERY_ENGINE: Final = frozenset({"max_tokens", "voice"})
@@ -241,6 +303,9 @@ def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
         "logprobs": req.logprobs or None,
         "top_logprobs": req.top_logprobs if req.logprobs else None,
         "response_format": req.response_format.sampling() if req.response_format else None,
+        "tools": [t.model_dump(exclude_none=True) for t in req.tools or []] if req.calls_tools() else None,
+        "tool_choice": _dump(req.tool_choice) if req.calls_tools() else None,
+        "parallel_tool_calls": req.parallel_tool_calls if req.calls_tools() else None,
         # Also a request parameter, not only an input: the stages that speak (a talker, a
         # code2wav) read it downstream of the source stage.
         "voice": req.audio.voice if req.audio is not None else None,

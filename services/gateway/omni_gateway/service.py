@@ -54,6 +54,7 @@ from omni_pipeline.control import (
     StageRequest,
     Subjects,
     TokenLogprob,
+    ToolCall,
     close_nats,
     connect_nats,
     pack,
@@ -85,6 +86,8 @@ class TextDelta:
     text: str
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """For the tokens behind the text, when the request asked for them."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """The calls the reply ends with, when the request offered tools."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -421,7 +424,9 @@ class PipelineClient:
 
     def _final_events(self, rid: str, m: FinalMsg) -> list[Event]:
         if m.kind == OutputKind.TEXT:
-            return [TextDelta(m.text, m.logprobs or [])] if m.text or m.logprobs else []
+            if not (m.text or m.logprobs or m.tool_calls):
+                return []
+            return [TextDelta(m.text, m.logprobs or [], m.tool_calls or [])]
         if m.handle is None:
             return []
         conn = self.connectors.get(m.handle.connector)

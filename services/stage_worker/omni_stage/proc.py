@@ -677,6 +677,7 @@ class StageWorker:
             finish_reason=finish,
             usage=usage,
             logprobs=seg.logprobs or None,
+            tool_calls=seg.tool_calls or None,
         )
 
     async def _fail(self, ctx: RequestContext, message: str, code: str) -> None:

