@@ -54,6 +54,24 @@ WEATHER: Any = {
 """A tool, in OpenAI's shape, whose arguments a constrained tiny model can finish."""
 
 
+REFUSED_CHAT: list[tuple[dict[str, Any], str, str]] = [
+    ({"n": 2}, "n", "less than or equal to 1"),
+    ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not served by this server"),
+    ({"reasoning_effort": "low"}, "reasoning_effort", "not served by this server"),
+    ({"verbosity": "high"}, "verbosity", "not served by this server"),
+    ({"web_search_options": {}}, "web_search_options", "not served by this server"),
+    ({"functions": [{"name": "f"}]}, "functions", "not served by this server"),
+    ({"function_call": "auto"}, "function_call", "not served by this server"),
+    (
+        {"stream_options": {"continuous_usage_stats": True}},
+        "stream_options.continuous_usage_stats",
+        "unrecognized",
+    ),
+]
+"""Chat fields no engine here serves: (body, the `param` of the 400, what its message says), for
+every pipeline kind's refusal test."""
+
+
 def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll `pred` until it returns something truthy; fail the test at the deadline."""
     deadline = time.monotonic() + timeout

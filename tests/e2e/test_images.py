@@ -158,8 +158,21 @@ def test_abort_mid_diffusion_stops_the_loop_and_frees(image_demo: str) -> None:
         ({"n": 11}, "n", "less than or equal to 10"),
         ({"num_inference_steps": 0}, "num_inference_steps", "greater than or equal to 1"),
         ({"size": "big"}, "size", "pattern"),
+        ({"quality": "hd"}, "quality", "not served by this server"),
+        ({"style": "vivid"}, "style", "not served by this server"),
+        ({"background": "transparent"}, "background", "not served by this server"),
     ],
-    ids=["not-a-multiple", "too-big-for-the-model", "url", "too-many", "no-steps", "bad-size"],
+    ids=[
+        "not-a-multiple",
+        "too-big-for-the-model",
+        "url",
+        "too-many",
+        "no-steps",
+        "bad-size",
+        "hd",
+        "vivid",
+        "transparent",
+    ],
 )
 def test_what_the_model_cannot_do_is_a_400(
     image_demo: str, body: dict[str, object], param: str, says: str

@@ -23,6 +23,7 @@ import yaml
 
 from tests.deployment import gauges, metric_values, metrics_urls, settle
 from tests.helpers import (
+    REFUSED_CHAT,
     ROOT,
     WEATHER,
     OmniProcess,
@@ -280,15 +281,25 @@ def test_speech_as_sse_events(demo: str) -> None:
     assert rate == 24000 and len(samples) == SPOKEN
 
 
+@pytest.mark.parametrize(("body", "param", "says"), REFUSED_CHAT, ids=[p for _, p, _ in REFUSED_CHAT])
+def test_chat_refusals(demo: str, body: dict[str, object], param: str, says: str) -> None:
+    chat = {"model": "tiny-omni", "messages": [{"role": "user", "content": "hi"}], **body}
+    r = httpx.post(f"{demo}/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and says in err["message"], err
+
+
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
+        ({"instructions": "whisper"}, "instructions", "no engine here steers a voice"),
         ({"response_format": "mp3"}, "response_format", "use wav or pcm"),
         ({"speed": 5}, "speed", "less than or equal to 4"),
         ({"input": ""}, "input", "at least 1 character"),
         ({"voice": None}, "voice", ""),
     ],
-    ids=["mp3", "too-fast", "nothing-to-say", "no-voice"],
+    ids=["instructions", "mp3", "too-fast", "nothing-to-say", "no-voice"],
 )
 def test_speech_refusals(demo: str, body: dict[str, object], param: str, says: str) -> None:
     request = {"model": "tiny-omni", "input": "x", "voice": "alloy", **body}

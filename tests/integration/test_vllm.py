@@ -25,7 +25,7 @@ from omni_pipeline.spec import EngineKind, EngineSpec, load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine
 from omni_stage.engines.vllm import VllmEngine
 from omni_stage.segments import EngineOutput
-from tests.helpers import ROOT, OmniProcess, decode_wav, group_alive, sse_data, wait_for
+from tests.helpers import REFUSED_CHAT, ROOT, OmniProcess, decode_wav, group_alive, sse_data, wait_for
 from tests.openai_schema import violations
 
 T = TypeVar("T")
@@ -252,11 +252,22 @@ def test_example_pipeline_answers_the_openai_client(demo_dir: Path, tmp_path: Pa
         stream = httpx.post(
             url, json={**body, "stream": True, "stream_options": {"include_usage": True}}, timeout=60
         )
+        logprobs = {**body, "logprobs": True, "top_logprobs": 2}
+        with_logprobs = httpx.post(url, json=logprobs, timeout=60).json()
+        tokens = with_logprobs["choices"][0]["logprobs"]["content"]
+        assert "".join(t["token"] for t in tokens) == with_logprobs["choices"][0]["message"]["content"]
+        streamed = httpx.post(url, json={**logprobs, "stream": True}, timeout=60)
         checked = [
             (whole, "CreateChatCompletionResponse"),
             *[(c, "CreateChatCompletionStreamResponse") for c in sse_data(stream.text)],
+            (with_logprobs, "CreateChatCompletionResponse"),
+            *[(c, "CreateChatCompletionStreamResponse") for c in sse_data(streamed.text)],
         ]
         assert [v for b, schema in checked if (v := violations(b, schema))] == []
+        for extra, param, says in REFUSED_CHAT:  # what no engine here serves, on vLLM's too
+            r = httpx.post(url, json={**body, **extra}, timeout=60)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert says in r.json()["error"]["message"]
 
         # vLLM's engine core process dies (as on a GPU fault): the thinker's replica sees it at
         # its next heartbeat, fails what it holds, and exits; the supervisor starts it afresh.
