@@ -55,7 +55,7 @@ WEATHER: Any = {
 
 
 REFUSED_CHAT: list[tuple[dict[str, Any], str, str]] = [
-    ({"n": 2}, "n", "less than or equal to 1"),
+    ({"n": 17}, "n", "less than or equal to 16"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction", "not served by this server"),
     ({"reasoning_effort": "low"}, "reasoning_effort", "not served by this server"),
     ({"verbosity": "high"}, "verbosity", "not served by this server"),

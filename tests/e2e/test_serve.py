@@ -172,6 +172,49 @@ def test_logprobs_logit_bias_and_penalties_through_the_openai_client(demo: str, 
         assert penalised[first_repeat] != tokens[first_repeat], penalty
 
 
+def test_n_replies_are_the_seeded_replies_side_by_side(demo: str) -> None:
+    """`n` replies: reply i is what one request seeded with seed + i answers (vLLM's own rule
+    for its child requests, tests/integration/test_vllm.py), whole and streamed, with the
+    prompt counted once in usage; each reply of a spoken request has its own audio."""
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+    messages: Any = [{"role": "user", "content": "Tell me a story"}]
+    sampled: Any = {"model": "tiny-omni", "messages": messages, "max_tokens": 12, "temperature": 1.0}
+    r = client.chat.completions.create(**sampled, n=3, seed=5)
+    alone = [
+        client.chat.completions.create(**sampled, seed=5 + i).choices[0].message.content for i in range(3)
+    ]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.message.content for c in r.choices] == alone and len(set(alone)) == 3
+    assert r.usage is not None and r.usage.completion_tokens == 36
+    assert r.usage.prompt_tokens == client.chat.completions.create(**sampled, seed=5).usage.prompt_tokens  # type: ignore[union-attr]
+
+    text: dict[int, str] = {0: "", 1: "", 2: ""}
+    finished, usage = [], None
+    for c in client.chat.completions.create(
+        **sampled, n=3, seed=5, stream=True, stream_options={"include_usage": True}
+    ):
+        if not c.choices:
+            usage = c.usage
+            continue
+        text[c.choices[0].index] += c.choices[0].delta.content or ""
+        if c.choices[0].finish_reason:
+            finished.append(c.choices[0].index)
+    assert [text[i] for i in range(3)] == alone and sorted(finished) == [0, 1, 2]
+    assert usage is not None and usage.completion_tokens == 36
+
+    spoken = client.chat.completions.create(
+        model="tiny-omni",
+        messages=messages,
+        n=2,
+        max_tokens=8,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"},
+    )
+    for c in spoken.choices:  # greedy: the same reply twice, each spoken
+        assert c.message.content == spoken.choices[0].message.content and c.message.audio is not None
+        assert len(decode_wav(c.message.audio.data)[0]) == 8 * 4 * 480
+
+
 def test_json_mode_through_the_openai_client(demo: str) -> None:
     """`response_format` constrains the thinker's decoding to the schema (xgrammar, as vLLM);
     the reply parses and validates. (This prompt's greedy reply closes within the budget.)"""
@@ -563,6 +606,11 @@ def test_every_response_conforms_to_openais_schema(demo: str) -> None:
     )
     chunks = sse_data(stream.text)
     assert chunks[-1]["usage"]["completion_tokens"] == 8
+    checked += [(c, "CreateChatCompletionStreamResponse") for c in chunks]
+    two = {**chat, "n": 2}
+    checked.append((post(f"{demo}/v1/chat/completions", json=two).json(), "CreateChatCompletionResponse"))
+    chunks = sse_data(post(f"{demo}/v1/chat/completions", json={**two, "stream": True}).text)
+    assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
     checked += [(c, "CreateChatCompletionStreamResponse") for c in chunks]
     with_logprobs = {**chat, "logprobs": True, "top_logprobs": 2}
     checked.append(

@@ -122,7 +122,7 @@ USER = [{"role": "user", "content": "x"}]
             "cannot output audio; it outputs text",
         ),
         ({"temperature": 3}, "temperature", "less than or equal to 2"),
-        ({"n": 2}, "n", "less than or equal to 1"),
+        ({"n": 17}, "n", "less than or equal to 16"),
         # What the echo stage's (synthetic) engine does not declare it honours.
         ({"frequency_penalty": 0.5}, "frequency_penalty", "not honoured by this model's engine"),
         ({"logprobs": True}, "logprobs", "not honoured by this model's engine"),

@@ -23,6 +23,7 @@ import torch
 
 from omni_pipeline.spec import EngineKind, EngineSpec, load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine
+from omni_stage.engines.prompts import prompt_token_ids
 from omni_stage.engines.vllm import VllmEngine
 from omni_stage.segments import EngineOutput
 from tests.helpers import REFUSED_CHAT, ROOT, OmniProcess, decode_wav, group_alive, sse_data, wait_for
@@ -159,6 +160,30 @@ def test_json_mode_and_tool_choice_are_the_same_grammar_as_vllms(
     [vllm_call], [step_call] = ours[-1].tool_calls, ref[-1].tool_calls
     assert (vllm_call.name, vllm_call.arguments) == (step_call.name, step_call.arguments)
     assert json.loads(vllm_call.arguments)["answer"] in ("yes", "no")
+
+
+def test_vllms_own_n_is_n_requests_seeded_seed_plus_index(vllm_engine: VllmEngine, loop: LoopThread) -> None:
+    """The gateway answers `n` as `n` requests side by side, reply i seeded with seed + i;
+    vLLM's own parallel sampling, asked on its engine, gives the same replies."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    prompt = {"prompt_token_ids": prompt_token_ids(vllm_engine.tokenizer, {"messages": MESSAGES})}
+    params = SamplingParams(
+        n=3, seed=7, temperature=1.0, max_tokens=8, output_kind=RequestOutputKind.FINAL_ONLY
+    )
+
+    async def own_n() -> list[list[int]]:
+        outs = [o async for o in vllm_engine.llm.generate(prompt, params, request_id="n3")]
+        return [list(c.token_ids) for c in sorted(outs[-1].outputs, key=lambda c: c.index)]
+
+    sampled = {"max_tokens": 8, "temperature": 1.0}
+    call = {"request": {"messages": MESSAGES}}
+    ours = [
+        token_ids(loop.run(collect(vllm_engine, EngineCall(f"s{i}", call, True, {**sampled, "seed": 7 + i}))))
+        for i in range(3)
+    ]
+    assert ours == loop.run(own_n()) and len({tuple(t) for t in ours}) == 3
 
 
 async def _start_and_collect(engine: Engine, call: EngineCall) -> list[EngineOutput]:

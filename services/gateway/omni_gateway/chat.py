@@ -13,7 +13,7 @@ import numpy as np
 from omni_gateway.audio import to_pcm16, wav_bytes, wav_stream_header
 from omni_gateway.errors import OmniError
 from omni_gateway.protocol import ChatCompletionRequest
-from omni_gateway.service import AudioChunk, Event, Finished, TextDelta, error_from
+from omni_gateway.service import AudioChunk, Event, Finished, OfChoice, TextDelta, error_from
 from omni_pipeline.control import TokenLogprob, ToolCall
 
 AUDIO_TTL_S = 3600
@@ -42,7 +42,33 @@ class ChatResult:
             self.finished = ev
 
 
-def completion_body(req: ChatCompletionRequest, rid: str, created: int, r: ChatResult) -> dict[str, Any]:
+def index_of(ev: Event | OfChoice) -> tuple[int, Event]:
+    """Which reply an event is of (a request with `n` 1 has only reply 0), and the event."""
+    return (ev.index, ev.event) if isinstance(ev, OfChoice) else (0, ev)
+
+
+def completion_body(
+    req: ChatCompletionRequest, rid: str, created: int, results: list[ChatResult]
+) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{rid}",
+        "object": "chat.completion",
+        "created": created,
+        "model": req.model,
+        "choices": [
+            {
+                "index": i,
+                "message": _message(req, f"{rid}.{i}" if len(results) > 1 else rid, created, r),
+                "finish_reason": r.finished.finish_reason,
+                "logprobs": choice_logprobs(req, r.logprobs),
+            }
+            for i, r in enumerate(results)
+        ],
+        "usage": _usage([r.finished.usage for r in results]),
+    }
+
+
+def _message(req: ChatCompletionRequest, rid: str, created: int, r: ChatResult) -> dict[str, Any]:
     text = "".join(r.text)
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if r.tool_calls:
@@ -57,21 +83,15 @@ def completion_body(req: ChatCompletionRequest, rid: str, created: int, r: ChatR
             "expires_at": created + AUDIO_TTL_S,
             "transcript": text,
         }
-    return {
-        "id": f"chatcmpl-{rid}",
-        "object": "chat.completion",
-        "created": created,
-        "model": req.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "finish_reason": r.finished.finish_reason,
-                "logprobs": choice_logprobs(req, r.logprobs),
-            }
-        ],
-        "usage": r.finished.usage,
-    }
+    return message
+
+
+def _usage(each: list[dict[str, int]]) -> dict[str, int]:
+    """One prompt, read by every reply: counted once, as OpenAI counts it; the replies' tokens
+    summed."""
+    prompt = each[0].get("prompt_tokens", 0)
+    completion = sum(u.get("completion_tokens", 0) for u in each)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def choice_logprobs(req: ChatCompletionRequest, tokens: list[TokenLogprob]) -> dict[str, Any] | None:
@@ -100,13 +120,19 @@ def _sse(obj: dict[str, Any]) -> str:
 
 
 async def sse_chunks(
-    req: ChatCompletionRequest, rid: str, created: int, first: Event, events: AsyncIterator[Event]
+    req: ChatCompletionRequest,
+    rid: str,
+    created: int,
+    first: Event | OfChoice,
+    events: AsyncIterator[Event] | AsyncIterator[OfChoice],
 ) -> AsyncIterator[str]:
-    """SSE: a role chunk, text and audio deltas as they come, a finish chunk, usage, [DONE].
+    """SSE: a role chunk per reply, text and audio deltas as they come (the `n` replies'
+    interleaved, each chunk naming its reply's index), a finish chunk per reply, usage once
+    every reply has ended, [DONE].
 
-    Audio deltas carry PCM16; for format `wav` the first one starts with a streaming WAV
-    header, so the concatenated chunks form a playable file. A failure mid-stream becomes an
-    error event; `[DONE]` always ends the stream.
+    Audio deltas carry PCM16; for format `wav` each reply's first one starts with a streaming
+    WAV header, so its concatenated chunks form a playable file. A failure mid-stream becomes
+    an error event; `[DONE]` always ends the stream.
     """
     base = {
         "id": f"chatcmpl-{rid}",
@@ -116,40 +142,43 @@ async def sse_chunks(
     }
 
     def chunk(
-        delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None
+        index: int, delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None
     ) -> str:
-        return _sse(
-            {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
-        )
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+        return _sse({**base, "choices": [choice]})
 
-    header_sent = req.audio is None or req.audio.format != "wav"
-    yield chunk({"role": "assistant", "content": ""})
+    header_sent = [req.audio is None or req.audio.format != "wav"] * req.n
+    usage: list[dict[str, int]] = []
+    for i in range(req.n):
+        yield chunk(i, {"role": "assistant", "content": ""})
     try:
-        ev: Event | None = first
-        while ev is not None:
+        item: Event | OfChoice | None = first
+        while item is not None:
+            i, ev = index_of(item)
             if isinstance(ev, TextDelta):
                 if ev.text or ev.logprobs:
-                    yield chunk({"content": ev.text}, logprobs=choice_logprobs(req, ev.logprobs))
+                    yield chunk(i, {"content": ev.text}, logprobs=choice_logprobs(req, ev.logprobs))
                 if ev.tool_calls:
-                    yield chunk({"tool_calls": [_tool_call(c, i) for i, c in enumerate(ev.tool_calls)]})
+                    yield chunk(i, {"tool_calls": [_tool_call(c, k) for k, c in enumerate(ev.tool_calls)]})
             elif isinstance(ev, AudioChunk):
                 data = to_pcm16(ev.samples)
-                if not header_sent:
-                    data, header_sent = wav_stream_header(ev.sample_rate) + data, True
-                yield chunk(
-                    {
-                        "audio": {
-                            "id": f"audio_{rid}",
-                            "data": base64.b64encode(data).decode(),
-                            "expires_at": created + AUDIO_TTL_S,
-                        }
+                if not header_sent[i]:
+                    data, header_sent[i] = wav_stream_header(ev.sample_rate) + data, True
+                audio_id = f"audio_{rid}.{i}" if req.n > 1 else f"audio_{rid}"
+                delta = {
+                    "audio": {
+                        "id": audio_id,
+                        "data": base64.b64encode(data).decode(),
+                        "expires_at": created + AUDIO_TTL_S,
                     }
-                )
-            else:
-                yield chunk({}, ev.finish_reason)
-                if req.stream_options and req.stream_options.include_usage:
-                    yield _sse({**base, "choices": [], "usage": ev.usage})
-            ev = await anext(events, None)
+                }
+                yield chunk(i, delta)
+            elif isinstance(ev, Finished):
+                yield chunk(i, {}, ev.finish_reason)
+                usage.append(ev.usage)
+                if len(usage) == req.n and req.stream_options and req.stream_options.include_usage:
+                    yield _sse({**base, "choices": [], "usage": _usage(usage)})
+            item = await anext(events, None)
     except Exception as exc:
         err: OmniError = error_from(exc)
         yield _sse(err.body())

@@ -101,6 +101,10 @@ class AudioParams(BaseModel):
     format: Literal["wav", "pcm16"] = "wav"
 
 
+MAX_CHOICES: Final = 16
+"""Most replies (`n`) one chat request may ask for: each is a request through the pipeline."""
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
@@ -201,7 +205,12 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: ResponseFormat | None = None
-    n: int = Field(default=1, ge=1, le=1, description="Only one choice per request is supported.")
+    n: int = Field(
+        default=1,
+        ge=1,
+        le=MAX_CHOICES,
+        description="Replies, run side by side, each seeded with seed + its index.",
+    )
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = Field(

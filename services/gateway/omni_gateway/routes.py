@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.exposition import choose_encoder
 
-from omni_gateway.chat import ChatResult, completion_body, now, sse_chunks
+from omni_gateway.chat import ChatResult, completion_body, index_of, now, sse_chunks
 from omni_gateway.errors import BadRequest, ModelNotFound, StageFailed
 from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.media import Media, decode_media
@@ -36,6 +36,7 @@ from omni_gateway.speech import audio_stream, sse_stream
 from omni_pipeline.spec import OutputKind
 
 router = APIRouter()
+T = TypeVar("T")
 
 
 def _service(request: Request) -> PipelineClient:
@@ -126,16 +127,23 @@ async def _respond(
     inputs: dict[str, Any],
     sampling: dict[str, Any],
     outputs: set[OutputKind],
-    respond: Callable[[str, Event, AsyncIterator[Event]], Awaitable[Response | Streamed]],
+    respond: Callable[[str, Any, AsyncIterator[Any]], Awaitable[Response | Streamed]],
     media: Media | None = None,
+    n: int = 1,
 ) -> Response:
-    """Run one request: count it, wait for its first output (an error before any output keeps
-    its HTTP status), then let `respond` build the response from it and the rest. A streamed
-    body takes over the in-flight count; a client that leaves aborts the request."""
+    """Run one request (`n` > 1: its replies side by side, events as `OfChoice`): count it,
+    wait for its first output (an error before any output keeps its HTTP status), then let
+    `respond` build the response from it and the rest. A streamed body takes over the
+    in-flight count; a client that leaves aborts the request."""
     rid: str = request.state.request_id  # the client's X-Request-Id, made unique (app.py)
     m = _metrics(request)
     t0 = time.monotonic()
-    events = svc.generate(rid, inputs, sampling, outputs, media.tensors if media else None)
+    tensors = media.tensors if media else None
+    events: AsyncGenerator[Any] = (
+        svc.generate(rid, inputs, sampling, outputs, tensors)
+        if n == 1
+        else svc.generate_choices(rid, n, inputs, sampling, outputs, tensors)
+    )
     m.inflight.inc()
     streaming = False
     try:
@@ -165,20 +173,21 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
         raise BadRequest(f"{param}: {asked} is more than this model's limit of {limit}", param=param)
 
-    async def respond(rid: str, first: Event, events: AsyncIterator[Event]) -> Response | Streamed:
+    async def respond(rid: str, first: Any, events: AsyncIterator[Any]) -> Response | Streamed:
         if req.stream:
             return Streamed(sse_chunks(req, rid, now(), first, events), "text/event-stream")
-        result = ChatResult()
-        for ev in await _rest(first, events):
-            result.add(ev)
-        return JSONResponse(completion_body(req, rid, now(), result))
+        results = [ChatResult() for _ in range(req.n)]
+        for item in await _rest(first, events):
+            i, ev = index_of(item)
+            results[i].add(ev)
+        return JSONResponse(completion_body(req, rid, now(), results))
 
     params = sampling_params(req)
     svc.refuse_unhonoured(req.wanted_outputs(), params, SAMPLING_EVERY_ENGINE)
     inputs = stage_inputs(req)
     accepts = svc.accepted_parts(req.wanted_outputs())
     inputs["messages"], media = await decode_media(inputs["messages"], svc.spec.gateway.media, accepts)
-    return await _respond(request, svc, inputs, params, req.wanted_outputs(), respond, media)
+    return await _respond(request, svc, inputs, params, req.wanted_outputs(), respond, media, req.n)
 
 
 @router.post("/v1/images/generations", response_model=None)
@@ -211,13 +220,13 @@ async def audio_speech(req: SpeechRequest, request: Request) -> Response:
     return await _respond(request, svc, speech_inputs(req), speech_sampling(req), {OutputKind.AUDIO}, respond)
 
 
-async def _rest(first: Event, events: AsyncIterator[Event]) -> list[Event]:
+async def _rest(first: T, events: AsyncIterator[T]) -> list[T]:
     """The first event and all that follow it (for a whole, non-streamed response)."""
     return [first, *[ev async for ev in events]]
 
 
-async def _first(events: AsyncIterator[Event], request: Request) -> Event:
-    async def first() -> Event:
+async def _first(events: AsyncIterator[T], request: Request) -> T:
+    async def first() -> T:
         return await anext(events)
 
     return await _until_disconnect(first(), request)

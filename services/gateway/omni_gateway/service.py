@@ -121,6 +121,14 @@ class Finished:
 Event = TextDelta | AudioChunk | ImageProgress | Finished
 
 
+@dataclass(frozen=True, slots=True)
+class OfChoice:
+    """An event of reply `index` of a chat request asking for several (`n`)."""
+
+    index: int
+    event: Event
+
+
 @dataclass
 class _Tracked:
     request_id: str
@@ -248,6 +256,51 @@ class PipelineClient:
                         raise Overloaded(exc.message, headers={"Retry-After": "1"}) from None
                     raise
                 log.info("gateway: request %s: %s; sending it again", rid, exc.message)
+
+    async def generate_choices(
+        self,
+        rid: str,
+        n: int,
+        inputs: dict[str, Any],
+        sampling: dict[str, Any],
+        outputs: set[OutputKind],
+        media: dict[str, torch.Tensor] | None = None,
+    ) -> AsyncIterator[OfChoice]:
+        """`n` replies to one request, as `n` requests side by side, their events interleaved as
+        they come: vLLM's own parallel sampling is `n` child requests too, child `i` seeded
+        with the request's seed plus `i` (unseeded children sample independently). Closing
+        the iterator aborts them all; one failing fails the whole."""
+        events: asyncio.Queue[tuple[int, Event | Exception | None]] = asyncio.Queue(EVENT_QUEUE)
+
+        async def run(i: int) -> None:
+            seeded = {**sampling, "seed": sampling["seed"] + i} if "seed" in sampling else sampling
+            child = self.generate(f"{rid}.{i}", inputs, seeded, outputs, media)
+            try:
+                async for ev in child:
+                    await events.put((i, ev))
+                await events.put((i, None))
+            except Exception as exc:
+                await events.put((i, exc))
+            finally:
+                await child.aclose()  # aborts it, if it had not ended
+
+        children = [
+            asyncio.get_running_loop().create_task(run(i), name=f"choice-{rid}.{i}") for i in range(n)
+        ]
+        try:
+            running = n
+            while running:
+                i, ev = await events.get()
+                if ev is None:
+                    running -= 1
+                elif isinstance(ev, Exception):
+                    raise ev
+                else:
+                    yield OfChoice(i, ev)
+        finally:
+            for child in children:
+                child.cancel()
+            await asyncio.gather(*children, return_exceptions=True)
 
     async def _attempt(
         self,

@@ -4,13 +4,14 @@ applied as vLLM's sampler applies them, so a request means the same on every eng
 In order: `logit_bias` is added to the logits; `frequency_penalty` (times the token's count so
 far in the reply) and `presence_penalty` (once it has appeared) are subtracted; then greedy at
 temperature 0, else temperature and top-p sampling from the request's own generator (seeded by
-its `seed`), among the tokens a `response_format` grammar allows next (structured.py).
+its `seed`, else at random), among the tokens a `response_format` grammar allows next (structured.py).
 `logprobs` are of the model's own distribution, before any of that (vLLM's default,
 `raw_logprobs`).
 """
 
 from __future__ import annotations
 
+import secrets
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -64,7 +65,10 @@ class TokenSampler:
         request's `response_format`."""
         self.temperature = float(sampling.get("temperature", 0.0) or 0.0)
         self.top_p = float(sampling.get("top_p", 1.0) or 1.0)
-        self.generator = torch.Generator().manual_seed(int(sampling.get("seed", 0) or 0))
+        seed = sampling.get("seed")  # unseeded: a draw of its own, as vLLM samples it
+        self.generator = torch.Generator().manual_seed(
+            int(seed) if seed is not None else secrets.randbits(63)
+        )
         self.frequency_penalty = float(sampling.get("frequency_penalty", 0.0) or 0.0)
         self.presence_penalty = float(sampling.get("presence_penalty", 0.0) or 0.0)
         self.logprobs: int | None = (
