@@ -127,9 +127,9 @@ def test_text_only_and_models(demo: str) -> None:
 
 
 def test_logprobs_logit_bias_and_penalties_through_the_openai_client(demo: str, demo_dir: Path) -> None:
-    """The thinker's engine declares it honours them, so the gateway passes them on; each shows
-    its effect on a greedy reply (the sampler itself is checked against transformers and vLLM
-    in tests/unit/test_engines.py and tests/integration/test_vllm.py)."""
+    """The thinker's engine declares it honours them (and `stop`), so the gateway passes them
+    on; each shows its effect on a greedy reply (the sampler itself is checked against
+    transformers and vLLM in tests/unit/test_engines.py and tests/integration/test_vllm.py)."""
     client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
     messages: Any = [{"role": "user", "content": "Tell me a story"}]
 
@@ -150,6 +150,11 @@ def test_logprobs_logit_bias_and_penalties_through_the_openai_client(demo: str, 
     ]
     assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in lp]
     assert ask().choices[0].logprobs is None
+
+    stop = content[5:7]  # `stop`: the reply ends before the first stop string
+    stopped = ask(stop=["never", stop])
+    assert stopped.choices[0].message.content == content[: content.index(stop)]
+    assert stopped.choices[0].finish_reason == "stop"
 
     from transformers import AutoTokenizer
 
@@ -267,9 +272,11 @@ def test_tool_calls_through_the_openai_client(demo: str) -> None:
         if c.choices and c.choices[0].delta.tool_calls
         for t in c.choices[0].delta.tool_calls
     ]
-    assert [(t.index, t.function.name, t.function.arguments) for t in streamed] == [  # type: ignore[union-attr]
-        (0, "get_weather", call.function.arguments)
-    ]
+    # As OpenAI streams a call: the first fragment names it, the rest extend its arguments.
+    assert streamed[0].id and streamed[0].function.name == "get_weather"  # type: ignore[union-attr]
+    assert len(streamed) > 1 and {t.index for t in streamed} == {0}
+    assert all(t.id is None and t.function.name is None for t in streamed[1:])  # type: ignore[union-attr]
+    assert "".join(t.function.arguments or "" for t in streamed) == call.function.arguments  # type: ignore[union-attr]
 
     r = client.chat.completions.create(
         model="tiny-omni", messages=messages, max_tokens=250, tools=[WEATHER], tool_choice="required"

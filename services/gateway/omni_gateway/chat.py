@@ -25,7 +25,8 @@ class ChatResult:
     def __init__(self) -> None:
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
-        self.tool_calls: list[ToolCall] = []
+        self.tool_calls: dict[str, ToolCall] = {}
+        """By id: a call streamed in fragments is one call."""
         self.audio: list[np.ndarray] = []
         self.sample_rate = 24000
         self.finished = Finished("stop", {})
@@ -34,7 +35,11 @@ class ChatResult:
         if isinstance(ev, TextDelta):
             self.text.append(ev.text)
             self.logprobs += ev.logprobs
-            self.tool_calls += ev.tool_calls
+            for c in ev.tool_calls:
+                had = self.tool_calls.get(c.id)
+                self.tool_calls[c.id] = (
+                    c if had is None else ToolCall(c.id, c.name, had.arguments + c.arguments)
+                )
         elif isinstance(ev, AudioChunk):
             self.audio.append(ev.samples)
             self.sample_rate = ev.sample_rate
@@ -73,7 +78,7 @@ def _message(req: ChatCompletionRequest, rid: str, created: int, r: ChatResult) 
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if r.tool_calls:
         message["content"] = text or None
-        message["tool_calls"] = [_tool_call(c) for c in r.tool_calls]
+        message["tool_calls"] = [_tool_call(c) for c in r.tool_calls.values()]
     if req.audio is not None and "audio" in (req.modalities or []):
         pcm = to_pcm16(np.concatenate(r.audio) if r.audio else np.zeros(0, np.float32))
         data = wav_bytes(pcm, r.sample_rate) if req.audio.format == "wav" else pcm
@@ -106,9 +111,17 @@ def choice_logprobs(req: ChatCompletionRequest, tokens: list[TokenLogprob]) -> d
     }
 
 
-def _tool_call(c: ToolCall, index: int | None = None) -> dict[str, Any]:
-    at = {} if index is None else {"index": index}
-    return {**at, "id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+def _tool_call(c: ToolCall) -> dict[str, Any]:
+    return {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+
+
+def _tool_call_delta(c: ToolCall, calls: dict[str, int]) -> dict[str, Any]:
+    """A call's fragment as a stream chunk's: its first names it, later ones extend its
+    arguments (`calls`: the reply's calls so far, id -> index)."""
+    if c.id in calls:
+        return {"index": calls[c.id], "function": {"arguments": c.arguments}}
+    calls[c.id] = len(calls)
+    return {"index": calls[c.id], **_tool_call(c)}
 
 
 def _token(token: str, logprob: float) -> dict[str, Any]:
@@ -149,6 +162,7 @@ async def sse_chunks(
 
     header_sent = [req.audio is None or req.audio.format != "wav"] * req.n
     usage: list[dict[str, int]] = []
+    calls: list[dict[str, int]] = [{} for _ in range(req.n)]
     for i in range(req.n):
         yield chunk(i, {"role": "assistant", "content": ""})
     try:
@@ -159,7 +173,7 @@ async def sse_chunks(
                 if ev.text or ev.logprobs:
                     yield chunk(i, {"content": ev.text}, logprobs=choice_logprobs(req, ev.logprobs))
                 if ev.tool_calls:
-                    yield chunk(i, {"tool_calls": [_tool_call(c, k) for k, c in enumerate(ev.tool_calls)]})
+                    yield chunk(i, {"tool_calls": [_tool_call_delta(c, calls[i]) for c in ev.tool_calls]})
             elif isinstance(ev, AudioChunk):
                 data = to_pcm16(ev.samples)
                 if not header_sent[i]:

@@ -64,7 +64,9 @@ class JsonConstraint:
         import xgrammar as xgr
 
         self.matcher.fill_next_token_bitmask(self.bitmask)
-        xgr.apply_token_bitmask_inplace(logits.unsqueeze(0), self.bitmask)
+        xgr.apply_token_bitmask_inplace(
+            logits.unsqueeze(0), self.bitmask.to(logits.device, non_blocking=True)
+        )
 
     def accept(self, token: int) -> None:
         if not self.matcher.accept_token(token):

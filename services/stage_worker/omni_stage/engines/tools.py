@@ -4,14 +4,17 @@ tool choice constrains decoding to vLLM's JSON schema for it (the engine's JSON 
 `auto` reads the finished reply with the model family's tool parser, one of vLLM's, named by
 `engine.args.toolCallParser` (`hermes` for Qwen2.5 and Qwen3, say).
 
-A reply that may be a tool call is held back until it ends (its text could turn out to be the
-call), then sent whole: the content, if any, and the calls.
+A named choice's reply is the call's arguments, streamed as they come (fragments of one call,
+by id, as OpenAI streams them). A reply that may be a tool call (`required`, `auto`) is held
+back until it ends (its text could turn out to be a call), then sent whole: the content, if
+any, and the calls.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import uuid
 from typing import Any
 
@@ -21,6 +24,7 @@ from omni_stage.engines.base import InvalidRequest
 from omni_stage.segments import EngineOutput
 
 AVAILABLE = importlib.util.find_spec("vllm") is not None
+log = logging.getLogger(__name__)
 
 
 def engine_honours(honours: frozenset[str]) -> frozenset[str]:
@@ -72,10 +76,17 @@ class ToolPlan:
                 )
             self.parser = ToolParserManager.get_tool_parser(parser)(tokenizer, self.request.tools)
         self.text: list[str] = []
+        self.call_id = _call_id()  # a named choice's one call
 
     def settle(self, out: EngineOutput, last: bool) -> EngineOutput:
-        """An output of the reply, its text held back; on the last one, the reply's content
-        and calls."""
+        """An output of the reply, its text turned into the named call's arguments, or held
+        back; on the last one, the reply's content and calls."""
+        if self.named is not None:  # the first fragment names the call; the rest extend it
+            if out.text or not self.text:
+                out.tool_calls = [ToolCall(self.call_id, self.named, out.text)]
+            self.text.append(out.text)
+            out.text = ""
+            return out
         self.text.append(out.text)
         out.text = ""
         if last:
@@ -86,15 +97,17 @@ class ToolPlan:
     def finish(self) -> tuple[str, list[ToolCall]]:
         """The reply's content and its calls, from everything held."""
         text = "".join(self.text)
-        if self.named is not None:
-            return "", [ToolCall(_call_id(), self.named, text)]
         if self.required:
             try:
                 calls = json.loads(text)
             except json.JSONDecodeError:  # cut short by max_tokens: no calls, as vLLM answers
                 return text, []
             return "", [ToolCall(_call_id(), c["name"], json.dumps(c["parameters"])) for c in calls]
-        found = self.parser.extract_tool_calls(text, self.request)
+        try:
+            found = self.parser.extract_tool_calls(text, self.request)
+        except Exception:  # a parser that cannot read the reply: it is text, as vLLM answers
+            log.warning("tool parser failed on a reply; returning it as text", exc_info=True)
+            return text, []
         if not found.tools_called:
             return text, []
         calls = [ToolCall(_call_id(), c.function.name, c.function.arguments) for c in found.tool_calls]
