@@ -36,6 +36,7 @@ as batches (`StepBatcher`): thinker and talker decode steps with their caches st
 
 from __future__ import annotations
 
+import asyncio
 from abc import abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -180,7 +181,8 @@ class Thinker(_Part):
         check_context(
             int(ids.shape[1]), budget, self.config.thinker_config.text_config.max_position_embeddings
         )
-        sampler = await self._run(TokenSampler, call.sampling, self.vocab_size, self.grammars)
+        # Off the compute thread, whose forwards other requests wait for (a grammar compiles).
+        sampler = await asyncio.to_thread(TokenSampler, call.sampling, self.vocab_size, self.grammars)
         text = ReplyText.for_request(self.tokenizer, call.sampling)
         feed = ids
         for s in range(budget):

@@ -24,6 +24,7 @@ toolCallParser (vLLM's tool parser for the model family, for `tool_choice: auto`
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -129,11 +130,12 @@ class TransformersEngine(ComputeEngine):
             if max_tokens:
                 budget = min(budget, int(max_tokens))
         if "sampler" not in st:
-            # On the compute thread: vLLM's tool code imports slowly, a grammar compiles
-            # against the whole vocabulary.
-            plan = st["tools"] = await self._run(self._tool_plan, call.sampling)
+            # Off the event loop, and off the compute thread, whose forwards other requests wait
+            # for: vLLM's tool code imports slowly the first time, a grammar compiles against
+            # the whole vocabulary.
+            plan = st["tools"] = await asyncio.to_thread(self._tool_plan, call.sampling)
             schema = plan.schema if plan else None
-            st["sampler"] = await self._run(
+            st["sampler"] = await asyncio.to_thread(
                 TokenSampler, call.sampling, self.vocab_size, self.grammars, schema
             )
             st["reply_text"] = (
