@@ -138,6 +138,11 @@ USER = [{"role": "user", "content": "x"}]
         ),
         ({"response_format": {"type": "json_schema"}}, "response_format", "goes with, and only with"),
         (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "description": "x"}}},
+            "response_format.json_schema.description",
+            "not served",
+        ),
+        (
             {"tools": [{"type": "function", "function": {"name": "f"}}]},
             "tools",
             "not honoured by this model's engine",
@@ -174,6 +179,7 @@ USER = [{"role": "user", "content": "x"}]
         "penalty-range",
         "json-mode",
         "json-schema-without-one",
+        "json-schema-description",
         "tools",
         "tool-choice-without-tools",
         "custom-tool",

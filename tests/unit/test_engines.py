@@ -291,6 +291,11 @@ def test_auto_tool_calls_are_read_with_vllms_parser_for_the_model_family(models:
     out = plan.settle(EngineOutput(units=1, text=reply, finish_reason="stop"), last=True)
     assert out.text == "Let me look. " and out.finish_reason == "tool_calls"
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", {"city": "Rome"})]
+    one = ToolPlan({"tools": [WEATHER], "parallel_tool_calls": False}, tokenizer, "hermes")
+    out = one.settle(
+        EngineOutput(units=1, text=reply + reply[len("Let me look. ") :], finish_reason="stop"), last=True
+    )
+    assert len(out.tool_calls) == 1  # parallel_tool_calls false: the first call only, as vLLM keeps
     plain = ToolPlan({"tools": [WEATHER]}, tokenizer, "hermes")
     out = plain.settle(EngineOutput(units=1, text="no call here", finish_reason="stop"), last=True)
     assert (out.text, out.tool_calls, out.finish_reason) == ("no call here", [], "stop")

@@ -114,9 +114,20 @@ class StreamOptions(BaseModel):
 class JsonSchema(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
-    description: str | None = None
+    description: str | None = Field(
+        default=None,
+        description="Not served: the grammar holds the reply to the schema; refused unless empty.",
+    )
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = Field(default=None, description="Either way the reply follows the schema.")
+
+    @field_validator("description")
+    @classmethod
+    def _no_description(cls, v: str | None) -> None:
+        if v:
+            raise ValueError(
+                "not served: the reply is held to the schema, and no model here reads its description"
+            )
 
 
 class ResponseFormat(BaseModel):

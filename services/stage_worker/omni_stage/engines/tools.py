@@ -111,6 +111,8 @@ class ToolPlan:
         if not found.tools_called:
             return text, []
         calls = [ToolCall(_call_id(), c.function.name, c.function.arguments) for c in found.tool_calls]
+        if self.request.parallel_tool_calls is False:  # one call at most, as vLLM's server keeps
+            calls = calls[:1]
         return found.content or "", calls
 
     def finish_reason(self, reason: str | None, calls: list[ToolCall]) -> str | None:
