@@ -170,6 +170,14 @@ class StageSpec(_Model):
     )
     max_segment_units: int = Field(default=16, ge=1, description="Flush a segment after this many units.")
     flush_interval_ms: float = Field(default=50.0, gt=0, description="Flush a segment after this long.")
+    step_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        alias="stepTimeoutSeconds",
+        description="A forward of this stage's engine running longer than this means the replica is wedged: "
+        "it fails what it holds (gateways run those requests elsewhere) and exits, to be restarted. "
+        "Unset: no limit (vLLM engines: their engine process's death is watched instead).",
+    )
 
 
 class ConnectorSpec(_Model):
@@ -286,6 +294,23 @@ class GatewaySpec(_Model):
         "`Authorization: Bearer`. Elsewhere: OMNI_API_KEYS or OMNI_API_KEYS_FILE.",
     )
     media: MediaSpec = Field(default_factory=MediaSpec, description="Limits on media input parts.")
+    migration_limit: int = Field(
+        default=2,
+        ge=0,
+        description="Times a request may run again on a fresh route when a replica on its route is lost "
+        "(dies, goes silent, restarts) or refuses it (draining, full, unhealthy); 0: never.",
+    )
+    replica_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="How long a request waits for a stage with no live replica (one restarting) or for "
+        "NATS to come back, within its deadline, before a 503.",
+    )
+    max_waiting_requests: int = Field(
+        default=256,
+        ge=0,
+        description="Requests that may wait so at once; more get a 503 at once.",
+    )
 
 
 RESERVED_VOLUMES: Final = frozenset({"pipeline", "dshm", "api-keys", "nats-creds", "nats-tls"})

@@ -3,9 +3,11 @@ are: each started, killed and stopped on its own, against a real nats-server."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import OmniProcess, decode_wav, get_json, start_gateway, start_stage, wait_for
 
+STREAMED: Final = "a streamed one"
+"""What SteadyLoad's streaming workers ask, every time."""
 HELD: Final = (
     "omni_gateway_tracked_requests",
     "omni_stage_tracked_requests",
@@ -166,22 +170,70 @@ def ask(base: str, content: str, timeout: float = 90, **extra: object) -> str:
     return "ok" if r.choices[0].message.content and len(samples) > 0 else "empty"
 
 
+@dataclass(frozen=True)
+class Streamed:
+    """What one streamed text+audio request gave its client: the text, the audio (PCM16
+    samples), and the error event that ended it, if one did."""
+
+    text: str
+    samples: int
+    error: str | None = None
+
+
+def ask_streaming(base: str, content: str, timeout: float = 90, **extra: object) -> Streamed:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    text, pcm = [], 0
+    try:
+        for chunk in client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": content}],
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "pcm16"},
+            stream=True,
+            **extra,  # type: ignore[arg-type]
+        ):
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            text.append(delta.content or "")
+            audio = getattr(delta, "audio", None) or (delta.model_extra or {}).get("audio")
+            if audio:
+                data = audio["data"] if isinstance(audio, dict) else audio.data
+                pcm += len(base64.b64decode(data or "")) // 2
+    except openai.APIError as exc:
+        return Streamed("".join(text), pcm, str(exc))
+    return Streamed("".join(text), pcm)
+
+
 class SteadyLoad:
     """`workers` threads sending one request after another until the block ends; every answer
     is kept, in order. Leaving the block waits for each thread's last request: none may hang."""
 
-    def __init__(self, base: str, workers: int = 3, timeout: float = 90) -> None:
+    def __init__(self, base: str, workers: int = 3, timeout: float = 90, streams: int = 0) -> None:
         self.base = base
         self.timeout = timeout
         self.results: list[str] = []
+        self.spans: list[tuple[float, float, str]] = []
+        """(start, end, result) of each request, on time.monotonic()."""
+        self.streamed: list[Streamed] = []
+        """What each of the `streams` workers' streamed requests gave its client."""
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(w,)) for w in range(workers)]
+        self._threads += [threading.Thread(target=self._stream) for _ in range(streams)]
 
     def _run(self, worker: int) -> None:
         i = 0
         while not self._stop.is_set():
-            self.results.append(ask(self.base, f"steady {worker}-{i}", timeout=self.timeout))
+            t0 = time.monotonic()
+            result = ask(self.base, f"steady {worker}-{i}", timeout=self.timeout)
+            self.spans.append((t0, time.monotonic(), result))
+            self.results.append(result)
             i += 1
+
+    def _stream(self) -> None:
+        """The same request every time: its undisturbed answer is known (`ask_streaming`)."""
+        while not self._stop.is_set():
+            self.streamed.append(ask_streaming(self.base, STREAMED, timeout=self.timeout))
 
     def __enter__(self) -> SteadyLoad:
         for t in self._threads:

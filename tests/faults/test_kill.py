@@ -1,14 +1,13 @@
 """Fault 1: SIGKILL of a stage replica under steady load.
 
-Every request ends by its deadline (a result, or an error naming the dead replica); the
-pipeline serves again within 10 s (single node: the supervisor restarts the process;
-distributed: the surviving replica takes over); nothing of ours is left in /dev/shm or in
-Mooncake.
+No request fails: the ones the dead replica held run again on a fresh route (single node:
+they wait for the supervisor to restart the process; distributed: the surviving replica
+takes over); the pipeline serves again within 10 s; nothing of ours is left in /dev/shm or
+in Mooncake. (tests/faults/test_migration.py: the same with streams, and SIGSTOP.)
 """
 
 from __future__ import annotations
 
-import collections
 import os
 import re
 import signal
@@ -39,12 +38,6 @@ def _serves_again(base: str) -> None:
     print(f"served again {time.monotonic() - t0:.2f}s after the kill")
 
 
-def _report(load: SteadyLoad) -> None:
-    """Failures by kind: requests the dead replica held, and ones refused while it was away."""
-    kinds = collections.Counter("refused" if "no live replica" in f else "lost" for f in load.failures())
-    print(f"{len(load.results)} requests: {dict(kinds)}")
-
-
 def test_single_node_supervisor_restarts_a_killed_stage(tmp_path: Path) -> None:
     pipeline = ROOT / "tests" / "data" / "synthetic.yaml"
     serve = OmniProcess(["serve", str(pipeline), "--port", "0"], ROOT, tmp_path / "serve.log")
@@ -63,9 +56,8 @@ def test_single_node_supervisor_restarts_a_killed_stage(tmp_path: Path) -> None:
             os.kill(talker["pid"], signal.SIGKILL)
             _serves_again(base)
             load.flowing()
-        assert all("stage 'talker'" in r for r in load.failures()), load.failures()
-        _report(load)
-        assert load.results.count("ok") >= 6
+        assert load.failures() == []
+        print(f"{len(load.results)} requests, none failed")
         assert "talker-0 died" in serve.output()
         [restarted] = replicas(base, "talker")
         assert restarted["instance"] != talker["instance"]
@@ -89,9 +81,8 @@ def test_distributed_survivors_take_over(synth_distributed: Deployment, mooncake
         synth_distributed.stages["talker-b"].proc.send_signal(signal.SIGKILL)
         _serves_again(base)
         load.flowing()
-    assert all("stage 'talker' replica b" in r for r in load.failures()), load.failures()
-    assert len(load.failures()) <= 4  # at most what talker b held at once
-    _report(load)
+    assert load.failures() == []
+    print(f"{len(load.results)} requests, none failed")
     wait_for(lambda: [r["replica"] for r in replicas(base, "talker")] == ["a"], 30, "b to leave the table")
     wait_for(lambda: mooncake.key_count() == 0, 30, "the dead talker's inputs to be freed")
     assert our_shm_segments() == []

@@ -18,7 +18,8 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from omni_gateway.service import Finished, PipelineClient, TextDelta
+from omni_gateway.events import Finished, TextDelta
+from omni_gateway.service import PipelineClient
 from omni_pipeline.control import Admitted, FinalMsg, Heartbeat, StageRequest, Subjects, pack, unpack
 from omni_pipeline.spec import OutputKind, load_pipeline
 from tests.helpers import ROOT, wait_until

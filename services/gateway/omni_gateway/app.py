@@ -13,6 +13,7 @@ from typing import Any, Final
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from setproctitle import setproctitle
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -96,7 +97,7 @@ def build_app(
 ) -> FastAPI:
     app = FastAPI(title="omni-pipeline gateway", lifespan=lifespan)
     app.state.service = service
-    app.state.metrics = metrics = GatewayMetrics()
+    app.state.metrics = metrics = GatewayMetrics(lambda: service.migrations)
     app.include_router(router)
     # Added innermost first: the key is checked before the body is read; every answer, the
     # guards' included, carries X-Request-Id and is counted.
@@ -149,6 +150,7 @@ def run_gateway(
 ) -> None:
     """Process entry point (`omni gateway`, and `omni serve` through the lifecycle)."""
     configure_logging()
+    setproctitle("omni: gateway")
     api_keys = load_api_keys()  # before anything starts: bad key settings stop the gateway here
     log.info("gateway: API keys %s", f"required ({len(api_keys)})" if api_keys else "off")
 

@@ -79,3 +79,9 @@ class Timeout(OmniError):
     status = 504
     type = "server_error"
     code = "timeout"
+
+
+def error_from(exc: BaseException) -> OmniError:
+    if isinstance(exc, OmniError):
+        return exc
+    return StageFailed(f"{type(exc).__name__}: {exc}", code="internal_error")

@@ -15,9 +15,9 @@ from typing import Any, Final
 import numpy as np
 from PIL import Image
 
-from omni_gateway.errors import StageFailed
+from omni_gateway.errors import StageFailed, error_from
+from omni_gateway.events import Event, Finished, ImageProgress
 from omni_gateway.protocol import ImageGenerationRequest
-from omni_gateway.service import Event, Finished, ImageProgress, error_from
 
 _PIL_FORMATS: Final = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 

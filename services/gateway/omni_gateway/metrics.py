@@ -2,16 +2,40 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from omni_pipeline.resource_metrics import ResourceGauges
 
 _BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class _Migrations(Collector):
+    """The service's count of requests run again on a fresh route, read when scraped."""
+
+    def __init__(self, counts: Callable[[], Mapping[str, int]]) -> None:
+        self.counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "omni_gateway_migrations",
+            "Requests run again on a fresh route, by outcome: moved (nothing sent yet), spliced (a "
+            "stream continued), diverged (a stream's re-run differed from what was sent: failed)",
+            labels=["outcome"],
+        )
+        counts = self.counts()
+        for outcome in ("moved", "spliced", "diverged"):
+            family.add_metric([outcome], counts.get(outcome, 0))
+        yield family
+
+
 class GatewayMetrics:
-    def __init__(self) -> None:
+    def __init__(self, migrations: Callable[[], Mapping[str, int]] = dict) -> None:
         self.registry = r = CollectorRegistry()
+        r.register(_Migrations(migrations))
         self.requests = Counter(
             "omni_gateway_requests", "Requests answered, by HTTP status", ["status"], registry=r
         )

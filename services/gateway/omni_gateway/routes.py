@@ -15,6 +15,7 @@ from prometheus_client.exposition import choose_encoder
 
 from omni_gateway.chat import ChatResult, completion_body, index_of, now, sse_chunks
 from omni_gateway.errors import BadRequest, ModelNotFound, StageFailed
+from omni_gateway.events import AudioChunk, Event
 from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.media import Media, decode_media
 from omni_gateway.metrics import GatewayMetrics
@@ -31,7 +32,7 @@ from omni_gateway.protocol import (
     speech_sampling,
     stage_inputs,
 )
-from omni_gateway.service import AudioChunk, Event, PipelineClient
+from omni_gateway.service import PipelineClient
 from omni_gateway.speech import audio_stream, sse_stream
 from omni_pipeline.spec import OutputKind
 
@@ -130,19 +131,21 @@ async def _respond(
     respond: Callable[[str, Any, AsyncIterator[Any]], Awaitable[Response | Streamed]],
     media: Media | None = None,
     n: int = 1,
+    whole: bool = False,
 ) -> Response:
     """Run one request (`n` > 1: its replies side by side, events as `OfChoice`): count it,
     wait for its first output (an error before any output keeps its HTTP status), then let
     `respond` build the response from it and the rest. A streamed body takes over the
-    in-flight count; a client that leaves aborts the request."""
+    in-flight count; a client that leaves aborts the request. `whole`: the response is sent
+    when the request ends, so a request moved to a fresh route starts over unseen."""
     rid: str = request.state.request_id  # the client's X-Request-Id, made unique (app.py)
     m = _metrics(request)
     t0 = time.monotonic()
     tensors = media.tensors if media else None
     events: AsyncGenerator[Any] = (
-        svc.generate(rid, inputs, sampling, outputs, tensors)
+        svc.generate(rid, inputs, sampling, outputs, tensors, whole=whole)
         if n == 1
-        else svc.generate_choices(rid, n, inputs, sampling, outputs, tensors)
+        else svc.generate_choices(rid, n, inputs, sampling, outputs, tensors, whole=whole)
     )
     m.inflight.inc()
     streaming = False
@@ -187,7 +190,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
     inputs = stage_inputs(req)
     accepts = svc.accepted_parts(req.wanted_outputs())
     inputs["messages"], media = await decode_media(inputs["messages"], svc.spec.gateway.media, accepts)
-    return await _respond(request, svc, inputs, params, req.wanted_outputs(), respond, media, req.n)
+    outputs = req.wanted_outputs()
+    return await _respond(request, svc, inputs, params, outputs, respond, media, req.n, not req.stream)
 
 
 @router.post("/v1/images/generations", response_model=None)
@@ -201,7 +205,8 @@ async def images_generations(req: ImageGenerationRequest, request: Request) -> R
         final, finished = final_images(await _rest(first, events))
         return JSONResponse(await images_body(req, now(), final, finished))
 
-    return await _respond(request, svc, image_inputs(req), image_sampling(req), {OutputKind.IMAGE}, respond)
+    inputs, sampling = image_inputs(req), image_sampling(req)
+    return await _respond(request, svc, inputs, sampling, {OutputKind.IMAGE}, respond, whole=not req.stream)
 
 
 @router.post("/v1/audio/speech", response_model=None)

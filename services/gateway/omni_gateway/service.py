@@ -10,6 +10,7 @@ holds: the inflight entry, and, unless it completed, everything the stages hold 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -19,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 import nats
-import numpy as np
 import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
@@ -33,9 +33,17 @@ from omni_gateway.errors import (
     Timeout,
     Unavailable,
 )
+from omni_gateway.events import AudioChunk, Event, Finished, ImageProgress, OfChoice, TextDelta
+from omni_gateway.replay import Delivered, Diverged
 from omni_gateway.replicas import Replica, ReplicaTable
 from omni_pipeline import wire
-from omni_pipeline.connectors import ConnectorError, OmniConnector, PayloadGone, build_connectors
+from omni_pipeline.connectors import (
+    ConnectorError,
+    OmniConnector,
+    PayloadGone,
+    build_connectors,
+    reclaim_unread,
+)
 from omni_pipeline.control import (
     CONNECTOR_ERROR,
     DEADLINE_EXCEEDED,
@@ -53,8 +61,6 @@ from omni_pipeline.control import (
     StageDone,
     StageRequest,
     Subjects,
-    TokenLogprob,
-    ToolCall,
     close_nats,
     connect_nats,
     pack,
@@ -66,9 +72,10 @@ log = logging.getLogger("omni.gateway")
 
 ADMIT_TIMEOUT_S: Final = 5.0
 """How long a replica may take to admit a request before it counts as lost."""
-MAX_ATTEMPTS: Final = 2
-RETRYABLE: Final = frozenset({"replica_lost", "draining", "full", "unhealthy"})
-"""Errors that say where a request went, not what it is: another replica may well serve it."""
+MIGRATABLE: Final = frozenset({"replica_lost", "draining", "full", "unhealthy", PAYLOAD_GONE, NATS_LOST})
+"""Errors that say where a request went, not what it is: a fresh route may well serve it (a
+payload gone is what a consumer meets when its producer died and was cleaned up after; after a
+NATS outage the re-run waits for the server)."""
 _ERRORS: Final[dict[str, type[OmniError]]] = {
     NATS_LOST: Unavailable,
     INVALID_REQUEST: BadRequest,
@@ -77,56 +84,9 @@ _ERRORS: Final[dict[str, type[OmniError]]] = {
 """Stage error codes that are not a stage's failure: the client's request, or our connection."""
 ROOT_CAUSE_WAIT_S: Final = 2.0
 """How long a request that met a vanished payload waits for the error that explains it."""
+RETRY_AFTER: Final = {"Retry-After": "1"}
 EVENT_QUEUE: Final = 1024
 """Outputs one request may have waiting for its client; a client this far behind is dropped."""
-
-
-@dataclass(frozen=True, slots=True)
-class TextDelta:
-    text: str
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    """For the tokens behind the text, when the request asked for them."""
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    """The calls the reply ends with, when the request offered tools."""
-
-
-@dataclass(frozen=True, slots=True)
-class AudioChunk:
-    samples: np.ndarray
-    sample_rate: int
-
-
-@dataclass(frozen=True, slots=True)
-class ImageProgress:
-    """Seed 000's ImageProgressEvent: a preview after `step` steps, or the final images
-    (`is_last`); one RGB array [height, width, 3] uint8 per image of the request."""
-
-    step: int
-    images: list[np.ndarray]
-    is_last: bool
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    finish_reason: str
-    usage: dict[str, int]
-    """The text stage's: `prompt_tokens`, `completion_tokens`, `total_tokens` (chat's usage)."""
-    prompt_tokens: int = 0
-    """What every stage on the route read of the client's request (the source stages count it)."""
-    fed_units: int = 0
-    """What the stages feeding the final audio or image stages made for them (a talker's codec
-    codes): a speech response's output tokens."""
-
-
-Event = TextDelta | AudioChunk | ImageProgress | Finished
-
-
-@dataclass(frozen=True, slots=True)
-class OfChoice:
-    """An event of reply `index` of a chat request asking for several (`n`)."""
-
-    index: int
-    event: Event
 
 
 @dataclass
@@ -157,6 +117,12 @@ class PipelineClient:
         self.started_at = int(time.time())
         self._sweeper: asyncio.Task[None] | None = None
         self._ended_by_outage: set[str] = set()
+        self._changed = asyncio.Event()
+        self._waiting = 0
+        """Requests waiting for a replica or for NATS (at most maxWaitingRequests)."""
+        self.migrations: collections.Counter[str] = collections.Counter()
+        """Re-runs on a fresh route: `moved` (nothing sent yet), `spliced` (a stream continued),
+        `diverged` (a stream's re-run did not repeat it: failed)."""
         self._sources = {s.name: e.connector for s, e in self.spec.consumers(REQUEST_SOURCE)}
         """The stages that read the client's request, and the connector their media goes on."""
 
@@ -231,31 +197,57 @@ class PipelineClient:
         sampling: dict[str, Any],
         outputs: set[OutputKind],
         media: dict[str, torch.Tensor] | None = None,
+        *,
+        whole: bool = False,
     ) -> AsyncIterator[Event]:
         """Run one request; yields its outputs as they arrive. Closing the iterator aborts it.
         `media`: the tensors the inputs' messages refer to, for the source stages.
 
-        A request whose replica is lost, or refuses it (draining, full), before anything was
-        yielded is sent again on a fresh route, up to MAX_ATTEMPTS times in all.
+        A request whose route loses a replica (dead, silent, restarted) or whose replica refuses
+        it (draining, full, unhealthy) runs again on a fresh route, up to migrationLimit times,
+        within its deadline; the old attempt is aborted and its payloads freed first. Nothing
+        the caller has is sent twice: with `whole` (the caller sends nothing to its client
+        before the end) the outputs are held until the request completes; otherwise a re-run's
+        outputs are spliced on after what was already yielded (omni_gateway.replay), and a
+        re-run that does not repeat it fails the request with the error that made it move.
         """
         deadline = time.monotonic() + self.spec.gateway.request_timeout_s
-        for attempt in range(MAX_ATTEMPTS):
-            yielded = False
+        limit = self.spec.gateway.migration_limit
+        delivered = Delivered()
+        moved_by: OmniError | None = None
+        for attempt in range(limit + 1):
+            held: list[Event] = []
             try:
-                async for ev in self._attempt(
-                    rid if attempt == 0 else f"{rid}-{attempt}", deadline, inputs, sampling, outputs, media
-                ):
-                    yielded = True
-                    yield ev
-                return
-            except StageFailed as exc:
-                if yielded or exc.code not in RETRYABLE:
-                    raise
-                if attempt + 1 == MAX_ATTEMPTS:
+                splice = delivered.splice() if delivered.anything else None
+                arid = rid if attempt == 0 else f"{rid}-{attempt}"
+                async with contextlib.aclosing(
+                    self._attempt(arid, deadline, inputs, sampling, outputs, media)
+                ) as events:
+                    async for ev in events:
+                        if splice is not None and (ev := splice(ev)) is None:
+                            continue
+                        if whole:
+                            held.append(ev)
+                            continue
+                        delivered.record(ev)
+                        yield ev
+            except OmniError as exc:
+                if exc.code not in MIGRATABLE or attempt == limit:
                     if exc.code == "full":
-                        raise Overloaded(exc.message, headers={"Retry-After": "1"}) from None
+                        raise Overloaded(exc.message, headers=RETRY_AFTER) from None
                     raise
-                log.info("gateway: request %s: %s; sending it again", rid, exc.message)
+                moved_by = exc
+                self.migrations["spliced" if delivered.anything else "moved"] += 1
+                log.warning("gateway: request %s: %s; running it again on a fresh route", rid, exc.message)
+                continue
+            except Diverged as exc:
+                assert moved_by is not None
+                self.migrations["diverged"] += 1
+                why = f"the stream cannot go on from a fresh route: {exc}"
+                raise type(moved_by)(f"{moved_by.message}; {why}", code=moved_by.code) from None
+            for ev in held:
+                yield ev
+            return
 
     async def generate_choices(
         self,
@@ -265,6 +257,8 @@ class PipelineClient:
         sampling: dict[str, Any],
         outputs: set[OutputKind],
         media: dict[str, torch.Tensor] | None = None,
+        *,
+        whole: bool = False,
     ) -> AsyncIterator[OfChoice]:
         """`n` replies to one request, as `n` requests side by side, their events interleaved as
         they come: vLLM's own parallel sampling is `n` child requests too, child `i` seeded
@@ -274,7 +268,7 @@ class PipelineClient:
 
         async def run(i: int) -> None:
             seeded = {**sampling, "seed": sampling["seed"] + i} if "seed" in sampling else sampling
-            child = self.generate(f"{rid}.{i}", inputs, seeded, outputs, media)
+            child = self.generate(f"{rid}.{i}", inputs, seeded, outputs, media, whole=whole)
             try:
                 async for ev in child:
                     await events.put((i, ev))
@@ -311,17 +305,15 @@ class PipelineClient:
         outputs: set[OutputKind],
         media: dict[str, torch.Tensor] | None,
     ) -> AsyncIterator[Event]:
-        assert self.nc is not None
-        if not self.connected:
-            raise Unavailable("the gateway is not connected to NATS")
         needed = self.spec.needed_stages(outputs)
         picked: dict[str, Replica] = {}
         try:
             for s in needed:
-                picked[s] = self.table.pick(s)
+                picked[s] = await self._pick(s, deadline)
         except OmniError:
             self._release(picked)
             raise
+        assert self.nc is not None
         tracked = _Tracked(
             rid,
             {s: (r.hb.replica, r.hb.instance) for s, r in picked.items()},
@@ -354,6 +346,39 @@ class PipelineClient:
             raise
         finally:
             await self._end(rid, completed, reason)
+
+    async def _pick(self, stage: str, deadline: float) -> Replica:
+        """A replica of `stage` for a new attempt. While NATS is away or the stage has no live
+        replica (one restarting), wait for it, within the request's deadline and replicaWaitS,
+        as one of at most maxWaitingRequests; then the 503 says what was missing."""
+        gw = self.spec.gateway
+        until = min(deadline, time.monotonic() + gw.replica_wait_s)
+        waiting = False
+        try:
+            while True:
+                changed = self._changed
+                try:
+                    if not self.connected:
+                        raise Unavailable("the gateway is not connected to NATS", headers=RETRY_AFTER)
+                    return self.table.pick(stage)
+                except Unavailable as exc:
+                    if not waiting and self._waiting >= gw.max_waiting_requests:
+                        raise
+                    if not waiting:
+                        waiting, self._waiting = True, self._waiting + 1
+                    try:
+                        async with asyncio.timeout(until - time.monotonic()):
+                            await changed.wait()
+                    except TimeoutError:
+                        raise exc from None
+        finally:
+            if waiting:
+                self._waiting -= 1
+
+    def _table_changed(self) -> None:
+        """Wake the requests waiting for a replica or for NATS, to look again."""
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _release(self, picked: dict[str, Replica]) -> None:
         for stage, r in picked.items():
@@ -539,6 +564,7 @@ class PipelineClient:
         for one when we freed it first (a write in progress is not freed), and its message
         saying so was lost with the server."""
         self.table.heard_all(time.monotonic())
+        self._table_changed()
         for rid in self._ended_by_outage:
             self._free_payloads(rid)
         self._ended_by_outage.clear()
@@ -589,6 +615,7 @@ class PipelineClient:
             )
         if self.ready():
             self.covered.set()
+        self._table_changed()
 
     async def _expire_replicas(self) -> None:
         woke = time.monotonic()
@@ -604,6 +631,7 @@ class PipelineClient:
                 continue
             for r in self.table.expire(now):
                 self._replica_gone(r, "stopped sending heartbeats")
+            await asyncio.to_thread(reclaim_unread, list(self.connectors.values()), self.spec)
             if not self.ready():
                 self.covered.clear()
 
@@ -633,9 +661,3 @@ def _image_events(stage: str, payload: dict[str, Any]) -> list[Event]:
         ImageProgress(int(steps[u]), [img.numpy().copy() for img in images[u]], bool(final[u]))
         for u in range(images.shape[0])
     ]
-
-
-def error_from(exc: BaseException) -> OmniError:
-    if isinstance(exc, OmniError):
-        return exc
-    return StageFailed(f"{type(exc).__name__}: {exc}", code="internal_error")

@@ -9,8 +9,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from omni_gateway.audio import to_pcm16, wav_stream_header
+from omni_gateway.errors import error_from
+from omni_gateway.events import AudioChunk, Event, Finished
 from omni_gateway.protocol import SpeechRequest
-from omni_gateway.service import AudioChunk, Event, Finished, error_from
 
 
 def speech_usage(f: Finished) -> dict[str, int]:

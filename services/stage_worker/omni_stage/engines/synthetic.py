@@ -8,6 +8,8 @@ Arguments (`engine.args`):
   samplesPerUnit    audio samples per unit, for stages whose finalOutput is audio (default 240)
   sampleRate        audio sample rate (default 24000)
   failOn            fail any request whose input text contains this string (poisoned input)
+  hangOn            a request whose input text contains this string wedges the engine: its
+                    step never returns (a stuck forward, for stepTimeoutSeconds)
   accepts           the content part kinds it declares it reads (default: text, image, audio,
                     video: it stands in for any model, and reads only the text)
 """
@@ -15,9 +17,11 @@ Arguments (`engine.args`):
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
+import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import torch
@@ -45,6 +49,10 @@ class SyntheticEngine(Engine):
         self.samples = int(a.get("samplesPerUnit", 240))
         self.sample_rate = int(a.get("sampleRate", 24000))
         self.fail_on = a.get("failOn")
+        self.hang_on = a.get("hangOn")
+        self._steps: dict[int, float] = {}
+        """Start of each simulated step running now, by a number of its own."""
+        self._step_numbers = itertools.count()
         self.audio = stage.final_output is OutputKind.AUDIO
         self.accepts = frozenset(a.get("accepts", ("text", "image", "audio", "video")))
 
@@ -52,18 +60,20 @@ class SyntheticEngine(Engine):
         text = _request_text(call.inputs)
         if self.fail_on and self.fail_on in text:
             raise EngineError(f"poisoned input ({self.fail_on!r})")
+        if self.hang_on and self.hang_on in text:
+            await self._step(asyncio.Event().wait())  # never set
         if "request" in call.inputs:
             n = int(self.units_per_call or call.sampling.get("max_tokens") or 16)
         else:
             n_in = sum(_units(p) for p in call.inputs.values())
             n = math.ceil(n_in * self.ratio)
-        seed = zlib.crc32(call.request_id.encode())
+        seed = call.state.setdefault("seed", _seed(call.inputs, text))
         start = call.state.get("emitted", 0)
         if self.s_per_call:
-            await asyncio.sleep(self.s_per_call)
+            await self._step(asyncio.sleep(self.s_per_call))
         for i in range(start, start + n):
             if self.s_per_unit:
-                await asyncio.sleep(self.s_per_unit)
+                await self._step(asyncio.sleep(self.s_per_unit))
             tok = (seed + i) % 1000
             data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
             if self.hidden:
@@ -77,6 +87,28 @@ class SyntheticEngine(Engine):
             else:
                 yield EngineOutput(units=1, text=f"tok{i} ", data=data)
         call.state["emitted"] = start + n
+
+    async def _step(self, work: Awaitable[object]) -> None:
+        n = next(self._step_numbers)
+        self._steps[n] = time.monotonic()
+        try:
+            await work
+        finally:
+            del self._steps[n]
+
+    def busy_s(self) -> float | None:
+        return time.monotonic() - min(self._steps.values()) if self._steps else None
+
+
+def _seed(inputs: dict[str, Any], text: str) -> int:
+    """What a request's outputs follow from: its text at a source stage, the first token it is
+    fed elsewhere. Not its id: a request run again (a migration) gives the same outputs."""
+    if "request" in inputs:
+        return zlib.crc32(text.encode())
+    for p in inputs.values():
+        if isinstance(ids := p.get("token_ids"), torch.Tensor) and ids.numel():
+            return int(ids.reshape(-1)[0])
+    return 0
 
 
 def _units(p: dict[str, Any]) -> int:

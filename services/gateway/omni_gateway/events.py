@@ -1,0 +1,58 @@
+"""What a request yields to the routes that answer it: the outputs of its final stages, as
+they come, then how it finished."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omni_pipeline.control import TokenLogprob, ToolCall
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    """For the tokens behind the text, when the request asked for them."""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    """The calls the reply ends with, when the request offered tools."""
+
+
+@dataclass(frozen=True, slots=True)
+class AudioChunk:
+    samples: np.ndarray
+    sample_rate: int
+
+
+@dataclass(frozen=True, slots=True)
+class ImageProgress:
+    """Seed 000's ImageProgressEvent: a preview after `step` steps, or the final images
+    (`is_last`); one RGB array [height, width, 3] uint8 per image of the request."""
+
+    step: int
+    images: list[np.ndarray]
+    is_last: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    finish_reason: str
+    usage: dict[str, int]
+    """The text stage's: `prompt_tokens`, `completion_tokens`, `total_tokens` (chat's usage)."""
+    prompt_tokens: int = 0
+    """What every stage on the route read of the client's request (the source stages count it)."""
+    fed_units: int = 0
+    """What the stages feeding the final audio or image stages made for them (a talker's codec
+    codes): a speech response's output tokens."""
+
+
+Event = TextDelta | AudioChunk | ImageProgress | Finished
+
+
+@dataclass(frozen=True, slots=True)
+class OfChoice:
+    """An event of reply `index` of a chat request asking for several (`n`)."""
+
+    index: int
+    event: Event
