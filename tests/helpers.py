@@ -275,9 +275,9 @@ def start_serve(pipeline: Path, cwd: Path, log: Path) -> tuple[OmniProcess, str]
     return serve, f"http://127.0.0.1:{port}"
 
 
-def assert_all_gone(serve: OmniProcess) -> None:
+def assert_all_gone(serve: OmniProcess, exit_code: int = 0) -> None:
     wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
-    assert serve.proc.returncode == 0, serve.output()[-3000:]
+    assert serve.proc.returncode == exit_code, serve.output()[-3000:]
     wait_for(lambda: not group_alive(serve.proc.pid), 30, "every process of the tree to exit")
     prefix = re.search(r"shared memory: /dev/shm/(\S+)-\*", serve.output()).group(1)  # type: ignore[union-attr]
     assert our_shm_segments(f"{prefix}-") == [], "shared-memory segments left behind"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from omni_pipeline.connectors.base import (
+    RECLAIM_GRACE_S,
     ConnectorError,
     ConnectorHandle,
     InlineConnector,
@@ -14,6 +15,7 @@ from omni_pipeline.connectors.shm import ShmConnector
 from omni_pipeline.spec import ConnectorKind, PipelineSpec
 
 __all__ = [
+    "RECLAIM_GRACE_S",
     "ConnectorError",
     "ConnectorHandle",
     "InlineConnector",
@@ -22,6 +24,7 @@ __all__ = [
     "ShmConnector",
     "build_connectors",
     "check_request_id",
+    "reclaim_unread",
 ]
 
 
@@ -43,3 +46,9 @@ def build_connectors(spec: PipelineSpec, pipeline: str) -> dict[str, OmniConnect
             c.close()
         raise
     return out
+
+
+def reclaim_unread(connectors: list[OmniConnector], spec: PipelineSpec) -> None:
+    """What these connectors wrote that nobody read in longer than any request of `spec` lives."""
+    for c in connectors:
+        c.reclaim_unread(spec.gateway.request_timeout_s + RECLAIM_GRACE_S)

@@ -20,6 +20,11 @@ from omni_pipeline.spec import ConnectorSpec
 _SAFE_ID: Final = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
+RECLAIM_GRACE_S: Final = 30.0
+"""How long past the longest a request may live (its pipeline's requestTimeoutS) a payload that
+nobody read is reclaimed by its writer."""
+
+
 class ConnectorError(RuntimeError):
     """A payload could not be stored or fetched; it fails the request that owns it."""
 
@@ -108,6 +113,12 @@ class OmniConnector(ABC):
     @abstractmethod
     def health(self) -> dict[str, Any]:
         """Backend state for /health and /metrics: at least {"ok": bool}."""
+
+    def reclaim_unread(self, older_than_s: float) -> int:
+        """Free what this process wrote that nobody read for `older_than_s` (longer than any
+        request lives): the message that named it was lost, so no reader will come for it. A
+        backstop to `cleanup`; 0 where there is nothing to reclaim."""
+        return 0
 
     def live_objects(self) -> int:
         """Objects this backend holds right now (for the leak gauges)."""

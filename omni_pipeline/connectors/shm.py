@@ -18,8 +18,10 @@ created 0600 with O_EXCL. A held segment goes back to free when the reader's las
 is freed (a weakref.finalize on the lease), so a reader may keep or even write its tensors for
 as long as it likes. Every state has an owner that ends it: `cleanup(request_id)`, from any
 process, returns a request's unread segments to their owners (or unlinks them when the owner
-is gone); an owner takes back segments whose reader died; free segments beyond `poolBytes`
-are unlinked, least recently used first; an owner unlinks its segments when it closes, a
+is gone); an owner takes back its written segments that no reader took for longer than any
+request lives (`reclaim_unread`: the message naming one was lost with a NATS server), and
+segments whose reader died; free segments beyond `poolBytes` are unlinked, least recently
+used first; an owner unlinks its segments when it closes, a
 reader's release unlinks a segment whose owner is gone; a supervisor calls
 `release_process(pid)` for a child that died, and `sweep()` at shutdown.
 
@@ -36,6 +38,7 @@ import mmap
 import os
 import re
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -279,6 +282,21 @@ class ShmConnector(OmniConnector):
                 continue  # read or cleaned up just now
             n_freed += 1
         return n_freed
+
+    def reclaim_unread(self, older_than_s: float) -> int:
+        """Our written segments that waited longer than `older_than_s` for their reader (a
+        rename sets a segment's ctime: when it was written) go back to our pool."""
+        n = 0
+        oldest = time.time() - older_than_s
+        for path in SHM_DIR.glob(f"{self.prefix}-*~*@{self._pid}-*"):
+            m = _WRITTEN.search(path.name)
+            if m is None or int(m.group(1)) != self._pid:
+                continue
+            with contextlib.suppress(FileNotFoundError):  # read or cleaned up just now
+                if path.stat().st_ctime < oldest:
+                    os.rename(path, self._state("free", self._pid, int(m.group(2))))
+                    n += 1
+        return n
 
     def release_process(self, pid: int) -> int:
         """What a dead process of the deployment held (its supervisor calls this once it is reaped):

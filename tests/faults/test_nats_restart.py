@@ -10,14 +10,17 @@ from __future__ import annotations
 import collections
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
+import psutil
 
 from omni_cli.mooncaked import LocalMooncake
 from omni_cli.natsd import EmbeddedNats
+from omni_cli.serve import MAX_QUICK_DEATHS
 from tests.deployment import Deployment, SteadyLoad, ask
 from tests.faults.conftest import SHM_PREFIX
-from tests.helpers import shm_segments_in_use, wait_for
+from tests.helpers import ROOT, OmniProcess, assert_all_gone, served, shm_segments_in_use, wait_for
 
 BACK_WITHIN_S = 5.0
 
@@ -57,3 +60,58 @@ def test_nats_restart_under_load(faults: Deployment, nats: EmbeddedNats, mooncak
     finally:
         if restarted is not None:
             restarted.stop()
+
+
+SYNTH = ROOT / "tests" / "data" / "synthetic.yaml"
+
+
+def nats_child(serve: OmniProcess) -> psutil.Process:
+    [server] = [p for p in psutil.Process(serve.proc.pid).children() if p.name() == "nats-server"]
+    return server
+
+
+def test_omni_serve_restarts_its_nats_server(tmp_path: Path) -> None:
+    """SIGKILL of `omni serve`'s embedded nats-server: the supervisor reaps it (no zombie) and
+    starts another on the same port; every process reconnects and it serves again at once.
+    Every process of the tree says what it is in `ps`."""
+    with served(SYNTH, ROOT, tmp_path / "serve.log") as (serve, base):
+        assert ask(base, "first") == "ok"
+        tree = psutil.Process(serve.proc.pid)
+        titles = {" ".join(p.cmdline()).strip() for p in tree.children()}  # a title is padded
+        print("ps -o cmd:", sorted([" ".join(tree.cmdline()).strip(), *titles]))
+        assert " ".join(tree.cmdline()).strip() == "omni: supervisor synth"
+        named = {f"omni: stage {s} replica 0" for s in ("thinker", "talker", "vocoder")} | {"omni: gateway"}
+        assert named <= titles
+        old = nats_child(serve)
+        old.kill()
+        killed = time.monotonic()
+        wait_for(lambda: ask(base, "probe", timeout=BACK_WITHIN_S) == "ok", BACK_WITHIN_S, "a request")
+        print(f"served again {time.monotonic() - killed:.2f}s after the kill")
+        assert nats_child(serve).pid != old.pid
+        assert [p for p in tree.children() if p.status() == psutil.STATUS_ZOMBIE] == []
+        assert "nats-server died (exit code -9); restarting" in serve.output()
+    # served(): every process gone, no segment left
+
+
+def test_a_nats_server_that_keeps_dying_stops_omni_serve(tmp_path: Path) -> None:
+    """Rather than a pipeline that answers 503 for ever: a message naming it, and exit 1."""
+    serve = OmniProcess(["serve", str(SYNTH), "--port", "0"], ROOT, tmp_path / "serve.log")
+    killed: set[int] = set()
+
+    def fresh() -> psutil.Process | None:
+        for p in psutil.Process(serve.proc.pid).children():
+            if p.name() == "nats-server" and p.pid not in killed and p.status() != psutil.STATUS_ZOMBIE:
+                return p
+        return None
+
+    try:
+        serve.wait_output("ready at", 180)
+        for _ in range(MAX_QUICK_DEATHS):
+            server = wait_for(fresh, 30, "a nats-server not killed yet")
+            server.kill()
+            killed.add(server.pid)
+        assert serve.proc.wait(60) == 1
+    finally:
+        serve.interrupt_group()
+    assert f"omni serve: nats-server died {MAX_QUICK_DEATHS} times in a row" in serve.output()
+    assert_all_gone(serve, exit_code=1)

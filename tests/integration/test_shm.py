@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from omni_pipeline import wire
-from omni_pipeline.connectors import ConnectorError, ConnectorHandle, ShmConnector
+from omni_pipeline.connectors import ConnectorError, ConnectorHandle, PayloadGone, ShmConnector
 from omni_pipeline.spec import ConnectorSpec
 from tests.helpers import our_shm_segments, read_handles, shm_prefix, shm_segments_in_use
 
@@ -233,3 +233,21 @@ def test_a_handle_for_another_request_is_refused() -> None:
     finally:
         conn.close()
         conn.sweep()
+
+
+def test_a_segment_nobody_reads_is_reclaimed_by_its_writer() -> None:
+    """The message naming a written segment can be lost with a NATS server, and with it every
+    reader's and cleaner's way to it: past any request's life its writer takes it back."""
+    prefix = _prefix()
+    conn = ShmConnector("t", SPEC, prefix=prefix)
+    try:
+        _, _, handle = conn.put("a", "b", "r1", {"x": torch.ones(4096)})
+        assert conn.reclaim_unread(older_than_s=3600) == 0  # young: its reader may still come
+        assert [s for s in our_shm_segments(prefix) if "r1~" in s] != []
+        assert conn.reclaim_unread(older_than_s=0) == 1
+        assert shm_segments_in_use(prefix) == []  # back in the writer's pool
+        with pytest.raises(PayloadGone):
+            conn.get("a", "b", "r1", handle)
+    finally:
+        conn.close()
+    assert our_shm_segments(prefix) == []

@@ -1,10 +1,13 @@
 """`omni serve`: the whole pipeline as one process tree on one machine.
 
 The supervisor starts an embedded nats-server (unless given a URL), one process per stage
-replica, then the gateway once every stage is READY. A process that dies is restarted with
-backoff (its in-flight requests end with a clear error at the gateway, which sees the
-replica's instance change). SIGINT/SIGTERM stop everything in order (gateway, stages, NATS)
-and sweep this deployment's shared-memory segments, so nothing is left behind.
+replica, then the gateway once every stage is READY. A process that dies, the nats-server
+included, is restarted with backoff (the nats-server on its own port, so that every client
+reconnects by itself; a stage's requests in flight move to a fresh route at the gateway,
+which sees the replica's instance change). One that keeps dying soon after each start ends
+`omni serve` with a message naming it, rather than a pipeline that answers 503 for ever.
+SIGINT/SIGTERM stop everything in order (gateway, stages, NATS) and sweep this deployment's
+shared-memory segments, so nothing is left behind. Every process names itself in `ps`.
 """
 
 from __future__ import annotations
@@ -15,10 +18,13 @@ import os
 import queue
 import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Final
+
+from setproctitle import setproctitle
 
 from omni_cli.children import gateway_child, stage_child
 from omni_cli.natsd import EmbeddedNats
@@ -32,6 +38,12 @@ STARTUP_TIMEOUT_S: Final = 600.0
 BACKOFF_START_S: Final = 1.0
 BACKOFF_MAX_S: Final = 30.0
 STABLE_AFTER_S: Final = 60.0
+"""A process that lived this long before dying starts its backoff and its count afresh."""
+MAX_QUICK_DEATHS: Final = 5
+"""Deaths in a row, each sooner than STABLE_AFTER_S after its start, that end `omni serve`."""
+NATS: Final = "nats-server"
+NATS_BACKOFF_START_S: Final = 0.1
+"""Every process of the tree waits on NATS: it comes back first, at once."""
 
 
 @dataclass
@@ -44,6 +56,7 @@ class _Slot:
     proc: ManagedProcess | None = None
     started_at: float = 0.0
     backoff: float = BACKOFF_START_S
+    quick_deaths: int = 0
 
 
 class Supervisor:
@@ -59,6 +72,9 @@ class Supervisor:
         self.events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self.slots: dict[str, _Slot] = {}
         self.nats: EmbeddedNats | None = None
+        self.nats_started_at = 0.0
+        self.nats_backoff = NATS_BACKOFF_START_S
+        self.nats_quick_deaths = 0
         self.stopping = False
 
     def _on_event(self, proc: ManagedProcess, ev: LifecycleEvent) -> None:
@@ -76,6 +92,8 @@ class Supervisor:
         slot.started_at = time.monotonic()
 
     def run(self) -> int:
+        setproctitle(f"omni: supervisor {self.pipeline.name}")
+
         def on_signal(signum: int, _frame: object) -> None:
             self.events.put(("signal", signal.Signals(signum).name))
             if not self.stopping:
@@ -97,7 +115,8 @@ class Supervisor:
     def _startup(self) -> None:
         url = self.nats_url
         if not url:
-            self.nats = EmbeddedNats()
+            self._start_nats()
+            assert self.nats is not None
             url = self.nats.url
             log.info("embedded nats-server at %s", url)
         log.info("shared memory: /dev/shm/%s-*", self.shm_prefix)
@@ -137,6 +156,19 @@ class Supervisor:
                 raise ChildFailed(f"{name} failed to start: {why}")
             waiting.discard(name)
 
+    def _start_nats(self) -> None:
+        """The embedded nats-server, on the port it had before (a restart), with a thread that
+        reaps it and tells the loop when it exits."""
+        server = EmbeddedNats(port=self.nats.port if self.nats else -1)
+        self.nats, self.nats_started_at = server, time.monotonic()
+
+        def watch() -> None:
+            code = server.proc.wait()
+            if not self.stopping:
+                self.events.put(("exited", f"exit code {code}"))
+
+        threading.Thread(target=watch, name="nats-server-watch", daemon=True).start()
+
     def _loop(self) -> int:
         restarts: list[tuple[float, str]] = []
         while True:
@@ -146,7 +178,13 @@ class Supervisor:
             except queue.Empty:
                 _, name = heapq.heappop(restarts)
                 log.info("restarting %s", name)
-                self._start(self.slots[name])
+                if name != NATS:
+                    self._start(self.slots[name])
+                    continue
+                try:
+                    self._start_nats()
+                except RuntimeError as exc:  # it did not come up: counts as dying at once
+                    self.events.put(("exited", str(exc)))
                 continue
             except KeyboardInterrupt:
                 kind, what = "signal", "SIGINT"
@@ -157,16 +195,48 @@ class Supervisor:
                 log.info("%s: shutting down", what)
                 self.shutdown()
                 return 0
+            if kind == "exited":  # the nats-server
+                if (failed := self._died(NATS, what, self.nats_started_at)) is not None:
+                    return failed
+                heapq.heappush(restarts, (time.monotonic() + self.nats_backoff, NATS))
+                self.nats_backoff = min(self.nats_backoff * 2, BACKOFF_MAX_S)
+                continue
             slot = self.slots[what]
             if slot.proc is None or slot.proc.alive:
                 continue
-            if time.monotonic() - slot.started_at > STABLE_AFTER_S:
-                slot.backoff = BACKOFF_START_S
-            log.error("%s died (exit code %s); restarting in %.0fs", what, slot.proc.exitcode, slot.backoff)
             if slot.proc.pid is not None:
                 self.shm.release_process(slot.proc.pid)
+            why = f"exit code {slot.proc.exitcode}"
+            if (failed := self._died(what, why, slot.started_at)) is not None:
+                return failed
             heapq.heappush(restarts, (time.monotonic() + slot.backoff, what))
             slot.backoff = min(slot.backoff * 2, BACKOFF_MAX_S)
+
+    def _died(self, name: str, why: str, started_at: float) -> int | None:
+        """Count a death; an exit status for `omni serve` once `name` keeps dying, else None."""
+        stable = time.monotonic() - started_at > STABLE_AFTER_S
+        if name == NATS:
+            if stable:
+                self.nats_backoff, self.nats_quick_deaths = NATS_BACKOFF_START_S, 0
+            self.nats_quick_deaths += 1
+            deaths, backoff = self.nats_quick_deaths, self.nats_backoff
+        else:
+            slot = self.slots[name]
+            if stable:
+                slot.backoff, slot.quick_deaths = BACKOFF_START_S, 0
+            slot.quick_deaths += 1
+            deaths, backoff = slot.quick_deaths, slot.backoff
+        if deaths >= MAX_QUICK_DEATHS:
+            print(
+                f"omni serve: {name} died {deaths} times in a row, each within {STABLE_AFTER_S:.0f}s "
+                f"of its start (last: {why}); stopping",
+                file=sys.stderr,
+                flush=True,
+            )
+            self.shutdown()
+            return 1
+        log.error("%s died (%s); restarting in %.1fs", name, why, backoff)
+        return None
 
     def shutdown(self) -> None:
         self.stopping = True

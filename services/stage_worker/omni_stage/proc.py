@@ -27,6 +27,7 @@ from typing import Any, Final
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from setproctitle import setproctitle
 
 from omni_pipeline import wire
 from omni_pipeline.connectors import (
@@ -36,6 +37,7 @@ from omni_pipeline.connectors import (
     PayloadGone,
     build_connectors,
     check_request_id,
+    reclaim_unread,
 )
 from omni_pipeline.control import (
     CONNECTOR_ERROR,
@@ -225,7 +227,7 @@ class StageWorker:
             for c in self.connectors.values():
                 c.close()
         if self.engine_dead is not None:  # a non-zero exit: the supervisor (or kubelet) restarts us
-            raise EngineError(f"stage {self.spec.name}/{self.replica}: {self.engine_dead}")
+            raise EngineDead(f"stage {self.spec.name}/{self.replica}: {self.engine_dead}")
 
     def begin_drain(self) -> None:
         """SIGTERM: take no new requests, finish the ones we have, then stop. Twice: stop now."""
@@ -257,13 +259,18 @@ class StageWorker:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             for rid in self.ledger.expire(time.time(), keep=self.requests):
                 log.info("stage %s: request %s: its unread output expired", self.spec.name, rid)
+            await asyncio.to_thread(reclaim_unread, list(self._used_connectors()), self.pipeline.spec)
             await self._check_health()
 
     async def _check_health(self) -> None:
         """The engine's and the connectors' own word on whether this replica can serve: a dead
         engine stops the replica (to be restarted); a connector whose backend is down makes it
         take nothing new until the backend answers again."""
-        if (why := self.engine.dead()) is not None:
+        why = self.engine.dead()
+        busy, limit = self.engine.busy_s(), self.spec.step_timeout_s
+        if why is None and busy is not None and limit is not None and busy > limit:
+            why = f"wedged: a forward has run for {busy:.0f}s, over stepTimeoutSeconds ({limit:g}s)"
+        if why is not None:
             log.error(
                 "stage %s/%s: engine dead: %s; failing what it holds", self.spec.name, self.replica, why
             )
@@ -700,6 +707,10 @@ class StageWorker:
             self._drained.set()
 
 
+class EngineDead(EngineError):
+    """The replica's engine died or wedged while serving; the replica stopped for a restart."""
+
+
 class _Emitted:
     """Per-request output bookkeeping: chunk sequence numbers per consumer, segment timing."""
 
@@ -727,8 +738,17 @@ def run_stage(
     """Process entry point (used by `omni stage` and by `omni serve` through the lifecycle)."""
     configure_logging()
 
+    setproctitle(f"omni: stage {stage} replica {replica}")
+
     async def main() -> None:
         worker = StageWorker(pipeline, stage, replica, nats_url)
         await worker.run(ready, metrics_host, metrics_port)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except EngineDead as exc:
+        # Its engine is dead or wedged; a thread of it may never return, and an interpreter's
+        # exit would wait for it for ever: go now, to be restarted.
+        log.error("%s", exc)
+        logging.shutdown()
+        os._exit(1)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -81,6 +82,11 @@ class Engine(ABC):
         """Loop steps run so far (diffusion steps), where the engine counts them."""
         return None
 
+    def busy_s(self) -> float | None:
+        """How long the oldest forward running now has run; None while none runs (or where the
+        engine does not tell: vLLM's own engine process is watched through `dead`)."""
+        return None
+
     def dead(self) -> str | None:
         """Why this engine can serve nothing more (its engine process died), or None while it
         can. The replica then fails what it holds and exits, to be started afresh."""
@@ -105,9 +111,21 @@ class ComputeEngine(Engine):
         if self.max_batch < 1:
             raise EngineError(f"stage '{stage.name}': engine.args.maxBatch must be at least 1")
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-compute")
+        self._running_since: float | None = None
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._compute, self._timed, fn, args)
+
+    def _timed(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        self._running_since = time.monotonic()
+        try:
+            return fn(*args)
+        finally:
+            self._running_since = None
+
+    def busy_s(self) -> float | None:
+        since = self._running_since
+        return None if since is None else time.monotonic() - since
 
     async def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
