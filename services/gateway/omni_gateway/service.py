@@ -72,10 +72,9 @@ log = logging.getLogger("omni.gateway")
 
 ADMIT_TIMEOUT_S: Final = 5.0
 """How long a replica may take to admit a request before it counts as lost."""
-MIGRATABLE: Final = frozenset({"replica_lost", "draining", "full", "unhealthy", PAYLOAD_GONE, NATS_LOST})
-"""Errors that say where a request went, not what it is: a fresh route may well serve it (a
-payload gone is what a consumer meets when its producer died and was cleaned up after; after a
-NATS outage the re-run waits for the server)."""
+MIGRATABLE: Final = frozenset({"replica_lost", "draining", "full", "unhealthy", NATS_LOST})
+"""Errors that say where a request went, not what it is: a fresh route may well serve it (after
+a NATS outage, the re-run waits for the server)."""
 _ERRORS: Final[dict[str, type[OmniError]]] = {
     NATS_LOST: Unavailable,
     INVALID_REQUEST: BadRequest,
