@@ -17,6 +17,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
+from omni_pipeline.placement import place
+
 REQUEST_SOURCE: Final = "request"
 """The pseudo-stage an input edge names to read the client's request."""
 
@@ -153,6 +155,24 @@ class StageSpec(_Model):
     max_inflight: int = Field(default=1, ge=1, description="Concurrent requests in one replica (1 = serial).")
     max_queued: int = Field(default=64, ge=0, description="Requests a replica queues beyond max_inflight.")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description="What one replica needs.")
+    devices: str | None = Field(
+        default=None,
+        pattern=r"^\d+(,\d+)*$",
+        description="SingleNode: the pod's GPUs (indices, comma-separated) this stage's replicas run on, "
+        "resources.gpus each in replica order, as vLLM-Omni's `devices`; unset: packed in file order.",
+    )
+    share_device: bool = Field(
+        default=False,
+        description="SingleNode: this stage may share its devices with other stages that say so.",
+    )
+    gpu_memory_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="The share of each of its GPUs' memory one replica may take (vLLM's "
+        "gpu_memory_utilization; torch engines cap their allocator); required on a shared device, at most 1 "
+        "in all there.",
+    )
     sampling: dict[str, Any] = Field(default_factory=dict, description="Default sampling parameters.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector (Kubernetes).")
     tolerations: list[dict[str, Any]] = Field(
@@ -412,6 +432,14 @@ class PipelineSpec(_Model):
         cycle = _find_cycle(self.stages)
         if cycle:
             raise ValueError(f"stage '{cycle[0]}': inputs: cycle {' -> '.join(cycle)}")
+        if self.mode is Mode.DISTRIBUTED:
+            if placed := next((s for s in self.stages if s.devices or s.share_device), None):
+                raise ValueError(
+                    f"stage '{placed.name}': devices, shareDevice: SingleNode only (in Distributed mode each "
+                    "replica is a pod of its own, placed by Kubernetes' device plugin)"
+                )
+        else:
+            place(self)  # the pod's device count is what it asks for; the supervisor checks the machine's
         return self
 
     # --- graph queries used by the gateway and the workers --------------------------------

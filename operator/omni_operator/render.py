@@ -25,6 +25,7 @@ from omni_pipeline.control import (
     NATS_TLS_KEY_ENV,
     NATS_URL_ENV,
 )
+from omni_pipeline.placement import place
 from omni_pipeline.spec import API_KEYS_FILE_ENV, REQUEST_SOURCE, ConnectorKind, Mode, PipelineFile, StageSpec
 
 DEFAULT_IMAGE: Final = "ghcr.io/omni-pipeline/omni-pipeline:0.1.0"
@@ -388,7 +389,7 @@ def _gateway(p: PipelineFile, names: Names, namespace: str, image: str) -> list[
 
 def _single_node(p: PipelineFile, names: Names, namespace: str, image: str) -> list[dict[str, Any]]:
     port = p.spec.gateway.port or 8000
-    gpus = sum(s.resources.gpus * s.replicas for s in p.spec.stages)
+    gpus = place(p.spec).device_count  # shared devices count once
     args = ["serve", PIPELINE_PATH, "--host", "0.0.0.0", "--port", str(port)]
     container = _container(
         p, "omni", image, args, port, "/health/live", "/health", _resources(gpus, None, None)

@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import jsonschema
 import openai
+import psutil
 import pytest
 import soundfile as sf
 import yaml
@@ -27,6 +28,7 @@ from tests.helpers import (
     ROOT,
     WEATHER,
     OmniProcess,
+    assert_all_gone,
     decode_wav,
     get_json,
     group_alive,
@@ -655,3 +657,46 @@ def test_every_response_conforms_to_openais_schema(demo: str) -> None:
 
     problems = [v for body, schema in checked if (v := violations(body, schema)) is not None]
     assert problems == [], problems
+
+
+def test_each_stage_process_sees_only_the_gpus_it_was_placed_on(tmp_path: Path) -> None:
+    """No GPU here: the supervisor is shown four by their ids (CUDA_VISIBLE_DEVICES, a fake
+    count), the synthetic stages ask for GPUs they never touch, and each process's own
+    environment shows where it was placed. Then a placement the machine cannot hold."""
+    doc = yaml.safe_load((ROOT / "tests" / "data" / "synthetic.yaml").read_text())
+    thinker, talker, vocoder = doc["spec"]["stages"]
+    thinker["resources"] = {"gpus": 1}  # packed: the first device nobody placed by hand
+    for stage, share in ((talker, 0.5), (vocoder, 0.4)):  # vLLM-Omni's layout: both on device 0
+        stage.update(resources={"gpus": 1}, devices="0", shareDevice=True, gpuMemoryFraction=share)
+    pipeline = tmp_path / "placed.yaml"
+    pipeline.write_text(yaml.safe_dump(doc))
+    serve = OmniProcess(
+        ["serve", str(pipeline), "--port", "0"],
+        ROOT,
+        tmp_path / "serve.log",
+        {"CUDA_VISIBLE_DEVICES": "3,5,7,9"},
+    )
+    try:
+        serve.wait_output("ready at", 180)
+        base = re.search(r"ready at (http://127.0.0.1:\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
+        seen = {
+            r["stage"]: psutil.Process(r["pid"]).environ()["CUDA_VISIBLE_DEVICES"]
+            for r in get_json(f"{base}/replicas")["replicas"]
+        }
+        assert seen == {"thinker": "5", "talker": "3", "vocoder": "3"}
+        [gateway] = [
+            p for p in psutil.Process(serve.proc.pid).children() if "omni: gateway" in " ".join(p.cmdline())
+        ]
+        assert gateway.environ()["CUDA_VISIBLE_DEVICES"] == ""
+    finally:
+        serve.interrupt_group()
+    assert_all_gone(serve)
+
+    serve = OmniProcess(
+        ["serve", str(pipeline), "--port", "0"], ROOT, tmp_path / "serve2.log", {"CUDA_VISIBLE_DEVICES": "3"}
+    )
+    assert serve.proc.wait(60) == 1
+    assert (
+        "omni serve: stage 'thinker': resources.gpus: replica 0 needs 1, but other stages took all 1"
+        in serve.output()
+    )

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from setproctitle import setproctitle
@@ -30,6 +30,7 @@ from omni_cli.children import gateway_child, stage_child
 from omni_cli.natsd import EmbeddedNats
 from omni_pipeline.connectors.shm import DEFAULT_PREFIX, SHM_PREFIX_ENV, ShmConnector
 from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState
+from omni_pipeline.placement import VISIBLE_DEVICES_ENV, PlacementError, place, uses_gpus, visible_gpus
 from omni_pipeline.spec import ConnectorSpec, PipelineFile
 
 log = logging.getLogger("omni.serve")
@@ -53,6 +54,7 @@ class _Slot:
     name: str
     target: object
     args: tuple[object, ...]
+    env: dict[str, str] = field(default_factory=dict)
     proc: ManagedProcess | None = None
     started_at: float = 0.0
     backoff: float = BACKOFF_START_S
@@ -87,7 +89,7 @@ class Supervisor:
             slot.target,
             slot.args,
             on_event=self._on_event,  # type: ignore[arg-type]
-            env={SHM_PREFIX_ENV: self.shm_prefix},
+            env={SHM_PREFIX_ENV: self.shm_prefix, **slot.env},
         )
         slot.started_at = time.monotonic()
 
@@ -106,13 +108,14 @@ class Supervisor:
         except KeyboardInterrupt:
             self.shutdown()
             return 0
-        except (ChildFailed, TimeoutError, RuntimeError, FileNotFoundError) as exc:
+        except (ChildFailed, TimeoutError, RuntimeError, FileNotFoundError, PlacementError) as exc:
             print(f"omni serve: {exc}", file=sys.stderr)
             self.shutdown()
             return 1
         return self._loop()
 
     def _startup(self) -> None:
+        devices = self._devices()  # before anything starts: a placement that cannot work stops here
         url = self.nats_url
         if not url:
             self._start_nats()
@@ -123,11 +126,13 @@ class Supervisor:
         for stage in self.pipeline.spec.stages:
             for i in range(stage.replicas):
                 name = f"{stage.name}-{i}"
-                self.slots[name] = _Slot(name, stage_child, (self.path, stage.name, str(i), url))
+                args = (self.path, stage.name, str(i), url)
+                self.slots[name] = _Slot(name, stage_child, args, devices.get(name, {}))
         for slot in self.slots.values():
             self._start(slot)
         self._wait_ready(set(self.slots))
-        gw = self.slots["gateway"] = _Slot("gateway", gateway_child, (self.path, url, self.host, self.port))
+        gw_args = (self.path, url, self.host, self.port)
+        gw = self.slots["gateway"] = _Slot("gateway", gateway_child, gw_args, devices.get("gateway", {}))
         self._start(gw)
         self._wait_ready({"gateway"})
         assert gw.proc is not None
@@ -136,6 +141,22 @@ class Supervisor:
             f"omni serve: {self.pipeline.spec.served_model_name} ready at http://{self.host}:{info['port']}/v1",
             flush=True,
         )
+
+    def _devices(self) -> dict[str, dict[str, str]]:
+        """Each process's CUDA_VISIBLE_DEVICES, once any stage asks for GPUs: a stage replica's own
+        among this machine's (a stage with none, and the gateway, see none); PlacementError if
+        they do not fit."""
+        spec = self.pipeline.spec
+        if not uses_gpus(spec):
+            return {}
+        pod = visible_gpus()
+        placement = place(spec, len(pod))
+        out = {"gateway": {VISIBLE_DEVICES_ENV: ""}}
+        for (stage, i), _ in sorted(placement.devices.items()):
+            ids = placement.visible(stage, i, pod)
+            out[f"{stage}-{i}"] = {VISIBLE_DEVICES_ENV: ids}
+            log.info("%s-%d: GPUs %s", stage, i, ids or "none")
+        return out
 
     def _wait_ready(self, names: set[str]) -> None:
         """Until every named process is READY; the first one to die fails the startup."""

@@ -16,6 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import torch
+
 from omni_pipeline.spec import EngineKind, StageSpec
 from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
@@ -112,6 +114,9 @@ class ComputeEngine(Engine):
             raise EngineError(f"stage '{stage.name}': engine.args.maxBatch must be at least 1")
         self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-compute")
         self._running_since: float | None = None
+        if stage.gpu_memory_fraction is not None and torch.cuda.is_available():
+            for device in range(torch.cuda.device_count()):  # its own devices: the supervisor placed it
+                torch.cuda.set_per_process_memory_fraction(stage.gpu_memory_fraction, device)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._compute, self._timed, fn, args)

