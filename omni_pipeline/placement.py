@@ -45,7 +45,8 @@ class Placement:
 
 def visible_gpus() -> list[str]:
     """This machine's GPUs as a process here sees them: the ids CUDA_VISIBLE_DEVICES lists, or
-    all the driver has (counted without starting CUDA)."""
+    all the driver has (torch counts them; the children are spawned, so CUDA starting here is
+    harmless)."""
     if (listed := os.environ.get(VISIBLE_DEVICES_ENV)) is not None:
         return [d.strip() for d in listed.split(",") if d.strip()]
     import torch
