@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from prometheus_client.exposition import choose_encoder
+from starlette.types import Receive, Scope, Send
 
 from omni_gateway.chat import ChatResult, completion_body, index_of, now, sse_chunks
 from omni_gateway.errors import BadRequest, ModelNotFound, StageFailed
@@ -156,7 +157,7 @@ async def _respond(
         if isinstance(answer, Streamed):
             body = _counted(answer.body, m, t0, rid)
             streaming = True
-            return StreamingResponse(body, media_type=answer.media_type, headers=answer.headers)
+            return _Stream(body, events, media_type=answer.media_type, headers=answer.headers)
         m.latency.observe(time.monotonic() - t0, exemplar={"request_id": rid})
         return answer
     except BaseException:
@@ -258,7 +259,27 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _counted(chunks: AsyncIterator[str], m: GatewayMetrics, t0: float, rid: str) -> AsyncIterator[str]:
+class _Stream(StreamingResponse):
+    """A streamed response that ends its request when it ends, however it ends. Starlette leaves
+    a body whose client went away to the garbage collector, and with it the request's abort:
+    seconds later under load (whenever a collection frees the traceback's frames), the
+    request running all that while."""
+
+    def __init__(
+        self, body: AsyncGenerator[str], events: AsyncGenerator[Any], media_type: str, headers: dict[str, str]
+    ) -> None:
+        super().__init__(body, media_type=media_type, headers=headers)
+        self._body, self._events = body, events
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._body.aclose()
+            await self._events.aclose()  # aborts the request, if it had not ended
+
+
+async def _counted(chunks: AsyncIterator[str], m: GatewayMetrics, t0: float, rid: str) -> AsyncGenerator[str]:
     try:
         async for c in chunks:
             yield c
