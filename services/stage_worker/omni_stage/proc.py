@@ -64,6 +64,7 @@ from omni_pipeline.control import (
     unpack,
 )
 from omni_pipeline.logs import configure_logging
+from omni_pipeline.placement import VISIBLE_DEVICES_ENV
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
 from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, PipelineFile, StageSpec
 from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
@@ -176,7 +177,13 @@ class StageWorker:
         )
         http = asyncio.create_task(server.serve(sockets=[sock]), name="health-http")
         try:
-            log.info("stage %s/%s: loading engine %s", self.spec.name, self.replica, self.spec.engine.kind)
+            log.info(
+                "stage %s/%s: loading engine %s (CUDA_VISIBLE_DEVICES=%s)",
+                self.spec.name,
+                self.replica,
+                self.spec.engine.kind,
+                os.environ.get(VISIBLE_DEVICES_ENV, "unset"),
+            )
             await self.engine.start()
             nc = await connect_nats(
                 self.nats_url,
