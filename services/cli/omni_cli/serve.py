@@ -180,8 +180,9 @@ class Supervisor:
     def _start_nats(self) -> None:
         """The embedded nats-server, on the port it had before (a restart), with a thread that
         reaps it and tells the loop when it exits."""
+        self.nats_started_at = time.monotonic()  # a start that fails counts as a quick death
         server = EmbeddedNats(port=self.nats.port if self.nats else -1)
-        self.nats, self.nats_started_at = server, time.monotonic()
+        self.nats = server
 
         def watch() -> None:
             code = server.proc.wait()
