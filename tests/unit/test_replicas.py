@@ -162,3 +162,15 @@ def test_a_replica_that_refuses_for_its_health_is_believed_until_its_next_beat()
     table.refused("s", "i1", Admitted(False, "draining", "stage 's' replica 0 is draining"))
     with pytest.raises(Unavailable):
         table.pick("s")
+
+
+def test_a_stage_is_sick_when_every_replica_up_says_it_is_unhealthy() -> None:
+    """Then a request is a 503 at once (it would wait for a replica only while one restarts)."""
+    t = ReplicaTable(OURS)
+    assert not t.sick("s")  # none known: one may be starting
+    t.update(beat(), 0.0)
+    assert not t.sick("s")
+    t.refused("s", "i1", Admitted(False, "unhealthy", "down", unhealthy="connector 'remote': down"))
+    assert t.sick("s")
+    t.update(beat(), 1.0)  # its next beat: healthy again
+    assert not t.sick("s")

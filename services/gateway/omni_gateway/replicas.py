@@ -122,6 +122,11 @@ class ReplicaTable:
         best.ours += 1
         return best
 
+    def sick(self, stage: str) -> bool:
+        """Every replica of `stage` that is not draining says it is unhealthy (and one does)."""
+        up = [r for r in self._by_stage.get(stage, {}).values() if not r.hb.draining]
+        return bool(up) and all(r.hb.unhealthy for r in up)
+
     def covers(self, stages: list[str]) -> bool:
         return all(any(r.serving for r in self._by_stage.get(s, {}).values()) for s in stages)
 

@@ -349,7 +349,8 @@ class PipelineClient:
     async def _pick(self, stage: str, deadline: float) -> Replica:
         """A replica of `stage` for a new attempt. While NATS is away or the stage has no live
         replica (one restarting), wait for it, within the request's deadline and replicaWaitS,
-        as one of at most maxWaitingRequests; then the 503 says what was missing."""
+        as one of at most maxWaitingRequests; then the 503 says what was missing. Replicas
+        that are up but unhealthy (a connector's backend down) are a 503 at once, naming why."""
         gw = self.spec.gateway
         until = min(deadline, time.monotonic() + gw.replica_wait_s)
         waiting = False
@@ -361,6 +362,8 @@ class PipelineClient:
                         raise Unavailable("the gateway is not connected to NATS", headers=RETRY_AFTER)
                     return self.table.pick(stage)
                 except Unavailable as exc:
+                    if self.connected and self.table.sick(stage):
+                        raise  # its replicas are up but cannot serve (a backend down): say so now
                     if not waiting and self._waiting >= gw.max_waiting_requests:
                         raise
                     if not waiting:
