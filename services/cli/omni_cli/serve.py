@@ -57,6 +57,7 @@ class _Slot:
     env: dict[str, str] = field(default_factory=dict)
     proc: ManagedProcess | None = None
     started_at: float = 0.0
+    first_backoff: float = BACKOFF_START_S
     backoff: float = BACKOFF_START_S
     quick_deaths: int = 0
 
@@ -74,9 +75,10 @@ class Supervisor:
         self.events: queue.SimpleQueue[tuple[str, str]] = queue.SimpleQueue()
         self.slots: dict[str, _Slot] = {}
         self.nats: EmbeddedNats | None = None
-        self.nats_started_at = 0.0
-        self.nats_backoff = NATS_BACKOFF_START_S
-        self.nats_quick_deaths = 0
+        # The embedded nats-server's restarts and deaths (it is no ManagedProcess: a binary).
+        self.nats_slot = _Slot(
+            NATS, None, (), first_backoff=NATS_BACKOFF_START_S, backoff=NATS_BACKOFF_START_S
+        )
         self.stopping = False
 
     def _on_event(self, proc: ManagedProcess, ev: LifecycleEvent) -> None:
@@ -180,7 +182,7 @@ class Supervisor:
     def _start_nats(self) -> None:
         """The embedded nats-server, on the port it had before (a restart), with a thread that
         reaps it and tells the loop when it exits."""
-        self.nats_started_at = time.monotonic()  # a start that fails counts as a quick death
+        self.nats_slot.started_at = time.monotonic()  # a start that fails counts as a quick death
         server = EmbeddedNats(port=self.nats.port if self.nats else -1)
         self.nats = server
 
@@ -218,46 +220,34 @@ class Supervisor:
                 self.shutdown()
                 return 0
             if kind == "exited":  # the nats-server
-                if (failed := self._died(NATS, what, self.nats_started_at)) is not None:
-                    return failed
-                heapq.heappush(restarts, (time.monotonic() + self.nats_backoff, NATS))
-                self.nats_backoff = min(self.nats_backoff * 2, BACKOFF_MAX_S)
-                continue
-            slot = self.slots[what]
-            if slot.proc is None or slot.proc.alive:
-                continue
-            if slot.proc.pid is not None:
-                self.shm.release_process(slot.proc.pid)
-            why = f"exit code {slot.proc.exitcode}"
-            if (failed := self._died(what, why, slot.started_at)) is not None:
+                slot, why = self.nats_slot, what
+            else:
+                slot = self.slots[what]
+                if slot.proc is None or slot.proc.alive:
+                    continue
+                if slot.proc.pid is not None:
+                    self.shm.release_process(slot.proc.pid)
+                why = f"exit code {slot.proc.exitcode}"
+            if (failed := self._died(slot, why)) is not None:
                 return failed
-            heapq.heappush(restarts, (time.monotonic() + slot.backoff, what))
+            heapq.heappush(restarts, (time.monotonic() + slot.backoff, slot.name))
             slot.backoff = min(slot.backoff * 2, BACKOFF_MAX_S)
 
-    def _died(self, name: str, why: str, started_at: float) -> int | None:
-        """Count a death; an exit status for `omni serve` once `name` keeps dying, else None."""
-        stable = time.monotonic() - started_at > STABLE_AFTER_S
-        if name == NATS:
-            if stable:
-                self.nats_backoff, self.nats_quick_deaths = NATS_BACKOFF_START_S, 0
-            self.nats_quick_deaths += 1
-            deaths, backoff = self.nats_quick_deaths, self.nats_backoff
-        else:
-            slot = self.slots[name]
-            if stable:
-                slot.backoff, slot.quick_deaths = BACKOFF_START_S, 0
-            slot.quick_deaths += 1
-            deaths, backoff = slot.quick_deaths, slot.backoff
-        if deaths >= MAX_QUICK_DEATHS:
+    def _died(self, slot: _Slot, why: str) -> int | None:
+        """Count a death; an exit status for `omni serve` once the process keeps dying, else None."""
+        if time.monotonic() - slot.started_at > STABLE_AFTER_S:
+            slot.backoff, slot.quick_deaths = slot.first_backoff, 0
+        slot.quick_deaths += 1
+        if slot.quick_deaths >= MAX_QUICK_DEATHS:
             print(
-                f"omni serve: {name} died {deaths} times in a row, each within {STABLE_AFTER_S:.0f}s "
-                f"of its start (last: {why}); stopping",
+                f"omni serve: {slot.name} died {slot.quick_deaths} times in a row, each within "
+                f"{STABLE_AFTER_S:.0f}s of its start (last: {why}); stopping",
                 file=sys.stderr,
                 flush=True,
             )
             self.shutdown()
             return 1
-        log.error("%s died (%s); restarting in %.1fs", name, why, backoff)
+        log.error("%s died (%s); restarting in %.1fs", slot.name, why, slot.backoff)
         return None
 
     def shutdown(self) -> None:
