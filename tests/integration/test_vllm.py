@@ -299,12 +299,14 @@ def test_example_pipeline_answers_the_openai_client(demo_dir: Path, tmp_path: Pa
 
         # vLLM's engine core process dies (as on a GPU fault): the thinker's replica sees it at
         # its next heartbeat, fails what it holds, and exits; the supervisor starts it afresh.
-        # No request waits on the dead engine (each is answered well inside the 600 s deadline).
+        # No request waits on the dead engine: one sent now waits for the restarted thinker
+        # (gateway.replicaWaitS, 30 s) and is served, or is a 503 after that wait, well inside
+        # the 600 s deadline.
         core = engine_core(serve.proc.pid)
         core.kill()
         serve.wait_output("engine dead: vLLM's engine core is dead", 60)
         fast = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=30
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
         )
         with contextlib.suppress(openai.InternalServerError, openai.APIStatusError):
             fast.chat.completions.create(model="tiny-voice-vllm", messages=MESSAGES)
