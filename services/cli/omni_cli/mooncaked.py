@@ -12,10 +12,15 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO
+from typing import IO, Final
 
 from omni_pipeline.connectors.mooncake import BIND_ENV, MASTER_ENV, METADATA_ENV
 from omni_pipeline.lifecycle import die_with_parent
+
+INCOMPLETE_PUT_RELEASE_S: Final = 10
+"""How long the master keeps an object whose writer died mid-put (it checks this often)."""
+INCOMPLETE_PUT_FREED_S: Final = 3 * INCOMPLETE_PUT_RELEASE_S
+"""A kill's unfinished put is gone from the store this soon after the kill (twice, and a margin)."""
 
 
 def _free_port() -> int:
@@ -45,9 +50,13 @@ class LocalMooncake:
                 f"--http_metadata_server_port={meta}",
                 "--metrics_host=127.0.0.1",
                 f"--metrics_port={metrics}",
-                # A key whose writer was killed mid-put is discarded after this (30 s by default);
-                # a put on loopback takes milliseconds.
+                # A writer killed mid-put leaves an incomplete object, which remove_by_regex skips
+                # (it removes complete objects only): a new put of its key may replace it after
+                # the discard timeout (30 s by default), and the master frees it on its own after
+                # the release timeout (600 s by default; checked that often, so up to twice it).
+                # A put on loopback takes milliseconds.
                 "--put_start_discard_timeout_sec=5",
+                f"--put_start_release_timeout_sec={INCOMPLETE_PUT_RELEASE_S}",
             )
             self._start(log_dir / "mooncake_master.log", *self._master_cmd)
             self._wait(lambda: self.key_count() == 0, start_timeout_s, "mooncake_master to serve")
