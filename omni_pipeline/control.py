@@ -183,7 +183,8 @@ class FinalMsg(msgspec.Struct, tag="final", frozen=True, omit_defaults=True):
     handle: ConnectorHandle | None = None
     finish_reason: str | None = None
     usage: dict[str, int] | None = None
-    """On the last message: `prompt_tokens` the stage read and `completion_tokens`, its units."""
+    """So far, with this message: `prompt_tokens` the stage read and `completion_tokens`, its
+    units (a client's continuous usage stats); the last message's is the request's."""
     logprobs: list[TokenLogprob] | None = None
     """For the tokens behind `text`, when the request asked for `logprobs`."""
     tool_calls: list[ToolCall] | None = None
@@ -250,6 +251,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     honours: list[str] | None = None
     """The request parameters its engine honours as a source stage (`temperature`,
     `logprobs`, ...), so a gateway refuses a request that sets any other; None: not declared."""
+    voices: list[str] | None = None
+    """The voices its engine speaks in (none: it takes no voice), for the gateway to list and to
+    refuse others before any work; None: not declared."""
     ts: float = msgspec.field(default_factory=time.time)
 
 

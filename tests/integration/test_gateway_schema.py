@@ -156,8 +156,8 @@ USER = [{"role": "user", "content": "x"}]
             "not served by this server",
         ),
         (
-            {"stream_options": {"continuous_usage_stats": True}},
-            "stream_options.continuous_usage_stats",
+            {"stream_options": {"include_continuous_usage": True}},  # vLLM's name is continuous_usage_stats
+            "stream_options.include_continuous_usage",
             "unrecognized",
         ),
     ],

@@ -79,9 +79,9 @@ def _message(req: ChatCompletionRequest, rid: str, created: int, r: ChatResult) 
     if r.tool_calls:
         message["content"] = text or None
         message["tool_calls"] = [_tool_call(c) for c in r.tool_calls.values()]
-    if req.audio is not None and "audio" in (req.modalities or []):
+    if "audio" in (req.modalities or []):
         pcm = to_pcm16(np.concatenate(r.audio) if r.audio else np.zeros(0, np.float32))
-        data = wav_bytes(pcm, r.sample_rate) if req.audio.format == "wav" else pcm
+        data = pcm if req.audio is not None and req.audio.format == "pcm16" else wav_bytes(pcm, r.sample_rate)
         message["audio"] = {
             "id": f"audio_{rid}",
             "data": base64.b64encode(data).decode(),
@@ -143,9 +143,14 @@ async def sse_chunks(
     interleaved, each chunk naming its reply's index), a finish chunk per reply, usage once
     every reply has ended, [DONE].
 
-    Audio deltas carry PCM16; for format `wav` each reply's first one starts with a streaming
-    WAV header, so its concatenated chunks form a playable file. A failure mid-stream becomes
-    an error event; `[DONE]` always ends the stream.
+    Every chunk also says its `modality` (`text` or `audio`), as vLLM-Omni's do. Audio comes in
+    one of two shapes. A request that names `audio` (OpenAI's clients must) gets OpenAI's:
+    `delta.audio` with PCM16, where for format `wav` each reply's first delta starts with a
+    streaming WAV header, so its concatenated chunks form a playable file. One that asks for
+    audio without naming `audio` (vLLM-Omni's clients) gets vLLM-Omni's: each chunk a whole
+    WAV file, base64 in `delta.content`. With `stream_options.continuous_usage_stats` (and
+    `include_usage`, as in vLLM) every chunk carries its reply's usage so far. A failure
+    mid-stream becomes an error event; `[DONE]` always ends the stream.
     """
     base = {
         "id": f"chatcmpl-{rid}",
@@ -153,13 +158,19 @@ async def sse_chunks(
         "created": created,
         "model": req.model,
     }
+    options = req.stream_options
+    continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+    so_far = [_usage([{}]) for _ in range(req.n)]
+    modality = ["text"] * req.n
 
     def chunk(
         index: int, delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None
     ) -> str:
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        return _sse({**base, "choices": [choice]})
+        body = {**base, "choices": [choice], "modality": modality[index]}
+        return _sse(body | {"usage": so_far[index]} if continuous else body)
 
+    whole_wav_chunks = req.audio is None
     header_sent = [req.audio is None or req.audio.format != "wav"] * req.n
     usage: list[dict[str, int]] = []
     calls: list[dict[str, int]] = [{} for _ in range(req.n)]
@@ -170,33 +181,43 @@ async def sse_chunks(
         while item is not None:
             i, ev = index_of(item)
             if isinstance(ev, TextDelta):
+                modality[i] = "text"
+                if ev.usage is not None:
+                    so_far[i] = _usage([ev.usage])
                 if ev.text or ev.logprobs:
                     yield chunk(i, {"content": ev.text}, logprobs=choice_logprobs(req, ev.logprobs))
                 if ev.tool_calls:
                     yield chunk(i, {"tool_calls": [_tool_call_delta(c, calls[i]) for c in ev.tool_calls]})
             elif isinstance(ev, AudioChunk):
+                modality[i] = "audio"
                 data = to_pcm16(ev.samples)
-                if not header_sent[i]:
-                    data, header_sent[i] = wav_stream_header(ev.sample_rate) + data, True
-                audio_id = f"audio_{rid}.{i}" if req.n > 1 else f"audio_{rid}"
-                delta = {
-                    "audio": {
-                        "id": audio_id,
-                        "data": base64.b64encode(data).decode(),
-                        "expires_at": created + AUDIO_TTL_S,
-                    }
-                }
-                yield chunk(i, delta)
+                if whole_wav_chunks:
+                    yield chunk(i, {"content": base64.b64encode(wav_bytes(data, ev.sample_rate)).decode()})
+                else:
+                    if not header_sent[i]:
+                        data, header_sent[i] = wav_stream_header(ev.sample_rate) + data, True
+                    yield chunk(i, {"audio": _audio_delta(rid, i, req.n, created, data)})
             elif isinstance(ev, Finished):
+                so_far[i] = ev.usage
                 yield chunk(i, {}, ev.finish_reason)
                 usage.append(ev.usage)
-                if len(usage) == req.n and req.stream_options and req.stream_options.include_usage:
-                    yield _sse({**base, "choices": [], "usage": _usage(usage)})
+                if len(usage) == req.n and options and options.include_usage:
+                    total = {**base, "choices": [], "modality": "text", "usage": _usage(usage)}
+                    yield _sse(total)
             item = await anext(events, None)
     except Exception as exc:
         err: OmniError = error_from(exc)
         yield _sse(err.body())
     yield "data: [DONE]\n\n"
+
+
+def _audio_delta(rid: str, index: int, n: int, created: int, data: bytes) -> dict[str, Any]:
+    """OpenAI's streamed `delta.audio`."""
+    return {
+        "id": f"audio_{rid}.{index}" if n > 1 else f"audio_{rid}",
+        "data": base64.b64encode(data).decode(),
+        "expires_at": created + AUDIO_TTL_S,
+    }
 
 
 def now() -> int:

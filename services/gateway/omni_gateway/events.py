@@ -17,6 +17,9 @@ class TextDelta:
     """For the tokens behind the text, when the request asked for them."""
     tool_calls: list[ToolCall] = field(default_factory=list)
     """The calls the reply ends with, when the request offered tools."""
+    usage: dict[str, int] | None = None
+    """The text stage's `prompt_tokens` and `completion_tokens` so far, this delta's included
+    (vLLM's continuous usage stats)."""
 
 
 @dataclass(frozen=True, slots=True)

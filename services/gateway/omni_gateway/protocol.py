@@ -108,6 +108,9 @@ MAX_CHOICES: Final = 16
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = Field(
+        default=False, description="vLLM's: with include_usage, every chunk carries its reply's usage so far."
+    )
     include_obfuscation: bool | None = Field(default=None, description="Accepted and ignored (no padding).")
 
 
@@ -199,7 +202,11 @@ class ChatCompletionRequest(BaseModel):
     model: str = Field(min_length=1)
     messages: list[ChatMessage] = Field(min_length=1)
     modalities: list[Literal["text", "audio"]] | None = None
-    audio: AudioParams | None = None
+    audio: AudioParams | None = Field(
+        default=None,
+        description="Voice and format. Without it (as vLLM-Omni's clients ask) an audio reply is in "
+        "the speaking stage's default voice, WAV, streamed as vLLM-Omni streams it.",
+    )
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -247,12 +254,6 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _not_served(cls, v: Any, info: ValidationInfo) -> None:
         refuse_unless_off(v, info, _CHAT_OFF)
-
-    @model_validator(mode="after")
-    def _audio(self) -> ChatCompletionRequest:
-        if "audio" in self.wanted_outputs() and self.audio is None:
-            raise ValueError("`audio` (voice and format) is required when modalities include 'audio'")
-        return self
 
     @model_validator(mode="after")
     def _tools(self) -> ChatCompletionRequest:
@@ -431,7 +432,12 @@ class SpeechRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str = Field(min_length=1)
     input: str = Field(min_length=1, max_length=4096)
-    voice: str = Field(min_length=1, max_length=64, description="A voice name, or OpenAI's {id: ...}.")
+    voice: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="A voice name, or OpenAI's {id: ...}; without it, the model's default voice.",
+    )
     instructions: str | None = Field(
         default=None, description="Not served (no engine here steers a voice by text): refused unless empty."
     )
@@ -460,13 +466,14 @@ class SpeechRequest(BaseModel):
 
 def speech_inputs(req: SpeechRequest) -> dict[str, Any]:
     """The text to speak is the source stage's prompt (no chat template: nothing to answer)."""
-    out: dict[str, Any] = {
-        "prompt": req.input,
-        "voice": req.voice,
-        "modalities": [OutputKind.AUDIO.value],
-    }
+    out: dict[str, Any] = {"prompt": req.input, "modalities": [OutputKind.AUDIO.value]}
+    if req.voice is not None:
+        out["voice"] = req.voice
     return out
 
 
 def speech_sampling(req: SpeechRequest) -> dict[str, Any]:
-    return {"voice": req.voice, **({"speed": req.speed} if req.speed != 1.0 else {})}
+    return {
+        **({"voice": req.voice} if req.voice is not None else {}),
+        **({"speed": req.speed} if req.speed != 1.0 else {}),
+    }

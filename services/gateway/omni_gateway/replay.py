@@ -98,7 +98,7 @@ class Splice:
         self.logprobs_seen += k
         if n == 0 and k == 0:
             return ev
-        rest = TextDelta(ev.text[n:], ev.logprobs[k:], ev.tool_calls)
+        rest = TextDelta(ev.text[n:], ev.logprobs[k:], ev.tool_calls, ev.usage)
         return rest if rest.text or rest.logprobs or rest.tool_calls else None
 
     def _audio(self, ev: AudioChunk) -> AudioChunk | None:

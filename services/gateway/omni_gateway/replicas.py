@@ -130,9 +130,10 @@ class ReplicaTable:
     def covers(self, stages: list[str]) -> bool:
         return all(any(r.serving for r in self._by_stage.get(s, {}).values()) for s in stages)
 
-    def declared(self, stage: str, what: Literal["accepts", "honours"]) -> frozenset[str] | None:
-        """What the stage's engine reads (`accepts`: content part kinds) or honours (`honours`:
-        request parameters), as its replicas declare it (all run one engine); None while none has."""
+    def declared(self, stage: str, what: Literal["accepts", "honours", "voices"]) -> frozenset[str] | None:
+        """What the stage's engine reads (`accepts`: content part kinds), honours (`honours`:
+        request parameters) or speaks in (`voices`), as its replicas declare it (all run one
+        engine); None while none has."""
         for r in self._by_stage.get(stage, {}).values():
             if (declared := getattr(r.hb, what)) is not None:
                 return frozenset(declared)

@@ -15,7 +15,7 @@ from prometheus_client.exposition import choose_encoder
 from starlette.types import Receive, Scope, Send
 
 from omni_gateway.chat import ChatResult, completion_body, index_of, now, sse_chunks
-from omni_gateway.errors import BadRequest, ModelNotFound, StageFailed
+from omni_gateway.errors import BadRequest, ModelNotFound, StageFailed, Unavailable
 from omni_gateway.events import AudioChunk, Event
 from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.media import Media, decode_media
@@ -188,6 +188,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 
     params = sampling_params(req)
     svc.refuse_unhonoured(req.wanted_outputs(), params, SAMPLING_EVERY_ENGINE)
+    if OutputKind.AUDIO in req.wanted_outputs():
+        svc.refuse_unknown_voice(req.audio.voice if req.audio else None, "audio.voice")
     inputs = stage_inputs(req)
     accepts = svc.accepted_parts(req.wanted_outputs())
     inputs["messages"], media = await decode_media(inputs["messages"], svc.spec.gateway.media, accepts)
@@ -223,7 +225,22 @@ async def audio_speech(req: SpeechRequest, request: Request) -> Response:
             return Streamed(sse_stream(req, first, events), "text/event-stream", headers)
         return Streamed(audio_stream(req, first, events), SPEECH_MEDIA_TYPES[req.response_format], headers)
 
+    svc.refuse_unknown_voice(req.voice, "voice")
     return await _respond(request, svc, speech_inputs(req), speech_sampling(req), {OutputKind.AUDIO}, respond)
+
+
+@router.get("/v1/audio/voices")
+async def audio_voices(request: Request) -> dict[str, Any]:
+    """The voices the pipeline speaks in, as vLLM-Omni lists them (no voice cloning here, so no
+    uploaded voices); 404 for a pipeline that does not speak, 503 while its speaking stages
+    have not all announced theirs."""
+    svc = _service(request)
+    if OutputKind.AUDIO not in svc.spec.output_kinds():
+        raise ModelNotFound(f"model '{svc.spec.served_model_name}' does not output audio")
+    voices = svc.voices()
+    if voices is None:
+        raise Unavailable("the stages that speak have not all announced their voices yet")
+    return {"voices": sorted(voices), "uploaded_voices": []}
 
 
 async def _rest(first: T, events: AsyncIterator[T]) -> list[T]:

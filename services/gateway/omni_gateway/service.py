@@ -177,6 +177,30 @@ class PipelineClient:
         for name in sorted(set(params) - always - honoured):
             raise BadRequest(f"{name}: not honoured by this model's engine; leave it out", param=name)
 
+    def voices(self) -> frozenset[str] | None:
+        """The voices this pipeline speaks in: those every stage on the audio route that takes
+        a voice speaks in (none: it takes no voice); None while one has not declared its own."""
+        spoken: frozenset[str] | None = None
+        for stage in self.spec.needed_stages({OutputKind.AUDIO}):
+            if (own := self.table.declared(stage, "voices")) is None:
+                return None
+            if own:
+                spoken = own if spoken is None else spoken & own
+        return spoken or frozenset()
+
+    def refuse_unknown_voice(self, voice: str | None, param: str) -> None:
+        """A 400 listing the voices, for a voice this pipeline does not speak in; none while
+        they are not all declared (the stages refuse it themselves then)."""
+        if voice is None or (voices := self.voices()) is None:
+            return
+        if not voices:
+            raise BadRequest(f"{param}: this model's audio takes no voice; leave it out", param=param)
+        if voice not in voices:
+            raise BadRequest(
+                f"{param}: voice '{voice}' is not one of this model's voices: {', '.join(sorted(voices))}",
+                param=param,
+            )
+
     def _sources_declare(
         self, outputs: set[OutputKind], what: Literal["accepts", "honours"]
     ) -> frozenset[str] | None:
@@ -506,7 +530,7 @@ class PipelineClient:
         if m.kind == OutputKind.TEXT:
             if not (m.text or m.logprobs or m.tool_calls):
                 return []
-            return [TextDelta(m.text, m.logprobs or [], m.tool_calls or [])]
+            return [TextDelta(m.text, m.logprobs or [], m.tool_calls or [], m.usage)]
         if m.handle is None:
             return []
         conn = self.connectors.get(m.handle.connector)

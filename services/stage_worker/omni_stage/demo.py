@@ -24,6 +24,8 @@ HIDDEN: Final = 64
 CODEC_VOCAB: Final = 256
 SAMPLE_RATE: Final = 24000
 HOP: Final = 480
+VOICES: Final = ("alloy", "echo")
+"""The demo vocoder's voices (two of OpenAI's names, so OpenAI's examples run), its default first."""
 
 CHAT_TEMPLATE: Final = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -32,21 +34,30 @@ CHAT_TEMPLATE: Final = (
 
 
 class TinyVocoder(torch.nn.Module):
-    """Codec tokens [batch, n] -> waveforms [batch, n * hop] in [-1, 1]."""
+    """Codec tokens [batch, n] -> waveforms [batch, n * hop] in [-1, 1], in one of its voices
+    (a learned speaker embedding added to every frame, as multi-speaker vocoders condition)."""
 
     batched = True  # the torch engine stacks concurrent requests' windows into one call
 
     def __init__(
-        self, vocab: int = CODEC_VOCAB, dim: int = 32, hop: int = HOP, sample_rate: int = SAMPLE_RATE
+        self,
+        vocab: int = CODEC_VOCAB,
+        dim: int = 32,
+        hop: int = HOP,
+        sample_rate: int = SAMPLE_RATE,
+        voices: tuple[str, ...] = VOICES,
     ):
         super().__init__()
         self.sample_rate = sample_rate
+        self.voices = tuple(voices)
         self.embed = torch.nn.Embedding(vocab, dim)
+        self.speaker = torch.nn.Embedding(len(self.voices), dim)
         self.conv = torch.nn.Conv1d(dim, dim, kernel_size=3, padding=1)
         self.up = torch.nn.ConvTranspose1d(dim, 1, kernel_size=hop, stride=hop)
 
-    def forward(self, token_ids: torch.Tensor, speed: float = 1.0) -> torch.Tensor:
-        x = self.embed(token_ids.long()).transpose(1, 2)  # [batch, dim, n]
+    def forward(self, token_ids: torch.Tensor, speed: float = 1.0, voice: str = VOICES[0]) -> torch.Tensor:
+        x = self.embed(token_ids.long())  # [batch, n, dim]
+        x = (x + self.speaker.weight[self.voices.index(voice)]).transpose(1, 2)  # [batch, dim, n]
         if speed != 1.0:  # fewer or more frames, each still `hop` samples: faster speech, same pitch
             frames = max(1, round(x.shape[-1] / speed))
             x = torch.nn.functional.interpolate(x, size=frames, mode="linear", align_corners=False)
@@ -192,7 +203,9 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
     voc = TinyVocoder()
     paths["vocoder"].mkdir(parents=True, exist_ok=True)
     (paths["vocoder"] / "config.json").write_text(
-        json.dumps({"vocab": CODEC_VOCAB, "dim": 32, "hop": HOP, "sample_rate": SAMPLE_RATE})
+        json.dumps(
+            {"vocab": CODEC_VOCAB, "dim": 32, "hop": HOP, "sample_rate": SAMPLE_RATE, "voices": VOICES}
+        )
     )
     save_file(voc.state_dict(), str(paths["vocoder"] / "model.safetensors"))
 

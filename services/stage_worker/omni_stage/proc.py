@@ -337,6 +337,7 @@ class StageWorker:
             by_gateway=dict(collections.Counter(st.ctx.reply_to for st in self.requests.values())),
             accepts=sorted(self.engine.accepts),
             honours=sorted(self.engine.honours),
+            voices=list(self.engine.voices),
         )
         if self.nc is not None and self.nc.is_connected:
             with contextlib.suppress(Exception):
@@ -519,16 +520,13 @@ class StageWorker:
                         call = EngineCall(rid, inputs, ended, st.sampling, engine_state)
                         async for out in self.engine.generate(call):
                             if (s := seg.add(out)) is not None:
-                                await self._emit(st, s, windows, emitted, t0)
+                                await self._emit(st, s, windows, emitted, t0, _usage(engine_state, seg))
                         # Inputs read zero-copy pin their segments: let go before the next window.
                         del inputs, call
                 last = seg.finish()
-                usage = {
-                    "prompt_tokens": int(engine_state.get("prompt_tokens", 0)),
-                    "completion_tokens": seg.total_units,
-                }
+                usage = _usage(engine_state, seg)
                 finish = last.finish_reason or engine_state.get("finish_reason") or "stop"
-                await self._emit(st, last, windows, emitted, t0, (finish, usage))
+                await self._emit(st, last, windows, emitted, t0, usage, finish)
                 self.ledger.close(rid)
                 if self.spec.final_output is None and self.nc is not None:
                     done = StageDone(rid, self.spec.name, self.replica, usage)
@@ -631,7 +629,8 @@ class StageWorker:
         windows: dict[str, WindowState],
         emitted: _Emitted,
         t0: float,
-        ending: tuple[str, dict[str, int]] | None = None,
+        usage: dict[str, int],
+        finish: str | None = None,
     ) -> None:
         ctx = st.ctx
         now = time.monotonic()
@@ -663,12 +662,13 @@ class StageWorker:
                     self.subjects.stage_inbox(edge.consumer, ctx.route[edge.consumer]), pack(out)
                 )
         if self.spec.final_output is not None:
-            await self.nc.publish(ctx.reply_to, pack(self._final(ctx, seg, ending)))
+            await self.nc.publish(ctx.reply_to, pack(self._final(ctx, seg, usage, finish)))
 
     def _final(
-        self, ctx: RequestContext, seg: Segment, ending: tuple[str, dict[str, int]] | None
+        self, ctx: RequestContext, seg: Segment, usage: dict[str, int], finish: str | None
     ) -> FinalMsg:
-        """The client-facing message for a segment; the last one carries finish reason and usage."""
+        """The client-facing message for a segment, with the usage so far; the last one carries
+        the finish reason."""
         kind = self.spec.final_output
         assert kind is not None
         handle = None
@@ -678,7 +678,6 @@ class StageWorker:
                 self.spec.name, "gateway", ctx.request_id, seg.data, seq=seg.sequence
             )
             self.metrics.connector(self.final_connector.name, "put", nbytes, time.perf_counter() - t)
-        finish, usage = ending if ending is not None else (None, None)
         return FinalMsg(
             request_id=ctx.request_id,
             stage=self.spec.name,
@@ -712,6 +711,11 @@ class StageWorker:
     def _wake_drain(self) -> None:
         if self.core.draining and not self.core.has_work():
             self._drained.set()
+
+
+def _usage(engine_state: dict[str, Any], seg: Segmenter) -> dict[str, int]:
+    """What a request has read and made so far (the engine counts its prompt)."""
+    return {"prompt_tokens": int(engine_state.get("prompt_tokens", 0)), "completion_tokens": seg.total_units}
 
 
 class EngineDead(EngineError):

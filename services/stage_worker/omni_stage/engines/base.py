@@ -59,6 +59,10 @@ class Engine(ABC):
     """OpenAI's optional sampling fields this engine honours as a source stage (`temperature`,
     `logprobs`, ...; max_tokens every engine does), announced in the replica's heartbeat: a
     gateway refuses a request that sets any other (a 400 naming it) before anything runs."""
+    voices: tuple[str, ...] = ()
+    """The voices this engine speaks in, its default first (set once it has loaded), announced
+    in the replica's heartbeat: a gateway lists them and refuses any other voice (a 400 that
+    lists them). Empty: the engine takes no voice."""
     needs_last_call: bool = False
     """This engine holds work back until it is told its inputs have ended (a talker still to
     speak past the reply, a vocoder waiting for right context): it is called on the request's
@@ -96,6 +100,15 @@ class Engine(ABC):
 
     async def close(self) -> None:
         """Free what `start` took."""
+
+    def voice(self, sampling: dict[str, Any]) -> str:
+        """The request's voice (its default when it names none); one this engine does not speak
+        in is refused, naming those it does."""
+        name = str(sampling.get("voice") or self.voices[0])
+        if name not in self.voices:
+            voices = ", ".join(self.voices)
+            raise InvalidRequest(f"voice '{name}' is not one of this model's voices: {voices}")
+        return name
 
 
 class ComputeEngine(Engine):

@@ -46,7 +46,7 @@ from typing import Any, Final
 import torch
 
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import ComputeEngine, Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.base import ComputeEngine, Engine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompts import check_context
@@ -61,10 +61,6 @@ DEFAULT_VOICE: Final = "Chelsie"
 REPETITION_PENALTY: Final = 1.05  # Qwen2_5OmniForConditionalGeneration.generate's talker default
 TALKER_MAX_CODES: Final = 4096  # its talker_max_new_tokens
 _DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def voice_name(sampling: dict[str, Any]) -> str:
-    return str(sampling.get("voice") or DEFAULT_VOICE)
 
 
 def build_qwen_omni_engine(stage: StageSpec) -> Engine:
@@ -87,7 +83,8 @@ class _Part(ComputeEngine):
         self.path = str(stage.engine.model)
         self.model: Any = None
         self.config: Any = None
-        self.voices: dict[str, dict[str, Any]] = {}
+        self.speakers: dict[str, dict[str, Any]] = {}
+        """Each voice's conditioning, from the checkpoint's speaker file."""
 
     async def start(self) -> None:
         await self._run(self._load)
@@ -115,20 +112,19 @@ class _Part(ComputeEngine):
             .eval()
         )
         spk = Path(self.path, "spk_dict.pt")
-        if spk.exists():  # a file of the checkpoint, loaded as transformers loads it
-            self.voices = torch.load(spk, weights_only=True)
+        if spk.exists() and self.part != "thinker":  # a file of the checkpoint, loaded as transformers does
+            self.speakers = torch.load(spk, weights_only=True)
+            self.voices = tuple(sorted(self.speakers, key=lambda name: name != DEFAULT_VOICE))
 
     @abstractmethod
     def _part_class(self) -> tuple[Any, Any]:
         """The transformers class of this part and its sub-config."""
 
-    def voice(self, sampling: dict[str, Any]) -> dict[str, Any]:
-        name = voice_name(sampling)
-        if name not in self.voices:
-            raise InvalidRequest(
-                f"voice '{name}' is not one of this model's voices: {', '.join(self.voices)}"
-            )
-        return self.voices[name]
+    def speaker(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        """The conditioning of the request's voice."""
+        if not self.voices:
+            raise EngineError(f"stage '{self.stage.name}': {self.path} has no speaker file (spk_dict.pt)")
+        return self.speakers[self.voice(sampling)]
 
 
 class Thinker(_Part):
@@ -170,8 +166,6 @@ class Thinker(_Part):
         request = call.inputs.get("request")
         if request is None:
             raise EngineError(f"stage '{self.stage.name}': the thinker reads the client request")
-        if "audio" in request.get("modalities", []):
-            self.voice({"voice": request.get("voice"), **call.sampling})  # refuse before any work
         assert self.prompts is not None
         prompt = await self._run(self.prompts.build, request)
         ids = prompt.ids
@@ -336,7 +330,7 @@ class Talker(_Part):
                 # window brings it, or, if the reply was one token long, there is nothing to
                 # speak (the reference's generate fails on that; a server answers text only).
                 return
-            voice = self.voice(call.sampling)
+            voice = self.speaker(call.sampling)
             code = await self._run(self._prefill, st, voice)
             st["codes"] = 0
         else:
@@ -493,10 +487,10 @@ class Token2Wav(_Part):
             if not call.is_last and (self.chunk <= 0 or end + self.right > len(codes)):
                 return  # wait for the rest, or for this chunk's right context
             piece = self._piece(
-                st, codes, done, end, self.voice(call.sampling), int(call.sampling.get("seed", 0) or 0)
+                st, codes, done, end, self.speaker(call.sampling), int(call.sampling.get("seed", 0) or 0)
             )
             # Pieces of the same length and voice, from any requests, stack into one decode.
-            wav = await self.batcher.submit((piece.codes.shape[0], voice_name(call.sampling)), piece)
+            wav = await self.batcher.submit((piece.codes.shape[0], self.voice(call.sampling)), piece)
             yield EngineOutput(units=end - done, data={"audio": wav, "sample_rate": self.sample_rate})
             done = st["done"] = end
 

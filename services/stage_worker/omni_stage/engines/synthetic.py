@@ -12,6 +12,8 @@ Arguments (`engine.args`):
                     step never returns (a stuck forward, for stepTimeoutSeconds)
   accepts           the content part kinds it declares it reads (default: text, image, audio,
                     video: it stands in for any model, and reads only the text)
+  voices            the voices an audio stage speaks in, its default first (default: alloy,
+                    echo); each gives other samples
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class SyntheticEngine(Engine):
         self._step_numbers = itertools.count()
         self.audio = stage.final_output is OutputKind.AUDIO
         self.accepts = frozenset(a.get("accepts", ("text", "image", "audio", "video")))
+        if self.audio:
+            self.voices = tuple(a.get("voices", ("alloy", "echo")))
+            self.request_keys = frozenset({"voice"})
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         text = _request_text(call.inputs)
@@ -68,6 +73,7 @@ class SyntheticEngine(Engine):
             n_in = sum(_units(p) for p in call.inputs.values())
             n = math.ceil(n_in * self.ratio)
         seed = call.state.setdefault("seed", _seed(call.inputs, text))
+        voice = self.voices.index(self.voice(call.sampling)) if self.voices else 0
         start = call.state.get("emitted", 0)
         if self.s_per_call:
             await self._step(asyncio.sleep(self.s_per_call))
@@ -80,7 +86,7 @@ class SyntheticEngine(Engine):
                 data["hidden_states"] = torch.full((1, self.hidden), float(tok % 7), dtype=torch.float32)
             if self.audio:  # for audio, a unit is one sample
                 data = {
-                    "audio": torch.full((self.samples,), (tok % 100) / 100.0),
+                    "audio": torch.full((self.samples,), ((tok + 37 * voice) % 100) / 100.0),
                     "sample_rate": self.sample_rate,
                 }
                 yield EngineOutput(units=self.samples, data=data)

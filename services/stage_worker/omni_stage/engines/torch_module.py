@@ -7,7 +7,9 @@ stage's final output is audio, else under `outputKey` (default `tensor`). For au
 a sample; otherwise a unit is a row of the output.
 
 A request's `speed` (text to speech) is passed on as `module(..., speed=x)` to a module whose
-`forward` takes it; asked of one that does not, the request is refused.
+`forward` takes it; asked of one that does not, the request is refused. A module with `voices`
+(names, its default first) speaks in them: it is called as `module(..., voice=name)`, and any
+other voice is refused.
 
 A module that sets `batched = True` takes every input with a leading batch dimension and
 returns one output row per batch item. The engine then runs concurrent requests' inputs of
@@ -47,7 +49,7 @@ class _Call:
 
 
 class TorchModuleEngine(ComputeEngine):
-    request_keys = frozenset({"speed"})
+    request_keys = frozenset({"speed", "voice"})
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -76,6 +78,7 @@ class TorchModuleEngine(ComputeEngine):
         self.module = module.to(self.device).eval()
         self.takes_speed = "speed" in inspect.signature(module.forward).parameters
         self.batched = getattr(module, "batched", False) is True
+        self.voices = tuple(getattr(module, "voices", ()))
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         payload = concat(list(call.inputs.values()))
@@ -87,6 +90,8 @@ class TorchModuleEngine(ComputeEngine):
             if not self.takes_speed:
                 raise InvalidRequest("speed: this pipeline's audio cannot be made faster or slower")
             options["speed"] = float(speed)
+        if self.voices:
+            options["voice"] = self.voice(call.sampling)
         c = _Call(tensors, options)
         out = await self.batcher.submit(c.shape_key() if self.batched else object(), c)
         data: dict[str, Any] = {self.output_key: out}
