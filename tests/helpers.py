@@ -63,8 +63,8 @@ REFUSED_CHAT: list[tuple[dict[str, Any], str, str]] = [
     ({"functions": [{"name": "f"}]}, "functions", "not served by this server"),
     ({"function_call": "auto"}, "function_call", "not served by this server"),
     (
-        {"stream_options": {"continuous_usage_stats": True}},
-        "stream_options.continuous_usage_stats",
+        {"stream_options": {"include_continuous_usage": True}},  # vLLM's is continuous_usage_stats
+        "stream_options.include_continuous_usage",
         "unrecognized",
     ),
 ]
@@ -104,6 +104,21 @@ def sse_data(body: str) -> list[Any]:
         for line in body.splitlines()
         if line.startswith("data: ") and line != "data: [DONE]"
     ]
+
+
+def vllm_omni_client(
+    base: str, model: str, requests: int, max_tokens: int, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """bench.vllm_omni's run of vLLM-Omni's own benchmark client; skips the test where its
+    virtualenv was not built (`make test` builds it)."""
+    import pytest
+
+    from bench.vllm_omni import VLLM_OMNI_PYTHON
+    from bench.vllm_omni import vllm_omni_client as run
+
+    if not VLLM_OMNI_PYTHON.exists():
+        pytest.skip(f"{VLLM_OMNI_PYTHON} is missing: `make vllm-omni-venv` (or `make test`) builds it")
+    return run(base, model, requests, max_tokens, extra)
 
 
 def decode_wav(data: str) -> tuple[np.ndarray, int]:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import signal
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from tests.helpers import (
     served,
     served_example,
     sse_data,
+    vllm_omni_client,
     wait_for,
 )
 from tests.openai_schema import violations
@@ -103,6 +105,7 @@ def test_streaming_text_and_audio_chunks(demo: str) -> None:
             continue
         delta = chunk.choices[0].delta
         if (a := audio_delta(chunk)) is not None:
+            assert (chunk.model_extra or {})["modality"] == "audio"
             kinds.append("audio")
             audio += base64.b64decode(a["data"])
         elif delta.content:
@@ -114,6 +117,119 @@ def test_streaming_text_and_audio_chunks(demo: str) -> None:
     assert kinds[-1] == "usage"
     samples, sr = sf.read(io.BytesIO(audio))  # the chunks form one playable WAV
     assert sr == 24000 and len(samples) == 32 * 4 * 480
+
+
+def _stream(demo: str, **body: Any) -> list[dict[str, Any]]:
+    chat = {
+        "model": "tiny-omni",
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "modalities": ["text", "audio"],
+        "max_tokens": 8,
+        "temperature": 0,
+        "stream": True,
+        **body,
+    }
+    r = httpx.post(f"{demo}/v1/chat/completions", json=chat, timeout=120)
+    assert r.status_code == 200, r.text
+    return sse_data(r.text)
+
+
+def _text(chunks: list[dict[str, Any]]) -> str:
+    return "".join(
+        c["choices"][0]["delta"].get("content") or ""
+        for c in chunks
+        if c["modality"] == "text" and c["choices"]
+    )
+
+
+def test_vllm_omni_stream_shape_and_continuous_usage(demo: str) -> None:
+    """A request for audio that names no `audio` (as vLLM-Omni's clients send it) is streamed as
+    vLLM-Omni streams: every chunk tagged with its `modality`, each audio chunk a whole WAV file
+    in `delta.content`, in the default voice. The same reply as OpenAI's shape (PCM16 in
+    `delta.audio`), text and samples alike. With continuous_usage_stats every chunk carries the
+    usage so far. Read raw here; the next tests read it with vLLM-Omni's own
+    client."""
+    usage = {"include_usage": True, "continuous_usage_stats": True}
+    omni = _stream(demo, stream_options=usage)
+    openai_shape = _stream(demo, audio={"voice": "alloy", "format": "pcm16"})
+    assert {c["modality"] for c in omni} == {"text", "audio"} == {c["modality"] for c in openai_shape}
+    assert _text(omni) == _text(openai_shape) and _text(omni)
+
+    audio = [c for c in omni if c["modality"] == "audio" and c["choices"][0]["delta"]]  # not the finish
+    wavs = [base64.b64decode(c["choices"][0]["delta"]["content"]) for c in audio]
+    assert len(wavs) >= 2 and all("audio" not in c["choices"][0]["delta"] for c in omni if c["choices"])
+    pcm = b""
+    for data in wavs:  # each chunk is a file of its own, as vLLM-Omni's benchmark reads them
+        with wave.open(io.BytesIO(data)) as w:
+            assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+            pcm += w.readframes(w.getnframes())
+    deltas = [
+        c["choices"][0]["delta"]["audio"]
+        for c in openai_shape
+        if c["choices"] and "audio" in c["choices"][0]["delta"]
+    ]
+    assert pcm == b"".join(base64.b64decode(a["data"]) for a in deltas) and len(pcm) == 2 * 8 * 4 * 480
+
+    assert all("usage" in c for c in omni) and all("usage" not in c for c in openai_shape)
+    done = [c["usage"]["completion_tokens"] for c in omni]
+    assert done == sorted(done) and done[-1] == 8 and done[0] == 0  # the role chunk: none yet
+    text_chunks = [
+        c
+        for c in omni
+        if c["modality"] == "text" and c["choices"] and c["choices"][0]["delta"].get("content")
+    ]
+    assert [c["usage"]["completion_tokens"] for c in text_chunks] == [4, 8]  # the thinker's segments of 4
+    prompt = omni[-1]["usage"]["prompt_tokens"]
+    assert prompt > 0 and all(c["usage"]["prompt_tokens"] == prompt for c in text_chunks)
+    assert omni[-1]["choices"] == [] and omni[-1]["usage"]["total_tokens"] == prompt + 8
+
+
+def test_vllm_omni_shape_through_the_openai_client(demo: str) -> None:
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+    stream = client.chat.completions.create(
+        model="tiny-omni",
+        messages=[{"role": "user", "content": "Tell me a story"}],
+        modalities=["text", "audio"],
+        max_tokens=8,
+        stream=True,
+    )
+    audio = 0
+    for chunk in stream:
+        modality = (chunk.model_extra or {})["modality"]
+        if modality == "audio" and chunk.choices[0].delta.content:  # the finish chunk has none
+            with wave.open(io.BytesIO(base64.b64decode(chunk.choices[0].delta.content or ""))) as w:
+                audio += w.getnframes()
+    assert audio == 8 * 4 * 480
+
+
+def test_vllm_omni_benchmark_client_measures_text_and_audio(demo: str) -> None:
+    """vLLM-Omni's own benchmark request function (`vllm bench serve --omni --backend
+    openai-chat-omni`) reads our stream: time to first token, audio time to first packet and
+    audio real-time factor, all of the audio, no warning. Sent OpenAI's shape instead (a
+    request naming `audio`), it cannot parse the audio chunks, which is why both shapes exist."""
+    omni = vllm_omni_client(demo, "tiny-omni", 3, 16)
+    assert omni["warnings"] == [], omni["warnings"]
+    for r in omni["requests"]:
+        assert r["success"] and r["generated_text"] and r["output_tokens"] == 16, r
+        assert r["ttft"] > 0 and r["audio_ttfp"] > 0 and r["audio_rtf"] > 0, r
+        assert r["audio_duration"] == 16 * 4 * 480 / 24000, r
+    openai_shape = vllm_omni_client(demo, "tiny-omni", 1, 16, {"audio": {"voice": "alloy", "format": "wav"}})
+    assert any("Failed to parse wav audio chunk" in w for w in openai_shape["warnings"]), openai_shape
+
+
+def test_voices_are_listed_and_honoured(demo: str) -> None:
+    r = httpx.get(f"{demo}/v1/audio/voices")
+    assert r.status_code == 200 and r.json() == {"voices": ["alloy", "echo"], "uploaded_voices": []}
+    speech = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused").audio.speech
+    alloy = speech.create(model="tiny-omni", input="Hello there", voice="alloy", response_format="pcm")
+    echo = speech.create(model="tiny-omni", input="Hello there", voice="echo", response_format="pcm")
+    default = httpx.post(
+        f"{demo}/v1/audio/speech",
+        json={"model": "tiny-omni", "input": "Hello there", "response_format": "pcm"},
+        timeout=60,
+    )
+    assert len(alloy.content) == len(echo.content) == 2 * SPOKEN and alloy.content != echo.content
+    assert default.content == alloy.content  # the vocoder's default: its first voice
 
 
 def test_text_only_and_models(demo: str) -> None:
@@ -348,9 +464,9 @@ def test_chat_refusals(demo: str, body: dict[str, object], param: str, says: str
         ({"response_format": "mp3"}, "response_format", "use wav or pcm"),
         ({"speed": 5}, "speed", "less than or equal to 4"),
         ({"input": ""}, "input", "at least 1 character"),
-        ({"voice": None}, "voice", ""),
+        ({"voice": "nobody"}, "voice", "voice 'nobody' is not one of this model's voices: alloy, echo"),
     ],
-    ids=["instructions", "mp3", "too-fast", "nothing-to-say", "no-voice"],
+    ids=["instructions", "mp3", "too-fast", "nothing-to-say", "unknown-voice"],
 )
 def test_speech_refusals(demo: str, body: dict[str, object], param: str, says: str) -> None:
     request = {"model": "tiny-omni", "input": "x", "voice": "alloy", **body}
@@ -358,6 +474,21 @@ def test_speech_refusals(demo: str, body: dict[str, object], param: str, says: s
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and says in err["message"], err
+
+
+def test_an_unknown_voice_is_refused_naming_the_voices(demo: str) -> None:
+    """Before anything runs: the gateway knows the voices from the vocoder's heartbeats."""
+    chat = {
+        "model": "tiny-omni",
+        "messages": [{"role": "user", "content": "hi"}],
+        "modalities": ["text", "audio"],
+        "audio": {"voice": "nobody", "format": "wav"},
+    }
+    r = httpx.post(f"{demo}/v1/chat/completions", json=chat, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "audio.voice", err
+    assert "voice 'nobody' is not one of this model's voices: alloy, echo" in err["message"], err
 
 
 def test_an_audio_pipeline_refuses_images(demo: str) -> None:
@@ -470,9 +601,10 @@ def test_speech_streams_as_the_vocoder_produces(tmp_path: Path) -> None:
                 "model": "tiny-omni",
                 "messages": [{"role": "user", "content": "x"}],
                 "modalities": ["text", "audio"],
+                "audio": {"voice": "nobody", "format": "wav"},
             },
             400,
-            None,
+            "audio.voice",
         ),
         ({"model": "gpt-9", "messages": [{"role": "user", "content": "x"}]}, 404, "model"),
     ],
@@ -481,7 +613,7 @@ def test_speech_streams_as_the_vocoder_produces(tmp_path: Path) -> None:
         "unknown-modality",
         "wrong-type",
         "wrong-type-max-tokens",
-        "audio-without-params",
+        "unknown-voice",
         "unknown-model",
     ],
 )

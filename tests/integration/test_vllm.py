@@ -26,7 +26,16 @@ from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_en
 from omni_stage.engines.prompts import prompt_token_ids
 from omni_stage.engines.vllm import VllmEngine
 from omni_stage.segments import EngineOutput
-from tests.helpers import REFUSED_CHAT, ROOT, OmniProcess, decode_wav, group_alive, sse_data, wait_for
+from tests.helpers import (
+    REFUSED_CHAT,
+    ROOT,
+    OmniProcess,
+    decode_wav,
+    group_alive,
+    sse_data,
+    vllm_omni_client,
+    wait_for,
+)
 from tests.openai_schema import violations
 
 T = TypeVar("T")
@@ -296,6 +305,12 @@ def test_example_pipeline_answers_the_openai_client(demo_dir: Path, tmp_path: Pa
             r = httpx.post(url, json={**body, **extra}, timeout=60)
             assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
             assert says in r.json()["error"]["message"]
+        # vLLM-Omni's own benchmark client measures the vLLM thinker's pipeline as it would its own.
+        bench = vllm_omni_client(f"http://127.0.0.1:{port}", "tiny-voice-vllm", 2, 8)
+        assert bench["warnings"] == [], bench["warnings"]
+        for got in bench["requests"]:
+            assert got["success"] and got["ttft"] > 0 and got["audio_ttfp"] > 0 and got["audio_rtf"] > 0, got
+            assert got["audio_duration"] == 8 * 4 * 480 / 24000, got
 
         # vLLM's engine core process dies (as on a GPU fault): the thinker's replica sees it at
         # its next heartbeat, fails what it holds, and exits; the supervisor starts it afresh.
