@@ -104,6 +104,8 @@ class Engine(ABC):
     def voice(self, sampling: dict[str, Any]) -> str:
         """The request's voice (its default when it names none); one this engine does not speak
         in is refused, naming those it does."""
+        if not self.voices:
+            raise EngineError(f"stage '{self.stage.name}': this engine takes no voice")
         name = str(sampling.get("voice") or self.voices[0])
         if name not in self.voices:
             voices = ", ".join(self.voices)
