@@ -19,16 +19,15 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import json
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import yaml
 
 from bench.common import bars, figure, machine, median, parser, report, rounds, save
 from bench.load import chat
+from bench.omni_stream import streamed
 from bench.procs import demo_models, served
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,21 +87,8 @@ async def ttfa(base: str) -> float:
         modalities=["text", "audio"],
         audio={"voice": "alloy", "format": "pcm16"},
     )
-    first: float | None = None
-    async with httpx.AsyncClient(base_url=f"{base}/v1", timeout=120) as client:
-        t = time.perf_counter()
-        async with client.stream("POST", "/chat/completions", json=body) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"gateway answered {r.status_code}: {(await r.aread())[:500]!r}")
-            async for line in r.aiter_lines():
-                if first is not None or not line.startswith("data: {"):
-                    continue
-                choices = json.loads(line[6:]).get("choices") or [{}]
-                if (choices[0].get("delta") or {}).get("audio"):
-                    first = time.perf_counter() - t
-    if first is None:
-        raise RuntimeError("the response carried no audio")
-    return first
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        return (await streamed(session, base, body))["audio_ttfp"]
 
 
 async def ttfas(base: str, rounds: int) -> list[float]:
