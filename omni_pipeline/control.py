@@ -52,6 +52,9 @@ DEADLINE_EXCEEDED: Final = "timeout"
 gateway's own timer is."""
 CONNECTOR_ERROR: Final = "connector_error"
 """ErrorMsg code: a payload could not be stored or fetched (the message names the connector)."""
+SLEEPING: Final = "sleeping"
+"""ErrorMsg and Admitted code: the replica was put to sleep (POST /v1/omni/sleep, or its stage's
+`paused`); answered 503 until it wakes."""
 PAYLOAD_GONE: Final = "payload_gone"
 """ErrorMsg code: an input's payload no longer existed. Usually the echo of its producer's
 failure (which freed it), so the gateway waits a moment for that root cause."""
@@ -75,6 +78,7 @@ class Subjects:
         self.base = f"omni.{pipeline}"
         self.abort = f"{self.base}.abort"
         self.heartbeat = f"{self.base}.heartbeat"
+        self.control = f"{self.base}.control"
 
     def stage_inbox(self, stage: str, replica: str) -> str:
         if not (_TOKEN.match(stage) and _TOKEN.match(replica)):
@@ -254,9 +258,55 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     voices: list[str] | None = None
     """The voices its engine speaks in (none: it takes no voice), for the gateway to list and to
     refuse others before any work; None: not declared."""
+    asleep: int | None = None
+    """The sleep level it is at (or going to), None while awake: gateways route around it and
+    answer 503 for the requests that need it."""
+    max_sleep_level: int | None = None
+    """The deepest sleep its engine can do (see SleepMsg); None: it cannot be put to sleep."""
     ts: float = msgspec.field(default_factory=time.time)
 
 
+SLEEP_MODES: Final = ("abort", "wait")
+
+
+class SleepMsg(msgspec.Struct, tag="sleep", frozen=True):
+    """Broadcast on the control subject: every replica of `stages` stops admitting, ends what it
+    holds (`mode`: `abort` fails it, `wait` lets it finish) and frees its engine's memory by
+    `level`, as vLLM's sleep levels: 0 frees nothing, 1 moves the weights off the accelerator
+    into host memory, 2 drops them (waking loads them again). Each answers a SleepAck once
+    asleep, to the message's reply subject."""
+
+    stages: list[str]
+    level: int
+    mode: str
+
+
+class WakeMsg(msgspec.Struct, tag="wake", frozen=True):
+    """Broadcast on the control subject: every sleeping replica of `stages` restores what its
+    sleep freed and admits again; each answers a SleepAck."""
+
+    stages: list[str]
+
+
+class SleepAck(msgspec.Struct, tag="sleep_ack", frozen=True):
+    """A replica's answer to a SleepMsg or WakeMsg, once done (or failed: `ok` false)."""
+
+    stage: str
+    replica: str
+    instance: str
+    ok: bool
+    asleep: int | None
+    """Its sleep level now; None: awake."""
+    seconds: float
+    freed_bytes: int = 0
+    """Weight bytes the sleep took off the engine's device (0 for a wake)."""
+    rss_bytes_before: int = 0
+    rss_bytes_after: int = 0
+    """The process's resident memory before and after."""
+    message: str = ""
+
+
+ControlInbound = SleepMsg | WakeMsg
 StageInbound = StageRequest | SegmentMsg | CreditMsg
 GatewayInbound = FinalMsg | ErrorMsg | StageDone
 

@@ -26,7 +26,7 @@ def nats_subscriptions(nc: NatsClient | None) -> int:
 
 class ResourceGauges:
     def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
-        ProcessCollector(registry=registry)
+        self.process = ProcessCollector(registry=registry)
 
         def gauge(name: str, doc: str) -> Gauge:
             g = Gauge(name, doc, labels.keys(), registry=registry)
@@ -45,6 +45,13 @@ class ResourceGauges:
             "omni_connector_pool_bytes",
             "Memory connectors keep warm for reuse: shm segments this process owns, idle mooncake buffers",
         )
+
+    def resident_bytes(self) -> int:
+        """The process's resident memory now (0 where the platform does not tell)."""
+        for family in self.process.collect():
+            if family.name == "process_resident_memory_bytes":
+                return int(family.samples[0].value)
+        return 0
 
     def refresh(self, nc: NatsClient | None, connectors: Iterable[OmniConnector]) -> None:
         """Call on the event loop's thread."""

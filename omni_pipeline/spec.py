@@ -198,6 +198,12 @@ class StageSpec(_Model):
         "it fails what it holds (gateways run those requests elsewhere) and exits, to be restarted. "
         "Unset: no limit (vLLM engines: their engine process's death is watched instead).",
     )
+    paused: bool = Field(
+        default=False,
+        description="Put this stage's replicas to sleep (they finish what they hold, then free their "
+        "engine's memory as deeply as it can: POST /v1/omni/sleep's level 2) until set false again. Running "
+        "replicas follow it without a restart; new ones start asleep.",
+    )
 
 
 class ConnectorSpec(_Model):

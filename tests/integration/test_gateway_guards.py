@@ -40,6 +40,13 @@ def test_api_keys(gateway: str) -> None:
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert r.headers["x-request-id"]
     assert httpx.get(f"{gateway}/health").status_code == 200  # probes need no key
+    for path in ("sleep", "wakeup"):  # the control endpoints too, whatever the body
+        r = httpx.post(f"{gateway}/v1/omni/{path}", json={"stage_ids": ["echo"]})
+        assert r.status_code == 401, r.text
+    keyed = {"Authorization": f"Bearer {KEYS[1]}"}
+    for path in ("sleep", "wakeup"):
+        r = httpx.post(f"{gateway}/v1/omni/{path}", json={"stage_ids": ["echo"]}, headers=keyed, timeout=30)
+        assert r.status_code == 200 and r.json()["status"] == "SUCCESS", r.text
     assert "omni_gateway_requests_total" in httpx.get(f"{gateway}/metrics").text
     assert 'status="401"' in httpx.get(f"{gateway}/metrics").text
 

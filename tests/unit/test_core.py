@@ -35,6 +35,17 @@ def test_draining_refuses_new_work() -> None:
     assert core.admit("a") is Admission.REJECT_DRAINING
 
 
+def test_a_sleeping_core_refuses_new_work_and_keeps_what_it_holds() -> None:
+    core = StageCore(1, 1)
+    assert core.admit("a") is Admission.RUN
+    core.sleeping = True
+    assert core.admit("b") is Admission.REJECT_SLEEPING and core.is_aborted("b")
+    assert core.known("a") and core.has_work()  # the replica decides to finish or abort it
+    assert core.release("a") == [] and not core.has_work()
+    core.sleeping = False
+    assert core.admit("c") is Admission.RUN
+
+
 def test_aborted_memory_is_bounded() -> None:
     core = StageCore(1, 0)
     for i in range(ABORTED_MEMORY + 10):

@@ -309,6 +309,42 @@ def test_vocoder_turns_codes_into_samples(models: Path) -> None:
     assert audio.shape == (25 * 480,) and audio.abs().max() <= 1.0
 
 
+def _call(stage: str) -> EngineCall:
+    if stage == "thinker":
+        messages = [{"role": "user", "content": "Sleep well"}]
+        return EngineCall("r", {"request": {"messages": messages}}, True, {"max_tokens": 8})
+    return EngineCall("r", {"talker": {"token_ids": torch.arange(25)}}, True, {})
+
+
+@pytest.mark.parametrize("level", [1, 2])
+@pytest.mark.parametrize("stage", ["thinker", "vocoder"])
+def test_sleep_frees_the_weights_and_the_woken_engine_computes_the_same(
+    models: Path, stage: str, level: int
+) -> None:
+    """Level 2 drops the weights (none held; waking loads them from the model's files again);
+    level 1 moves them to host memory, where on the CPU they already are. Either way the woken
+    engine's output equals its output before."""
+    engine = engine_for(stage, models)
+
+    async def go() -> tuple[
+        list[EngineOutput], dict[str, int], dict[str, int], list[EngineOutput], dict[str, int]
+    ]:
+        await engine.start()
+        before = [o async for o in engine.generate(_call(stage))]
+        held = engine.weight_bytes()
+        await engine.sleep(level)
+        asleep = engine.weight_bytes()
+        await engine.wake_up(level)
+        after = [o async for o in engine.generate(_call(stage))]
+        return before, held, asleep, after, engine.weight_bytes()
+
+    before, held, asleep, after, woken = asyncio.run(go())
+    assert held["cpu"] > 0 and woken == held
+    assert asleep == ({} if level == 2 else held)
+    key = "token_ids" if stage == "thinker" else "audio"
+    assert [o.data[key].tolist() for o in after] == [o.data[key].tolist() for o in before]
+
+
 def test_a_batched_module_runs_concurrent_windows_of_one_shape_as_one_call(models: Path) -> None:
     """Four vocoder windows of 25 codes (one at speed 2) and one of 10, on one replica at once:
     the three of one shape and speed that queued behind the first go as one call, the others

@@ -20,6 +20,7 @@ def beat(
     ours: int = 0,
     draining: bool = False,
     stopping: bool = False,
+    asleep: int | None = None,
 ) -> Heartbeat:
     return Heartbeat(
         stage="s",
@@ -35,6 +36,8 @@ def beat(
         stopping=stopping,
         interval_s=1.0,
         by_gateway={OURS: ours} if ours else {},
+        asleep=asleep,
+        max_sleep_level=2,
     )
 
 
@@ -174,3 +177,28 @@ def test_a_stage_is_sick_when_every_replica_up_says_it_is_unhealthy() -> None:
     assert t.sick("s")
     t.update(beat(), 1.0)  # its next beat: healthy again
     assert not t.sick("s")
+
+
+def test_a_sleeping_stage_is_a_503_at_once_and_still_covered() -> None:
+    """Asleep is not gone: the gateway stays ready (other outputs still serve) and a request
+    needing the stage is answered 503 with Retry-After, naming how to wake it; awake again, it
+    serves."""
+    t = ReplicaTable(OURS)
+    t.update(beat(asleep=2), 0.0)
+    assert t.asleep("s") and t.covers(["s"])
+    with pytest.raises(Unavailable, match="stage 's' is asleep; POST /v1/omni/wakeup") as info:
+        t.pick("s")
+    assert info.value.code == "stage_asleep" and int(info.value.headers["Retry-After"]) > 0
+    assert [r.hb.instance for r in t.up(["s"])] == ["i1"]  # what a wake is sent to
+    t.update(beat(), 0.5)
+    assert not t.asleep("s") and t.pick("s").hb.instance == "i1"
+
+
+def test_a_replica_that_refuses_for_sleep_is_believed_until_its_next_beat() -> None:
+    t = ReplicaTable(OURS)
+    t.update(beat(), 0.0)
+    t.refused("s", "i1", Admitted(False, "sleeping", "stage 's' replica 0 is asleep (level 1)"))
+    with pytest.raises(Unavailable, match="asleep"):
+        t.pick("s")
+    t.update(beat(), 0.5)
+    assert t.pick("s").hb.instance == "i1"

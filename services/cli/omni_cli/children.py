@@ -13,7 +13,7 @@ def stage_child(
 ) -> None:
     from omni_stage.proc import run_stage
 
-    run_stage(ready, load_pipeline(path), stage, replica, nats_url)
+    run_stage(ready, load_pipeline(path), stage, replica, nats_url, pipeline_path=path)
 
 
 def gateway_child(

@@ -57,6 +57,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
         url,
         a.metrics_host,
         a.metrics_port,
+        a.pipeline,
     )
     return 0
 

@@ -67,6 +67,14 @@ class Unavailable(OmniError):
     code = "stage_unavailable"
 
 
+class Unsupported(OmniError):
+    """The pipeline cannot do what was asked (a sleep deeper than a stage's engine can do)."""
+
+    status = 501
+    type = "server_error"
+    code = "not_implemented"
+
+
 class StageFailed(OmniError):
     """A stage failed this request (its message says which and why)."""
 

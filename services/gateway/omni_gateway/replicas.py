@@ -17,8 +17,10 @@ from typing import Any, Final, Literal
 import msgspec
 
 from omni_gateway.errors import Overloaded, Unavailable
-from omni_pipeline.control import HEARTBEAT_MISSES, Admitted, Heartbeat
+from omni_pipeline.control import HEARTBEAT_MISSES, SLEEPING, Admitted, Heartbeat
 
+ASLEEP_RETRY_AFTER_S: Final = 10
+"""Retry-After of a 503 for a stage that was put to sleep: it stays so until someone wakes it."""
 RETIRED_KEPT: Final = 4096
 """Retired instance ids remembered (their late beats are ignored); the oldest are forgotten."""
 
@@ -41,8 +43,12 @@ class Replica:
 
     @property
     def serving(self) -> bool:
-        """Takes new requests: neither draining nor, by its own word, unhealthy."""
-        return not (self.hb.draining or self.hb.unhealthy)
+        """Takes new requests: neither draining, asleep nor, by its own word, unhealthy."""
+        return not (self.hb.draining or self.hb.unhealthy or self.asleep)
+
+    @property
+    def asleep(self) -> bool:
+        return self.hb.asleep is not None
 
     @property
     def room(self) -> bool:
@@ -111,6 +117,12 @@ class ReplicaTable:
     def pick(self, stage: str) -> Replica:
         known = self._by_stage.get(stage, {}).values()
         live = [r for r in known if r.serving]
+        if not live and self.asleep(stage):
+            raise Unavailable(
+                f"stage '{stage}' is asleep; POST /v1/omni/wakeup wakes it",
+                code="stage_asleep",
+                headers={"Retry-After": str(ASLEEP_RETRY_AFTER_S)},
+            )
         if not live:
             sick = sorted({r.hb.unhealthy for r in known if r.hb.unhealthy and not r.hb.draining})
             why = f" (unhealthy: {'; '.join(sick)})" if sick else ""
@@ -127,8 +139,18 @@ class ReplicaTable:
         up = [r for r in self._by_stage.get(stage, {}).values() if not r.hb.draining]
         return bool(up) and all(r.hb.unhealthy for r in up)
 
+    def asleep(self, stage: str) -> bool:
+        """Every replica of `stage` that is not draining was put to sleep (and one was)."""
+        up = [r for r in self._by_stage.get(stage, {}).values() if not r.hb.draining]
+        return bool(up) and all(r.asleep for r in up)
+
     def covers(self, stages: list[str]) -> bool:
-        return all(any(r.serving for r in self._by_stage.get(s, {}).values()) for s in stages)
+        """Each stage has a replica serving or asleep (up, and doing as it was told)."""
+        return all(any(r.serving or r.asleep for r in self._by_stage.get(s, {}).values()) for s in stages)
+
+    def up(self, stages: list[str]) -> list[Replica]:
+        """The replicas of `stages` that are not draining (what a sleep or wake is sent to)."""
+        return [r for s in stages for r in self._by_stage.get(s, {}).values() if not r.hb.draining]
 
     def declared(self, stage: str, what: Literal["accepts", "honours", "voices"]) -> frozenset[str] | None:
         """What the stage's engine reads (`accepts`: content part kinds), honours (`honours`:
@@ -148,6 +170,8 @@ class ReplicaTable:
             r.hb = msgspec.structs.replace(r.hb, unhealthy=answer.unhealthy or answer.message)
         elif r is not None and answer.code == "draining":
             r.hb = msgspec.structs.replace(r.hb, draining=True)
+        elif r is not None and answer.code == SLEEPING and r.hb.asleep is None:
+            r.hb = msgspec.structs.replace(r.hb, asleep=0)  # its level comes with its next beat
 
     def get(self, stage: str, instance: str) -> Replica | None:
         return self._by_stage.get(stage, {}).get(instance)
@@ -165,6 +189,7 @@ class ReplicaTable:
                 "capacity": r.hb.capacity,
                 "draining": r.hb.draining,
                 "unhealthy": r.hb.unhealthy,
+                "asleep": r.hb.asleep,
                 "metrics_port": r.hb.metrics_port,
             }
             for stage in self._by_stage.values()

@@ -25,6 +25,8 @@ from omni_gateway.protocol import (
     SPEECH_MEDIA_TYPES,
     ChatCompletionRequest,
     ImageGenerationRequest,
+    OmniSleepRequest,
+    OmniWakeupRequest,
     SpeechRequest,
     image_inputs,
     image_sampling,
@@ -34,6 +36,7 @@ from omni_gateway.protocol import (
     stage_inputs,
 )
 from omni_gateway.service import PipelineClient
+from omni_gateway.sleep import sleep, stage_names, wake
 from omni_gateway.speech import audio_stream, sse_stream
 from omni_pipeline.spec import OutputKind
 
@@ -241,6 +244,19 @@ async def audio_voices(request: Request) -> dict[str, Any]:
     if voices is None:
         raise Unavailable("the stages that speak have not all announced their voices yet")
     return {"voices": sorted(voices), "uploaded_voices": []}
+
+
+@router.post("/v1/omni/sleep")
+async def omni_sleep(req: OmniSleepRequest, request: Request) -> dict[str, Any]:
+    """Put stages to sleep (see omni_gateway.sleep); the answer comes once they all are."""
+    svc = _service(request)
+    return await sleep(svc, stage_names(svc.spec, req.stage_ids), req.level, req.pause_mode())
+
+
+@router.post("/v1/omni/wakeup")
+async def omni_wakeup(req: OmniWakeupRequest, request: Request) -> dict[str, Any]:
+    svc = _service(request)
+    return await wake(svc, stage_names(svc.spec, req.stage_ids))
 
 
 async def _rest(first: T, events: AsyncIterator[T]) -> list[T]:

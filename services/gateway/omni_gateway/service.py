@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -51,6 +51,7 @@ from omni_pipeline.control import (
     INVALID_REQUEST,
     NATS_LOST,
     PAYLOAD_GONE,
+    SLEEPING,
     AbortMsg,
     Admitted,
     ErrorMsg,
@@ -72,11 +73,12 @@ log = logging.getLogger("omni.gateway")
 
 ADMIT_TIMEOUT_S: Final = 5.0
 """How long a replica may take to admit a request before it counts as lost."""
-MIGRATABLE: Final = frozenset({"replica_lost", "draining", "full", "unhealthy", NATS_LOST})
+MIGRATABLE: Final = frozenset({"replica_lost", "draining", "full", "unhealthy", SLEEPING, NATS_LOST})
 """Errors that say where a request went, not what it is: a fresh route may well serve it (after
 a NATS outage, the re-run waits for the server)."""
 _ERRORS: Final[dict[str, type[OmniError]]] = {
     NATS_LOST: Unavailable,
+    SLEEPING: Unavailable,
     INVALID_REQUEST: BadRequest,
     DEADLINE_EXCEEDED: Timeout,
 }
@@ -386,8 +388,8 @@ class PipelineClient:
                         raise Unavailable("the gateway is not connected to NATS", headers=RETRY_AFTER)
                     return self.table.pick(stage)
                 except Unavailable as exc:
-                    if self.connected and self.table.sick(stage):
-                        raise  # its replicas are up but cannot serve (a backend down): say so now
+                    if self.connected and (self.table.sick(stage) or self.table.asleep(stage)):
+                        raise  # its replicas are up but cannot serve (a backend down, asleep): say so now
                     if not waiting and self._waiting >= gw.max_waiting_requests:
                         raise
                     if not waiting:
@@ -400,6 +402,16 @@ class PipelineClient:
         finally:
             if waiting:
                 self._waiting -= 1
+
+    async def until_table(self, settled: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until `settled()` holds of the replica table (heartbeats change it); False if it
+        did not within `timeout_s`."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout_s):
+                while not settled():
+                    await self._changed.wait()
+                return True
+        return False
 
     def _table_changed(self) -> None:
         """Wake the requests waiting for a replica or for NATS, to look again."""
@@ -458,7 +470,7 @@ class PipelineClient:
                 raise StageFailed(f"{where} answered with an invalid message: {exc}") from None
             if not answer.ok:
                 self.table.refused(stage, instance, answer)
-                raise StageFailed(answer.message, code=answer.code)
+                raise _ERRORS.get(answer.code, StageFailed)(answer.message, code=answer.code)
 
         await asyncio.gather(*(ask(s, r) for s, r in requests.items()))
 

@@ -29,6 +29,7 @@ class Admission(enum.Enum):
     QUEUE = "queue"
     REJECT_FULL = "full"
     REJECT_DRAINING = "draining"
+    REJECT_SLEEPING = "sleeping"
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,8 @@ class StageCore:
         self.paused: set[str] = set()
         self.waiting: deque[str] = deque()
         self.draining = False
+        self.sleeping = False
+        """Put to sleep: it admits nothing until woken (what it holds runs on or was aborted)."""
         self._aborted: OrderedDict[str, None] = OrderedDict()
 
     def known(self, request_id: str) -> bool:
@@ -63,6 +66,9 @@ class StageCore:
         if self.draining:
             self._forget(request_id)
             return Admission.REJECT_DRAINING
+        if self.sleeping:
+            self._forget(request_id)
+            return Admission.REJECT_SLEEPING
         held = len(self.running) + len(self.paused) + len(self.waiting)
         if held >= self.max_inflight + self.max_queued:
             self._forget(request_id)

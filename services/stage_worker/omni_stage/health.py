@@ -10,8 +10,9 @@ from prometheus_client.exposition import choose_encoder
 
 
 def health_app(
-    registry: CollectorRegistry, is_ready: Callable[[], tuple[bool, str]], refresh: Callable[[], None]
+    registry: CollectorRegistry, is_ready: Callable[[], tuple[bool, str, str]], refresh: Callable[[], None]
 ) -> FastAPI:
+    """`is_ready` says: ready or not (200 or 503), the status word, and why."""
     app = FastAPI(title="omni stage replica", docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.get("/health/live")
@@ -20,10 +21,10 @@ def health_app(
 
     @app.get("/health/ready")
     def ready(response: Response) -> dict[str, str]:
-        ok, why = is_ready()
+        ok, status, why = is_ready()
         if not ok:
             response.status_code = 503
-        return {"status": "ready" if ok else "not ready", "reason": why}
+        return {"status": status, "reason": why}
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

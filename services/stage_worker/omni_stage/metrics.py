@@ -90,8 +90,21 @@ class StageMetrics:
             buckets=_LATENCY,
             registry=r,
         ).labels(**labels)
+        self.sleep_level = gauge(
+            "omni_stage_sleep_level", "The level the replica sleeps at (POST /v1/omni/sleep); -1 while awake"
+        )
+        self.weight_bytes = Gauge(
+            "omni_engine_weight_bytes",
+            "Bytes of weights the engine holds, by device type (what sleep frees)",
+            [*labels.keys(), "device"],
+            registry=r,
+        )
         self.resources = ResourceGauges(r, labels)
         self._labels = labels
+
+    def weights_held(self, by_device: dict[str, int]) -> None:
+        for device in ("cpu", "cuda", *by_device):
+            self.weight_bytes.labels(**self._labels, device=device).set(by_device.get(device, 0))
 
     def engine_steps_reached(self, total: int) -> None:
         """The engine counts its own steps; the counter follows its total."""

@@ -9,6 +9,11 @@ Ownership: a request's task owns its engine state and, on error or abort, frees 
 request holds in every connector (`cleanup`). A consumer frees a payload once it reads it,
 and returns the producer one chunk of credit for it (omni_stage.credit): a request with no
 credit left on an out-edge pauses between engine steps until its consumer catches up.
+
+Sleep (the control subject's SleepMsg, or the stage's `paused` in the pipeline file, which the
+replica rereads while it runs): it stops admitting, ends what it holds, and has its engine
+free memory; a WakeMsg (or `paused` set false) undoes it. The replica stays up and beating
+throughout, so gateways know to answer 503 for what needs it rather than wait for it.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -46,14 +51,18 @@ from omni_pipeline.control import (
     INVALID_REQUEST,
     NATS_LOST,
     PAYLOAD_GONE,
+    SLEEPING,
     AbortMsg,
     Admitted,
+    ControlInbound,
     CreditMsg,
     ErrorMsg,
     FinalMsg,
     Heartbeat,
     RequestContext,
     SegmentMsg,
+    SleepAck,
+    SleepMsg,
     StageDone,
     StageInbound,
     StageRequest,
@@ -66,7 +75,15 @@ from omni_pipeline.control import (
 from omni_pipeline.logs import configure_logging
 from omni_pipeline.placement import VISIBLE_DEVICES_ENV
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
-from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, PipelineFile, StageSpec
+from omni_pipeline.spec import (
+    DEFAULT_CONNECTOR,
+    REQUEST_SOURCE,
+    OutputKind,
+    PipelineFile,
+    SpecError,
+    StageSpec,
+    load_pipeline,
+)
 from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
 from omni_stage.core import Admission, StageCore
 from omni_stage.credit import CreditLedger
@@ -112,8 +129,17 @@ class _OutEdge:
 class StageWorker:
     """One replica of one stage."""
 
-    def __init__(self, pipeline: PipelineFile, stage: str, replica: str, nats_url: str) -> None:
+    def __init__(
+        self,
+        pipeline: PipelineFile,
+        stage: str,
+        replica: str,
+        nats_url: str,
+        pipeline_path: str | None = None,
+    ) -> None:
         self.pipeline = pipeline
+        self.pipeline_path = pipeline_path
+        """The file `pipeline` was read from, reread for the stage's `paused` while we run."""
         self.spec: StageSpec = pipeline.spec.stage(stage)
         self.replica = replica
         self.nats_url = nats_url
@@ -146,25 +172,36 @@ class StageWorker:
         self.engine_dead: str | None = None
         """Why the engine can serve nothing more: the replica fails what it holds and exits."""
         self.metrics_port = 0
+        self.asleep: int | None = None
+        """The sleep level the replica is at (or going to); None while awake."""
+        self._sleep_lock = asyncio.Lock()  # one sleep or wake at a time, in the order asked
+        self._paused = self.spec.paused
+        self._file_stamp = _stamp(pipeline_path)
+        self._control: set[asyncio.Task[None]] = set()
         self._stop = asyncio.Event()
+        self._idle = asyncio.Event()
         self._drained = asyncio.Event()
         self._notices: set[asyncio.Task[None]] = set()  # error notices waiting for NATS to return
         self._ended_by_outage: set[str] = set()  # freed again when NATS is back
 
     # --- lifecycle ---------------------------------------------------------------------------
 
-    def readiness(self) -> tuple[bool, str]:
+    def readiness(self) -> tuple[bool, str, str]:
+        """Ready or not, the status word and why. A sleeping replica is ready (Kubernetes must
+        not hold a rollout or restart for it; it is up and doing as told): `sleeping`."""
         if self.engine_dead is not None:
-            return False, f"engine dead: {self.engine_dead}"
+            return False, "not ready", f"engine dead: {self.engine_dead}"
         if not self.ready:
-            return False, "starting"
+            return False, "not ready", "starting"
         if self.unhealthy:
-            return False, self.unhealthy
+            return False, "not ready", self.unhealthy
         if self.core.draining:
-            return False, "draining"
+            return False, "not ready", "draining"
         if self.nc is None or not self.nc.is_connected:
-            return False, "NATS disconnected"
-        return True, "ok"
+            return False, "not ready", "NATS disconnected"
+        if self.asleep is not None:
+            return True, "sleeping", f"asleep at level {self.asleep}"
+        return True, "ready", "ok"
 
     async def run(
         self, on_ready: Callable[[dict[str, Any]], None], metrics_host: str, metrics_port: int
@@ -198,6 +235,9 @@ class StageWorker:
             self.nc = nc
             await self.nc.subscribe(self.inbox, cb=self._on_inbound)
             await self.nc.subscribe(self.subjects.abort, cb=self._on_abort)
+            await self.nc.subscribe(self.subjects.control, cb=self._on_control)
+            if self._paused:  # before it is ready: a paused stage's new replica starts asleep
+                await self._sleep(self.engine.max_sleep_level, "wait")
             self.ready = True
             hb = asyncio.create_task(self._heartbeats(), name="heartbeat")
             checks = asyncio.create_task(self._health_checks(), name="health-checks")
@@ -216,6 +256,8 @@ class StageWorker:
                 await self._finish_drain()
             hb.cancel()
             checks.cancel()
+            for task in self._control:
+                task.cancel()
             await self._fail_held(
                 "stopped before finishing this request"
                 if self.engine_dead is None
@@ -268,6 +310,7 @@ class StageWorker:
                 log.info("stage %s: request %s: its unread output expired", self.spec.name, rid)
             await asyncio.to_thread(reclaim_unread, list(self._used_connectors()), self.pipeline.spec)
             await self._check_health()
+            await self._follow_paused()
 
     async def _check_health(self) -> None:
         """The engine's and the connectors' own word on whether this replica can serve: a dead
@@ -314,6 +357,9 @@ class StageWorker:
             self.metrics.engine_requests.set(held)
         if (steps := self.engine.steps_run()) is not None:
             self.metrics.engine_steps_reached(steps)
+        self.metrics.sleep_level.set(-1 if self.asleep is None else self.asleep)
+        if (weights := self.engine.weight_bytes()) is not None:
+            self.metrics.weights_held(weights)
 
     async def _publish_heartbeat(self, stopping: bool = False) -> None:
         # No gauge refresh here (/metrics does its own): counting a connector's objects may wait
@@ -338,6 +384,8 @@ class StageWorker:
             accepts=sorted(self.engine.accepts),
             honours=sorted(self.engine.honours),
             voices=list(self.engine.voices),
+            asleep=self.asleep,
+            max_sleep_level=self.engine.max_sleep_level,
         )
         if self.nc is not None and self.nc.is_connected:
             with contextlib.suppress(Exception):
@@ -374,6 +422,125 @@ class StageWorker:
     async def _fail_all(self, held: list[RequestContext], why: str) -> None:
         for ctx in held:
             await self._fail(ctx, f"{why} while serving this request", NATS_LOST)
+
+    # --- sleep and wake ----------------------------------------------------------------------
+
+    async def _on_control(self, msg: Msg) -> None:
+        try:
+            m: ControlInbound = unpack(msg.data, ControlInbound)
+        except wire.WireError as exc:
+            log.warning("stage %s: refused a control message: %s", self.spec.name, exc)
+            return
+        if self.spec.name not in m.stages:
+            return
+        # In a task of its own: a sleep that waits for requests to finish must not hold up this
+        # subscription (a wake behind it), and the lock keeps them in the order they came.
+        work = self._sleep(m.level, m.mode) if isinstance(m, SleepMsg) else self._wake()
+        self._spawn_control(work, msg.reply)
+
+    def _spawn_control(self, work: Coroutine[Any, Any, SleepAck], reply: str | None = None) -> None:
+        async def run() -> None:
+            ack = await work
+            if reply and self.nc is not None:
+                with contextlib.suppress(Exception):
+                    await self.nc.publish(reply, pack(ack))
+
+        task = asyncio.get_running_loop().create_task(run(), name="sleep-or-wake")
+        self._control.add(task)
+        task.add_done_callback(self._control.discard)
+
+    async def _sleep(self, level: int, mode: str) -> SleepAck:
+        """Stop admitting, end what the replica holds (`abort`: fail it; `wait`: let it finish),
+        then have the engine free memory by `level`. Asleep already (as deep or deeper): done."""
+        async with self._sleep_lock:
+            before = self._held_now()
+            if level > self.engine.max_sleep_level:
+                why = f"its engine can sleep at most at level {self.engine.max_sleep_level}"
+                return self._ack(False, before, why)
+            if self.asleep is not None and self.asleep >= level:
+                return self._ack(True, before)
+            log.info("stage %s/%s: going to sleep (level %d, %s)", self.spec.name, self.replica, level, mode)
+            self.core.sleeping, self.asleep = True, level
+            await self._publish_heartbeat()  # gateways stop routing here now, not at the next beat
+            if mode == "abort":
+                why = f"stage '{self.spec.name}' replica {self.replica} was put to sleep"
+                for st in list(self.requests.values()):
+                    await self._fail(st.ctx, f"{why} while serving this request", SLEEPING)
+                    self._abort(st.ctx.request_id)
+            self._idle.clear()
+            if self.core.has_work():
+                await self._idle.wait()
+            try:
+                await self.engine.sleep(level)
+            except Exception as exc:
+                self._engine_failed(f"sleep at level {level} failed: {type(exc).__name__}: {exc}")
+                return self._ack(False, before, str(exc))
+            log.info("stage %s/%s: asleep at level %d", self.spec.name, self.replica, level)
+            return self._ack(True, before)
+
+    async def _wake(self) -> SleepAck:
+        """Restore what the sleep freed and admit again. Awake already: done."""
+        async with self._sleep_lock:
+            before = self._held_now()
+            if self.asleep is not None:
+                try:
+                    await self.engine.wake_up(self.asleep)
+                except Exception as exc:
+                    self._engine_failed(
+                        f"waking from level {self.asleep} failed: {type(exc).__name__}: {exc}"
+                    )
+                    return self._ack(False, before, str(exc))
+                self.core.sleeping, self.asleep = False, None
+                log.info("stage %s/%s: awake", self.spec.name, self.replica)
+                await self._publish_heartbeat()
+            return self._ack(True, before)
+
+    def _held_now(self) -> _Held:
+        return _Held(time.monotonic(), self.metrics.resources.resident_bytes(), self.engine.weight_bytes())
+
+    def _ack(self, ok: bool, before: _Held, message: str = "") -> SleepAck:
+        freed = 0  # what left each device (weights moved to host memory left the accelerator)
+        if before.weights is not None and (after := self.engine.weight_bytes()) is not None:
+            freed = sum(max(0, n - after.get(device, 0)) for device, n in before.weights.items())
+        return SleepAck(
+            stage=self.spec.name,
+            replica=self.replica,
+            instance=self.instance,
+            ok=ok,
+            asleep=self.asleep,
+            seconds=time.monotonic() - before.at,
+            freed_bytes=freed,
+            rss_bytes_before=before.rss,
+            rss_bytes_after=self.metrics.resources.resident_bytes(),
+            message=message,
+        )
+
+    def _engine_failed(self, why: str) -> None:
+        """The engine is in no known state: fail what is held and exit, to be started afresh."""
+        log.error("stage %s/%s: %s; restarting", self.spec.name, self.replica, why)
+        self.engine_dead = why
+        self._drained.set()
+        self._stop.set()
+
+    async def _follow_paused(self) -> None:
+        """Sleep or wake when the stage's `paused` in the pipeline file changed (Kubernetes
+        updates the mounted ConfigMap in place; nothing else in it applies before a restart)."""
+        if self.pipeline_path is None or (stamp := _stamp(self.pipeline_path)) == self._file_stamp:
+            return
+        self._file_stamp = stamp
+        try:
+            paused = (
+                (await asyncio.to_thread(load_pipeline, self.pipeline_path)).spec.stage(self.spec.name).paused
+            )
+        except (SpecError, KeyError) as exc:
+            log.warning("stage %s: pipeline file changed, unreadable for now: %s", self.spec.name, exc)
+            return
+        if paused != self._paused:
+            self._paused = paused
+            log.info(
+                "stage %s/%s: paused set %s in %s", self.spec.name, self.replica, paused, self.pipeline_path
+            )
+            self._spawn_control(self._sleep(self.engine.max_sleep_level, "wait") if paused else self._wake())
 
     # --- inbound -----------------------------------------------------------------------------
 
@@ -454,6 +621,8 @@ class StageWorker:
         admission = self.core.admit(rid)
         if admission is Admission.REJECT_DRAINING:
             return None, Admitted(False, "draining", f"{where} is draining")
+        if admission is Admission.REJECT_SLEEPING:
+            return None, Admitted(False, SLEEPING, f"{where} is asleep (level {self.asleep})")
         if admission is Admission.REJECT_FULL:
             return None, Admitted(False, "full", f"{where} is full")
         st = _Request(ctx, InputAssembler(windows), asyncio.Queue(self.max_triggers))
@@ -494,7 +663,7 @@ class StageWorker:
             self.requests.pop(rid, None)
             self.metrics.outcome("aborted")
         self._cleanup(rid)
-        self._wake_drain()
+        self._check_idle()
 
     # --- one request -------------------------------------------------------------------------
 
@@ -565,7 +734,7 @@ class StageWorker:
         self.metrics.outcome(outcome)
         self.requests.pop(rid, None)
         self._start_all(self.core.release(rid))
-        self._wake_drain()
+        self._check_idle()
 
     def _fetch(self, st: _Request, trig: Trigger[Inbound]) -> dict[str, dict[str, Any]]:
         """Read each producer's payload through its edge's connector and run the edge processor."""
@@ -708,14 +877,39 @@ class StageWorker:
             except Exception:
                 log.exception("stage %s: cleanup of %s in connector %s failed", self.spec.name, rid, c.name)
 
-    def _wake_drain(self) -> None:
-        if self.core.draining and not self.core.has_work():
+    def _check_idle(self) -> None:
+        """After a request ended: wake what waits for the replica to hold nothing."""
+        if self.core.has_work():
+            return
+        self._idle.set()
+        if self.core.draining:
             self._drained.set()
 
 
 def _usage(engine_state: dict[str, Any], seg: Segmenter) -> dict[str, int]:
     """What a request has read and made so far (the engine counts its prompt)."""
     return {"prompt_tokens": int(engine_state.get("prompt_tokens", 0)), "completion_tokens": seg.total_units}
+
+
+def _stamp(path: str | None) -> tuple[int, int, int] | None:
+    """What tells a file's new content from its old: inode (Kubernetes swaps a ConfigMap's files
+    by symlink), modification time, size."""
+    if path is None:
+        return None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """What a replica held when a sleep or wake began (its ack reports the difference)."""
+
+    at: float
+    rss: int
+    weights: dict[str, int] | None
 
 
 class EngineDead(EngineError):
@@ -745,6 +939,7 @@ def run_stage(
     nats_url: str,
     metrics_host: str = "127.0.0.1",
     metrics_port: int = 0,
+    pipeline_path: str | None = None,
 ) -> None:
     """Process entry point (used by `omni stage` and by `omni serve` through the lifecycle)."""
     configure_logging()
@@ -752,7 +947,7 @@ def run_stage(
     setproctitle(f"omni: stage {stage} replica {replica}")
 
     async def main() -> None:
-        worker = StageWorker(pipeline, stage, replica, nats_url)
+        worker = StageWorker(pipeline, stage, replica, nats_url, pipeline_path)
         await worker.run(ready, metrics_host, metrics_port)
 
     try:

@@ -8,6 +8,10 @@ the stage owns and drops when the request ends, however it ends.
 from __future__ import annotations
 
 import asyncio
+import collections
+import ctypes
+import ctypes.util
+import gc
 import importlib
 import time
 from abc import ABC, abstractmethod
@@ -69,12 +73,30 @@ class Engine(ABC):
     last trigger even when that brings no inputs (a producer's stream that ended on a window
     boundary sends an empty last chunk). Others are not called for nothing."""
 
+    max_sleep_level: int = 2
+    """The deepest sleep this engine can do, in vLLM's levels: 0 frees nothing (the replica only
+    stops admitting), 1 moves its weights off the accelerator into host memory, 2 drops them
+    (waking loads them again). Announced in the heartbeat, so a gateway refuses a deeper sleep
+    before asking for it."""
+
     def __init__(self, stage: StageSpec) -> None:
         self.stage = stage
         self.args = stage.engine.args
 
     async def start(self) -> None:
         """Load weights; called once before the replica reports READY."""
+
+    async def sleep(self, level: int) -> None:
+        """Free memory as `level` says (at most `max_sleep_level`); called only while the replica
+        holds no request. An engine with nothing to free does nothing."""
+
+    async def wake_up(self, level: int) -> None:
+        """Undo `sleep(level)`: the engine computes exactly what it did before."""
+
+    def weight_bytes(self) -> dict[str, int] | None:
+        """Bytes of weights the engine holds, per device type (`cpu`, `cuda`); None where it
+        cannot tell (vLLM's engine holds them in its own process)."""
+        return None
 
     @abstractmethod
     def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
@@ -122,8 +144,13 @@ class ComputeEngine(Engine):
     `engine.args.maxBatch` requests (default: the stage's maxInflight; 1: no batching).
     """
 
+    weights: tuple[str, ...] = ()
+    """The attributes `_load` sets that hold weights (modules or tensors): what `sleep` moves to
+    host memory (level 1) or drops (level 2; `wake_up` runs `_load` again)."""
+
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
+        self.device = torch.device(self.args.get("device", "cpu"))
         self.max_batch = int(self.args.get("maxBatch", stage.max_inflight))
         if self.max_batch < 1:
             raise EngineError(f"stage '{stage.name}': engine.args.maxBatch must be at least 1")
@@ -132,6 +159,41 @@ class ComputeEngine(Engine):
         if stage.gpu_memory_fraction is not None and torch.cuda.is_available():
             for device in range(torch.cuda.device_count()):  # its own devices: the supervisor placed it
                 torch.cuda.set_per_process_memory_fraction(stage.gpu_memory_fraction, device)
+
+    def _load(self) -> None:
+        """Load the weights (on the compute thread): at start, and on waking from level 2."""
+        raise NotImplementedError
+
+    async def sleep(self, level: int) -> None:
+        if level >= 1:  # on the compute thread: no forward is using the weights meanwhile
+            await self._run(self._release_weights, level)
+
+    def _release_weights(self, level: int) -> None:
+        for name in self.weights:
+            held = getattr(self, name)
+            setattr(self, name, None if level >= 2 or held is None else held.to("cpu"))
+        release_freed_memory()
+
+    async def wake_up(self, level: int) -> None:
+        if level >= 2:
+            await self._run(self._load)
+        elif level == 1:
+            await self._run(self._restore_weights)
+
+    def _restore_weights(self) -> None:
+        for name in self.weights:
+            setattr(self, name, getattr(self, name).to(self.device))
+
+    def weight_bytes(self) -> dict[str, int]:
+        held: collections.Counter[str] = collections.Counter()
+        for name in self.weights:
+            obj = getattr(self, name, None)
+            tensors = [obj] if isinstance(obj, torch.Tensor) else []
+            if isinstance(obj, torch.nn.Module):
+                tensors = [*obj.parameters(), *obj.buffers()]
+            for t in tensors:
+                held[t.device.type] += t.numel() * t.element_size()
+        return dict(held)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._compute, self._timed, fn, args)
@@ -149,6 +211,25 @@ class ComputeEngine(Engine):
 
     async def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
+
+
+def release_freed_memory() -> None:
+    """Give what dropped weights held back to the system now: torch's CUDA cache to the device,
+    and glibc's free heap to the OS (its allocator keeps freed memory for reuse otherwise, so a
+    CPU process's resident size would not fall)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    if (libc := _glibc()) is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None or "libc.so" not in name:
+        return None
+    libc = ctypes.CDLL(name)
+    return libc if hasattr(libc, "malloc_trim") else None
 
 
 def import_object(ref: str) -> Callable[..., Any]:

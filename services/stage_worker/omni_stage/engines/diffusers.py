@@ -69,7 +69,6 @@ class _DiffusersPart(ComputeEngine):
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
-        self.device = torch.device(self.args.get("device", "cpu"))
         dtype = self.args.get("dtype", "float32")
         if dtype not in _DTYPES:
             raise EngineError(f"stage '{stage.name}': engine.args.dtype must be one of {sorted(_DTYPES)}")
@@ -92,10 +91,6 @@ class _DiffusersPart(ComputeEngine):
         config = self._part_class("vae").load_config(self.path, subfolder="vae")
         self.vae_scale = int(2 ** (len(config["block_out_channels"]) - 1))
         self._load()
-
-    def _load(self) -> None:
-        """Load this role's parts (on the compute thread)."""
-        raise NotImplementedError
 
     @functools.cached_property
     def _index(self) -> dict[str, Any]:
@@ -170,6 +165,7 @@ class _Sampling:
 
 
 class DenoiseEngine(_DiffusersPart):
+    weights = ("denoiser",)
     request_keys = frozenset(
         {
             "n",
@@ -359,6 +355,8 @@ class DenoiseEngine(_DiffusersPart):
 
 
 class DecodeEngine(_DiffusersPart):
+    weights = ("vae",)
+
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.vae: Any = None

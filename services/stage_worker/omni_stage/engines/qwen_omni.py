@@ -75,10 +75,10 @@ class _Part(ComputeEngine):
     """Loading one part of the checkpoint, and the voices."""
 
     part: str
+    weights: tuple[str, ...] = ("model",)
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
-        self.device = torch.device(self.args.get("device", "cpu"))
         self.dtype = _DTYPES[self.args.get("dtype", "float32")]
         self.path = str(stage.engine.model)
         self.model: Any = None
@@ -284,6 +284,7 @@ class Talker(_Part):
     part = "talker"
     request_keys = frozenset({"voice"})
     needs_last_call = True  # past the reply it speaks on the thinker's text eos, then its pad
+    weights = ("model", "text_embeds")
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)

@@ -50,10 +50,10 @@ class _Call:
 
 class TorchModuleEngine(ComputeEngine):
     request_keys = frozenset({"speed", "voice"})
+    weights = ("module",)
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
-        self.device = torch.device(self.args.get("device", "cpu"))
         self.audio = stage.final_output is OutputKind.AUDIO
         self.output_key = "audio" if self.audio else str(self.args.get("outputKey", "tensor"))
         self.module: Any = None

@@ -63,11 +63,12 @@ class _Step:
 
 
 class TransformersEngine(ComputeEngine):
+    weights = ("model",)
+
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.tool_parser: str | None = self.args.get("toolCallParser")
         self.honours = engine_honours(HONOURED)
-        self.device = torch.device(self.args.get("device", "cpu"))
         self.dtype = _DTYPES[self.args.get("dtype", "float32")]
         self.return_hidden = bool(self.args.get("returnHiddenStates", False))
         self.tokens_per_input_unit = float(self.args.get("tokensPerInputUnit", 1.0))

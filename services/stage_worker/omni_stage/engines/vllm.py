@@ -9,7 +9,9 @@ kv_cache_memory_bytes, enable_prompt_embeds, ...), and ours, `toolCallParser` (t
 family's tool parser, for `tool_choice: auto`; tools.py); `engine.model` is the model. On vLLM's CPU
 build the adapter defaults to `enforce_eager` (compiling costs ~40 s and gains nothing
 there) and a 1 GiB KV cache unless `VLLM_CPU_KVCACHE_SPACE` or `kv_cache_memory_bytes` says
-otherwise.
+otherwise. With vLLM's `enable_sleep_mode: true` (CUDA only) the stage can sleep at levels 1
+and 2 (vLLM's own sleep; waking from 2 reloads the weights from the model's files); without
+it a sleeping replica only stops admitting (level 0).
 
 Inputs: the client request (chat template applied by the model's tokenizer, the same path as
 the transformers engine), or `inputs_embeds` [n, hidden] from an upstream stage, passed as
@@ -58,6 +60,9 @@ class VllmEngine(Engine):
         self.llm: Any = None
         self.tokenizer: Any = None
         self._ids = itertools.count()
+        # vLLM frees its memory only with its sleep mode (CUDA's allocator): otherwise the
+        # replica can only stop admitting.
+        self.max_sleep_level = 2 if self.args.get("enable_sleep_mode") else 0
 
     async def start(self) -> None:
         try:
@@ -82,6 +87,16 @@ class VllmEngine(Engine):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.stage.engine.model)
+
+    async def sleep(self, level: int) -> None:
+        if level >= 1:
+            await self.llm.sleep(level)
+
+    async def wake_up(self, level: int) -> None:
+        if level >= 1:
+            await self.llm.wake_up()
+        if level >= 2:  # level 2 dropped the weights: load them again from the model's files
+            await self.llm.collective_rpc("reload_weights")
 
     def dead(self) -> str | None:
         if self.llm is not None and self.llm.errored:
