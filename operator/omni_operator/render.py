@@ -86,9 +86,12 @@ def config_hash(p: PipelineFile) -> str:
     Processes read the pipeline file once, so a changed ConfigMap alone would leave them on the
     old spec. Replica counts are left out in Distributed mode (no process reads another stage's),
     so scaling one stage restarts nothing; `omni serve` starts the replicas itself, so there
-    they count.
+    they count. A stage's `paused` is left out in both: stage processes follow it in the
+    mounted file as the kubelet updates it, without a restart.
     """
     doc = p.model_dump(by_alias=True, exclude_none=True, mode="json")
+    for stage in doc["spec"]["stages"]:
+        stage.pop("paused", None)
     if p.spec.mode is Mode.DISTRIBUTED:
         doc["spec"]["gateway"].pop("replicas", None)
         for stage in doc["spec"]["stages"]:

@@ -56,6 +56,7 @@ class DeploymentStatus(_Model):
     updated_replicas: int = Field(0, description="Replicas running the current template.")
     available_replicas: int = Field(0, description="Replicas ready for at least minReadySeconds.")
     rolled_out: bool = Field(False, description="Every desired replica is updated and available.")
+    paused: bool = Field(False, description="The stage is paused (spec.stages[].paused): its replicas sleep.")
 
 
 class PipelineStatus(_Model):
@@ -127,7 +128,10 @@ def pipeline_status(
     def deployment_of(stage: str) -> str:
         return names.single_node if single else names.stage(stage)
 
-    stages = [rollout(s.name, deployments.get(deployment_of(s.name))) for s in pipeline.spec.stages]
+    stages = [
+        rollout(s.name, deployments.get(deployment_of(s.name))).model_copy(update={"paused": s.paused})
+        for s in pipeline.spec.stages
+    ]
     gateway = rollout("gateway", deployments.get(names.single_node if single else names.gateway))
     parts = [*stages, gateway]
     waiting = [p for p in parts if not p.rolled_out]
@@ -135,6 +139,8 @@ def pipeline_status(
     ready_count = sum(s.rolled_out for s in stages)
     if not waiting:
         what = f"all {len(stages)} stages and the gateway are ready"
+        if paused := [s.name for s in stages if s.paused]:
+            what += f" ({', '.join(paused)} paused: asleep until unpaused)"
         ready = (ConditionType.READY, "True", "RolledOut", what)
     else:
         what = "; ".join(f"{p.name} {p.available_replicas}/{p.replicas} available" for p in waiting)

@@ -7,7 +7,9 @@ as the kubelet expands them, and env `valueFrom` is resolved from the pod (name,
 and ConfigMaps read through the API. What a pod's namespaces would give it is emulated: each
 pod gets its own loopback address (127.0.0.N) as its IP, so `0.0.0.0` in its args means that
 address (the pod's network namespace); a volume's mountPath in the args means the directory
-holding that volume's files (its mount namespace), except /dev/shm, which is the host's.
+holding that volume's files (its mount namespace), except /dev/shm, which is the host's. A
+mounted ConfigMap's files follow the ConfigMap while the pod runs, each changed file replaced
+whole, as the kubelet does (it swaps a symlink; a real one takes up to a minute or so).
 Readiness comes from the rendered readinessProbe; Deployment status is written back as the
 Deployment controller would, for the generation it ran. Securitycontexts, resources and
 scheduling fields are not emulated.
@@ -49,6 +51,8 @@ class Pod:
     ports: dict[str, int]
     ready: bool = False
     spec: dict[str, Any] = field(default_factory=dict)
+    config_maps: dict[Path, str] = field(default_factory=dict)
+    """Local directory of each mounted ConfigMap volume -> the ConfigMap's name."""
 
 
 class Kubelet:
@@ -147,6 +151,8 @@ class Kubelet:
                 self.pods[pod.name] = pod
             mine = [p for p in self.pods.values() if p.deployment == name]
             for pod in mine:
+                for local, config_map in pod.config_maps.items():
+                    self._write_config_map(config_map, local)
                 self._check(pod)
             for pod in [p for p in mine if p.proc.poll() is not None]:  # replaced on the next pass
                 self.errors.append(f"{pod.name} exited {pod.proc.returncode}:\n{pod.log.read_text()[-2000:]}")
@@ -178,7 +184,7 @@ class Kubelet:
         poddir.mkdir(parents=True)
         spec = template["spec"]
         (container,) = spec["containers"]
-        mounts = self._volumes(spec, container, poddir)
+        mounts, config_maps = self._volumes(spec, container, poddir)
         env = self._env(container, name, ip)
         argv = container.get("command", []) + container.get("args", [])
         args = [self._expand(a, env, ip, mounts) for a in argv]
@@ -205,12 +211,17 @@ class Kubelet:
             readiness=container.get("readinessProbe"),
             ports=ports,
             spec=spec,
+            config_maps=config_maps,
         )
 
-    def _volumes(self, spec: dict[str, Any], container: dict[str, Any], poddir: Path) -> dict[str, str]:
-        """Materialize the pod's volumes; return mountPath -> local directory."""
+    def _volumes(
+        self, spec: dict[str, Any], container: dict[str, Any], poddir: Path
+    ) -> tuple[dict[str, str], dict[Path, str]]:
+        """Materialize the pod's volumes; return mountPath -> local directory, and each ConfigMap
+        volume's local directory -> its ConfigMap."""
         volumes = {v["name"]: v for v in spec.get("volumes", [])}
         mounts: dict[str, str] = {}
+        config_maps: dict[Path, str] = {}
         for m in container.get("volumeMounts", []):
             vol = volumes[m["name"]]
             if m["mountPath"] == "/dev/shm":
@@ -219,11 +230,18 @@ class Kubelet:
             local = poddir / "volumes" / m["name"]
             local.mkdir(parents=True, exist_ok=True)
             if "configMap" in vol:
-                cm = self._read("ConfigMap", vol["configMap"]["name"])
-                for key, value in (cm.get("data") or {}).items():
-                    (local / key).write_text(value)
+                config_maps[local] = vol["configMap"]["name"]
+                self._write_config_map(vol["configMap"]["name"], local)
             mounts[m["mountPath"]] = str(local)
-        return mounts
+        return mounts, config_maps
+
+    def _write_config_map(self, name: str, local: Path) -> None:
+        for key, value in (self._read("ConfigMap", name).get("data") or {}).items():
+            f = local / key
+            if not f.exists() or f.read_text() != value:
+                staged = local / f"..{key}.staged"
+                staged.write_text(value)
+                os.replace(staged, f)
 
     def _env(self, container: dict[str, Any], pod: str, ip: str) -> dict[str, str]:
         env: dict[str, str] = {}

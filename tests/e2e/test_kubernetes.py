@@ -106,12 +106,43 @@ def test_operator_rendered_pods_serve_text_and_audio(
                 assert rate == 24000 and len(samples) == 32 * 4 * 480
                 assert not kubelet.errors, kubelet.errors
 
+                pause_the_talker_and_back(kube, kubelet, client)
+
                 # Deleting the pipeline removes its Deployments, and with them the pods.
                 kube.kind(PIPELINE_API, "OmniPipeline").delete(name="tiny-omni", namespace=NS)
                 wait_for(lambda: not kubelet.alive(), 120, "every pod to stop")
             assert mooncake.key_count() == 0
         finally:
             assert operator.stop() == 0, operator.output()[-3000:]
+
+
+def pause_the_talker_and_back(kube: Kube, kubelet: Kubelet, client: openai.OpenAI) -> None:
+    """`spec.stages[].paused` reaches the running pods through the mounted ConfigMap, with no pod
+    restarted: the talker sleeps (audio is a 503, text still answers), then wakes."""
+    pods = sorted(kubelet.alive())
+    quick = client.with_options(max_retries=0)
+    spec = kube.pipeline(NS, "tiny-omni")["spec"]
+
+    def speak() -> int:
+        try:
+            quick.chat.completions.create(
+                model="tiny-omni",
+                messages=[{"role": "user", "content": "Hello again"}],
+                modalities=["text", "audio"],
+                audio={"voice": "alloy", "format": "wav"},
+            )
+        except openai.APIStatusError as exc:
+            return exc.status_code
+        return 200
+
+    for paused, answer in ((True, 503), (False, 200)):
+        spec["stages"][1]["paused"] = paused
+        kube.patch_spec(NS, "tiny-omni", spec)
+        wait_for(lambda: speak() == answer, 60, f"audio to answer {answer} (paused {paused})")  # noqa: B023
+        text = quick.chat.completions.create(model="tiny-omni", messages=[{"role": "user", "content": "Hi"}])
+        assert text.choices[0].message.content
+        assert sorted(kubelet.alive()) == pods, "a pod was restarted"
+    assert ready(kube, "tiny-omni")
 
 
 @pytest.mark.skipif("KUBECONFIG" not in os.environ, reason="needs a real cluster (KUBECONFIG)")

@@ -203,6 +203,19 @@ def test_a_spec_change_rolls_the_pods_but_scaling_does_not() -> None:
     assert more != template_hashes(pipeline(path=single))  # omni serve starts the replicas itself
 
 
+@pytest.mark.parametrize(
+    "path", [DISTRIBUTED, ROOT / "examples" / "tiny-omni.yaml"], ids=["distributed", "single"]
+)
+def test_pausing_a_stage_changes_its_configmap_and_no_pod_template(path: Any) -> None:
+    """The stage processes follow `paused` in the mounted file as the kubelet updates it: the
+    ConfigMap carries it, every pod template (and so every pod) stays as it was."""
+    awake = render(pipeline(path=path))
+    paused = render(pipeline(lambda s: s["stages"][1].update(paused=True), path))
+    assert by_kind(paused, "Deployment") == by_kind(awake, "Deployment")
+    (cm,) = by_kind(paused, "ConfigMap").values()
+    assert yaml.safe_load(cm["data"]["pipeline.yaml"])["spec"]["stages"][1]["paused"] is True
+
+
 def test_api_keys_reach_only_the_gateway_and_probes_need_none() -> None:
     objects = render(pipeline(lambda s: s["gateway"].update(apiKeysSecret="gw-keys")), namespace="omni")
     for obj in objects:

@@ -57,6 +57,17 @@ def test_ready_when_every_stage_and_the_gateway_rolled_out() -> None:
     assert status.gateway_url == "http://tiny-omni-gateway.ml.svc:8000/v1"
 
 
+def test_a_paused_stage_is_ready_and_said_to_be_paused() -> None:
+    """Its replicas sleep, up and ready (a sleeping replica passes its readiness probe), so the
+    pipeline is Ready; the status says which stage sleeps by the spec."""
+    doc = yaml.safe_load((ROOT / "examples" / "tiny-omni-distributed.yaml").read_text())
+    doc["spec"]["stages"][1]["paused"] = True
+    status = pipeline_status(parse_pipeline(doc), "ml", 4, all_done(), [])
+    ready = condition(status, ConditionType.READY)
+    assert ready.status == "True" and "talker paused" in ready.message
+    assert [s.paused for s in status.stages] == [False, True, False]
+
+
 def test_waiting_names_the_stage_and_a_stuck_rollout_is_degraded() -> None:
     deployments = all_done()
     deployments["tiny-omni-talker"]["status"]["availableReplicas"] = 1
