@@ -63,9 +63,9 @@ async def _broadcast(svc: PipelineClient, msg: SleepMsg | WakeMsg, stages: list[
     """Send `msg` to every replica of `stages`; their acks, or the error that says who failed."""
     if svc.nc is None or not svc.connected:
         raise Unavailable("the gateway is not connected to NATS", headers=RETRY_AFTER)
+    if absent := [s for s in stages if not svc.table.up([s])]:
+        raise Unavailable(f"stage '{absent[0]}' has no live replica", headers=RETRY_AFTER)
     asked = {r.hb.instance: r.hb for r in svc.table.up(stages)}
-    if not asked:
-        raise Unavailable(f"no live replica of {', '.join(stages)}", headers=RETRY_AFTER)
     timeout_s = svc.spec.gateway.request_timeout_s  # a `wait` sleep lets the requests held finish
     acks: asyncio.Queue[SleepAck] = asyncio.Queue(ACKS_PER_REPLICA * len(asked))
 
