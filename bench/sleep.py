@@ -9,7 +9,7 @@ the CPU, level 1 (weights to host memory) has nothing to move; level 2 drops the
 reads them from the checkpoint again. A request through the whole pipeline after each wake
 checks that every stage serves again.
 
---quick measures the tiny demo only. Ratios, measured in the run: per pipeline, each stage
+--quick measures the tiny demo's talker only. Ratios, measured in the run: per pipeline, each stage
 process's resident memory asleep at level 2 over awake (the smallest and the largest over its
 stages).
 """
@@ -49,14 +49,14 @@ def speak(base: str) -> None:
     assert r.json()["choices"][0]["message"]["audio"]["data"]
 
 
-def measure(example: str) -> dict[str, dict[str, dict[str, float]]]:
-    """stage -> level -> what its sleep freed and what its wake cost."""
+def measure(example: str, only: str | None = None) -> dict[str, dict[str, dict[str, float]]]:
+    """stage -> level -> what its sleep freed and what its wake cost (every stage, or `only`)."""
     spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / example).read_text())["spec"])
     spec["servedModelName"] = "bench"
     out: dict[str, dict[str, dict[str, float]]] = {}
     with demo_models() as cwd, served("bench", spec, cwd=cwd) as base:
         speak(base)  # warm: every stage has served once
-        for stage in [s["name"] for s in spec["stages"]]:
+        for stage in [s["name"] for s in spec["stages"] if only in (None, s["name"])]:
             for level in (1, 2):
                 slept = control(base, "sleep", stage_ids=[stage], level=level)
                 woke = control(base, "wakeup", stage_ids=[stage])
@@ -89,8 +89,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
-    pipelines = dict(list(PIPELINES.items())[:1]) if args.quick else PIPELINES  # --quick: the demo only
-    runs = {name: measure(example) for name, example in pipelines.items()}
+    if args.quick:
+        runs = {"tiny-omni": measure(PIPELINES["tiny-omni"], only="talker")}
+    else:
+        runs = {name: measure(example) for name, example in PIPELINES.items()}
     ratios = {}
     for name, stages in runs.items():
         kept = [s["level2"]["rss_mb_asleep"] / s["level2"]["rss_mb_before"] for s in stages.values()]

@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 import httpx
 import numpy as np
+import openai
 import soundfile as sf
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -191,6 +192,11 @@ def group_alive(pgid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def openai_client(base: str) -> openai.OpenAI:
+    """The official client against a gateway at `base`, which must answer at once: no retries."""
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
 def get_json(url: str) -> Any:

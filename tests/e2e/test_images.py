@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from tests.deployment import gauges, metric_values, metrics_urls, settle
-from tests.helpers import served_example, sse_data, wait_for
+from tests.helpers import openai_client, served_example, sse_data, wait_for
 from tests.openai_schema import violations
 
 pytestmark = pytest.mark.slow
@@ -31,10 +31,6 @@ def image_demo(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
         yield base
 
 
-def client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-
-
 def decode(b64: str) -> Image.Image:
     img = Image.open(io.BytesIO(base64.b64decode(b64)))
     img.load()
@@ -45,7 +41,7 @@ def decode(b64: str) -> Image.Image:
     ("output_format", "pil_format"), [("png", "PNG"), ("jpeg", "JPEG"), ("webp", "WEBP")]
 )
 def test_images_decode_to_the_requested_size(image_demo: str, output_format: str, pil_format: str) -> None:
-    r = client(image_demo).images.generate(
+    r = openai_client(image_demo).images.generate(
         model="tiny-image",
         prompt="a lighthouse at dusk",
         n=2,
@@ -62,7 +58,7 @@ def test_images_decode_to_the_requested_size(image_demo: str, output_format: str
 
 def generate(base: str, **body: object) -> tuple[str, str]:
     """One request's first image (base64) and its X-Request-Id."""
-    raw = client(base).images.with_raw_response.generate(
+    raw = openai_client(base).images.with_raw_response.generate(
         model="tiny-image", prompt="a red fox", size="32x32", extra_body={"num_inference_steps": 4, **body}
     )
     r = raw.parse()
@@ -98,7 +94,7 @@ def test_guidance_and_negative_prompt_steer_the_image(image_demo: str) -> None:
 
 
 def stream_events(base: str, **body: object) -> list[tuple[str, Image.Image]]:
-    stream = client(base).images.generate(
+    stream = openai_client(base).images.generate(
         model="tiny-image", prompt="a city of glass", size="64x32", stream=True, extra_body=body
     )
     return [(ev.type, decode(ev.b64_json)) for ev in stream]
@@ -127,7 +123,7 @@ def test_abort_mid_diffusion_stops_the_loop_and_frees(image_demo: str) -> None:
     generate(image_demo, num_inference_steps=1)  # nats-py makes its reply subscription on first use
     idle = gauges([image_demo])
     before = metric_values(dit, (STEPS,))[STEPS]
-    stream = client(image_demo).images.generate(
+    stream = openai_client(image_demo).images.generate(
         model="tiny-image",
         prompt="a long walk",
         size="64x64",
@@ -184,7 +180,7 @@ def test_what_the_model_cannot_do_is_a_400(
 
 
 def test_an_image_pipeline_refuses_text_and_speech(image_demo: str) -> None:
-    c = client(image_demo)
+    c = openai_client(image_demo)
     with pytest.raises(openai.BadRequestError, match="cannot output audio; it outputs image"):
         c.audio.speech.create(model="tiny-image", input="hello", voice="alloy")
     with pytest.raises(openai.BadRequestError, match="cannot output text; it outputs image"):

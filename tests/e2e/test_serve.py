@@ -32,6 +32,7 @@ from tests.helpers import (
     decode_wav,
     get_json,
     group_alive,
+    openai_client,
     replica_metric,
     replicas,
     served,
@@ -652,7 +653,7 @@ def test_a_request_past_its_deadline_is_a_504(tmp_path: Path) -> None:
     pipeline["spec"]["gateway"]["requestTimeoutS"] = 2
     (tmp_path / "deadline.yaml").write_text(yaml.safe_dump(pipeline))
     with served(tmp_path / "deadline.yaml", ROOT, tmp_path / "serve.log") as (_, base):
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        client = openai_client(base)
         messages = [{"role": "user", "content": "hi"}]
         text = client.chat.completions.create(model="slow", messages=messages)  # type: ignore[arg-type]
         assert text.choices[0].message.content
@@ -677,7 +678,7 @@ def test_sigkill_of_a_stage_mid_request(tmp_path: Path) -> None:
     speech: dict[str, Any] = {"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "pcm16"}}
     messages = [{"role": "user", "content": "speak"}]
     with served(SLOW, ROOT, tmp_path / "serve.log") as (serve, base):
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+        client = openai_client(base)
         talker = next(r for r in get_json(f"{base}/replicas")["replicas"] if r["stage"] == "talker")
         text, pcm = "", b""
         for chunk in client.chat.completions.create(model="slow", messages=messages, stream=True, **speech):  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.deployment import Streamed, ask_streaming, gauges, metrics_urls, settle
-from tests.helpers import ROOT, replica_metric, replicas, served, served_example, wait_for
+from tests.helpers import ROOT, openai_client, replica_metric, replicas, served, served_example, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -28,16 +28,12 @@ def demo(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
         yield base
 
 
-def _client(base: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-
-
-def _speak(base: str) -> bytes:
-    return _client(base).audio.speech.create(model="tiny-omni", input="Good night", voice="alloy").content
+def _speak(base: str, model: str = "tiny-omni") -> bytes:
+    return openai_client(base).audio.speech.create(model=model, input="Good night", voice="alloy").content
 
 
 def _chat(base: str, **extra: Any) -> Any:
-    return _client(base).chat.completions.create(
+    return openai_client(base).chat.completions.create(
         model="tiny-omni", messages=[{"role": "user", "content": "Good night"}], max_tokens=8, **extra
     )
 
@@ -151,11 +147,11 @@ def test_a_sleep_lets_what_the_replica_holds_finish_or_aborts_it(tmp_path: Path)
         settle([base], idle)
 
 
-def test_paused_in_the_pipeline_file_is_followed_without_a_restart(demo_dir: Path, tmp_path: Path) -> None:
+def test_paused_in_the_pipeline_file_is_followed_without_a_restart(tmp_path: Path) -> None:
     """A stage `paused` in the file starts asleep; set false (as Kubernetes updates a mounted
     ConfigMap), the same process wakes; set true again, it sleeps."""
-    pipeline = tmp_path / "tiny-omni.yaml"
-    doc = yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())
+    pipeline = tmp_path / "synthetic.yaml"
+    doc = yaml.safe_load((ROOT / "tests" / "data" / "synthetic.yaml").read_text())
     doc["spec"]["stages"][1]["paused"] = True
 
     def write(paused: bool) -> None:
@@ -165,16 +161,16 @@ def test_paused_in_the_pipeline_file_is_followed_without_a_restart(demo_dir: Pat
         shutil.move(staged, pipeline)  # a new file in its place, as the kubelet's symlink swap
 
     write(True)
-    with served(pipeline, demo_dir, tmp_path / "serve.log") as (_, base):
+    with served(pipeline, ROOT, tmp_path / "serve.log") as (_, base):
         (talker,) = replicas(base, "talker")
         assert talker["asleep"] == 2
         with pytest.raises(openai.APIStatusError) as info:
-            _speak(base)
+            _speak(base, "synth")
         assert info.value.status_code == 503
         write(False)
         wait_for(lambda: replicas(base, "talker")[0]["asleep"] is None, 30, "the talker to wake")
         assert replicas(base, "talker")[0]["pid"] == talker["pid"]
-        assert _speak(base)
+        assert _speak(base, "synth")
         write(True)
         wait_for(lambda: replicas(base, "talker")[0]["asleep"] == 2, 30, "the talker to sleep")
         assert replicas(base, "talker")[0]["pid"] == talker["pid"]

@@ -23,6 +23,7 @@ from tests.helpers import (
     ROOT,
     OmniProcess,
     decode_wav,
+    openai_client,
     our_shm_segments,
     replica_metric,
     replicas,
@@ -215,7 +216,7 @@ def test_replica_health_endpoints(cluster: str) -> None:
 
 def test_sigterm_drains_in_flight_work_then_exits_0(cluster_procs: Cluster) -> None:
     base, thinker = cluster_procs.base, cluster_procs.stages["thinker"]
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    client = openai_client(base)
     stream = client.chat.completions.create(
         model="synth", messages=[{"role": "user", "content": "drain me"}], max_tokens=1500, stream=True
     )

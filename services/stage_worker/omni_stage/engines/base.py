@@ -11,6 +11,7 @@ import asyncio
 import collections
 import ctypes
 import ctypes.util
+import functools
 import gc
 import importlib
 import time
@@ -224,6 +225,7 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+@functools.cache
 def _glibc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     if name is None or "libc.so" not in name:
