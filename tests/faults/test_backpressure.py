@@ -42,17 +42,23 @@ PREFIX = shm_prefix("backpressure")
 CREDIT = 8
 TOKENS = 2000
 HIDDEN_BYTES = 1024 * 4  # the producer's hidden states per unit (float32)
+LONG = 60
+"""The held request's tokens when the consumer is slowed to 50 ms a token: 3 s."""
 USER: Final = {"role": "user", "content": "a long answer"}
 
 
 @pytest.fixture
 def pipeline(nats: EmbeddedNats, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Deployment]:
-    """The pipeline; with a parameter, the producer's maxUnreadBytes set to it."""
+    """The pipeline; with a parameter (maxUnreadBytes, msPerUnit), the producer's maxUnreadBytes
+    and the consumer's speed set to it."""
     env = {"OMNI_SHM_PREFIX": PREFIX}
     path = PIPELINE
-    if (limit := getattr(request, "param", None)) is not None:
+    if (param := getattr(request, "param", None)) is not None:
         doc = yaml.safe_load(PIPELINE.read_text())
-        doc["spec"]["stages"][0]["maxUnreadBytes"] = limit
+        (
+            doc["spec"]["stages"][0]["maxUnreadBytes"],
+            doc["spec"]["stages"][1]["engine"]["args"]["msPerUnit"],
+        ) = param
         path = tmp_path / PIPELINE.name
         path.write_text(yaml.safe_dump(doc))
     with deployed(path, {"producer": 1, "consumer": 1}, 1, nats.url, ROOT, tmp_path, env) as d:
@@ -159,17 +165,24 @@ def test_requests_admitted_in_opposite_orders_do_not_wait_on_each_other(pipeline
     pipeline.settle(idle)
 
 
-@pytest.mark.parametrize("pipeline", [4 * HIDDEN_BYTES], indirect=True)
+@pytest.mark.parametrize("pipeline", [(HIDDEN_BYTES, 50)], indirect=True)
 def test_a_replica_whose_consumers_fall_behind_admits_nothing_new(pipeline: Deployment) -> None:
     """Past maxUnreadBytes of output unread, the producer refuses new requests (429 naming the
-    limit) and serves the one it holds to the end."""
+    limit) and serves the one it holds to the end.
+
+    The mark is one chunk and the consumer takes 50 ms a chunk: with the edge's credit of 8
+    chunks, the producer's unread output falls under the mark only if the producer stalls for
+    the 350 ms the consumer takes to read 7 chunks. (At 2 ms a chunk and a mark of 4, a stall of
+    8 ms on a loaded machine was enough, and the new request was queued instead of refused.)"""
     producer = replicas(pipeline.base, "producer")[0]
     metrics_url = f"http://127.0.0.1:{producer['metrics_port']}/metrics"
     client = _client(pipeline)
     long: dict[str, object] = {}
 
     def long_request() -> None:
-        long["answer"] = client.chat.completions.create(model="backpressure", messages=[USER])
+        long["answer"] = client.chat.completions.create(
+            model="backpressure", messages=[USER], max_tokens=LONG
+        )
 
     thread = threading.Thread(target=long_request)
     thread.start()
@@ -177,16 +190,16 @@ def test_a_replica_whose_consumers_fall_behind_admits_nothing_new(pipeline: Depl
         wait_for(
             lambda: (
                 metric_values(metrics_url, ("omni_stage_unread_bytes",))["omni_stage_unread_bytes"]
-                >= 4 * HIDDEN_BYTES
+                >= HIDDEN_BYTES
             ),
             30,
             "the producer's unread output to pass its mark",
         )
         with pytest.raises(openai.RateLimitError) as refused:
             client.chat.completions.create(model="backpressure", messages=[USER], max_tokens=4)
-        assert "bytes of its output wait unread by its consumers (maxUnreadBytes 16384)" in str(refused.value)
+        assert "bytes of its output wait unread by its consumers (maxUnreadBytes 4096)" in str(refused.value)
     finally:
         thread.join(120)
     answer = long["answer"]
     assert isinstance(answer, openai.types.chat.ChatCompletion)
-    assert answer.usage is not None and answer.usage.completion_tokens == TOKENS
+    assert answer.usage is not None and answer.usage.completion_tokens == LONG
