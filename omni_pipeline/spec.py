@@ -339,6 +339,16 @@ class GatewaySpec(_Model):
     )
 
 
+class ObservabilitySpec(_Model):
+    otlp_endpoint: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s/]+(/\S*)?$",
+        description="OpenTelemetry collector that every process sends its traces to, as a base URL "
+        "(http://collector:4318 for OTLP/HTTP; with OTEL_EXPORTER_OTLP_PROTOCOL=grpc, port 4317). "
+        "OTEL_EXPORTER_OTLP_ENDPOINT in a process's environment wins over it. Unset: no traces.",
+    )
+
+
 RESERVED_VOLUMES: Final = frozenset({"pipeline", "dshm", "api-keys", "nats-creds", "nats-tls"})
 """Volumes rendered pods may already have: the pipeline ConfigMap, /dev/shm, the gateway's API
 keys, NATS credentials and TLS files."""
@@ -403,6 +413,9 @@ class PipelineSpec(_Model):
     )
     gateway: GatewaySpec = Field(default_factory=GatewaySpec, description="The OpenAI-compatible gateway.")
     pods: PodsSpec = Field(default_factory=PodsSpec, description="Extra env and volumes for every pod.")
+    observability: ObservabilitySpec = Field(
+        default_factory=ObservabilitySpec, description="Where traces go (docs/observability.md)."
+    )
     stages: list[StageSpec] = Field(min_length=1, max_length=64, description="The stages; they form a DAG.")
 
     @model_validator(mode="after")

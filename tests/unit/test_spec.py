@@ -140,3 +140,11 @@ def test_bad_pods_section(pods: dict[str, Any], named: str) -> None:
     d = base()
     d["spec"]["pods"] = pods
     assert named in refused(d)
+
+
+def test_otlp_endpoint_is_a_url() -> None:
+    d = base()
+    d["spec"]["observability"] = {"otlpEndpoint": "http://collector.monitoring:4318"}
+    assert parse_pipeline(d).spec.observability.otlp_endpoint == "http://collector.monitoring:4318"
+    d["spec"]["observability"] = {"otlpEndpoint": "collector:4318"}
+    assert "observability.otlpEndpoint" in refused(d)

@@ -13,6 +13,8 @@ from typing import Any, Final
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from opentelemetry import trace
+from opentelemetry.instrumentation.fastapi import FastAPIInstrumentor
 from setproctitle import setproctitle
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -22,9 +24,10 @@ from omni_gateway.guards import ApiKeyAuth, BodyLimit, load_api_keys
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.routes import router
 from omni_gateway.service import PipelineClient
-from omni_pipeline.logs import configure_logging
+from omni_pipeline.logs import REQUEST_ID, configure_logging
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
 from omni_pipeline.spec import PipelineFile
+from omni_pipeline.tracing import configure_tracing, shutdown_tracing
 
 log = logging.getLogger("omni.gateway")
 
@@ -57,13 +60,18 @@ class RequestIdMiddleware:
         else:
             rid = pipeline_rid = uuid.uuid4().hex
         scope.setdefault("state", {})["request_id"] = pipeline_rid
+        trace.get_current_span().set_attribute("omni.request_id", pipeline_rid)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 message.setdefault("headers", []).append((b"x-request-id", rid.encode("latin-1")))
             await send(message)
 
-        await self.app(scope, receive, send_with_id)
+        token = REQUEST_ID.set(pipeline_rid)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            REQUEST_ID.reset(token)
 
 
 class StatusCounter:
@@ -153,6 +161,9 @@ def run_gateway(
     setproctitle("omni: gateway")
     api_keys = load_api_keys()  # before anything starts: bad key settings stop the gateway here
     log.info("gateway: API keys %s", f"required ({len(api_keys)})" if api_keys else "off")
+    traced = configure_tracing(
+        "omni-gateway", pipeline.spec.observability.otlp_endpoint, **{"service.namespace": pipeline.name}
+    )
 
     async def main() -> None:
         service = PipelineClient(pipeline, nats_url)
@@ -180,7 +191,12 @@ def run_gateway(
             await service.stop()
 
         sock = listen(host, port)
-        server = make_server(build_app(service, lifespan, api_keys), timeout_graceful_shutdown=30)
+        app = build_app(service, lifespan, api_keys)
+        if traced:  # only then: off, not even a middleware is added
+            FastAPIInstrumentor.instrument_app(
+                app, excluded_urls="/health,/metrics", exclude_spans=["receive", "send"]
+            )
+        server = make_server(app, timeout_graceful_shutdown=30)
 
         def stop() -> None:
             server.should_exit = True
@@ -189,4 +205,7 @@ def run_gateway(
         on_shutdown_signals(stop)
         await server.serve(sockets=[sock])
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        shutdown_tracing()

@@ -23,6 +23,9 @@ import nats
 import torch
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, StatusCode
 
 from omni_gateway.errors import (
     BadRequest,
@@ -36,7 +39,7 @@ from omni_gateway.errors import (
 from omni_gateway.events import AudioChunk, Event, Finished, ImageProgress, OfChoice, TextDelta
 from omni_gateway.replay import Delivered, Diverged
 from omni_gateway.replicas import Replica, ReplicaTable
-from omni_pipeline import wire
+from omni_pipeline import tracing, wire
 from omni_pipeline.connectors import (
     ConnectorError,
     OmniConnector,
@@ -68,6 +71,7 @@ from omni_pipeline.control import (
     unpack,
 )
 from omni_pipeline.spec import REQUEST_SOURCE, OutputKind, PipelineFile
+from omni_pipeline.tracing import TRACER
 
 log = logging.getLogger("omni.gateway")
 
@@ -98,6 +102,8 @@ class _Tracked:
     final_stages: set[str]
     queue: asyncio.Queue[GatewayInbound] = field(default_factory=lambda: asyncio.Queue(EVENT_QUEUE))
     failed: ErrorMsg | None = None
+    trace: Context | None = None
+    """The attempt's span, as the parent of what is done for it."""
     stage_usage: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per stage on the route, from its last message: what it read and made."""
 
@@ -330,47 +336,61 @@ class PipelineClient:
         outputs: set[OutputKind],
         media: dict[str, torch.Tensor] | None,
     ) -> AsyncIterator[Event]:
-        needed = self.spec.needed_stages(outputs)
-        picked: dict[str, Replica] = {}
-        try:
-            for s in needed:
-                picked[s] = await self._pick(s, deadline)
-        except OmniError:
-            self._release(picked)
-            raise
-        assert self.nc is not None
-        tracked = _Tracked(
-            rid,
-            {s: (r.hb.replica, r.hb.instance) for s, r in picked.items()},
-            {s for s in needed if self.spec.stage(s).final_output in outputs},
-        )
-        remaining = deadline - time.monotonic()
-        ctx = RequestContext(
-            rid, {s: r[0] for s, r in tracked.route.items()}, self.inbox, time.time() + remaining
-        )
-        self.inflight[rid] = tracked
+        # Not made the current span: this generator yields, and a context attached here would
+        # be detached in another (its caller's). What is done for the attempt names it as parent.
+        span = TRACER.start_span("omni.request", attributes={"omni.request_id": rid})
         completed = False
         reason = "the client went away"
         try:
-            # Downstream replicas first: each holds a slot before any source starts producing for
-            # it, so a refusal (draining, full, gone) comes before any output.
-            reservation = pack(StageRequest(ctx, {}, sampling))
-            await self._reserve(tracked, {s: reservation for s in needed if s not in self._sources})
-            sources = [s for s in needed if s in self._sources]
-            payload = {"inputs": inputs, "media": media or {}}
-            await self._reserve(tracked, {s: self._for_source(s, ctx, sampling, payload) for s in sources})
-            async with asyncio.timeout(remaining):
-                async for ev in self._events(tracked):
-                    yield ev
-            completed = True
-        except TimeoutError:
-            reason = "deadline exceeded"
-            raise Timeout(f"request {rid} exceeded {self.spec.gateway.request_timeout_s:.0f}s") from None
-        except OmniError as exc:
-            reason = exc.message
-            raise
+            needed = self.spec.needed_stages(outputs)
+            picked: dict[str, Replica] = {}
+            try:
+                for s in needed:
+                    picked[s] = await self._pick(s, deadline)
+            except OmniError as exc:
+                self._release(picked)
+                reason = exc.message
+                raise
+            assert self.nc is not None
+            tracked = _Tracked(
+                rid,
+                {s: (r.hb.replica, r.hb.instance) for s, r in picked.items()},
+                {s for s in needed if self.spec.stage(s).final_output in outputs},
+                trace=trace.set_span_in_context(span),
+            )
+            for s, (replica, _) in tracked.route.items():
+                span.set_attribute(f"omni.route.{s}", replica)
+            remaining = deadline - time.monotonic()
+            ctx = RequestContext(
+                rid, {s: r[0] for s, r in tracked.route.items()}, self.inbox, time.time() + remaining
+            )
+            self.inflight[rid] = tracked
+            try:
+                # Downstream replicas first: each holds a slot before any source starts producing
+                # for it, so a refusal (draining, full, gone) comes before any output.
+                reservation = pack(StageRequest(ctx, {}, sampling))
+                await self._reserve(tracked, {s: reservation for s in needed if s not in self._sources})
+                sources = [s for s in needed if s in self._sources]
+                payload = {"inputs": inputs, "media": media or {}}
+                await self._reserve(
+                    tracked, {s: self._for_source(s, ctx, sampling, payload) for s in sources}
+                )
+                async with asyncio.timeout(remaining):
+                    async for ev in self._events(tracked):
+                        yield ev
+                completed = True
+            except TimeoutError:
+                reason = "deadline exceeded"
+                raise Timeout(f"request {rid} exceeded {self.spec.gateway.request_timeout_s:.0f}s") from None
+            except OmniError as exc:
+                reason = exc.message
+                raise
+            finally:
+                await self._end(rid, completed, reason)
         finally:
-            await self._end(rid, completed, reason)
+            if not completed:
+                span.set_status(StatusCode.ERROR, reason)
+            span.end()
 
     async def _pick(self, stage: str, deadline: float) -> Replica:
         """A replica of `stage` for a new attempt. While NATS is away or the stage has no live
@@ -451,26 +471,33 @@ class PipelineClient:
 
         async def ask(stage: str, request: bytes) -> None:
             replica, instance = t.route[stage]
-            where = f"stage '{stage}' replica {replica}"
-            try:
-                reply = await nc.request(
-                    self.subjects.stage_inbox(stage, replica), request, timeout=ADMIT_TIMEOUT_S
-                )
-            except nats.errors.NoRespondersError:
-                if (gone := self.table.remove(stage, instance)) is not None:
-                    self._replica_gone(gone, "is gone")  # fail what it still held, as expiry would
-                raise StageFailed(f"{where} is gone", code="replica_lost") from None
-            except (TimeoutError, nats.errors.TimeoutError):
-                raise StageFailed(
-                    f"{where} did not answer in {ADMIT_TIMEOUT_S:.0f}s", code="replica_lost"
-                ) from None
-            try:
-                answer: Admitted = unpack(reply.data, Admitted)
-            except wire.WireError as exc:
-                raise StageFailed(f"{where} answered with an invalid message: {exc}") from None
-            if not answer.ok:
-                self.table.refused(stage, instance, answer)
-                raise _ERRORS.get(answer.code, StageFailed)(answer.message, code=answer.code)
+            # The parent of the stage's own span: the message carries this one's context. An
+            # exception leaving it marks it failed.
+            attributes = {"omni.stage": stage, "omni.replica": replica}
+            with TRACER.start_as_current_span("omni.admit", t.trace, SpanKind.CLIENT, attributes):
+                where = f"stage '{stage}' replica {replica}"
+                try:
+                    reply = await nc.request(
+                        self.subjects.stage_inbox(stage, replica),
+                        request,
+                        timeout=ADMIT_TIMEOUT_S,
+                        headers=tracing.headers(),
+                    )
+                except nats.errors.NoRespondersError:
+                    if (gone := self.table.remove(stage, instance)) is not None:
+                        self._replica_gone(gone, "is gone")  # fail what it still held, as expiry would
+                    raise StageFailed(f"{where} is gone", code="replica_lost") from None
+                except (TimeoutError, nats.errors.TimeoutError):
+                    raise StageFailed(
+                        f"{where} did not answer in {ADMIT_TIMEOUT_S:.0f}s", code="replica_lost"
+                    ) from None
+                try:
+                    answer: Admitted = unpack(reply.data, Admitted)
+                except wire.WireError as exc:
+                    raise StageFailed(f"{where} answered with an invalid message: {exc}") from None
+                if not answer.ok:
+                    self.table.refused(stage, instance, answer)
+                    raise _ERRORS.get(answer.code, StageFailed)(answer.message, code=answer.code)
 
         await asyncio.gather(*(ask(s, r) for s, r in requests.items()))
 

@@ -32,9 +32,12 @@ from typing import Any, Final
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, StatusCode
 from setproctitle import setproctitle
 
-from omni_pipeline import wire
+from omni_pipeline import tracing, wire
 from omni_pipeline.connectors import (
     ConnectorError,
     ConnectorHandle,
@@ -72,7 +75,7 @@ from omni_pipeline.control import (
     pack,
     unpack,
 )
-from omni_pipeline.logs import configure_logging
+from omni_pipeline.logs import REQUEST_ID, configure_logging
 from omni_pipeline.placement import VISIBLE_DEVICES_ENV
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
 from omni_pipeline.spec import (
@@ -84,6 +87,7 @@ from omni_pipeline.spec import (
     StageSpec,
     load_pipeline,
 )
+from omni_pipeline.tracing import TRACER, configure_tracing, shutdown_tracing
 from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
 from omni_stage.core import Admission, StageCore
 from omni_stage.credit import CreditLedger
@@ -113,6 +117,9 @@ class _Request:
     assembler: InputAssembler[Inbound]
     triggers: asyncio.Queue[Trigger[Inbound]]
     """Bounded by the in-edges' credit: a producer never has more chunks unread than that."""
+    span: Span
+    """The request's span on this replica, from admission to its end."""
+    admitted_ns: int = field(default_factory=time.time_ns)
     sampling: dict[str, Any] = field(default_factory=dict)
     task: asyncio.Task[str] | None = None
     credit_returned: asyncio.Event = field(default_factory=asyncio.Event)
@@ -552,6 +559,13 @@ class StageWorker:
             log.warning("stage %s: refused a message on %s: %s", self.spec.name, msg.subject, exc)
             self.metrics.outcome("refused")
             return
+        token = REQUEST_ID.set(m.request_id if isinstance(m, CreditMsg) else m.ctx.request_id)
+        try:
+            await self._take(msg, m)
+        finally:
+            REQUEST_ID.reset(token)
+
+    async def _take(self, msg: Msg, m: Inbound | CreditMsg) -> None:
         if isinstance(m, CreditMsg):
             returned = self.ledger.returned(m.request_id, m.consumer, m.chunks)
             if returned and (held := self.requests.get(m.request_id)) is not None:
@@ -565,7 +579,7 @@ class StageWorker:
             return
         st = self.requests.get(rid)
         if st is None:
-            st, refusal = self._admit(m.ctx)
+            st, refusal = self._admit(m.ctx, msg.headers)
             if st is None:
                 if isinstance(m, StageRequest):
                     await self._answer(msg, refusal)
@@ -597,7 +611,9 @@ class StageWorker:
             with contextlib.suppress(Exception):
                 await self.nc.publish(msg.reply, pack(answer))
 
-    def _admit(self, ctx: RequestContext) -> tuple[_Request, None] | tuple[None, Admitted]:
+    def _admit(
+        self, ctx: RequestContext, carried: dict[str, str] | None
+    ) -> tuple[_Request, None] | tuple[None, Admitted]:
         rid = ctx.request_id
         where = f"stage '{self.spec.name}' replica {self.replica}"
         if self.spec.name not in ctx.route:
@@ -625,7 +641,13 @@ class StageWorker:
             return None, Admitted(False, SLEEPING, f"{where} is asleep (level {self.asleep})")
         if admission is Admission.REJECT_FULL:
             return None, Admitted(False, "full", f"{where} is full")
-        st = _Request(ctx, InputAssembler(windows), asyncio.Queue(self.max_triggers))
+        span = TRACER.start_span(
+            "omni.stage.request",
+            tracing.extract(carried),
+            SpanKind.SERVER,
+            {"omni.request_id": rid, "omni.stage": self.spec.name, "omni.replica": self.replica},
+        )  # its parent: the gateway's span that sent the request (carried in the headers)
+        st = _Request(ctx, InputAssembler(windows), asyncio.Queue(self.max_triggers), span)
         self.requests[rid] = st
         if admission is Admission.RUN:
             self._start(st)
@@ -662,6 +684,8 @@ class StageWorker:
         if st is not None:  # queued, never started
             self.requests.pop(rid, None)
             self.metrics.outcome("aborted")
+            st.span.set_attribute("omni.outcome", "aborted")
+            st.span.end()
         self._cleanup(rid)
         self._check_idle()
 
@@ -670,6 +694,9 @@ class StageWorker:
     async def _serve(self, st: _Request) -> str:
         """Run one request to its end; returns its outcome (`_finished` frees what it held)."""
         rid = st.ctx.request_id
+        REQUEST_ID.set(rid)  # this task's own context: its log lines name the request
+        otel_context.attach(trace.set_span_in_context(st.span))  # and its trace, and parent its spans
+        TRACER.start_span("omni.stage.queue", start_time=st.admitted_ns).end()
         t0 = time.monotonic()
         seg = Segmenter(self.spec.max_segment_units, self.spec.flush_interval_ms / 1000)
         windows = {e.consumer: WindowState(e.window) for e in self.out_edges if e.consumer in st.ctx.route}
@@ -687,9 +714,10 @@ class StageWorker:
                         inputs = self._fetch(st, trig)
                         await self._return_credit(st, trig)
                         call = EngineCall(rid, inputs, ended, st.sampling, engine_state)
-                        async for out in self.engine.generate(call):
-                            if (s := seg.add(out)) is not None:
-                                await self._emit(st, s, windows, emitted, t0, _usage(engine_state, seg))
+                        with TRACER.start_as_current_span("omni.engine.call", attributes=_call_attrs(trig)):
+                            async for out in self.engine.generate(call):
+                                if (s := seg.add(out)) is not None:
+                                    await self._emit(st, s, windows, emitted, t0, _usage(engine_state, seg))
                         # Inputs read zero-copy pin their segments: let go before the next window.
                         del inputs, call
                 last = seg.finish()
@@ -727,7 +755,11 @@ class StageWorker:
         """A request's task ended, whether or not it ever ran: free what the request held."""
         rid = st.ctx.request_id
         outcome = "aborted" if task.cancelled() else ("error" if task.exception() else task.result())
-        log.info("stage %s/%s: request %s %s", self.spec.name, self.replica, rid, outcome)
+        st.span.set_attribute("omni.outcome", outcome)
+        if outcome not in ("ok", "aborted"):
+            st.span.set_status(StatusCode.ERROR, outcome)
+        with trace.use_span(st.span, end_on_exit=True):  # the line names its trace
+            log.info("stage %s/%s: request %s %s", self.spec.name, self.replica, rid, outcome)
         if outcome != "ok":
             self.core.abort(rid)
             self._cleanup(rid)
@@ -767,9 +799,10 @@ class StageWorker:
         t = time.monotonic()
         self._start_all(self.core.pause(rid))
         try:
-            while self.ledger.available(rid, consumer) <= 0:
-                st.credit_returned.clear()
-                await st.credit_returned.wait()
+            with TRACER.start_as_current_span("omni.credit.wait", attributes={"omni.consumer": consumer}):
+                while self.ledger.available(rid, consumer) <= 0:
+                    st.credit_returned.clear()
+                    await st.credit_returned.wait()
         finally:
             self.core.resume(rid)
             self.metrics.credit_wait(consumer, time.monotonic() - t)
@@ -786,9 +819,11 @@ class StageWorker:
 
     def _get(self, st: _Request, producer: str, handle: ConnectorHandle) -> Any:
         conn = self.in_connectors[producer]
-        t = time.perf_counter()
-        payload, nbytes = conn.get(producer, self.spec.name, st.ctx.request_id, handle)
-        self.metrics.connector(conn.name, "get", nbytes, time.perf_counter() - t)
+        with TRACER.start_as_current_span("omni.connector.get", attributes=_edge(conn, producer)) as span:
+            t = time.perf_counter()
+            payload, nbytes = conn.get(producer, self.spec.name, st.ctx.request_id, handle)
+            self.metrics.connector(conn.name, "get", nbytes, time.perf_counter() - t)
+            span.set_attribute("omni.bytes", nbytes)
         return payload
 
     async def _emit(
@@ -819,11 +854,7 @@ class StageWorker:
                 if charged:
                     await self._wait_for_credit(st, edge.consumer)
                 seq = emitted.next(edge.consumer)
-                t = time.perf_counter()
-                _, nbytes, handle = edge.connector.put(
-                    self.spec.name, edge.consumer, ctx.request_id, chunk.payload, seq=seq
-                )
-                self.metrics.connector(edge.connector.name, "put", nbytes, time.perf_counter() - t)
+                nbytes, handle = self._put(edge.connector, edge.consumer, ctx, chunk.payload, seq)
                 if charged:
                     self.ledger.sent(ctx.request_id, edge.consumer, nbytes)
                 out = SegmentMsg(ctx, self.spec.name, seq, chunk.is_last, chunk.units, handle)
@@ -842,11 +873,7 @@ class StageWorker:
         assert kind is not None
         handle = None
         if kind is not OutputKind.TEXT and seg.data:
-            t = time.perf_counter()
-            _, nbytes, handle = self.final_connector.put(
-                self.spec.name, "gateway", ctx.request_id, seg.data, seq=seg.sequence
-            )
-            self.metrics.connector(self.final_connector.name, "put", nbytes, time.perf_counter() - t)
+            _, handle = self._put(self.final_connector, "gateway", ctx, seg.data, seg.sequence)
         return FinalMsg(
             request_id=ctx.request_id,
             stage=self.spec.name,
@@ -861,6 +888,16 @@ class StageWorker:
             logprobs=seg.logprobs or None,
             tool_calls=seg.tool_calls or None,
         )
+
+    def _put(
+        self, conn: OmniConnector, consumer: str, ctx: RequestContext, data: Any, seq: int
+    ) -> tuple[int, ConnectorHandle]:
+        with TRACER.start_as_current_span("omni.connector.put", attributes=_edge(conn, consumer)) as span:
+            t = time.perf_counter()
+            _, nbytes, handle = conn.put(self.spec.name, consumer, ctx.request_id, data, seq=seq)
+            self.metrics.connector(conn.name, "put", nbytes, time.perf_counter() - t)
+            span.set_attribute("omni.bytes", nbytes)
+        return nbytes, handle
 
     async def _fail(self, ctx: RequestContext, message: str, code: str) -> None:
         if self.nc is None:
@@ -889,6 +926,15 @@ class StageWorker:
 def _usage(engine_state: dict[str, Any], seg: Segmenter) -> dict[str, int]:
     """What a request has read and made so far (the engine counts its prompt)."""
     return {"prompt_tokens": int(engine_state.get("prompt_tokens", 0)), "completion_tokens": seg.total_units}
+
+
+def _call_attrs(trig: Trigger[Inbound]) -> dict[str, Any]:
+    """What an engine call's span says of the window that triggered it."""
+    return {"omni.inputs": sorted(trig.inputs), "omni.is_last": trig.is_last}
+
+
+def _edge(conn: OmniConnector, peer: str) -> dict[str, str]:
+    return {"omni.connector": conn.name, "omni.connector.kind": conn.kind, "omni.peer": peer}
 
 
 def _stamp(path: str | None) -> tuple[int, int, int] | None:
@@ -943,8 +989,12 @@ def run_stage(
 ) -> None:
     """Process entry point (used by `omni stage` and by `omni serve` through the lifecycle)."""
     configure_logging()
-
     setproctitle(f"omni: stage {stage} replica {replica}")
+    configure_tracing(
+        f"omni-stage-{stage}",
+        pipeline.spec.observability.otlp_endpoint,
+        **{"service.namespace": pipeline.name, "omni.stage": stage, "omni.replica": replica},
+    )
 
     async def main() -> None:
         worker = StageWorker(pipeline, stage, replica, nats_url, pipeline_path)
@@ -956,5 +1006,8 @@ def run_stage(
         # Its engine is dead or wedged; a thread of it may never return, and an interpreter's
         # exit would wait for it for ever: go now, to be restarted.
         log.error("%s", exc)
+        shutdown_tracing()
         logging.shutdown()
         os._exit(1)
+    finally:
+        shutdown_tracing()
