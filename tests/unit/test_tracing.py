@@ -1,5 +1,5 @@
 """Tracing's settings and the log lines' ids, in-process. What crosses processes (spans from the
-gateway and every stage in one trace, their parents) is tests/e2e/test_tracing.py."""
+gateway and every stage in one trace, their parents) is tests/e2e/test_observability.py."""
 
 from __future__ import annotations
 

@@ -47,7 +47,15 @@ class GatewayMetrics:
         )
         self.first_output = Histogram(
             "omni_gateway_time_to_first_output_seconds",
-            "Request start to first output",
+            "Request start to its first output of each kind (text: TTFT, audio: TTFA, image)",
+            ["output"],
             buckets=_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter(
+            "omni_gateway_errors",
+            "Requests the pipeline failed after the gateway accepted them, by error code "
+            "(stage_error, timeout, pipeline_saturated, stage_unavailable, ...)",
+            ["code"],
             registry=r,
         )

@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -15,8 +15,8 @@ from prometheus_client.exposition import choose_encoder
 from starlette.types import Receive, Scope, Send
 
 from omni_gateway.chat import ChatResult, completion_body, index_of, now, sse_chunks
-from omni_gateway.errors import BadRequest, ModelNotFound, StageFailed, Unavailable
-from omni_gateway.events import AudioChunk, Event
+from omni_gateway.errors import BadRequest, ModelNotFound, OmniError, StageFailed, Unavailable
+from omni_gateway.events import AudioChunk, Event, ImageProgress, OfChoice, TextDelta
 from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.media import Media, decode_media
 from omni_gateway.metrics import GatewayMetrics
@@ -146,16 +146,18 @@ async def _respond(
     m = _metrics(request)
     t0 = time.monotonic()
     tensors = media.tensors if media else None
-    events: AsyncGenerator[Any] = (
+    events = _observed(
         svc.generate(rid, inputs, sampling, outputs, tensors, whole=whole)
         if n == 1
-        else svc.generate_choices(rid, n, inputs, sampling, outputs, tensors, whole=whole)
+        else svc.generate_choices(rid, n, inputs, sampling, outputs, tensors, whole=whole),
+        m,
+        t0,
+        rid,
     )
     m.inflight.inc()
     streaming = False
     try:
         first = await _first(events, request)
-        m.first_output.observe(time.monotonic() - t0, exemplar={"request_id": rid})
         answer = await _until_disconnect(respond(rid, first, events), request)
         if isinstance(answer, Streamed):
             body = _counted(answer.body, m, t0, rid)
@@ -257,6 +259,29 @@ async def omni_sleep(req: OmniSleepRequest, request: Request) -> dict[str, Any]:
 async def omni_wakeup(req: OmniWakeupRequest, request: Request) -> dict[str, Any]:
     svc = _service(request)
     return await wake(svc, stage_names(svc.spec, req.stage_ids))
+
+
+async def _observed(
+    events: AsyncGenerator[Any], m: GatewayMetrics, t0: float, rid: str
+) -> AsyncGenerator[Any]:
+    """A request's events as they pass: the time to its first output of each kind, and the code
+    of the error that ended it. Closing this closes `events` (which aborts the request)."""
+    seen: set[str] = set()
+    async with contextlib.aclosing(events):
+        try:
+            async for item in events:
+                kind = _OUTPUT_OF.get(type(item.event if isinstance(item, OfChoice) else item))
+                if kind is not None and kind not in seen:
+                    seen.add(kind)
+                    elapsed = time.monotonic() - t0
+                    m.first_output.labels(output=kind).observe(elapsed, exemplar={"request_id": rid})
+                yield item
+        except OmniError as exc:
+            m.errors.labels(code=exc.code or f"http_{exc.status}").inc()
+            raise
+
+
+_OUTPUT_OF: Final = {TextDelta: "text", AudioChunk: "audio", ImageProgress: "image"}
 
 
 async def _rest(first: T, events: AsyncIterator[T]) -> list[T]:

@@ -50,22 +50,30 @@ class StageMetrics:
         self.requests = Counter(
             "omni_stage_requests", "Requests ended, by outcome", [*labels.keys(), "outcome"], registry=r
         )
+        self.admissions = Counter(
+            "omni_stage_admissions",
+            "Requests offered to the replica, by result: run, queued, or why refused (full, draining, ...)",
+            [*labels.keys(), "result"],
+            registry=r,
+        )
         self.window_triggers = Counter(
             "omni_stage_window_triggers", "Engine calls triggered by input windows", labels.keys(), registry=r
         ).labels(**labels)
         self.segments = Counter("omni_stage_segments", "Segments flushed", labels.keys(), registry=r).labels(
             **labels
         )
+        # By edge: `peer` is the stage at the edge's other end (`request` for the client's input
+        # read by a source stage, `gateway` for final outputs).
         self.connector_bytes = Counter(
             "omni_connector_bytes",
-            "Payload bytes through connectors",
-            [*labels.keys(), "connector", "op"],
+            "Payload bytes through connectors, by connector, op (put, get) and the edge's other stage",
+            [*labels.keys(), "connector", "op", "peer"],
             registry=r,
         )
         self.connector_seconds = Histogram(
             "omni_connector_seconds",
-            "Connector put/get latency",
-            [*labels.keys(), "connector", "op"],
+            "Connector put/get latency, by connector, op and the edge's other stage",
+            [*labels.keys(), "connector", "op", "peer"],
             buckets=_LATENCY,
             registry=r,
         )
@@ -111,12 +119,16 @@ class StageMetrics:
         self.engine_steps.inc(max(0, total - self._engine_steps_seen))
         self._engine_steps_seen = max(total, self._engine_steps_seen)
 
+    def admission(self, result: str) -> None:
+        self.admissions.labels(**self._labels, result=result).inc()
+
     def outcome(self, outcome: str) -> None:
         self.requests.labels(**self._labels, outcome=outcome).inc()
 
     def credit_wait(self, consumer: str, seconds: float) -> None:
         self.credit_wait_seconds.labels(**self._labels, consumer=consumer).inc(seconds)
 
-    def connector(self, connector: str, op: str, nbytes: int, seconds: float) -> None:
-        self.connector_bytes.labels(**self._labels, connector=connector, op=op).inc(nbytes)
-        self.connector_seconds.labels(**self._labels, connector=connector, op=op).observe(seconds)
+    def connector(self, connector: str, op: str, peer: str, nbytes: int, seconds: float) -> None:
+        edge = {**self._labels, "connector": connector, "op": op, "peer": peer}
+        self.connector_bytes.labels(**edge).inc(nbytes)
+        self.connector_seconds.labels(**edge).observe(seconds)

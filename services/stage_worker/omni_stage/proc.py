@@ -580,6 +580,7 @@ class StageWorker:
         st = self.requests.get(rid)
         if st is None:
             st, refusal = self._admit(m.ctx, msg.headers)
+            self.metrics.admission(refusal.code if st is None else ("run" if st.task else "queued"))
             if st is None:
                 if isinstance(m, StageRequest):
                     await self._answer(msg, refusal)
@@ -822,7 +823,7 @@ class StageWorker:
         with TRACER.start_as_current_span("omni.connector.get", attributes=_edge(conn, producer)) as span:
             t = time.perf_counter()
             payload, nbytes = conn.get(producer, self.spec.name, st.ctx.request_id, handle)
-            self.metrics.connector(conn.name, "get", nbytes, time.perf_counter() - t)
+            self.metrics.connector(conn.name, "get", producer, nbytes, time.perf_counter() - t)
             span.set_attribute("omni.bytes", nbytes)
         return payload
 
@@ -895,7 +896,7 @@ class StageWorker:
         with TRACER.start_as_current_span("omni.connector.put", attributes=_edge(conn, consumer)) as span:
             t = time.perf_counter()
             _, nbytes, handle = conn.put(self.spec.name, consumer, ctx.request_id, data, seq=seq)
-            self.metrics.connector(conn.name, "put", nbytes, time.perf_counter() - t)
+            self.metrics.connector(conn.name, "put", consumer, nbytes, time.perf_counter() - t)
             span.set_attribute("omni.bytes", nbytes)
         return nbytes, handle
 
