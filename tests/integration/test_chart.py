@@ -4,6 +4,7 @@ uses, the CRD is the generated one, and bad values are refused by values.schema.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,11 +17,14 @@ import yaml
 from omni_cli.main import parser
 from omni_operator.cluster import CHILD_KINDS
 from omni_operator.crd import GROUP, PLURAL, crd
-from omni_operator.render import RUN_AS
+from omni_operator.render import COMPONENT_LABEL, RUN_AS, render
+from omni_pipeline.spec import load_pipeline
+from scripts.grafana_dashboard import dashboard
 from tests.helpers import ROOT
 
 HELM = Path(sys.executable).parent / "helm"
 CHART = ROOT / "charts" / "omni-pipeline"
+DASHBOARD = CHART / "dashboards" / "omni-pipeline.json"
 VALUE_SETS = {
     "defaults": [],
     "nats-and-mooncake": ["--set", "nats.enabled=true", "--set", "mooncake.enabled=true"],
@@ -155,3 +159,75 @@ def test_image_user_is_the_one_pods_run_as() -> None:
                 assert (ROOT / src).exists(), src
     pod = operator_deployment(template())["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] == RUN_AS
+
+
+MONITORING = ["--set", "monitoring.dashboard.enabled=true", "--set", "monitoring.labels.release=prom"]
+
+
+@pytest.mark.parametrize("monitor", ["PodMonitor", "ServiceMonitor"])
+def test_monitors_scrape_every_pod_the_operator_renders(monitor: str) -> None:
+    """The Prometheus Operator's kinds cannot be validated here (no schema for them offline): their
+    fields are checked by hand; the core objects beside them strictly, as everywhere."""
+    switch = "podMonitor" if monitor == "PodMonitor" else "serviceMonitor"
+    objects = template(*MONITORING, "--set", f"monitoring.{switch}.enabled=true")
+    for obj in objects:
+        if obj["apiVersion"] != "monitoring.coreos.com/v1":
+            kubernetes_validate.validate(obj, "1.33", strict=True)
+    (mon,) = by_kind(objects, monitor)
+    assert mon["metadata"]["labels"]["release"] == "prom"
+    spec = mon["spec"]
+    assert spec["namespaceSelector"] == {"any": True}
+    (endpoint,) = spec["podMetricsEndpoints" if monitor == "PodMonitor" else "endpoints"]
+    assert endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
+    assert {r["targetLabel"] for r in endpoint["relabelings"]} == {"pipeline", "component"}
+    # Every gateway and stage pod (and Service) the operator renders is selected, on its http port.
+    rendered = render(load_pipeline(ROOT / "examples" / "tiny-omni-distributed.yaml"))
+    targets = by_kind(rendered, "Deployment" if monitor == "PodMonitor" else "Service")
+    assert {t["metadata"]["labels"][COMPONENT_LABEL] for t in targets} >= {
+        "gateway",
+        "stage-thinker",
+        "stage-talker",
+    }
+    for t in targets:
+        labels = (
+            t["spec"]["template"]["metadata"]["labels"]
+            if monitor == "PodMonitor"
+            else t["metadata"]["labels"]
+        )
+        assert spec["selector"]["matchLabels"].items() <= labels.items()
+        ports = (
+            t["spec"]["template"]["spec"]["containers"][0]["ports"]
+            if monitor == "PodMonitor"
+            else t["spec"]["ports"]
+        )
+        assert endpoint["port"] in {p["name"] for p in ports}
+    # The operator's own pod is not a target.
+    assert (
+        not spec["selector"]["matchLabels"].items()
+        <= operator_deployment(objects)["spec"]["template"]["metadata"]["labels"].items()
+    )
+
+
+def test_monitors_follow_the_watched_namespaces() -> None:
+    objects = template(
+        "--set", "monitoring.podMonitor.enabled=true", "--set", "operator.watchNamespaces={a,b}"
+    )
+    (mon,) = by_kind(objects, "PodMonitor")
+    assert mon["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
+
+
+def test_one_monitor_kind_at_a_time() -> None:
+    both = ["--set", "monitoring.podMonitor.enabled=true", "--set", "monitoring.serviceMonitor.enabled=true"]
+    out = helm("template", "omni", str(CHART), *both)
+    assert out.returncode != 0 and "podMonitor or serviceMonitor, not both" in out.stderr
+
+
+def test_dashboard_is_the_generated_one() -> None:
+    (cm,) = [
+        c for c in by_kind(template(*MONITORING), "ConfigMap") if c["metadata"]["name"].endswith("-dashboard")
+    ]
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(cm["data"]["omni-pipeline.json"])
+    assert board == dashboard(), "regenerate: python scripts/grafana_dashboard.py > " + str(DASHBOARD)
+    assert json.loads(DASHBOARD.read_text()) == board
+    assert len(board["panels"]) >= 12 and all(p["targets"] for p in board["panels"])
