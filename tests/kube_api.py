@@ -6,9 +6,11 @@ Fake on purpose (no cluster can run here): kmock stores objects and serves list/
 patch/delete. What a real API server and kube-controller-manager add, and kmock leaves to its
 users, is added here and nothing more: server-set metadata (uid, creationTimestamp,
 resourceVersion, `generation` bumped when the spec changes), the status subresource (status
-writes touch only status; main writes never touch it), server-side apply for a single field
-manager (creates, or replaces what the manager applied and keeps status), equality label
-selectors on lists, and the garbage collector (deleting an owner deletes what it owns).
+writes touch only status; main writes never touch it), server-side apply with field ownership
+across managers (tests/kube_fields.py: an apply that drops a field it alone owned removes it,
+conflicts are 409s unless forced) and the one default it matters for (a Deployment's
+`spec.replicas`: 1), equality label selectors on lists, and the garbage collector (deleting an
+owner deletes what it owns).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
@@ -29,6 +32,8 @@ import kubernetes
 import yaml
 from kubernetes.dynamic import DynamicClient
 from kubernetes.dynamic.exceptions import NotFoundError
+
+from tests import kube_fields
 
 PIPELINE_API = "omnipipeline.dev/v1alpha1"
 APPLY_PATCH = "application/apply-patch+yaml"
@@ -84,7 +89,10 @@ class ApiServer(kmock.KubernetesEmulator):
         if len(self._requests) > 256:
             del self._requests[:-16]
         if request.resource is not None:
-            served = await self._server_side(request)
+            try:
+                served = await self._server_side(request)
+            except kube_fields.ApplyConflict as exc:  # an answer, not an emulator failure
+                return _status(409, "Conflict", str(exc))
             if served is not request:  # kmock matches reactions to the requests it logged, by identity
                 self._requests[self._requests.index(request)] = served
             request = served
@@ -100,18 +108,23 @@ class ApiServer(kmock.KubernetesEmulator):
             exists = current is not None and not current.deleted
             old = copy.deepcopy(current.raw) if exists else None
         content_type = request.headers.get("Content-Type", "").split(";")[0]
+        manager = request.params.get("fieldManager") or "unnamed"
+        force = request.params.get("force") == "true"
         if request.action == kmock.action.CREATE:
-            return attrs.evolve(request, data=self._created(request.data, request.namespace))
+            body = _defaulted(kube_fields.created(request.data, manager))
+            return attrs.evolve(request, data=self._created(body, request.namespace))
         if request.method == kmock.method.PATCH and content_type == APPLY_PATCH and not exists:
-            body = self._created(yaml.safe_load(request.text), request.namespace)
-            return attrs.evolve(request, action=kmock.action.CREATE, data=body)
+            config = yaml.safe_load(request.text)
+            body = _defaulted(kube_fields.apply(None, config, manager, force))
+            body["metadata"]["name"] = config["metadata"]["name"]
+            return attrs.evolve(
+                request, action=kmock.action.CREATE, data=self._created(body, request.namespace)
+            )
         if request.action != kmock.action.UPDATE or old is None:
             return request
         if content_type == APPLY_PATCH:
-            new = yaml.safe_load(request.text)
+            new = _defaulted(kube_fields.apply(old, yaml.safe_load(request.text), manager, force))
             new["metadata"] = {**new.get("metadata", {}), **_server_meta(old)}
-            if "status" in old:
-                new["status"] = old["status"]
         else:
             if content_type == JSON_PATCH:
                 new = jsonpatch.apply_patch(old, request.data)
@@ -122,7 +135,7 @@ class ApiServer(kmock.KubernetesEmulator):
             if request.subresource == "status":
                 new = {**old, "status": new.get("status")}
             else:
-                new = {**new, "status": old.get("status")}
+                new = _defaulted(kube_fields.update(old, {**new, "status": old.get("status")}, manager))
             new["metadata"] = {**new.get("metadata", {}), **_server_meta(old)}
             if new["status"] is None:
                 del new["status"]
@@ -175,6 +188,21 @@ class ApiServer(kmock.KubernetesEmulator):
         return listing
 
 
+def _defaulted(obj: dict[str, Any]) -> dict[str, Any]:
+    """The API server's defaulting, for the field it matters for here: a Deployment with no
+    `replicas` (none asked, or the last manager that set it let go of it) runs 1."""
+    if obj.get("kind") == "Deployment":
+        obj.setdefault("spec", {}).setdefault("replicas", 1)
+    return obj
+
+
+def _status(code: int, reason: str, message: str) -> aiohttp.web.Response:
+    body = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure"}
+    return aiohttp.web.json_response(
+        {**body, "message": message, "reason": reason, "code": code}, status=code
+    )
+
+
 def _server_meta(old: dict[str, Any]) -> dict[str, Any]:
     keep = ("uid", "creationTimestamp", "resourceVersion", "generation", "deletionTimestamp")
     return {k: old["metadata"][k] for k in keep if k in old["metadata"]}
@@ -205,6 +233,7 @@ class ApiServerThread:
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
+        self._server: ApiServer | None = None
         self._thread = threading.Thread(target=self._run, name="kube-api", daemon=True)
         self.error: BaseException | None = None
 
@@ -228,6 +257,19 @@ class ApiServerThread:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
 
+    def versions(self, resource: str, namespace: str, name: str) -> list[dict[str, Any]]:
+        """Every version an object has had, oldest first (`resource`: "apps/v1/deployments"):
+        what a test asserts a transition never passed through."""
+        server = self._server
+        assert server is not None
+
+        async def read() -> list[dict[str, Any]]:
+            async with server._lock:
+                history = server.objects[resource, namespace, name].history
+                return [copy.deepcopy(dict(v)) for v in history if v is not None]
+
+        return asyncio.run_coroutine_threadsafe(read(), self._loop).result(10)
+
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
@@ -241,16 +283,23 @@ class ApiServerThread:
     async def _serve(self) -> None:
         self._stop = asyncio.Event()
         async with ApiServer() as handler, kmock.Server(handler) as server:
+            self._server = handler
             self.url = str(server.url).rstrip("/")
             self._ready.set()
             await self._stop.wait()
 
 
 class Kube:
-    """The test's kubectl: a dynamic client on the emulator."""
+    """The test's kubectl: a dynamic client on the emulator (and the emulator, to read history)."""
 
-    def __init__(self, kubeconfig: Path) -> None:
+    def __init__(self, kubeconfig: Path, server: ApiServerThread | None = None) -> None:
         self.dyn = DynamicClient(kubernetes.config.new_client_from_config(str(kubeconfig)))
+        self._server = server
+
+    @property
+    def server(self) -> ApiServerThread:
+        assert self._server is not None, "this Kube was made without its server"
+        return self._server
 
     def kind(self, api_version: str, kind: str) -> Any:
         return self.dyn.resources.get(api_version=api_version, kind=kind)

@@ -2,8 +2,10 @@
 
 Children are written with server-side apply under one field manager, so a re-apply is a no-op
 when nothing changed and undoes drift in the fields the operator owns while leaving fields that
-others own (an HPA's `replicas`) alone. Children are found by label and kept only if an owner
-reference names the pipeline's uid, so the operator never touches what it did not create.
+others own (an HPA's `replicas`) alone. A second manager holds an autoscaled Deployment's
+`replicas` while it passes to the autoscaler (`hold_replicas`). Children are found by label and
+kept only if an owner reference names the pipeline's uid, so the operator never touches what it
+did not create.
 """
 
 from __future__ import annotations
@@ -14,12 +16,14 @@ from typing import Any, Final, NamedTuple
 
 from kubernetes.client import ApiClient
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import NotFoundError
+from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
 
 from .crd import GROUP, KIND, VERSION
 from .render import INSTANCE_LABEL, MANAGED_BY, MANAGED_BY_LABEL
 
 FIELD_MANAGER: Final = "omni-operator"
+REPLICAS_MANAGER: Final = "omni-operator-replicas"
+"""Holds an autoscaled Deployment's `replicas` until the autoscaler's own writes take it."""
 PIPELINE_API: Final = f"{GROUP}/{VERSION}"
 
 
@@ -81,6 +85,38 @@ class Cluster:
             field_manager=FIELD_MANAGER,
             force_conflicts=True,
         )
+
+    def get(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """The live object named like `obj`, or None."""
+        meta = obj["metadata"]
+        try:
+            kind = self._kind(obj["apiVersion"], obj["kind"])
+            return kind.get(name=meta["name"], namespace=meta["namespace"]).to_dict()
+        except NotFoundError:
+            return None
+
+    def hold_replicas(self, deployment: dict[str, Any], replicas: int) -> bool:
+        """Own the Deployment's `replicas`, at `replicas`, under REPLICAS_MANAGER. Never forced:
+        a conflict means another manager (the autoscaler) set another value since it was read,
+        and so owns it: then nothing is done (False)."""
+        meta = deployment["metadata"]
+        body = {
+            "apiVersion": deployment["apiVersion"],
+            "kind": deployment["kind"],
+            "metadata": {"name": meta["name"], "namespace": meta["namespace"]},
+            "spec": {"replicas": replicas},
+        }
+        try:
+            self._kind(body["apiVersion"], body["kind"]).server_side_apply(
+                body=body,
+                name=meta["name"],
+                namespace=meta["namespace"],
+                field_manager=REPLICAS_MANAGER,
+                force_conflicts=False,
+            )
+        except ConflictError:
+            return False
+        return True
 
     def owned(
         self, namespace: str, pipeline: str, uid: str, kinds: Iterable[ChildKind] = CHILD_KINDS

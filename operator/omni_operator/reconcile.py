@@ -99,10 +99,14 @@ class Reconciler:
             return
         desired = render(pipeline, namespace, self.image)
         owner = owner_reference(body)
+        floors = autoscaler_floors(desired)
         for obj in desired:
             obj["metadata"]["ownerReferences"] = [owner]
             try:
-                self.cluster.apply(obj)
+                if obj["kind"] == DEPLOYMENTS.kind and obj["metadata"]["name"] in floors:
+                    self._apply_autoscaled(obj, floors[obj["metadata"]["name"]])
+                else:
+                    self.cluster.apply(obj)
             except (ApiException, DynamicApiError) as exc:
                 what = f"{obj['kind']} {obj['metadata']['name']}: {_reason(exc)}"
                 self.cluster.patch_status(namespace, name, noted(generation, apply_failed(what), previous))
@@ -117,6 +121,23 @@ class Reconciler:
                 self.cluster.delete(child)
         self._report(body, pipeline, kept)
 
+    def _apply_autoscaled(self, deployment: dict[str, Any], floor: int) -> None:
+        """Apply a Deployment an autoscaler scales, handing its `replicas` over without a dip.
+
+        It is applied without `replicas`. Were the operator the field's only owner (the stage
+        had a fixed count until now), that would release it and the API server would reset it
+        to 1 until the autoscaler next acts. So a second manager holds the field first, at its
+        live value (a new Deployment is made at the autoscaler's floor), and keeps it until the
+        autoscaler's own writes take it: the count goes from the operator's to the
+        autoscaler's with no value in between."""
+        live = self.cluster.get(deployment)
+        if live is None:
+            self.cluster.apply({**deployment, "spec": {**deployment["spec"], "replicas": floor}})
+            self.cluster.hold_replicas(deployment, floor)
+            return
+        self.cluster.hold_replicas(deployment, int(live["spec"].get("replicas", floor)))
+        self.cluster.apply(deployment)
+
     def _report(
         self, body: dict[str, Any], pipeline: PipelineFile, children: list[dict[str, Any]] | None = None
     ) -> None:
@@ -129,6 +150,15 @@ class Reconciler:
         previous = (body.get("status") or {}).get("conditions") or []
         status = pipeline_status(pipeline, namespace, meta.get("generation", 1), deployments, previous)
         self.cluster.patch_status(namespace, name, status.model_dump(by_alias=True, mode="json"))
+
+
+def autoscaler_floors(objects: list[dict[str, Any]]) -> dict[str, int]:
+    """Deployment name -> the least replicas its autoscaler keeps, for each one scaled."""
+    return {
+        o["spec"]["scaleTargetRef"]["name"]: int(o["spec"].get("minReplicas", 1))
+        for o in objects
+        if o["kind"] == "HorizontalPodAutoscaler"
+    }
 
 
 def _reason(exc: ApiException | DynamicApiError) -> str:

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from kopf.testing import KopfRunner
 
+from omni_operator.cluster import FIELD_MANAGER
 from omni_operator.handlers import IMAGE_ENV, RESYNC_ENV
 from omni_operator.render import CONFIG_HASH_ANNOTATION
 from tests.helpers import ROOT, wait_for
@@ -28,13 +29,13 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
     """An emulated API server and the operator (kopf in its own thread, logged in through our
     `@kopf.on.login`, which reads the same kubeconfig as the test's client)."""
     kubeconfig = tmp_path_factory.mktemp("kube") / "kubeconfig"
-    with ApiServerThread(kubeconfig), pytest.MonkeyPatch.context() as mp:
+    with ApiServerThread(kubeconfig) as server, pytest.MonkeyPatch.context() as mp:
         mp.setenv("KUBECONFIG", str(kubeconfig))
         mp.setenv(IMAGE_ENV, IMAGE)
         mp.setenv(RESYNC_ENV, "3600")
         args = ["run", "--standalone", "--all-namespaces", "-m", "omni_operator.handlers"]
         with KopfRunner(args, timeout=60) as runner:
-            yield Kube(kubeconfig)
+            yield Kube(kubeconfig, server)
         assert runner.exception is None, runner.output
 
 
@@ -168,19 +169,82 @@ def test_update_changes_children_and_removing_a_stage_prunes_it(kube: Kube) -> N
     assert found["Service"] == {"p-thinker", "p-vocoder", "p-gateway"}
 
 
-def test_autoscaling_stage_gets_an_hpa_and_no_replicas(kube: Kube) -> None:
+def talker_replicas(kube: Kube, ns: str) -> list[int]:
+    """Every `replicas` the talker's Deployment has had, in order, repeats dropped."""
+    seen: list[int] = []
+    for version in kube.server.versions("apps/v1/deployments", ns, "p-talker"):
+        if not seen or seen[-1] != version["spec"]["replicas"]:
+            seen.append(version["spec"]["replicas"])
+    return seen
+
+
+def owns_replicas(deployment: dict[str, Any], manager: str) -> bool:
+    return any(
+        e["manager"] == manager and "f:replicas" in e.get("fieldsV1", {}).get("f:spec", {})
+        for e in deployment["metadata"].get("managedFields") or []
+    )
+
+
+def test_autoscaling_takes_replicas_over_without_a_dip_and_gives_them_back(kube: Kube) -> None:
+    """Under server-side apply (tests/kube_fields.py: field ownership as the API server keeps
+    it), turning autoscaling on must not release `replicas` to the API server's default of 1,
+    the operator must never undo what the autoscaler set, and turning it off takes it back."""
     ns = "hpa"
     body = pipeline_body("p")
-    body["spec"]["stages"][1]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
+    body["spec"]["stages"][1]["replicas"] = 3
     kube.create(body, ns)
-    wait_for(lambda: children(kube, ns)["HorizontalPodAutoscaler"] == {"p-talker"}, 30, "the HPA")
-    talker = kube.get("apps/v1", "Deployment", ns, "p-talker")
-    assert "replicas" not in talker["spec"]  # type: ignore[index]
+    talker = lambda: kube.get("apps/v1", "Deployment", ns, "p-talker")  # noqa: E731
+    wait_for(lambda: (talker() or {}).get("spec", {}).get("replicas") == 3, 30, "talker at 3")
 
     spec = copy.deepcopy(body["spec"])
+    spec["stages"][1]["autoscaling"] = {"minReplicas": 2, "maxReplicas": 6}
+    kube.patch_spec(ns, "p", spec)
+    wait_for(lambda: children(kube, ns)["HorizontalPodAutoscaler"] == {"p-talker"}, 30, "the HPA")
+    wait_for(lambda: not owns_replicas(talker(), FIELD_MANAGER), 30, "the operator to let go of replicas")
+    assert talker()["spec"]["replicas"] == 3  # held at its value for the autoscaler: no dip
+
+    # The autoscaler acts: its writes (through the scale subresource) are updates of its own.
+    kube.kind("apps/v1", "Deployment").patch(
+        body={"spec": {"replicas": 5}},
+        name="p-talker",
+        namespace=ns,
+        content_type="application/merge-patch+json",
+        field_manager="horizontal-pod-autoscaler",
+    )
+    # The operator applies the talker again (its template changes) and leaves the count alone.
+    spec["stages"][1]["maxInflight"] = 6
+    kube.patch_spec(ns, "p", spec)
+    generation = kube.pipeline(ns, "p")["metadata"]["generation"]
+    wait_for(
+        lambda: (kube.pipeline(ns, "p").get("status") or {}).get("observedGeneration") == generation,
+        30,
+        "the new spec applied",
+    )
+    assert talker()["spec"]["replicas"] == 5
+
+    # Autoscaling off: the count is the spec's again, and the HPA goes.
     del spec["stages"][1]["autoscaling"]
+    spec["stages"][1]["replicas"] = 4
     kube.patch_spec(ns, "p", spec)
     wait_for(lambda: not children(kube, ns)["HorizontalPodAutoscaler"], 30, "the HPA pruned")
+    wait_for(lambda: talker()["spec"]["replicas"] == 4, 30, "talker at 4")
+    assert owns_replicas(talker(), FIELD_MANAGER)
+    assert talker_replicas(kube, ns) == [3, 5, 4]
+
+
+def test_a_new_autoscaled_stage_starts_at_its_floor(kube: Kube) -> None:
+    ns = "hpa-new"
+    body = pipeline_body("p")
+    body["spec"]["stages"][1]["autoscaling"] = {"minReplicas": 2, "maxReplicas": 4}
+    kube.create(body, ns)
+    wait_for(lambda: children(kube, ns)["HorizontalPodAutoscaler"] == {"p-talker"}, 30, "the HPA")
+    # A later apply (any spec change) drops the operator's claim; the count stays at the floor.
+    spec = copy.deepcopy(body["spec"])
+    spec["stages"][1]["maxInflight"] = 6
+    kube.patch_spec(ns, "p", spec)
+    talker = lambda: kube.get("apps/v1", "Deployment", ns, "p-talker")  # noqa: E731
+    wait_for(lambda: not owns_replicas(talker(), FIELD_MANAGER), 30, "the operator to let go of replicas")
+    assert talker_replicas(kube, ns) == [2]  # never 1, never anything else
 
 
 def shm_edge(spec: dict[str, Any]) -> None:
