@@ -129,15 +129,44 @@ class ResourcesSpec(_Model):
     memory: str | None = Field(default=None, description="Memory request, Kubernetes quantity.")
 
 
-class AutoscalingSpec(_Model):
-    """Scale a stage on its queue (an HPA on the per-pod metric); the operator then leaves replicas alone."""
+class KedaSpec(_Model):
+    """Scale with KEDA on a Prometheus query instead of an HPA on the custom metrics API."""
 
-    min_replicas: int = Field(default=1, ge=0, description="Fewest replicas.")
+    prometheus_address: str = Field(
+        pattern=r"^https?://\S+$",
+        description="The Prometheus KEDA queries, e.g. http://prometheus-operated.monitoring:9090.",
+    )
+    query: str | None = Field(
+        default=None,
+        description="PromQL for the stage's load, compared with targetAverageValue per replica. Default: "
+        "the sum of `metric` over the stage's pods, by the labels the chart's PodMonitor adds.",
+    )
+    polling_interval_s: int = Field(
+        default=15, ge=1, alias="pollingIntervalSeconds", description="How often KEDA queries."
+    )
+
+
+class AutoscalingSpec(_Model):
+    """Scale a stage on its queue (an HPA on the per-pod metric, or KEDA); the operator then
+    leaves replicas to the autoscaler."""
+
+    min_replicas: int = Field(default=1, ge=0, description="Fewest replicas (0 only with KEDA).")
     max_replicas: int = Field(ge=1, description="Most replicas.")
     metric: str = Field(
         default="omni_stage_queued_requests", description="Per-pod metric to scale on (custom metrics API)."
     )
     target_average_value: str = Field(default="4", description="Target average of the metric per pod.")
+    keda: KedaSpec | None = Field(
+        default=None, description="Set: a KEDA ScaledObject on Prometheus does the scaling, not an HPA."
+    )
+
+    @model_validator(mode="after")
+    def _range(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"minReplicas: {self.min_replicas} is more than maxReplicas {self.max_replicas}")
+        if self.min_replicas == 0 and self.keda is None:
+            raise ValueError("minReplicas: 0 needs keda (an HPA scales no lower than 1)")
+        return self
 
 
 class StageSpec(_Model):

@@ -67,6 +67,10 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
         kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list", "watch"},
     ),
     "v1/events": kmock.ResourceInfo(kind="Event", singular="event", namespaced=True, verbs={"create"}),
+    "keda.sh/v1alpha1/scaledobjects": kmock.ResourceInfo(
+        kind="ScaledObject", singular="scaledobject", namespaced=True,
+        verbs={"get", "list", "watch", "create", "patch", "delete"},
+    ),
     "autoscaling/v2/horizontalpodautoscalers": kmock.ResourceInfo(
         kind="HorizontalPodAutoscaler", singular="horizontalpodautoscaler", namespaced=True,
         verbs={"get", "list", "watch", "create", "patch", "delete"},

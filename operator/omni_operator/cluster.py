@@ -16,7 +16,7 @@ from typing import Any, Final, NamedTuple
 
 from kubernetes.client import ApiClient
 from kubernetes.dynamic import DynamicClient
-from kubernetes.dynamic.exceptions import ConflictError, NotFoundError
+from kubernetes.dynamic.exceptions import ConflictError, NotFoundError, ResourceNotFoundError
 
 from .crd import GROUP, KIND, VERSION
 from .render import INSTANCE_LABEL, MANAGED_BY, MANAGED_BY_LABEL
@@ -42,13 +42,18 @@ class ChildKind(NamedTuple):
 
 
 DEPLOYMENTS: Final = ChildKind("apps/v1", "Deployment", "deployments")
+SCALED_OBJECTS: Final = ChildKind("keda.sh/v1alpha1", "ScaledObject", "scaledobjects")
 CHILD_KINDS: Final = (
     ChildKind("v1", "ConfigMap", "configmaps"),
     ChildKind("v1", "Service", "services"),
     DEPLOYMENTS,
     ChildKind("autoscaling/v2", "HorizontalPodAutoscaler", "horizontalpodautoscalers"),
+    SCALED_OBJECTS,
 )
 """Every kind `render` produces; the chart's RBAC grants exactly these."""
+WATCHED_KINDS: Final = tuple(k for k in CHILD_KINDS if k is not SCALED_OBJECTS)
+"""The children whose changes the operator watches. Not KEDA's: a cluster may not have it (the
+periodic re-apply undoes drift in a ScaledObject)."""
 
 
 def owner_reference(pipeline: dict[str, Any]) -> dict[str, Any]:
@@ -125,7 +130,11 @@ class Cluster:
         selector = f"{INSTANCE_LABEL}={pipeline},{MANAGED_BY_LABEL}={MANAGED_BY}"
         out = []
         for api_version, kind, _ in kinds:
-            listing = self._kind(api_version, kind).get(namespace=namespace, label_selector=selector)
+            try:
+                resource = self._kind(api_version, kind)
+            except ResourceNotFoundError:  # not served here (KEDA not installed): none exist
+                continue
+            listing = resource.get(namespace=namespace, label_selector=selector)
             for item in listing.to_dict().get("items") or []:
                 item.setdefault("apiVersion", api_version)
                 item.setdefault("kind", kind)

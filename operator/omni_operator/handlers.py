@@ -19,7 +19,7 @@ import kopf
 import kubernetes.config
 from kubernetes.client import ApiClient, Configuration
 
-from .cluster import CHILD_KINDS, DEPLOYMENTS, Cluster
+from .cluster import DEPLOYMENTS, WATCHED_KINDS, Cluster
 from .crd import GROUP, KIND, PLURAL, VERSION
 from .reconcile import ApplyError, Reconciler
 from .render import DEFAULT_IMAGE, MANAGED_BY, MANAGED_BY_LABEL
@@ -125,7 +125,7 @@ def child_changed(type: str | None, body: kopf.Body, memo: kopf.Memo, **_: Any) 
         memo.reconciler.refresh_status(namespace, owner["name"])
 
 
-for _child in CHILD_KINDS:
+for _child in WATCHED_KINDS:
     kopf.on.event(
         _child.group, _child.version, _child.plural, labels={MANAGED_BY_LABEL: MANAGED_BY}, id=_child.plural
     )(child_changed)

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Final
 
 from kubernetes.client.exceptions import ApiException
 from kubernetes.dynamic.exceptions import DynamicApiError
@@ -152,12 +152,16 @@ class Reconciler:
         self.cluster.patch_status(namespace, name, status.model_dump(by_alias=True, mode="json"))
 
 
+_FLOOR: Final = {"HorizontalPodAutoscaler": "minReplicas", "ScaledObject": "minReplicaCount"}
+"""Where each kind of autoscaler says the least replicas it keeps."""
+
+
 def autoscaler_floors(objects: list[dict[str, Any]]) -> dict[str, int]:
     """Deployment name -> the least replicas its autoscaler keeps, for each one scaled."""
     return {
-        o["spec"]["scaleTargetRef"]["name"]: int(o["spec"].get("minReplicas", 1))
+        o["spec"]["scaleTargetRef"]["name"]: int(o["spec"][_FLOOR[o["kind"]]])
         for o in objects
-        if o["kind"] == "HorizontalPodAutoscaler"
+        if o["kind"] in _FLOOR
     }
 
 

@@ -26,7 +26,16 @@ from omni_pipeline.control import (
     NATS_URL_ENV,
 )
 from omni_pipeline.placement import place
-from omni_pipeline.spec import API_KEYS_FILE_ENV, REQUEST_SOURCE, ConnectorKind, Mode, PipelineFile, StageSpec
+from omni_pipeline.spec import (
+    API_KEYS_FILE_ENV,
+    REQUEST_SOURCE,
+    AutoscalingSpec,
+    ConnectorKind,
+    KedaSpec,
+    Mode,
+    PipelineFile,
+    StageSpec,
+)
 
 DEFAULT_IMAGE: Final = "ghcr.io/omni-pipeline/omni-pipeline:0.1.0"
 PIPELINE_DIR: Final = "/etc/omni"
@@ -354,7 +363,9 @@ def _stage(
         ),
         _service(names, name, component, namespace, HEALTH_PORT, headless=True),
     ]
-    if (a := stage.autoscaling) is not None:
+    if (a := stage.autoscaling) is not None and a.keda is not None:
+        out.append(_scaled_object(p, names, name, component, namespace, stage.name, a, a.keda))
+    elif a is not None:
         out.append(
             {
                 "apiVersion": "autoscaling/v2",
@@ -377,6 +388,42 @@ def _stage(
             }
         )
     return out
+
+
+def _scaled_object(
+    p: PipelineFile,
+    names: Names,
+    name: str,
+    component: str,
+    namespace: str,
+    stage: str,
+    a: AutoscalingSpec,
+    keda: KedaSpec,
+) -> dict[str, Any]:
+    """KEDA's ScaledObject for a stage: its Prometheus scaler keeps the query's value per replica
+    at targetAverageValue (it makes and drives an HPA of its own)."""
+    query = keda.query or f'sum({a.metric}{{namespace="{namespace}", pipeline="{p.name}", stage="{stage}"}})'
+    return {
+        "apiVersion": "keda.sh/v1alpha1",
+        "kind": "ScaledObject",
+        "metadata": _meta(name, namespace, names.labels(component)),
+        "spec": {
+            "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
+            "minReplicaCount": a.min_replicas,
+            "maxReplicaCount": a.max_replicas,
+            "pollingInterval": keda.polling_interval_s,
+            "triggers": [
+                {
+                    "type": "prometheus",
+                    "metadata": {
+                        "serverAddress": keda.prometheus_address,
+                        "query": query,
+                        "threshold": a.target_average_value,
+                    },
+                }
+            ],
+        },
+    }
 
 
 def _gateway(p: PipelineFile, names: Names, namespace: str, image: str) -> list[dict[str, Any]]:

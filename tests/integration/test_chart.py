@@ -79,7 +79,7 @@ def test_rbac_grants_exactly_what_the_operator_uses() -> None:
         for group in rule["apiGroups"]
         for resource in rule["resources"]
     }
-    child = {"list", "watch", "create", "patch", "delete"}  # apply = create|patch; prune; watch
+    child = {"get", "list", "watch", "create", "patch", "delete"}  # apply = create|patch; prune; watch
     expected = {(k.group, k.plural): child for k in CHILD_KINDS}
     expected |= {
         (GROUP, PLURAL): {"get", "list", "watch", "patch"},

@@ -52,6 +52,7 @@ def children(kube: Kube, ns: str) -> dict[str, set[str]]:
         "Service": kube.names("v1", "Service", ns),
         "ConfigMap": kube.names("v1", "ConfigMap", ns),
         "HorizontalPodAutoscaler": kube.names("autoscaling/v2", "HorizontalPodAutoscaler", ns),
+        "ScaledObject": kube.names("keda.sh/v1alpha1", "ScaledObject", ns),
     }
 
 
@@ -232,12 +233,20 @@ def test_autoscaling_takes_replicas_over_without_a_dip_and_gives_them_back(kube:
     assert talker_replicas(kube, ns) == [3, 5, 4]
 
 
-def test_a_new_autoscaled_stage_starts_at_its_floor(kube: Kube) -> None:
-    ns = "hpa-new"
+KEDA = {"prometheusAddress": "http://prometheus-operated.monitoring:9090"}
+
+
+@pytest.mark.parametrize(("autoscaler", "keda"), [("HorizontalPodAutoscaler", None), ("ScaledObject", KEDA)])
+def test_a_new_autoscaled_stage_starts_at_its_floor(
+    kube: Kube, autoscaler: str, keda: dict[str, str] | None
+) -> None:
+    ns = f"new-{autoscaler.lower()}"
     body = pipeline_body("p")
-    body["spec"]["stages"][1]["autoscaling"] = {"minReplicas": 2, "maxReplicas": 4}
+    body["spec"]["stages"][1]["autoscaling"] = {"minReplicas": 2, "maxReplicas": 4, "keda": keda}
     kube.create(body, ns)
-    wait_for(lambda: children(kube, ns)["HorizontalPodAutoscaler"] == {"p-talker"}, 30, "the HPA")
+    wait_for(lambda: children(kube, ns)[autoscaler] == {"p-talker"}, 30, f"the {autoscaler}")
+    other = "ScaledObject" if keda is None else "HorizontalPodAutoscaler"
+    assert children(kube, ns)[other] == set()
     # A later apply (any spec change) drops the operator's claim; the count stays at the floor.
     spec = copy.deepcopy(body["spec"])
     spec["stages"][1]["maxInflight"] = 6

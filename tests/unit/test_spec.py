@@ -148,3 +148,13 @@ def test_otlp_endpoint_is_a_url() -> None:
     assert parse_pipeline(d).spec.observability.otlp_endpoint == "http://collector.monitoring:4318"
     d["spec"]["observability"] = {"otlpEndpoint": "collector:4318"}
     assert "observability.otlpEndpoint" in refused(d)
+
+
+def test_autoscaling_range() -> None:
+    d = base()
+    d["spec"]["stages"][1]["autoscaling"] = {"minReplicas": 5, "maxReplicas": 2}
+    assert "stage 'talker'" in (msg := refused(d)) and "minReplicas: 5 is more than maxReplicas 2" in msg
+    d["spec"]["stages"][1]["autoscaling"] = {"minReplicas": 0, "maxReplicas": 2}
+    assert "minReplicas: 0 needs keda" in refused(d)
+    d["spec"]["stages"][1]["autoscaling"]["keda"] = {"prometheusAddress": "http://prom:9090"}
+    assert parse_pipeline(d).spec.stage("talker").autoscaling.keda is not None  # type: ignore[union-attr]

@@ -134,6 +134,28 @@ def test_autoscaling_renders_an_hpa_and_leaves_replicas_alone() -> None:
         kubernetes_validate.validate(obj, "1.33", strict=True)
 
 
+def test_keda_autoscaling_renders_a_scaled_object_on_prometheus_instead() -> None:
+    keda = {"prometheusAddress": "http://prom:9090", "pollingIntervalSeconds": 5}
+    objects = render(
+        pipeline(
+            lambda s: s["stages"][1].update(autoscaling={"minReplicas": 0, "maxReplicas": 6, "keda": keda})
+        ),
+        namespace="ml",
+    )
+    assert "HorizontalPodAutoscaler" not in {o["kind"] for o in objects}
+    assert "replicas" not in by_kind(objects, "Deployment")["tiny-omni-talker"]["spec"]
+    so = by_kind(objects, "ScaledObject")["tiny-omni-talker"]["spec"]
+    assert so["scaleTargetRef"]["name"] == "tiny-omni-talker"
+    assert (so["minReplicaCount"], so["maxReplicaCount"], so["pollingInterval"]) == (0, 6, 5)
+    (trigger,) = so["triggers"]
+    assert trigger["type"] == "prometheus" and trigger["metadata"]["threshold"] == "4"
+    assert trigger["metadata"]["serverAddress"] == "http://prom:9090"
+    # The stage's queue, by the labels the chart's PodMonitor puts on what it scrapes.
+    assert trigger["metadata"]["query"] == (
+        'sum(omni_stage_queued_requests{namespace="ml", pipeline="tiny-omni", stage="talker"})'
+    )
+
+
 def test_single_node_is_one_deployment_running_omni_serve() -> None:
     def mutate(s: dict[str, Any]) -> None:
         s["stages"][0]["resources"] = {"gpus": 1}
