@@ -11,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,7 @@ import httpx
 import numpy as np
 import openai
 import soundfile as sf
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 T = TypeVar("T")
@@ -199,6 +201,13 @@ def openai_client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
+def free_port() -> int:
+    """A port free on 127.0.0.1 now, for a server that must be told its port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def get_json(url: str) -> Any:
     return httpx.get(url, timeout=5).json()
 
@@ -258,6 +267,14 @@ def start_gateway(
 
 def replicas(base: str, stage: str) -> list[dict[str, Any]]:
     return [r for r in get_json(f"{base}/replicas")["replicas"] if r["stage"] == stage]
+
+
+def metric_families(url: str) -> dict[str, Metric]:
+    """The metric families a /metrics serves, by name (a counter's without its _total). Not the
+    `*_created` ones: prometheus_client's creation times, which the text format lists as
+    families of their own."""
+    text = httpx.get(url, timeout=5).text
+    return {f.name: f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
 
 
 def replica_metric(base: str, stage: str, name: str, replica: str | None = None, **labels: str) -> float:

@@ -18,6 +18,7 @@ from typing import Any, Final
 import kopf
 import kubernetes.config
 from kubernetes.client import ApiClient, Configuration
+from prometheus_client import start_http_server
 
 from .cluster import DEPLOYMENTS, WATCHED_KINDS, Cluster
 from .crd import GROUP, KIND, PLURAL, VERSION
@@ -27,6 +28,7 @@ from .render import DEFAULT_IMAGE, MANAGED_BY, MANAGED_BY_LABEL
 IMAGE_ENV: Final = "OMNI_OPERATOR_IMAGE"
 RESYNC_ENV: Final = "OMNI_OPERATOR_RESYNC_SECONDS"
 NAMESPACES_ENV: Final = "OMNI_OPERATOR_NAMESPACES"
+METRICS_PORT_ENV: Final = "OMNI_OPERATOR_METRICS_PORT"
 APPLY_RETRY_S: Final = 30.0
 
 log = logging.getLogger("omni.operator")
@@ -37,6 +39,8 @@ class OperatorConfig:
     image: str = DEFAULT_IMAGE
     resync_seconds: float = 60.0
     namespaces: list[str] = field(default_factory=list)  # empty: every namespace
+    metrics_port: int = 0
+    """Where the operator's own /metrics is served (0: not served)."""
 
     @classmethod
     def from_env(cls) -> OperatorConfig:
@@ -45,6 +49,7 @@ class OperatorConfig:
             image=os.environ.get(IMAGE_ENV) or DEFAULT_IMAGE,
             resync_seconds=float(os.environ.get(RESYNC_ENV) or 60.0),
             namespaces=[n.strip() for n in spaces.split(",") if n.strip()],
+            metrics_port=int(os.environ.get(METRICS_PORT_ENV) or 0),
         )
 
 
@@ -64,6 +69,9 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
     if (task := memo.get("resync")) is not None:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
+    if (server := memo.get("metrics_server")) is not None:
+        server.shutdown()
+        server.server_close()
 
 
 @kopf.on.login()
@@ -87,6 +95,9 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
     else:
         config: OperatorConfig = memo.get("config") or OperatorConfig.from_env()
         memo.reconciler = Reconciler(cluster, config.image)
+        if config.metrics_port:
+            registry = memo.reconciler.metrics.registry
+            memo.metrics_server, _ = start_http_server(config.metrics_port, registry=registry)
     header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
     scheme, _, token = (header or "").rpartition(" ")
     return kopf.ConnectionInfo(
@@ -152,7 +163,11 @@ async def _resync(memo: kopf.Memo) -> None:
 
 
 def run_operator(
-    image: str | None, namespaces: list[str], resync_seconds: float | None, liveness: str
+    image: str | None,
+    namespaces: list[str],
+    resync_seconds: float | None,
+    liveness: str,
+    metrics_port: int | None = None,
 ) -> int:
     """`omni operator`: kopf in this process's main thread, stopping on SIGTERM/SIGINT."""
     env = OperatorConfig.from_env()
@@ -160,6 +175,7 @@ def run_operator(
         image=image or env.image,
         resync_seconds=resync_seconds if resync_seconds is not None else env.resync_seconds,
         namespaces=namespaces or env.namespaces,
+        metrics_port=metrics_port if metrics_port is not None else env.metrics_port,
     )
     kopf.run(
         standalone=True,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Final
@@ -22,6 +23,7 @@ from omni_pipeline.spec import PipelineFile, SpecError, parse_pipeline
 
 from .cluster import DEPLOYMENTS, PIPELINE_API, Cluster, owner_reference
 from .crd import KIND
+from .metrics import OperatorMetrics
 from .render import render, unservable
 from .status import apply_failed, invalid_spec, noted, pipeline_status
 
@@ -40,6 +42,9 @@ class Reconciler:
         self.image = image
         self._locks: defaultdict[tuple[str, str], threading.Lock] = defaultdict(threading.Lock)
         self._locks_lock = threading.Lock()
+        self._conditions: dict[tuple[str, str], list[dict[str, Any]]] = {}
+        """Each pipeline's conditions as last written (the metrics count them)."""
+        self.metrics = OperatorMetrics(lambda: list(self._conditions.values()))
 
     def _lock(self, namespace: str, name: str) -> threading.Lock:
         with self._locks_lock:
@@ -49,6 +54,7 @@ class Reconciler:
         """Drop the lock of a pipeline found gone (a later trigger makes a new one)."""
         with self._locks_lock:
             self._locks.pop((namespace, name), None)
+        self._conditions.pop((namespace, name), None)
 
     def reconcile(self, namespace: str, name: str) -> None:
         self._locked(namespace, name, self._reconcile)
@@ -88,6 +94,19 @@ class Reconciler:
         return pipeline
 
     def _reconcile(self, body: dict[str, Any]) -> None:
+        t = time.monotonic()
+        result = "error"
+        try:
+            result = self._apply_spec(body)
+        except ApplyError:
+            result = "apply_failed"
+            raise
+        finally:
+            self.metrics.reconciles.labels(result=result).inc()
+            self.metrics.reconcile_seconds.observe(time.monotonic() - t)
+
+    def _apply_spec(self, body: dict[str, Any]) -> str:
+        """Render, apply, prune, report; returns how it went (ApplyError: a child was refused)."""
         meta = body["metadata"]
         namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation", 1)
         previous = body.get("status") or {}
@@ -95,8 +114,8 @@ class Reconciler:
             pipeline = self._parse(body)
         except SpecError as exc:
             log.warning("%s", exc)
-            self.cluster.patch_status(namespace, name, noted(generation, invalid_spec(str(exc)), previous))
-            return
+            self._write_status(namespace, name, noted(generation, invalid_spec(str(exc)), previous))
+            return "invalid_spec"
         desired = render(pipeline, namespace, self.image)
         owner = owner_reference(body)
         floors = autoscaler_floors(desired)
@@ -109,7 +128,7 @@ class Reconciler:
                     self.cluster.apply(obj)
             except (ApiException, DynamicApiError) as exc:
                 what = f"{obj['kind']} {obj['metadata']['name']}: {_reason(exc)}"
-                self.cluster.patch_status(namespace, name, noted(generation, apply_failed(what), previous))
+                self._write_status(namespace, name, noted(generation, apply_failed(what), previous))
                 raise ApplyError(what) from exc
         wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
         kept = []
@@ -120,6 +139,7 @@ class Reconciler:
                 log.info("%s/%s: pruning %s %s", namespace, name, child["kind"], child["metadata"]["name"])
                 self.cluster.delete(child)
         self._report(body, pipeline, kept)
+        return "applied"
 
     def _apply_autoscaled(self, deployment: dict[str, Any], floor: int) -> None:
         """Apply a Deployment an autoscaler scales, handing its `replicas` over without a dip.
@@ -149,7 +169,11 @@ class Reconciler:
         deployments = {c["metadata"]["name"]: c for c in children if c["kind"] == DEPLOYMENTS.kind}
         previous = (body.get("status") or {}).get("conditions") or []
         status = pipeline_status(pipeline, namespace, meta.get("generation", 1), deployments, previous)
-        self.cluster.patch_status(namespace, name, status.model_dump(by_alias=True, mode="json"))
+        self._write_status(namespace, name, status.model_dump(by_alias=True, mode="json"))
+
+    def _write_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self._conditions[(namespace, name)] = status.get("conditions") or []
+        self.cluster.patch_status(namespace, name, status)
 
 
 _FLOOR: Final = {"HorizontalPodAutoscaler": "minReplicas", "ScaledObject": "minReplicaCount"}

@@ -14,7 +14,6 @@ docs/kubernetes.md); it is skipped here.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +23,11 @@ import yaml
 
 from omni_cli.mooncaked import LocalMooncake
 from tests.e2e.kubelet import Kubelet
-from tests.helpers import ROOT, OmniProcess, decode_wav, wait_for
+from tests.helpers import ROOT, OmniProcess, decode_wav, free_port, wait_for
 from tests.kube_api import PIPELINE_API, ApiServerThread, Kube
 
 pytestmark = pytest.mark.slow
 NS = "omni"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def demo_pipeline(models: Path, mooncake: LocalMooncake) -> dict[str, Any]:
@@ -67,7 +60,7 @@ def test_operator_rendered_pods_serve_text_and_audio(
     with ApiServerThread(kubeconfig):
         kube = Kube(kubeconfig)
         operator = OmniProcess(
-            ["operator", "--liveness", f"http://127.0.0.1:{_free_port()}/healthz"],
+            ["operator", "--liveness", f"http://127.0.0.1:{free_port()}/healthz"],
             tmp_path,
             tmp_path / "operator.log",
             env={"KUBECONFIG": str(kubeconfig)},

@@ -173,7 +173,7 @@ def test_monitors_scrape_every_pod_the_operator_renders(monitor: str) -> None:
     for obj in objects:
         if obj["apiVersion"] != "monitoring.coreos.com/v1":
             kubernetes_validate.validate(obj, "1.33", strict=True)
-    (mon,) = by_kind(objects, monitor)
+    (mon,) = [m for m in by_kind(objects, monitor) if m["metadata"]["name"].endswith("-pipelines")]
     assert mon["metadata"]["labels"]["release"] == "prom"
     spec = mon["spec"]
     assert spec["namespaceSelector"] == {"any": True}
@@ -208,11 +208,25 @@ def test_monitors_scrape_every_pod_the_operator_renders(monitor: str) -> None:
     )
 
 
+@pytest.mark.parametrize("switch", ["podMonitor", "serviceMonitor"])
+def test_the_operator_is_scraped_too(switch: str) -> None:
+    objects = template(*MONITORING, "--set", f"monitoring.{switch}.enabled=true")
+    (mon,) = [m for m in by_kind(objects, "PodMonitor") if m["metadata"]["name"].endswith("-operator")]
+    pod = operator_deployment(objects)["spec"]["template"]
+    assert mon["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (endpoint,) = mon["spec"]["podMetricsEndpoints"]
+    (container,) = pod["spec"]["containers"]
+    (port,) = [p for p in container["ports"] if p["name"] == endpoint["port"]]
+    args = container["args"]
+    assert args[args.index("--metrics-port") + 1] == str(port["containerPort"])
+    assert parser().parse_args(args).metrics_port == port["containerPort"]
+
+
 def test_monitors_follow_the_watched_namespaces() -> None:
     objects = template(
         "--set", "monitoring.podMonitor.enabled=true", "--set", "operator.watchNamespaces={a,b}"
     )
-    (mon,) = by_kind(objects, "PodMonitor")
+    (mon,) = [m for m in by_kind(objects, "PodMonitor") if m["metadata"]["name"].endswith("-pipelines")]
     assert mon["spec"]["namespaceSelector"] == {"matchNames": ["a", "b"]}
 
 

@@ -11,17 +11,20 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 from kopf.testing import KopfRunner
+from prometheus_client.parser import text_string_to_metric_families
 
 from omni_operator.cluster import FIELD_MANAGER
-from omni_operator.handlers import IMAGE_ENV, RESYNC_ENV
+from omni_operator.handlers import IMAGE_ENV, METRICS_PORT_ENV, RESYNC_ENV
 from omni_operator.render import CONFIG_HASH_ANNOTATION
-from tests.helpers import ROOT, wait_for
+from tests.helpers import ROOT, free_port, metric_families, wait_for
 from tests.kube_api import PIPELINE_API, ApiServerThread, Kube
 
 IMAGE = "registry.example/omni:test"
+METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +36,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
         mp.setenv("KUBECONFIG", str(kubeconfig))
         mp.setenv(IMAGE_ENV, IMAGE)
         mp.setenv(RESYNC_ENV, "3600")
+        mp.setenv(METRICS_PORT_ENV, str(METRICS_PORT))
         args = ["run", "--standalone", "--all-namespaces", "-m", "omni_operator.handlers"]
         with KopfRunner(args, timeout=60) as runner:
             yield Kube(kubeconfig, server)
@@ -306,3 +310,35 @@ def test_delete_removes_children_and_leaves_no_finalizer(kube: Kube) -> None:
     kube.kind(PIPELINE_API, "OmniPipeline").delete(name="p", namespace=ns)
     assert kube.get(PIPELINE_API, "OmniPipeline", ns, "p") is None  # no finalizer held it
     wait_for(lambda: all(not names for names in children(kube, ns).values()), 30, "children gone")
+
+
+def operator_metric(name: str, **labels: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).text
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_the_operator_counts_its_reconciles_and_pipelines_by_condition(kube: Kube) -> None:
+    ns = "metrics"
+    applied = operator_metric("omni_operator_reconciles_total", result="applied")
+    invalid = operator_metric("omni_operator_reconciles_total", result="invalid_spec")
+    kube.create(pipeline_body("good"), ns)
+    bad = pipeline_body("bad")
+    bad["spec"]["stages"][1]["inputs"] = [{"from": "nosuchstage"}]
+    kube.create(bad, ns)
+    wait_for(lambda: kube.condition(ns, "bad", "InvalidSpec") is not None, 30, "bad's InvalidSpec")
+    wait_for(lambda: kube.condition(ns, "good", "Ready") is not None, 30, "good's Ready")
+    assert operator_metric("omni_operator_reconciles_total", result="applied") > applied
+    assert operator_metric("omni_operator_reconciles_total", result="invalid_spec") == invalid + 1
+    assert operator_metric("omni_operator_reconcile_seconds_count") >= 2
+    assert operator_metric("omni_operator_pipelines", condition="InvalidSpec", status="True") >= 1
+    assert operator_metric("omni_operator_pipelines", condition="Ready", status="False") >= 2
+    # docs/observability.md names exactly what it exports.
+    families = metric_families(f"http://127.0.0.1:{METRICS_PORT}/metrics")
+    exported = {name for name in families if name.startswith("omni_")}
+    documented = re.findall(r"`(omni_operator_[a-z_]+)`", (ROOT / "docs" / "observability.md").read_text())
+    assert exported == {n.removesuffix("_total") for n in documented}

@@ -108,7 +108,7 @@ def cmd_render(a: argparse.Namespace) -> int:
 def cmd_operator(a: argparse.Namespace) -> int:
     from omni_operator.handlers import run_operator
 
-    return run_operator(a.image, a.namespace, a.resync_seconds, a.liveness)
+    return run_operator(a.image, a.namespace, a.resync_seconds, a.liveness, a.metrics_port)
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
@@ -197,6 +197,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--image", default=None, help="image for pipeline pods without spec.image")
     s.add_argument("--resync-seconds", type=float, default=None, help="re-apply every pipeline this often")
     s.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
+    s.add_argument(
+        "--metrics-port", type=int, default=None, help="serve the operator's own /metrics here (default: off)"
+    )
     s.set_defaults(fn=cmd_operator)
 
     s = sub.add_parser(
