@@ -67,6 +67,9 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
         kind="Namespace", singular="namespace", namespaced=False, verbs={"get", "list", "watch"},
     ),
     "v1/events": kmock.ResourceInfo(kind="Event", singular="event", namespaced=True, verbs={"create"}),
+    "coordination.k8s.io/v1/leases": kmock.ResourceInfo(
+        kind="Lease", singular="lease", namespaced=True, verbs={"get", "list", "create", "update", "patch"},
+    ),
     "keda.sh/v1alpha1/scaledobjects": kmock.ResourceInfo(
         kind="ScaledObject", singular="scaledobject", namespaced=True,
         verbs={"get", "list", "watch", "create", "patch", "delete"},
@@ -95,7 +98,7 @@ class ApiServer(kmock.KubernetesEmulator):
         if request.resource is not None:
             try:
                 served = await self._server_side(request)
-            except kube_fields.ApplyConflict as exc:  # an answer, not an emulator failure
+            except (kube_fields.ApplyConflict, StaleWrite) as exc:  # answers, not emulator failures
                 return _status(409, "Conflict", str(exc))
             if served is not request:  # kmock matches reactions to the requests it logged, by identity
                 self._requests[self._requests.index(request)] = served
@@ -115,7 +118,7 @@ class ApiServer(kmock.KubernetesEmulator):
         manager = request.params.get("fieldManager") or "unnamed"
         force = request.params.get("force") == "true"
         if request.action == kmock.action.CREATE:
-            body = _defaulted(kube_fields.created(request.data, manager))
+            body = _defaulted(kube_fields.created(self._typed(request), manager))
             return attrs.evolve(request, data=self._created(body, request.namespace))
         if request.method == kmock.method.PATCH and content_type == APPLY_PATCH and not exists:
             config = yaml.safe_load(request.text)
@@ -124,9 +127,19 @@ class ApiServer(kmock.KubernetesEmulator):
             return attrs.evolve(
                 request, action=kmock.action.CREATE, data=self._created(body, request.namespace)
             )
+        if request.method == kmock.method.PUT and request.name and old is not None:
+            request = attrs.evolve(request, action=kmock.action.UPDATE)  # a replace: kmock has no PUT
         if request.action != kmock.action.UPDATE or old is None:
             return request
-        if content_type == APPLY_PATCH:
+        if request.method == kmock.method.PUT:
+            given = (request.data.get("metadata") or {}).get("resourceVersion")
+            if given and given != old["metadata"].get("resourceVersion"):
+                raise StaleWrite(f"the object has been modified (resourceVersion {given} is stale)")
+            new = _defaulted(kube_fields.update(old, {**request.data, "status": old.get("status")}, manager))
+            new["metadata"] = {**new.get("metadata", {}), **_server_meta(old)}
+            if new["status"] is None:
+                del new["status"]
+        elif content_type == APPLY_PATCH:
             new = _defaulted(kube_fields.apply(old, yaml.safe_load(request.text), manager, force))
             new["metadata"] = {**new.get("metadata", {}), **_server_meta(old)}
         else:
@@ -148,6 +161,13 @@ class ApiServer(kmock.KubernetesEmulator):
         if request.subresource is None and new.get("spec") != old.get("spec"):
             meta["generation"] = old["metadata"].get("generation", 1) + 1
         return attrs.evolve(request, data=[{"op": "replace", "path": "", "value": new}])
+
+    def _typed(self, request: kmock.Request) -> dict[str, Any]:
+        """The body with its apiVersion and kind, as the API server stores every object (typed
+        clients may leave them out)."""
+        res = request.resource
+        api_version = f"{res.group}/{res.version}".lstrip("/")
+        return {"apiVersion": api_version, "kind": self.resources[res].kind, **request.data}
 
     def _created(self, body: dict[str, Any], namespace: str | None) -> dict[str, Any]:
         body = copy.deepcopy(body)
@@ -190,6 +210,10 @@ class ApiServer(kmock.KubernetesEmulator):
         if selector:
             listing["items"] = [o for o in listing["items"] if _selects(selector, o)]
         return listing
+
+
+class StaleWrite(Exception):
+    """A replace based on an old resourceVersion (optimistic concurrency: leader election's)."""
 
 
 def _defaulted(obj: dict[str, Any]) -> dict[str, Any]:
@@ -291,6 +315,14 @@ class ApiServerThread:
             self.url = str(server.url).rstrip("/")
             self._ready.set()
             await self._stop.wait()
+
+
+def pipeline_body(name: str) -> dict[str, Any]:
+    """An OmniPipeline resource: tests/data/synthetic-distributed.yaml, named `name`."""
+    doc = yaml.safe_load((Path(__file__).parent / "data" / "synthetic-distributed.yaml").read_text())
+    doc["metadata"] = {"name": name}
+    doc["spec"]["nats"] = {"url": "nats://nats.omni.svc:4222"}
+    return doc
 
 
 class Kube:

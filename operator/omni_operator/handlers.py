@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -22,6 +24,7 @@ from prometheus_client import start_http_server
 
 from .cluster import DEPLOYMENTS, WATCHED_KINDS, Cluster
 from .crd import GROUP, KIND, PLURAL, VERSION
+from .leader import wait_to_lead
 from .reconcile import ApplyError, Reconciler
 from .render import DEFAULT_IMAGE, MANAGED_BY, MANAGED_BY_LABEL
 
@@ -30,6 +33,7 @@ RESYNC_ENV: Final = "OMNI_OPERATOR_RESYNC_SECONDS"
 NAMESPACES_ENV: Final = "OMNI_OPERATOR_NAMESPACES"
 METRICS_PORT_ENV: Final = "OMNI_OPERATOR_METRICS_PORT"
 APPLY_RETRY_S: Final = 30.0
+LEASE_NAME: Final = "omni-operator"
 
 log = logging.getLogger("omni.operator")
 
@@ -74,10 +78,8 @@ async def stop_resync(memo: kopf.Memo, **_: Any) -> None:
         server.server_close()
 
 
-@kopf.on.login()
-def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
-    """The service account in a pod, else $KUBECONFIG (read now, not at import): one
-    configuration for kopf's watches and for our client, so both act as the same identity."""
+def load_configuration() -> Configuration:
+    """The service account in a pod, else $KUBECONFIG (read now, not at import)."""
     cfg = Configuration()
     try:
         kubernetes.config.load_incluster_config(client_configuration=cfg)
@@ -89,6 +91,14 @@ def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
             where = f"KUBECONFIG={path}" if path else "~/.kube/config (KUBECONFIG unset)"
             msg = f"not in a pod with a service account, and no usable {where}: {exc}"
             raise kopf.LoginError(msg) from None
+    return cfg
+
+
+@kopf.on.login()
+def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """The service account in a pod, else $KUBECONFIG (read now, not at import): one
+    configuration for kopf's watches and for our client, so both act as the same identity."""
+    cfg = load_configuration()
     cluster = Cluster(ApiClient(cfg))
     if "reconciler" in memo:  # a re-login (expired token): same reconciler, fresh credentials
         memo.reconciler.cluster = cluster
@@ -168,8 +178,10 @@ def run_operator(
     resync_seconds: float | None,
     liveness: str,
     metrics_port: int | None = None,
+    lease: tuple[str, int] | None = None,
 ) -> int:
-    """`omni operator`: kopf in this process's main thread, stopping on SIGTERM/SIGINT."""
+    """`omni operator`: kopf in this process's main thread, stopping on SIGTERM/SIGINT. With
+    `lease` (namespace, seconds), only once it leads (omni_operator.leader)."""
     env = OperatorConfig.from_env()
     config = OperatorConfig(
         image=image or env.image,
@@ -177,6 +189,11 @@ def run_operator(
         namespaces=namespaces or env.namespaces,
         metrics_port=metrics_port if metrics_port is not None else env.metrics_port,
     )
+    if lease is not None:
+        identity = f"{os.environ.get('POD_NAME') or socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        namespace, seconds = lease
+        if not wait_to_lead(load_configuration(), namespace, LEASE_NAME, identity, seconds, liveness):
+            return 0
     kopf.run(
         standalone=True,
         clusterwide=not config.namespaces,

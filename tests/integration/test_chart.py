@@ -94,10 +94,32 @@ def test_rbac_grants_exactly_what_the_operator_uses() -> None:
 def test_namespaced_install_uses_roles_in_each_namespace() -> None:
     objects = template(*VALUE_SETS["namespaced"])
     assert not by_kind(objects, "ClusterRole") and not by_kind(objects, "ClusterRoleBinding")
-    assert {r["metadata"]["namespace"] for r in by_kind(objects, "Role")} == {"team-a", "team-b"}
+    roles = {
+        r["metadata"]["namespace"]
+        for r in by_kind(objects, "Role")
+        if not r["metadata"]["name"].endswith("-leader")
+    }
+    assert roles == {"team-a", "team-b"}
     args = operator_deployment(objects)["spec"]["template"]["spec"]["containers"][0]["args"]
     parsed = parser().parse_args(args)
     assert parsed.cmd == "operator" and parsed.namespace == ["team-a", "team-b"]
+
+
+def test_operator_replicas_elect_a_leader_on_a_lease_they_may_touch() -> None:
+    objects = template()
+    operator = operator_deployment(objects)
+    assert operator["spec"]["replicas"] == 2
+    args = parser().parse_args(operator["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert args.leader_election and args.lease_namespace == "omni-system"
+    (role,) = [r for r in by_kind(objects, "Role") if r["metadata"]["name"].endswith("-leader")]
+    assert role["metadata"]["namespace"] == "omni-system"
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+    ]
+    (binding,) = [b for b in by_kind(objects, "RoleBinding") if b["metadata"]["name"].endswith("-leader")]
+    (subject,) = binding["subjects"]
+    sa = operator["spec"]["template"]["spec"]["serviceAccountName"]
+    assert binding["roleRef"]["name"] == role["metadata"]["name"] and subject["name"] == sa
 
 
 def test_operator_runs_omni_operator_as_non_root() -> None:
@@ -111,8 +133,7 @@ def test_operator_runs_omni_operator_as_non_root() -> None:
     assert parsed.cmd == "operator" and parsed.image == container["image"] and parsed.resync_seconds == 60
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
-    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
-    assert operator["spec"]["replicas"] == 1 and operator["spec"]["strategy"] == {"type": "Recreate"}
+    assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"  # a standby answers it too
 
 
 def test_optional_nats_and_mooncake() -> None:

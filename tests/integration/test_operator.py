@@ -13,7 +13,6 @@ from typing import Any
 
 import httpx
 import pytest
-import yaml
 from kopf.testing import KopfRunner
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,7 +20,7 @@ from omni_operator.cluster import FIELD_MANAGER
 from omni_operator.handlers import IMAGE_ENV, METRICS_PORT_ENV, RESYNC_ENV
 from omni_operator.render import CONFIG_HASH_ANNOTATION
 from tests.helpers import ROOT, free_port, metric_families, wait_for
-from tests.kube_api import PIPELINE_API, ApiServerThread, Kube
+from tests.kube_api import PIPELINE_API, ApiServerThread, Kube, pipeline_body
 
 IMAGE = "registry.example/omni:test"
 METRICS_PORT = free_port()
@@ -41,13 +40,6 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
         with KopfRunner(args, timeout=60) as runner:
             yield Kube(kubeconfig, server)
         assert runner.exception is None, runner.output
-
-
-def pipeline_body(name: str) -> dict[str, Any]:
-    doc = yaml.safe_load((ROOT / "tests" / "data" / "synthetic-distributed.yaml").read_text())
-    doc["metadata"] = {"name": name}
-    doc["spec"]["nats"] = {"url": "nats://nats.omni.svc:4222"}
-    return doc
 
 
 def children(kube: Kube, ns: str) -> dict[str, set[str]]:

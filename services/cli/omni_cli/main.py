@@ -108,7 +108,8 @@ def cmd_render(a: argparse.Namespace) -> int:
 def cmd_operator(a: argparse.Namespace) -> int:
     from omni_operator.handlers import run_operator
 
-    return run_operator(a.image, a.namespace, a.resync_seconds, a.liveness, a.metrics_port)
+    lease = (a.lease_namespace, a.lease_seconds) if a.leader_election else None
+    return run_operator(a.image, a.namespace, a.resync_seconds, a.liveness, a.metrics_port, lease)
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
@@ -199,6 +200,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="liveness endpoint URL")
     s.add_argument(
         "--metrics-port", type=int, default=None, help="serve the operator's own /metrics here (default: off)"
+    )
+    s.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="run only while holding the Lease omni-operator (several replicas: one leads, the others wait)",
+    )
+    s.add_argument(
+        "--lease-namespace",
+        default=os.environ.get("POD_NAMESPACE") or "default",
+        help="namespace of the Lease (default: $POD_NAMESPACE, else default)",
+    )
+    s.add_argument(
+        "--lease-seconds", type=int, default=10, help="a leader silent this long is replaced (default 10)"
     )
     s.set_defaults(fn=cmd_operator)
 
