@@ -474,7 +474,7 @@ class PipelineClient:
             # The parent of the stage's own span: the message carries this one's context. An
             # exception leaving it marks it failed.
             attributes = {"omni.stage": stage, "omni.replica": replica}
-            with TRACER.start_as_current_span("omni.admit", t.trace, SpanKind.CLIENT, attributes):
+            with tracing.span("omni.admit", t.trace, SpanKind.CLIENT, attributes):
                 where = f"stage '{stage}' replica {replica}"
                 try:
                     reply = await nc.request(

@@ -32,8 +32,6 @@ from typing import Any, Final
 
 from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
-from opentelemetry import context as otel_context
-from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, StatusCode
 from setproctitle import setproctitle
 
@@ -696,7 +694,7 @@ class StageWorker:
         """Run one request to its end; returns its outcome (`_finished` frees what it held)."""
         rid = st.ctx.request_id
         REQUEST_ID.set(rid)  # this task's own context: its log lines name the request
-        otel_context.attach(trace.set_span_in_context(st.span))  # and its trace, and parent its spans
+        tracing.adopt(st.span)  # and its trace, and parent its spans
         TRACER.start_span("omni.stage.queue", start_time=st.admitted_ns).end()
         t0 = time.monotonic()
         seg = Segmenter(self.spec.max_segment_units, self.spec.flush_interval_ms / 1000)
@@ -715,7 +713,7 @@ class StageWorker:
                         inputs = self._fetch(st, trig)
                         await self._return_credit(st, trig)
                         call = EngineCall(rid, inputs, ended, st.sampling, engine_state)
-                        with TRACER.start_as_current_span("omni.engine.call", attributes=_call_attrs(trig)):
+                        with tracing.span("omni.engine.call", attributes=_call_attrs(trig)):
                             async for out in self.engine.generate(call):
                                 if (s := seg.add(out)) is not None:
                                     await self._emit(st, s, windows, emitted, t0, _usage(engine_state, seg))
@@ -759,7 +757,7 @@ class StageWorker:
         st.span.set_attribute("omni.outcome", outcome)
         if outcome not in ("ok", "aborted"):
             st.span.set_status(StatusCode.ERROR, outcome)
-        with trace.use_span(st.span, end_on_exit=True):  # the line names its trace
+        with tracing.within(st.span):  # the line names its trace
             log.info("stage %s/%s: request %s %s", self.spec.name, self.replica, rid, outcome)
         if outcome != "ok":
             self.core.abort(rid)
@@ -800,7 +798,7 @@ class StageWorker:
         t = time.monotonic()
         self._start_all(self.core.pause(rid))
         try:
-            with TRACER.start_as_current_span("omni.credit.wait", attributes={"omni.consumer": consumer}):
+            with tracing.span("omni.credit.wait", attributes={"omni.consumer": consumer}):
                 while self.ledger.available(rid, consumer) <= 0:
                     st.credit_returned.clear()
                     await st.credit_returned.wait()
@@ -820,7 +818,7 @@ class StageWorker:
 
     def _get(self, st: _Request, producer: str, handle: ConnectorHandle) -> Any:
         conn = self.in_connectors[producer]
-        with TRACER.start_as_current_span("omni.connector.get", attributes=_edge(conn, producer)) as span:
+        with tracing.span("omni.connector.get", attributes=_edge(conn, producer)) as span:
             t = time.perf_counter()
             payload, nbytes = conn.get(producer, self.spec.name, st.ctx.request_id, handle)
             self.metrics.connector(conn.name, "get", producer, nbytes, time.perf_counter() - t)
@@ -893,7 +891,7 @@ class StageWorker:
     def _put(
         self, conn: OmniConnector, consumer: str, ctx: RequestContext, data: Any, seq: int
     ) -> tuple[int, ConnectorHandle]:
-        with TRACER.start_as_current_span("omni.connector.put", attributes=_edge(conn, consumer)) as span:
+        with tracing.span("omni.connector.put", attributes=_edge(conn, consumer)) as span:
             t = time.perf_counter()
             _, nbytes, handle = conn.put(self.spec.name, consumer, ctx.request_id, data, seq=seq)
             self.metrics.connector(conn.name, "put", consumer, nbytes, time.perf_counter() - t)
