@@ -277,19 +277,24 @@ def metric_families(url: str) -> dict[str, Metric]:
     return {f.name: f for f in text_string_to_metric_families(text) if not f.name.endswith("_created")}
 
 
+def metric(url: str, name: str, **labels: str) -> float:
+    """Sum of the samples named `name` a /metrics serves, filtered by labels."""
+    text = httpx.get(url, timeout=5).text
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
 def replica_metric(base: str, stage: str, name: str, replica: str | None = None, **labels: str) -> float:
     """Sum of a metric on a stage's replicas' own /metrics (one replica, or all), filtered by labels."""
     total = 0.0
     for rep in replicas(base, stage):
         if replica is not None and rep["replica"] != replica:
             continue
-        text = httpx.get(f"http://127.0.0.1:{rep['metrics_port']}/metrics", timeout=5).text
-        total += sum(
-            s.value
-            for fam in text_string_to_metric_families(text)
-            for s in fam.samples
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-        )
+        total += metric(f"http://127.0.0.1:{rep['metrics_port']}/metrics", name, **labels)
     return total
 
 

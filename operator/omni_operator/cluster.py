@@ -81,14 +81,14 @@ class Cluster:
     def _kind(self, api_version: str, kind: str) -> Any:
         return self._dyn.resources.get(api_version=api_version, kind=kind)
 
-    def apply(self, obj: dict[str, Any]) -> None:
+    def apply(self, obj: dict[str, Any], manager: str = FIELD_MANAGER, force: bool = True) -> None:
         meta = obj["metadata"]
         self._kind(obj["apiVersion"], obj["kind"]).server_side_apply(
             body=obj,
             name=meta["name"],
             namespace=meta["namespace"],
-            field_manager=FIELD_MANAGER,
-            force_conflicts=True,
+            field_manager=manager,
+            force_conflicts=force,
         )
 
     def get(self, obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -112,13 +112,7 @@ class Cluster:
             "spec": {"replicas": replicas},
         }
         try:
-            self._kind(body["apiVersion"], body["kind"]).server_side_apply(
-                body=body,
-                name=meta["name"],
-                namespace=meta["namespace"],
-                field_manager=REPLICAS_MANAGER,
-                force_conflicts=False,
-            )
+            self.apply(body, REPLICAS_MANAGER, force=False)
         except ConflictError:
             return False
         return True

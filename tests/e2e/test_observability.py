@@ -20,13 +20,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.otlp import OtlpReceiver, ReceivedSpan
 from omni_cli.mooncaked import LocalMooncake
 from omni_cli.natsd import EmbeddedNats
 from tests.deployment import Deployment, deployed
-from tests.helpers import ROOT, metric_families, openai_client, replicas, wait_for
+from tests.helpers import ROOT, metric, metric_families, openai_client, replicas, wait_for
 
 DEMO = ROOT / "examples" / "tiny-omni-distributed.yaml"
 STAGES = ("thinker", "talker", "vocoder")
@@ -188,13 +187,7 @@ def test_the_dashboard_queries_only_exported_metrics(traced: Traced) -> None:
 
 
 def gateway_sample(base: str, name: str, **labels: str) -> float:
-    text = httpx.get(f"{base}/metrics", timeout=5).text
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
+    return metric(f"{base}/metrics", name, **labels)
 
 
 @pytest.mark.slow

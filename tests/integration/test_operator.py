@@ -11,15 +11,13 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import httpx
 import pytest
 from kopf.testing import KopfRunner
-from prometheus_client.parser import text_string_to_metric_families
 
 from omni_operator.cluster import FIELD_MANAGER
 from omni_operator.handlers import IMAGE_ENV, METRICS_PORT_ENV, RESYNC_ENV
 from omni_operator.render import CONFIG_HASH_ANNOTATION
-from tests.helpers import ROOT, free_port, metric_families, wait_for
+from tests.helpers import ROOT, free_port, metric, metric_families, wait_for
 from tests.kube_api import PIPELINE_API, ApiServerThread, Kube, pipeline_body
 
 IMAGE = "registry.example/omni:test"
@@ -305,13 +303,7 @@ def test_delete_removes_children_and_leaves_no_finalizer(kube: Kube) -> None:
 
 
 def operator_metric(name: str, **labels: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=5).text
-    return sum(
-        s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
+    return metric(f"http://127.0.0.1:{METRICS_PORT}/metrics", name, **labels)
 
 
 def test_the_operator_counts_its_reconciles_and_pipelines_by_condition(kube: Kube) -> None:
