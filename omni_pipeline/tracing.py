@@ -6,8 +6,9 @@ or the pipeline's `observability.otlpEndpoint`). Off, `TRACER` is the API's no-o
 and `within` are no-ops (the API's own no-op span made current costs ~10 us, a few percent of
 a trivial request), and no message carries headers. On, spans leave in batches from a
 background thread (the SDK's BatchSpanProcessor), over OTLP/HTTP (protobuf) or, when
-OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL says `grpc`, OTLP/gRPC. Every other standard OTEL_ variable
-(sampler, batch delays, headers, resource attributes, service name) applies as the SDK reads it.
+OTEL_EXPORTER_OTLP_[TRACES_]PROTOCOL says `grpc`, OTLP/gRPC. The other standard OTEL_ variables
+(sampler, batch delays, headers, resource attributes) apply as the SDK reads them; the service
+name and the attributes given here win over OTEL_SERVICE_NAME and OTEL_RESOURCE_ATTRIBUTES.
 """
 
 from __future__ import annotations
