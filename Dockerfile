@@ -27,7 +27,7 @@ COPY omni_pipeline ./omni_pipeline
 COPY services ./services
 COPY operator ./operator
 RUN if [ "$VARIANT" = cpu ]; then \
-      /opt/omni/bin/pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu \
+      /opt/omni/bin/pip install torch==2.13.0 torchvision==0.28.0 --index-url https://download.pytorch.org/whl/cpu \
       && /opt/omni/bin/pip install ".[mooncake]"; \
     else \
       /opt/omni/bin/pip install ".[vllm]" "mooncake-transfer-engine>=0.3.13"; \

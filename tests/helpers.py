@@ -124,6 +124,20 @@ def vllm_omni_client(
     return run(base, model, requests, max_tokens, extra)
 
 
+def video_file(frames: np.ndarray, fps: int) -> bytes:
+    """RGB frames [T, H, W, 3] as FFV1 in Matroska: lossless, so decoding gives them back."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="matroska") as container:
+        stream = container.add_stream("ffv1", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
+        for f in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
 def decode_wav(data: str) -> tuple[np.ndarray, int]:
     """The samples and sample rate of a base64 WAV, as the gateway returns `message.audio.data`."""
     samples, rate = sf.read(io.BytesIO(base64.b64decode(data)))

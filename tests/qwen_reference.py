@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import io
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -15,27 +14,14 @@ import soundfile
 import torch
 from PIL import Image
 
+from tests.helpers import video_file
+
 
 def reference_processor(path: Path) -> Any:
-    """transformers' `Qwen2_5OmniProcessor`. Where torchvision is missing it cannot be built
-    the usual way (transformers 5 makes its video processor torchvision-only, and its
-    constructor checks every part's class), so it is then put together from its other parts,
-    loaded as it loads them: its own `__call__` runs on text, audio and images unchanged (only
-    a video would need the missing part)."""
-    from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoTokenizer, Qwen2_5OmniProcessor
-    from transformers.utils import is_torchvision_available
+    """transformers' `Qwen2_5OmniProcessor`, as its documentation loads it."""
+    from transformers import Qwen2_5OmniProcessor
 
-    if is_torchvision_available():
-        return Qwen2_5OmniProcessor.from_pretrained(path)
-    proc = Qwen2_5OmniProcessor.__new__(Qwen2_5OmniProcessor)
-    tok = AutoTokenizer.from_pretrained(path)
-    proc.tokenizer, proc.chat_template = tok, tok.chat_template
-    proc.feature_extractor = AutoFeatureExtractor.from_pretrained(path)
-    proc.image_processor = AutoImageProcessor.from_pretrained(path)
-    proc.video_processor = SimpleNamespace(merge_size=proc.image_processor.merge_size)
-    for name in ("image", "audio", "video", "vision_bos", "vision_eos", "audio_bos", "audio_eos"):
-        setattr(proc, f"{name}_token", getattr(tok, f"{name}_token"))
-    return proc
+    return Qwen2_5OmniProcessor.from_pretrained(path)
 
 
 def reference_generate(
@@ -47,24 +33,27 @@ def reference_generate(
     voice: str,
     audio: list[np.ndarray] | None = None,
     images: list[Image.Image] | None = None,
+    videos: list[np.ndarray] | None = None,
+    fps: float | None = None,
 ) -> dict[str, Any]:
     """The reply's token ids and text, the talker's codes (as its token2wav receives them) and
     the waveform. `torch.manual_seed(seed)` goes right before generate: greedy decoding draws
-    nothing, so the DiT's starting noise is the first random draw after it. `audio` (16 kHz)
-    and `images` fill the messages' `{"type": "audio"}` and `{"type": "image"}` parts, in
-    order, through the model's processor, as its documentation runs it."""
+    nothing, so the DiT's starting noise is the first random draw after it. `audio` (16 kHz),
+    `images` and `videos` (frames [T, H, W, 3], taken at `fps`) fill the messages' audio,
+    image and video parts, in order, through the model's processor, as its documentation
+    runs it."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     ref = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
     proc = reference_processor(path)
     tok = proc.tokenizer
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = proc(text=text, audio=audio, images=images, return_tensors="pt")
-    # The image goes to the thinker alone (the `thinker_` prefix generate documents): unprefixed,
-    # generate hands `pixel_values` to the talker's generate too, which refuses it (5.19). The
-    # talker reads neither: without an attention mask its positions ignore the grid.
+    ids = proc(text=text, audio=audio, images=images, videos=videos, fps=fps, return_tensors="pt")
+    # Images and videos go to the thinker alone (the `thinker_` prefix generate documents):
+    # unprefixed, generate hands `pixel_values` to the talker's generate too, which refuses it
+    # (5.19). The talker reads neither: without an attention mask its positions ignore the grid.
     media = {
-        f"thinker_{k}" if k.startswith(("pixel_values", "image_grid")) else k: v
+        f"thinker_{k}" if k.startswith(("pixel_values", "image_grid", "video_")) else k: v
         for k, v in ids.items()
         if k not in ("input_ids", "attention_mask")
     }
@@ -137,4 +126,46 @@ def reference_with_media(
     image = Image.open(io.BytesIO(png))
     return reference_generate(
         path, [{"role": "user", "content": parts}], thinker_tokens, talker_codes, seed, voice, [clip], [image]
+    )
+
+
+VIDEO_FPS = 4
+VIDEO_QUESTION = "What happens in this video?"
+
+
+def video_clip() -> tuple[bytes, np.ndarray]:
+    """A 2 s video at 4 frames a second (56x84, random frames from a seed), losslessly coded,
+    and its frames."""
+    frames = np.random.default_rng(5).integers(0, 256, (2 * VIDEO_FPS, 56, 84, 3), dtype=np.uint8)
+    return video_file(frames, VIDEO_FPS), frames
+
+
+def video_message(mkv: bytes) -> dict[str, Any]:
+    """Text and a video, as vLLM's clients send it (`video_url`, a data: URL)."""
+    url = f"data:video/x-matroska;base64,{base64.b64encode(mkv).decode()}"
+    return {
+        "role": "user",
+        "content": [
+            {"type": "video_url", "video_url": {"url": url}},
+            {"type": "text", "text": VIDEO_QUESTION},
+        ],
+    }
+
+
+def reference_with_video(
+    path: Path, thinker_tokens: int, talker_codes: int, seed: int, voice: str
+) -> dict[str, Any]:
+    """The reference on `video_message`'s question and video, taken at 2 frames a second as
+    Qwen's own video loader takes them (every other frame of this 4 fps clip)."""
+    _, frames = video_clip()
+    parts = [{"type": "video"}, {"type": "text", "text": VIDEO_QUESTION}]
+    return reference_generate(
+        path,
+        [{"role": "user", "content": parts}],
+        thinker_tokens,
+        talker_codes,
+        seed,
+        voice,
+        videos=[frames[::2]],
+        fps=2.0,
     )

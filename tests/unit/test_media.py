@@ -1,5 +1,5 @@
-"""The gateway's media decoding (omni_gateway.media): real files made here with soundfile and
-Pillow, decoded to what every model's processor starts from; every bad part a 400 that names
+"""The gateway's media decoding (omni_gateway.media): real files made here with soundfile,
+Pillow and PyAV, decoded to what every model's processor starts from; every bad part a 400 that names
 the part and why. URL fetching against a real HTTP server on localhost."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from PIL import Image
 from omni_gateway.errors import BadRequest
 from omni_gateway.media import decode_media
 from omni_pipeline.spec import MediaSpec
+from tests.helpers import video_file
 
 RATE = 16000
 
@@ -57,6 +58,19 @@ def image_part(url_or_data: bytes | str) -> dict[str, Any]:
         else f"data:image/png;base64,{base64.b64encode(url_or_data).decode()}"
     )
     return {"type": "image_url", "image_url": {"url": url}}
+
+
+def frames(n: int, h: int = 16, w: int = 24) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 256, (n, h, w, 3), dtype=np.uint8)
+
+
+def video_part(url_or_data: bytes | str) -> dict[str, Any]:
+    url = (
+        url_or_data
+        if isinstance(url_or_data, str)
+        else f"data:video/x-matroska;base64,{base64.b64encode(url_or_data).decode()}"
+    )
+    return {"type": "video_url", "video_url": {"url": url}}
 
 
 def decode(*parts: dict[str, Any], limits: MediaSpec | None = None) -> tuple[list[dict[str, Any]], Any]:
@@ -97,6 +111,22 @@ def test_parts_become_references_to_tensors_every_model_can_start_from() -> None
     assert float(t["m4"].abs().max()) > 0.3
 
 
+def test_a_video_becomes_its_frames_taken_at_the_specs_rate() -> None:
+    """10 fps for 2 s, taken at 2 a second: frames 0, 5, 10, 15 exactly (a lossless codec). A
+    video slower than the rate keeps every frame, at its own rate."""
+    fast, slow = frames(20), frames(3)
+    messages, media = decode(video_part(video_file(fast, 10)), video_part(video_file(slow, 1)))
+    assert messages[1]["content"][1:] == [
+        {"type": "video", "media": "m0", "fps": 2.0},
+        {"type": "video", "media": "m1", "fps": 1.0},
+    ]
+    assert media.tensors["m0"].dtype == torch.uint8
+    assert torch.equal(media.tensors["m0"], torch.from_numpy(fast[::5]))
+    assert torch.equal(media.tensors["m1"], torch.from_numpy(slow))
+    _, media = decode(video_part(video_file(fast, 10)), limits=MediaSpec(video_fps=5))
+    assert torch.equal(media.tensors["m0"], torch.from_numpy(fast[::2]))
+
+
 def wav_bytes() -> bytes:
     return audio_file(clip(), "WAV")
 
@@ -131,7 +161,18 @@ BAD: dict[str, tuple[dict[str, Any], str]] = {
         "this server does not fetch URLs (spec.gateway.media.fetchUrls)",
     ),
     "file-url": (image_part("file:///etc/passwd"), "the URL must be a data: URL or http(s)"),
-    "video": ({"type": "video_url", "video_url": {"url": "data:,"}}, "'video_url' parts are not served"),
+    "video-not-base64": (video_part("data:video/mp4;base64,%%%"), "data is not base64"),
+    "truncated-video": (video_part(video_file(frames(8), 4)[:9000]), "s of the 2.00 s its header announces"),
+    "not-a-video": (video_part(b"\x1aE\xdf\xa3 not matroska at all"), "not decodable as a video"),
+    "audio-as-video": (video_part(wav_bytes()), "no video stream in the data"),
+    "video-url-while-fetching-is-off": (
+        video_part("https://example.com/clip.mp4"),
+        "this server does not fetch URLs (spec.gateway.media.fetchUrls)",
+    ),
+    "input-video": (
+        {"type": "input_video", "input_video": {"data": "eA=="}},
+        "'input_video' parts are not served",
+    ),
     "file": ({"type": "file", "file": {"file_data": "eA=="}}, "'file' parts are not served"),
 }
 
@@ -165,10 +206,22 @@ def test_each_limit_is_a_400_checked_before_decoding() -> None:
     with pytest.raises(BadRequest, match="101x100 is 10100 pixels, more than the limit of 10000"):
         decode(image_part(big), limits=limits)
     decode(image_part(image_file(100, 100)), audio_part(audio_file(clip(1.0), "WAV"), "wav"), limits=limits)
+    # Video: each frame within the image limit; the frames taken, and all their pixels, within
+    # theirs (from the header's length where it has one).
+    video = video_file(frames(8, 10, 20), 4)  # 2 s: 4 frames at 2 a second, 200 pixels each
+    with pytest.raises(BadRequest, match="20x10 frames are 200 pixels, more than the limit of 100"):
+        decode(video_part(video), limits=MediaSpec(max_image_pixels=100))
+    with pytest.raises(BadRequest, match="4 frames at 2 a second, more than the limit of 3"):
+        decode(video_part(video), limits=MediaSpec(max_video_frames=3))
+    with pytest.raises(BadRequest, match="4 frames of 20x10 are 800 pixels, more than the limit of 799"):
+        decode(video_part(video), limits=MediaSpec(max_video_pixels=799))
+    decode(
+        video_part(video), limits=MediaSpec(max_image_pixels=200, max_video_frames=4, max_video_pixels=800)
+    )
 
 
 class _Files(http.server.BaseHTTPRequestHandler):
-    """Serves /cat.png, a large /big.png, a 404 elsewhere, and /stall, which answers only
+    """Serves /cat.png, a large /big.png, /clip.mkv, a 404 elsewhere, and /stall, which answers only
     when the test ends (for the time limit)."""
 
     stalled = threading.Event()
@@ -177,7 +230,11 @@ class _Files(http.server.BaseHTTPRequestHandler):
         if self.path == "/stall":
             self.stalled.wait(30)
             return
-        body = {"/cat.png": image_file(12, 10), "/big.png": image_file(400, 400, "BMP")}.get(self.path)
+        body = {
+            "/cat.png": image_file(12, 10),
+            "/big.png": image_file(400, 400, "BMP"),
+            "/clip.mkv": video_file(frames(2), 2),
+        }.get(self.path)
         if body is None:
             self.send_error(404)
             return
@@ -204,8 +261,9 @@ def files() -> Iterator[str]:
 
 def test_urls_are_fetched_only_when_allowed_and_within_limits(files: str) -> None:
     limits = MediaSpec(fetch_urls=True, fetch_timeout_s=0.5, fetch_max_bytes=100_000)
-    _, media = decode(image_part(f"{files}/cat.png"), limits=limits)
+    _, media = decode(image_part(f"{files}/cat.png"), video_part(f"{files}/clip.mkv"), limits=limits)
     assert media.tensors["m0"].shape == (10, 12, 3)
+    assert torch.equal(media.tensors["m1"], torch.from_numpy(frames(2)))
     for path, says in {
         "/big.png": "is larger than the limit of 100000 bytes",
         "/nothing.png": "answered 404",

@@ -18,7 +18,15 @@ from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_en
 from omni_stage.payload import Payload, concat, split
 from omni_stage.segments import EngineOutput
 from tests.helpers import ROOT
-from tests.qwen_reference import media_clips, media_message, reference_generate, reference_with_media
+from tests.qwen_reference import (
+    media_clips,
+    media_message,
+    reference_generate,
+    reference_with_media,
+    reference_with_video,
+    video_clip,
+    video_message,
+)
 
 EXAMPLE = ROOT / "examples" / "qwen2.5-omni.yaml"
 MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
@@ -260,6 +268,21 @@ def test_with_audio_and_an_image_the_stages_compute_what_the_reference_computes(
     assert ours["codes"].tolist() == media_reference["codes"].tolist()
     assert ours["audio"].shape == media_reference["audio"].shape
     torch.testing.assert_close(ours["audio"], media_reference["audio"], rtol=0, atol=1e-5)
+
+
+def test_with_a_video_the_stages_compute_what_the_reference_computes(
+    model: Path, reference: dict[str, Any]
+) -> None:
+    """The same with a video: the gateway's code takes 2 frames a second of the 4 fps clip,
+    the thinker runs the model's video processor on them and places them in time; the
+    reference gets the same frames through the model's processor."""
+    ours = asyncio.run(run_pipeline(model, "Ethan", 4, [video_message(video_clip()[0])]))
+    theirs = reference_with_video(model, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
+    assert ours["tokens"].tolist() == theirs["tokens"].tolist()
+    assert ours["tokens"].tolist() != reference["tokens"].tolist()
+    assert ours["codes"].tolist() == theirs["codes"].tolist()
+    assert ours["audio"].shape == theirs["audio"].shape
+    torch.testing.assert_close(ours["audio"], theirs["audio"], rtol=0, atol=1e-5)
 
 
 def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(

@@ -3,7 +3,6 @@ own classes."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -52,11 +51,6 @@ def test_its_audio_and_image_processors_load(path: Path) -> None:
     assert out["image_grid_thw"].tolist() == [[1, 4, 4]]
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("torchvision") is None,
-    reason="Qwen2_5OmniProcessor always builds its video processor, which needs torchvision; no "
-    "torchvision imports beside the CPU torch these machines run (docs/models.md)",
-)
 def test_it_loads_with_the_omni_processor(path: Path) -> None:
     from transformers import Qwen2_5OmniProcessor
 

@@ -2,10 +2,12 @@
 
 The gateway knows no model's processor. It turns each part into what every processor starts
 from (an image into RGB pixels, uint8 [H, W, 3]; audio into mono float32 PCM at the clip's
-own rate) and leaves resizing, resampling and feature extraction to the source stage's
-engine. The tensors travel on the request edge's connector, never as base64 on NATS: the
-messages keep, in place of each part, a reference to its tensor
-(`{"type": "image", "media": "m0"}`, `{"type": "audio", "media": "m1", "sample_rate": 16000}`).
+own rate; a video into RGB frames, uint8 [T, H, W, 3], taken at `videoFps` as Qwen's and
+vLLM's video loaders sample them, with the rate they were taken at) and leaves resizing,
+resampling and feature extraction to the source stage's engine. The tensors travel on the
+request edge's connector, never as base64 on NATS: the messages keep, in place of each part, a
+reference to its tensor (`{"type": "image", "media": "m0"}`, `{"type": "audio", "media": "m1",
+"sample_rate": 16000}`, `{"type": "video", "media": "m2", "fps": 2.0}`).
 
 Every failure is a 400 that names the part (`messages[1].content[2]`) and says why: not
 base64, not decodable, truncated, an unsupported format, over a limit of `spec.gateway.media`,
@@ -18,10 +20,12 @@ import asyncio
 import base64
 import binascii
 import io
+import math
 from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import unquote_to_bytes, urlsplit
 
+import av
 import httpx
 import numpy as np
 import soundfile
@@ -50,12 +54,7 @@ class Media:
         return key
 
 
-_PART_KINDS: Final = {
-    "image_url": "image",
-    "input_audio": "audio",
-    "video_url": "video",
-    "input_video": "video",
-}
+_PART_KINDS: Final = {"image_url": "image", "input_audio": "audio", "video_url": "video"}
 """OpenAI's content part types -> the kinds engines declare they read (`Engine.accepts`)."""
 
 
@@ -99,8 +98,14 @@ async def decode_media(
                         decode_audio, data, audio["format"], limits.max_audio_seconds
                     )
                     parts.append({"type": "audio", "media": media.add(pcm), "sample_rate": rate})
+                elif kind == "video_url":
+                    data = await _url_bytes(part["video_url"]["url"], limits)
+                    frames, fps = await asyncio.to_thread(decode_video, data, limits)
+                    parts.append({"type": "video", "media": media.add(frames), "fps": fps})
                 else:
-                    raise ValueError(f"'{kind}' parts are not served (image_url and input_audio are)")
+                    raise ValueError(
+                        f"'{kind}' parts are not served (image_url, input_audio and video_url are)"
+                    )
             except ValueError as exc:
                 raise BadRequest(f"{where} ({kind}): {exc}", param=where) from None
         out.append({**msg, "content": parts})
@@ -153,6 +158,73 @@ def decode_audio(data: bytes, fmt: str, max_seconds: float) -> tuple[torch.Tenso
     if len(pcm) == 0:
         raise ValueError("no samples")
     return torch.from_numpy(np.ascontiguousarray(pcm.mean(axis=1, dtype=np.float32))), rate
+
+
+def decode_video(data: bytes, limits: MediaSpec) -> tuple[torch.Tensor, float]:
+    """RGB frames [T, H, W, 3] uint8 taken at `limits.video_fps` (each frame the first at or
+    after its time; a video with fewer frames a second keeps all of its own), and the rate
+    they were taken at. Frame size and, where the container says, length are checked before
+    decoding; a stream that ends more than a frame before the length its header gives (or the
+    frames it counts) is truncated. The video's own audio track is not read."""
+    try:
+        with av.open(io.BytesIO(data), mode="r") as container:
+            if not container.streams.video:
+                raise _Refused("no video stream in the data")
+            stream = container.streams.video[0]
+            w, h = stream.codec_context.width, stream.codec_context.height
+            if w * h > limits.max_image_pixels:
+                raise _Refused(
+                    f"{w}x{h} frames are {w * h} pixels, more than the limit of {limits.max_image_pixels}"
+                )
+            own = float(stream.average_rate or stream.guessed_rate or 0)
+            fps = min(limits.video_fps, own) if own > 0 else limits.video_fps
+            if stream.duration is not None and stream.time_base is not None:
+                seconds: float | None = float(stream.duration * stream.time_base)
+            else:
+                seconds = container.duration / av.time_base if container.duration else None
+            if seconds is not None:
+                _check_video_size(math.ceil(seconds * fps - 1e-6), w, h, fps, limits)
+            frames: list[np.ndarray] = []
+            decoded, start, t = 0, 0.0, 0.0
+            for frame in container.decode(stream):
+                t = frame.time if frame.time is not None else decoded / (own or fps)
+                start = t if decoded == 0 else start
+                decoded += 1
+                if t - start < len(frames) / fps - 1e-6:
+                    continue
+                if (frame.width, frame.height) != (w, h):
+                    raise _Refused(f"the frame size changes from {w}x{h} to {frame.width}x{frame.height}")
+                _check_video_size(len(frames) + 1, w, h, fps, limits)
+                frames.append(frame.to_ndarray(format="rgb24"))
+            if stream.frames and decoded < stream.frames:
+                raise _Refused(f"truncated: {decoded} of the {stream.frames} frames its header announces")
+            if own and seconds is not None and decoded and t - start + 2 / own < seconds:
+                raise _Refused(
+                    f"truncated: {t - start + 1 / own:.2f} s of the {seconds:.2f} s its header announces"
+                )
+    except _Refused as exc:
+        raise ValueError(str(exc)) from None
+    except Exception:  # FFmpeg's errors (some are ValueErrors), and whatever else its decoders raise
+        raise ValueError("not decodable as a video: corrupt, truncated or an unknown format") from None
+    if not frames:
+        raise ValueError("no frames")
+    return torch.from_numpy(np.stack(frames)), fps
+
+
+class _Refused(Exception):
+    """What `decode_video` says of the data itself, apart from what FFmpeg raises on it."""
+
+
+def _check_video_size(frames: int, w: int, h: int, fps: float, limits: MediaSpec) -> None:
+    if frames > limits.max_video_frames:
+        raise _Refused(
+            f"{frames} frames at {fps:g} a second, more than the limit of {limits.max_video_frames}"
+        )
+    if frames * w * h > limits.max_video_pixels:
+        raise _Refused(
+            f"{frames} frames of {w}x{h} are {frames * w * h} pixels, more than the limit of "
+            f"{limits.max_video_pixels}"
+        )
 
 
 def _base64(text: str) -> bytes:

@@ -36,15 +36,26 @@ class AudioPart(BaseModel):
     input_audio: InputAudio
 
 
+class VideoURL(BaseModel):
+    url: str = Field(min_length=1, description="A data: URL, or http(s) where the gateway fetches URLs.")
+
+
+class VideoPart(BaseModel):
+    """A video, as vLLM's and vLLM-Omni's chat APIs take it (OpenAI's has none)."""
+
+    type: Literal["video_url"]
+    video_url: VideoURL
+
+
 class OtherPart(BaseModel):
-    """Parts OpenAI defines that this server does not take (files, video): a 400 naming the
-    part, from the media decoder, rather than a schema error listing every part type."""
+    """Parts OpenAI defines that this server does not take (files): a 400 naming the part, from
+    the media decoder, rather than a schema error listing every part type."""
 
     model_config = ConfigDict(extra="allow")
-    type: Literal["file", "video_url", "input_video", "refusal"]
+    type: Literal["file", "input_video", "refusal"]
 
 
-ContentPart = Annotated[TextPart | ImagePart | AudioPart | OtherPart, Field(discriminator="type")]
+ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart | OtherPart, Field(discriminator="type")]
 
 
 def refuse_unless_off(value: Any, info: ValidationInfo, off: dict[str, tuple[Any, ...]]) -> None:

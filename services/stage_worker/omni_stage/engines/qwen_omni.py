@@ -128,7 +128,7 @@ class _Part(ComputeEngine):
 
 
 class Thinker(_Part):
-    """Reads the client's messages, their audio and images included (see `Prompt`)."""
+    """Reads the client's messages, their audio, images and videos included (see `Prompt`)."""
 
     part = "thinker"
     accepts = frozenset({"text", "image", "audio"})
@@ -157,6 +157,7 @@ class Thinker(_Part):
         super()._load()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.prompts = Prompts(self.path, self.tokenizer, self.config.thinker_config, self.device, self.dtype)
+        self.accepts = self.prompts.accepts
         eos = GenerationConfig.from_pretrained(self.path).eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if "response_format" in self.honours:
@@ -246,10 +247,11 @@ class Thinker(_Part):
             positions, st["rope_deltas"] = m.get_rope_index(
                 ids,
                 media.get("image_grid_thw"),
-                None,
+                media.get("video_grid_thw"),
                 torch.ones_like(ids),
                 False,
                 media["feature_attention_mask"].sum(-1) if "feature_attention_mask" in media else None,
+                prompt.video_second_per_grid,
             )
         else:
             positions = self._decode_positions(st)

@@ -1,18 +1,23 @@
-"""Qwen2.5-Omni's thinker prompt: chat messages with audio and images -> token ids and the
-features its encoders read, as `Qwen2_5OmniProcessor` builds them.
+"""Qwen2.5-Omni's thinker prompt: chat messages with audio, images and videos -> token ids
+and the features its encoders read, as `Qwen2_5OmniProcessor` builds them.
 
-The processor itself cannot be built where torchvision is missing (transformers 5 makes its
-video processor torchvision-only, and the processor always builds one), so its parts are
-loaded the way it loads them: the checkpoint's Whisper feature extractor (16 kHz, padded to
-its 300 s window, with the mask) and its Qwen2-VL image processor (`AutoImageProcessor`, the
-backend transformers picks), and its placeholder expansion is done here: each
-`<|AUDIO|>` becomes one token per audio frame the encoder outputs
-(`((mask.sum() - 1) // 2 + 1 - 2) // 2 + 1`) and each `<|IMAGE|>` one per merged patch
-(`grid_thw.prod() // merge_size**2`), in the order they appear. The parity test builds its
-inputs with the processor's own code and compares token for token.
+The processor's parts are loaded the way it loads them: the checkpoint's Whisper feature
+extractor (16 kHz, padded to its 300 s window, with the mask), its Qwen2-VL image processor
+(`AutoImageProcessor`, the backend transformers picks) and its video processor
+(`AutoVideoProcessor`), and its placeholder expansion is done here: each `<|AUDIO|>` becomes
+one token per audio frame the encoder outputs (`((mask.sum() - 1) // 2 + 1 - 2) // 2 + 1`),
+each `<|IMAGE|>` and `<|VIDEO|>` one per merged patch (`grid_thw.prod() // merge_size**2`), in
+the order they appear; a video's seconds per temporal patch (`temporal_patch_size / fps`) place
+its frames in time for the M-RoPE positions. Not the processor itself, because it cannot be
+built where torchvision is missing (transformers 5 makes the video processor torchvision-only,
+and the processor always builds one): there the thinker reads audio and images, and says it
+does not read video. The parity tests build their inputs with the processor's own code and
+compare token for token.
 
-Media arrive decoded by the gateway (RGB uint8 [H, W, 3]; mono float32 PCM with its rate,
-resampled here to the feature extractor's rate with soxr, as librosa loads it by default).
+Media arrive decoded by the gateway (RGB uint8 [H, W, 3]; RGB frames [T, H, W, 3] with the
+rate they were taken at; mono float32 PCM with its rate, resampled here to the feature
+extractor's rate with soxr, as librosa loads it by default). A video's own audio is not read
+(the processor's `use_audio_in_video` off, as it defaults).
 """
 
 from __future__ import annotations
@@ -36,29 +41,48 @@ class Prompt:
     ids: torch.Tensor
     features: dict[str, torch.Tensor] = field(default_factory=dict)
     media_mask: torch.Tensor | None = None
+    video_second_per_grid: torch.Tensor | None = None
+    """Each video's seconds per temporal patch, for the positions (float32, not the model's dtype)."""
 
 
 class Prompts:
     def __init__(
         self, path: str, tokenizer: Any, thinker_config: Any, device: torch.device, dtype: torch.dtype
     ) -> None:
-        from transformers import AutoFeatureExtractor, AutoImageProcessor
+        from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoVideoProcessor
+        from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessorKwargs
+        from transformers.utils import is_torchvision_available
 
         self.tokenizer = tokenizer
         self.device, self.dtype = device, dtype
         self.audio_token: str = tokenizer.audio_token
         self.image_token: str = tokenizer.image_token
-        self.audio_id = int(thinker_config.audio_token_index)
-        self.image_id = int(thinker_config.image_token_index)
+        self.video_token: str = tokenizer.video_token
+        self.media_ids = torch.tensor(
+            [
+                int(thinker_config.audio_token_index),
+                int(thinker_config.image_token_index),
+                int(thinker_config.video_token_index),
+            ]
+        )
         self.features = AutoFeatureExtractor.from_pretrained(path)
         self.images = AutoImageProcessor.from_pretrained(path)
-        self._placeholder = re.compile(f"{re.escape(self.audio_token)}|{re.escape(self.image_token)}")
+        self.videos = AutoVideoProcessor.from_pretrained(path) if is_torchvision_available() else None
+        # The omni processor resizes video frames to its own bounds, not its video processor's.
+        self.video_size = Qwen2_5OmniProcessorKwargs._defaults["videos_kwargs"]["size"]
+        tokens = (self.audio_token, self.image_token, self.video_token)
+        self._placeholder = re.compile("|".join(re.escape(t) for t in tokens))
+
+    @property
+    def accepts(self) -> frozenset[str]:
+        """The content part kinds this prompt reads."""
+        return frozenset({"text", "image", "audio"} | ({"video"} if self.videos is not None else set()))
 
     def build(self, request: dict[str, Any]) -> Prompt:
         if "messages" not in request:
             return Prompt(self._ids(str(request.get("prompt", ""))))
         media: dict[str, torch.Tensor] = request.get("media") or {}
-        chat, audios, images = [], [], []
+        chat, audios, images, videos, video_fps = [], [], [], [], []
         for m in request["messages"]:
             content = m.get("content")
             if isinstance(content, list):
@@ -73,13 +97,18 @@ class Prompts:
                     elif kind == "image":
                         images.append(media[p["media"]].numpy())
                         parts.append({"type": "image"})
+                    elif kind == "video" and self.videos is not None:
+                        videos.append(media[p["media"]].numpy())
+                        video_fps.append(float(p["fps"]))
+                        parts.append({"type": "video"})
                     else:
                         raise InvalidRequest(f"this model cannot read the '{kind}' part")
                 content = parts
             chat.append({"role": str(m.get("role", "user")), "content": content or ""})
         text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         features: dict[str, torch.Tensor] = {}
-        counts: dict[str, list[int]] = {self.audio_token: [], self.image_token: []}
+        counts: dict[str, list[int]] = {self.audio_token: [], self.image_token: [], self.video_token: []}
+        per_grid = None
         if audios:
             out = self.features(
                 audios,
@@ -97,15 +126,24 @@ class Prompts:
             features["pixel_values"], features["image_grid_thw"] = out["pixel_values"], out["image_grid_thw"]
             merge = int(self.images.merge_size) ** 2
             counts[self.image_token] = (out["image_grid_thw"].prod(-1) // merge).tolist()
+        if videos:
+            assert self.videos is not None
+            out = self.videos(videos=videos, size=self.video_size, return_tensors="pt")
+            features["pixel_values_videos"] = out["pixel_values_videos"]
+            features["video_grid_thw"] = out["video_grid_thw"]
+            merge = int(self.videos.merge_size) ** 2
+            counts[self.video_token] = (out["video_grid_thw"].prod(-1) // merge).tolist()
+            patch = int(self.videos.temporal_patch_size)
+            per_grid = torch.tensor([patch / fps for fps in video_fps], device=self.device)
         text = self._expand(text, counts)
         ids = self._ids(text)
-        mask = (ids == self.audio_id) | (ids == self.image_id)
+        mask = torch.isin(ids, self.media_ids.to(ids.device))
         # On the model's device, and float features in its dtype (as `inputs.to(model.dtype)`).
         on_device = {
             k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
             for k, v in features.items()
         }
-        return Prompt(ids, on_device, mask)
+        return Prompt(ids, on_device, mask, per_grid)
 
     def _expand(self, text: str, counts: dict[str, list[int]]) -> str:
         found = self._placeholder.findall(text)
