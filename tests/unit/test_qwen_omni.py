@@ -53,13 +53,20 @@ def windows(outputs: list[EngineOutput], n: int) -> list[tuple[Payload, bool]]:
 
 
 async def run_pipeline(
-    model: Path, voice: str, thinker_window: int, messages: list[dict[str, Any]] = MESSAGES
+    model: Path,
+    voice: str,
+    thinker_window: int,
+    messages: list[dict[str, Any]] = MESSAGES,
+    thinker: Engine | None = None,
 ) -> dict[str, Any]:
     """The three stages, code2wav on the whole code sequence (as the reference decodes it).
-    `messages` as a client sends them: media parts are decoded by the gateway's own code."""
-    thinker, talker = engine("thinker", model), engine("talker", model)
-    code2wav = engine("code2wav", model, chunkCodes=0)
-    for e in (thinker, talker, code2wav):
+    `messages` as a client sends them: media parts are decoded by the gateway's own code.
+    `thinker`: one already started (the vLLM thinker's test); else the example's."""
+    talker, code2wav = engine("talker", model), engine("code2wav", model, chunkCodes=0)
+    if thinker is None:
+        thinker = engine("thinker", model)
+        await thinker.start()
+    for e in (talker, code2wav):
         await e.start()
     messages, media = await decode_media(messages, MediaSpec())
     request = {"messages": messages, "media": media.tensors, "modalities": ["audio", "text"], "voice": voice}

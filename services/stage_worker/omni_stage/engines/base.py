@@ -261,6 +261,12 @@ def build_engine(stage: StageSpec) -> Engine:
         from omni_stage.engines.torch_module import TorchModuleEngine
 
         return TorchModuleEngine(stage)
+    if kind is EngineKind.VLLM and (part := stage.engine.args.get("part")) is not None:
+        if part != "thinker":
+            raise EngineError(f"stage '{stage.name}': on vllm, engine.args.part can only be thinker")
+        from omni_stage.engines.qwen_omni_vllm import VllmThinker
+
+        return VllmThinker(stage)
     if kind is EngineKind.VLLM:
         from omni_stage.engines.vllm import VllmEngine
 

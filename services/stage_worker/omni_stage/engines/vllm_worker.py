@@ -1,0 +1,67 @@
+"""vLLM workers that also send each step's last hidden states to the stage (vllm_hidden.py).
+
+vLLM imports this module inside its own worker processes (`worker_cls`): one class per
+platform, each vLLM's own worker with one change: after `init_device` builds its model runner,
+the runner's `sample_tokens` first sends the rows its forward left in `execute_model_state`
+(the last layer's normed states: what the logits are computed from), then samples as before.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+import torch
+import zmq
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_worker import Worker
+
+from omni_stage.engines.vllm_hidden import ADDRESS_ENV, HiddenRows
+
+
+class _Sender:
+    """Wraps a model runner's `sample_tokens`: each request's rows of this step, then the step."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.sample = runner.sample_tokens
+        self.socket = zmq.Context.instance().socket(zmq.PUSH)
+        self.socket.connect(os.environ[ADDRESS_ENV])
+        self.encoder = msgspec.msgpack.Encoder()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        state = self.runner.execute_model_state
+        if state is not None:
+            self.send(state.scheduler_output, state.hidden_states)
+        return self.sample(*args, **kwargs)
+
+    def send(self, scheduled: Any, hidden: torch.Tensor) -> None:
+        batch = self.runner.input_batch
+        row = 0
+        for i, req in enumerate(batch.req_ids):
+            n = int(scheduled.num_scheduled_tokens.get(req, 0))
+            if n == 0:
+                continue
+            rows = hidden[row : row + n].float().cpu().contiguous()
+            row += n
+            head = HiddenRows(req, int(batch.num_computed_tokens_cpu[i]), n, int(rows.shape[1]))
+            self.socket.send_multipart([self.encoder.encode(head), rows.numpy().tobytes()], copy=False)
+
+
+def _install(worker: Any) -> None:
+    if get_pp_group().is_last_rank and get_tp_group().rank_in_group == 0:
+        worker.model_runner.sample_tokens = _Sender(worker.model_runner)
+
+
+class CPUHiddenStatesWorker(CPUWorker):
+    def init_device(self) -> None:
+        super().init_device()
+        _install(self)
+
+
+class GPUHiddenStatesWorker(Worker):
+    def init_device(self) -> None:
+        super().init_device()
+        _install(self)

@@ -1,0 +1,106 @@
+"""Qwen2.5-Omni's thinker on vLLM's real CPU build (`engine: {kind: vllm, args: {part:
+thinker}}`), feeding the transformers talker and code2wav as the pipeline does: text, codec
+codes and waveform equal transformers' own `generate(..., return_audio=True)`, with audio and
+an image in the message too. The hidden states the talker reads come from vLLM's workers
+(omni_stage/engines/vllm_worker.py); nothing here stands in for vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from omni_pipeline.spec import EngineSpec, load_pipeline
+from omni_stage.engines.base import EngineError, build_engine
+from omni_stage.engines.qwen_omni_vllm import VllmThinker
+from tests.integration.test_vllm import LoopThread
+from tests.qwen_reference import media_clips, media_message, reference_generate, reference_with_media
+from tests.unit.test_qwen_omni import EXAMPLE, MESSAGES, SEED, TALKER_CODES, THINKER_TOKENS, run_pipeline
+
+
+def vllm_thinker(model: Path, **args: Any) -> VllmThinker:
+    spec = load_pipeline(EXAMPLE).spec.stage("thinker")
+    engine = EngineSpec(kind="vllm", model=str(model), args={"part": "thinker", **args})
+    built = build_engine(spec.model_copy(update={"engine": engine}))
+    assert isinstance(built, VllmThinker)
+    return built
+
+
+@pytest.fixture(scope="module")
+def model(demo_dir: Path) -> Path:
+    return demo_dir / "models" / "tiny-qwen2.5-omni"
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+@pytest.fixture(scope="module")
+def thinker(model: Path, loop: LoopThread) -> Iterator[VllmThinker]:
+    engine = vllm_thinker(model, max_model_len=2048, dtype="float32")
+    loop.run(engine.start(), timeout=300)
+    yield engine
+    loop.run(engine.close())
+
+
+def assert_equal(ours: dict[str, Any], ref: dict[str, Any]) -> None:
+    assert ours["tokens"].tolist() == ref["tokens"].tolist()
+    assert ours["text"] == ref["text"]
+    assert ours["codes"].tolist() == ref["codes"].tolist()
+    assert ours["audio"].shape == ref["audio"].shape
+    torch.testing.assert_close(ours["audio"], ref["audio"], rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("thinker_window", [1, 1000])
+def test_text_codes_and_audio_equal_the_reference(
+    model: Path, thinker: VllmThinker, loop: LoopThread, thinker_window: int
+) -> None:
+    """vLLM's greedy tokens are the reference's, and its hidden states within 1e-6 of it, so
+    the talker's codes are the same and the waveform within 1e-5, as with the transformers
+    thinker (tests/unit/test_qwen_omni.py)."""
+    ref = reference_generate(model, MESSAGES, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
+    ours = loop.run(run_pipeline(model, "Ethan", thinker_window, thinker=thinker), timeout=300)
+    assert_equal(ours, ref)
+    assert len(ours["codes"]) > 8
+
+
+def test_with_audio_and_an_image_as_well(model: Path, thinker: VllmThinker, loop: LoopThread) -> None:
+    """vLLM runs the model's processor on the clip and image the gateway's code decoded; the
+    talker gets zeros where their features sit."""
+    ref = reference_with_media(model, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
+    message = media_message(*media_clips())
+    ours = loop.run(run_pipeline(model, "Ethan", 4, [message], thinker=thinker), timeout=300)
+    assert_equal(ours, ref)
+
+
+def test_concurrent_requests_get_their_own_hidden_states(
+    model: Path, thinker: VllmThinker, loop: LoopThread
+) -> None:
+    """Two requests in vLLM's batch at once: each talker gets its own request's rows."""
+    ref_text = reference_generate(model, MESSAGES, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
+    ref_media = reference_with_media(model, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
+
+    async def both() -> list[dict[str, Any]]:
+        message = media_message(*media_clips())
+        return list(
+            await asyncio.gather(
+                run_pipeline(model, "Ethan", 1, thinker=thinker),
+                run_pipeline(model, "Ethan", 1, [message], thinker=thinker),
+            )
+        )
+
+    text, media = loop.run(both(), timeout=300)
+    assert_equal(text, ref_text)
+    assert_equal(media, ref_media)
+
+
+def test_prefix_caching_is_refused(model: Path) -> None:
+    with pytest.raises(EngineError, match="enable_prefix_caching"):
+        vllm_thinker(model, enable_prefix_caching=True)
