@@ -174,6 +174,30 @@ def test_a_video_in_text_and_speech_out_equal_the_reference(base: str, demo_dir:
     assert_speech_is(pcm, ref["audio"].numpy())
 
 
+@pytest.fixture(scope="module")
+def vllm_base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with served_example("qwen2.5-omni-vllm.yaml", demo_dir, tmp_path_factory.mktemp("logs")) as url:
+        yield url
+
+
+def test_on_vllm_text_audio_and_an_image_in_stream_text_and_speech_out(
+    vllm_base: str, media_reference: dict[str, Any]
+) -> None:
+    """The acceptance request again, the thinker on vLLM (examples/qwen2.5-omni-vllm.yaml):
+    the same text and speech as the reference, the audio before the text ends on a long
+    answer, and nothing held afterwards (read after a first request: the NATS client makes its
+    request-reply subscription on the first)."""
+    ask(vllm_base, audio={"voice": "Ethan", "format": "wav"}, max_tokens=1)
+    idle = gauges([vllm_base])
+    message = media_message(*media_clips())
+    _, text, pcm = stream(vllm_base, [message])
+    assert text == media_reference["text"]
+    assert_speech_is(pcm, media_reference["audio"])
+    events, _, _ = stream(vllm_base, [message], max_tokens=1000)
+    assert_audio_starts_before_the_text_ends(events)
+    settle([vllm_base], idle)
+
+
 def test_bad_media_is_a_400_naming_the_part_and_leaves_nothing_behind(base: str) -> None:
     """A sample of the cases tests/unit/test_media.py covers one by one, through the real
     gateway and the openai client: each a 400 whose param is the part."""

@@ -18,7 +18,15 @@ from omni_pipeline.spec import EngineSpec, load_pipeline
 from omni_stage.engines.base import EngineError, build_engine
 from omni_stage.engines.qwen_omni_vllm import VllmThinker
 from tests.integration.test_vllm import LoopThread
-from tests.qwen_reference import media_clips, media_message, reference_generate, reference_with_media
+from tests.qwen_reference import (
+    media_clips,
+    media_message,
+    reference_generate,
+    reference_with_media,
+    reference_with_video,
+    video_clip,
+    video_message,
+)
 from tests.unit.test_qwen_omni import EXAMPLE, MESSAGES, SEED, TALKER_CODES, THINKER_TOKENS, run_pipeline
 
 
@@ -44,7 +52,9 @@ def loop() -> Iterator[LoopThread]:
 
 @pytest.fixture(scope="module")
 def thinker(model: Path, loop: LoopThread) -> Iterator[VllmThinker]:
-    engine = vllm_thinker(model, max_model_len=2048, dtype="float32")
+    """Prefill in chunks of 128 tokens: every prompt here (245 tokens and more) takes two or
+    more steps, whose rows must land at their positions."""
+    engine = vllm_thinker(model, max_model_len=2048, dtype="float32", max_num_batched_tokens=128)
     loop.run(engine.start(), timeout=300)
     yield engine
     loop.run(engine.close())
@@ -101,6 +111,17 @@ def test_concurrent_requests_get_their_own_hidden_states(
     assert_equal(media, ref_media)
 
 
-def test_prefix_caching_is_refused(model: Path) -> None:
+def test_what_would_send_the_talker_wrong_states_is_refused(model: Path) -> None:
     with pytest.raises(EngineError, match="enable_prefix_caching"):
         vllm_thinker(model, enable_prefix_caching=True)
+    with pytest.raises(EngineError, match="speculative_config"):
+        vllm_thinker(model, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+def test_with_a_video(model: Path, thinker: VllmThinker, loop: LoopThread) -> None:
+    """The gateway's code takes 2 frames a second; vLLM runs the model's processor on them at
+    that rate; the reference gets the same frames through the model's processor."""
+    ref = reference_with_video(model, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
+    message = video_message(video_clip()[0])
+    ours = loop.run(run_pipeline(model, "Ethan", 4, [message], thinker=thinker), timeout=300)
+    assert_equal(ours, ref)

@@ -10,7 +10,8 @@ zeros where the prompt holds audio, image or video features (as the reference ha
 its talker).
 
 Prefix caching is off: a cached prefix is not computed again, so its hidden states would
-never come.
+never come. Speculative decoding is refused: its rejected draft tokens' states would be sent.
+Chunked prefill is fine (each chunk's rows carry their positions).
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ class VllmThinker(VllmEngine):
                 f"stage '{stage.name}': enable_prefix_caching: a cached prefix's hidden states are not "
                 "computed again, and the talker needs them"
             )
+        if self.args.get("speculative_config"):
+            raise EngineError(
+                f"stage '{stage.name}': speculative_config: the hidden states of draft tokens vLLM "
+                "rejects would reach the talker"
+            )
         self.hidden: HiddenStates | None = None
         self.prompts: Prompts | None = None
         self.embeds: torch.Tensor | None = None
@@ -76,7 +82,7 @@ class VllmThinker(VllmEngine):
         self.prompts = await asyncio.to_thread(
             Prompts, path, self.tokenizer, config.thinker_config, torch.device("cpu"), torch.float32
         )
-        self.accepts = self.prompts.accepts - {"video"}
+        self.accepts = self.prompts.accepts
         self.embeds = (await asyncio.to_thread(thinker_embedding_table, self.stage.name, path)).float()
 
     def _vllm_prompt(self, request: dict[str, Any]) -> dict[str, Any]:
@@ -91,7 +97,15 @@ class VllmThinker(VllmEngine):
             media["audio"] = [(a, rate) for a in chat.audios]
         if chat.images:
             media["image"] = chat.images
-        return {"prompt": chat.text, "multi_modal_data": media} if media else {"prompt": chat.text}
+        if not media and not chat.videos:
+            return {"prompt": chat.text}
+        prompt: dict[str, Any] = {"prompt": chat.text, "multi_modal_data": media}
+        if chat.videos:
+            if len(set(chat.video_fps)) > 1:  # the model's processor takes one rate for all
+                raise InvalidRequest("the videos of one request must be taken at one rate (videoFps)")
+            media["video"] = chat.videos
+            prompt["mm_processor_kwargs"] = {"fps": chat.video_fps[0]}
+        return prompt
 
     def _prompt_embeds(self, ids: list[int]) -> torch.Tensor:
         """[1, P, hidden]: the prompt's input embeddings, zeros at media positions."""

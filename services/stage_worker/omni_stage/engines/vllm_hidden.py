@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import sys
 import tempfile
 import uuid
 from dataclasses import dataclass, field
@@ -54,7 +55,10 @@ class HiddenStates:
         import zmq
         import zmq.asyncio
 
-        self.address = f"ipc://{tempfile.gettempdir()}/omni-vllm-hidden-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        name = f"omni-vllm-hidden-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        # Linux: an abstract socket, which no file names, so a killed stage leaves nothing behind.
+        self._path = None if sys.platform == "linux" else os.path.join(tempfile.gettempdir(), name)
+        self.address = f"ipc://@{name}" if self._path is None else f"ipc://{self._path}"
         self._ctx = zmq.asyncio.Context()
         self._socket = self._ctx.socket(zmq.PULL)
         self._socket.bind(self.address)
@@ -101,5 +105,6 @@ class HiddenStates:
                 await self._task
         self._socket.close(linger=0)
         self._ctx.term()
-        with contextlib.suppress(OSError):
-            os.unlink(self.address.removeprefix("ipc://"))
+        if self._path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._path)
