@@ -17,6 +17,8 @@ Ratios, each against a baseline measured in the same run:
   batching the steps of concurrent requests (their default).
 - c8_batched_vs_unbatched: requests/s at concurrency 8 with batching over the same with it
   off in every stage (`maxBatch: 1`): the baseline batching is measured against.
+- c8_vllm_thinker_vs_transformers (not with --quick): requests/s at concurrency 8 with the
+  thinker on vLLM (examples/qwen2.5-omni-vllm.yaml) over the transformers thinker.
 """
 
 from __future__ import annotations
@@ -42,14 +44,15 @@ THINKER_TOKENS = 200
 TALKER_CODES = 400  # up to 8 s of audio: streaming matters for long answers
 
 
-def pipeline(chunked: bool, codes: int, batched: bool = True) -> dict[str, Any]:
-    spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "qwen2.5-omni.yaml").read_text())["spec"])
+def pipeline(chunked: bool, codes: int, batched: bool = True, vllm: bool = False) -> dict[str, Any]:
+    example = "qwen2.5-omni-vllm.yaml" if vllm else "qwen2.5-omni.yaml"
+    spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / example).read_text())["spec"])
     spec["servedModelName"] = "bench"
     spec["gateway"]["requestTimeoutS"] = 300
     spec["stages"][1]["sampling"]["max_tokens"] = codes
     for stage in spec["stages"]:
         stage["maxInflight"] = 8
-        if not batched:
+        if not batched and stage["engine"]["kind"] != "vllm":  # vLLM's batching is its own
             stage["engine"]["args"]["maxBatch"] = 1
     if not chunked:
         code2wav = spec["stages"][2]
@@ -128,6 +131,10 @@ def main(argv: list[str] | None = None) -> None:
             runs["unbatched_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
         with served("bench", pipeline(False, codes), cwd=cwd) as base:
             runs["full_c1"] = asyncio.run(load(base, 1, n, tokens))
+        if not args.quick:
+            with served("bench", pipeline(True, codes, vllm=True), cwd=cwd) as base:
+                runs["vllm_thinker_c1"] = asyncio.run(load(base, 1, n, tokens))
+                runs["vllm_thinker_c8"] = asyncio.run(load(base, 8, 8 * n, tokens))
     result = {
         "benchmark": "qwen-omni",
         "machine": machine(),
@@ -142,6 +149,10 @@ def main(argv: list[str] | None = None) -> None:
             ),
         },
     }
+    if "vllm_thinker_c8" in runs:
+        result["ratios"]["c8_vllm_thinker_vs_transformers"] = round(
+            runs["vllm_thinker_c8"]["req_per_s"] / runs["chunked_c8"]["req_per_s"], 3
+        )
     rows = [(name, "  ".join(f"{k} {v}" for k, v in r.items())) for name, r in runs.items()]
     rows += [(k, str(v)) for k, v in result["ratios"].items()]
     report("qwen_omni", rows, result, args, plot)
