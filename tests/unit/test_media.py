@@ -51,13 +51,15 @@ def audio_part(data: bytes | str, fmt: str) -> dict[str, Any]:
     return {"type": "input_audio", "input_audio": {"data": b64, "format": fmt}}
 
 
+def data_url(url_or_data: bytes | str, mime: str) -> str:
+    """A URL as given, or the bytes as a data: URL."""
+    if isinstance(url_or_data, str):
+        return url_or_data
+    return f"data:{mime};base64,{base64.b64encode(url_or_data).decode()}"
+
+
 def image_part(url_or_data: bytes | str) -> dict[str, Any]:
-    url = (
-        url_or_data
-        if isinstance(url_or_data, str)
-        else f"data:image/png;base64,{base64.b64encode(url_or_data).decode()}"
-    )
-    return {"type": "image_url", "image_url": {"url": url}}
+    return {"type": "image_url", "image_url": {"url": data_url(url_or_data, "image/png")}}
 
 
 def frames(n: int, h: int = 16, w: int = 24) -> np.ndarray:
@@ -65,12 +67,7 @@ def frames(n: int, h: int = 16, w: int = 24) -> np.ndarray:
 
 
 def video_part(url_or_data: bytes | str) -> dict[str, Any]:
-    url = (
-        url_or_data
-        if isinstance(url_or_data, str)
-        else f"data:video/x-matroska;base64,{base64.b64encode(url_or_data).decode()}"
-    )
-    return {"type": "video_url", "video_url": {"url": url}}
+    return {"type": "video_url", "video_url": {"url": data_url(url_or_data, "video/x-matroska")}}
 
 
 def decode(*parts: dict[str, Any], limits: MediaSpec | None = None) -> tuple[list[dict[str, Any]], Any]:
