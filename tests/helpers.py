@@ -124,17 +124,26 @@ def vllm_omni_client(
     return run(base, model, requests, max_tokens, extra)
 
 
-def video_file(frames: np.ndarray, fps: int) -> bytes:
-    """RGB frames [T, H, W, 3] as FFV1 in Matroska: lossless, so decoding gives them back."""
+def video_file(frames: np.ndarray, fps: int, audio_seconds: float = 0.0) -> bytes:
+    """RGB frames [T, H, W, 3] as FFV1 in Matroska: lossless, so decoding gives them back. With
+    `audio_seconds`, a 16 kHz PCM track of that length beside them."""
     import av
 
     out = io.BytesIO()
     with av.open(out, mode="w", format="matroska") as container:
         stream = container.add_stream("ffv1", rate=fps)
         stream.width, stream.height, stream.pix_fmt = frames.shape[2], frames.shape[1], "bgr0"
+        audio = container.add_stream("pcm_s16le", rate=16000, layout="mono") if audio_seconds else None
         for f in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(f, format="rgb24")))
         container.mux(stream.encode())
+        if audio is not None:
+            pcm = np.zeros((1, int(audio_seconds * 16000)), np.int16)
+            for at in range(0, pcm.shape[1], 1600):
+                chunk = av.AudioFrame.from_ndarray(pcm[:, at : at + 1600], format="s16", layout="mono")
+                chunk.sample_rate, chunk.pts = 16000, at
+                container.mux(audio.encode(chunk))
+            container.mux(audio.encode())
     return out.getvalue()
 
 

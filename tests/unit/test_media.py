@@ -122,6 +122,9 @@ def test_a_video_becomes_its_frames_taken_at_the_specs_rate() -> None:
     assert torch.equal(media.tensors["m1"], torch.from_numpy(slow))
     _, media = decode(video_part(video_file(fast, 10)), limits=MediaSpec(video_fps=5))
     assert torch.equal(media.tensors["m0"], torch.from_numpy(fast[::2]))
+    # An audio track longer than the video: the video is whole (its audio is not read).
+    _, media = decode(video_part(video_file(fast, 10, audio_seconds=4.0)))
+    assert torch.equal(media.tensors["m0"], torch.from_numpy(fast[::5]))
 
 
 def wav_bytes() -> bytes:

@@ -172,17 +172,17 @@ def decode_video(data: bytes, limits: MediaSpec) -> tuple[torch.Tensor, float]:
                 raise _Refused("no video stream in the data")
             stream = container.streams.video[0]
             w, h = stream.codec_context.width, stream.codec_context.height
-            if w * h > limits.max_image_pixels:
-                raise _Refused(
-                    f"{w}x{h} frames are {w * h} pixels, more than the limit of {limits.max_image_pixels}"
-                )
+            _check_frame_size(w, h, limits)
             own = float(stream.average_rate or stream.guessed_rate or 0)
             fps = min(limits.video_fps, own) if own > 0 else limits.video_fps
+            # The video's own length; the container's only where the video is all it holds (an
+            # audio track may run longer).
+            seconds: float | None = None
             if stream.duration is not None and stream.time_base is not None:
-                seconds: float | None = float(stream.duration * stream.time_base)
-            else:
-                seconds = container.duration / av.time_base if container.duration else None
-            if seconds is not None:
+                seconds = float(stream.duration * stream.time_base)
+            elif container.duration and len(container.streams) == 1:
+                seconds = container.duration / av.time_base
+            if seconds is not None and w * h:
                 _check_video_size(math.ceil(seconds * fps - 1e-6), w, h, fps, limits)
             frames: list[np.ndarray] = []
             decoded, start, t = 0, 0.0, 0.0
@@ -192,6 +192,9 @@ def decode_video(data: bytes, limits: MediaSpec) -> tuple[torch.Tensor, float]:
                 decoded += 1
                 if t - start < len(frames) / fps - 1e-6:
                     continue
+                if not frames and not w * h:  # a header that did not say: the first frame does
+                    w, h = frame.width, frame.height
+                    _check_frame_size(w, h, limits)
                 if (frame.width, frame.height) != (w, h):
                     raise _Refused(f"the frame size changes from {w}x{h} to {frame.width}x{frame.height}")
                 _check_video_size(len(frames) + 1, w, h, fps, limits)
@@ -213,6 +216,11 @@ def decode_video(data: bytes, limits: MediaSpec) -> tuple[torch.Tensor, float]:
 
 class _Refused(Exception):
     """What `decode_video` says of the data itself, apart from what FFmpeg raises on it."""
+
+
+def _check_frame_size(w: int, h: int, limits: MediaSpec) -> None:
+    if w * h > limits.max_image_pixels:
+        raise _Refused(f"{w}x{h} frames are {w * h} pixels, more than the limit of {limits.max_image_pixels}")
 
 
 def _check_video_size(frames: int, w: int, h: int, fps: float, limits: MediaSpec) -> None:

@@ -88,8 +88,9 @@ class VllmThinker(VllmEngine):
     def _vllm_prompt(self, request: dict[str, Any]) -> dict[str, Any]:
         """The chat template's text and the media, for vLLM's own processor of this model."""
         assert self.prompts is not None
-        if "messages" not in request:
-            raise InvalidRequest("the Qwen thinker reads chat messages")
+        if "messages" not in request:  # a bare prompt (speech's input), as the transformers thinker
+            ids = self.tokenizer(str(request.get("prompt", "")), add_special_tokens=False)["input_ids"]
+            return {"prompt_token_ids": ids}
         chat = self.prompts.read(request)
         media: dict[str, Any] = {}
         if chat.audios:

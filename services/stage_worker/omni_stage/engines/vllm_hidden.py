@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import sys
 import tempfile
@@ -25,6 +26,8 @@ from typing import Final
 
 import msgspec
 import torch
+
+log = logging.getLogger(__name__)
 
 ADDRESS_ENV: Final = "OMNI_VLLM_HIDDEN_STATES"
 """The ZeroMQ address vLLM's workers push to, set by the stage before vLLM starts them."""
@@ -88,12 +91,17 @@ class HiddenStates:
 
     async def _receive(self) -> None:
         while True:
-            head, body = await self._socket.recv_multipart(copy=False)
-            msg = self._decoder.decode(head.buffer)
-            r = self._requests.get(msg.request[:-_SUFFIX])
-            if r is None:
+            frames = await self._socket.recv_multipart(copy=False)
+            try:
+                head, body = frames
+                msg = self._decoder.decode(head.buffer)
+                r = self._requests.get(msg.request[:-_SUFFIX])
+                if r is None:
+                    continue
+                rows = torch.frombuffer(bytearray(body.buffer), dtype=torch.float32).view(msg.rows, msg.width)
+            except (ValueError, RuntimeError, msgspec.DecodeError) as exc:  # its request waits out
+                log.warning("vLLM hidden states: a message that does not decode (%s)", exc)
                 continue
-            rows = torch.frombuffer(bytearray(body.buffer), dtype=torch.float32).view(msg.rows, msg.width)
             for i in range(msg.rows):
                 r.rows[msg.start + i] = rows[i]
             r.arrived.set()
