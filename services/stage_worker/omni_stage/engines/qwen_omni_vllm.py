@@ -34,6 +34,7 @@ from omni_stage.segments import EngineOutput
 
 HIDDEN_WAIT_S: Final = 60.0
 """How long a token's hidden state may lag its token (it is sent before the token is sampled)."""
+V2_RUNNER_ENV: Final = "VLLM_USE_V2_MODEL_RUNNER"
 _WORKERS: Final = {
     "cpu": "omni_stage.engines.vllm_worker.CPUHiddenStatesWorker",
     "cuda": "omni_stage.engines.vllm_worker.GPUHiddenStatesWorker",
@@ -73,6 +74,11 @@ class VllmThinker(VllmEngine):
     async def start(self) -> None:
         from transformers import Qwen2_5OmniConfig
 
+        if os.environ.setdefault(V2_RUNNER_ENV, "0") != "0":
+            raise EngineError(
+                f"stage '{self.stage.name}': {V2_RUNNER_ENV}={os.environ[V2_RUNNER_ENV]}: the Qwen "
+                "thinker's hidden states are read from vLLM's V1 model runner"
+            )
         self.hidden = HiddenStates()
         self.hidden.start()
         os.environ[ADDRESS_ENV] = self.hidden.address  # vLLM's workers inherit it

@@ -4,6 +4,9 @@ vLLM imports this module inside its own worker processes (`worker_cls`): one cla
 platform, each vLLM's own worker with one change: after `init_device` builds its model runner,
 the runner's `sample_tokens` first sends the rows its forward left in `execute_model_state`
 (the last layer's normed states: what the logits are computed from), then samples as before.
+Written against vLLM's V1 model runner (`GPUModelRunner`, which the CPU runner extends): the
+stage starts vLLM with `VLLM_USE_V2_MODEL_RUNNER=0`, since vLLM picks V2 by default where
+Triton is installed (GPUs).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import zmq
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.v1.worker.cpu_worker import CPUWorker
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 from omni_stage.engines.vllm_hidden import ADDRESS_ENV, HiddenRows
@@ -51,6 +55,11 @@ class _Sender:
 
 
 def _install(worker: Any) -> None:
+    if not isinstance(worker.model_runner, GPUModelRunner):  # the CPU runner is one too
+        raise RuntimeError(
+            f"the Qwen thinker's hidden states are read from vLLM's V1 model runner, not "
+            f"{type(worker.model_runner).__name__} (VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
     if get_pp_group().is_last_rank and get_tp_group().rank_in_group == 0:
         worker.model_runner.sample_tokens = _Sender(worker.model_runner)
 
