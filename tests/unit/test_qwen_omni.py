@@ -175,7 +175,7 @@ def test_what_the_thinker_cannot_read_is_the_clients_error_and_a_one_token_reply
         await thinker.start()
         await talker.start()
         refused = {
-            "this model cannot read the 'video' part": [{"type": "video", "media": "m0"}],
+            "this model cannot read the 'file' part": [{"type": "file", "media": "m0"}],
             "the messages contain the model's special token <\\|AUDIO\\|>": "hear <|AUDIO|>",
         }
         for why, content in refused.items():
