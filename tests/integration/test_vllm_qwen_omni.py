@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from omni_pipeline.spec import EngineSpec, load_pipeline
-from omni_stage.engines.base import EngineError, build_engine
+from omni_stage.engines.base import Engine, EngineCall, EngineError, build_engine
 from omni_stage.engines.qwen_omni_vllm import VllmThinker
 from tests.integration.test_vllm import LoopThread
 from tests.qwen_reference import (
@@ -27,7 +27,15 @@ from tests.qwen_reference import (
     video_clip,
     video_message,
 )
-from tests.unit.test_qwen_omni import EXAMPLE, MESSAGES, SEED, TALKER_CODES, THINKER_TOKENS, run_pipeline
+from tests.unit.test_qwen_omni import (
+    EXAMPLE,
+    MESSAGES,
+    SEED,
+    TALKER_CODES,
+    THINKER_TOKENS,
+    engine,
+    run_pipeline,
+)
 
 
 def vllm_thinker(model: Path, **args: Any) -> VllmThinker:
@@ -125,3 +133,29 @@ def test_with_a_video(model: Path, thinker: VllmThinker, loop: LoopThread) -> No
     message = video_message(video_clip()[0])
     ours = loop.run(run_pipeline(model, "Ethan", 4, [message], thinker=thinker), timeout=300)
     assert_equal(ours, ref)
+
+
+def test_an_answer_ending_at_eos_is_the_same_units_as_the_transformers_thinkers(
+    model: Path, thinker: VllmThinker, loop: LoopThread
+) -> None:
+    """The eos token is a unit of its own (the talker reads its reply state) on both thinkers:
+    forced here with a logit bias, as the first token."""
+    from transformers import GenerationConfig
+
+    eos = GenerationConfig.from_pretrained(model).eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    sampling = {"max_tokens": 8, "logit_bias": {str(eos): 100.0}}
+
+    async def answer(one: Engine) -> list[tuple[int, list[int], list[str], str | None]]:
+        call = EngineCall("e", {"request": {"messages": MESSAGES}}, True, dict(sampling))
+        outs = [o async for o in one.generate(call)]
+        return [(o.units, o.data["token_ids"].tolist(), sorted(o.data), o.finish_reason) for o in outs]
+
+    async def reference() -> list[tuple[int, list[int], list[str], str | None]]:
+        hf = engine("thinker", model)
+        await hf.start()
+        return await answer(hf)
+
+    ours = loop.run(answer(thinker))
+    first = ["prompt_embeds", "prompt_hidden", "token_ids"]
+    assert ours == asyncio.run(reference()) == [(1, [eos], first, "stop")]
