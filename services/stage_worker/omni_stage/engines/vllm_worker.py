@@ -43,12 +43,13 @@ class _Sender:
 
     def send(self, scheduled: Any, hidden: torch.Tensor) -> None:
         batch = self.runner.input_batch
+        counts = [int(scheduled.num_scheduled_tokens.get(req, 0)) for req in batch.req_ids]
+        host = hidden[: sum(counts)].float().cpu()  # one copy off the device a step
         row = 0
-        for i, req in enumerate(batch.req_ids):
-            n = int(scheduled.num_scheduled_tokens.get(req, 0))
+        for i, (req, n) in enumerate(zip(batch.req_ids, counts, strict=True)):
             if n == 0:
                 continue
-            rows = hidden[row : row + n].float().cpu().contiguous()
+            rows = host[row : row + n].contiguous()
             row += n
             head = HiddenRows(req, int(batch.num_computed_tokens_cpu[i]), n, int(rows.shape[1]))
             self.socket.send_multipart([self.encoder.encode(head), rows.numpy().tobytes()], copy=False)
