@@ -99,20 +99,10 @@ async def load(base: str, concurrency: int, requests: int, tokens: int) -> dict[
 def plot(result: dict[str, Any], path: Any) -> None:
     fig, (a, b) = figure(2)
     runs = result["runs"]
-    bars(
-        a,
-        ["c1"],
-        {k: [runs[k]["ttfp_ms"]] for k in ("chunked_c1", "full_c1")},
-        "TTFP, ms",
-        "chunked vs whole",
-    )
-    bars(
-        b,
-        ["req/s"],
-        {k: [runs[k]["req_per_s"]] for k in ("chunked_c1", "unbatched_c8", "chunked_c8")},
-        "requests/s",
-        "c1, c8 unbatched, c8 batched",
-    )
+    ttfp = [k for k in ("chunked_c1", "full_c1", "vllm_thinker_c1") if k in runs]
+    bars(a, ["c1"], {k: [runs[k]["ttfp_ms"]] for k in ttfp}, "TTFP, ms", "chunked vs whole")
+    rate = [k for k in ("chunked_c1", "unbatched_c8", "chunked_c8", "vllm_thinker_c8") if k in runs]
+    bars(b, ["req/s"], {k: [runs[k]["req_per_s"]] for k in rate}, "requests/s", "c1 and c8")
     from bench.common import save
 
     save(fig, path)
