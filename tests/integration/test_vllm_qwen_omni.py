@@ -7,6 +7,7 @@ an image in the message too. The hidden states the talker reads come from vLLM's
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from omni_pipeline.spec import EngineSpec, load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, EngineError, build_engine
 from omni_stage.engines.qwen_omni_vllm import VllmThinker
+from tests.helpers import wait_for
 from tests.integration.test_vllm import LoopThread
 from tests.qwen_reference import (
     media_clips,
@@ -159,3 +161,21 @@ def test_an_answer_ending_at_eos_is_the_same_units_as_the_transformers_thinkers(
     ours = loop.run(answer(thinker))
     first = ["prompt_embeds", "prompt_hidden", "token_ids"]
     assert ours == asyncio.run(reference()) == [(1, [eos], first, "stop")]
+
+
+def test_an_aborted_request_leaves_nothing_in_vllm_or_the_hidden_state_store(
+    thinker: VllmThinker, loop: LoopThread
+) -> None:
+    first = threading.Event()
+
+    async def long_request() -> None:
+        call = EngineCall("long", {"request": {"messages": MESSAGES}}, True, {"max_tokens": 1000})
+        async for _ in thinker.generate(call):
+            first.set()
+
+    fut = asyncio.run_coroutine_threadsafe(long_request(), loop.loop)
+    assert first.wait(60)
+    assert thinker.active_requests() == 1 and thinker.hidden is not None and thinker.hidden.held() == 1
+    fut.cancel()  # what a stage does when the request is aborted
+    wait_for(lambda: thinker.active_requests() == 0, 30, "vLLM to drop the aborted request")
+    wait_for(lambda: thinker.hidden is not None and thinker.hidden.held() == 0, 30, "the rows to be freed")

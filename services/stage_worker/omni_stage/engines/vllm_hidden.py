@@ -79,6 +79,10 @@ class HiddenStates:
     def done(self, request: str) -> None:
         self._requests.pop(request, None)
 
+    def held(self) -> int:
+        """Requests whose rows are kept now."""
+        return len(self._requests)
+
     async def rows(self, request: str, start: int, stop: int, timeout: float) -> torch.Tensor:
         """Positions `start` .. `stop - 1`, [stop - start, width], once all have arrived."""
         r = self._requests[request]
