@@ -190,8 +190,16 @@ def vllm_base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 def test_on_vllm_text_audio_and_an_image_in_stream_text_and_speech_out(
     vllm_base: str, media_reference: dict[str, Any]
 ) -> None:
-    """The acceptance request again, the thinker on vLLM (examples/qwen2.5-omni-vllm.yaml)."""
+    """The acceptance request again, the thinker on vLLM (examples/qwen2.5-omni-vllm.yaml).
+    And what neither Qwen thinker honours (tools, even in a text-only reply) is a 400 naming
+    it, not dropped."""
     assert_the_acceptance_request_is_served(vllm_base, media_reference)
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        client(vllm_base).chat.completions.create(
+            model="qwen2.5-omni", modalities=["text"], messages=MESSAGES, max_tokens=4, tools=[tool]
+        )
+    assert isinstance(err.value.body, dict) and err.value.body["param"] == "tools", err.value.body
 
 
 def test_bad_media_is_a_400_naming_the_part_and_leaves_nothing_behind(base: str) -> None:

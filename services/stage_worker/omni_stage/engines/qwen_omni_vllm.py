@@ -28,6 +28,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.qwen_omni import thinker_embedding_table
 from omni_stage.engines.qwen_omni_prompt import Prompts
+from omni_stage.engines.sampling import HONOURED
 from omni_stage.engines.vllm import VllmEngine, vllm_logprobs
 from omni_stage.engines.vllm_hidden import ADDRESS_ENV, HiddenStates
 from omni_stage.segments import EngineOutput
@@ -46,6 +47,9 @@ class VllmThinker(VllmEngine):
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
+        # What the transformers Qwen thinker honours: no tools (a reply that is a call has no
+        # speech), so the gateway refuses them rather than this engine dropping them.
+        self.honours = HONOURED
         if self.args.get("enable_prefix_caching"):
             raise EngineError(
                 f"stage '{stage.name}': enable_prefix_caching: a cached prefix's hidden states are not "

@@ -90,8 +90,7 @@ class HiddenStates:
             while not all(p in r.rows for p in range(start, stop)):
                 r.arrived.clear()
                 await r.arrived.wait()
-        out = torch.stack([r.rows.pop(p) for p in range(start, stop)])
-        return out
+        return torch.stack([r.rows.pop(p) for p in range(start, stop)])
 
     async def _receive(self) -> None:
         while True:
