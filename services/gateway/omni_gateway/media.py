@@ -210,7 +210,7 @@ def decode_video(data: bytes, limits: MediaSpec) -> tuple[torch.Tensor, float]:
     except Exception:  # FFmpeg's errors (some are ValueErrors), and whatever else its decoders raise
         raise ValueError("not decodable as a video: corrupt, truncated or an unknown format") from None
     if not frames:
-        raise ValueError("no frames")
+        raise ValueError("no frames: the data is truncated, or its video is empty")
     return torch.from_numpy(np.stack(frames)), fps
 
 
