@@ -180,6 +180,11 @@ class StageSpec(_Model):
     final_output: OutputKind | None = Field(
         default=None, description="If set, this stage's output goes to the client as text, audio or image."
     )
+    skip_without_media: bool = Field(
+        default=False,
+        description="Run this stage only for requests with media parts (an encoder stage): a request "
+        "without them skips it, and its consumers go on with their other inputs.",
+    )
     replicas: int = Field(default=1, ge=0, description="Replicas of this stage.")
     max_inflight: int = Field(default=1, ge=1, description="Concurrent requests in one replica (1 = serial).")
     max_queued: int = Field(default=64, ge=0, description="Requests a replica queues beyond max_inflight.")
@@ -493,6 +498,22 @@ class PipelineSpec(_Model):
                     )
         if not any(e.from_ == REQUEST_SOURCE for s in self.stages for e in s.inputs):
             raise ValueError("stages: no stage reads `request` (add inputs: [{from: request}])")
+        skippable = {s.name for s in self.stages if s.skip_without_media}
+        for s in self.stages:
+            if s.name in skippable and REQUEST_SOURCE not in (e.from_ for e in s.inputs):
+                raise ValueError(
+                    f"stage '{s.name}': skipWithoutMedia: the stage does not read `request`, where media come from"
+                )
+            if s.name in skippable and s.final_output:
+                raise ValueError(
+                    f"stage '{s.name}': skipWithoutMedia: a stage with finalOutput cannot be skipped"
+                )
+            froms = {e.from_ for e in s.inputs}
+            if froms & skippable and froms <= skippable:
+                raise ValueError(
+                    f"stage '{s.name}': inputs: every input is a skipWithoutMedia stage, so a request "
+                    "without media would leave it nothing to read"
+                )
         if not any(s.final_output for s in self.stages):
             raise ValueError("stages: no stage has finalOutput, so nothing reaches the client")
         cycle = _find_cycle(self.stages)
@@ -523,14 +544,17 @@ class PipelineSpec(_Model):
     def output_kinds(self) -> set[OutputKind]:
         return {s.final_output for s in self.stages if s.final_output}
 
-    def needed_stages(self, outputs: Iterable[OutputKind]) -> list[str]:
-        """Stages a request needs to produce `outputs`: their final stages and all ancestors."""
+    def needed_stages(self, outputs: Iterable[OutputKind], media: bool = True) -> list[str]:
+        """Stages a request needs to produce `outputs`: their final stages and all ancestors,
+        less those that skip a request without media when it has none."""
         wanted = set(outputs)
         needed: set[str] = set()
         stack = [s.name for s in self.stages if s.final_output in wanted]
         while stack:
             name = stack.pop()
             if name in needed or name == REQUEST_SOURCE:
+                continue
+            if not media and self.stage(name).skip_without_media:
                 continue
             needed.add(name)
             stack.extend(e.from_ for e in self.stage(name).inputs)

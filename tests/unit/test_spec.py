@@ -128,6 +128,50 @@ def test_needed_stages_follow_modalities() -> None:
     assert spec.output_kinds() == {OutputKind.TEXT, OutputKind.AUDIO}
 
 
+def with_encoder() -> dict[str, Any]:
+    """tiny-omni with an encoder stage in front of the thinker, skipped without media."""
+    d = base()
+    stages = d["spec"]["stages"]
+    encoder = copy.deepcopy(stages[0]) | {"name": "encoder", "skipWithoutMedia": True}
+    del encoder["finalOutput"]
+    stages[0]["inputs"].append({"from": "encoder"})
+    stages.insert(0, encoder)
+    return d
+
+
+def test_a_request_without_media_skips_the_stages_that_say_so() -> None:
+    spec = parse_pipeline(with_encoder()).spec
+    both = {OutputKind.TEXT, OutputKind.AUDIO}
+    assert spec.needed_stages(both) == ["encoder", "thinker", "talker", "vocoder"]
+    assert spec.needed_stages(both, media=False) == ["thinker", "talker", "vocoder"]
+    assert spec.needed_stages({OutputKind.TEXT}, media=False) == ["thinker"]
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (
+            lambda st: st[0].update(inputs=[{"from": "thinker"}]),
+            "stage 'encoder': skipWithoutMedia: the stage does",
+        ),
+        (
+            lambda st: st[0].update(finalOutput="text"),
+            "stage 'encoder': skipWithoutMedia: a stage with finalOutput",
+        ),
+        (
+            lambda st: st[1].update(inputs=[{"from": "encoder"}]),
+            "stage 'thinker': inputs: every input is a skip",
+        ),
+    ],
+)
+def test_a_stage_that_skips_requests_without_media_must_leave_its_consumers_fed(
+    change: Any, named: str
+) -> None:
+    d = with_encoder()
+    change(d["spec"]["stages"])
+    assert named in refused(d)
+
+
 @pytest.mark.parametrize(
     ("pods", "named"),
     [

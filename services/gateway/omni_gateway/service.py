@@ -342,7 +342,7 @@ class PipelineClient:
         completed = False
         reason = "the client went away"
         try:
-            needed = self.spec.needed_stages(outputs)
+            needed = self.spec.needed_stages(outputs, media=bool(media))
             picked: dict[str, Replica] = {}
             try:
                 for s in needed:
