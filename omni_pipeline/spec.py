@@ -502,7 +502,7 @@ class PipelineSpec(_Model):
         for s in self.stages:
             if s.name in skippable and REQUEST_SOURCE not in (e.from_ for e in s.inputs):
                 raise ValueError(
-                    f"stage '{s.name}': skipWithoutMedia: the stage does not read `request`, where media come from"
+                    f"stage '{s.name}': skipWithoutMedia: it does not read `request`, where media come from"
                 )
             if s.name in skippable and s.final_output:
                 raise ValueError(

@@ -29,12 +29,13 @@ from tests.qwen_reference import (
 )
 
 EXAMPLE = ROOT / "examples" / "qwen2.5-omni.yaml"
+EPD = ROOT / "examples" / "qwen2.5-omni-epd.yaml"
 MESSAGES = [{"role": "user", "content": "Say something about the sea."}]
 THINKER_TOKENS, TALKER_CODES, SEED = 12, 40, 7
 
 
 def engine(stage: str, model: Path, **args: Any) -> Engine:
-    spec = load_pipeline(EXAMPLE).spec.stage(stage)
+    spec = load_pipeline(EPD if stage == "encoder" else EXAMPLE).spec.stage(stage)
     eng = spec.engine.model_copy(update={"model": str(model), "args": {**spec.engine.args, **args}})
     return build_engine(spec.model_copy(update={"engine": eng}))
 
@@ -58,10 +59,12 @@ async def run_pipeline(
     thinker_window: int,
     messages: list[dict[str, Any]] = MESSAGES,
     thinker: Engine | None = None,
+    encoder: Engine | None = None,
 ) -> dict[str, Any]:
     """The three stages, code2wav on the whole code sequence (as the reference decodes it).
     `messages` as a client sends them: media parts are decoded by the gateway's own code.
-    `thinker`: one already started (the vLLM thinker's test); else the example's."""
+    `thinker`: one already started (the vLLM thinker's test); else the example's. `encoder`:
+    an encoder stage (started) whose output the thinker reads beside the request."""
     talker, code2wav = engine("talker", model), engine("code2wav", model, chunkCodes=0)
     if thinker is None:
         thinker = engine("thinker", model)
@@ -71,8 +74,11 @@ async def run_pipeline(
     messages, media = await decode_media(messages, MediaSpec())
     request = {"messages": messages, "media": media.tensors, "modalities": ["audio", "text"], "voice": voice}
     sampling = {"max_tokens": THINKER_TOKENS, "voice": voice, "seed": SEED}
-    call = EngineCall("r", {"request": request}, True, sampling)
-    thought = [o async for o in thinker.generate(call)]
+    inputs: dict[str, Payload] = {"request": request}
+    if encoder is not None:
+        encoded = [o async for o in encoder.generate(EngineCall("r", {"request": request}, True, sampling))]
+        inputs["encoder"] = concat([o.data for o in encoded])
+    thought = [o async for o in thinker.generate(EngineCall("r", inputs, True, sampling))]
     state: dict[str, Any] = {}
     codes: list[EngineOutput] = []
     for payload, last in windows(thought, thinker_window):
@@ -368,3 +374,75 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
     together, alone, thinker_batches, talker_batches = asyncio.run(go())
     assert max(thinker_batches) == 3 and max(talker_batches) >= 2, (thinker_batches, talker_batches)
     assert together == alone
+
+
+async def started(*engines: Engine) -> tuple[Engine, ...]:
+    for e in engines:
+        await e.start()
+    return engines
+
+
+@pytest.mark.parametrize("media", ["audio and image", "video"])
+def test_with_an_encoder_stage_the_pipeline_computes_the_same(
+    model: Path, media_reference: dict[str, Any], media: str
+) -> None:
+    """The thinker fed the encoder stage's embeddings in place of the media gives the tokens
+    and codes it gives running its own encoders, which are the reference's; and it reads
+    them: the same request with the embeddings zeroed answers otherwise."""
+    message = media_message(*media_clips()) if media != "video" else video_message(video_clip()[0])
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any], list[int], dict[str, Any]]:
+        encoder, thinker = await started(engine("encoder", model), engine("thinker", model))
+        split = await run_pipeline(model, "Ethan", 4, [message], thinker=thinker, encoder=encoder)
+        whole = await run_pipeline(model, "Ethan", 4, [message], thinker=thinker)
+        messages, decoded = await decode_media([message], MediaSpec())
+        request = {"messages": messages, "media": decoded.tensors}
+        sampling = {"max_tokens": THINKER_TOKENS}
+        encoded = concat(
+            [o.data async for o in encoder.generate(EngineCall("e", {"request": request}, True, sampling))]
+        )
+        zeroed = {k: torch.zeros_like(v) if k.endswith("_embeds") else v for k, v in encoded.items()}
+        call = EngineCall("z", {"request": request, "encoder": zeroed}, True, sampling)
+        blind = torch.cat([o.data["token_ids"] async for o in thinker.generate(call)]).tolist()
+        return split, whole, blind, encoded
+
+    split, whole, blind, encoded = asyncio.run(go())
+    kinds = {"audio", "image"} if media != "video" else {"video"}
+    assert {k.removesuffix("_embeds") for k in encoded if k.endswith("_embeds")} == kinds
+    assert split["tokens"].tolist() == whole["tokens"].tolist()
+    assert split["codes"].tolist() == whole["codes"].tolist()
+    torch.testing.assert_close(split["audio"], whole["audio"], rtol=0, atol=1e-5)
+    if media != "video":
+        assert split["tokens"].tolist() == media_reference["tokens"].tolist()
+    assert blind != split["tokens"].tolist()
+
+
+def test_the_encoder_stage_encodes_concurrent_requests_together(model: Path) -> None:
+    """Three requests with media at once on one encoder replica: the first is encoded at once,
+    the two that arrive while it runs in one call per encoder, and each request's embeddings
+    are those it gets alone (within 1e-6: a longer matmul may sum in another order). A request
+    without media gets nothing from it."""
+    wav, png = media_clips()
+    requests = [[media_message(wav, png)], [video_message(video_clip()[0])], [media_message(wav, png)]]
+
+    async def go() -> tuple[list[Payload], list[Payload], Any, list[EngineOutput]]:
+        (encoder,) = await started(engine("encoder", model))
+
+        async def encode(messages: list[dict[str, Any]]) -> Payload:
+            messages, media = await decode_media(messages, MediaSpec())
+            call = EngineCall("r", {"request": {"messages": messages, "media": media.tensors}}, True, {})
+            return concat([o.data async for o in encoder.generate(call)])
+
+        together = await asyncio.gather(*(encode(m) for m in requests))
+        batched = encoder.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
+        alone = [await encode(m) for m in requests]
+        text = EngineCall("t", {"request": {"messages": MESSAGES, "media": {}}}, True, {})
+        return together, alone, batched, [o async for o in encoder.generate(text)]
+
+    together, alone, batched, nothing = asyncio.run(go())
+    assert batched == {1: 1, 2: 1}, batched
+    assert nothing == []
+    for a, b in zip(together, alone, strict=True):
+        assert a.keys() == b.keys()
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)

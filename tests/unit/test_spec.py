@@ -152,7 +152,7 @@ def test_a_request_without_media_skips_the_stages_that_say_so() -> None:
     [
         (
             lambda st: st[0].update(inputs=[{"from": "thinker"}]),
-            "stage 'encoder': skipWithoutMedia: the stage does",
+            "stage 'encoder': skipWithoutMedia: it does not read",
         ),
         (
             lambda st: st[0].update(finalOutput="text"),

@@ -216,6 +216,10 @@ class PipelineClient:
         for stage in self.spec.needed_stages(outputs):
             if stage not in self._sources:
                 continue
+            if what == "honours" and self.spec.stage(stage).skip_without_media:
+                # Not its to decide: a request without media never reaches it (an encoder), and
+                # the same field must not be honoured or refused by whether media came along.
+                continue
             if (own := self.table.declared(stage, what)) is None:
                 return None
             declared = own if declared is None else declared & own

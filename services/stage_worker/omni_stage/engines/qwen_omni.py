@@ -37,7 +37,6 @@ as batches (`StepBatcher`): thinker and talker decode steps with their caches st
 from __future__ import annotations
 
 import asyncio
-from abc import abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,13 +49,13 @@ from omni_stage.engines.base import ComputeEngine, Engine, EngineCall, EngineErr
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompts import check_context
-from omni_stage.engines.qwen_omni_prompt import Prompt, Prompts
+from omni_stage.engines.qwen_omni_prompt import MediaEmbeds, Prompt, Prompts
 from omni_stage.engines.reply import ReplyText, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
 from omni_stage.engines.structured import JsonGrammars
 from omni_stage.segments import EngineOutput
 
-PARTS: Final = ("thinker", "talker", "token2wav")
+PARTS: Final = ("encoder", "thinker", "talker", "token2wav")
 DEFAULT_VOICE: Final = "Chelsie"
 REPETITION_PENALTY: Final = 1.05  # Qwen2_5OmniForConditionalGeneration.generate's talker default
 TALKER_MAX_CODES: Final = 4096  # its talker_max_new_tokens
@@ -64,8 +63,15 @@ _DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16"
 
 
 def build_qwen_omni_engine(stage: StageSpec) -> Engine:
+    from omni_stage.engines.qwen_omni_encoder import Encoder  # it builds on Part
+
     part = stage.engine.args.get("part")
-    engines: dict[str, type[_Part]] = {"thinker": Thinker, "talker": Talker, "token2wav": Token2Wav}
+    engines: dict[str, type[Part]] = {
+        "encoder": Encoder,
+        "thinker": Thinker,
+        "talker": Talker,
+        "token2wav": Token2Wav,
+    }
     if part not in engines:
         raise EngineError(f"stage '{stage.name}': engine.args.part must be one of {', '.join(PARTS)}")
     return engines[part](stage)
@@ -83,7 +89,7 @@ def thinker_embedding_table(stage: str, path: str) -> torch.Tensor:
     raise EngineError(f"stage '{stage}': {path} has no {name}")
 
 
-class _Part(ComputeEngine):
+class Part(ComputeEngine):
     """Loading one part of the checkpoint, and the voices."""
 
     part: str
@@ -102,6 +108,15 @@ class _Part(ComputeEngine):
         await self._run(self._load)
 
     def _load(self) -> None:
+        self._read_config()
+        cls, sub = self._part_class()
+        self.model = self._from_checkpoint(cls, sub, f"^{self.part}\\.")
+        spk = Path(self.path, "spk_dict.pt")
+        if spk.exists() and self.part != "thinker":  # a file of the checkpoint, loaded as transformers does
+            self.speakers = torch.load(spk, weights_only=True)
+            self.voices = tuple(sorted(self.speakers, key=lambda name: name != DEFAULT_VOICE))
+
+    def _read_config(self) -> None:
         from transformers import Qwen2_5OmniConfig
         from transformers.utils import logging as hf_logging
 
@@ -117,20 +132,18 @@ class _Part(ComputeEngine):
             raise EngineError(
                 f"stage '{self.stage.name}': {self.path} is not a Qwen2.5-Omni checkpoint: {exc}"
             ) from exc
-        cls, sub = self._part_class()
-        self.model = (
-            cls.from_pretrained(self.path, config=sub, key_mapping={f"^{self.part}\\.": ""}, dtype=self.dtype)
+
+    def _from_checkpoint(self, cls: Any, config: Any, prefix: str) -> Any:
+        """Transformers' class `cls` with the checkpoint's weights under `prefix` (a regex)."""
+        return (
+            cls.from_pretrained(self.path, config=config, key_mapping={prefix: ""}, dtype=self.dtype)
             .to(self.device)
             .eval()
         )
-        spk = Path(self.path, "spk_dict.pt")
-        if spk.exists() and self.part != "thinker":  # a file of the checkpoint, loaded as transformers does
-            self.speakers = torch.load(spk, weights_only=True)
-            self.voices = tuple(sorted(self.speakers, key=lambda name: name != DEFAULT_VOICE))
 
-    @abstractmethod
     def _part_class(self) -> tuple[Any, Any]:
-        """The transformers class of this part and its sub-config."""
+        """The transformers class of this part and its sub-config (a part loaded whole)."""
+        raise NotImplementedError
 
     def speaker(self, sampling: dict[str, Any]) -> dict[str, Any]:
         """The conditioning of the request's voice."""
@@ -139,7 +152,7 @@ class _Part(ComputeEngine):
         return self.speakers[self.voice(sampling)]
 
 
-class Thinker(_Part):
+class Thinker(Part):
     """Reads the client's messages, their audio, images and videos included (see `Prompt`)."""
 
     part = "thinker"
@@ -180,7 +193,9 @@ class Thinker(_Part):
         if request is None:
             raise EngineError(f"stage '{self.stage.name}': the thinker reads the client request")
         assert self.prompts is not None
-        prompt = await self._run(self.prompts.build, request)
+        # An encoder stage's outputs, where one ran on this request's media.
+        embeds = next((e for p in call.inputs.values() if (e := MediaEmbeds.from_payload(p))), None)
+        prompt = await self._run(self.prompts.build, request, embeds)
         ids = prompt.ids
         st = call.state
         st["prompt_tokens"] = int(ids.shape[1])
@@ -253,35 +268,52 @@ class Thinker(_Part):
     ) -> tuple[Choice, torch.Tensor, torch.Tensor]:
         m = self.model
         past = st.get("past")
-        media: dict[str, torch.Tensor] = {}
+        inputs: dict[str, torch.Tensor] = {"input_ids": ids}
         if past is None:  # the prompt: its 3-D (M-RoPE) positions, and the offset decoding keeps
-            media = prompt.features
+            lay = prompt.layout
             positions, st["rope_deltas"] = m.get_rope_index(
                 ids,
-                media.get("image_grid_thw"),
-                media.get("video_grid_thw"),
+                lay.image_grid_thw,
+                lay.video_grid_thw,
                 torch.ones_like(ids),
                 False,
-                media["feature_attention_mask"].sum(-1) if "feature_attention_mask" in media else None,
-                prompt.video_second_per_grid,
+                lay.audio_lengths,
+                lay.video_second_per_grid,
             )
+            if prompt.embeds is not None:
+                inputs = {"inputs_embeds": self._with_media(ids, prompt.embeds)}
+            else:
+                inputs |= prompt.features
         else:
             positions = self._decode_positions(st)
         out = m(
-            input_ids=ids,
             position_ids=positions,
             past_key_values=past,
             use_cache=True,
             output_hidden_states=True,
-            **media,
+            **inputs,
         )
         st["past"] = out.past_key_values
         choice = sampler.pick(out.logits[0, -1])
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
         embeds = out.hidden_states[0].float().cpu()
-        if media:  # but not the audio and image features: zeros there, as the reference hands it
+        if past is None and prompt.media_mask is not None:
+            # but not the media's features: zeros there, as the reference hands it
             embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
         return choice, embeds, out.hidden_states[-1].float().cpu()
+
+    def _with_media(self, ids: torch.Tensor, media: MediaEmbeds) -> torch.Tensor:
+        """The prompt's input embeddings with an encoder stage's outputs at the media's
+        placeholders: what the model's forward makes of the encoders' outputs itself."""
+        m = self.model
+        embeds = m.get_input_embeddings()(ids)
+        kinds = (media.image, media.video, media.audio)  # the order of the masks
+        rows = [None if e is None else e.to(self.device, embeds.dtype) for e in kinds]
+        masks = m.get_placeholder_mask(ids, embeds, image_features=rows[0], video_features=rows[1])
+        for mask, e in zip(masks, rows, strict=True):
+            if e is not None:
+                embeds = embeds.masked_scatter(mask, e)
+        return embeds
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,7 +326,7 @@ class _ThinkerStep:
     prompt: Prompt
 
 
-class Talker(_Part):
+class Talker(Part):
     part = "talker"
     request_keys = frozenset({"voice"})
     needs_last_call = True  # past the reply it speaks on the thinker's text eos, then its pad
@@ -440,7 +472,7 @@ class _Piece:
     """The stretch's own samples, of those the decode makes (the rest is context)."""
 
 
-class Token2Wav(_Part):
+class Token2Wav(Part):
     """The DiT and BigVGAN, on the whole code sequence or in chunks as codes arrive.
 
     `chunkCodes: 0` (the default) waits for the last code and decodes everything at once,

@@ -23,8 +23,8 @@ extractor's rate with soxr, as librosa loads it by default). A video's own audio
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import numpy as np
 import soxr
@@ -34,15 +34,78 @@ from omni_stage.engines.base import InvalidRequest
 
 
 @dataclass(frozen=True)
+class Layout:
+    """How many prompt positions each media item takes and where it sits in time: what the
+    placeholder expansion and the M-RoPE positions read, whichever process ran the encoders."""
+
+    audio_lengths: torch.Tensor | None = None
+    """Feature frames of each audio (its feature mask's sum), [A] int64."""
+    image_grid_thw: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    video_second_per_grid: torch.Tensor | None = None
+    """Each video's seconds per temporal patch, [V] float32 (not the model's dtype)."""
+
+    def tokens(self, merge: int) -> tuple[list[int], list[int], list[int]]:
+        """Positions of each audio, image and video, in order; `merge` patches make one."""
+        audio: list[int] = []
+        if self.audio_lengths is not None:
+            frames = (self.audio_lengths - 1) // 2 + 1
+            audio = ((frames - 2) // 2 + 1).tolist()
+        patches = lambda grid: [] if grid is None else (grid.prod(-1) // merge).tolist()  # noqa: E731
+        return audio, patches(self.image_grid_thw), patches(self.video_grid_thw)
+
+    def on(self, device: torch.device) -> Layout:
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Layout(*(move(getattr(self, f.name)) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class EncoderInputs:
+    """What the model's processors make of a request's media: the encoders' inputs (the
+    model's own argument names: `input_features`, `pixel_values`, ...) and their layout."""
+
+    features: dict[str, torch.Tensor]
+    layout: Layout
+
+
+@dataclass(frozen=True)
+class MediaEmbeds:
+    """The encoders' outputs for one request's media, each kind's items' rows in order, with
+    their layout: what an encoder stage sends the thinker in place of the media."""
+
+    audio: torch.Tensor | None
+    image: torch.Tensor | None
+    video: torch.Tensor | None
+    layout: Layout
+
+    _KINDS: ClassVar = ("audio", "image", "video")
+    _LAYOUT: ClassVar = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
+
+    def to_payload(self) -> dict[str, torch.Tensor]:
+        out = {f"{k}_embeds": getattr(self, k) for k in self._KINDS}
+        out |= {k: getattr(self.layout, k) for k in self._LAYOUT}
+        return {k: v for k, v in out.items() if v is not None}
+
+    @classmethod
+    def from_payload(cls, payload: dict[str, Any]) -> MediaEmbeds | None:
+        """The embeddings a payload carries; None if it carries none."""
+        if not any(f"{k}_embeds" in payload for k in cls._KINDS):
+            return None
+        layout = Layout(*(payload.get(k) for k in cls._LAYOUT))
+        return cls(*(payload.get(f"{k}_embeds") for k in cls._KINDS), layout)
+
+
+@dataclass(frozen=True)
 class Prompt:
-    """The thinker's prompt: ids [1, P], the encoders' inputs for the prefill (empty for text
-    only), and which positions hold media features (the talker gets zeros there)."""
+    """The thinker's prompt: ids [1, P] and its media: either the encoders' inputs (`features`,
+    run by the thinker's own encoders in the prefill) or their outputs (`embeds`, from an
+    encoder stage); which positions hold media (the talker gets zeros there)."""
 
     ids: torch.Tensor
+    layout: Layout = Layout()
     features: dict[str, torch.Tensor] = field(default_factory=dict)
+    embeds: MediaEmbeds | None = None
     media_mask: torch.Tensor | None = None
-    video_second_per_grid: torch.Tensor | None = None
-    """Each video's seconds per temporal patch, for the positions (float32, not the model's dtype)."""
 
 
 @dataclass
@@ -89,9 +152,10 @@ class Prompts:
         """The content part kinds this prompt reads."""
         return frozenset({"text", "image", "audio"} | ({"video"} if self.videos is not None else set()))
 
-    def read(self, request: dict[str, Any]) -> Chat:
+    def read(self, request: dict[str, Any], decode: bool = True) -> Chat:
         """The chat template's text (placeholders not yet expanded) and the media, in order:
-        audio at the feature extractor's rate, images, videos and the rates of their frames."""
+        audio at the feature extractor's rate, images, videos and the rates of their frames.
+        `decode=False`: the text only, with no media (an encoder stage has read them)."""
         media: dict[str, torch.Tensor] = request.get("media") or {}
         chat: list[dict[str, Any]] = []
         out = Chat("")
@@ -104,14 +168,17 @@ class Prompts:
                     if kind == "text":
                         parts.append({"type": "text", "text": str(p.get("text", ""))})
                     elif kind == "audio":
-                        out.audios.append(self._audio(media[p["media"]], int(p["sample_rate"])))
+                        if decode:
+                            out.audios.append(self._audio(media[p["media"]], int(p["sample_rate"])))
                         parts.append({"type": "audio"})
                     elif kind == "image":
-                        out.images.append(media[p["media"]].numpy())
+                        if decode:
+                            out.images.append(media[p["media"]].numpy())
                         parts.append({"type": "image"})
                     elif kind == "video" and self.videos is not None:
-                        out.videos.append(media[p["media"]].numpy())
-                        out.video_fps.append(float(p["fps"]))
+                        if decode:
+                            out.videos.append(media[p["media"]].numpy())
+                            out.video_fps.append(float(p["fps"]))
                         parts.append({"type": "video"})
                     else:
                         raise InvalidRequest(f"this model cannot read the '{kind}' part")
@@ -120,13 +187,29 @@ class Prompts:
         out.text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
         return out
 
-    def build(self, request: dict[str, Any]) -> Prompt:
+    def build(self, request: dict[str, Any], embeds: MediaEmbeds | None = None) -> Prompt:
+        """The prompt, with the media's features for the thinker's encoders, or with `embeds`,
+        their outputs from an encoder stage, in their place."""
         if "messages" not in request:
             return Prompt(self._ids(str(request.get("prompt", ""))))
-        chat = self.read(request)
+        chat = self.read(request, decode=embeds is None)
+        if embeds is None:
+            inputs = self.process(chat)
+            layout, features = inputs.layout, inputs.features
+        else:
+            layout, features = embeds.layout, {}
+        text = self._expand(chat.text, layout)
+        ids = self._ids(text)
+        mask = torch.isin(ids, self.media_ids.to(ids.device))
+        # On the model's device, and float features in its dtype (as `inputs.to(model.dtype)`).
+        dtype = lambda v: self.dtype if v.is_floating_point() else v.dtype  # noqa: E731
+        on_device = {k: v.to(self.device, dtype(v)) for k, v in features.items()}
+        return Prompt(ids, layout.on(self.device), on_device, embeds, mask)
+
+    def process(self, chat: Chat) -> EncoderInputs:
+        """The model's processors on the chat's media: the encoders' inputs, on the CPU."""
         features: dict[str, torch.Tensor] = {}
-        counts: dict[str, list[int]] = {self.audio_token: [], self.image_token: [], self.video_token: []}
-        per_grid = None
+        lengths = per_grid = None
         if chat.audios:
             out = self.features(
                 chat.audios,
@@ -137,33 +220,24 @@ class Prompts:
             )
             features["input_features"] = out["input_features"]
             features["feature_attention_mask"] = out["attention_mask"]
-            frames = (out["attention_mask"].sum(-1) - 1) // 2 + 1
-            counts[self.audio_token] = ((frames - 2) // 2 + 1).tolist()
+            lengths = out["attention_mask"].sum(-1)
         if chat.images:
             out = self.images(images=chat.images, return_tensors="pt")
             features["pixel_values"], features["image_grid_thw"] = out["pixel_values"], out["image_grid_thw"]
-            merge = int(self.images.merge_size) ** 2
-            counts[self.image_token] = (out["image_grid_thw"].prod(-1) // merge).tolist()
         if chat.videos:
             assert self.videos is not None
             out = self.videos(videos=chat.videos, size=self.video_size, return_tensors="pt")
             features["pixel_values_videos"] = out["pixel_values_videos"]
             features["video_grid_thw"] = out["video_grid_thw"]
-            merge = int(self.videos.merge_size) ** 2
-            counts[self.video_token] = (out["video_grid_thw"].prod(-1) // merge).tolist()
             patch = int(self.videos.temporal_patch_size)
-            per_grid = torch.tensor([patch / fps for fps in chat.video_fps], device=self.device)
-        text = self._expand(chat.text, counts)
-        ids = self._ids(text)
-        mask = torch.isin(ids, self.media_ids.to(ids.device))
-        # On the model's device, and float features in its dtype (as `inputs.to(model.dtype)`).
-        on_device = {
-            k: v.to(self.device, self.dtype if v.is_floating_point() else v.dtype)
-            for k, v in features.items()
-        }
-        return Prompt(ids, on_device, mask, per_grid)
+            per_grid = torch.tensor([patch / fps for fps in chat.video_fps])
+        layout = Layout(lengths, features.get("image_grid_thw"), features.get("video_grid_thw"), per_grid)
+        return EncoderInputs(features, layout)
 
-    def _expand(self, text: str, counts: dict[str, list[int]]) -> str:
+    def _expand(self, text: str, layout: Layout) -> str:
+        """Each placeholder repeated once per position its item takes."""
+        tokens = (self.audio_token, self.image_token, self.video_token)
+        counts = dict(zip(tokens, layout.tokens(int(self.images.merge_size) ** 2), strict=True))
         found = self._placeholder.findall(text)
         for token, n in counts.items():
             if found.count(token) != len(n):  # the text itself spells a placeholder token

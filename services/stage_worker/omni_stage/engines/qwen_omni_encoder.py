@@ -1,0 +1,115 @@
+"""Qwen2.5-Omni's audio and vision encoders as a stage of their own: the E of an
+encode / prefill / decode split.
+
+`engine: {kind: transformers, model: DIR, args: {part: encoder}}`, in front of the thinker
+(`inputs: [{from: request}, {from: encoder}]` on the thinker; `skipWithoutMedia: true` here,
+so a request without media never waits for it). It loads only the thinker's audio tower and
+vision tower (transformers' own classes, their weights read alone from the checkpoint), runs
+the model's processors on the request's media and then the encoders, the media of concurrent
+requests stacked into one call per encoder, and sends each request's embeddings with their
+layout (`MediaEmbeds`) through the edge's connector. The thinker puts them at the media's
+placeholders instead of running its own encoders: the same numbers its forward would compute
+(tests/unit/test_qwen_omni_encoder.py), so the same tokens.
+
+The edge to the thinker must be a full window (the default): one request's embeddings are one
+unit, of whatever length each kind's rows have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import torch
+
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import EngineCall, EngineError
+from omni_stage.engines.batching import StepBatcher
+from omni_stage.engines.qwen_omni import Part
+from omni_stage.engines.qwen_omni_prompt import EncoderInputs, Layout, MediaEmbeds, Prompts
+from omni_stage.segments import EngineOutput
+
+
+class Encoder(Part):
+    part = "encoder"
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.prompts: Prompts | None = None
+        self.audio_tower: Any = None
+        self.visual: Any = None
+        self.batcher = StepBatcher(self._encode, self._compute, self.max_batch)
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniAudioEncoder,
+            Qwen2_5OmniVisionEncoder,
+        )
+
+        self._read_config()
+        c = self.config.thinker_config
+        audio, vision = (Qwen2_5OmniAudioEncoder, c.audio_config), (Qwen2_5OmniVisionEncoder, c.vision_config)
+        self.audio_tower = self._from_checkpoint(*audio, r"^thinker\.audio_tower\.")
+        self.visual = self._from_checkpoint(*vision, r"^thinker\.visual\.")
+        tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.prompts = Prompts(self.path, tokenizer, c, self.device, self.dtype)
+        self.accepts = self.prompts.accepts
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        request = call.inputs.get("request")
+        if request is None or "messages" not in request:
+            raise EngineError(f"stage '{self.stage.name}': the encoder reads the client's messages")
+        assert self.prompts is not None
+        inputs = await self._run(lambda: self.prompts.process(self.prompts.read(request)))
+        if not inputs.features:
+            return  # no media in the messages: nothing to encode (the route normally skips us)
+        embeds = await self.batcher.submit("encode", inputs)
+        yield EngineOutput(units=1, data=embeds.to_payload(), finish_reason="stop")
+
+    @torch.inference_mode()
+    def _encode(self, batch: list[EncoderInputs]) -> list[MediaEmbeds]:
+        """Every request's media through each encoder at once, split back per request."""
+        audio = self._audio([b.features for b in batch if "input_features" in b.features])
+        image = self._vision([b.features for b in batch], "pixel_values", "image_grid_thw")
+        video = self._vision([b.features for b in batch], "pixel_values_videos", "video_grid_thw")
+        merge = self.visual.spatial_merge_size**2
+        out = []
+        for b in batch:
+            n_audio, n_image, n_video = (sum(n) for n in b.layout.tokens(merge))
+            rows = []
+            for n, stacked in ((n_audio, audio), (n_image, image), (n_video, video)):
+                rows.append(stacked.pop(0) if n else None)
+            out.append(MediaEmbeds(*rows, _cpu(b.layout)))
+        return out
+
+    def _audio(self, features: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Each request's audio rows: `get_audio_features` of the model's thinker, on the
+        requests' clips together."""
+        if not features:
+            return []
+        feats = torch.cat([f["input_features"] for f in features]).to(self.device, self.dtype)
+        mask = torch.cat([f["feature_attention_mask"] for f in features]).to(self.device)
+        lengths = mask.sum(-1)
+        packed = feats.permute(0, 2, 1)[mask.bool()].permute(1, 0)
+        after_cnn, _ = self.audio_tower._get_feat_extract_output_lengths(lengths)
+        rows = self.audio_tower(packed, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+        out_rows = lambda f: self.audio_tower._get_feat_extract_output_lengths(f.sum(-1))[1]  # noqa: E731
+        per_request = [int(out_rows(f["feature_attention_mask"]).sum()) for f in features]
+        return [r.cpu() for r in torch.split(rows, per_request)]
+
+    def _vision(self, features: list[dict[str, torch.Tensor]], pixels: str, grid: str) -> list[torch.Tensor]:
+        """Each request's image (or video) rows: the vision tower on the requests' pixels together."""
+        having = [f for f in features if pixels in f]
+        if not having:
+            return []
+        grids = torch.cat([f[grid] for f in having]).to(self.device)
+        values = torch.cat([f[pixels] for f in having]).to(self.device, self.dtype)
+        rows = self.visual(values, grid_thw=grids).pooler_output
+        merge = self.visual.spatial_merge_size**2
+        per_request = [int(f[grid].prod(-1).sum()) // merge for f in having]
+        return [r.cpu() for r in torch.split(rows, per_request)]
+
+
+def _cpu(layout: Layout) -> Layout:
+    return layout.on(torch.device("cpu"))
