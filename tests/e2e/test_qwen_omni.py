@@ -17,7 +17,7 @@ import yaml
 
 from tests.deployment import gauges, settle
 from tests.e2e.test_serve import audio_delta
-from tests.helpers import ROOT, decode_wav, served, served_example
+from tests.helpers import ROOT, decode_wav, replica_metric, served, served_example
 from tests.qwen_reference import (
     media_clips,
     media_message,
@@ -200,6 +200,35 @@ def test_on_vllm_text_audio_and_an_image_in_stream_text_and_speech_out(
             model="qwen2.5-omni", modalities=["text"], messages=MESSAGES, max_tokens=4, tools=[tool]
         )
     assert isinstance(err.value.body, dict) and err.value.body["param"] == "tools", err.value.body
+
+
+@pytest.fixture(scope="module")
+def epd_base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """examples/qwen2.5-omni-epd.yaml served: the encoders in a stage of their own."""
+    with served_example("qwen2.5-omni-epd.yaml", demo_dir, tmp_path_factory.mktemp("logs")) as url:
+        ask(url, audio={"voice": "Ethan", "format": "wav"}, max_tokens=1)
+        yield url
+
+
+def test_with_the_encoders_split_out_the_answers_are_the_same(
+    epd_base: str, demo_dir: Path, reference: dict[str, Any], media_reference: dict[str, Any]
+) -> None:
+    """examples/qwen2.5-omni-epd.yaml: the acceptance request (audio and an image) and a video
+    go through the encoder stage and get the reference's text and speech, as through the
+    unsplit pipeline; a request without media gets its answer without the encoder stage ever
+    seeing it (its count of requests does not move)."""
+    assert_the_acceptance_request_is_served(epd_base, media_reference)
+    encoded = replica_metric(epd_base, "encoder", "omni_stage_requests_total")
+    assert encoded == 2  # the acceptance's two requests, not the fixture's text-only one
+    path = demo_dir / "models" / "tiny-qwen2.5-omni"
+    ref = reference_with_video(path, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
+    _, text, pcm = stream(epd_base, [video_message(video_clip()[0])])
+    assert text == ref["text"]
+    assert_speech_is(pcm, ref["audio"].numpy())
+    _, text, pcm = stream(epd_base)
+    assert text == reference["text"]
+    assert_speech_is(pcm, reference["audio"])
+    assert replica_metric(epd_base, "encoder", "omni_stage_requests_total") == encoded + 1
 
 
 def test_bad_media_is_a_400_naming_the_part_and_leaves_nothing_behind(base: str) -> None:
