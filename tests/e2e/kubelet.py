@@ -104,6 +104,12 @@ class Kubelet:
                     return urlunsplit(parts._replace(netloc=f"{pod.ip}:{target}"))
         raise LookupError(f"no ready endpoint for Service {service}")
 
+    def pod_urls(self, deployment: str) -> list[str]:
+        """`http://<pod IP>:<http port>` of each ready pod of a Deployment (its /metrics)."""
+        with self._lock:
+            pods = [p for p in self.pods.values() if p.deployment == deployment and p.ready]
+            return [f"http://{p.ip}:{p.ports['http']}" for p in pods]
+
     def alive(self) -> list[int]:
         with self._lock:
             return [p.proc.pid for p in self.pods.values() if p.proc.poll() is None]

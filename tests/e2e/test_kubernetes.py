@@ -13,18 +13,22 @@ docs/kubernetes.md); it is skipped here.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
 import yaml
 
 from omni_cli.mooncaked import LocalMooncake
 from tests.e2e.kubelet import Kubelet
-from tests.helpers import ROOT, OmniProcess, decode_wav, free_port, wait_for
+from tests.helpers import ROOT, OmniProcess, decode_wav, free_port, metric, wait_for
 from tests.kube_api import PIPELINE_API, ApiServerThread, Kube
+from tests.qwen_reference import media_clips, media_message, reference_with_media
 
 pytestmark = pytest.mark.slow
 NS = "omni"
@@ -53,9 +57,10 @@ def ready(kube: Kube, name: str) -> bool:
     return cond is not None and cond["status"] == "True"
 
 
-def test_operator_rendered_pods_serve_text_and_audio(
-    tmp_path: Path, demo_dir: Path, nats_url: str, mooncake: LocalMooncake
-) -> None:
+@contextlib.contextmanager
+def operated(tmp_path: Path, nats_url: str) -> Iterator[Kube]:
+    """The API server emulator, `omni operator` against it (as the chart runs it), and the
+    Secret a pipeline reads its NATS URL from; the operator must exit cleanly afterwards."""
     kubeconfig = tmp_path / "kubeconfig"
     with ApiServerThread(kubeconfig):
         kube = Kube(kubeconfig)
@@ -67,46 +72,118 @@ def test_operator_rendered_pods_serve_text_and_audio(
         )
         try:
             operator.wait_output("Activity 'login' succeeded", 60)
-            kube.kind("v1", "Secret").create(
-                body={
-                    "apiVersion": "v1",
-                    "kind": "Secret",
-                    "metadata": {"name": "omni-nats"},
-                    "stringData": {"url": nats_url},
-                },
-                namespace=NS,
-            )
-            kube.create(demo_pipeline(demo_dir / "models", mooncake), NS)
-            with Kubelet(kube.dyn, NS, tmp_path / "pods") as kubelet:
-                try:
-                    wait_for(lambda: ready(kube, "tiny-omni"), 300, "the pipeline to be Ready")
-                except AssertionError as exc:
-                    raise AssertionError(f"{exc}\n{kubelet.errors}\n{kubelet.logs()}") from None
-                status = kube.pipeline(NS, "tiny-omni")["status"]
-                assert status["stagesReady"] == "3/3"
-                assert status["gatewayURL"] == "http://tiny-omni-gateway.omni.svc:8000/v1"
-
-                client = openai.OpenAI(base_url=kubelet.service_url(status["gatewayURL"]), api_key="unused")
-                r = client.chat.completions.create(
-                    model="tiny-omni",
-                    messages=[{"role": "user", "content": "Hello from the cluster"}],
-                    modalities=["text", "audio"],
-                    audio={"voice": "alloy", "format": "wav"},
-                )
-                msg = r.choices[0].message
-                assert msg.content and msg.audio is not None
-                samples, rate = decode_wav(msg.audio.data)
-                assert rate == 24000 and len(samples) == 32 * 4 * 480
-                assert not kubelet.errors, kubelet.errors
-
-                pause_the_talker_and_back(kube, kubelet, client)
-
-                # Deleting the pipeline removes its Deployments, and with them the pods.
-                kube.kind(PIPELINE_API, "OmniPipeline").delete(name="tiny-omni", namespace=NS)
-                wait_for(lambda: not kubelet.alive(), 120, "every pod to stop")
-            assert mooncake.key_count() == 0
+            secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "omni-nats"}}
+            kube.kind("v1", "Secret").create(body=secret | {"stringData": {"url": nats_url}}, namespace=NS)
+            yield kube
         finally:
             assert operator.stop() == 0, operator.output()[-3000:]
+
+
+def wait_ready(kube: Kube, kubelet: Kubelet, name: str) -> dict[str, Any]:
+    """The pipeline's status once it is Ready (what the pods said, if it never is)."""
+    try:
+        wait_for(lambda: ready(kube, name), 300, "the pipeline to be Ready")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{kubelet.errors}\n{kubelet.logs()}") from None
+    return dict(kube.pipeline(NS, name)["status"])
+
+
+def test_operator_rendered_pods_serve_text_and_audio(
+    tmp_path: Path, demo_dir: Path, nats_url: str, mooncake: LocalMooncake
+) -> None:
+    with operated(tmp_path, nats_url) as kube:
+        kube.create(demo_pipeline(demo_dir / "models", mooncake), NS)
+        with Kubelet(kube.dyn, NS, tmp_path / "pods") as kubelet:
+            status = wait_ready(kube, kubelet, "tiny-omni")
+            assert status["stagesReady"] == "3/3"
+            assert status["gatewayURL"] == "http://tiny-omni-gateway.omni.svc:8000/v1"
+
+            client = openai.OpenAI(base_url=kubelet.service_url(status["gatewayURL"]), api_key="unused")
+            r = client.chat.completions.create(
+                model="tiny-omni",
+                messages=[{"role": "user", "content": "Hello from the cluster"}],
+                modalities=["text", "audio"],
+                audio={"voice": "alloy", "format": "wav"},
+            )
+            msg = r.choices[0].message
+            assert msg.content and msg.audio is not None
+            samples, rate = decode_wav(msg.audio.data)
+            assert rate == 24000 and len(samples) == 32 * 4 * 480
+            assert not kubelet.errors, kubelet.errors
+
+            pause_the_talker_and_back(kube, kubelet, client)
+
+            # Deleting the pipeline removes its Deployments, and with them the pods.
+            kube.kind(PIPELINE_API, "OmniPipeline").delete(name="tiny-omni", namespace=NS)
+            wait_for(lambda: not kubelet.alive(), 120, "every pod to stop")
+        assert mooncake.key_count() == 0
+
+
+def split_qwen_omni(models: Path, mooncake: LocalMooncake) -> dict[str, Any]:
+    """examples/qwen2.5-omni-epd-distributed.yaml as a user would adapt it to run on CPUs: the
+    tiny checkpoint where the pods find it (instead of the 7B on a volume), float32 on the CPU,
+    no GPUs, one replica each, the talker's codes capped as in the SingleNode example. The
+    encoders' output for the tiny model is kilobytes, so the default connector's inline
+    threshold is lowered for it to take Mooncake as a real model's megabytes would."""
+    doc = yaml.safe_load((ROOT / "examples" / "qwen2.5-omni-epd-distributed.yaml").read_text())
+    spec = doc["spec"]
+    spec["nats"] = {"urlSecret": {"name": "omni-nats", "key": "url"}}
+    spec["mooncake"].update(masterServerAddress=mooncake.master, metadataServer=mooncake.metadata)
+    spec["connectors"]["default"]["inlineThresholdBytes"] = 1024
+    spec["gateway"]["replicas"] = 1
+    del spec["pods"]
+    for stage in spec["stages"]:
+        stage.update(replicas=1, resources={})
+        stage.pop("autoscaling", None)
+        stage["engine"]["model"] = str(models / "tiny-qwen2.5-omni")
+        stage["engine"]["args"] = {k: v for k, v in stage["engine"]["args"].items() if k == "part"} | {
+            "threads": 1
+        }
+    spec["stages"][1]["sampling"]["max_tokens"] = 16
+    spec["stages"][2]["sampling"]["max_tokens"] = 48
+    return doc
+
+
+def test_split_qwen_omni_pods_answer_an_image_with_text_and_audio(
+    tmp_path: Path, demo_dir: Path, nats_url: str, mooncake: LocalMooncake
+) -> None:
+    """Qwen2.5-Omni with its encoders split out, in Distributed mode: the encoder and the
+    thinker are pods of their own Deployments, the embeddings go from one to the other through
+    Mooncake (the encoder's put is over the inline threshold, so it is a Mooncake key), and the
+    openai client gets the reference's text and audio for a message with an image and a clip."""
+    name = "qwen2-5-omni-epd"
+    with operated(tmp_path, nats_url) as kube:
+        kube.create(split_qwen_omni(demo_dir / "models", mooncake), NS)
+        with Kubelet(kube.dyn, NS, tmp_path / "pods") as kubelet:
+            status = wait_ready(kube, kubelet, name)
+            assert status["stagesReady"] == "4/4"
+            (encoder,) = kubelet.pod_urls(f"{name}-encoder")
+            (thinker,) = kubelet.pod_urls(f"{name}-thinker")
+            assert encoder != thinker
+
+            ref = reference_with_media(demo_dir / "models" / "tiny-qwen2.5-omni", 16, 48, 0, "Chelsie")
+            client = openai.OpenAI(base_url=kubelet.service_url(status["gatewayURL"]), api_key="unused")
+            r = client.chat.completions.create(
+                model="qwen2.5-omni",
+                messages=[media_message(*media_clips())],
+                modalities=["text", "audio"],
+                audio={"voice": "Chelsie", "format": "wav"},
+                max_tokens=16,
+            )
+            msg = r.choices[0].message
+            assert msg.content == ref["text"] and msg.audio is not None
+            samples, rate = decode_wav(msg.audio.data)
+            expected = (np.clip(ref["audio"].numpy(), -1, 1) * 32767).astype(np.int16) / 32768
+            assert rate == 24000 and samples.shape == expected.shape
+            assert np.abs(samples - expected).max() <= 1 / 32768
+            put = metric(f"{encoder}/metrics", "omni_connector_bytes_total", op="put", peer="thinker")
+            assert put > 1024
+            assert metric(f"{thinker}/metrics", "omni_connector_bytes_total", op="get", peer="encoder") == put
+            assert not kubelet.errors, kubelet.errors
+
+            kube.kind(PIPELINE_API, "OmniPipeline").delete(name=name, namespace=NS)
+            wait_for(lambda: not kubelet.alive(), 120, "every pod to stop")
+        assert mooncake.key_count() == 0
 
 
 def pause_the_talker_and_back(kube: Kube, kubelet: Kubelet, client: openai.OpenAI) -> None:

@@ -1,0 +1,113 @@
+"""epd: Qwen2.5-Omni's encoders in a stage of their own (examples/qwen2.5-omni-epd.yaml) against
+the encoders inside the thinker (examples/qwen2.5-omni.yaml), tiny checkpoint, this CPU.
+
+Each request: one audio clip (5 s, 16 kHz) and one image (336x336, 144 merged patches), a
+question, 32 thinker tokens, greedy, text only (what the thinker does is what is measured),
+not streamed; closed-loop at concurrency 8.
+
+Ratios, each against a baseline measured in the same run:
+- thinker_throughput_split_vs_in_thinker: requests/s with the encoders split out (one
+  encoder replica) over requests/s with the thinker running its own encoders.
+- encoder_replicas_2_vs_1: requests/s with two encoder replicas over one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile
+import yaml
+from PIL import Image
+
+from bench.common import bars, figure, machine, median, parser, report, rounds
+from bench.load import closed_loop
+from bench.procs import demo_models, served
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUNDS = 5
+CONCURRENCY = 8
+TOKENS = 32
+
+
+def pipeline(split: bool, encoders: int = 1) -> dict[str, Any]:
+    example = "qwen2.5-omni-epd.yaml" if split else "qwen2.5-omni.yaml"
+    spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / example).read_text())["spec"])
+    spec["servedModelName"] = "bench"
+    spec["gateway"]["requestTimeoutS"] = 300
+    for stage in spec["stages"]:
+        stage["maxInflight"] = CONCURRENCY
+        if stage["name"] == "encoder":
+            stage["replicas"] = encoders
+    return spec
+
+
+def body() -> dict[str, Any]:
+    """One chat completion with a clip and an image (a tone in noise, random pixels: a seed)."""
+    rng = np.random.default_rng(0)
+    t = np.arange(5 * 16000) / 16000
+    clip = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+    wav, png = io.BytesIO(), io.BytesIO()
+    soundfile.write(wav, clip, 16000, format="WAV", subtype="FLOAT")
+    Image.fromarray(rng.integers(0, 256, (336, 336, 3), dtype=np.uint8)).save(png, format="PNG")
+    b64 = lambda buf: base64.b64encode(buf.getvalue()).decode()  # noqa: E731
+    content = [
+        {"type": "input_audio", "input_audio": {"data": b64(wav), "format": "wav"}},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(png)}"}},
+        {"type": "text", "text": "What do you hear and see?"},
+    ]
+    return {"model": "bench", "messages": [{"role": "user", "content": content}], "max_tokens": TOKENS}
+
+
+def measure(base: str, requests: int) -> dict[str, float]:
+    asyncio.run(closed_loop(base, body(), CONCURRENCY, CONCURRENCY))  # warm-up
+    load = asyncio.run(closed_loop(base, body(), requests, CONCURRENCY))
+    return {
+        "req_per_s": round(load.per_s, 3),
+        "latency_p50_ms": round(median(load.latencies_s) * 1000, 1),
+    }
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    fig, ax = figure()
+    runs = result["runs"]
+    bars(ax, ["c8"], {k: [v["req_per_s"]] for k, v in runs.items()}, "requests/s", "encoders split out")
+    from bench.common import save
+
+    save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser(__doc__).parse_args(argv)
+    requests = CONCURRENCY * rounds(ROUNDS, args)
+    runs: dict[str, dict[str, float]] = {}
+    with demo_models() as cwd:
+        for name, spec in (
+            ("in_thinker", pipeline(False)),
+            ("split_1_encoder", pipeline(True, 1)),
+            ("split_2_encoders", pipeline(True, 2)),
+        ):
+            with served("bench", spec, cwd=cwd) as base:
+                runs[name] = measure(base, requests)
+    rate = {k: v["req_per_s"] for k, v in runs.items()}
+    result = {
+        "benchmark": "epd",
+        "machine": machine(),
+        "runs": runs,
+        "ratios": {
+            "thinker_throughput_split_vs_in_thinker": round(rate["split_1_encoder"] / rate["in_thinker"], 3),
+            "encoder_replicas_2_vs_1": round(rate["split_2_encoders"] / rate["split_1_encoder"], 3),
+        },
+    }
+    rows = [(name, "  ".join(f"{k} {v}" for k, v in r.items())) for name, r in runs.items()]
+    rows += [(k, str(v)) for k, v in result["ratios"].items()]
+    report("epd", rows, result, args, plot)
+
+
+if __name__ == "__main__":
+    main()
