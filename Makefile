@@ -90,7 +90,7 @@ test: setup $(VOMNI_STAMP)
 	$(PY) -m pytest
 
 # Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
-BENCHES := connectors hop pipeline streaming gateway qwen-omni sleep
+BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep
 bench: setup demo-models
 	for b in $(BENCHES); do $(OMNI) bench $$b --out docs/benchmarks || exit 1; done
 

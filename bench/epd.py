@@ -6,9 +6,13 @@ question, 32 thinker tokens, greedy, text only (what the thinker does is what is
 not streamed; closed-loop at concurrency 8.
 
 Ratios, each against a baseline measured in the same run:
-- thinker_throughput_split_vs_in_thinker: requests/s with the encoders split out (one
-  encoder replica) over requests/s with the thinker running its own encoders.
-- encoder_replicas_2_vs_1: requests/s with two encoder replicas over one.
+- thinker_throughput_split_vs_in_thinker: requests the thinker serves per second of its own
+  compute (its process's CPU time over the load; one torch thread, so its busy time) with the
+  encoders split out, over the same with the thinker running its own encoders: what the
+  split frees on the thinker's device.
+- e2e_split_vs_in_thinker: requests/s end to end, one encoder replica, over the unsplit
+  pipeline.
+- encoder_replicas_2_vs_1: requests/s end to end with two encoder replicas over one.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import soundfile
 import yaml
 from PIL import Image
@@ -64,19 +69,33 @@ def body() -> dict[str, Any]:
     return {"model": "bench", "messages": [{"role": "user", "content": content}], "max_tokens": TOKENS}
 
 
+def thinker_process() -> psutil.Process:
+    """The thinker's stage process (it names itself so), of the one pipeline served."""
+    for proc in psutil.process_iter(["cmdline"]):
+        if " ".join(proc.info["cmdline"] or []).startswith("omni: stage thinker replica 0"):
+            return proc
+    raise LookupError("no thinker stage process")
+
+
 def measure(base: str, requests: int) -> dict[str, float]:
     asyncio.run(closed_loop(base, body(), CONCURRENCY, CONCURRENCY))  # warm-up
+    thinker = thinker_process()
+    before = sum(thinker.cpu_times()[:2])
     load = asyncio.run(closed_loop(base, body(), requests, CONCURRENCY))
+    busy = sum(thinker.cpu_times()[:2]) - before
     return {
         "req_per_s": round(load.per_s, 3),
         "latency_p50_ms": round(median(load.latencies_s) * 1000, 1),
+        "thinker_cpu_ms_per_request": round(busy / requests * 1000, 1),
     }
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
-    fig, ax = figure()
+    fig, (a, b) = figure(2)
     runs = result["runs"]
-    bars(ax, ["c8"], {k: [v["req_per_s"]] for k, v in runs.items()}, "requests/s", "encoders split out")
+    bars(a, ["c8"], {k: [v["req_per_s"]] for k, v in runs.items()}, "requests/s", "end to end")
+    cpu = {k: [v["thinker_cpu_ms_per_request"]] for k, v in runs.items()}
+    bars(b, ["c8"], cpu, "ms", "thinker CPU per request")
     from bench.common import save
 
     save(fig, path)
@@ -95,12 +114,16 @@ def main(argv: list[str] | None = None) -> None:
             with served("bench", spec, cwd=cwd) as base:
                 runs[name] = measure(base, requests)
     rate = {k: v["req_per_s"] for k, v in runs.items()}
+    thinker = {k: v["thinker_cpu_ms_per_request"] for k, v in runs.items()}
     result = {
         "benchmark": "epd",
         "machine": machine(),
         "runs": runs,
         "ratios": {
-            "thinker_throughput_split_vs_in_thinker": round(rate["split_1_encoder"] / rate["in_thinker"], 3),
+            "thinker_throughput_split_vs_in_thinker": round(
+                thinker["in_thinker"] / thinker["split_1_encoder"], 3
+            ),
+            "e2e_split_vs_in_thinker": round(rate["split_1_encoder"] / rate["in_thinker"], 3),
             "encoder_replicas_2_vs_1": round(rate["split_2_encoders"] / rate["split_1_encoder"], 3),
         },
     }

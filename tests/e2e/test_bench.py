@@ -14,7 +14,7 @@ from tests.helpers import OMNI, ROOT
 
 RATIOS = {
     "connectors": {"shm_64MiB_vs_memcpy", "mooncake_64MiB_vs_raw", "shm_64MiB_vs_queue_pickle"},
-    "epd": {"thinker_throughput_split_vs_in_thinker", "encoder_replicas_2_vs_1"},
+    "epd": {"thinker_throughput_split_vs_in_thinker", "e2e_split_vs_in_thinker", "encoder_replicas_2_vs_1"},
     "hop": {"p50_vs_raw_nats"},
     "pipeline": {"throughput_vs_ideal", "bottleneck_2_replicas_speedup"},
     "streaming": {"ttfa_window_vs_full"},
