@@ -9,6 +9,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -417,32 +418,60 @@ def test_with_an_encoder_stage_the_pipeline_computes_the_same(
     assert blind != split["tokens"].tolist()
 
 
-def test_the_encoder_stage_encodes_concurrent_requests_together(model: Path) -> None:
-    """Three requests with media at once on one encoder replica: the first is encoded at once,
-    the two that arrive while it runs in one call per encoder, and each request's embeddings
-    are those it gets alone (within 1e-6: a longer matmul may sum in another order). A request
-    without media gets nothing from it."""
+def test_the_encoder_stage_encodes_requests_together_as_each_alone(model: Path) -> None:
+    """Three requests' media (audio and an image, a video, audio and an image) through the
+    encoder stage's towers in one batch, as concurrent requests reach them (its StepBatcher
+    groups them, tests/unit/test_batching.py): each request's embeddings and layout are
+    those it gets alone (within 1e-6: a longer matmul may sum in another order). A request
+    without media gets nothing from the stage."""
     wav, png = media_clips()
     requests = [[media_message(wav, png)], [video_message(video_clip()[0])], [media_message(wav, png)]]
 
-    async def go() -> tuple[list[Payload], list[Payload], Any, list[EngineOutput]]:
+    async def go() -> tuple[list[Payload], list[Payload], list[EngineOutput]]:
         (encoder,) = await started(engine("encoder", model))
-
-        async def encode(messages: list[dict[str, Any]]) -> Payload:
+        inputs = []
+        for messages in requests:
             messages, media = await decode_media(messages, MediaSpec())
-            call = EngineCall("r", {"request": {"messages": messages, "media": media.tensors}}, True, {})
-            return concat([o.data async for o in encoder.generate(call)])
-
-        together = await asyncio.gather(*(encode(m) for m in requests))
-        batched = encoder.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
-        alone = [await encode(m) for m in requests]
+            prompts = encoder.prompts  # type: ignore[attr-defined]
+            inputs.append(prompts.process(prompts.read({"messages": messages, "media": media.tensors})))
+        together = [e.to_payload() for e in encoder._encode(inputs)]  # type: ignore[attr-defined]
+        alone = [encoder._encode([i])[0].to_payload() for i in inputs]  # type: ignore[attr-defined]
         text = EngineCall("t", {"request": {"messages": MESSAGES, "media": {}}}, True, {})
-        return together, alone, batched, [o async for o in encoder.generate(text)]
+        return together, alone, [o async for o in encoder.generate(text)]
 
-    together, alone, batched, nothing = asyncio.run(go())
-    assert batched == {1: 1, 2: 1}, batched
+    together, alone, nothing = asyncio.run(go())
     assert nothing == []
+    assert [sorted(p) for p in together] == [
+        ["audio_embeds", "audio_lengths", "image_embeds", "image_grid_thw"],
+        ["video_embeds", "video_grid_thw", "video_second_per_grid"],
+        ["audio_embeds", "audio_lengths", "image_embeds", "image_grid_thw"],
+    ]
     for a, b in zip(together, alone, strict=True):
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+
+
+def test_audio_features_equal_the_processors_on_every_frame_the_encoder_reads(model: Path) -> None:
+    """The thinker's (and the encoder stage's) log-mel features for clips of several lengths
+    at once, a silent one and one of a single sample among them, equal bit for bit what
+    `Qwen2_5OmniProcessor` computes in its 300 s window, on every frame its mask keeps; and
+    the masks keep the same frames."""
+    from transformers import AutoTokenizer, Qwen2_5OmniConfig
+
+    from omni_stage.engines.qwen_omni_prompt import Prompts
+    from tests.qwen_reference import reference_processor
+
+    config = Qwen2_5OmniConfig.from_pretrained(model).thinker_config
+    prompts = Prompts(
+        str(model), AutoTokenizer.from_pretrained(model), config, torch.device("cpu"), torch.float32
+    )
+    rng = np.random.default_rng(1)
+    clips = [(0.3 * rng.standard_normal(n)).astype(np.float32) for n in (16037, 80000, 160, 1)]
+    clips.append(np.zeros(24000, dtype=np.float32))
+    ours, kept = prompts._audio_features(clips)
+    out = reference_processor(model)(text="<|AUDIO|>" * len(clips), audio=clips, return_tensors="pt")
+    theirs, their_kept = out["input_features"], out["feature_attention_mask"]
+    assert kept.sum(-1).tolist() == their_kept.sum(-1).tolist() == [101, 500, 1, 1, 150]
+    for i in range(len(clips)):
+        assert torch.equal(ours[i][:, kept[i].bool()], theirs[i][:, their_kept[i].bool()]), i
