@@ -1,9 +1,9 @@
 """epd: Qwen2.5-Omni's encoders in a stage of their own (examples/qwen2.5-omni-epd.yaml) against
 the encoders inside the thinker (examples/qwen2.5-omni.yaml), tiny checkpoint, this CPU.
 
-Each request: one audio clip (5 s, 16 kHz) and one image (336x336, 144 merged patches), a
-question, 32 thinker tokens, greedy, text only (what the thinker does is what is measured),
-not streamed; closed-loop at concurrency 8.
+Each request: one audio clip (10 s, 16 kHz) and one photo-sized image (1280x720: 1196 merged
+patches), a question, 32 thinker tokens, greedy, text only (what the thinker does is what is
+measured), not streamed; closed-loop at concurrency 8, 25 rounds of 8 requests.
 
 Ratios, each against a baseline measured in the same run:
 - thinker_throughput_split_vs_in_thinker: requests the thinker serves per second of its own
@@ -35,7 +35,7 @@ from bench.load import closed_loop
 from bench.procs import demo_models, served
 
 ROOT = Path(__file__).resolve().parents[1]
-ROUNDS = 5
+ROUNDS = 25
 CONCURRENCY = 8
 TOKENS = 32
 
@@ -55,11 +55,11 @@ def pipeline(split: bool, encoders: int = 1) -> dict[str, Any]:
 def body() -> dict[str, Any]:
     """One chat completion with a clip and an image (a tone in noise, random pixels: a seed)."""
     rng = np.random.default_rng(0)
-    t = np.arange(5 * 16000) / 16000
+    t = np.arange(10 * 16000) / 16000
     clip = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
     wav, png = io.BytesIO(), io.BytesIO()
     soundfile.write(wav, clip, 16000, format="WAV", subtype="FLOAT")
-    Image.fromarray(rng.integers(0, 256, (336, 336, 3), dtype=np.uint8)).save(png, format="PNG")
+    Image.fromarray(rng.integers(0, 256, (720, 1280, 3), dtype=np.uint8)).save(png, format="PNG")
     b64 = lambda buf: base64.b64encode(buf.getvalue()).decode()  # noqa: E731
     content = [
         {"type": "input_audio", "input_audio": {"data": b64(wav), "format": "wav"}},

@@ -128,6 +128,16 @@ def test_what_would_send_the_talker_wrong_states_is_refused(model: Path) -> None
         vllm_thinker(model, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
 
 
+def test_an_encoder_stage_in_front_of_it_is_refused(model: Path) -> None:
+    """It runs its own encoders, so an encoder stage's work would be thrown away: the stage
+    says so when it is built, not by encoding every medium twice."""
+    spec = load_pipeline(EXAMPLE).spec.stage("thinker")
+    engine = EngineSpec(kind="vllm", model=str(model), args={"part": "thinker"})
+    inputs = [*spec.inputs, spec.inputs[0].model_copy(update={"from_": "encoder"})]
+    with pytest.raises(EngineError, match="inputs: the thinker on vLLM reads only `request`, not 'encoder'"):
+        build_engine(spec.model_copy(update={"engine": engine, "inputs": inputs}))
+
+
 def test_with_a_video(model: Path, thinker: VllmThinker, loop: LoopThread) -> None:
     """The gateway's code takes 2 frames a second; vLLM runs the model's processor on them at
     that rate; the reference gets the same frames through the model's processor."""

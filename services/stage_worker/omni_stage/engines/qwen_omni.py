@@ -4,7 +4,8 @@
 checkpoint whose config is `qwen2_5_omni`. Each stage loads only its part, with transformers'
 own class and `from_pretrained(DIR, config=<its sub-config>, key_mapping={"^part.": ""})`, and
 computes what `Qwen2_5OmniForConditionalGeneration.generate(..., return_audio=True)` computes,
-split where the model splits:
+split where the model splits (and, with `part: encoder`, its audio and vision encoders in a
+stage of their own in front of the thinker: qwen_omni_encoder.py):
 
 - thinker: the chat template, then greedy (or sampled) decoding with a KV cache. Unit `s` is
   generated token `s` with, from the forward that produced it, the input embedding and last

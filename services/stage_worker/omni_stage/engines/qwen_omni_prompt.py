@@ -2,7 +2,8 @@
 and the features its encoders read, as `Qwen2_5OmniProcessor` builds them.
 
 The processor's parts are loaded the way it loads them: the checkpoint's Whisper feature
-extractor (16 kHz, padded to its 300 s window, with the mask), its Qwen2-VL image processor
+extractor (16 kHz; the features of its 300 s window, with the mask, see `_audio_features`),
+its Qwen2-VL image processor
 (`AutoImageProcessor`, the backend transformers picks) and its video processor
 (`AutoVideoProcessor`), and its placeholder expansion is done here: each `<|AUDIO|>` becomes
 one token per audio frame the encoder outputs (`((mask.sum() - 1) // 2 + 1 - 2) // 2 + 1`),
@@ -13,6 +14,10 @@ built where torchvision is missing (transformers 5 makes the video processor tor
 and the processor always builds one): there the thinker reads audio and images, and says it
 does not read video. The parity tests build their inputs with the processor's own code and
 compare token for token.
+
+The media's layout (`Layout`: audio lengths, image and video grids, seconds per temporal
+patch) is all the expansion and the positions need, so the thinker builds the same prompt from
+an encoder stage's outputs (`MediaEmbeds`) as from the media.
 
 Media arrive decoded by the gateway (RGB uint8 [H, W, 3]; RGB frames [T, H, W, 3] with the
 rate they were taken at; mono float32 PCM with its rate, resampled here to the feature

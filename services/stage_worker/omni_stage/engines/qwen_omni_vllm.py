@@ -24,7 +24,7 @@ from typing import Any, Final
 
 import torch
 
-from omni_pipeline.spec import StageSpec
+from omni_pipeline.spec import REQUEST_SOURCE, StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.qwen_omni import thinker_embedding_table
 from omni_stage.engines.qwen_omni_prompt import Prompts
@@ -59,6 +59,12 @@ class VllmThinker(VllmEngine):
             raise EngineError(
                 f"stage '{stage.name}': speculative_config: the hidden states of draft tokens vLLM "
                 "rejects would reach the talker"
+            )
+        if other := [e.from_ for e in stage.inputs if e.from_ != REQUEST_SOURCE]:
+            raise EngineError(
+                f"stage '{stage.name}': inputs: the thinker on vLLM reads only `request`, not {other[0]!r}: "
+                "it runs its own encoders (vLLM 0.32 takes no audio embeddings for Qwen2.5-Omni), so an "
+                "encoder stage in front of it would encode every medium twice; use the transformers thinker"
             )
         self.hidden: HiddenStates | None = None
         self.prompts: Prompts | None = None
