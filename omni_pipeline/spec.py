@@ -98,6 +98,11 @@ class InputSpec(_Model):
         default=None, description="`module:function` run on the consumer to turn the payload into inputs."
     )
     connector: str = Field(default=DEFAULT_CONNECTOR, description="Name of an entry in spec.connectors.")
+    media: bool = Field(
+        default=True,
+        description="On a `request` edge: false sends this stage the messages without their decoded media "
+        "(it reads an encoder stage's outputs instead, so the media cross the connector once).",
+    )
     credit: int = Field(
         default=DEFAULT_CREDIT,
         ge=1,
@@ -508,6 +513,16 @@ class PipelineSpec(_Model):
                 raise ValueError(
                     f"stage '{s.name}': skipWithoutMedia: a stage with finalOutput cannot be skipped"
                 )
+            for i, e in enumerate(s.inputs):
+                if not e.media and e.from_ != REQUEST_SOURCE:
+                    raise ValueError(
+                        f"stage '{s.name}': inputs[{i}].media: only a `request` edge carries media"
+                    )
+                if not e.media and not {f.from_ for f in s.inputs} & skippable:
+                    raise ValueError(
+                        f"stage '{s.name}': inputs[{i}].media: false, but no input of the stage is a "
+                        "skipWithoutMedia stage (an encoder) that reads the media in its place"
+                    )
             froms = {e.from_ for e in s.inputs}
             if froms & skippable and froms <= skippable:
                 raise ValueError(

@@ -215,11 +215,18 @@ def test_with_the_encoders_split_out_the_answers_are_the_same(
 ) -> None:
     """examples/qwen2.5-omni-epd.yaml: the acceptance request (audio and an image) and a video
     go through the encoder stage and get the reference's text and speech, as through the
-    unsplit pipeline; a request without media gets its answer without the encoder stage ever
-    seeing it (its count of requests does not move)."""
+    unsplit pipeline, the media sent to the encoder alone (two 1.5 s float32 clips are 192 KB);
+    a request without media gets its answer without the encoder stage ever seeing it (its
+    count of requests does not move)."""
     assert_the_acceptance_request_is_served(epd_base, media_reference)
     encoded = replica_metric(epd_base, "encoder", "omni_stage_requests_total")
     assert encoded == 2  # the acceptance's two requests, not the fixture's text-only one
+    # The media cross the connector to the encoder only (the thinker's edge has media: false).
+    read = {
+        s: replica_metric(epd_base, s, "omni_connector_bytes_total", op="get", peer="request")
+        for s in ("encoder", "thinker")
+    }
+    assert read["encoder"] > 2 * 96_000 and read["thinker"] * 10 < read["encoder"], read
     path = demo_dir / "models" / "tiny-qwen2.5-omni"
     ref = reference_with_video(path, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
     _, text, pcm = stream(epd_base, [video_message(video_clip()[0])])

@@ -15,7 +15,7 @@ import torch
 
 from omni_gateway.media import decode_media
 from omni_pipeline.spec import MediaSpec, load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine
+from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest, build_engine
 from omni_stage.payload import Payload, concat, split
 from omni_stage.segments import EngineOutput
 from tests.helpers import ROOT
@@ -76,9 +76,9 @@ async def run_pipeline(
     request = {"messages": messages, "media": media.tensors, "modalities": ["audio", "text"], "voice": voice}
     sampling = {"max_tokens": THINKER_TOKENS, "voice": voice, "seed": SEED}
     inputs: dict[str, Payload] = {"request": request}
-    if encoder is not None:
+    if encoder is not None:  # which reads the media; the thinker gets the messages alone (media: false)
         encoded = [o async for o in encoder.generate(EngineCall("r", {"request": request}, True, sampling))]
-        inputs["encoder"] = concat([o.data for o in encoded])
+        inputs = {"request": request | {"media": {}}, "encoder": concat([o.data for o in encoded])}
     thought = [o async for o in thinker.generate(EngineCall("r", inputs, True, sampling))]
     state: dict[str, Any] = {}
     codes: list[EngineOutput] = []
@@ -387,9 +387,10 @@ async def started(*engines: Engine) -> tuple[Engine, ...]:
 def test_with_an_encoder_stage_the_pipeline_computes_the_same(
     model: Path, media_reference: dict[str, Any], media: str
 ) -> None:
-    """The thinker fed the encoder stage's embeddings in place of the media gives the tokens
-    and codes it gives running its own encoders, which are the reference's; and it reads
-    them: the same request with the embeddings zeroed answers otherwise."""
+    """The thinker fed the encoder stage's embeddings in place of the media (which it does not
+    get: `media: false`) gives the tokens and codes it gives running its own encoders, which
+    are the reference's; and it reads them: the same request with the embeddings zeroed
+    answers otherwise. Given neither, it says so."""
     message = media_message(*media_clips()) if media != "video" else video_message(video_clip()[0])
 
     async def go() -> tuple[dict[str, Any], dict[str, Any], list[int], dict[str, Any]]:
@@ -405,6 +406,9 @@ def test_with_an_encoder_stage_the_pipeline_computes_the_same(
         zeroed = {k: torch.zeros_like(v) if k.endswith("_embeds") else v for k, v in encoded.items()}
         call = EngineCall("z", {"request": request, "encoder": zeroed}, True, sampling)
         blind = torch.cat([o.data["token_ids"] async for o in thinker.generate(call)]).tolist()
+        bare = EngineCall("b", {"request": request | {"media": {}}}, True, sampling)
+        with pytest.raises(EngineError, match="came without its data"):
+            [o async for o in thinker.generate(bare)]
         return split, whole, blind, encoded
 
     split, whole, blind, encoded = asyncio.run(go())

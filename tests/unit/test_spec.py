@@ -162,9 +162,17 @@ def test_a_request_without_media_skips_the_stages_that_say_so() -> None:
             lambda st: st[1].update(inputs=[{"from": "encoder"}]),
             "stage 'thinker': inputs: every input is a skip",
         ),
+        (
+            lambda st: st[1]["inputs"][1].update(media=False),
+            "stage 'thinker': inputs[1].media: only a `request`",
+        ),
+        (
+            lambda st: st[2]["inputs"].append({"from": "request", "media": False}),
+            "stage 'talker': inputs[1].media: false, but",
+        ),
     ],
 )
-def test_a_stage_that_skips_requests_without_media_must_leave_its_consumers_fed(
+def test_a_stage_that_skips_requests_without_media_must_leave_its_consumers_fed_and_media_go_somewhere(
     change: Any, named: str
 ) -> None:
     d = with_encoder()

@@ -131,6 +131,7 @@ class PipelineClient:
         """Re-runs on a fresh route: `moved` (nothing sent yet), `spliced` (a stream continued),
         `diverged` (a stream's re-run did not repeat it: failed)."""
         self._sources = {s.name: e.connector for s, e in self.spec.consumers(REQUEST_SOURCE)}
+        self._without_media = {s.name for s, e in self.spec.consumers(REQUEST_SOURCE) if not e.media}
         """The stages that read the client's request, and the connector their media goes on."""
 
     async def start(self, stop: asyncio.Event | None = None) -> bool:
@@ -376,8 +377,13 @@ class PipelineClient:
                 await self._reserve(tracked, {s: reservation for s in needed if s not in self._sources})
                 sources = [s for s in needed if s in self._sources]
                 payload = {"inputs": inputs, "media": media or {}}
+                bare = {"inputs": inputs, "media": {}}  # for a stage that reads an encoder's outputs
                 await self._reserve(
-                    tracked, {s: self._for_source(s, ctx, sampling, payload) for s in sources}
+                    tracked,
+                    {
+                        s: self._for_source(s, ctx, sampling, bare if s in self._without_media else payload)
+                        for s in sources
+                    },
                 )
                 async with asyncio.timeout(remaining):
                     async for ev in self._events(tracked):

@@ -35,7 +35,7 @@ import numpy as np
 import soxr
 import torch
 
-from omni_stage.engines.base import InvalidRequest
+from omni_stage.engines.base import EngineError, InvalidRequest
 
 
 @dataclass(frozen=True)
@@ -162,6 +162,15 @@ class Prompts:
         audio at the feature extractor's rate, images, videos and the rates of their frames.
         `decode=False`: the text only, with no media (an encoder stage has read them)."""
         media: dict[str, torch.Tensor] = request.get("media") or {}
+
+        def data(part: dict[str, Any]) -> torch.Tensor:
+            if (t := media.get(part["media"])) is None:
+                raise EngineError(
+                    f"a '{part.get('type')}' part came without its data (a `request` edge with media: false) "
+                    "and no encoder stage's outputs came in its place"
+                )
+            return t
+
         chat: list[dict[str, Any]] = []
         out = Chat("")
         for m in request["messages"]:
@@ -174,15 +183,15 @@ class Prompts:
                         parts.append({"type": "text", "text": str(p.get("text", ""))})
                     elif kind == "audio":
                         if decode:
-                            out.audios.append(self._audio(media[p["media"]], int(p["sample_rate"])))
+                            out.audios.append(self._audio(data(p), int(p["sample_rate"])))
                         parts.append({"type": "audio"})
                     elif kind == "image":
                         if decode:
-                            out.images.append(media[p["media"]].numpy())
+                            out.images.append(data(p).numpy())
                         parts.append({"type": "image"})
                     elif kind == "video" and self.videos is not None:
                         if decode:
-                            out.videos.append(media[p["media"]].numpy())
+                            out.videos.append(data(p).numpy())
                             out.video_fps.append(float(p["fps"]))
                         parts.append({"type": "video"})
                     else:
