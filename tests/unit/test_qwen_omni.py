@@ -439,6 +439,11 @@ def test_the_encoder_stage_encodes_requests_together_as_each_alone(model: Path) 
             prompts = encoder.prompts  # type: ignore[attr-defined]
             inputs.append(prompts.process(prompts.read({"messages": messages, "media": media.tensors})))
         together = [e.to_payload() for e in encoder._encode(inputs)]  # type: ignore[attr-defined]
+        # What sleep frees is the two towers; woken, it encodes as before.
+        assert encoder.weight_bytes()["cpu"] > 0
+        await encoder.sleep(2)
+        assert encoder.weight_bytes() == {}
+        await encoder.wake_up(2)
         alone = [encoder._encode([i])[0].to_payload() for i in inputs]  # type: ignore[attr-defined]
         text = EngineCall("t", {"request": {"messages": MESSAGES, "media": {}}}, True, {})
         return together, alone, [o async for o in encoder.generate(text)]

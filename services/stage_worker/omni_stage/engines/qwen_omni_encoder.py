@@ -32,6 +32,7 @@ from omni_stage.segments import EngineOutput
 
 class Encoder(Part):
     part = "encoder"
+    weights = ("audio_tower", "visual")
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
