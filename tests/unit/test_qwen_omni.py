@@ -6,11 +6,13 @@ checkpoint, same prompt, greedy."""
 from __future__ import annotations
 
 import asyncio
+import io
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import soundfile
 import torch
 
 from omni_gateway.media import decode_media
@@ -423,13 +425,21 @@ def test_with_an_encoder_stage_the_pipeline_computes_the_same(
 
 
 def test_the_encoder_stage_encodes_requests_together_as_each_alone(model: Path) -> None:
-    """Three requests' media (audio and an image, a video, audio and an image) through the
+    """Three requests' media (audio and an image, a video, a shorter clip and an image) through the
     encoder stage's towers in one batch, as concurrent requests reach them (its StepBatcher
     groups them, tests/unit/test_batching.py): each request's embeddings and layout are
     those it gets alone (within 1e-6: a longer matmul may sum in another order). A request
     without media gets nothing from the stage."""
     wav, png = media_clips()
-    requests = [[media_message(wav, png)], [video_message(video_clip()[0])], [media_message(wav, png)]]
+    shorter = io.BytesIO()  # another length: each request's features span its own clips
+    soundfile.write(
+        shorter, np.sin(np.arange(11200) / 9.0).astype(np.float32), 16000, format="WAV", subtype="FLOAT"
+    )
+    requests = [
+        [media_message(wav, png)],
+        [video_message(video_clip()[0])],
+        [media_message(shorter.getvalue(), png)],
+    ]
 
     async def go() -> tuple[list[Payload], list[Payload], list[EngineOutput]]:
         (encoder,) = await started(engine("encoder", model))

@@ -26,7 +26,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.qwen_omni import Part
-from omni_stage.engines.qwen_omni_prompt import EncoderInputs, Layout, MediaEmbeds, Prompts
+from omni_stage.engines.qwen_omni_prompt import EncoderInputs, MediaEmbeds, Prompts
 from omni_stage.segments import EngineOutput
 
 
@@ -81,7 +81,7 @@ class Encoder(Part):
             rows = []
             for n, stacked in ((n_audio, audio), (n_image, image), (n_video, video)):
                 rows.append(stacked.pop(0) if n else None)
-            out.append(MediaEmbeds(*rows, _cpu(b.layout)))
+            out.append(MediaEmbeds(*rows, b.layout))  # the processors' layout: on the CPU
         return out
 
     def _audio(self, features: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -89,8 +89,12 @@ class Encoder(Part):
         requests' clips together."""
         if not features:
             return []
-        feats = torch.cat([f["input_features"] for f in features]).to(self.device, self.dtype)
-        mask = torch.cat([f["feature_attention_mask"] for f in features]).to(self.device)
+        # Each request's features span its own longest clip: pad all to the longest (frames the
+        # masks leave out, as the model's 300 s window does).
+        frames = max(f["input_features"].shape[-1] for f in features)
+        pad = lambda t: torch.nn.functional.pad(t, (0, frames - t.shape[-1]))  # noqa: E731
+        feats = torch.cat([pad(f["input_features"]) for f in features]).to(self.device, self.dtype)
+        mask = torch.cat([pad(f["feature_attention_mask"]) for f in features]).to(self.device)
         lengths = mask.sum(-1)
         packed = feats.permute(0, 2, 1)[mask.bool()].permute(1, 0)
         after_cnn, _ = self.audio_tower._get_feat_extract_output_lengths(lengths)
@@ -110,7 +114,3 @@ class Encoder(Part):
         merge = self.visual.spatial_merge_size**2
         per_request = [int(f[grid].prod(-1).sum()) // merge for f in having]
         return [r.cpu() for r in torch.split(rows, per_request)]
-
-
-def _cpu(layout: Layout) -> Layout:
-    return layout.on(torch.device("cpu"))
