@@ -217,7 +217,8 @@ def test_with_the_encoders_split_out_the_answers_are_the_same(
     go through the encoder stage and get the reference's text and speech, as through the
     unsplit pipeline, the media sent to the encoder alone (two 1.5 s float32 clips are 192 KB);
     a request without media gets its answer without the encoder stage ever seeing it (its
-    count of requests does not move)."""
+    count of requests does not move). Every request sets `seed`, which the encoder stage does
+    not take: what a stage the route may skip honours does not decide what is refused."""
     assert_the_acceptance_request_is_served(epd_base, media_reference)
     encoded = replica_metric(epd_base, "encoder", "omni_stage_requests_total")
     assert encoded == 2  # the acceptance's two requests, not the fixture's text-only one
