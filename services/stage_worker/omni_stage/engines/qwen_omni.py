@@ -95,6 +95,8 @@ class Part(ComputeEngine):
 
     part: str
     weights: tuple[str, ...] = ("model",)
+    config_class = "Qwen2_5OmniConfig"
+    model_name = "Qwen2.5-Omni"
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -118,7 +120,7 @@ class Part(ComputeEngine):
             self.voices = tuple(sorted(self.speakers, key=lambda name: name != DEFAULT_VOICE))
 
     def _read_config(self) -> None:
-        from transformers import Qwen2_5OmniConfig
+        import transformers
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -128,10 +130,10 @@ class Part(ComputeEngine):
         if not Path(self.path).is_dir():
             raise EngineError(f"stage '{self.stage.name}': model directory {self.path!r} not found")
         try:
-            self.config = Qwen2_5OmniConfig.from_pretrained(self.path)
+            self.config = getattr(transformers, self.config_class).from_pretrained(self.path)
         except (OSError, ValueError) as exc:
             raise EngineError(
-                f"stage '{self.stage.name}': {self.path} is not a Qwen2.5-Omni checkpoint: {exc}"
+                f"stage '{self.stage.name}': {self.path} is not a {self.model_name} checkpoint: {exc}"
             ) from exc
 
     def _from_checkpoint(self, cls: Any, config: Any, prefix: str) -> Any:
@@ -159,6 +161,11 @@ class Thinker(Part):
     part = "thinker"
     accepts = frozenset({"text", "image", "audio"})
     honours = HONOURED
+    prompts_class = Prompts
+    talker_layer = -1
+    """The layer whose hidden states the talker reads (-1: the last, normed)."""
+    sends_reply_hidden = True
+    """Whether the talker reads each reply token's hidden state, or only its embedding."""
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -182,7 +189,9 @@ class Thinker(Part):
 
         super()._load()
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.prompts = Prompts(self.path, self.tokenizer, self.config.thinker_config, self.device, self.dtype)
+        self.prompts = self.prompts_class(
+            self.path, self.tokenizer, self.config.thinker_config, self.device, self.dtype
+        )
         self.accepts = self.prompts.accepts
         eos = GenerationConfig.from_pretrained(self.path).eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -216,9 +225,11 @@ class Thinker(Part):
             tok = choice.token
             data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
             if s == 0:  # [1, P, ...]: the prompt is one unit's worth
-                data |= {"prompt_embeds": embeds, "prompt_hidden": hidden}
+                data |= {"prompt_embeds": embeds, "prompt_hidden": hidden} | self._prompt_extras(prompt)
             else:  # [1, hidden]: the position that consumed token s - 1
-                data |= {"reply_embeds": embeds[0], "reply_hidden": hidden[0]}
+                data |= {"reply_embeds": embeds[0]}
+                if self.sends_reply_hidden:
+                    data["reply_hidden"] = hidden[0]
             eos = tok in self.eos
             delta, stopped = text.add(None if eos else tok, last=eos or s == budget - 1)
             done = eos or stopped
@@ -230,6 +241,10 @@ class Thinker(Part):
                 return
             feed = torch.tensor([[tok]], device=self.device)
         st["finish_reason"] = "length"
+
+    def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
+        """What else of the prompt the talker reads, with the first token."""
+        return {}
 
     def _steps(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
         if len(steps) == 1:
@@ -250,7 +265,10 @@ class Thinker(Part):
         for row, (s, cache) in enumerate(zip(steps, caches, strict=True)):
             s.st["past"] = cache
             choice = s.sampler.pick(out.logits[row, -1])
-            first, last = out.hidden_states[0][row : row + 1], out.hidden_states[-1][row : row + 1]
+            first, last = (
+                out.hidden_states[0][row : row + 1],
+                out.hidden_states[self.talker_layer][row : row + 1],
+            )
             results.append((choice, first.float().cpu(), last.float().cpu()))
         return results
 
@@ -301,7 +319,7 @@ class Thinker(Part):
         if past is None and prompt.media_mask is not None:
             # but not the media's features: zeros there, as the reference hands it
             embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
-        return choice, embeds, out.hidden_states[-1].float().cpu()
+        return choice, embeds, out.hidden_states[self.talker_layer].float().cpu()
 
     def _with_media(self, ids: torch.Tensor, media: MediaEmbeds) -> torch.Tensor:
         """The prompt's input embeddings with an encoder stage's outputs at the media's

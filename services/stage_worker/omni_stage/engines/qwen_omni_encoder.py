@@ -74,10 +74,10 @@ class Encoder(Part):
         audio = self._audio([b.features for b in batch if "input_features" in b.features])
         image = self._vision([b.features for b in batch], "pixel_values", "image_grid_thw")
         video = self._vision([b.features for b in batch], "pixel_values_videos", "video_grid_thw")
-        merge = self.visual.spatial_merge_size**2
+        assert self.prompts is not None
         out = []
         for b in batch:
-            n_audio, n_image, n_video = (sum(n) for n in b.layout.tokens(merge))
+            n_audio, n_image, n_video = (sum(n) for n in self.prompts.layout_tokens(b.layout))
             rows = []
             for n, stacked in ((n_audio, audio), (n_image, image), (n_video, video)):
                 rows.append(stacked.pop(0) if n else None)

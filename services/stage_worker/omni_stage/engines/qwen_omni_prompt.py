@@ -28,6 +28,7 @@ extractor's rate with soxr, as librosa loads it by default). A video's own audio
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
@@ -50,12 +51,12 @@ class Layout:
     video_second_per_grid: torch.Tensor | None = None
     """Each video's seconds per temporal patch, [V] float32 (not the model's dtype)."""
 
-    def tokens(self, merge: int) -> tuple[list[int], list[int], list[int]]:
-        """Positions of each audio, image and video, in order; `merge` patches make one."""
-        audio: list[int] = []
-        if self.audio_lengths is not None:
-            frames = (self.audio_lengths - 1) // 2 + 1
-            audio = ((frames - 2) // 2 + 1).tolist()
+    def tokens(
+        self, merge: int, audio_tokens: Callable[[torch.Tensor], list[int]]
+    ) -> tuple[list[int], list[int], list[int]]:
+        """Positions of each audio (`audio_tokens` of its length), image and video, in order;
+        `merge` patches make one."""
+        audio = [] if self.audio_lengths is None else audio_tokens(self.audio_lengths)
         patches = lambda grid: [] if grid is None else (grid.prod(-1) // merge).tolist()  # noqa: E731
         return audio, patches(self.image_grid_thw), patches(self.video_grid_thw)
 
@@ -129,7 +130,6 @@ class Prompts:
         self, path: str, tokenizer: Any, thinker_config: Any, device: torch.device, dtype: torch.dtype
     ) -> None:
         from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoVideoProcessor
-        from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessorKwargs
         from transformers.utils import is_torchvision_available
 
         self.tokenizer = tokenizer
@@ -148,9 +148,24 @@ class Prompts:
         self.images = AutoImageProcessor.from_pretrained(path)
         self.videos = AutoVideoProcessor.from_pretrained(path) if is_torchvision_available() else None
         # The omni processor resizes video frames to its own bounds, not its video processor's.
-        self.video_size = Qwen2_5OmniProcessorKwargs._defaults["videos_kwargs"]["size"]
+        self.video_size = self._processor_defaults()["videos_kwargs"]["size"]
+        self.merge = int(self.images.merge_size) ** 2
         tokens = (self.audio_token, self.image_token, self.video_token)
         self._placeholder = re.compile("|".join(re.escape(t) for t in tokens))
+
+    @staticmethod
+    def _processor_defaults() -> dict[str, Any]:
+        from transformers.models.qwen2_5_omni.processing_qwen2_5_omni import Qwen2_5OmniProcessorKwargs
+
+        return Qwen2_5OmniProcessorKwargs._defaults
+
+    def audio_tokens(self, lengths: torch.Tensor) -> list[int]:
+        """Positions each audio takes, from its feature frames: its encoder's output length."""
+        frames = (lengths - 1) // 2 + 1
+        return ((frames - 2) // 2 + 1).tolist()
+
+    def layout_tokens(self, layout: Layout) -> tuple[list[int], list[int], list[int]]:
+        return layout.tokens(self.merge, self.audio_tokens)
 
     @property
     def accepts(self) -> frozenset[str]:
@@ -262,7 +277,7 @@ class Prompts:
     def _expand(self, text: str, layout: Layout) -> str:
         """Each placeholder repeated once per position its item takes."""
         tokens = (self.audio_token, self.image_token, self.video_token)
-        counts = dict(zip(tokens, layout.tokens(int(self.images.merge_size) ** 2), strict=True))
+        counts = dict(zip(tokens, self.layout_tokens(layout), strict=True))
         found = self._placeholder.findall(text)
         for token, n in counts.items():
             if found.count(token) != len(n):  # the text itself spells a placeholder token
