@@ -14,6 +14,8 @@ import soundfile
 import torch
 from PIL import Image
 
+from omni_stage.payload import Payload, concat, split
+from omni_stage.segments import EngineOutput
 from tests.helpers import video_file
 
 
@@ -169,3 +171,71 @@ def reference_with_video(
         videos=[frames[::2]],
         fps=2.0,
     )
+
+
+def reference_qwen3(
+    path: Path,
+    parts: list[dict[str, Any]],
+    thinker_tokens: int,
+    talker_codes: int,
+    voice: str,
+    audio: list[np.ndarray] | None = None,
+    images: list[Image.Image] | None = None,
+    videos: list[np.ndarray] | None = None,
+    fps: float | None = None,
+) -> dict[str, Any]:
+    """Qwen3-Omni's reference: `Qwen3OmniMoeForConditionalGeneration.generate(...,
+    return_audio=True)` with greedy decoding throughout (`talker_do_sample=False`, which its
+    code predictor follows), on one user message of `parts`, the media through
+    `Qwen3OmniMoeProcessor` as its documentation runs it. The reply's ids and text, the codes
+    as Code2Wav receives them ([n, codebooks]) and the waveform.
+
+    One correction, of a transformers 5.19 bug: the talker's M-RoPE positions read the audio
+    encoder's window from `talker.config.audio_config`, which its config lacks, so generate
+    fails on any audio input; the thinker's audio config is the one meant (the stage does the
+    same)."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor
+
+    ref = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path).eval()
+    ref.talker.config.audio_config = ref.thinker.config.audio_config
+    proc = Qwen3OmniMoeProcessor.from_pretrained(path)
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=False
+    )
+    inputs = proc(text=text, audio=audio, images=images, videos=videos, fps=fps, return_tensors="pt")
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep_codes(_: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        seen.setdefault("codes", args[0][0].T.clone())
+
+    ref.code2wav.register_forward_pre_hook(keep_codes)
+    seq, wav = ref.generate(
+        **inputs,
+        speaker=voice,
+        thinker_max_new_tokens=thinker_tokens,
+        thinker_eos_token_id=ref.generation_config.eos_token_id,
+        thinker_do_sample=False,
+        talker_max_new_tokens=talker_codes,
+        talker_do_sample=False,
+    )
+    reply = seq[0, inputs["input_ids"].shape[1] :]
+    return {
+        "tokens": reply,
+        "text": proc.tokenizer.decode(reply, skip_special_tokens=True),
+        "codes": seen["codes"],
+        "audio": wav.reshape(-1),
+    }
+
+
+def windows(outputs: list[EngineOutput], n: int) -> list[tuple[Payload, bool]]:
+    """A producer's outputs as its consumer receives them on a window of `n`: `n` units a call,
+    then the rest (the last)."""
+    data = concat([o.data for o in outputs if o.data])
+    units = sum(o.units for o in outputs)
+    out = []
+    while units > n:
+        head, data = split(data, n)
+        out.append((head, False))
+        units -= n
+    out.append((data, True))
+    return out

@@ -18,7 +18,7 @@ import torch
 from omni_gateway.media import decode_media
 from omni_pipeline.spec import MediaSpec, load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest, build_engine
-from omni_stage.payload import Payload, concat, split
+from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
 from tests.helpers import ROOT
 from tests.qwen_reference import (
@@ -29,6 +29,7 @@ from tests.qwen_reference import (
     reference_with_video,
     video_clip,
     video_message,
+    windows,
 )
 
 EXAMPLE = ROOT / "examples" / "qwen2.5-omni.yaml"
@@ -41,19 +42,6 @@ def engine(stage: str, model: Path, **args: Any) -> Engine:
     spec = load_pipeline(EPD if stage == "encoder" else EXAMPLE).spec.stage(stage)
     eng = spec.engine.model_copy(update={"model": str(model), "args": {**spec.engine.args, **args}})
     return build_engine(spec.model_copy(update={"engine": eng}))
-
-
-def windows(outputs: list[EngineOutput], n: int) -> list[tuple[Payload, bool]]:
-    """The producer's outputs as the consumer receives them: `n` units a call, then the rest."""
-    data = concat([o.data for o in outputs if o.data])
-    units = sum(o.units for o in outputs)
-    out = []
-    while units > n:
-        head, data = split(data, n)
-        out.append((head, False))
-        units -= n
-    out.append((data, True))
-    return out
 
 
 async def run_pipeline(

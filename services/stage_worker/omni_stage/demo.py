@@ -184,12 +184,14 @@ def _image_pipeline(path: Path, caption_channels: int) -> None:
 
 
 def init_demo(out_dir: str | Path) -> dict[str, Path]:
-    """Write tiny-thinker, tiny-talker, tiny-vocoder, tiny-qwen2.5-omni and tiny-image (last:
-    its index means all are there) under `out_dir`; returns their paths."""
+    """Write tiny-thinker, tiny-talker, tiny-vocoder, tiny-qwen2.5-omni, tiny-qwen3-omni and
+    tiny-image (last: its index means all are there) under `out_dir`; returns their paths."""
+    from omni_stage.demo_qwen3_omni import write_tiny_qwen3_omni
     from omni_stage.demo_qwen_omni import write_tiny_qwen_omni
 
     out = Path(out_dir)
-    paths = {name: out / f"tiny-{name}" for name in ("thinker", "talker", "vocoder", "qwen2.5-omni", "image")}
+    names = ("thinker", "talker", "vocoder", "qwen2.5-omni", "qwen3-omni", "image")
+    paths = {name: out / f"tiny-{name}" for name in names}
 
     tok = byte_level_tokenizer(CHAT_TEMPLATE, ["<|im_start|>"])
     thinker = _qwen2(len(tok), tok.convert_tokens_to_ids("<|im_end|>"), seed=0)
@@ -210,5 +212,6 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
     save_file(voc.state_dict(), str(paths["vocoder"] / "model.safetensors"))
 
     write_tiny_qwen_omni(paths["qwen2.5-omni"])
+    write_tiny_qwen3_omni(paths["qwen3-omni"])
     _image_pipeline(paths["image"], caption_channels=HIDDEN)
     return paths

@@ -64,9 +64,19 @@ _DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16"
 
 
 def build_qwen_omni_engine(stage: StageSpec) -> Engine:
+    from transformers import PretrainedConfig
+
     from omni_stage.engines.qwen_omni_encoder import Encoder  # it builds on Part
 
     part = stage.engine.args.get("part")
+    try:
+        model_type = PretrainedConfig.get_config_dict(str(stage.engine.model))[0].get("model_type")
+    except OSError:
+        model_type = None  # the part says what is missing when it loads
+    if model_type == "qwen3_omni_moe":
+        from omni_stage.engines.qwen3_omni import build_qwen3_omni_engine
+
+        return build_qwen3_omni_engine(stage)
     engines: dict[str, type[Part]] = {
         "encoder": Encoder,
         "thinker": Thinker,

@@ -137,13 +137,8 @@ class Prompts:
         self.audio_token: str = tokenizer.audio_token
         self.image_token: str = tokenizer.image_token
         self.video_token: str = tokenizer.video_token
-        self.media_ids = torch.tensor(
-            [
-                int(thinker_config.audio_token_index),
-                int(thinker_config.image_token_index),
-                int(thinker_config.video_token_index),
-            ]
-        )
+        placeholders = (self.audio_token, self.image_token, self.video_token)
+        self.media_ids = torch.tensor([int(tokenizer.convert_tokens_to_ids(t)) for t in placeholders])
         self.features = AutoFeatureExtractor.from_pretrained(path)
         self.images = AutoImageProcessor.from_pretrained(path)
         self.videos = AutoVideoProcessor.from_pretrained(path) if is_torchvision_available() else None

@@ -1,0 +1,275 @@
+"""tiny-qwen3-omni: a genuine Qwen3-Omni checkpoint with tiny dimensions and random weights.
+
+Built from transformers' own config classes and saved with `save_pretrained`, so it loads with
+`Qwen3OmniMoeForConditionalGeneration.from_pretrained` (and its thinker with vLLM), with the
+files a real checkpoint has: config, generation config, safetensors, a tokenizer with Qwen3-
+Omni's special tokens (`<|audio_pad|>`, `<|image_pad|>`, `<|video_pad|>` and their start/end,
+the TTS pad/bos/eos) and its role words `system`, `user`, `assistant` as single tokens (the
+talker finds the turns by them, as by the real vocabulary's), the chat template, and the
+feature extractor's, image and video processors' settings. Token ids follow the byte-level
+vocabulary; every config that names one says which.
+
+Sizes: hidden 64 with head_dim 32, two layers per transformer, 4 experts (2 a token) in the
+thinker's and the talker's MoE layers, 4 codebooks (the real model has 16), the real codec
+vocabulary (3072: the control codes keep their ids) and Code2Wav's real upsampling (1920
+samples a code at 24 kHz).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from omni_stage.demo import byte_level_tokenizer
+
+HIDDEN: Final = 64
+HEADS: Final = 2
+GROUPS: Final = 4
+CODEC_VOCAB: Final = 3072
+CODEC_PAD, CODEC_BOS, CODEC_EOS = 2148, 2149, 2150  # the real ids
+NOTHINK, THINK_BOS, THINK_EOS = 2155, 2156, 2157
+SPEAKERS: Final = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
+SPECIAL_TOKENS: Final = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|audio_start|>",
+    "<|audio_end|>",
+    "<|audio_pad|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+    "<|tts_pad|>",
+    "<|tts_bos|>",
+    "<|tts_eos|>",
+]
+ROLE_WORDS: Final = ["system", "user", "assistant"]
+TOKEN_ROLES: Final = {
+    "image_token": "<|image_pad|>",
+    "audio_token": "<|audio_pad|>",
+    "video_token": "<|video_pad|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+}
+# Qwen3-Omni's template, without a default system prompt: content parts in order, each media
+# part as its pad between its start and end tokens.
+CHAT_TEMPLATE: Final = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'audio' %}<|audio_start|><|audio_pad|><|audio_end|>"
+    "{% elif content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tokenizer() -> Any:
+    tok = byte_level_tokenizer(CHAT_TEMPLATE, SPECIAL_TOKENS, TOKEN_ROLES)
+    tok.add_tokens(
+        [t for t in SPECIAL_TOKENS if tok.convert_tokens_to_ids(t) == tok.unk_token_id], special_tokens=True
+    )
+    tok.add_tokens(ROLE_WORDS)
+    return tok
+
+
+def _config(ids: dict[str, int], vocab: int) -> Any:
+    from transformers import Qwen3OmniMoeConfig
+
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6], "interleaved": True}
+    moe = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
+    layers = {
+        "hidden_size": HIDDEN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 1,
+        "head_dim": HIDDEN // HEADS,
+        "max_position_embeddings": 8192,
+    }
+    media = {
+        "audio_token_id": ids["<|audio_pad|>"],
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "audio_start_token_id": ids["<|audio_start|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "position_id_per_seconds": 13,
+        "initializer_range": 0.5,
+    }
+    thinker = {
+        "audio_config": {
+            "num_mel_bins": 128,
+            "encoder_layers": 2,
+            "encoder_attention_heads": 2,
+            "encoder_ffn_dim": 64,
+            "d_model": 32,
+            "output_dim": HIDDEN,
+            "n_window": 50,
+            "n_window_infer": 800,
+            "conv_chunksize": 500,
+            "downsample_hidden_size": 32,
+            "max_source_positions": 1500,
+        },
+        "vision_config": {
+            "depth": 2,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "out_hidden_size": HIDDEN,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [0],
+        },
+        "text_config": {
+            "vocab_size": vocab,
+            **layers,
+            **moe,
+            "rope_parameters": rope,
+            "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        **media,
+        "user_token_id": ids["user"],
+    }
+    talker = {
+        "text_config": {
+            "vocab_size": CODEC_VOCAB,
+            **layers,
+            **moe,
+            "num_local_experts": 4,
+            "shared_expert_intermediate_size": 32,
+            "rope_parameters": rope,
+        },
+        "code_predictor_config": {
+            "vocab_size": 2048,
+            **layers,
+            "num_hidden_layers": 1,
+            "num_code_groups": GROUPS,
+        },
+        **media,
+        "num_code_groups": GROUPS,
+        "thinker_hidden_size": HIDDEN,
+        "accept_hidden_layer": 1,
+        "codec_eos_token_id": CODEC_EOS,
+        "codec_nothink_id": NOTHINK,
+        "codec_think_bos_id": THINK_BOS,
+        "codec_think_eos_id": THINK_EOS,
+        "codec_pad_id": CODEC_PAD,
+        "codec_bos_id": CODEC_BOS,
+        "speaker_id": SPEAKERS,
+        "spatial_merge_size": 2,
+    }
+    code2wav = {
+        "codebook_size": 2048,
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "sliding_window": 72,
+        "intermediate_size": 64,
+        "num_quantizers": GROUPS,
+        "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2],
+        "decoder_dim": 32,
+        "max_position_embeddings": 8000,
+    }
+    return Qwen3OmniMoeConfig(
+        thinker_config=thinker,
+        talker_config=talker,
+        code2wav_config=code2wav,
+        enable_audio_output=True,
+        im_start_token_id=ids["<|im_start|>"],
+        im_end_token_id=ids["<|im_end|>"],
+        tts_pad_token_id=ids["<|tts_pad|>"],
+        tts_bos_token_id=ids["<|tts_bos|>"],
+        tts_eos_token_id=ids["<|tts_eos|>"],
+        system_token_id=ids["system"],
+        user_token_id=ids["user"],
+        assistant_token_id=ids["assistant"],
+    )
+
+
+def _preprocessor_configs(path: Path) -> None:
+    """The Whisper feature extractor's and the Qwen2-VL image processor's settings in one file
+    (as the real checkpoint has them), the video processor's, and the chat template."""
+    from transformers import WhisperFeatureExtractor
+
+    audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=300)
+    vision = {
+        "do_resize": True,
+        "do_rescale": True,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "rescale_factor": 1 / 255,
+        "min_pixels": 4096,
+        "max_pixels": 16777216,
+        "patch_size": 16,
+        "temporal_patch_size": 2,
+        "merge_size": 2,
+    }
+    merged = {
+        **audio.to_dict(),
+        **vision,
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": "Qwen3OmniMoeProcessor",
+        "return_attention_mask": True,
+    }
+    merged.pop("mel_filters", None)
+    (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
+    video = {
+        **vision,
+        "video_processor_type": "Qwen2VLVideoProcessor",
+        "processor_class": "Qwen3OmniMoeProcessor",
+    }
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2))
+
+
+def write_tiny_qwen3_omni(path: Path, seed: int = 5) -> Path:
+    """Write tiny-qwen3-omni into `path` (a directory); returns it."""
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+    from transformers.utils import logging as hf_logging
+
+    tok = tokenizer()
+    ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS + ROLE_WORDS}
+    torch.manual_seed(seed)
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the default sub-configs it builds first name ~151k ids
+    try:
+        model = Qwen3OmniMoeForConditionalGeneration(_config(ids, len(tok))).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    with torch.no_grad():
+        # Keep special tokens out of random replies (printable text until max_tokens), and give
+        # Code2Wav PyTorch's default init, which keeps a real waveform through its upsampling.
+        for i in ids.values():
+            model.thinker.lm_head.weight[i].zero_()
+        # Random weights drown one position of the talker's prompt: make each voice's speaker
+        # code stand out, so the voice changes the speech, as it does in the trained model.
+        for code in SPEAKERS.values():
+            model.talker.get_input_embeddings().weight[code].mul_(20.0)
+        for module in model.code2wav.modules():
+            if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
+                module.reset_parameters()
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    _preprocessor_configs(path)
+    return path

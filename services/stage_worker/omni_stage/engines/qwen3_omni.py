@@ -1,0 +1,443 @@
+"""Qwen3-Omni as three stages from one checkpoint: thinker -> talker -> code2wav.
+
+`engine: {kind: transformers, model: DIR, args: {part: thinker|talker|code2wav}}` on a
+checkpoint whose config is `qwen3_omni_moe`. Each stage loads only its part with transformers'
+own class, as for Qwen2.5-Omni (qwen_omni.py, whose thinker this one is but for what it sends),
+and computes what `Qwen3OmniMoeForConditionalGeneration.generate(..., return_audio=True)`
+computes with greedy decoding (`talker_do_sample=False`), split where the model splits:
+
+- thinker: the MoE thinker, its prompt built as `Qwen3OmniMoeProcessor` builds it (its audio
+  features padded to the longest clip, its own audio lengths and video bounds). Unit 0 carries
+  the prompt's ids, input embeddings and hidden states of the layer the talker reads
+  (`accept_hidden_layer`), with the media's layout; unit `s` the input embedding of token
+  `s - 1` (the talker reads the reply's embeddings only).
+- talker: its prompt is the user turns (text positions: the thinker's embeddings through its
+  text projection; media positions: the thinker's hidden states through its hidden
+  projection) and the assistant's start (3 tokens, 4 pads and the TTS bos, the first reply
+  token, each with its codec control code and the voice's speaker code). Each step picks the
+  first codebook's code (greedy, repetition penalty 1.05 over the codes so far, the top 1024
+  ids but the codec eos suppressed), then its code predictor (transformers' own `generate`,
+  greedy) the residual codebooks from the step's last hidden state; the next step is fed the
+  sum of the code's embeddings and the next reply token's projected embedding (then the TTS
+  eos, then its pad). A code goes out, all its codebooks, once its residuals are drawn; as in
+  the reference, the code of the last step a budget allows is not (its residuals never are).
+- code2wav: the causal Code2Wav decoder on chunks of `chunkCodes` codes (300 by default),
+  each with `leftContextCodes` (25) before it: the reference's `chunked_decode` with its
+  defaults is exactly that. 1920 samples a code at 24 kHz, less 555 at the end of a decode
+  (its causal transposed convolutions trim what the next code would complete): with
+  `rightContextCodes` (0 by default) each chunk but the last is decoded with that many codes
+  after it and keeps exactly its own codes' samples, so small chunks lose nothing between
+  them.
+
+The voice (`audio.voice`: the checkpoint's `speaker_id` names, Ethan by default as in the
+reference) picks the talker's speaker code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import torch
+
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import EngineCall, EngineError
+from omni_stage.engines.batching import StepBatcher
+from omni_stage.engines.qwen_omni import (
+    REPETITION_PENALTY,
+    TALKER_MAX_CODES,
+    Part,
+    Thinker,
+    thinker_embedding_table,
+)
+from omni_stage.engines.qwen_omni_prompt import Prompt, Prompts
+from omni_stage.segments import EngineOutput
+
+DEFAULT_VOICE: Final = "Ethan"
+SUPPRESSED_TOP: Final = 1024
+"""The reference suppresses the top 1024 ids of the talker's vocabulary (its control codes),
+all but the codec eos."""
+TALKER_TEXT_TYPE: Final = "qwen3_omni_moe_talker_text"
+LAYOUT_KEYS: Final = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
+
+
+PARTS: Final = ("thinker", "talker", "code2wav")
+
+
+def build_qwen3_omni_engine(stage: StageSpec) -> Part:
+    part = stage.engine.args.get("part")
+    engines: dict[str, type[Part]] = {
+        "thinker": Qwen3Thinker,
+        "talker": Qwen3Talker,
+        "code2wav": Qwen3Code2Wav,
+    }
+    if part not in engines:
+        raise EngineError(
+            f"stage '{stage.name}': engine.args.part must be one of {', '.join(PARTS)} on Qwen3-Omni"
+        )
+    return engines[part](stage)
+
+
+class Qwen3Prompts(Prompts):
+    """The prompt as `Qwen3OmniMoeProcessor` builds it."""
+
+    def __init__(
+        self, path: str, tokenizer: Any, thinker_config: Any, device: torch.device, dtype: torch.dtype
+    ):
+        super().__init__(path, tokenizer, thinker_config, device, dtype)
+        self.n_window = int(thinker_config.audio_config.n_window)
+
+    @staticmethod
+    def _processor_defaults() -> dict[str, Any]:
+        from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessorKwargs
+
+        return Qwen3OmniMoeProcessorKwargs._defaults
+
+    def audio_tokens(self, lengths: torch.Tensor) -> list[int]:
+        from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
+            _get_feat_extract_output_lengths,
+        )
+
+        return _get_feat_extract_output_lengths(lengths, self.n_window).tolist()
+
+    def _audio_features(self, audios: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the processor calls the feature extractor: padded to the longest clip, whole."""
+        fe = self.features
+        out = fe(
+            audios,
+            sampling_rate=fe.sampling_rate,
+            padding=True,
+            truncation=False,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        return out["input_features"], out["attention_mask"]
+
+
+class Qwen3Thinker(Thinker):
+    """Qwen2.5-Omni's thinker stage on Qwen3-Omni's MoE thinker, sending what its talker reads."""
+
+    config_class = "Qwen3OmniMoeConfig"
+    model_name = "Qwen3-Omni"
+    prompts_class = Qwen3Prompts
+    sends_reply_hidden = False
+
+    def _part_class(self) -> tuple[Any, Any]:
+        from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+        return Qwen3OmniMoeThinkerForConditionalGeneration, self.config.thinker_config
+
+    def _load(self) -> None:
+        super()._load()
+        self.talker_layer = int(self.config.talker_config.accept_hidden_layer)
+
+    def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
+        """The prompt's ids and its media's layout, each as one unit ([1, ...])."""
+        out = {"prompt_ids": prompt.ids.cpu()}
+        for key in LAYOUT_KEYS:
+            if (value := getattr(prompt.layout, key)) is not None:
+                out[f"prompt_{key}"] = value.cpu()[None]
+        return out
+
+
+class Qwen3Talker(Part):
+    part = "talker"
+    config_class = "Qwen3OmniMoeConfig"
+    model_name = "Qwen3-Omni"
+    request_keys = frozenset({"voice"})
+    needs_last_call = True  # past the reply it speaks on the TTS eos, then its pad
+    weights = ("model", "text_embeds")
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.text_embeds: torch.Tensor | None = None
+
+    def _part_class(self) -> tuple[Any, Any]:
+        from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
+
+        return Qwen3OmniMoeTalkerForConditionalGeneration, self.config.talker_config
+
+    def _load(self) -> None:
+        _register_talker_moe_conversion()
+        super()._load()
+        c, t = self.config, self.config.talker_config
+        # The talker's M-RoPE positions count an audio's tokens with the audio encoder's window,
+        # read from `config.audio_config`, which the talker's config does not carry (transformers
+        # 5.19: its own generate fails on audio input for that): the thinker's is the one meant.
+        self.model.config.audio_config = c.thinker_config.audio_config
+        self.speaker_codes = {name.capitalize(): int(code) for name, code in (t.speaker_id or {}).items()}
+        self.voices = tuple(sorted(self.speaker_codes, key=lambda v: v != DEFAULT_VOICE))
+        # The TTS tokens are rows of the thinker's input embedding table: only that tensor is read.
+        self.text_embeds = thinker_embedding_table(self.stage.name, self.path).to(self.device, self.dtype)
+        self.ids = {
+            "im_start": c.im_start_token_id,
+            "assistant": c.assistant_token_id,
+            "user": c.user_token_id,
+            "tts_pad": c.tts_pad_token_id,
+            "tts_bos": c.tts_bos_token_id,
+            "tts_eos": c.tts_eos_token_id,
+        }
+        self.media_ids = torch.tensor(
+            [
+                c.thinker_config.audio_token_id,
+                c.thinker_config.image_token_id,
+                c.thinker_config.video_token_id,
+            ]
+        )
+        self.codec = [t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id]
+        self.codec_pad, self.codec_bos, self.codec_eos = t.codec_pad_id, t.codec_bos_id, t.codec_eos_token_id
+        self.groups = int(t.num_code_groups)
+        vocab = int(t.text_config.vocab_size)
+        self.suppressed = [i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != self.codec_eos]
+
+    def speaker(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        return {"code": self.speaker_codes[self.voice(sampling)]}
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        st = call.state
+        self._take(st, call.inputs)
+        budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
+        if "past" not in st:
+            if "prompt_ids" not in st or not st["reply"]:
+                return  # the prefill needs the first reply token's embedding, which comes with the second
+            st["step"], st["seen"] = 0, []
+            st["code0"], st["last_hidden"] = await self._run(
+                self._prefill, st, self.speaker(call.sampling)["code"]
+            )
+        while not st.get("done"):
+            k = st["step"] + 1  # the next step: it draws code k - 1's residuals, then code k
+            if st["code0"] == self.codec_eos or k >= budget:
+                st["done"] = True  # eos has no residuals; nor does the last code a budget allows
+                return
+            if "residuals" not in st:
+                st["residuals"] = await self._run(self._residuals, st)
+                yield EngineOutput(units=1, data={"codes": torch.tensor([[st["code0"], *st["residuals"]]])})
+            trailing = self._trailing(st, k - 1, call.is_last)
+            if trailing is None:
+                return  # waits for the thinker's next window
+            st["code0"], st["last_hidden"] = await self._run(self._decode, st, trailing)
+            st["step"] = k
+            del st["residuals"]
+
+    def _take(self, st: dict[str, Any], inputs: dict[str, Any]) -> None:
+        """Gather this window's thinker outputs: the prompt once, and one embedding per token."""
+        st.setdefault("reply", [])
+        for p in inputs.values():
+            if "prompt_ids" in p and p["prompt_ids"].shape[0] and "prompt_ids" not in st:
+                st["prompt_ids"], st["prompt_embeds"] = p["prompt_ids"][0], p["prompt_embeds"][0]
+                st["prompt_hidden"] = p["prompt_hidden"][0]
+                st["layout"] = {k: p[f"prompt_{k}"][0] for k in LAYOUT_KEYS if f"prompt_{k}" in p}
+            if "reply_embeds" in p:
+                st["reply"].extend(e.to(self.device, self.dtype) for e in p["reply_embeds"])
+
+    def _text(self, embeds: torch.Tensor) -> torch.Tensor:
+        return self.model.text_projection(embeds)
+
+    def _tts(self, name: str) -> torch.Tensor:
+        assert self.text_embeds is not None
+        return self._text(self.text_embeds[self.ids[name]][None])[0]
+
+    def _trailing(self, st: dict[str, Any], j: int, ended: bool) -> torch.Tensor | None:
+        """What step j + 1 is fed beside the codes: reply token j + 1's projected embedding (the
+        reference never has the last token's), then the TTS eos, then its pad; None: not yet."""
+        reply = st["reply"]
+        if j + 1 < len(reply):
+            return self._text(reply[j + 1][None])[0]
+        if not ended:
+            return None
+        return self._tts("tts_eos" if j + 1 == len(reply) else "tts_pad")
+
+    @torch.inference_mode()
+    def _prefill(self, st: dict[str, Any], speaker: int) -> tuple[int, torch.Tensor]:
+        ids = st["prompt_ids"].to(self.device)
+        embeds = st["prompt_embeds"].to(self.device, self.dtype)
+        hidden = st["prompt_hidden"].to(self.device, self.dtype)
+        n = len(ids)
+        # The user turns: from each <|im_start|> whose role is the user's, to the next turn.
+        starts = torch.where(ids == self.ids["im_start"], torch.arange(n, device=ids.device), -1)
+        turn = torch.cummax(starts, 0).values.clamp_min(0)
+        user = ids[(turn + 1).clamp_max(n - 1)] == self.ids["user"]
+        media = torch.isin(ids, self.media_ids.to(ids.device))
+        m = self.model
+        # As the reference: each projection on its own rows of the whole prompt, then the user's.
+        width = m.config.text_config.hidden_size
+        projected = torch.empty(n, width, device=self.device, dtype=self.dtype)
+        if media.any():
+            projected[media] = m.hidden_projection(hidden[media])
+        projected[~media] = m.text_projection(embeds[~media])
+        user_part = projected[user]
+        # The assistant's start: its 3 tokens, 4 TTS pads, the TTS bos and the first reply token,
+        # on the codec's control codes and the voice.
+        at = int(torch.nonzero((ids[:-1] == self.ids["im_start"]) & (ids[1:] == self.ids["assistant"]))[-1])
+        head = self._text(torch.cat([embeds[at:], st["reply"][0][None]]))
+        text = torch.cat(
+            [head[:3], self._tts("tts_pad")[None].expand(4, -1), self._tts("tts_bos")[None], head[3:4]]
+        )
+        control = torch.tensor([*self.codec, speaker, self.codec_pad, self.codec_bos], device=self.device)
+        codec = torch.cat(
+            [
+                torch.zeros(3, text.shape[-1], device=self.device, dtype=text.dtype),
+                m.get_input_embeddings()(control),
+            ]
+        )
+        inputs = torch.cat([user_part, text + codec])[None]
+        talker_ids = torch.cat([ids[user], torch.full((9,), self.ids["tts_pad"], device=self.device)])[None]
+        positions = self._prefill_positions(st, talker_ids)
+        return self._forward(st, inputs, positions)
+
+    def _prefill_positions(self, st: dict[str, Any], talker_ids: torch.Tensor) -> torch.Tensor:
+        """[4, 1, L]: text positions, then the M-RoPE ones (from the media's layout, if any)."""
+        n = talker_ids.shape[1]
+        text = torch.arange(n, device=self.device)[None]
+        lay = st["layout"]
+        if lay:
+            rope, deltas = self.model.get_rope_index(
+                talker_ids,
+                lay.get("image_grid_thw"),
+                lay.get("video_grid_thw"),
+                torch.ones_like(talker_ids),
+                False,
+                lay.get("audio_lengths"),
+                lay.get("video_second_per_grid"),
+            )
+            st["rope_delta"] = int(deltas.reshape(-1)[0])
+        else:
+            rope, st["rope_delta"] = text[None].expand(3, -1, -1), 0
+        return torch.cat([text[None], rope.to(self.device)])
+
+    @torch.inference_mode()
+    def _residuals(self, st: dict[str, Any]) -> list[int]:
+        """The code predictor's residual codebooks for the last code, as the reference draws them."""
+        m = self.model
+        code0 = torch.tensor([[st["code0"]]], device=self.device)
+        drawn = m.code_predictor.generate(
+            inputs_embeds=torch.cat([st["last_hidden"], m.get_input_embeddings()(code0)], dim=1),
+            max_new_tokens=self.groups - 1,
+            do_sample=False,
+        )
+        return drawn[0, -(self.groups - 1) :].tolist()
+
+    @torch.inference_mode()
+    def _decode(self, st: dict[str, Any], trailing: torch.Tensor) -> tuple[int, torch.Tensor]:
+        m = self.model
+        codes = [st["code0"], *st["residuals"]]
+        tables = [m.get_input_embeddings(), *m.code_predictor.get_input_embeddings()]
+        each = [t(torch.tensor([[c]], device=self.device)) for t, c in zip(tables, codes, strict=True)]
+        inputs = torch.cat(each, dim=1).sum(1, keepdim=True) + trailing[None, None]
+        past = st["past"].get_seq_length()
+        text = torch.tensor([[past]], device=self.device)
+        positions = torch.cat([text[None], (text + st["rope_delta"])[None].expand(3, -1, -1)])
+        return self._forward(st, inputs, positions)
+
+    def _forward(
+        self, st: dict[str, Any], inputs: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[int, torch.Tensor]:
+        out = self.model(
+            inputs_embeds=inputs,
+            position_ids=positions,
+            past_key_values=st.get("past"),
+            use_cache=True,
+            output_hidden_states=True,
+            generation_step=0,
+        )
+        st["past"] = out.past_key_values
+        code = self._pick(st, out.logits[0, -1].float())
+        return code, out.hidden_states[0][-1][:, -1:]
+
+    def _pick(self, st: dict[str, Any], logits: torch.Tensor) -> int:
+        """Greedy, with the reference's repetition penalty over the codes so far and its
+        suppressed control codes."""
+        if st["seen"]:
+            seen = torch.tensor(sorted(set(st["seen"])), device=logits.device)
+            scores = logits[seen]
+            logits[seen] = torch.where(scores < 0, scores * REPETITION_PENALTY, scores / REPETITION_PENALTY)
+        logits[self.suppressed] = -float("inf")
+        code = int(torch.argmax(logits))
+        st["seen"].append(code)
+        return code
+
+
+def _register_talker_moe_conversion() -> None:
+    """Checkpoints store each expert's weights apart; transformers fuses them on load by the
+    model's type, and has the conversion for the thinker's MoE text model and the whole
+    model's, but none for the talker's text model, which it only loads inside the whole
+    model: loaded alone, its experts would stay uninitialised. Register the same conversion
+    (transformers' public API for it)."""
+    from transformers.conversion_mapping import (
+        get_checkpoint_conversion_mapping,
+        register_checkpoint_conversion_mapping,
+    )
+
+    if get_checkpoint_conversion_mapping(TALKER_TEXT_TYPE) is None:
+        register_checkpoint_conversion_mapping(
+            TALKER_TEXT_TYPE, get_checkpoint_conversion_mapping("qwen2_moe")
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Chunk:
+    codes: torch.Tensor
+    """[groups, n]: the chunk with its left context."""
+    skip: int
+    """Samples of left context to drop."""
+    keep: int | None
+    """Samples to keep up to (those of the right context go), or None: all."""
+
+
+class Qwen3Code2Wav(Part):
+    """Code2Wav on chunks of codes with left context, as `chunked_decode` decodes them."""
+
+    part = "code2wav"
+    config_class = "Qwen3OmniMoeConfig"
+    model_name = "Qwen3-Omni"
+    needs_last_call = True  # the last chunk waits for the codes to end
+    sample_rate: Final = 24000
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.chunk = int(self.args.get("chunkCodes", 300))
+        self.left = int(self.args.get("leftContextCodes", 25))
+        self.right = int(self.args.get("rightContextCodes", 0))
+        if self.chunk < 1 or self.left < 0 or self.right < 0:
+            raise EngineError(
+                f"stage '{stage.name}': chunkCodes must be at least 1, left/rightContextCodes at least 0"
+            )
+        self.batcher = StepBatcher(self._decode, self._compute, self.max_batch)
+
+    def _part_class(self) -> tuple[Any, Any]:
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+        return Qwen3OmniMoeCode2Wav, self.config.code2wav_config
+
+    def _load(self) -> None:
+        super()._load()
+        self.model.float()
+        self.upsample = int(self.model.total_upsample)
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        st = call.state
+        for p in call.inputs.values():
+            if "codes" in p and p["codes"].numel():
+                st.setdefault("codes", []).append(p["codes"].long())
+        if "codes" not in st:
+            return
+        codes = torch.cat(st["codes"])  # [n, groups]
+        st["codes"] = [codes]
+        done = st.get("done", 0)
+        while done < len(codes):
+            end = min(done + self.chunk, len(codes))
+            if (end - done < self.chunk or end + self.right > len(codes)) and not call.is_last:
+                return  # waits for a whole chunk and its right context, or for the codes to end
+            lo, hi = done - min(self.left, done), min(end + self.right, len(codes))
+            keep = (end - lo) * self.upsample if hi > end else None  # the last chunk keeps what it has
+            piece = _Chunk(codes[lo:hi].T, (done - lo) * self.upsample, keep)
+            wav = await self.batcher.submit(piece.codes.shape, piece)
+            yield EngineOutput(units=end - done, data={"audio": wav, "sample_rate": self.sample_rate})
+            done = st["done"] = end
+
+    @torch.inference_mode()
+    def _decode(self, chunks: list[_Chunk]) -> list[torch.Tensor]:
+        """Chunks of one length, as one batch (the decoder is causal and per sample)."""
+        wav = self.model(torch.stack([c.codes for c in chunks]).to(self.device))
+        return [w[0, c.skip : c.keep].float().cpu() for w, c in zip(wav, chunks, strict=True)]

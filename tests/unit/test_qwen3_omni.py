@@ -1,0 +1,189 @@
+"""Qwen3-Omni's three stages, driven directly (no processes) and fed window by window as the
+pipeline feeds them, against the reference: transformers' own
+`Qwen3OmniMoeForConditionalGeneration.generate(..., return_audio=True)`, greedy, on the same
+tiny checkpoint and inputs (tests/qwen_reference.py says how it is called)."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+from PIL import Image
+
+from omni_gateway.media import decode_media
+from omni_pipeline.spec import MediaSpec, load_pipeline
+from omni_stage.engines.base import Engine, EngineCall, build_engine
+from omni_stage.payload import concat
+from tests.helpers import ROOT
+from tests.qwen_reference import (
+    MEDIA_QUESTION,
+    VIDEO_QUESTION,
+    media_clips,
+    media_message,
+    reference_qwen3,
+    video_clip,
+    video_message,
+    windows,
+)
+
+EXAMPLE = ROOT / "examples" / "qwen3-omni.yaml"
+QUESTION = "Tell me about the sea."
+THINKER_TOKENS, TALKER_CODES = 12, 30
+WHOLE = {"chunkCodes": 300, "leftContextCodes": 25, "rightContextCodes": 0}  # the reference's chunked_decode
+
+
+def engine(stage: str, model: Path, **args: Any) -> Engine:
+    spec = load_pipeline(EXAMPLE).spec.stage(stage)
+    eng = spec.engine.model_copy(update={"model": str(model), "args": {**spec.engine.args, **args}})
+    return build_engine(spec.model_copy(update={"engine": eng}))
+
+
+async def run_pipeline(
+    model: Path, message: dict[str, Any], thinker_window: int, voice: str = "Ethan", **code2wav: int
+) -> dict[str, Any]:
+    """The three stages; `message` as a client sends it (media decoded by the gateway's code)."""
+    thinker, talker, decoder = (
+        engine("thinker", model),
+        engine("talker", model),
+        engine("code2wav", model, **code2wav),
+    )
+    for e in (thinker, talker, decoder):
+        await e.start()
+    messages, media = await decode_media([message], MediaSpec())
+    request = {"messages": messages, "media": media.tensors}
+    thought = [
+        o
+        async for o in thinker.generate(
+            EngineCall("r", {"request": request}, True, {"max_tokens": THINKER_TOKENS})
+        )
+    ]
+    state: dict[str, Any] = {}
+    codes = []
+    for payload, last in windows(thought, thinker_window):
+        call = EngineCall(
+            "r", {"thinker": payload}, last, {"max_tokens": TALKER_CODES, "voice": voice}, state
+        )
+        codes += [o async for o in talker.generate(call)]
+    code_data = concat([o.data for o in codes])
+    audio_state: dict[str, Any] = {}
+    audio = []
+    for payload, last in windows(codes, 12):  # as the example's window feeds it
+        audio += [
+            o async for o in decoder.generate(EngineCall("r", {"talker": payload}, last, {}, audio_state))
+        ]
+    return {
+        "tokens": torch.cat([o.data["token_ids"] for o in thought]),
+        "text": "".join(o.text for o in thought),
+        "codes": code_data["codes"],
+        "audio": torch.cat([o.data["audio"] for o in audio]),
+    }
+
+
+@pytest.fixture(scope="module")
+def model(demo_dir: Path) -> Path:
+    return demo_dir / "models" / "tiny-qwen3-omni"
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> dict[str, Any]:
+    parts = [{"type": "text", "text": QUESTION}]
+    return reference_qwen3(model, parts, THINKER_TOKENS, TALKER_CODES, "Ethan")
+
+
+def assert_same(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
+    """Text token for token, every codebook of every code, and the waveform within 1e-6 (the
+    same operations on the same numbers: 0 measured)."""
+    assert ours["tokens"].tolist() == theirs["tokens"].tolist()
+    assert ours["text"] == theirs["text"]
+    assert ours["codes"].tolist() == theirs["codes"].tolist()
+    assert ours["codes"].shape[0] > 8 and ours["codes"].shape[1] == 4
+    assert ours["audio"].shape == theirs["audio"].shape
+    assert float(theirs["audio"].std()) > 0.01  # a real waveform, not a silent one
+    torch.testing.assert_close(ours["audio"], theirs["audio"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("thinker_window", [1, 4, 1000])
+def test_the_stages_compute_what_the_reference_computes(
+    model: Path, reference: dict[str, Any], thinker_window: int
+) -> None:
+    message = {"role": "user", "content": QUESTION}
+    assert_same(asyncio.run(run_pipeline(model, message, thinker_window, **WHOLE)), reference)
+
+
+def test_with_audio_and_an_image(model: Path, reference: dict[str, Any]) -> None:
+    """An audio clip and an image in the message: the thinker builds the prompt as the model's
+    processor does, the talker places the media's states by their layout; the reference gets
+    them through the model's processor. Not the text-only answer."""
+    wav, png = media_clips()
+    clip, _ = soundfile.read(io.BytesIO(wav), dtype="float32")
+    parts = [{"type": "audio"}, {"type": "image"}, {"type": "text", "text": MEDIA_QUESTION}]
+    theirs = reference_qwen3(
+        model,
+        parts,
+        THINKER_TOKENS,
+        TALKER_CODES,
+        "Ethan",
+        audio=[clip],
+        images=[Image.open(io.BytesIO(png))],
+    )
+    ours = asyncio.run(run_pipeline(model, media_message(wav, png), 4, **WHOLE))
+    assert_same(ours, theirs)
+    assert ours["tokens"].tolist() != reference["tokens"].tolist()
+
+
+def test_with_a_video(model: Path) -> None:
+    """A video: the gateway takes 2 frames a second of the 4 fps clip; the reference gets the
+    same frames at that rate through the model's processor."""
+    mkv, frames = video_clip()
+    parts = [{"type": "video"}, {"type": "text", "text": VIDEO_QUESTION}]
+    theirs = reference_qwen3(
+        model, parts, THINKER_TOKENS, TALKER_CODES, "Ethan", videos=[frames[::2]], fps=2.0
+    )
+    assert_same(asyncio.run(run_pipeline(model, video_message(mkv), 4, **WHOLE)), theirs)
+
+
+def test_the_voice_picks_the_speaker(model: Path, reference: dict[str, Any]) -> None:
+    """Chelsie's speech is the reference's for Chelsie, and not Ethan's."""
+    message = {"role": "user", "content": QUESTION}
+    parts = [{"type": "text", "text": QUESTION}]
+    theirs = reference_qwen3(model, parts, THINKER_TOKENS, TALKER_CODES, "Chelsie")
+    ours = asyncio.run(run_pipeline(model, message, 4, voice="Chelsie", **WHOLE))
+    assert_same(ours, theirs)
+    assert ours["codes"].tolist() != reference["codes"].tolist()
+
+
+def test_audio_streamed_in_chunks_is_the_whole(model: Path, reference: dict[str, Any]) -> None:
+    """The example's code2wav: 12 codes a chunk, each decoded with 25 codes before it and 1
+    after it, against the reference's one chunk of 300: every sample there, none lost between
+    chunks (without the code after, a chunk ends 555 samples short), and within 1e-5 (the
+    attention reaches 72 codes back, past the context, so a long answer's chunks would be
+    close rather than equal; this one is 29 codes long). Without the right context the
+    streamed audio is 555 samples a chunk short."""
+    message = {"role": "user", "content": QUESTION}
+    ours = asyncio.run(run_pipeline(model, message, 4))
+    assert ours["codes"].tolist() == reference["codes"].tolist()
+    assert ours["audio"].shape == reference["audio"].shape
+    torch.testing.assert_close(ours["audio"], reference["audio"], rtol=0, atol=1e-5)
+    short = asyncio.run(run_pipeline(model, message, 4, rightContextCodes=0))
+    chunks = -(-len(reference["codes"]) // 12)
+    assert len(short["audio"]) == len(reference["audio"]) - (chunks - 1) * 555
+
+
+def test_the_checkpoint_is_a_genuine_qwen3_omni(model: Path) -> None:
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration, Qwen3OmniMoeProcessor
+
+    full = Qwen3OmniMoeForConditionalGeneration.from_pretrained(model)
+    assert sorted(full.config.talker_config.speaker_id) == ["aiden", "chelsie", "ethan"]
+    assert full.config.thinker_config.text_config.num_experts == 4
+    proc = Qwen3OmniMoeProcessor.from_pretrained(model)
+    assert proc.tokenizer.audio_token == "<|audio_pad|>"
+    tok = AutoTokenizer.from_pretrained(model)
+    ids = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    assert ids[1] == full.config.assistant_token_id and len(ids) == 3
+    assert np.isfinite(full.thinker.lm_head.weight.detach().numpy()).all()
