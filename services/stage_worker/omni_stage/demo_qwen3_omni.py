@@ -130,6 +130,10 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
             "temporal_patch_size": 2,
             "out_hidden_size": HIDDEN,
             "num_position_embeddings": 2304,
+            # What vLLM reads of it, as the real config says it: sqrt(num_position_embeddings)
+            # patches a side, and an absolute position embedding (transformers always has one).
+            "image_size": 768,
+            "apply_vit_abs_pos_embed": True,
             "deepstack_visual_indexes": [0],
         },
         "text_config": {
@@ -137,6 +141,7 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
             **layers,
             **moe,
             "rope_parameters": rope,
+            "tie_word_embeddings": False,
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
         },
