@@ -187,3 +187,36 @@ def test_the_checkpoint_is_a_genuine_qwen3_omni(model: Path) -> None:
     ids = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     assert ids[1] == full.config.assistant_token_id and len(ids) == 3
     assert np.isfinite(full.thinker.lm_head.weight.detach().numpy()).all()
+
+
+def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: Path) -> None:
+    """Three requests of different prompt lengths (one with audio and an image) on one thinker
+    replica at once: their decode steps run as batches (each request's KV cache stacked,
+    left-padded, masked) and each gets exactly the tokens it gets alone."""
+    requests = [
+        {"role": "user", "content": QUESTION},
+        media_message(*media_clips()),
+        {"role": "user", "content": "A much longer question, to make the prompts differ in length: why?"},
+    ]
+
+    async def go() -> tuple[list[list[int]], list[list[int]], Any]:
+        thinker = engine("thinker", model)
+        await thinker.start()
+
+        async def think(message: dict[str, Any]) -> list[int]:
+            messages, media = await decode_media([message], MediaSpec())
+            call = EngineCall(
+                "r", {"request": {"messages": messages, "media": media.tensors}}, True, {"max_tokens": 8}
+            )
+            return [
+                t for o in [o async for o in thinker.generate(call)] for t in o.data["token_ids"].tolist()
+            ]
+
+        together = await asyncio.gather(*(think(m) for m in requests))
+        sizes = thinker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
+        alone = [await think(m) for m in requests]
+        return list(together), alone, sizes
+
+    together, alone, sizes = asyncio.run(go())
+    assert max(sizes) == 3, sizes
+    assert together == alone
