@@ -203,18 +203,22 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
         thinker = engine("thinker", model)
         await thinker.start()
 
-        async def think(message: dict[str, Any]) -> list[int]:
-            messages, media = await decode_media([message], MediaSpec())
-            call = EngineCall(
-                "r", {"request": {"messages": messages, "media": media.tensors}}, True, {"max_tokens": 8}
-            )
-            return [
-                t for o in [o async for o in thinker.generate(call)] for t in o.data["token_ids"].tolist()
-            ]
+        # Decoded first, so that the three reach the thinker in order, with nothing between.
+        decoded = [await decode_media([m], MediaSpec()) for m in requests]
 
-        together = await asyncio.gather(*(think(m) for m in requests))
+        async def think(messages: list[dict[str, Any]], media: Any) -> list[int]:
+            request = {"messages": messages, "media": media.tensors}
+            outs = [
+                o
+                async for o in thinker.generate(
+                    EngineCall("r", {"request": request}, True, {"max_tokens": 8})
+                )
+            ]
+            return [t for o in outs for t in o.data["token_ids"].tolist()]
+
+        together = await asyncio.gather(*(think(*d) for d in decoded))
         sizes = thinker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
-        alone = [await think(m) for m in requests]
+        alone = [await think(*d) for d in decoded]
         return list(together), alone, sizes
 
     together, alone, sizes = asyncio.run(go())
