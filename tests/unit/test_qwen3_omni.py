@@ -39,15 +39,25 @@ WHOLE = {"chunkCodes": 300, "leftContextCodes": 25, "rightContextCodes": 0}  # t
 
 
 def engine(stage: str, model: Path, **args: Any) -> Engine:
+    if stage == "encoder":  # the thinker's stage spec, as an encoder: what the part builds on
+        spec = load_pipeline(EXAMPLE).spec.stage("thinker")
+        eng = spec.engine.model_copy(update={"model": str(model), "args": {"part": "encoder", "threads": 1}})
+        return build_engine(spec.model_copy(update={"engine": eng, "name": "encoder"}))
     spec = load_pipeline(EXAMPLE).spec.stage(stage)
     eng = spec.engine.model_copy(update={"model": str(model), "args": {**spec.engine.args, **args}})
     return build_engine(spec.model_copy(update={"engine": eng}))
 
 
 async def run_pipeline(
-    model: Path, message: dict[str, Any], thinker_window: int, voice: str = "Ethan", **code2wav: int
+    model: Path,
+    message: dict[str, Any],
+    thinker_window: int,
+    voice: str = "Ethan",
+    split: bool = False,
+    **code2wav: int,
 ) -> dict[str, Any]:
-    """The three stages; `message` as a client sends it (media decoded by the gateway's code)."""
+    """The three stages; `message` as a client sends it (media decoded by the gateway's code).
+    `split`: an encoder stage reads the media and the thinker its outputs, not the media."""
     thinker, talker, decoder = (
         engine("thinker", model),
         engine("talker", model),
@@ -57,12 +67,14 @@ async def run_pipeline(
         await e.start()
     messages, media = await decode_media([message], MediaSpec())
     request = {"messages": messages, "media": media.tensors}
-    thought = [
-        o
-        async for o in thinker.generate(
-            EngineCall("r", {"request": request}, True, {"max_tokens": THINKER_TOKENS})
-        )
-    ]
+    sampling = {"max_tokens": THINKER_TOKENS}
+    inputs: dict[str, Any] = {"request": request}
+    if split:
+        encoder = engine("encoder", model)
+        await encoder.start()
+        encoded = [o async for o in encoder.generate(EngineCall("r", {"request": request}, True, sampling))]
+        inputs = {"request": request | {"media": {}}, "encoder": concat([o.data for o in encoded])}
+    thought = [o async for o in thinker.generate(EngineCall("r", inputs, True, sampling))]
     state: dict[str, Any] = {}
     codes = []
     for payload, last in windows(thought, thinker_window):
@@ -224,3 +236,16 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
     together, alone, sizes = asyncio.run(go())
     assert max(sizes) == 3, sizes
     assert together == alone
+
+
+@pytest.mark.parametrize("media", ["audio and image", "video"])
+def test_with_an_encoder_stage_the_pipeline_computes_the_same(model: Path, media: str) -> None:
+    """The encoder stage (Qwen3-Omni's audio and vision encoders alone, its vision encoder's
+    deepstack features sent with the rows) and the thinker reading its outputs instead of the
+    media: the same text, codes and waveform as the thinker encoding itself."""
+    message = media_message(*media_clips()) if media != "video" else video_message(video_clip()[0])
+    whole = asyncio.run(run_pipeline(model, message, 4, **WHOLE))
+    split = asyncio.run(run_pipeline(model, message, 4, split=True, **WHOLE))
+    assert split["tokens"].tolist() == whole["tokens"].tolist()
+    assert split["codes"].tolist() == whole["codes"].tolist()
+    torch.testing.assert_close(split["audio"], whole["audio"], rtol=0, atol=1e-6)

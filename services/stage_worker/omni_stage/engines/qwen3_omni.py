@@ -51,7 +51,8 @@ from omni_stage.engines.qwen_omni import (
     Thinker,
     thinker_embedding_table,
 )
-from omni_stage.engines.qwen_omni_prompt import Prompt, Prompts
+from omni_stage.engines.qwen_omni_encoder import Encoder
+from omni_stage.engines.qwen_omni_prompt import MediaEmbeds, Prompt, Prompts
 from omni_stage.segments import EngineOutput
 
 DEFAULT_VOICE: Final = "Ethan"
@@ -62,12 +63,13 @@ TALKER_TEXT_TYPE: Final = "qwen3_omni_moe_talker_text"
 LAYOUT_KEYS: Final = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
 
 
-PARTS: Final = ("thinker", "talker", "code2wav")
+PARTS: Final = ("encoder", "thinker", "talker", "code2wav")
 
 
 def build_qwen3_omni_engine(stage: StageSpec) -> Part:
     part = stage.engine.args.get("part")
     engines: dict[str, type[Part]] = {
+        "encoder": Qwen3Encoder,
         "thinker": Qwen3Thinker,
         "talker": Qwen3Talker,
         "code2wav": Qwen3Code2Wav,
@@ -132,6 +134,37 @@ class Qwen3Thinker(Thinker):
         super()._load()
         self.talker_layer = int(self.config.talker_config.accept_hidden_layer)
 
+    def _media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
+        """The audio rows at their placeholders of the input embeddings (as the forward puts
+        its audio encoder's), and the image and video rows with their deepstack features
+        through the forward's own seam for precomputed vision outputs (`mm_encoder_outputs`)."""
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            BaseModelOutputWithDeepstackFeatures,
+        )
+
+        m = self.model
+        embeds = m.get_input_embeddings()(ids)
+        if media.audio is not None:
+            _, _, audio_mask = m.get_placeholder_mask(ids, inputs_embeds=embeds)
+            embeds = embeds.masked_scatter(audio_mask, media.audio.to(self.device, embeds.dtype))
+        assert self.prompts is not None
+        _, image_sizes, video_sizes = self.prompts.layout_tokens(media.layout)
+        vision: dict[str, Any] = {}
+        for kind, rows, deep, sizes in (
+            ("image", media.image, media.image_deepstack, image_sizes),
+            ("video", media.video, media.video_deepstack, video_sizes),
+        ):
+            if rows is not None and deep is None:
+                raise EngineError(
+                    f"stage '{self.stage.name}': the encoder's {kind} rows came without deepstack features"
+                )
+            if rows is not None:
+                vision[kind] = BaseModelOutputWithDeepstackFeatures(
+                    pooler_output=torch.split(rows.to(self.device, self.dtype), sizes),
+                    deepstack_features=[torch.split(d.to(self.device, self.dtype), sizes) for d in deep],
+                )
+        return {"input_ids": ids, "inputs_embeds": embeds, "mm_encoder_outputs": vision}
+
     def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
         """The prompt's ids and its media's layout, each as one unit ([1, ...])."""
         out = {"prompt_ids": prompt.ids.cpu()}
@@ -139,6 +172,26 @@ class Qwen3Thinker(Thinker):
             if (value := getattr(prompt.layout, key)) is not None:
                 out[f"prompt_{key}"] = value.cpu()[None]
         return out
+
+
+class Qwen3Encoder(Encoder):
+    """Qwen3-Omni's audio and vision encoders as a stage of their own (qwen_omni_encoder.py);
+    its vision encoder's deepstack features go to the thinker with the rows."""
+
+    config_class = "Qwen3OmniMoeConfig"
+    model_name = "Qwen3-Omni"
+    prompts_class = Qwen3Prompts
+
+    def _tower_classes(self) -> tuple[Any, Any]:
+        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+            Qwen3OmniMoeAudioEncoder,
+            Qwen3OmniMoeVisionEncoder,
+        )
+
+        return Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeVisionEncoder
+
+    def _audio_tower(self, packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        return self.audio_tower(packed, feature_lens=lengths).last_hidden_state
 
 
 class Qwen3Talker(Part):

@@ -310,7 +310,7 @@ class Thinker(Part):
                 lay.video_second_per_grid,
             )
             if prompt.embeds is not None:
-                inputs = {"inputs_embeds": self._with_media(ids, prompt.embeds)}
+                inputs = self._media_inputs(ids, prompt.embeds)
             else:
                 inputs |= prompt.features
         else:
@@ -331,9 +331,10 @@ class Thinker(Part):
             embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
         return choice, embeds, out.hidden_states[self.talker_layer].float().cpu()
 
-    def _with_media(self, ids: torch.Tensor, media: MediaEmbeds) -> torch.Tensor:
-        """The prompt's input embeddings with an encoder stage's outputs at the media's
-        placeholders: what the model's forward makes of the encoders' outputs itself."""
+    def _media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
+        """The prefill's inputs with an encoder stage's outputs in place of the media: the
+        prompt's input embeddings with them at the media's placeholders, what the model's
+        forward makes of the encoders' outputs itself."""
         m = self.model
         embeds = m.get_input_embeddings()(ids)
         kinds = (media.image, media.video, media.audio)  # the order of the masks
@@ -342,7 +343,7 @@ class Thinker(Part):
         for mask, e in zip(masks, rows, strict=True):
             if e is not None:
                 embeds = embeds.masked_scatter(mask, e)
-        return embeds
+        return {"inputs_embeds": embeds}
 
 
 @dataclass(frozen=True, slots=True)

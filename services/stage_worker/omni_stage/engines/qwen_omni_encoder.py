@@ -33,6 +33,15 @@ from omni_stage.segments import EngineOutput
 class Encoder(Part):
     part = "encoder"
     weights = ("audio_tower", "visual")
+    prompts_class = Prompts
+
+    def _tower_classes(self) -> tuple[Any, Any]:
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
+            Qwen2_5OmniAudioEncoder,
+            Qwen2_5OmniVisionEncoder,
+        )
+
+        return Qwen2_5OmniAudioEncoder, Qwen2_5OmniVisionEncoder
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -43,18 +52,14 @@ class Encoder(Part):
 
     def _load(self) -> None:
         from transformers import AutoTokenizer
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import (
-            Qwen2_5OmniAudioEncoder,
-            Qwen2_5OmniVisionEncoder,
-        )
 
         self._read_config()
         c = self.config.thinker_config
-        audio, vision = (Qwen2_5OmniAudioEncoder, c.audio_config), (Qwen2_5OmniVisionEncoder, c.vision_config)
-        self.audio_tower = self._from_checkpoint(*audio, r"^thinker\.audio_tower\.")
-        self.visual = self._from_checkpoint(*vision, r"^thinker\.visual\.")
+        audio, vision = self._tower_classes()
+        self.audio_tower = self._from_checkpoint(audio, c.audio_config, r"^thinker\.audio_tower\.")
+        self.visual = self._from_checkpoint(vision, c.vision_config, r"^thinker\.visual\.")
         tokenizer = AutoTokenizer.from_pretrained(self.path)
-        self.prompts = Prompts(self.path, tokenizer, c, self.device, self.dtype)
+        self.prompts = self.prompts_class(self.path, tokenizer, c, self.device, self.dtype)
         self.accepts = self.prompts.accepts
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
@@ -74,14 +79,12 @@ class Encoder(Part):
         audio = self._audio([b.features for b in batch if "input_features" in b.features])
         image = self._vision([b.features for b in batch], "pixel_values", "image_grid_thw")
         video = self._vision([b.features for b in batch], "pixel_values_videos", "video_grid_thw")
-        assert self.prompts is not None
         out = []
         for b in batch:
-            n_audio, n_image, n_video = (sum(n) for n in self.prompts.layout_tokens(b.layout))
-            rows = []
-            for n, stacked in ((n_audio, audio), (n_image, image), (n_video, video)):
-                rows.append(stacked.pop(0) if n else None)
-            out.append(MediaEmbeds(*rows, b.layout))  # the processors' layout: on the CPU
+            a = audio.pop(0) if "input_features" in b.features else None
+            i, i_deep = image.pop(0) if "pixel_values" in b.features else (None, None)
+            v, v_deep = video.pop(0) if "pixel_values_videos" in b.features else (None, None)
+            out.append(MediaEmbeds(a, i, v, b.layout, i_deep, v_deep))  # the processors' layout: on the CPU
         return out
 
     def _audio(self, features: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
@@ -97,20 +100,32 @@ class Encoder(Part):
         mask = torch.cat([pad(f["feature_attention_mask"]) for f in features]).to(self.device)
         lengths = mask.sum(-1)
         packed = feats.permute(0, 2, 1)[mask.bool()].permute(1, 0)
-        after_cnn, _ = self.audio_tower._get_feat_extract_output_lengths(lengths)
-        rows = self.audio_tower(packed, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
-        out_rows = lambda f: self.audio_tower._get_feat_extract_output_lengths(f.sum(-1))[1]  # noqa: E731
-        per_request = [int(out_rows(f["feature_attention_mask"]).sum()) for f in features]
+        rows = self._audio_tower(packed, lengths)
+        assert self.prompts is not None
+        per_request = [sum(self.prompts.audio_tokens(f["feature_attention_mask"].sum(-1))) for f in features]
         return [r.cpu() for r in torch.split(rows, per_request)]
 
-    def _vision(self, features: list[dict[str, torch.Tensor]], pixels: str, grid: str) -> list[torch.Tensor]:
-        """Each request's image (or video) rows: the vision tower on the requests' pixels together."""
+    def _audio_tower(self, packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        after_cnn, _ = self.audio_tower._get_feat_extract_output_lengths(lengths)
+        return self.audio_tower(packed, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+
+    def _vision(
+        self, features: list[dict[str, torch.Tensor]], pixels: str, grid: str
+    ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Each request's image (or video) rows, and the deepstack features Qwen3-Omni's
+        thinker adds in its first layers ([layers, rows, hidden]; None for Qwen2.5-Omni): the
+        vision tower on the requests' pixels together."""
         having = [f for f in features if pixels in f]
         if not having:
             return []
         grids = torch.cat([f[grid] for f in having]).to(self.device)
         values = torch.cat([f[pixels] for f in having]).to(self.device, self.dtype)
-        rows = self.visual(values, grid_thw=grids).pooler_output
+        out = self.visual(values, grid_thw=grids)
         merge = self.visual.spatial_merge_size**2
         per_request = [int(f[grid].prod(-1).sum()) // merge for f in having]
-        return [r.cpu() for r in torch.split(rows, per_request)]
+        rows = [r.cpu() for r in torch.split(out.pooler_output, per_request)]
+        deep = getattr(out, "deepstack_features", None)
+        if not deep:
+            return [(r, None) for r in rows]
+        stacked = [d.cpu() for d in torch.split(torch.stack(list(deep)), per_request, dim=1)]
+        return list(zip(rows, stacked, strict=True))

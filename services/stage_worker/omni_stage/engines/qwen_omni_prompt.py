@@ -83,13 +83,18 @@ class MediaEmbeds:
     image: torch.Tensor | None
     video: torch.Tensor | None
     layout: Layout
+    image_deepstack: torch.Tensor | None = None
+    """Qwen3-Omni: the vision encoder's features for the thinker's first layers, [layers, N, H]."""
+    video_deepstack: torch.Tensor | None = None
 
     _KINDS: ClassVar = ("audio", "image", "video")
     _LAYOUT: ClassVar = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
+    _DEEPSTACK: ClassVar = ("image_deepstack", "video_deepstack")
 
     def to_payload(self) -> dict[str, torch.Tensor]:
         out = {f"{k}_embeds": getattr(self, k) for k in self._KINDS}
         out |= {k: getattr(self.layout, k) for k in self._LAYOUT}
+        out |= {k: getattr(self, k) for k in self._DEEPSTACK}
         return {k: v for k, v in out.items() if v is not None}
 
     @classmethod
@@ -98,7 +103,8 @@ class MediaEmbeds:
         if not any(f"{k}_embeds" in payload for k in cls._KINDS):
             return None
         layout = Layout(*(payload.get(k) for k in cls._LAYOUT))
-        return cls(*(payload.get(f"{k}_embeds") for k in cls._KINDS), layout)
+        deepstack = {k: payload.get(k) for k in cls._DEEPSTACK}
+        return cls(*(payload.get(f"{k}_embeds") for k in cls._KINDS), layout, **deepstack)
 
 
 @dataclass(frozen=True)
