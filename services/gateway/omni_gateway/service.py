@@ -131,8 +131,9 @@ class PipelineClient:
         """Re-runs on a fresh route: `moved` (nothing sent yet), `spliced` (a stream continued),
         `diverged` (a stream's re-run did not repeat it: failed)."""
         self._sources = {s.name: e.connector for s, e in self.spec.consumers(REQUEST_SOURCE)}
-        self._without_media = {s.name for s, e in self.spec.consumers(REQUEST_SOURCE) if not e.media}
         """The stages that read the client's request, and the connector their media goes on."""
+        self._without_media = {s.name for s, e in self.spec.consumers(REQUEST_SOURCE) if not e.media}
+        """Those whose request edge says `media: false`: they get the messages alone."""
 
     async def start(self, stop: asyncio.Event | None = None) -> bool:
         """Connect and subscribe; False if `stop` was set before NATS could be reached."""
