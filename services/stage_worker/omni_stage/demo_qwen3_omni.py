@@ -17,13 +17,14 @@ samples a code at 24 kHz).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 
 from omni_stage.demo import byte_level_tokenizer
+from omni_stage.demo_qwen_omni import VISION as QWEN2_5_VISION
+from omni_stage.demo_qwen_omni import processor_files
 
 HIDDEN: Final = 64
 HEADS: Final = 2
@@ -206,48 +207,20 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
     )
 
 
-def _preprocessor_configs(path: Path) -> None:
-    """The Whisper feature extractor's and the Qwen2-VL image processor's settings in one file
-    (as the real checkpoint has them), the video processor's, and the chat template."""
-    from transformers import WhisperFeatureExtractor
-
-    audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=300)
-    vision = {
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": [0.5, 0.5, 0.5],
-        "image_std": [0.5, 0.5, 0.5],
-        "rescale_factor": 1 / 255,
-        "min_pixels": 4096,
-        "max_pixels": 16777216,
-        "patch_size": 16,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-    }
-    merged = {
-        **audio.to_dict(),
-        **vision,
-        "feature_extractor_type": "WhisperFeatureExtractor",
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen3OmniMoeProcessor",
-        "return_attention_mask": True,
-    }
-    merged.pop("mel_filters", None)
-    (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
-    video = {
-        **vision,
-        "video_processor_type": "Qwen2VLVideoProcessor",
-        "processor_class": "Qwen3OmniMoeProcessor",
-    }
-    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2))
+VISION: Final = {  # Qwen3-Omni's image and video processors: 16-pixel patches
+    **QWEN2_5_VISION,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "min_pixels": 4096,
+    "max_pixels": 16777216,
+    "patch_size": 16,
+}
 
 
 def write_tiny_qwen3_omni(path: Path, seed: int = 5) -> Path:
     """Write tiny-qwen3-omni into `path` (a directory); returns it."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextExperts
     from transformers.utils import logging as hf_logging
 
     tok = tokenizer()
@@ -271,10 +244,19 @@ def write_tiny_qwen3_omni(path: Path, seed: int = 5) -> Path:
         for module in model.code2wav.modules():
             if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
                 module.reset_parameters()
+        # transformers (5.19) initialises the thinker's experts but not the talker's: they hold
+        # whatever memory torch.empty gave them, a different checkpoint every time. Draw them
+        # from the seed as the thinker's are drawn (normal, the config's initializer range).
+        std = model.config.talker_config.initializer_range
+        gen = torch.Generator().manual_seed(seed)
+        for module in model.talker.modules():
+            if isinstance(module, Qwen3OmniMoeTalkerTextExperts):
+                module.gate_up_proj.normal_(0.0, std, generator=gen)
+                module.down_proj.normal_(0.0, std, generator=gen)
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    _preprocessor_configs(path)
+    processor_files(path, VISION, "Qwen3OmniMoeProcessor", CHAT_TEMPLATE)
     return path

@@ -196,43 +196,42 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
     )
 
 
-def _preprocessor_configs(path: Path) -> None:
-    """What a real checkpoint's preprocessor_config.json holds: the Whisper feature extractor's
-    settings and the Qwen2-VL image processor's in one file, plus the video processor's own."""
+def processor_files(path: Path, vision: dict[str, Any], processor: str, chat_template: str) -> None:
+    """What a real Qwen-Omni checkpoint holds for its processor: the Whisper feature
+    extractor's settings and the Qwen2-VL image processor's (`vision`) in one
+    preprocessor_config.json, the video processor's own file, and the chat template."""
     from transformers import WhisperFeatureExtractor
 
     audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=300)
-    vision = {
-        "do_resize": True,
-        "do_rescale": True,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "image_mean": [0.48145466, 0.4578275, 0.40821073],
-        "image_std": [0.26862954, 0.26130258, 0.27577711],
-        "rescale_factor": 1 / 255,
-        "min_pixels": 3136,
-        "max_pixels": 12845056,
-        "patch_size": 14,
-        "temporal_patch_size": 2,
-        "merge_size": 2,
-    }
     merged = {
         **audio.to_dict(),
         **vision,
         "feature_extractor_type": "WhisperFeatureExtractor",
         "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": "Qwen2_5OmniProcessor",
+        "processor_class": processor,
         "return_attention_mask": True,
     }
     merged.pop("mel_filters", None)  # derived from the settings above on load
     (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
-    video = {
-        **vision,
-        "video_processor_type": "Qwen2VLVideoProcessor",
-        "processor_class": "Qwen2_5OmniProcessor",
-    }
+    video = {**vision, "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": processor}
     (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template}, indent=2))
+
+
+VISION: Final = {  # Qwen2.5-Omni's image and video processors
+    "do_resize": True,
+    "do_rescale": True,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "rescale_factor": 1 / 255,
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+}
 
 
 def write_tiny_qwen_omni(path: Path, seed: int = 5) -> Path:
@@ -265,7 +264,7 @@ def write_tiny_qwen_omni(path: Path, seed: int = 5) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     tok.save_pretrained(path)
-    _preprocessor_configs(path)
+    processor_files(path, VISION, "Qwen2_5OmniProcessor", CHAT_TEMPLATE)
     gen = torch.Generator().manual_seed(seed)
     speakers = {
         voice: {

@@ -63,24 +63,6 @@ TALKER_TEXT_TYPE: Final = "qwen3_omni_moe_talker_text"
 LAYOUT_KEYS: Final = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
 
 
-PARTS: Final = ("encoder", "thinker", "talker", "code2wav")
-
-
-def build_qwen3_omni_engine(stage: StageSpec) -> Part:
-    part = stage.engine.args.get("part")
-    engines: dict[str, type[Part]] = {
-        "encoder": Qwen3Encoder,
-        "thinker": Qwen3Thinker,
-        "talker": Qwen3Talker,
-        "code2wav": Qwen3Code2Wav,
-    }
-    if part not in engines:
-        raise EngineError(
-            f"stage '{stage.name}': engine.args.part must be one of {', '.join(PARTS)} on Qwen3-Omni"
-        )
-    return engines[part](stage)
-
-
 class Qwen3Prompts(Prompts):
     """The prompt as `Qwen3OmniMoeProcessor` builds it."""
 
@@ -494,3 +476,12 @@ class Qwen3Code2Wav(Part):
         """Chunks of one length, as one batch (the decoder is causal and per sample)."""
         wav = self.model(torch.stack([c.codes for c in chunks]).to(self.device))
         return [w[0, c.skip : c.keep].float().cpu() for w, c in zip(wav, chunks, strict=True)]
+
+
+PARTS: Final[dict[str, type[Part]]] = {
+    "encoder": Qwen3Encoder,
+    "thinker": Qwen3Thinker,
+    "talker": Qwen3Talker,
+    "code2wav": Qwen3Code2Wav,
+}
+"""Qwen3-Omni's parts, by `engine.args.part`."""

@@ -56,7 +56,6 @@ from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
 from omni_stage.engines.structured import JsonGrammars
 from omni_stage.segments import EngineOutput
 
-PARTS: Final = ("encoder", "thinker", "talker", "token2wav")
 DEFAULT_VOICE: Final = "Chelsie"
 REPETITION_PENALTY: Final = 1.05  # Qwen2_5OmniForConditionalGeneration.generate's talker default
 TALKER_MAX_CODES: Final = 4096  # its talker_max_new_tokens
@@ -64,27 +63,28 @@ _DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16"
 
 
 def build_qwen_omni_engine(stage: StageSpec) -> Engine:
+    """The part `engine.args.part` names, of the model family the checkpoint's config says."""
     from transformers import PretrainedConfig
 
     from omni_stage.engines.qwen_omni_encoder import Encoder  # it builds on Part
 
-    part = stage.engine.args.get("part")
     try:
         model_type = PretrainedConfig.get_config_dict(str(stage.engine.model))[0].get("model_type")
     except OSError:
         model_type = None  # the part says what is missing when it loads
+    engines: dict[str, type[Part]]
     if model_type == "qwen3_omni_moe":
-        from omni_stage.engines.qwen3_omni import build_qwen3_omni_engine
+        from omni_stage.engines.qwen3_omni import PARTS as engines
 
-        return build_qwen3_omni_engine(stage)
-    engines: dict[str, type[Part]] = {
-        "encoder": Encoder,
-        "thinker": Thinker,
-        "talker": Talker,
-        "token2wav": Token2Wav,
-    }
+        family = "Qwen3-Omni"
+    else:
+        engines = {"encoder": Encoder, "thinker": Thinker, "talker": Talker, "token2wav": Token2Wav}
+        family = "Qwen2.5-Omni"
+    part = stage.engine.args.get("part")
     if part not in engines:
-        raise EngineError(f"stage '{stage.name}': engine.args.part must be one of {', '.join(PARTS)}")
+        raise EngineError(
+            f"stage '{stage.name}': engine.args.part must be one of {', '.join(engines)} on {family}"
+        )
     return engines[part](stage)
 
 
