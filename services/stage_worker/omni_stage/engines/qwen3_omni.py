@@ -45,10 +45,10 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.qwen_omni import (
-    REPETITION_PENALTY,
     TALKER_MAX_CODES,
     Part,
     Thinker,
+    penalise_repeats,
     thinker_embedding_table,
 )
 from omni_stage.engines.qwen_omni_encoder import Encoder
@@ -383,10 +383,7 @@ class Qwen3Talker(Part):
     def _pick(self, st: dict[str, Any], logits: torch.Tensor) -> int:
         """Greedy, with the reference's repetition penalty over the codes so far and its
         suppressed control codes."""
-        if st["seen"]:
-            seen = torch.tensor(sorted(set(st["seen"])), device=logits.device)
-            scores = logits[seen]
-            logits[seen] = torch.where(scores < 0, scores * REPETITION_PENALTY, scores / REPETITION_PENALTY)
+        logits = penalise_repeats(logits, st["seen"])
         logits[self.suppressed] = -float("inf")
         code = int(torch.argmax(logits))
         st["seen"].append(code)

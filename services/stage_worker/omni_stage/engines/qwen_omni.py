@@ -38,7 +38,7 @@ as batches (`StepBatcher`): thinker and talker decode steps with their caches st
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -86,6 +86,15 @@ def build_qwen_omni_engine(stage: StageSpec) -> Engine:
             f"stage '{stage.name}': engine.args.part must be one of {', '.join(engines)} on {family}"
         )
     return engines[part](stage)
+
+
+def penalise_repeats(logits: torch.Tensor, seen: Iterable[int]) -> torch.Tensor:
+    """The talkers' repetition penalty over the codes `seen`, with transformers' own processor,
+    as the references' generate applies it."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    ids = torch.tensor([sorted(set(seen))], dtype=torch.long, device=logits.device)
+    return RepetitionPenaltyLogitsProcessor(REPETITION_PENALTY)(ids, logits[None])[0]
 
 
 def thinker_embedding_table(stage: str, path: str) -> torch.Tensor:
@@ -483,9 +492,7 @@ class Talker(Part):
     def _pick(self, st: dict[str, Any], logits: torch.Tensor) -> int:
         """Greedy, with the reference's repetition penalty over every code fed so far and the
         codec bos suppressed."""
-        seen = torch.tensor(sorted(st["seen"]), device=logits.device)
-        scores = logits[seen]
-        logits[seen] = torch.where(scores < 0, scores * REPETITION_PENALTY, scores / REPETITION_PENALTY)
+        logits = penalise_repeats(logits, st["seen"])
         logits[self.codec["bos"]] = -float("inf")
         return int(torch.argmax(logits))
 
