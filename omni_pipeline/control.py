@@ -24,18 +24,16 @@ from nats.aio.client import Client as NatsClient
 
 from omni_pipeline import wire
 from omni_pipeline.connectors.base import ConnectorHandle
+from omni_pipeline.environment import (
+    NATS_CREDS_ENV,
+    NATS_TLS_CA_ENV,
+    NATS_TLS_CERT_ENV,
+    NATS_TLS_KEY_ENV,
+    NATS_URL_ENV,
+)
 
 log = logging.getLogger(__name__)
 
-NATS_URL_ENV: Final = "OMNI_NATS_URL"
-"""The NATS URL; a token or user and password go in it (nats://TOKEN@host, nats://user:pw@host)."""
-NATS_CREDS_ENV: Final = "OMNI_NATS_CREDS"
-"""A NATS credentials file (JWT and NKey seed), for servers with decentralised auth."""
-NATS_TLS_CA_ENV: Final = "OMNI_NATS_TLS_CA"
-NATS_TLS_CERT_ENV: Final = "OMNI_NATS_TLS_CERT"
-NATS_TLS_KEY_ENV: Final = "OMNI_NATS_TLS_KEY"
-"""PEM files: the CA that signed the server's certificate; our client certificate and key
-(mutual TLS). Any of them turns TLS on."""
 HEARTBEAT_INTERVAL_S: Final = 1.0
 HEARTBEAT_MISSES: Final = 3
 """A replica not heard from for this many intervals is gone."""

@@ -14,18 +14,45 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
-
-if TYPE_CHECKING:  # the spec validates itself with this module
-    from omni_pipeline.spec import PipelineSpec, StageSpec
-
+from typing import Final, Protocol
 
 VISIBLE_DEVICES_ENV: Final = "CUDA_VISIBLE_DEVICES"
 
 
 class PlacementError(ValueError):
     """A placement that cannot work; the message names the stage."""
+
+
+class _Resources(Protocol):
+    @property
+    def gpus(self) -> int: ...
+
+
+class StageSpec(Protocol):
+    """What placement reads of a stage (omni_pipeline.spec's StageSpec; the spec validates
+    itself with this module, so this module does not import it)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def devices(self) -> str | None: ...
+    @property
+    def resources(self) -> _Resources: ...
+    @property
+    def share_device(self) -> bool: ...
+    @property
+    def gpu_memory_fraction(self) -> float | None: ...
+
+
+class PipelineSpec(Protocol):
+    """What placement reads of a pipeline: its stages, in file order."""
+
+    @property
+    def stages(self) -> Sequence[StageSpec]: ...
 
 
 @dataclass(frozen=True)
@@ -110,7 +137,8 @@ def _check_sharing(spec: PipelineSpec, placement: Placement) -> None:
         if len(on) < 2:
             continue
         names = ", ".join(f"'{s}' replica {r}" for s, r in on)
-        stages = [spec.stage(s) for s, _ in on]
+        by_name = {s.name: s for s in spec.stages}
+        stages = [by_name[s] for s, _ in on]
         if unshared := next((s for s in stages if not s.share_device), None):
             raise PlacementError(
                 f"stage '{unshared.name}': devices: device {d} is used by {names}; set shareDevice: true "

@@ -15,18 +15,25 @@ the consumer may write to the tensor; `decode` of immutable `bytes` copies them 
 
 Only extension codes 1 (torch tensor) and 2 (numpy ndarray) exist; any other code, an object
 dtype, or a malformed frame raises WireError.
+
+torch is imported only when a tensor is met: the operator and the CLI speak this wire format
+for control messages alone and start without it.
 """
 
 from __future__ import annotations
 
+import functools
 import struct
+import sys
 import threading
 import warnings
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import msgspec
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 MAGIC: Final = b"OMW1"
 _PREAMBLE = struct.Struct("<4sIQQ")
@@ -37,22 +44,22 @@ _PARALLEL_COPY_BYTES: Final = 1 << 20
 EXT_TENSOR: Final = 1
 EXT_NDARRAY: Final = 2
 
-_TORCH_DTYPES: Final[list[torch.dtype]] = [
-    torch.float32,
-    torch.float16,
-    torch.bfloat16,
-    torch.float64,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-]
+_TORCH_DTYPE_NAMES: Final = (
+    "float32",
+    "float16",
+    "bfloat16",
+    "float64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+)
+"""Tensor dtype codes, in order."""
 _NUMPY_DTYPES: Final[list[np.dtype[Any]]] = [
     np.dtype(t) for t in ("float32", "float16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 ]
-_TORCH_CODE = {d: i for i, d in enumerate(_TORCH_DTYPES)}
 _NUMPY_CODE = {d: i for i, d in enumerate(_NUMPY_DTYPES)}
 
 T = TypeVar("T")
@@ -60,6 +67,22 @@ T = TypeVar("T")
 
 class WireError(ValueError):
     """A payload that is not a valid omni-pipeline frame; it is refused, never guessed at."""
+
+
+@functools.cache
+def _torch_dtypes() -> tuple[list[torch.dtype], dict[torch.dtype, int]]:
+    """Tensor dtypes by code, and codes by dtype (torch imported here, the first time a tensor
+    is encoded or decoded)."""
+    import torch
+
+    dtypes = [getattr(torch, name) for name in _TORCH_DTYPE_NAMES]
+    return dtypes, {d: i for i, d in enumerate(dtypes)}
+
+
+def _is_tensor(obj: Any) -> bool:
+    """Whether `obj` is a torch tensor, without importing torch (no tensor exists before it is)."""
+    torch_module = sys.modules.get("torch")
+    return torch_module is not None and isinstance(obj, torch_module.Tensor)
 
 
 def _align(n: int) -> int:
@@ -87,6 +110,8 @@ class EncodedFrame:
             if buf.nbytes < _PARALLEL_COPY_BYTES:
                 out[start : start + buf.nbytes] = buf
             else:  # torch copies on its intra-op threads; a memoryview copy is one thread
+                import torch
+
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore", UserWarning)  # read-only source buffers
                     dst = torch.frombuffer(out, dtype=torch.uint8, count=buf.nbytes, offset=start)
@@ -114,8 +139,10 @@ class _Packer:
         return offset
 
     def hook(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            code = _TORCH_CODE.get(obj.dtype)
+        if _is_tensor(obj):
+            import torch
+
+            code = _torch_dtypes()[1].get(obj.dtype)
             if code is None:
                 raise WireError(f"tensor dtype {obj.dtype} cannot go on the wire")
             t = obj.detach()
@@ -176,9 +203,12 @@ def _ext_hook(code: int, data: memoryview) -> Any:
         raise WireError("tensor outside its frame")
     raw = frame_data[offset : offset + nbytes]
     if code == EXT_TENSOR:
-        if dcode >= len(_TORCH_DTYPES):
+        import torch
+
+        dtypes = _torch_dtypes()[0]
+        if dcode >= len(dtypes):
             raise WireError(f"unknown tensor dtype code {dcode}")
-        dtype = _TORCH_DTYPES[dcode]
+        dtype = dtypes[dcode]
         numel = int(np.prod(shape, dtype=np.int64)) if shape else 1
         if numel * dtype.itemsize != nbytes:
             raise WireError("tensor size does not match its shape")

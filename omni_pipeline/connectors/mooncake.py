@@ -32,12 +32,12 @@ from typing import Any, Final
 from omni_pipeline import wire
 from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector, PayloadGone
 from omni_pipeline.connectors.buffers import BufferPool
+from omni_pipeline.environment import MOONCAKE_MASTER_ENV as MASTER_ENV
+from omni_pipeline.environment import MOONCAKE_METADATA_ENV as METADATA_ENV
 from omni_pipeline.spec import ConnectorSpec, MooncakeSpec
 
 log = logging.getLogger(__name__)
 
-MASTER_ENV: Final = "OMNI_MOONCAKE_MASTER"
-METADATA_ENV: Final = "OMNI_MOONCAKE_METADATA"
 BIND_ENV: Final = "MC_TCP_BIND_ADDRESS"
 _NOT_FOUND: Final = -704
 HEALTH_TIMEOUT_S: Final = 1.0

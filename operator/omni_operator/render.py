@@ -17,8 +17,9 @@ from typing import Any, Final
 
 import yaml
 
-from omni_pipeline.connectors.mooncake import MASTER_ENV, METADATA_ENV
-from omni_pipeline.control import (
+from omni_pipeline.environment import MOONCAKE_MASTER_ENV as MASTER_ENV
+from omni_pipeline.environment import MOONCAKE_METADATA_ENV as METADATA_ENV
+from omni_pipeline.environment import (
     NATS_CREDS_ENV,
     NATS_TLS_CA_ENV,
     NATS_TLS_CERT_ENV,

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from omni_pipeline.spec import EngineKind, EngineSpec, load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine
+from omni_stage.engines.base import Engine, EngineCall, InvalidRequest
 from omni_stage.engines.prompts import prompt_token_ids
+from omni_stage.engines.registry import build_engine
 from omni_stage.engines.vllm import VllmEngine
 from omni_stage.segments import EngineOutput
 from tests.helpers import (
@@ -356,7 +357,7 @@ def test_clear_error_when_vllm_is_not_installed(demo_dir: Path) -> None:
     code = (
         "import sys, asyncio; sys.modules['vllm'] = None\n"
         "from omni_pipeline.spec import load_pipeline\n"
-        "from omni_stage.engines.base import build_engine\n"
+        "from omni_stage.engines.registry import build_engine\n"
         f"spec = load_pipeline({str(ROOT / 'examples' / 'tiny-voice-vllm.yaml')!r}).spec.stage('thinker')\n"
         "asyncio.run(build_engine(spec).start())\n"
     )

@@ -8,7 +8,8 @@ import asyncio
 from pathlib import Path
 
 from omni_pipeline.spec import EngineSpec, load_pipeline
-from omni_stage.engines.base import EngineCall, build_engine
+from omni_stage.engines.base import EngineCall
+from omni_stage.engines.registry import build_engine
 from omni_stage.engines.vllm import VllmEngine
 from tests.helpers import ROOT
 from tests.integration.test_vllm import LoopThread, collect, token_ids

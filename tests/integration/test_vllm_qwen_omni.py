@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from omni_pipeline.spec import EngineSpec, load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, EngineError, build_engine
+from omni_stage.engines.base import Engine, EngineCall, EngineError
 from omni_stage.engines.qwen_omni_vllm import VllmThinker
+from omni_stage.engines.registry import build_engine
 from tests.helpers import wait_for
 from tests.integration.test_vllm import LoopThread
 from tests.qwen_reference import (

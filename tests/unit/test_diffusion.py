@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from omni_pipeline.spec import EngineKind, EngineSpec, InputSpec, StageSpec
-from omni_stage.engines.base import Engine, EngineCall, InvalidRequest, build_engine
+from omni_stage.engines.base import Engine, EngineCall, InvalidRequest
 from omni_stage.engines.diffusers import DenoiseEngine
+from omni_stage.engines.registry import build_engine
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
 

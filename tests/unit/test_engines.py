@@ -15,7 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest, build_engine
+from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.registry import build_engine
 from omni_stage.engines.tools import ToolPlan
 from omni_stage.processors import thinker_to_talker
 from omni_stage.segments import EngineOutput

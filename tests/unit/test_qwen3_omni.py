@@ -18,7 +18,8 @@ from PIL import Image
 
 from omni_gateway.media import decode_media
 from omni_pipeline.spec import MediaSpec, load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, build_engine
+from omni_stage.engines.base import Engine, EngineCall
+from omni_stage.engines.registry import build_engine
 from omni_stage.payload import concat
 from tests.helpers import ROOT
 from tests.qwen_reference import (

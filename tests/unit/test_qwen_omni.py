@@ -17,7 +17,8 @@ import torch
 
 from omni_gateway.media import decode_media
 from omni_pipeline.spec import MediaSpec, load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest, build_engine
+from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.registry import build_engine
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
 from tests.helpers import ROOT

@@ -126,20 +126,24 @@ def _bench_dir() -> Path:
 
 def _benchmarks() -> list[str]:
     """Benchmark names: each module of bench/ with a `main` (the others are its helpers), spelled
-    as is or with hyphens (`qwen-omni`)."""
-    stems = {p.stem for p in _bench_dir().glob("*.py") if "\ndef main(" in p.read_text()}
-    return sorted(stems | {s.replace("_", "-") for s in stems})
+    with hyphens (`qwen-omni`); `_bench_name` takes the module's own spelling too."""
+    return sorted(_bench_name(p.stem) for p in _bench_dir().glob("*.py") if "\ndef main(" in p.read_text())
+
+
+def _bench_name(name: str) -> str:
+    return name.replace("_", "-")
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    import importlib
-
+    """Run the benchmark as its own program (`python -m bench.NAME`): the benchmarks use the cli's
+    parts (the embedded NATS, Mooncake), so the cli runs them rather than importing them."""
     if not a.name:
         print("omni bench: no benchmarks here: they run from a source checkout", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(_bench_dir().parent))  # spawned children inherit sys.path
-    importlib.import_module(f"bench.{a.name.replace('-', '_')}").main(a.args)
-    return 0
+    root = str(_bench_dir().parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    module = f"bench.{a.name.replace('-', '_')}"
+    os.execve(sys.executable, [sys.executable, "-m", module, *a.args], env)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -222,7 +226,7 @@ def parser() -> argparse.ArgumentParser:
         description="Each benchmark prints a table, then its JSON object as the last line.",
     )
     names = _benchmarks()
-    s.add_argument("name", choices=names, nargs=None if names else "?")
+    s.add_argument("name", type=_bench_name, choices=names, nargs=None if names else "?")
     s.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own: --json, --out DIR, ...")
     s.set_defaults(fn=cmd_bench)
 

@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import torch
 from safetensors.torch import load_file, save_file
+
+from omni_stage.demo_tokenizer import byte_level_tokenizer
 
 HIDDEN: Final = 64
 CODEC_VOCAB: Final = 256
@@ -71,43 +73,6 @@ def vocoder(path: str) -> TinyVocoder:
     model = TinyVocoder(**cfg)
     model.load_state_dict(load_file(str(Path(path, "model.safetensors"))))
     return model
-
-
-def byte_level_tokenizer(
-    chat_template: str, special_tokens: list[str], roles: dict[str, str] | None = None
-) -> Any:
-    """A byte-level BPE tokenizer over printable ASCII (whatever a random model says is
-    readable), `<|im_end|>` its eos and `<|endoftext|>` its pad, with `special_tokens` and the
-    named `roles` (`image_token: <|IMAGE|>`, as a processor looks them up)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    byte_to_char = dict(zip(_printable_bytes(), _byte_level_chars(), strict=True))
-    vocab = {c: i for i, c in enumerate(byte_to_char.values())}
-    vocab["<unk>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=special_tokens,
-        **({"extra_special_tokens": roles} if roles else {}),
-    )
-    fast.chat_template = chat_template
-    return fast
-
-
-def _printable_bytes() -> list[int]:
-    return [0x0A, *range(0x20, 0x7F)]
-
-
-def _byte_level_chars() -> list[str]:
-    # GPT-2's byte-to-unicode map for these bytes: printable ASCII maps to itself, space and
-    # newline to the shifted code points U+0120 and U+010A.
-    return ["\u010a", "\u0120", *(chr(b) for b in range(0x21, 0x7F))]
 
 
 def _qwen2(vocab: int, eos: int | None, seed: int):  # type: ignore[no-untyped-def]

@@ -22,9 +22,9 @@ from typing import Any, Final
 
 import torch
 
-from omni_stage.demo import byte_level_tokenizer
 from omni_stage.demo_qwen_omni import VISION as QWEN2_5_VISION
 from omni_stage.demo_qwen_omni import processor_files
+from omni_stage.demo_tokenizer import byte_level_tokenizer
 
 HIDDEN: Final = 64
 HEADS: Final = 2

@@ -22,7 +22,7 @@ from typing import Any, Final
 
 import torch
 
-from omni_stage.demo import byte_level_tokenizer
+from omni_stage.demo_tokenizer import byte_level_tokenizer
 
 HIDDEN: Final = 64
 HEADS: Final = 2  # head_dim 32

@@ -89,14 +89,8 @@ from omni_pipeline.tracing import TRACER, configure_tracing, shutdown_tracing
 from omni_stage.assembly import AssemblyError, InputAssembler, Trigger
 from omni_stage.core import Admission, StageCore
 from omni_stage.credit import CreditLedger
-from omni_stage.engines.base import (
-    Engine,
-    EngineCall,
-    EngineError,
-    InvalidRequest,
-    build_engine,
-    import_object,
-)
+from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest, import_object
+from omni_stage.engines.registry import build_engine
 from omni_stage.health import health_app
 from omni_stage.metrics import StageMetrics
 from omni_stage.segments import Segment, Segmenter

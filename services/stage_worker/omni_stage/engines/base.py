@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from omni_pipeline.spec import EngineKind, StageSpec
+from omni_pipeline.spec import StageSpec
 from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
 
@@ -241,38 +241,3 @@ def import_object(ref: str) -> Callable[..., Any]:
         return getattr(importlib.import_module(mod_name), attr)
     except (ImportError, AttributeError) as exc:
         raise EngineError(f"cannot import {ref!r}: {exc}") from exc
-
-
-def build_engine(stage: StageSpec) -> Engine:
-    kind = stage.engine.kind
-    if kind is EngineKind.SYNTHETIC:
-        from omni_stage.engines.synthetic import SyntheticEngine
-
-        return SyntheticEngine(stage)
-    if kind is EngineKind.TRANSFORMERS and stage.engine.args.get("part") is not None:
-        from omni_stage.engines.qwen_omni import build_qwen_omni_engine
-
-        return build_qwen_omni_engine(stage)
-    if kind is EngineKind.TRANSFORMERS:
-        from omni_stage.engines.transformers_lm import TransformersEngine
-
-        return TransformersEngine(stage)
-    if kind is EngineKind.TORCH:
-        from omni_stage.engines.torch_module import TorchModuleEngine
-
-        return TorchModuleEngine(stage)
-    if kind is EngineKind.VLLM and (part := stage.engine.args.get("part")) is not None:
-        if part != "thinker":
-            raise EngineError(f"stage '{stage.name}': on vllm, engine.args.part can only be thinker")
-        from omni_stage.engines.qwen_omni_vllm import VllmThinker
-
-        return VllmThinker(stage)
-    if kind is EngineKind.VLLM:
-        from omni_stage.engines.vllm import VllmEngine
-
-        return VllmEngine(stage)
-    if kind is EngineKind.DIFFUSERS:
-        from omni_stage.engines.diffusers import build_diffusers_engine
-
-        return build_diffusers_engine(stage)
-    raise EngineError(f"stage '{stage.name}': engine kind '{kind}' is not available in this build")

@@ -46,7 +46,7 @@ from typing import Any, Final
 import torch
 
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import ComputeEngine, Engine, EngineCall, EngineError
+from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompts import check_context
@@ -60,32 +60,6 @@ DEFAULT_VOICE: Final = "Chelsie"
 REPETITION_PENALTY: Final = 1.05  # Qwen2_5OmniForConditionalGeneration.generate's talker default
 TALKER_MAX_CODES: Final = 4096  # its talker_max_new_tokens
 _DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def build_qwen_omni_engine(stage: StageSpec) -> Engine:
-    """The part `engine.args.part` names, of the model family the checkpoint's config says."""
-    from transformers import PretrainedConfig
-
-    from omni_stage.engines.qwen_omni_encoder import Encoder  # it builds on Part
-
-    try:
-        model_type = PretrainedConfig.get_config_dict(str(stage.engine.model))[0].get("model_type")
-    except OSError:
-        model_type = None  # the part says what is missing when it loads
-    engines: dict[str, type[Part]]
-    if model_type == "qwen3_omni_moe":
-        from omni_stage.engines.qwen3_omni import PARTS as engines
-
-        family = "Qwen3-Omni"
-    else:
-        engines = {"encoder": Encoder, "thinker": Thinker, "talker": Talker, "token2wav": Token2Wav}
-        family = "Qwen2.5-Omni"
-    part = stage.engine.args.get("part")
-    if part not in engines:
-        raise EngineError(
-            f"stage '{stage.name}': engine.args.part must be one of {', '.join(engines)} on {family}"
-        )
-    return engines[part](stage)
 
 
 def penalise_repeats(logits: torch.Tensor, seen: Iterable[int]) -> torch.Tensor:

@@ -1,0 +1,43 @@
+"""The byte-level BPE tokenizer of every tiny demo checkpoint (printable ASCII, so whatever a
+random-weight model says is readable); each checkpoint writer adds its own special tokens."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def byte_level_tokenizer(
+    chat_template: str, special_tokens: list[str], roles: dict[str, str] | None = None
+) -> Any:
+    """A byte-level BPE tokenizer over printable ASCII (whatever a random model says is
+    readable), `<|im_end|>` its eos and `<|endoftext|>` its pad, with `special_tokens` and the
+    named `roles` (`image_token: <|IMAGE|>`, as a processor looks them up)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_to_char = dict(zip(_printable_bytes(), _byte_level_chars(), strict=True))
+    vocab = {c: i for i, c in enumerate(byte_to_char.values())}
+    vocab["<unk>"] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=special_tokens,
+        **({"extra_special_tokens": roles} if roles else {}),
+    )
+    fast.chat_template = chat_template
+    return fast
+
+
+def _printable_bytes() -> list[int]:
+    return [0x0A, *range(0x20, 0x7F)]
+
+
+def _byte_level_chars() -> list[str]:
+    # GPT-2's byte-to-unicode map for these bytes: printable ASCII maps to itself, space and
+    # newline to the shifted code points U+0120 and U+010A.
+    return ["\u010a", "\u0120", *(chr(b) for b in range(0x21, 0x7F))]

@@ -1,0 +1,94 @@
+"""Which engine computes a stage: one table from the pipeline file's words to what builds it.
+
+Entries name a module and an attribute, so a stage imports only its own engine's stack (vLLM,
+diffusers, one model family) and no engine imports another through here. A model family
+(`engine.args.part`) is picked by its checkpoint's `model_type`; adding one is one entry in
+FAMILIES pointing at its parts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from omni_pipeline.spec import EngineKind, StageSpec
+from omni_stage.engines.base import Engine, EngineError, import_object
+
+
+@dataclass(frozen=True)
+class Family:
+    """A model family served as parts, one per stage (`engine.args.part`)."""
+
+    name: str
+    parts: dict[EngineKind, dict[str, str]]
+    """engine kind -> part -> `module:attribute` of the engine that computes it."""
+
+
+GENERIC: Final[dict[EngineKind, str]] = {
+    EngineKind.SYNTHETIC: "omni_stage.engines.synthetic:SyntheticEngine",
+    EngineKind.TRANSFORMERS: "omni_stage.engines.transformers_lm:TransformersEngine",
+    EngineKind.TORCH: "omni_stage.engines.torch_module:TorchModuleEngine",
+    EngineKind.VLLM: "omni_stage.engines.vllm:VllmEngine",
+    EngineKind.DIFFUSERS: "omni_stage.engines.diffusers:build_diffusers_engine",
+}
+"""The engines of stages that name no part."""
+
+_QWEN2_5 = "omni_stage.engines.qwen_omni"
+_QWEN3 = "omni_stage.engines.qwen3_omni"
+FAMILIES: Final[dict[str, Family]] = {
+    "qwen2_5_omni": Family(
+        "Qwen2.5-Omni",
+        {
+            EngineKind.TRANSFORMERS: {
+                "encoder": "omni_stage.engines.qwen_omni_encoder:Encoder",
+                "thinker": f"{_QWEN2_5}:Thinker",
+                "talker": f"{_QWEN2_5}:Talker",
+                "token2wav": f"{_QWEN2_5}:Token2Wav",
+            },
+            EngineKind.VLLM: {"thinker": "omni_stage.engines.qwen_omni_vllm:VllmThinker"},
+        },
+    ),
+    "qwen3_omni_moe": Family(
+        "Qwen3-Omni",
+        {
+            EngineKind.TRANSFORMERS: {
+                "encoder": f"{_QWEN3}:Qwen3Encoder",
+                "thinker": f"{_QWEN3}:Qwen3Thinker",
+                "talker": f"{_QWEN3}:Qwen3Talker",
+                "code2wav": f"{_QWEN3}:Qwen3Code2Wav",
+            },
+        },
+    ),
+}
+"""Model families by their checkpoints' `model_type`."""
+DEFAULT_FAMILY: Final = "qwen2_5_omni"
+"""For a checkpoint whose config cannot be read (its part then says what is missing as it loads)."""
+
+
+def build_engine(stage: StageSpec) -> Engine:
+    """The engine of `stage`, as its pipeline file says."""
+    kind = stage.engine.kind
+    part = stage.engine.args.get("part")
+    if part is None:
+        if kind not in GENERIC:
+            raise EngineError(f"stage '{stage.name}': engine kind '{kind}' is not available in this build")
+        return import_object(GENERIC[kind])(stage)
+    family = FAMILIES[_model_type(stage) or DEFAULT_FAMILY]
+    parts = family.parts.get(kind, {})
+    if part not in parts:
+        some = ", ".join(parts) or "none"
+        raise EngineError(
+            f"stage '{stage.name}': engine.args.part must be one of {some} on {family.name} with {kind}"
+        )
+    return import_object(parts[part])(stage)
+
+
+def _model_type(stage: StageSpec) -> str | None:
+    """The checkpoint's `model_type`, if it is one of FAMILIES'."""
+    from transformers import PretrainedConfig
+
+    try:
+        model_type = PretrainedConfig.get_config_dict(str(stage.engine.model))[0].get("model_type")
+    except OSError:
+        return None
+    return model_type if model_type in FAMILIES else None
