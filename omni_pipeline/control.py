@@ -15,6 +15,7 @@ import re
 import ssl
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any, Final
 from urllib.parse import urlparse
 
@@ -39,23 +40,50 @@ HEARTBEAT_MISSES: Final = 3
 """A replica not heard from for this many intervals is gone."""
 NATS_WAIT_LOG_EVERY_S: Final = 5.0
 
-NATS_LOST: Final = "nats_disconnected"
-"""ErrorMsg code: a process lost NATS while serving the request, so some of its messages may be
-gone; the request ends at once rather than at its deadline."""
-INVALID_REQUEST: Final = "invalid_request"
-"""ErrorMsg code: an engine cannot do what the request asks (a size, a speed); the client's
-error, answered 400."""
-DEADLINE_EXCEEDED: Final = "timeout"
-"""ErrorMsg code: the request's deadline passed while a stage held it; answered 504, as the
-gateway's own timer is."""
-CONNECTOR_ERROR: Final = "connector_error"
-"""ErrorMsg code: a payload could not be stored or fetched (the message names the connector)."""
-SLEEPING: Final = "sleeping"
-"""ErrorMsg and Admitted code: the replica was put to sleep (POST /v1/omni/sleep, or its stage's
-`paused`); answered 503 until it wakes."""
-PAYLOAD_GONE: Final = "payload_gone"
-"""ErrorMsg code: an input's payload no longer existed. Usually the echo of its producer's
-failure (which freed it), so the gateway waits a moment for that root cause."""
+
+class ErrorCode(StrEnum):
+    """Why a replica refused a request (Admitted) or ended it (ErrorMsg), or why a gateway did:
+    named once, matched by name on both sides (the gateway's MIGRATABLE says which of them a
+    fresh route may serve). On the wire as its string, so a code a newer peer sends still
+    decodes."""
+
+    BAD_ROUTE = "bad_route"
+    """The replica is not on the request's route, or nothing on the route feeds it."""
+    UNHEALTHY = "unhealthy"
+    """A connector's backend is down: the replica takes nothing new until it answers again."""
+    FULL = "full"
+    """No slot, or too many bytes of its output wait unread (maxUnreadBytes)."""
+    DRAINING = "draining"
+    """The replica is stopping (SIGTERM): it finishes what it holds and takes nothing new."""
+    SLEEPING = "sleeping"
+    """The replica was put to sleep (POST /v1/omni/sleep, or its stage's `paused`); answered 503
+    until it wakes."""
+    DUPLICATE_REQUEST = "duplicate_request"
+    """The replica already holds a request of that id (gateways make ids unique)."""
+    ABORTED = "aborted"
+    """The request was aborted before this replica admitted it."""
+    REPLICA_LOST = "replica_lost"
+    """A replica on the route died, stopped, restarted or went silent while serving it."""
+    NATS_LOST = "nats_disconnected"
+    """A process lost NATS while serving the request, so some of its messages may be gone; the
+    request ends at once rather than at its deadline."""
+    INVALID_REQUEST = "invalid_request"
+    """An engine cannot do what the request asks (a size, a speed); the client's error, 400."""
+    DEADLINE_EXCEEDED = "timeout"
+    """The request's deadline passed while a stage held it; answered 504, as the gateway's own
+    timer is."""
+    CONNECTOR_ERROR = "connector_error"
+    """A payload could not be stored or fetched (the message names the connector)."""
+    PAYLOAD_GONE = "payload_gone"
+    """An input's payload no longer existed. Usually the echo of its producer's failure (which
+    freed it), so the gateway waits a moment for that root cause."""
+    INPUT_ERROR = "input_error"
+    """A request's input stream broke (out of order, past its edges' credit)."""
+    STAGE_ERROR = "stage_error"
+    """The stage's engine failed on this request."""
+    CLIENT_TOO_SLOW = "client_too_slow"
+    """The gateway's client read its response too slowly; its outputs were dropped and freed."""
+
 
 _TOKEN: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -212,7 +240,7 @@ class ErrorMsg(msgspec.Struct, tag="error", frozen=True):
     stage: str
     replica: str
     message: str
-    code: str = "stage_error"
+    code: str = ErrorCode.STAGE_ERROR
 
 
 class AbortMsg(msgspec.Struct, tag="abort", frozen=True):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from omni_pipeline.control import ErrorCode
+
 
 class OmniError(Exception):
     status = 500
@@ -80,13 +82,13 @@ class StageFailed(OmniError):
 
     status = 500
     type = "server_error"
-    code = "stage_error"
+    code = ErrorCode.STAGE_ERROR
 
 
 class Timeout(OmniError):
     status = 504
     type = "server_error"
-    code = "timeout"
+    code = ErrorCode.DEADLINE_EXCEEDED
 
 
 def error_from(exc: BaseException) -> OmniError:

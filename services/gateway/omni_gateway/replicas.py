@@ -17,7 +17,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from omni_gateway.errors import Overloaded, Unavailable
-from omni_pipeline.control import HEARTBEAT_MISSES, SLEEPING, Admitted, Heartbeat
+from omni_pipeline.control import HEARTBEAT_MISSES, Admitted, ErrorCode, Heartbeat
 
 ASLEEP_RETRY_AFTER_S: Final = 10
 """Retry-After of a 503 for a stage that was put to sleep: it stays so until someone wakes it."""
@@ -166,11 +166,11 @@ class ReplicaTable:
         beat would have told us: believe it now, so that a retry goes elsewhere, or is a 503
         that says why, instead of asking it again. Its next beat has the last word."""
         r = self._by_stage.get(stage, {}).get(instance)
-        if r is not None and answer.code == "unhealthy":
+        if r is not None and answer.code == ErrorCode.UNHEALTHY:
             r.hb = msgspec.structs.replace(r.hb, unhealthy=answer.unhealthy or answer.message)
-        elif r is not None and answer.code == "draining":
+        elif r is not None and answer.code == ErrorCode.DRAINING:
             r.hb = msgspec.structs.replace(r.hb, draining=True)
-        elif r is not None and answer.code == SLEEPING and r.hb.asleep is None:
+        elif r is not None and answer.code == ErrorCode.SLEEPING and r.hb.asleep is None:
             r.hb = msgspec.structs.replace(r.hb, asleep=0)  # its level comes with its next beat
 
     def get(self, stage: str, instance: str) -> Replica | None:

@@ -48,15 +48,10 @@ from omni_pipeline.connectors import (
     reclaim_unread,
 )
 from omni_pipeline.control import (
-    CONNECTOR_ERROR,
-    DEADLINE_EXCEEDED,
     HEARTBEAT_INTERVAL_S,
-    INVALID_REQUEST,
-    NATS_LOST,
-    PAYLOAD_GONE,
-    SLEEPING,
     AbortMsg,
     Admitted,
+    ErrorCode,
     ErrorMsg,
     FinalMsg,
     GatewayInbound,
@@ -77,14 +72,23 @@ log = logging.getLogger("omni.gateway")
 
 ADMIT_TIMEOUT_S: Final = 5.0
 """How long a replica may take to admit a request before it counts as lost."""
-MIGRATABLE: Final = frozenset({"replica_lost", "draining", "full", "unhealthy", SLEEPING, NATS_LOST})
+MIGRATABLE: Final = frozenset(
+    {
+        ErrorCode.REPLICA_LOST,
+        ErrorCode.DRAINING,
+        ErrorCode.FULL,
+        ErrorCode.UNHEALTHY,
+        ErrorCode.SLEEPING,
+        ErrorCode.NATS_LOST,
+    }
+)
 """Errors that say where a request went, not what it is: a fresh route may well serve it (after
 a NATS outage, the re-run waits for the server)."""
 _ERRORS: Final[dict[str, type[OmniError]]] = {
-    NATS_LOST: Unavailable,
-    SLEEPING: Unavailable,
-    INVALID_REQUEST: BadRequest,
-    DEADLINE_EXCEEDED: Timeout,
+    ErrorCode.NATS_LOST: Unavailable,
+    ErrorCode.SLEEPING: Unavailable,
+    ErrorCode.INVALID_REQUEST: BadRequest,
+    ErrorCode.DEADLINE_EXCEEDED: Timeout,
 }
 """Stage error codes that are not a stage's failure: the client's request, or our connection."""
 ROOT_CAUSE_WAIT_S: Final = 2.0
@@ -270,7 +274,7 @@ class PipelineClient:
                         yield ev
             except OmniError as exc:
                 if exc.code not in MIGRATABLE or attempt == limit:
-                    if exc.code == "full":
+                    if exc.code == ErrorCode.FULL:
                         raise Overloaded(exc.message, headers=RETRY_AFTER) from None
                     raise
                 moved_by = exc
@@ -465,7 +469,7 @@ class PipelineClient:
         except wire.WireError as exc:  # what cannot travel is the client's error
             raise BadRequest(f"the request cannot be sent on: {exc}") from None
         except ConnectorError as exc:
-            raise StageFailed(f"gateway -> stage '{stage}': {exc}", code=CONNECTOR_ERROR) from None
+            raise StageFailed(f"gateway -> stage '{stage}': {exc}", code=ErrorCode.CONNECTOR_ERROR) from None
         request = pack(StageRequest(ctx, {}, sampling, handle))
         if self.nc is not None and len(request) > self.nc.max_payload:
             raise PayloadTooLarge(
@@ -497,10 +501,10 @@ class PipelineClient:
                 except nats.errors.NoRespondersError:
                     if (gone := self.table.remove(stage, instance)) is not None:
                         self._replica_gone(gone, "is gone")  # fail what it still held, as expiry would
-                    raise StageFailed(f"{where} is gone", code="replica_lost") from None
+                    raise StageFailed(f"{where} is gone", code=ErrorCode.REPLICA_LOST) from None
                 except (TimeoutError, nats.errors.TimeoutError):
                     raise StageFailed(
-                        f"{where} did not answer in {ADMIT_TIMEOUT_S:.0f}s", code="replica_lost"
+                        f"{where} did not answer in {ADMIT_TIMEOUT_S:.0f}s", code=ErrorCode.REPLICA_LOST
                     ) from None
                 try:
                     answer: Admitted = unpack(reply.data, Admitted)
@@ -530,7 +534,9 @@ class PipelineClient:
                 try:
                     events = self._final_events(t.request_id, m)
                 except ConnectorError as exc:
-                    code = PAYLOAD_GONE if isinstance(exc, PayloadGone) else CONNECTOR_ERROR
+                    code = (
+                        ErrorCode.PAYLOAD_GONE if isinstance(exc, PayloadGone) else ErrorCode.CONNECTOR_ERROR
+                    )
                     where = f"stage '{m.stage}' replica {m.replica} -> gateway"
                     raise await self._root_cause(
                         t, ErrorMsg(t.request_id, m.stage, m.replica, f"{where}: {exc}", code)
@@ -565,14 +571,14 @@ class PipelineClient:
         that error (the real cause) before blaming the missing payload. A stage's own error
         that a payload was gone still beats ours: it is a step nearer the cause (a Mooncake
         key lost with its master, say, which only the stage that read it can name)."""
-        if err.code == PAYLOAD_GONE:
+        if err.code == ErrorCode.PAYLOAD_GONE:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(ROOT_CAUSE_WAIT_S):
                     while True:  # outputs met on the way are freed when the request ends
                         m = await t.queue.get()
                         if isinstance(m, ErrorMsg):
                             err = m
-                            if m.code != PAYLOAD_GONE:
+                            if m.code != ErrorCode.PAYLOAD_GONE:
                                 break
         return _ERRORS.get(err.code, StageFailed)(err.message, code=err.code)
 
@@ -633,7 +639,9 @@ class PipelineClient:
         now rather than at their deadline (their aborts go out once NATS is back)."""
         self._ended_by_outage.update(self.inflight)
         for t in list(self.inflight.values()):
-            self._fail(t, "the gateway lost its connection to NATS while serving this request", NATS_LOST)
+            self._fail(
+                t, "the gateway lost its connection to NATS while serving this request", ErrorCode.NATS_LOST
+            )
 
     def _on_nats_back(self) -> None:
         """Free the requests the outage ended once more: a stage may have been writing a payload
@@ -670,7 +678,7 @@ class PipelineClient:
             while not t.queue.empty():  # what the client will never read: drop it, free its payloads
                 t.queue.get_nowait()
             self._free_payloads(m.request_id)
-            self._fail(t, "the client is not reading its response fast enough", "client_too_slow")
+            self._fail(t, "the client is not reading its response fast enough", ErrorCode.CLIENT_TOO_SLOW)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -717,7 +725,9 @@ class PipelineClient:
         for t in list(self.inflight.values()):
             if t.route.get(stage) == (replica, r.hb.instance):
                 self._fail(
-                    t, f"stage '{stage}' replica {replica} {why} while serving this request", "replica_lost"
+                    t,
+                    f"stage '{stage}' replica {replica} {why} while serving this request",
+                    ErrorCode.REPLICA_LOST,
                 )
 
 

@@ -46,17 +46,12 @@ from omni_pipeline.connectors import (
     reclaim_unread,
 )
 from omni_pipeline.control import (
-    CONNECTOR_ERROR,
-    DEADLINE_EXCEEDED,
     HEARTBEAT_INTERVAL_S,
-    INVALID_REQUEST,
-    NATS_LOST,
-    PAYLOAD_GONE,
-    SLEEPING,
     AbortMsg,
     Admitted,
     ControlInbound,
     CreditMsg,
+    ErrorCode,
     ErrorMsg,
     FinalMsg,
     Heartbeat,
@@ -416,11 +411,11 @@ class StageWorker:
         a gateway learns each request's end from its own inbox, never from the beat."""
         where = f"stage '{self.spec.name}' replica {self.replica}"
         for st in list(self.requests.values()):
-            await self._fail(st.ctx, f"{where} {why}", "replica_lost")
+            await self._fail(st.ctx, f"{where} {why}", ErrorCode.REPLICA_LOST)
 
     async def _fail_all(self, held: list[RequestContext], why: str) -> None:
         for ctx in held:
-            await self._fail(ctx, f"{why} while serving this request", NATS_LOST)
+            await self._fail(ctx, f"{why} while serving this request", ErrorCode.NATS_LOST)
 
     # --- sleep and wake ----------------------------------------------------------------------
 
@@ -464,7 +459,7 @@ class StageWorker:
             if mode == "abort":
                 why = f"stage '{self.spec.name}' replica {self.replica} was put to sleep"
                 for st in list(self.requests.values()):
-                    await self._fail(st.ctx, f"{why} while serving this request", SLEEPING)
+                    await self._fail(st.ctx, f"{why} while serving this request", ErrorCode.SLEEPING)
                     self._abort(st.ctx.request_id)
             self._idle.clear()
             if self.core.has_work():
@@ -567,7 +562,7 @@ class StageWorker:
         if self.core.is_aborted(rid):
             self._cleanup(rid)  # a late input of an aborted request: free its payload
             if isinstance(m, StageRequest):
-                await self._answer(msg, Admitted(False, "aborted", f"request {rid} was aborted"))
+                await self._answer(msg, Admitted(False, ErrorCode.ABORTED, f"request {rid} was aborted"))
             return
         st = self.requests.get(rid)
         if st is None:
@@ -596,7 +591,7 @@ class StageWorker:
                 st.triggers.put_nowait(t)
         except (AssemblyError, asyncio.QueueFull) as exc:
             why = str(exc) or f"more than {self.max_triggers} inputs pending (past the edges' credit)"
-            await self._fail(st.ctx, f"broken input stream: {why}", "input_error")
+            await self._fail(st.ctx, f"broken input stream: {why}", ErrorCode.INPUT_ERROR)
             self._abort(rid)
 
     async def _answer(self, msg: Msg, answer: Admitted) -> None:
@@ -610,30 +605,30 @@ class StageWorker:
         rid = ctx.request_id
         where = f"stage '{self.spec.name}' replica {self.replica}"
         if self.spec.name not in ctx.route:
-            return None, Admitted(False, "bad_route", f"{where} is not on the route of request {rid}")
+            return None, Admitted(False, ErrorCode.BAD_ROUTE, f"{where} is not on the route of request {rid}")
         windows = {p: w for p, w in self.in_windows.items() if p == REQUEST_SOURCE or p in ctx.route}
         if not windows:  # nothing on the route feeds this stage: it would wait for ever
             inputs = ", ".join(self.in_windows)
             why = f"{where}: none of its inputs ({inputs}) is on the route of request {rid}"
-            return None, Admitted(False, "bad_route", why)
+            return None, Admitted(False, ErrorCode.BAD_ROUTE, why)
         if self.unhealthy:
             why = f"{where} is unhealthy: {self.unhealthy}"
-            return None, Admitted(False, "unhealthy", why, unhealthy=self.unhealthy)
+            return None, Admitted(False, ErrorCode.UNHEALTHY, why, unhealthy=self.unhealthy)
         if (unread := self.ledger.unread_bytes) >= self.spec.max_unread_bytes:
             why = (
                 f"{where} is full: {unread} bytes of its output wait unread by its consumers "
                 f"(maxUnreadBytes {self.spec.max_unread_bytes})"
             )
-            return None, Admitted(False, "full", why)
+            return None, Admitted(False, ErrorCode.FULL, why)
         if self.core.known(rid):  # ids are made unique by the gateway; never let one clash
-            return None, Admitted(False, "duplicate_request", f"{where} already holds request {rid}")
+            return None, Admitted(False, ErrorCode.DUPLICATE_REQUEST, f"{where} already holds request {rid}")
         admission = self.core.admit(rid)
         if admission is Admission.REJECT_DRAINING:
-            return None, Admitted(False, "draining", f"{where} is draining")
+            return None, Admitted(False, ErrorCode.DRAINING, f"{where} is draining")
         if admission is Admission.REJECT_SLEEPING:
-            return None, Admitted(False, SLEEPING, f"{where} is asleep (level {self.asleep})")
+            return None, Admitted(False, ErrorCode.SLEEPING, f"{where} is asleep (level {self.asleep})")
         if admission is Admission.REJECT_FULL:
-            return None, Admitted(False, "full", f"{where} is full")
+            return None, Admitted(False, ErrorCode.FULL, f"{where} is full")
         span = TRACER.start_span(
             "omni.stage.request",
             tracing.extract(carried),
@@ -727,19 +722,21 @@ class StageWorker:
             return "aborted"  # (or shutting down)
         except TimeoutError:
             message = f"stage '{self.spec.name}': request deadline exceeded"
-            await self._fail(st.ctx, message, DEADLINE_EXCEEDED)
+            await self._fail(st.ctx, message, ErrorCode.DEADLINE_EXCEEDED)
             return "timeout"
         except InvalidRequest as exc:  # the client asked for what this stage cannot do
-            await self._fail(st.ctx, f"stage '{self.spec.name}': {exc}", INVALID_REQUEST)
+            await self._fail(st.ctx, f"stage '{self.spec.name}': {exc}", ErrorCode.INVALID_REQUEST)
             return "invalid"
         except ConnectorError as exc:  # its message names the connector and what it said
             log.warning("stage %s: request %s: %s", self.spec.name, rid, exc)
-            code = PAYLOAD_GONE if isinstance(exc, PayloadGone) else CONNECTOR_ERROR
+            code = ErrorCode.PAYLOAD_GONE if isinstance(exc, PayloadGone) else ErrorCode.CONNECTOR_ERROR
             await self._fail(st.ctx, f"stage '{self.spec.name}': {exc}", code)
             return "error"
         except Exception as exc:
             log.exception("stage %s: request %s failed", self.spec.name, rid)
-            await self._fail(st.ctx, f"stage '{self.spec.name}': {type(exc).__name__}: {exc}", "stage_error")
+            await self._fail(
+                st.ctx, f"stage '{self.spec.name}': {type(exc).__name__}: {exc}", ErrorCode.STAGE_ERROR
+            )
             return "error"
         finally:
             engine_state.clear()
