@@ -1,0 +1,166 @@
+"""A replica's signs of life: heartbeats, health checks, readiness and the gauges /metrics reads.
+
+Heartbeats go out every interval and whenever the replica's state changes (a sleep, a drain),
+and never wait: nothing in a beat asks a backend anything. Health checks run beside them, never
+in their way: the engine's own word (dead, or wedged past stepTimeoutSeconds) and each used
+connector's (asked off the loop, since a backend that is down may take its timeout to say so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+from omni_pipeline.connectors import OmniConnector, reclaim_unread
+from omni_pipeline.control import HEARTBEAT_INTERVAL_S, Heartbeat, Subjects
+from omni_pipeline.spec import PipelineSpec
+from omni_stage.engines.base import Engine
+from omni_stage.metrics import StageMetrics
+from omni_stage.outbox import Outbox
+from omni_stage.requests import RequestBook
+from omni_stage.transfer import Transfers
+
+log = logging.getLogger("omni.stage")
+
+
+class Beats:
+    """One replica's heartbeats, health and readiness."""
+
+    def __init__(
+        self,
+        book: RequestBook,
+        engine: Engine,
+        outbox: Outbox,
+        transfers: Transfers,
+        metrics: StageMetrics,
+        subjects: Subjects,
+        instance: str,
+        used: set[OmniConnector],
+        pipeline: PipelineSpec,
+    ) -> None:
+        self.book = book
+        self.engine = engine
+        self.outbox = outbox
+        self.transfers = transfers
+        self.metrics = metrics
+        self.subjects = subjects
+        self.instance = instance
+        self.used = used
+        """The connectors this stage reads or writes through (every process builds them all)."""
+        self.pipeline = pipeline
+        self.ready = False
+        self.engine_dead: str | None = None
+        """Why the engine can serve nothing more: the replica fails what it holds and exits."""
+        self.metrics_port = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.book.spec.name}/{self.outbox.replica}"
+
+    def readiness(self) -> tuple[bool, str, str]:
+        """Ready or not, the status word and why. A sleeping replica is ready (Kubernetes must
+        not hold a rollout or restart for it; it is up and doing as told): `sleeping`."""
+        if self.engine_dead is not None:
+            return False, "not ready", f"engine dead: {self.engine_dead}"
+        if not self.ready:
+            return False, "not ready", "starting"
+        if self.book.unhealthy:
+            return False, "not ready", self.book.unhealthy
+        if self.book.draining:
+            return False, "not ready", "draining"
+        if not self.outbox.connected:
+            return False, "not ready", "NATS disconnected"
+        if self.book.asleep is not None:
+            return True, "sleeping", f"asleep at level {self.book.asleep}"
+        return True, "ready", "ok"
+
+    async def beat(self, stopping: bool = False) -> None:
+        # No gauge refresh here (/metrics does its own): counting a connector's objects may wait
+        # on its backend (Mooncake's master, when it is gone), and a beat must never wait.
+        load = self.book.core.load()
+        hb = Heartbeat(
+            stage=self.book.spec.name,
+            replica=self.outbox.replica,
+            instance=self.instance,
+            pid=os.getpid(),
+            host=socket.gethostname(),
+            queued=load.queued,
+            inflight=load.inflight,
+            capacity=load.capacity,
+            max_queued=load.max_queued,
+            draining=self.book.draining,
+            interval_s=HEARTBEAT_INTERVAL_S,
+            unhealthy=self.book.unhealthy,
+            metrics_port=self.metrics_port,
+            stopping=stopping,
+            by_gateway=dict(collections.Counter(st.ctx.reply_to for st in self.book.requests.values())),
+            accepts=sorted(self.engine.accepts),
+            honours=sorted(self.engine.honours),
+            voices=list(self.engine.voices),
+            asleep=self.book.asleep,
+            max_sleep_level=self.engine.max_sleep_level,
+        )
+        await self.outbox.broadcast(self.subjects.heartbeat, hb)
+
+    async def beating(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)  # the heartbeat period itself
+            await self.beat()
+
+    async def checking(self, also: Callable[[], Awaitable[None]], engine_died: Callable[[str], None]) -> None:
+        """Every interval: expire what no consumer will read, reclaim what dead readers held,
+        check the engine and the connectors, then `also` (the pipeline file's `paused`)."""
+        while True:
+            await asyncio.sleep(HEARTBEAT_INTERVAL_S)
+            for rid in self.book.ledger.expire(time.time(), keep=self.book.requests):
+                log.info("stage %s: request %s: its unread output expired", self.book.spec.name, rid)
+            await self.transfers.call(reclaim_unread, list(self.used), self.pipeline)
+            if (why := self._engine_failure()) is not None:
+                log.error("stage %s: engine dead: %s; failing what it holds", self.name, why)
+                engine_died(why)
+                return
+            await self._check_connectors()
+            await also()
+
+    def _engine_failure(self) -> str | None:
+        why = self.engine.dead()
+        busy, limit = self.engine.busy_s(), self.book.spec.step_timeout_s
+        if why is None and busy is not None and limit is not None and busy > limit:
+            why = f"wedged: a forward has run for {busy:.0f}s, over stepTimeoutSeconds ({limit:g}s)"
+        return why
+
+    async def _check_connectors(self) -> None:
+        """A connector whose backend is down makes the replica take nothing new until it answers."""
+        health = await self.transfers.call(lambda: [(c, c.health()) for c in self.used])
+        unhealthy = "; ".join(
+            f"connector '{c.name}' ({c.kind}): {h.get('status') or h.get('error') or 'unhealthy'}"
+            for c, h in sorted(health, key=lambda ch: ch[0].name)
+            if not h.get("ok", False)
+        )
+        if unhealthy != self.book.unhealthy:
+            log.warning("stage %s: %s", self.name, unhealthy or "connectors healthy again")
+        self.book.unhealthy = unhealthy
+
+    def refresh_gauges(self) -> None:
+        """Before a /metrics scrape."""
+        load = self.book.core.load()
+        m = self.metrics
+        m.queued.set(load.queued)
+        m.inflight.set(load.inflight)
+        m.paused.set(load.paused)
+        m.tracked.set(len(self.book.requests))
+        m.unread_bytes.set(self.book.ledger.unread_bytes)
+        m.credit_accounts.set(self.book.ledger.tracked())
+        m.resources.refresh(self.outbox.nc, self.transfers.connectors.values())
+        if (held := self.engine.active_requests()) is not None:
+            m.engine_requests.set(held)
+        if (steps := self.engine.steps_run()) is not None:
+            m.engine_steps_reached(steps)
+        m.sleep_level.set(-1 if self.book.asleep is None else self.book.asleep)
+        if (weights := self.engine.weight_bytes()) is not None:
+            m.weights_held(weights)
