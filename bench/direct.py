@@ -16,6 +16,7 @@ from omni_pipeline.control import (
     FinalMsg,
     GatewayInbound,
     RequestContext,
+    RequestInputs,
     StageRequest,
     Subjects,
     pack,
@@ -51,7 +52,7 @@ class DirectClient:
         self._done[rid] = asyncio.get_running_loop().create_future()
         return RequestContext(rid, route, self.inbox, time.time() + 60)
 
-    async def admit(self, stage: str, ctx: RequestContext, inputs: dict[str, Any]) -> None:
+    async def admit(self, stage: str, ctx: RequestContext, inputs: RequestInputs | None) -> None:
         subject = self.subjects.stage_inbox(stage, ctx.route[stage])
         reply = await self.nc.request(subject, pack(StageRequest(ctx, inputs, {})), timeout=30)
         if not (admitted := unpack(reply.data, Admitted)).ok:

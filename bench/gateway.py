@@ -32,6 +32,7 @@ from bench.load import Load, chat, closed_loop
 from bench.otlp import OtlpReceiver
 from bench.procs import served
 from omni_cli.natsd import EmbeddedNats
+from omni_pipeline.control import RequestInputs
 
 CONCURRENCY = (1, 16, 64)
 REQUESTS = {1: 400, 16: 1200, 64: 2000}
@@ -49,7 +50,7 @@ SPEC: dict[str, Any] = {
         }
     ],
 }
-INPUTS = {"messages": [{"role": "user", "content": "hi"}], "modalities": ["text"]}
+INPUTS = RequestInputs(["text"], messages=[{"role": "user", "content": "hi"}])
 
 
 async def direct_loop(client: DirectClient, requests: int, concurrency: int) -> Load:

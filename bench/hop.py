@@ -65,7 +65,7 @@ def _echo(url: str, ready: Any) -> None:
 async def ours(client: DirectClient, connector: InlineConnector) -> tuple[float, int]:
     """One segment through the relay: this process is its upstream stage and its gateway."""
     ctx = client.context({"source": "0", "relay": "0"})
-    await client.admit("relay", ctx, {})
+    await client.admit("relay", ctx, None)
     _, _, handle = connector.put("source", "relay", ctx.request_id, {"token_ids": torch.tensor([7])})
     msg = pack(SegmentMsg(ctx, "source", 0, True, 1, handle))
     t = time.perf_counter()

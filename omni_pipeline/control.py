@@ -24,7 +24,7 @@ import nats
 from nats.aio.client import Client as NatsClient
 
 from omni_pipeline import wire
-from omni_pipeline.connectors.base import ConnectorHandle
+from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, PayloadGone
 from omni_pipeline.environment import (
     NATS_CREDS_ENV,
     NATS_TLS_CA_ENV,
@@ -85,6 +85,11 @@ class ErrorCode(StrEnum):
     """The gateway's client read its response too slowly; its outputs were dropped and freed."""
 
 
+def connector_error_code(exc: ConnectorError) -> ErrorCode:
+    """The code of a connector's failure: its payload was gone, or the connector failed."""
+    return ErrorCode.PAYLOAD_GONE if isinstance(exc, PayloadGone) else ErrorCode.CONNECTOR_ERROR
+
+
 _TOKEN: Final = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 
@@ -132,21 +137,48 @@ class RequestContext(msgspec.Struct, frozen=True):
     """Unix time after which the request is abandoned."""
 
 
+class RequestInputs(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """What a client asked for, as the source stages read it: model-agnostic (the stage that owns
+    a tokenizer applies the chat template). Engines get it as a dict of the fields set."""
+
+    modalities: list[str] = msgspec.field(default_factory=list)
+    """The outputs asked for (`text`, `audio`, `image`)."""
+    messages: list[dict[str, Any]] | None = None
+    """A chat's messages, media parts replaced by references to `RequestPayload.media`."""
+    prompt: str | None = None
+    """Text to speak, or an image's prompt (no chat template)."""
+    negative_prompt: str | None = None
+    voice: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    """The tools a chat offers, for the chat template (whether or not the model may call them)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields set, as an engine reads them."""
+        return {k: v for k, v in msgspec.structs.asdict(self).items() if v is not None}
+
+
+class RequestPayload(msgspec.Struct, frozen=True):
+    """A source stage's copy of the client's request, on its request edge's connector."""
+
+    inputs: RequestInputs
+    media: dict[str, Any] = {}
+    """Decoded media tensors, by the keys the messages refer to them with."""
+
+
 class StageRequest(msgspec.Struct, tag="request", frozen=True, omit_defaults=True):
     """A new request, sent by request/reply to every replica on its route (answered by Admitted).
 
-    Stages that read `request` get the client's inputs; the others an empty dict: for them it
-    only reserves a slot, so admission (full, draining) is decided before any work starts.
-    A source stage's inputs come by `payload`, on its request edge's connector, as any stage's
-    inputs do: `{"inputs": {...}, "media": {key: tensor}}` (the messages refer to the media
-    tensors by key). Small ones ride inline in the handle; large ones (a long prompt, images)
+    Stages that read `request` get the client's inputs; for the others it only reserves a slot,
+    so admission (full, draining) is decided before any work starts. A source stage's inputs
+    come by `payload`, on its request edge's connector, as any stage's inputs do (a
+    RequestPayload). Small ones ride inline in the handle; large ones (a long prompt, images)
     wait in shared memory or Mooncake, never in a NATS message, which is capped (1 MiB by
     default). The stage reads its copy once, and the gateway frees it if the request ends
-    before that.
+    before that. `inputs` carries them inline instead (tests, benchmarks of the hop itself).
     """
 
     ctx: RequestContext
-    inputs: dict[str, Any]
+    inputs: RequestInputs | None
     sampling: dict[str, Any]
     payload: ConnectorHandle | None = None
 

@@ -53,11 +53,15 @@ class ResourceGauges:
                 return int(family.samples[0].value)
         return 0
 
-    def refresh(self, nc: NatsClient | None, connectors: Iterable[OmniConnector]) -> None:
-        """Call on the event loop's thread."""
-        conns = list(connectors)
+    def refresh(self, nc: NatsClient | None) -> None:
+        """What the event loop holds; call on its thread (before a scrape: it asks nobody)."""
         self.tasks.set(len(asyncio.all_tasks()))
         self.subscriptions.set(nats_subscriptions(nc))
+
+    def count_connectors(self, connectors: Iterable[OmniConnector]) -> None:
+        """What the connectors hold. Counting may wait on a backend (Mooncake's master), so it
+        runs off the loop, every heartbeat interval; a scrape reads the last count."""
+        conns = list(connectors)
         self.shm_segments.set(sum(c.live_objects() for c in conns if isinstance(c, ShmConnector)))
         self.mooncake_keys.set(sum(c.live_objects() for c in conns if isinstance(c, MooncakeConnector)))
         self.pool_bytes.set(sum(c.pooled_bytes() for c in conns))

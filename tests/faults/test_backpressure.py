@@ -29,6 +29,7 @@ from omni_pipeline.control import (
     FinalMsg,
     GatewayInbound,
     RequestContext,
+    RequestInputs,
     StageRequest,
     Subjects,
     pack,
@@ -145,11 +146,11 @@ async def _opposite_orders(nats_url: str) -> dict[str, str]:
     await nc.subscribe(inbox, cb=on_reply)
     route = {"producer": "a", "consumer": "a"}
     ctx = {rid: RequestContext(rid, route, inbox, time.time() + 60) for rid in ("req-a", "req-b")}
-    prompt = {"messages": [{"role": "user", "content": "hi"}]}
+    prompt = RequestInputs(messages=[{"role": "user", "content": "hi"}])
     try:
         order = [("req-b", "consumer"), ("req-a", "consumer"), ("req-a", "producer"), ("req-b", "producer")]
         for rid, stage in order:
-            inputs = prompt if stage == "producer" else {}
+            inputs = prompt if stage == "producer" else None
             request = StageRequest(ctx[rid], inputs, {"max_tokens": 10 * CREDIT})
             reply = await nc.request(subjects.stage_inbox(stage, "a"), pack(request), timeout=5)
             assert unpack(reply.data, Admitted).ok, (rid, stage)

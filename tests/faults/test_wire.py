@@ -28,6 +28,7 @@ from omni_pipeline.control import (
     FinalMsg,
     GatewayInbound,
     RequestContext,
+    RequestInputs,
     SegmentMsg,
     StageDone,
     StageRequest,
@@ -119,7 +120,9 @@ def test_a_pickle_or_unknown_extension_on_nats_is_refused(stages: Stages, tmp_pa
         await nc.flush()
         # The replica still serves: a real request after the garbage is answered in full.
         ctx = _ctx("after-garbage", {"thinker": "0"})
-        req = StageRequest(ctx, {"messages": [{"role": "user", "content": "hi"}]}, {"max_tokens": 3})
+        req = StageRequest(
+            ctx, RequestInputs(messages=[{"role": "user", "content": "hi"}]), {"max_tokens": 3}
+        )
         admitted: Admitted = unpack((await nc.request(inbox, pack(req), timeout=10)).data, Admitted)
         assert admitted.ok, admitted
         return await _until_last(replies)
@@ -150,7 +153,7 @@ def test_garbage_in_a_segment_fails_only_its_request(stages: Stages, tmp_path: P
         for rid, handle in evil.items():
             ctx = _ctx(rid, route)
             admitted: Admitted = unpack(
-                (await nc.request(inbox, pack(StageRequest(ctx, {}, {})), timeout=10)).data, Admitted
+                (await nc.request(inbox, pack(StageRequest(ctx, None, {})), timeout=10)).data, Admitted
             )
             assert admitted.ok, admitted
             await nc.publish(inbox, pack(SegmentMsg(ctx, "thinker", 0, True, 1, handle)))
@@ -178,7 +181,7 @@ def test_a_route_that_feeds_a_stage_nothing_is_refused_at_once(stages: Stages) -
     inbox = Subjects("synth").stage_inbox("talker", "0")
 
     async def steps(nc: nats.NATS, _: asyncio.Queue[object]) -> list[object]:
-        req = StageRequest(_ctx("no-producer", {"talker": "0"}), {}, {})
+        req = StageRequest(_ctx("no-producer", {"talker": "0"}), None, {})
         return [unpack((await nc.request(inbox, pack(req), timeout=10)).data, Admitted)]
 
     [answer] = asyncio.run(_exchange(stages.nats_url, steps))

@@ -4,7 +4,7 @@ A request's own messages (outputs, StageDone, errors) reach the gateway on its i
 on their subject. nats-py runs each subscription's callbacks in a task of its own, so nothing
 orders the two: an old instance's last output may be read after its stopping beat and after its
 successor's first beat. Here the test plays the thinker replica over a real nats-server, so it
-chooses that order exactly; the gateway is the real PipelineClient. (A real stage process cannot
+chooses that order exactly; the gateway is the real Pipeline. (A real stage process cannot
 be made to send in a chosen interleaving; tests/integration/test_distributed.py runs the real
 rolling restart.)
 """
@@ -18,14 +18,26 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
+from omni_gateway.attempt import Prepared
 from omni_gateway.events import Finished, TextDelta
-from omni_gateway.service import PipelineClient
-from omni_pipeline.control import Admitted, FinalMsg, Heartbeat, StageRequest, Subjects, pack, unpack
+from omni_gateway.pipeline import Pipeline
+from omni_pipeline.control import (
+    Admitted,
+    FinalMsg,
+    Heartbeat,
+    RequestInputs,
+    StageRequest,
+    Subjects,
+    pack,
+    unpack,
+)
 from omni_pipeline.spec import OutputKind, load_pipeline
 from tests.helpers import ROOT, wait_until
 
 PIPELINE = load_pipeline(ROOT / "tests" / "data" / "synthetic.yaml")
 SUBJECTS = Subjects(PIPELINE.name)
+TEXT = Prepared(RequestInputs(["text"]), {}, frozenset({OutputKind.TEXT}), {})
+"""A request for text, past the pre-flight checks."""
 
 
 def beat(instance: str, draining: bool = False, stopping: bool = False) -> bytes:
@@ -71,8 +83,8 @@ class PlayedThinker:
 
 
 @pytest.fixture
-async def gateway(nats_url: str) -> AsyncIterator[tuple[PipelineClient, PlayedThinker]]:
-    client = PipelineClient(PIPELINE, nats_url)
+async def gateway(nats_url: str) -> AsyncIterator[tuple[Pipeline, PlayedThinker]]:
+    client = Pipeline(PIPELINE, nats_url)
     assert await client.start()
     nc = await nats.connect(nats_url)
     thinker = PlayedThinker(nc)
@@ -84,17 +96,17 @@ async def gateway(nats_url: str) -> AsyncIterator[tuple[PipelineClient, PlayedTh
         await nc.close()
 
 
-def instances(client: PipelineClient) -> list[str]:
-    return [r["instance"] for r in client.table.snapshot()]
+def instances(client: Pipeline) -> list[str]:
+    return [r["instance"] for r in client.bus.table.snapshot()]
 
 
 async def test_output_read_after_the_stop_and_the_successor_still_completes(
-    gateway: tuple[PipelineClient, PlayedThinker],
+    gateway: tuple[Pipeline, PlayedThinker],
 ) -> None:
     client, thinker = gateway
     await thinker.beat("old")
     await wait_until(lambda: instances(client) == ["old"], 10, "the old instance registered")
-    events = client.generate("r1", {"request": {}}, {}, {OutputKind.TEXT})
+    events = client.run("r1", TEXT)
     first = asyncio.ensure_future(anext(events))
     req = await wait_until(lambda: thinker.requests and thinker.requests[0], 10, "r1 admitted")
 
@@ -111,18 +123,18 @@ async def test_output_read_after_the_stop_and_the_successor_still_completes(
     assert await first == TextDelta("hello")
     assert isinstance(await anext(events), Finished)
     assert instances(client) == ["new"]
-    assert client.table.pick("thinker").hb.instance == "new"
+    assert client.bus.table.pick("thinker").hb.instance == "new"
 
 
 async def test_a_successor_without_a_drain_means_the_old_instance_died(
-    gateway: tuple[PipelineClient, PlayedThinker],
+    gateway: tuple[Pipeline, PlayedThinker],
 ) -> None:
     """A new instance while the old one was serving (not draining): the old one was killed and
     restarted, so what it held is lost; the request goes again, to the new instance."""
     client, thinker = gateway
     await thinker.beat("old")
     await wait_until(lambda: instances(client) == ["old"], 10, "the old instance registered")
-    events = client.generate("r2", {"request": {}}, {}, {OutputKind.TEXT})
+    events = client.run("r2", TEXT)
     first = asyncio.ensure_future(anext(events))
     await wait_until(lambda: len(thinker.requests) == 1, 10, "r2 admitted")
 

@@ -12,7 +12,14 @@ import pytest
 import torch
 
 from omni_pipeline.connectors import ConnectorHandle, build_connectors
-from omni_pipeline.control import Admitted, ErrorCode, RequestContext, SegmentMsg, StageRequest
+from omni_pipeline.control import (
+    Admitted,
+    ErrorCode,
+    RequestContext,
+    RequestInputs,
+    SegmentMsg,
+    StageRequest,
+)
 from omni_pipeline.spec import REQUEST_SOURCE, load_pipeline
 from omni_stage.assembly import AssemblyError
 from omni_stage.requests import OutEdge, RequestBook, RequestState
@@ -100,10 +107,10 @@ def test_a_source_takes_all_sampling_others_only_what_their_engine_reads() -> No
     thinker, talker = book("thinker"), book("talker")
     asked = {"max_tokens": 5, "speed": 1.5}
     st = admitted(thinker, "a")
-    assert thinker.requested(st, StageRequest(ctx("a"), {}, asked), frozenset())
+    assert thinker.requested(st, StageRequest(ctx("a"), None, asked), frozenset())
     assert st.sampling == asked
     st = admitted(talker, "a")
-    assert not talker.requested(st, StageRequest(ctx("a"), {}, asked), frozenset({"speed"}))
+    assert not talker.requested(st, StageRequest(ctx("a"), None, asked), frozenset({"speed"}))
     assert st.sampling == {"speed": 1.5}
 
 
@@ -127,7 +134,7 @@ def test_inputs_become_triggers_in_sequence_order() -> None:
 def test_a_request_as_input_is_one_last_trigger() -> None:
     b = book("thinker")
     st = admitted(b, "a")
-    m = StageRequest(ctx("a"), {"messages": []}, {})
+    m = StageRequest(ctx("a"), RequestInputs(messages=[]), {})
     b.add_input(st, REQUEST_SOURCE, 0, m, 0, True)
     trig = st.triggers.get_nowait()
     assert trig.is_last and trig.inputs == {REQUEST_SOURCE: m}

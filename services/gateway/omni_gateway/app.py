@@ -22,8 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omni_gateway.errors import BadRequest, OmniError
 from omni_gateway.guards import ApiKeyAuth, BodyLimit, load_api_keys
 from omni_gateway.metrics import GatewayMetrics
+from omni_gateway.pipeline import Pipeline
 from omni_gateway.routes import router
-from omni_gateway.service import PipelineClient
 from omni_pipeline.logs import REQUEST_ID, configure_logging
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
 from omni_pipeline.spec import PipelineFile
@@ -99,17 +99,18 @@ def _error_response(err: OmniError) -> JSONResponse:
 
 
 def build_app(
-    service: PipelineClient,
+    pipeline: Pipeline,
     lifespan: Callable[[FastAPI], Any] | None = None,
     api_keys: frozenset[str] = frozenset(),
 ) -> FastAPI:
     app = FastAPI(title="omni-pipeline gateway", lifespan=lifespan)
-    app.state.service = service
-    app.state.metrics = metrics = GatewayMetrics(lambda: service.migrations)
+    app.state.pipeline = pipeline
+    app.state.metrics = metrics = GatewayMetrics(lambda: pipeline.migrations)
+    pipeline.bus.resources = metrics.resources  # counted off the loop, read by /metrics
     app.include_router(router)
     # Added innermost first: the key is checked before the body is read; every answer, the
     # guards' included, carries X-Request-Id and is counted.
-    app.add_middleware(BodyLimit, max_bytes=service.spec.gateway.max_request_bytes)
+    app.add_middleware(BodyLimit, max_bytes=pipeline.spec.gateway.max_request_bytes)
     app.add_middleware(ApiKeyAuth, keys=api_keys)
     app.add_middleware(RequestIdMiddleware)
 
@@ -166,7 +167,7 @@ def run_gateway(
     )
 
     async def main() -> None:
-        service = PipelineClient(pipeline, nats_url)
+        service = Pipeline(pipeline, nats_url)
         stopping = asyncio.Event()
 
         @contextlib.asynccontextmanager
@@ -178,7 +179,7 @@ def run_gateway(
             if wait_for_stages:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(READY_WAIT_S):
-                        await service.covered.wait()
+                        await service.bus.covered.wait()
             ready({"port": sock.getsockname()[1], "gateway_id": service.gateway_id})
             log.info(
                 "gateway %s serving %s on http://%s:%d",

@@ -6,6 +6,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from omni_pipeline.control import RequestInputs
 from omni_pipeline.spec import OutputKind
 
 
@@ -296,20 +297,18 @@ class ChatCompletionRequest(BaseModel):
         return {OutputKind(m) for m in (self.modalities or ["text"])}
 
 
-def stage_inputs(req: ChatCompletionRequest) -> dict[str, Any]:
+def stage_inputs(req: ChatCompletionRequest) -> RequestInputs:
     """What the source stages get: messages and output wishes, model-agnostic."""
-    out: dict[str, Any] = {
-        "messages": [
+    return RequestInputs(
+        modalities=sorted(k.value for k in req.wanted_outputs()),
+        messages=[
             m.model_dump(exclude_none=True, include={"role", "content", "name", "tool_calls", "tool_call_id"})
             for m in req.messages
         ],
-        "modalities": sorted(k.value for k in req.wanted_outputs()),
-    }
-    if req.audio is not None:
-        out["voice"] = req.audio.voice
-    if req.tools:  # for the chat template, whether or not the model may call them
-        out["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
-    return out
+        voice=req.audio.voice if req.audio is not None else None,
+        # For the chat template, whether or not the model may call them.
+        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+    )
 
 
 def _dump(value: Any) -> Any:
@@ -409,11 +408,10 @@ class ImageGenerationRequest(BaseModel):
         return int(w), int(h)
 
 
-def image_inputs(req: ImageGenerationRequest) -> dict[str, Any]:
-    out: dict[str, Any] = {"prompt": req.prompt, "modalities": [OutputKind.IMAGE.value]}
-    if req.negative_prompt:
-        out["negative_prompt"] = req.negative_prompt
-    return out
+def image_inputs(req: ImageGenerationRequest) -> RequestInputs:
+    return RequestInputs(
+        modalities=[OutputKind.IMAGE.value], prompt=req.prompt, negative_prompt=req.negative_prompt or None
+    )
 
 
 def image_sampling(req: ImageGenerationRequest) -> dict[str, Any]:
@@ -475,12 +473,9 @@ class SpeechRequest(BaseModel):
         return v
 
 
-def speech_inputs(req: SpeechRequest) -> dict[str, Any]:
+def speech_inputs(req: SpeechRequest) -> RequestInputs:
     """The text to speak is the source stage's prompt (no chat template: nothing to answer)."""
-    out: dict[str, Any] = {"prompt": req.input, "modalities": [OutputKind.AUDIO.value]}
-    if req.voice is not None:
-        out["voice"] = req.voice
-    return out
+    return RequestInputs(modalities=[OutputKind.AUDIO.value], prompt=req.input, voice=req.voice)
 
 
 def speech_sampling(req: SpeechRequest) -> dict[str, Any]:

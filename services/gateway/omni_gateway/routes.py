@@ -15,11 +15,11 @@ from prometheus_client.exposition import choose_encoder
 from starlette.types import Receive, Scope, Send
 
 from omni_gateway.chat import ChatResult, completion_body, index_of, now, sse_chunks
-from omni_gateway.errors import BadRequest, ModelNotFound, OmniError, StageFailed, Unavailable
+from omni_gateway.errors import ModelNotFound, OmniError, StageFailed, Unavailable
 from omni_gateway.events import AudioChunk, Event, ImageProgress, OfChoice, TextDelta
 from omni_gateway.images import final_images, image_stream, images_body
-from omni_gateway.media import Media, decode_media
 from omni_gateway.metrics import GatewayMetrics
+from omni_gateway.pipeline import Pipeline, PipelineRequest
 from omni_gateway.protocol import (
     SAMPLING_EVERY_ENGINE,
     SPEECH_MEDIA_TYPES,
@@ -35,7 +35,6 @@ from omni_gateway.protocol import (
     speech_sampling,
     stage_inputs,
 )
-from omni_gateway.service import PipelineClient
 from omni_gateway.sleep import sleep, stage_names, wake
 from omni_gateway.speech import audio_stream, sse_stream
 from omni_pipeline.spec import OutputKind
@@ -44,15 +43,15 @@ router = APIRouter()
 T = TypeVar("T")
 
 
-def _service(request: Request) -> PipelineClient:
-    return request.app.state.service  # type: ignore[no-any-return]
+def _pipeline(request: Request) -> Pipeline:
+    return request.app.state.pipeline  # type: ignore[no-any-return]
 
 
 def _metrics(request: Request) -> GatewayMetrics:
     return request.app.state.metrics  # type: ignore[no-any-return]
 
 
-def _model(svc: PipelineClient) -> dict[str, Any]:
+def _model(svc: Pipeline) -> dict[str, Any]:
     return {
         "id": svc.spec.served_model_name,
         "object": "model",
@@ -64,12 +63,12 @@ def _model(svc: PipelineClient) -> dict[str, Any]:
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model(_service(request))]}
+    return {"object": "list", "data": [_model(_pipeline(request))]}
 
 
 @router.get("/v1/models/{model:path}")
 async def model(request: Request, model: str) -> dict[str, Any]:
-    svc = _service(request)
+    svc = _pipeline(request)
     if model != svc.spec.served_model_name:
         raise ModelNotFound(f"model '{model}' does not exist", param="model")
     return _model(svc)
@@ -83,16 +82,16 @@ async def live() -> dict[str, str]:
 
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
-    svc = _service(request)
-    ok = svc.ready()
+    svc = _pipeline(request)
+    ok = svc.bus.ready()
     return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    m, svc = _metrics(request), _service(request)
-    m.tracked.set(len(svc.inflight))
-    m.resources.refresh(svc.nc, svc.connectors.values())
+    m, svc = _metrics(request), _pipeline(request)
+    m.tracked.set(len(svc.bus.inflight))
+    m.resources.refresh(svc.bus.nc)  # the connectors' counts are the last ones, made off the loop
     encode, content_type = choose_encoder(request.headers.get("accept", ""))  # OpenMetrics: exemplars
     return Response(encode(m.registry), media_type=content_type)
 
@@ -100,7 +99,7 @@ async def metrics(request: Request) -> Response:
 @router.get("/replicas")
 async def replicas(request: Request) -> dict[str, Any]:
     """The live replica table this gateway routes by (for operators)."""
-    return {"replicas": _service(request).table.snapshot()}
+    return {"replicas": _pipeline(request).bus.table.snapshot()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,48 +111,26 @@ class Streamed:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-def _check_model(svc: PipelineClient, model: str | None, wanted: set[OutputKind], param: str) -> None:
-    """404 for another model's name; 400 for an output this pipeline does not make."""
-    name = svc.spec.served_model_name
-    if model is not None and model != name:
-        raise ModelNotFound(f"model '{model}' does not exist", param="model")
-    offered = svc.spec.output_kinds()
-    if missing := wanted - offered:
-        raise BadRequest(
-            f"model '{name}' cannot output {', '.join(sorted(m.value for m in missing))}; "
-            f"it outputs {', '.join(sorted(k.value for k in offered))}",
-            param=param,
-        )
-
-
 async def _respond(
     request: Request,
-    svc: PipelineClient,
-    inputs: dict[str, Any],
-    sampling: dict[str, Any],
-    outputs: set[OutputKind],
+    asked: PipelineRequest,
     respond: Callable[[str, Any, AsyncIterator[Any]], Awaitable[Response | Streamed]],
-    media: Media | None = None,
     n: int = 1,
     whole: bool = False,
 ) -> Response:
-    """Run one request (`n` > 1: its replies side by side, events as `OfChoice`): count it,
-    wait for its first output (an error before any output keeps its HTTP status), then let
-    `respond` build the response from it and the rest. A streamed body takes over the
-    in-flight count; a client that leaves aborts the request. `whole`: the response is sent
-    when the request ends, so a request moved to a fresh route starts over unseen."""
+    """Check a request (once, in the pipeline API), run it (`n` > 1: its replies side by side,
+    events as `OfChoice`), count it, wait for its first output (an error before any output
+    keeps its HTTP status), then let `respond` build the response from it and the rest. A
+    streamed body takes over the in-flight count; a client that leaves aborts the request.
+    `whole`: the response is sent when the request ends, so a request moved to a fresh route
+    starts over unseen."""
+    svc = _pipeline(request)
+    req = await svc.prepare(asked)
     rid: str = request.state.request_id  # the client's X-Request-Id, made unique (app.py)
     m = _metrics(request)
     t0 = time.monotonic()
-    tensors = media.tensors if media else None
-    events = _observed(
-        svc.generate(rid, inputs, sampling, outputs, tensors, whole=whole)
-        if n == 1
-        else svc.generate_choices(rid, n, inputs, sampling, outputs, tensors, whole=whole),
-        m,
-        t0,
-        rid,
-    )
+    run = svc.run(rid, req, whole=whole) if n == 1 else svc.run_choices(rid, n, req, whole=whole)
+    events = _observed(run, m, t0, rid)
     m.inflight.inc()
     streaming = False
     try:
@@ -175,13 +152,6 @@ async def _respond(
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
-    svc = _service(request)
-    _check_model(svc, req.model, req.wanted_outputs(), "modalities")
-    limit = svc.spec.gateway.max_tokens
-    if (asked := req.max_completion_tokens or req.max_tokens) is not None and asked > limit:
-        param = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-        raise BadRequest(f"{param}: {asked} is more than this model's limit of {limit}", param=param)
-
     async def respond(rid: str, first: Any, events: AsyncIterator[Any]) -> Response | Streamed:
         if req.stream:
             return Streamed(sse_chunks(req, rid, now(), first, events), "text/event-stream")
@@ -191,37 +161,33 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             results[i].add(ev)
         return JSONResponse(completion_body(req, rid, now(), results))
 
-    params = sampling_params(req)
-    svc.refuse_unhonoured(req.wanted_outputs(), params, SAMPLING_EVERY_ENGINE)
-    if OutputKind.AUDIO in req.wanted_outputs():
-        svc.refuse_unknown_voice(req.audio.voice if req.audio else None, "audio.voice")
-    inputs = stage_inputs(req)
-    accepts = svc.accepted_parts(req.wanted_outputs())
-    inputs["messages"], media = await decode_media(inputs["messages"], svc.spec.gateway.media, accepts)
-    outputs = req.wanted_outputs()
-    return await _respond(request, svc, inputs, params, outputs, respond, media, req.n, not req.stream)
+    asked = PipelineRequest(
+        req.model,
+        frozenset(req.wanted_outputs()),
+        stage_inputs(req),
+        sampling_params(req),
+        outputs_param="modalities",
+        voice_param="audio.voice",
+        max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
+        declared=SAMPLING_EVERY_ENGINE,
+    )
+    return await _respond(request, asked, respond, req.n, not req.stream)
 
 
 @router.post("/v1/images/generations", response_model=None)
 async def images_generations(req: ImageGenerationRequest, request: Request) -> Response:
-    svc = _service(request)
-    _check_model(svc, req.model, {OutputKind.IMAGE}, "model")
-
     async def respond(_: str, first: Event, events: AsyncIterator[Event]) -> Response | Streamed:
         if req.stream:
             return Streamed(image_stream(req, now(), first, events), "text/event-stream")
         final, finished = final_images(await _rest(first, events))
         return JSONResponse(await images_body(req, now(), final, finished))
 
-    inputs, sampling = image_inputs(req), image_sampling(req)
-    return await _respond(request, svc, inputs, sampling, {OutputKind.IMAGE}, respond, whole=not req.stream)
+    asked = PipelineRequest(req.model, frozenset({OutputKind.IMAGE}), image_inputs(req), image_sampling(req))
+    return await _respond(request, asked, respond, whole=not req.stream)
 
 
 @router.post("/v1/audio/speech", response_model=None)
 async def audio_speech(req: SpeechRequest, request: Request) -> Response:
-    svc = _service(request)
-    _check_model(svc, req.model, {OutputKind.AUDIO}, "model")
-
     async def respond(_: str, first: Event, events: AsyncIterator[Event]) -> Response | Streamed:
         if not isinstance(first, AudioChunk):
             raise StageFailed("the pipeline ended without producing audio")
@@ -230,8 +196,9 @@ async def audio_speech(req: SpeechRequest, request: Request) -> Response:
             return Streamed(sse_stream(req, first, events), "text/event-stream", headers)
         return Streamed(audio_stream(req, first, events), SPEECH_MEDIA_TYPES[req.response_format], headers)
 
-    svc.refuse_unknown_voice(req.voice, "voice")
-    return await _respond(request, svc, speech_inputs(req), speech_sampling(req), {OutputKind.AUDIO}, respond)
+    audio = frozenset({OutputKind.AUDIO})
+    asked = PipelineRequest(req.model, audio, speech_inputs(req), speech_sampling(req), voice_param="voice")
+    return await _respond(request, asked, respond)
 
 
 @router.get("/v1/audio/voices")
@@ -239,7 +206,7 @@ async def audio_voices(request: Request) -> dict[str, Any]:
     """The voices the pipeline speaks in, as vLLM-Omni lists them (no voice cloning here, so no
     uploaded voices); 404 for a pipeline that does not speak, 503 while its speaking stages
     have not all announced theirs."""
-    svc = _service(request)
+    svc = _pipeline(request)
     if OutputKind.AUDIO not in svc.spec.output_kinds():
         raise ModelNotFound(f"model '{svc.spec.served_model_name}' does not output audio")
     voices = svc.voices()
@@ -251,14 +218,14 @@ async def audio_voices(request: Request) -> dict[str, Any]:
 @router.post("/v1/omni/sleep")
 async def omni_sleep(req: OmniSleepRequest, request: Request) -> dict[str, Any]:
     """Put stages to sleep (see omni_gateway.sleep); the answer comes once they all are."""
-    svc = _service(request)
-    return await sleep(svc, stage_names(svc.spec, req.stage_ids), req.level, req.pause_mode())
+    svc = _pipeline(request)
+    return await sleep(svc.bus, stage_names(svc.spec, req.stage_ids), req.level, req.pause_mode())
 
 
 @router.post("/v1/omni/wakeup")
 async def omni_wakeup(req: OmniWakeupRequest, request: Request) -> dict[str, Any]:
-    svc = _service(request)
-    return await wake(svc, stage_names(svc.spec, req.stage_ids))
+    svc = _pipeline(request)
+    return await wake(svc.bus, stage_names(svc.spec, req.stage_ids))
 
 
 async def _observed(

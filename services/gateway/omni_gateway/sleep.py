@@ -17,8 +17,8 @@ from typing import Any, Final
 
 from nats.aio.msg import Msg
 
+from omni_gateway.bus import RETRY_AFTER, Bus
 from omni_gateway.errors import BadRequest, StageFailed, Timeout, Unavailable, Unsupported
-from omni_gateway.service import RETRY_AFTER, PipelineClient
 from omni_pipeline import wire
 from omni_pipeline.control import SleepAck, SleepMsg, WakeMsg, pack, unpack
 from omni_pipeline.spec import PipelineSpec
@@ -44,29 +44,29 @@ def stage_names(spec: PipelineSpec, ids: list[int | str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-async def sleep(svc: PipelineClient, stages: list[str], level: int, mode: str) -> dict[str, Any]:
-    for r in svc.table.up(stages):
+async def sleep(bus: Bus, stages: list[str], level: int, mode: str) -> dict[str, Any]:
+    for r in bus.table.up(stages):
         deepest = r.hb.max_sleep_level
         if deepest is None or deepest < level:
             can = "cannot sleep" if deepest is None else f"can sleep at most at level {deepest}"
             raise Unsupported(f"stage '{r.hb.stage}' replica {r.hb.replica} {can}", param="level")
-    return await _broadcast(svc, SleepMsg(stages, level, mode), stages)
+    return await _broadcast(bus, SleepMsg(stages, level, mode), stages)
 
 
-async def wake(svc: PipelineClient, stages: list[str]) -> dict[str, Any]:
-    if not any(r.asleep for r in svc.table.up(stages)):
+async def wake(bus: Bus, stages: list[str]) -> dict[str, Any]:
+    if not any(r.asleep for r in bus.table.up(stages)):
         return {"status": "SKIPPED", "reason": "Target stages are not sleeping."}  # vLLM-Omni's words
-    return await _broadcast(svc, WakeMsg(stages), stages)
+    return await _broadcast(bus, WakeMsg(stages), stages)
 
 
-async def _broadcast(svc: PipelineClient, msg: SleepMsg | WakeMsg, stages: list[str]) -> dict[str, Any]:
+async def _broadcast(bus: Bus, msg: SleepMsg | WakeMsg, stages: list[str]) -> dict[str, Any]:
     """Send `msg` to every replica of `stages`; their acks, or the error that says who failed."""
-    if svc.nc is None or not svc.connected:
+    if bus.nc is None or not bus.connected:
         raise Unavailable("the gateway is not connected to NATS", headers=RETRY_AFTER)
-    if absent := [s for s in stages if not svc.table.up([s])]:
+    if absent := [s for s in stages if not bus.table.up([s])]:
         raise Unavailable(f"stage '{absent[0]}' has no live replica", headers=RETRY_AFTER)
-    asked = {r.hb.instance: r.hb for r in svc.table.up(stages)}
-    timeout_s = svc.spec.gateway.request_timeout_s  # a `wait` sleep lets the requests held finish
+    asked = {r.hb.instance: r.hb for r in bus.table.up(stages)}
+    timeout_s = bus.spec.gateway.request_timeout_s  # a `wait` sleep lets the requests held finish
     acks: asyncio.Queue[SleepAck] = asyncio.Queue(ACKS_PER_REPLICA * len(asked))
 
     async def on_ack(m: Msg) -> None:
@@ -78,11 +78,11 @@ async def _broadcast(svc: PipelineClient, msg: SleepMsg | WakeMsg, stages: list[
         with contextlib.suppress(asyncio.QueueFull):
             acks.put_nowait(ack)
 
-    inbox = svc.nc.new_inbox()
-    sub = await svc.nc.subscribe(inbox, cb=on_ack)
+    inbox = bus.nc.new_inbox()
+    sub = await bus.nc.subscribe(inbox, cb=on_ack)
     got: dict[str, SleepAck] = {}
     try:
-        await svc.nc.publish(svc.subjects.control, pack(msg), reply=inbox)
+        await bus.nc.publish(bus.subjects.control, pack(msg), reply=inbox)
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(timeout_s):
                 while not asked.keys() <= got.keys():
@@ -100,13 +100,13 @@ async def _broadcast(svc: PipelineClient, msg: SleepMsg | WakeMsg, stages: list[
 
     def routed() -> bool:  # each replica's own beat (sent before its ack) has reached our table
         return all(
-            (r := svc.table.get(a.stage, a.instance)) is None or r.hb.asleep == a.asleep for a in got.values()
+            (r := bus.table.get(a.stage, a.instance)) is None or r.hb.asleep == a.asleep for a in got.values()
         )
 
-    await svc.until_table(routed, timeout_s)
+    await bus.until_table(routed, timeout_s)
     log.info("gateway: %s of %s: %d replicas answered", what, ", ".join(stages), len(got))
     task = uuid.uuid4().hex
-    return {"status": "SUCCESS", "acks": [_ack_body(svc.spec, task, a) for a in _ordered(svc.spec, got)]}
+    return {"status": "SUCCESS", "acks": [_ack_body(bus.spec, task, a) for a in _ordered(bus.spec, got)]}
 
 
 def _ordered(spec: PipelineSpec, acks: dict[str, SleepAck]) -> list[SleepAck]:

@@ -120,6 +120,9 @@ class Beats:
             for rid in self.book.ledger.expire(time.time(), keep=self.book.requests):
                 log.info("stage %s: request %s: its unread output expired", self.book.spec.name, rid)
             await self.transfers.call(reclaim_unread, list(self.used), self.pipeline)
+            await self.transfers.call(
+                self.metrics.resources.count_connectors, self.transfers.connectors.values()
+            )
             if (why := self._engine_failure()) is not None:
                 log.error("stage %s: engine dead: %s; failing what it holds", self.name, why)
                 engine_died(why)
@@ -156,7 +159,7 @@ class Beats:
         m.tracked.set(len(self.book.requests))
         m.unread_bytes.set(self.book.ledger.unread_bytes)
         m.credit_accounts.set(self.book.ledger.tracked())
-        m.resources.refresh(self.outbox.nc, self.transfers.connectors.values())
+        m.resources.refresh(self.outbox.nc)
         if (held := self.engine.active_requests()) is not None:
             m.engine_requests.set(held)
         if (steps := self.engine.steps_run()) is not None:

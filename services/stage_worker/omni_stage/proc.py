@@ -174,7 +174,7 @@ class StageWorker:
             server.should_exit = True
             await http
             await self.engine.close()
-            self.transfers.close(self.connectors.values())
+            self.transfers.close()
         if self.beats.engine_dead is not None:  # a non-zero exit: the supervisor (or kubelet) restarts us
             raise EngineDead(f"stage {self.name}: {self.beats.engine_dead}")
 

@@ -16,9 +16,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from omni_pipeline import tracing
-from omni_pipeline.connectors import ConnectorError, OmniConnector, PayloadGone
-from omni_pipeline.control import ErrorCode, FinalMsg, SegmentMsg, StageDone, StageRequest
+from omni_pipeline.connectors import ConnectorError, OmniConnector
+from omni_pipeline.control import (
+    ErrorCode,
+    FinalMsg,
+    RequestPayload,
+    SegmentMsg,
+    StageDone,
+    StageRequest,
+    connector_error_code,
+)
 from omni_pipeline.logs import REQUEST_ID
 from omni_pipeline.spec import DEFAULT_CONNECTOR, OutputKind, StageSpec
 from omni_pipeline.tracing import TRACER
@@ -111,8 +121,7 @@ class RequestRunner:
             return "invalid"
         except ConnectorError as exc:  # its message names the connector and what it said
             log.warning("stage %s: request %s: %s", name, rid, exc)
-            code = ErrorCode.PAYLOAD_GONE if isinstance(exc, PayloadGone) else ErrorCode.CONNECTOR_ERROR
-            await self.outbox.fail(st.ctx, f"stage '{name}': {exc}", code)
+            await self.outbox.fail(st.ctx, f"stage '{name}': {exc}", connector_error_code(exc))
             return "error"
         except Exception as exc:
             log.exception("stage %s: request %s failed", name, rid)
@@ -131,7 +140,7 @@ class RequestRunner:
             if isinstance(m, StageRequest):
                 inputs[producer] = await self._client_inputs(st, producer, m)
                 continue
-            payload = await self.transfers.get(
+            payload = await self.transfers.receive(
                 self.in_connectors[producer], producer, st.request_id, m.handle
             )
             if (proc := self.processors.get(producer)) is not None:
@@ -142,12 +151,14 @@ class RequestRunner:
     async def _client_inputs(self, st: RequestState, producer: str, m: StageRequest) -> dict[str, Any]:
         """The client's inputs (and media tensors, under `media`, if it sent any)."""
         if m.payload is None:
-            return dict(m.inputs)
-        payload = await self.transfers.get(self.in_connectors[producer], producer, st.request_id, m.payload)
-        if not (isinstance(payload, dict) and isinstance(payload.get("inputs"), dict)):
-            raise ConnectorError(f"the request's payload is a {type(payload).__name__}, not its inputs")
-        media = payload.get("media") or {}
-        return {**payload["inputs"], **({"media": media} if media else {})}
+            return m.inputs.as_dict() if m.inputs is not None else {}
+        conn = self.in_connectors[producer]
+        payload = await self.transfers.receive(conn, producer, st.request_id, m.payload)
+        try:
+            request = msgspec.convert(payload, RequestPayload)
+        except msgspec.ValidationError as exc:
+            raise ConnectorError(f"the request's payload is not a request: {exc}") from None
+        return {**request.inputs.as_dict(), **({"media": request.media} if request.media else {})}
 
     async def _return_credit(self, st: RequestState, trig: Trigger[Inbound]) -> None:
         """A chunk read is a chunk of credit back to its producer's replica."""
@@ -172,7 +183,7 @@ class RequestRunner:
             if send.charged:
                 await self._wait_for_credit(st, send.edge.consumer)
             conn = send.edge.connector
-            nbytes, handle = await self.transfers.put(
+            nbytes, handle = await self.transfers.send(
                 conn, send.edge.consumer, ctx.request_id, send.chunk.payload, send.sequence
             )
             self.book.sent(st, send, nbytes)
@@ -208,7 +219,7 @@ class RequestRunner:
         handle = None
         if kind is not OutputKind.TEXT and seg.data:
             conn = self.final_connector
-            _, handle = await self.transfers.put(conn, "gateway", st.request_id, seg.data, seg.sequence)
+            _, handle = await self.transfers.send(conn, "gateway", st.request_id, seg.data, seg.sequence)
         return FinalMsg(
             request_id=st.request_id,
             stage=self.spec.name,

@@ -1,0 +1,85 @@
+"""Connector calls off the event loop: a small thread pool per process, for the stage worker and the
+gateway alike.
+
+A put copies a payload into shared memory or sends it to Mooncake; a get may wait on Mooncake's
+network; a cleanup or a count may wait on a backend that is down. None of it may hold up a loop
+that beats, admits, aborts and answers HTTP.
+
+Ownership: a caller cancelled in the middle of a put or a get waits for that call to finish
+before its cancellation goes on, so the cleanup its request's end runs comes after the write it
+frees (a payload written after its request's cleanup would have no owner). Cleanups go on the
+same pool, queued behind the calls already running; `close` waits for what is queued, then
+closes the connectors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final, TypeVar
+
+from omni_pipeline.connectors.base import ConnectorHandle, OmniConnector
+
+log = logging.getLogger("omni.connectors")
+
+IO_THREADS: Final = 4
+"""Connector calls one process runs at once; more wait their turn (how many are in flight is
+bounded anyway: each running request awaits its own)."""
+
+T = TypeVar("T")
+
+
+class OffLoop:
+    """One process's connectors, called from its event loop and run on threads."""
+
+    def __init__(self, owner: str, connectors: dict[str, OmniConnector]) -> None:
+        self.owner = owner
+        """Who this is, in log lines: `stage talker`, `gateway`."""
+        self.connectors = connectors
+        self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="connector-io")
+
+    async def put(
+        self, conn: OmniConnector, from_stage: str, to_stage: str, request_id: str, data: Any, seq: int = 0
+    ) -> tuple[bool, int, ConnectorHandle]:
+        return await self.call(lambda: conn.put(from_stage, to_stage, request_id, data, seq=seq))
+
+    async def get(
+        self, conn: OmniConnector, from_stage: str, to_stage: str, request_id: str, handle: ConnectorHandle
+    ) -> tuple[Any, int]:
+        return await self.call(conn.get, from_stage, to_stage, request_id, handle)
+
+    async def call(self, fn: Callable[..., T], *args: Any) -> T:
+        """Any call that may wait on a connector's backend."""
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # The call goes on in its thread: let it end before the caller does, so the
+            # request's cleanup cannot run before a write of it.
+            await asyncio.wait([fut])
+            raise
+
+    def cleanup(self, request_id: str) -> None:
+        """Free whatever every connector holds for the request, in the background (after any
+        write of it still in progress)."""
+        try:
+            self._pool.submit(self._cleanup_now, request_id)
+        except RuntimeError:  # closed: a request that ended as the process stopped
+            log.warning("%s: request %s ended after its connectors closed", self.owner, request_id)
+
+    def close(self) -> None:
+        """Wait for the cleanups still queued, then close the connectors."""
+        self._pool.shutdown(wait=True)
+        for c in self.connectors.values():
+            c.close()
+
+    def _cleanup_now(self, request_id: str) -> None:
+        for c in self.connectors.values():
+            try:
+                c.cleanup(request_id)
+            except Exception as exc:  # the backend's own expiry is the last owner then
+                log.warning(
+                    "%s: cleanup of %s in connector %s failed: %s", self.owner, request_id, c.name, exc
+                )
