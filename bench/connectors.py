@@ -39,7 +39,7 @@ from omni_cli.mooncaked import LocalMooncake
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorHandle, InlineConnector, OmniConnector, ShmConnector
 from omni_pipeline.connectors.shm import SHM_PREFIX_ENV
-from omni_pipeline.spec import ConnectorSpec
+from omni_pipeline.settings import ConnectorSpec
 
 SIZES = {"4KiB": 4 << 10, "1MiB": 1 << 20, "64MiB": 64 << 20, "256MiB": 256 << 20}
 CONNECTORS = ("inline", "shm", "mooncake")

@@ -26,7 +26,7 @@ from bench.procs import stage
 from omni_cli.natsd import EmbeddedNats
 from omni_pipeline.connectors import InlineConnector
 from omni_pipeline.control import SegmentMsg, pack
-from omni_pipeline.spec import ConnectorSpec
+from omni_pipeline.settings import ConnectorSpec
 
 ROUNDS = 1000
 WARMUP = 50

@@ -14,10 +14,18 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from omni_pipeline.placement import place
+from omni_pipeline.settings import (
+    ConnectorSpec,
+    GatewaySpec,
+    MooncakeSpec,
+    NatsSpec,
+    ObservabilitySpec,
+    PodsSpec,
+)
+from omni_pipeline.settings import SpecModel as _Model
 
 REQUEST_SOURCE: Final = "request"
 """The pseudo-stage an input edge names to read the client's request."""
@@ -34,10 +42,6 @@ MAX_CREDIT: Final = 1024
 
 class SpecError(ValueError):
     """A pipeline file that cannot run; the message names the stage and the field."""
-
-
-class _Model(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
 
 class Mode(StrEnum):
@@ -57,12 +61,6 @@ class OutputKind(StrEnum):
     TEXT = "text"
     AUDIO = "audio"
     IMAGE = "image"
-
-
-class ConnectorKind(StrEnum):
-    INLINE = "inline"
-    SHM = "shm"
-    MOONCAKE = "mooncake"
 
 
 class EngineSpec(_Model):
@@ -243,210 +241,6 @@ class StageSpec(_Model):
         "engine's memory as deeply as it can: POST /v1/omni/sleep's level 2) until set false again. Running "
         "replicas follow it without a restart; new ones start asleep.",
     )
-
-
-class ConnectorSpec(_Model):
-    kind: ConnectorKind = Field(default=ConnectorKind.SHM, description="inline, shm or mooncake.")
-    inline_threshold_bytes: int = Field(
-        default=65536, ge=0, description="Payloads smaller than this ride inside the control message."
-    )
-    pool_bytes: int = Field(
-        default=1 << 30,
-        ge=0,
-        description="shm, mooncake: memory each process keeps warm for reuse; idle beyond it is freed.",
-    )
-
-
-class MooncakeSpec(_Model):
-    """Where the Mooncake store is, for connectors of kind `mooncake` (env vars override)."""
-
-    master_server_address: str = Field(default="", description="mooncake_master RPC address, host:port.")
-    metadata_server: str = Field(
-        default="",
-        description="Transfer-engine metadata: http://host:port/metadata, etcd://..., or P2PHANDSHAKE.",
-    )
-    protocol: Literal["tcp", "rdma"] = Field(default="tcp", description="Transfer protocol.")
-    device_name: str = Field(default="", description="RDMA device(s), for protocol rdma.")
-    global_segment_size_bytes: int = Field(
-        default=0,
-        ge=0,
-        description=(
-            "Memory each omni process contributes to the store. 0 (the default): none, the data lives in "
-            "store servers (mooncake_client), so a stage that exits or crashes takes no other request's "
-            "payloads with it."
-        ),
-    )
-    local_buffer_size_bytes: int = Field(
-        default=64 << 20, ge=1 << 20, description="Client-side transfer buffer."
-    )
-
-
-class SecretKeyRef(_Model):
-    name: str = Field(description="Secret name, in the pipeline's namespace.")
-    key: str = Field(description="Key in the Secret.")
-
-
-class NatsSpec(_Model):
-    url: str = Field(default="", description="NATS URL; empty in SingleNode starts an embedded server.")
-    url_secret: SecretKeyRef | None = Field(
-        default=None,
-        description="Read the NATS URL from this Secret instead: with a token or user and password in "
-        "it (nats://TOKEN@host:4222, nats://user:password@host:4222).",
-    )
-    creds_secret: str | None = Field(
-        default=None,
-        description="Kubernetes: a Secret whose `creds` entry is a NATS credentials file (JWT and NKey). "
-        "Elsewhere: OMNI_NATS_CREDS.",
-    )
-    tls_secret: str | None = Field(
-        default=None,
-        description="Kubernetes: a Secret whose `ca.crt` signed the NATS server's certificate (as "
-        "cert-manager writes them). Elsewhere: OMNI_NATS_TLS_CA.",
-    )
-    tls_client_cert: bool = Field(
-        default=False,
-        description="Mutual TLS: tlsSecret also holds our client certificate, `tls.crt` and `tls.key`. "
-        "Elsewhere: OMNI_NATS_TLS_CERT and OMNI_NATS_TLS_KEY.",
-    )
-
-    @model_validator(mode="after")
-    def _client_cert_needs_secret(self) -> NatsSpec:
-        if self.tls_client_cert and self.tls_secret is None:
-            raise ValueError("tlsClientCert needs tlsSecret")
-        return self
-
-
-API_KEYS_ENV: Final = "OMNI_API_KEYS"
-"""Comma-separated API keys the gateway requires (with API_KEYS_FILE_ENV; neither set: none)."""
-API_KEYS_FILE_ENV: Final = "OMNI_API_KEYS_FILE"
-"""A file of API keys, one per line, `#` comments."""
-
-
-class MediaSpec(_Model):
-    """What the gateway accepts as media input (chat content parts `image_url`, `input_audio`,
-    `video_url`).
-    Every part is decoded once, at the gateway, and checked against these before any stage
-    sees it; over a limit is a 400 naming the part."""
-
-    max_parts: int = Field(default=8, ge=0, le=256, description="Media parts in one request, all messages.")
-    max_audio_seconds: float = Field(
-        default=300.0, gt=0, description="Longest audio part (Qwen2.5-Omni's feature extractor takes 300 s)."
-    )
-    max_image_pixels: int = Field(
-        default=4096 * 4096, ge=1, description="Largest image part, width x height, checked before decoding."
-    )
-    video_fps: float = Field(
-        default=2.0,
-        gt=0,
-        le=60,
-        description="Frames per second taken from a video part (Qwen's processors sample 2); a video with "
-        "fewer keeps all of its own.",
-    )
-    max_video_frames: int = Field(
-        default=128, ge=1, description="Most frames taken from one video part (at videoFps)."
-    )
-    max_video_pixels: int = Field(
-        default=1 << 27,
-        ge=1,
-        description="Most pixels of all frames taken from one video part (frames x width x height; 3 bytes "
-        "each once decoded); each frame also within maxImagePixels.",
-    )
-    fetch_urls: bool = Field(
-        default=False,
-        description="Fetch http(s) image and video URLs; off: only data: URLs (a URL is a 400).",
-    )
-    fetch_timeout_s: float = Field(default=10.0, gt=0, le=300, description="Time limit of one URL fetch.")
-    fetch_max_bytes: int = Field(default=20 << 20, ge=1, description="Largest body a URL fetch may return.")
-
-
-class GatewaySpec(_Model):
-    replicas: int = Field(default=1, ge=1, description="Gateway replicas (Distributed mode).")
-    port: int = Field(default=8000, ge=0, le=65535, description="HTTP port of the gateway.")
-    request_timeout_s: float = Field(default=600.0, gt=0, description="A request's deadline.")
-    max_request_bytes: int = Field(
-        default=16 << 20, ge=1024, description="Largest request body the gateway reads; larger ones get 413."
-    )
-    max_tokens: int = Field(
-        default=32768,
-        ge=1,
-        description="Most tokens a request may ask for (max_tokens, max_completion_tokens); more gets 400.",
-    )
-    api_keys_secret: str | None = Field(
-        default=None,
-        description="Kubernetes: a Secret whose `keys` entry (one key per line) the gateway requires as "
-        "`Authorization: Bearer`. Elsewhere: OMNI_API_KEYS or OMNI_API_KEYS_FILE.",
-    )
-    media: MediaSpec = Field(default_factory=MediaSpec, description="Limits on media input parts.")
-    migration_limit: int = Field(
-        default=2,
-        ge=0,
-        description="Times a request may run again on a fresh route when a replica on its route is lost "
-        "(dies, goes silent, restarts) or refuses it (draining, full, unhealthy); 0: never.",
-    )
-    replica_wait_s: float = Field(
-        default=30.0,
-        ge=0,
-        description="How long a request waits for a stage with no live replica (one restarting) or for "
-        "NATS to come back, within its deadline, before a 503.",
-    )
-    max_waiting_requests: int = Field(
-        default=256,
-        ge=0,
-        description="Requests that may wait so at once; more get a 503 at once.",
-    )
-
-
-class ObservabilitySpec(_Model):
-    otlp_endpoint: str | None = Field(
-        default=None,
-        pattern=r"^https?://[^\s/]+(/\S*)?$",
-        description="OpenTelemetry collector that every process sends its traces to, as a base URL "
-        "(http://collector:4318 for OTLP/HTTP; with OTEL_EXPORTER_OTLP_PROTOCOL=grpc, port 4317). "
-        "OTEL_EXPORTER_OTLP_ENDPOINT in a process's environment wins over it. Unset: no traces.",
-    )
-
-
-RESERVED_VOLUMES: Final = frozenset({"pipeline", "dshm", "api-keys", "nats-creds", "nats-tls"})
-"""Volumes rendered pods may already have: the pipeline ConfigMap, /dev/shm, the gateway's API
-keys, NATS credentials and TLS files."""
-
-
-class PodsSpec(_Model):
-    """Kubernetes only (`omni serve` ignores it): what every pod of the pipeline gets on top of
-    what the operator renders; how model weights and credentials reach the engines."""
-
-    env: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description="Extra container env (Kubernetes EnvVar objects), e.g. HF_TOKEN from a Secret.",
-    )
-    volumes: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description="Extra pod volumes (Kubernetes Volume objects), e.g. a PVC holding model weights.",
-    )
-    volume_mounts: list[dict[str, Any]] = Field(
-        default_factory=list,
-        description="Where the extra volumes are mounted (Kubernetes VolumeMount objects).",
-    )
-    service_account_name: str | None = Field(default=None, description="The pods' ServiceAccount.")
-    image_pull_secrets: list[str] = Field(default_factory=list, description="Secrets to pull the image with.")
-
-    @model_validator(mode="after")
-    def _mounts_name_volumes(self) -> PodsSpec:
-        names = [v.get("name") for v in self.volumes]
-        for i, name in enumerate(names):
-            if not name:
-                raise ValueError(f"pods: volumes[{i}].name: required")
-            if name in RESERVED_VOLUMES:
-                raise ValueError(f"pods: volumes[{i}].name: '{name}' is reserved")
-        for i, m in enumerate(self.volume_mounts):
-            if m.get("name") not in names:
-                raise ValueError(f"pods: volumeMounts[{i}].name: no volume named '{m.get('name')}'")
-            if not m.get("mountPath"):
-                raise ValueError(f"pods: volumeMounts[{i}].mountPath: required")
-        for i, e in enumerate(self.env):
-            if not e.get("name"):
-                raise ValueError(f"pods: env[{i}].name: required")
-        return self
 
 
 class PipelineSpec(_Model):

@@ -12,7 +12,8 @@ from omni_pipeline.connectors.base import (
     check_request_id,
 )
 from omni_pipeline.connectors.shm import ShmConnector
-from omni_pipeline.spec import ConnectorKind, PipelineSpec
+from omni_pipeline.settings import ConnectorKind
+from omni_pipeline.spec import PipelineSpec
 
 __all__ = [
     "RECLAIM_GRACE_S",

@@ -15,7 +15,7 @@ from typing import Any, Final
 import msgspec
 
 from omni_pipeline import wire
-from omni_pipeline.spec import ConnectorSpec
+from omni_pipeline.settings import ConnectorSpec
 
 _SAFE_ID: Final = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 

@@ -34,7 +34,7 @@ from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniC
 from omni_pipeline.connectors.buffers import BufferPool
 from omni_pipeline.environment import MOONCAKE_MASTER_ENV as MASTER_ENV
 from omni_pipeline.environment import MOONCAKE_METADATA_ENV as METADATA_ENV
-from omni_pipeline.spec import ConnectorSpec, MooncakeSpec
+from omni_pipeline.settings import ConnectorSpec, MooncakeSpec
 
 log = logging.getLogger(__name__)
 

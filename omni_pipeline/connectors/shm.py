@@ -50,7 +50,7 @@ import numpy as np
 from omni_pipeline import wire
 from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector, PayloadGone
 from omni_pipeline.connectors.buffers import capacity_class, fits
-from omni_pipeline.spec import ConnectorSpec
+from omni_pipeline.settings import ConnectorSpec
 
 SHM_DIR: Final = Path("/dev/shm")
 _DIR: Final = f"{SHM_DIR}/"

@@ -27,16 +27,8 @@ from omni_pipeline.environment import (
     NATS_URL_ENV,
 )
 from omni_pipeline.placement import place
-from omni_pipeline.spec import (
-    API_KEYS_FILE_ENV,
-    REQUEST_SOURCE,
-    AutoscalingSpec,
-    ConnectorKind,
-    KedaSpec,
-    Mode,
-    PipelineFile,
-    StageSpec,
-)
+from omni_pipeline.settings import API_KEYS_FILE_ENV, ConnectorKind
+from omni_pipeline.spec import REQUEST_SOURCE, AutoscalingSpec, KedaSpec, Mode, PipelineFile, StageSpec
 
 DEFAULT_IMAGE: Final = "ghcr.io/omni-pipeline/omni-pipeline:0.1.0"
 PIPELINE_DIR: Final = "/etc/omni"

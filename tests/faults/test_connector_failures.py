@@ -17,7 +17,7 @@ import pytest
 
 from omni_cli.mooncaked import LocalMooncake
 from omni_pipeline.connectors import ShmConnector
-from omni_pipeline.spec import ConnectorSpec
+from omni_pipeline.settings import ConnectorSpec
 from tests.deployment import Deployment, ask, deployed, metric_values, metrics_urls
 from tests.helpers import ROOT, our_shm_segments, shm_prefix, wait_for
 

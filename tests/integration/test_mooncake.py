@@ -14,7 +14,7 @@ from omni_cli.mooncaked import LocalMooncake
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.connectors.mooncake import MooncakeConfig, MooncakeConnector
-from omni_pipeline.spec import ConnectorSpec
+from omni_pipeline.settings import ConnectorSpec
 from tests.helpers import OMNI, ROOT, read_handles
 
 SPEC = ConnectorSpec(kind="mooncake", inline_threshold_bytes=1024)

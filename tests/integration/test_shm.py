@@ -16,7 +16,7 @@ import torch
 
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError, ConnectorHandle, PayloadGone, ShmConnector
-from omni_pipeline.spec import ConnectorSpec
+from omni_pipeline.settings import ConnectorSpec
 from tests.helpers import our_shm_segments, read_handles, shm_prefix, shm_segments_in_use
 
 SPEC = ConnectorSpec(kind="shm", inline_threshold_bytes=1024)

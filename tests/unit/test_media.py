@@ -22,7 +22,7 @@ from PIL import Image
 
 from omni_gateway.errors import BadRequest
 from omni_gateway.media import decode_media
-from omni_pipeline.spec import MediaSpec
+from omni_pipeline.settings import MediaSpec
 from tests.helpers import video_file
 
 RATE = 16000

@@ -17,7 +17,8 @@ import torch
 from PIL import Image
 
 from omni_gateway.media import decode_media
-from omni_pipeline.spec import MediaSpec, load_pipeline
+from omni_pipeline.settings import MediaSpec
+from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import Engine, EngineCall
 from omni_stage.engines.registry import build_engine
 from omni_stage.payload import concat

@@ -31,7 +31,8 @@ from omni_cli.natsd import EmbeddedNats
 from omni_pipeline.connectors.shm import DEFAULT_PREFIX, SHM_PREFIX_ENV, ShmConnector
 from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState
 from omni_pipeline.placement import VISIBLE_DEVICES_ENV, PlacementError, place, uses_gpus, visible_gpus
-from omni_pipeline.spec import ConnectorSpec, PipelineFile
+from omni_pipeline.settings import ConnectorSpec
+from omni_pipeline.spec import PipelineFile
 
 log = logging.getLogger("omni.serve")
 
@@ -45,6 +46,10 @@ MAX_QUICK_DEATHS: Final = 5
 NATS: Final = "nats-server"
 NATS_BACKOFF_START_S: Final = 0.1
 """Every process of the tree waits on NATS: it comes back first, at once."""
+
+
+class _Stopped(Exception):
+    """A signal came while the pipeline was starting: stop instead."""
 
 
 @dataclass
@@ -99,15 +104,14 @@ class Supervisor:
         setproctitle(f"omni: supervisor {self.pipeline.name}")
 
         def on_signal(signum: int, _frame: object) -> None:
+            # Only a word to the loop (or the startup wait), which stops everything in order.
             self.events.put(("signal", signal.Signals(signum).name))
-            if not self.stopping:
-                raise KeyboardInterrupt  # interrupts a startup wait; the loop handles it too
 
         signal.signal(signal.SIGINT, on_signal)
         signal.signal(signal.SIGTERM, on_signal)
         try:
             self._startup()
-        except KeyboardInterrupt:
+        except _Stopped:
             self.shutdown()
             return 0
         except (ChildFailed, TimeoutError, RuntimeError, FileNotFoundError, PlacementError) as exc:
@@ -172,7 +176,7 @@ class Supervisor:
                     f"not ready after {STARTUP_TIMEOUT_S:.0f}s: {', '.join(sorted(waiting))}"
                 ) from None
             if kind == "signal":
-                raise KeyboardInterrupt
+                raise _Stopped(name)
             proc = self.slots[name].proc if name in self.slots else None
             if kind == ProcState.DEAD.value and proc is not None:
                 why = proc.error or f"exited with code {proc.exitcode}"
@@ -210,8 +214,6 @@ class Supervisor:
                 except RuntimeError as exc:  # it did not come up: counts as dying at once
                     self.events.put(("exited", str(exc)))
                 continue
-            except KeyboardInterrupt:
-                kind, what = "signal", "SIGINT"
             if kind == ProcState.READY.value:
                 log.info("%s ready", what)
                 continue

@@ -33,7 +33,7 @@ import torch
 from PIL import Image, UnidentifiedImageError
 
 from omni_gateway.errors import BadRequest
-from omni_pipeline.spec import MediaSpec
+from omni_pipeline.settings import MediaSpec
 
 AUDIO_FORMATS: Final = {"wav": ("WAV", "WAVEX", "RF64"), "flac": ("FLAC",), "mp3": ("MP3",)}
 """`input_audio.format` values served, and the containers libsndfile may find in the data."""
