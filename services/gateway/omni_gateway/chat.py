@@ -13,7 +13,7 @@ import numpy as np
 from omni_gateway.audio import to_pcm16, wav_bytes, wav_stream_header
 from omni_gateway.errors import OmniError, error_from
 from omni_gateway.events import AudioChunk, Event, Finished, OfChoice, TextDelta
-from omni_gateway.protocol import ChatCompletionRequest
+from omni_gateway.protocol.chat import ChatCompletionRequest
 from omni_pipeline.control import TokenLogprob, ToolCall
 
 AUDIO_TTL_S = 3600

@@ -17,7 +17,7 @@ from PIL import Image
 
 from omni_gateway.errors import StageFailed, error_from
 from omni_gateway.events import Event, Finished, ImageProgress
-from omni_gateway.protocol import ImageGenerationRequest
+from omni_gateway.protocol.images import ImageGenerationRequest
 
 _PIL_FORMATS: Final = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 

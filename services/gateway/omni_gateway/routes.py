@@ -20,21 +20,15 @@ from omni_gateway.events import AudioChunk, Event, ImageProgress, OfChoice, Text
 from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline, PipelineRequest
-from omni_gateway.protocol import (
+from omni_gateway.protocol.chat import (
     SAMPLING_EVERY_ENGINE,
-    SPEECH_MEDIA_TYPES,
     ChatCompletionRequest,
-    ImageGenerationRequest,
-    OmniSleepRequest,
-    OmniWakeupRequest,
-    SpeechRequest,
-    image_inputs,
-    image_sampling,
     sampling_params,
-    speech_inputs,
-    speech_sampling,
     stage_inputs,
 )
+from omni_gateway.protocol.images import ImageGenerationRequest, image_inputs, image_sampling
+from omni_gateway.protocol.omni import OmniSleepRequest, OmniWakeupRequest
+from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_inputs, speech_sampling
 from omni_gateway.sleep import sleep, stage_names, wake
 from omni_gateway.speech import audio_stream, sse_stream
 from omni_pipeline.spec import OutputKind

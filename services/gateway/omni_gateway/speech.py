@@ -11,7 +11,7 @@ from typing import Any
 from omni_gateway.audio import to_pcm16, wav_stream_header
 from omni_gateway.errors import error_from
 from omni_gateway.events import AudioChunk, Event, Finished
-from omni_gateway.protocol import SpeechRequest
+from omni_gateway.protocol.speech import SpeechRequest
 
 
 def speech_usage(f: Finished) -> dict[str, int]:

@@ -1,4 +1,4 @@
-"""HTTP models of the OpenAI-compatible API (pydantic), and their conversion to stage inputs."""
+"""POST /v1/chat/completions: its request model, and what the pipeline gets of it (inputs, sampling)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from omni_gateway.protocol.common import refuse_unless_off
 from omni_pipeline.control import RequestInputs
 from omni_pipeline.spec import OutputKind
 
@@ -57,15 +58,6 @@ class OtherPart(BaseModel):
 
 
 ContentPart = Annotated[TextPart | ImagePart | AudioPart | VideoPart | OtherPart, Field(discriminator="type")]
-
-
-def refuse_unless_off(value: Any, info: ValidationInfo, off: dict[str, tuple[Any, ...]]) -> None:
-    """A field this server does not serve is taken only at the value that turns it off (or
-    null): anything else is a 400 naming it, never a silent no."""
-    allowed = off[str(info.field_name)]
-    if value is not None and value not in allowed:
-        say = " or ".join(repr(v) for v in allowed) if allowed else "null"
-        raise ValueError(f"not served by this server; leave it out (or send {say})")
 
 
 _MESSAGE_OFF: Final[dict[str, tuple[Any, ...]]] = {
@@ -342,174 +334,3 @@ def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
         "voice": req.audio.voice if req.audio is not None else None,
     }
     return {k: v for k, v in params.items() if v is not None}
-
-
-MAX_IMAGE_SIDE = 4096
-"""Largest width or height the gateway passes on; the model's own limit is usually lower."""
-
-
-_IMAGE_OFF: Final[dict[str, tuple[Any, ...]]] = {
-    "quality": ("auto",),
-    "style": (),
-    "background": ("auto", "opaque"),
-}
-"""Switches a diffusion model does not have, taken only at the values it gives anyway."""
-
-
-class ImageGenerationRequest(BaseModel):
-    """POST /v1/images/generations: OpenAI's fields, and the diffusion ones it lacks (seed,
-    num_inference_steps, guidance_scale, negative_prompt). quality, style and background are
-    refused unless at what a diffusion model gives anyway (`_IMAGE_OFF`); `user` and
-    `moderation` concern OpenAI's platform and are ignored; an unknown field is a 400."""
-
-    model_config = ConfigDict(extra="forbid")
-    prompt: str = Field(min_length=1, max_length=32000)
-    model: str | None = None
-    n: int = Field(default=1, ge=1, le=10)
-    size: str | None = Field(default=None, pattern=r"^(auto|[0-9]{1,5}x[0-9]{1,5})$")
-    response_format: str | None = None
-    output_format: Literal["png", "jpeg", "webp"] = "png"
-    output_compression: int | None = Field(default=None, ge=0, le=100)
-    stream: bool = False
-    partial_images: int | None = Field(default=None, ge=0, le=10)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    num_inference_steps: int | None = Field(default=None, ge=1, le=1000)
-    guidance_scale: float | None = Field(default=None, ge=0, le=100)
-    negative_prompt: str | None = Field(default=None, max_length=32000)
-    quality: str | None = None
-    style: str | None = None
-    background: str | None = None
-    user: str | None = None
-    moderation: str | None = None
-
-    @field_validator(*_IMAGE_OFF, mode="before")
-    @classmethod
-    def _not_served(cls, v: Any, info: ValidationInfo) -> None:
-        refuse_unless_off(v, info, _IMAGE_OFF)
-
-    @field_validator("response_format")
-    @classmethod
-    def _b64_only(cls, v: str | None) -> str | None:
-        if v not in (None, "b64_json"):
-            raise ValueError(f"'{v}' is not served here; use b64_json")
-        return v
-
-    @field_validator("size")
-    @classmethod
-    def _size(cls, v: str | None) -> str | None:
-        if v not in (None, "auto") and not all(1 <= int(x) <= MAX_IMAGE_SIDE for x in v.split("x")):
-            raise ValueError(f"width and height must be from 1 to {MAX_IMAGE_SIDE}")
-        return v
-
-    def width_height(self) -> tuple[int, int] | None:
-        if self.size is None or self.size == "auto":
-            return None
-        w, h = self.size.split("x")
-        return int(w), int(h)
-
-
-def image_inputs(req: ImageGenerationRequest) -> RequestInputs:
-    return RequestInputs(
-        modalities=[OutputKind.IMAGE.value], prompt=req.prompt, negative_prompt=req.negative_prompt or None
-    )
-
-
-def image_sampling(req: ImageGenerationRequest) -> dict[str, Any]:
-    """Previews are asked for only by a stream: a whole response would throw them away."""
-    wh = req.width_height()
-    params: dict[str, Any] = {
-        "n": req.n,
-        "width": wh[0] if wh else None,
-        "height": wh[1] if wh else None,
-        "seed": req.seed,
-        "num_inference_steps": req.num_inference_steps,
-        "guidance_scale": req.guidance_scale,
-        "previews": req.stream or None,
-        "partial_images": req.partial_images if req.stream else None,
-    }
-    return {k: v for k, v in params.items() if v is not None}
-
-
-SPEECH_MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
-"""The speech formats served, and the Content-Type of each."""
-
-
-class SpeechRequest(BaseModel):
-    """POST /v1/audio/speech. `response_format` defaults to wav (OpenAI's mp3 needs an encoder
-    this server does not have); `stream_format` sse sends base64 deltas instead of raw audio."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str = Field(min_length=1)
-    input: str = Field(min_length=1, max_length=4096)
-    voice: str | None = Field(
-        default=None,
-        min_length=1,
-        max_length=64,
-        description="A voice name, or OpenAI's {id: ...}; without it, the model's default voice.",
-    )
-    instructions: str | None = Field(
-        default=None, description="Not served (no engine here steers a voice by text): refused unless empty."
-    )
-    response_format: str = "wav"
-    speed: float = Field(default=1.0, ge=0.25, le=4.0)
-    stream_format: Literal["audio", "sse"] = "audio"
-
-    @field_validator("instructions")
-    @classmethod
-    def _no_instructions(cls, v: str | None) -> None:
-        if v:
-            raise ValueError("not served: no engine here steers a voice by instructions; leave it out")
-
-    @field_validator("voice", mode="before")
-    @classmethod
-    def _voice_id(cls, v: Any) -> Any:
-        return v.get("id") if isinstance(v, dict) else v
-
-    @field_validator("response_format")
-    @classmethod
-    def _served_format(cls, v: str) -> str:
-        if v not in SPEECH_MEDIA_TYPES:
-            raise ValueError(f"'{v}' is not served here; use {' or '.join(SPEECH_MEDIA_TYPES)}")
-        return v
-
-
-def speech_inputs(req: SpeechRequest) -> RequestInputs:
-    """The text to speak is the source stage's prompt (no chat template: nothing to answer)."""
-    return RequestInputs(modalities=[OutputKind.AUDIO.value], prompt=req.input, voice=req.voice)
-
-
-def speech_sampling(req: SpeechRequest) -> dict[str, Any]:
-    return {
-        **({"voice": req.voice} if req.voice is not None else {}),
-        **({"speed": req.speed} if req.speed != 1.0 else {}),
-    }
-
-
-class OmniSleepRequest(BaseModel):
-    """POST /v1/omni/sleep, vLLM-Omni's body: `stage_ids` (its stage indices, or our names) and
-    `level`; `mode` is vLLM's pause mode (default: `wait` at level 0, `abort` deeper, as the
-    memory the requests use goes away)."""
-
-    model_config = ConfigDict(extra="forbid")
-    stage_ids: list[int | str] = Field(min_length=1, max_length=64)
-    level: int = Field(default=2, ge=0, le=2)
-    mode: Literal["abort", "wait"] | None = None
-
-    @field_validator("mode", mode="before")
-    @classmethod
-    def _no_keep(cls, v: Any) -> Any:
-        if v == "keep":
-            raise ValueError(
-                "'keep' is not served: a kept request would hold its other stages' slots while asleep"
-            )
-        return v
-
-    def pause_mode(self) -> str:
-        return self.mode or ("wait" if self.level == 0 else "abort")
-
-
-class OmniWakeupRequest(BaseModel):
-    """POST /v1/omni/wakeup, vLLM-Omni's body."""
-
-    model_config = ConfigDict(extra="forbid")
-    stage_ids: list[int | str] = Field(min_length=1, max_length=64)

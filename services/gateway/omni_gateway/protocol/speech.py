@@ -1,0 +1,64 @@
+"""POST /v1/audio/speech: its request model, and what the pipeline gets of it."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from omni_pipeline.control import RequestInputs
+from omni_pipeline.spec import OutputKind
+
+SPEECH_MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
+"""The speech formats served, and the Content-Type of each."""
+
+
+class SpeechRequest(BaseModel):
+    """POST /v1/audio/speech. `response_format` defaults to wav (OpenAI's mp3 needs an encoder
+    this server does not have); `stream_format` sse sends base64 deltas instead of raw audio."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str = Field(min_length=1)
+    input: str = Field(min_length=1, max_length=4096)
+    voice: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=64,
+        description="A voice name, or OpenAI's {id: ...}; without it, the model's default voice.",
+    )
+    instructions: str | None = Field(
+        default=None, description="Not served (no engine here steers a voice by text): refused unless empty."
+    )
+    response_format: str = "wav"
+    speed: float = Field(default=1.0, ge=0.25, le=4.0)
+    stream_format: Literal["audio", "sse"] = "audio"
+
+    @field_validator("instructions")
+    @classmethod
+    def _no_instructions(cls, v: str | None) -> None:
+        if v:
+            raise ValueError("not served: no engine here steers a voice by instructions; leave it out")
+
+    @field_validator("voice", mode="before")
+    @classmethod
+    def _voice_id(cls, v: Any) -> Any:
+        return v.get("id") if isinstance(v, dict) else v
+
+    @field_validator("response_format")
+    @classmethod
+    def _served_format(cls, v: str) -> str:
+        if v not in SPEECH_MEDIA_TYPES:
+            raise ValueError(f"'{v}' is not served here; use {' or '.join(SPEECH_MEDIA_TYPES)}")
+        return v
+
+
+def speech_inputs(req: SpeechRequest) -> RequestInputs:
+    """The text to speak is the source stage's prompt (no chat template: nothing to answer)."""
+    return RequestInputs(modalities=[OutputKind.AUDIO.value], prompt=req.input, voice=req.voice)
+
+
+def speech_sampling(req: SpeechRequest) -> dict[str, Any]:
+    return {
+        **({"voice": req.voice} if req.voice is not None else {}),
+        **({"speed": req.speed} if req.speed != 1.0 else {}),
+    }
