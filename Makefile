@@ -14,7 +14,7 @@ PORT    ?= 8000
 # Debian packages the native parts need (Mooncake's transfer engine links these).
 DEBIAN  := libibverbs1 libnuma1 libcurl4
 
-.PHONY: setup serve test bench lint format demo-models vllm-omni-venv system-packages clean
+.PHONY: setup serve test bench lint format golden demo-models vllm-omni-venv system-packages clean
 
 setup: system-packages $(STAMP) $(HELM)
 
@@ -93,6 +93,11 @@ test: setup $(VOMNI_STAMP)
 BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep
 bench: setup demo-models
 	for b in $(BENCHES); do $(OMNI) bench $$b --out docs/benchmarks || exit 1; done
+
+# The operator's golden manifests (tests/unit/operator/golden/), written again from the examples:
+# after a change to the renderers, review their diff.
+golden: $(SERVE_STAMP)
+	$(PY) -m tests.unit.operator.golden_manifests
 
 lint: setup
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
