@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from typing import Final
 
 from nats.aio.client import Client as NatsClient
 from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
@@ -17,6 +18,9 @@ from prometheus_client import CollectorRegistry, Gauge, ProcessCollector
 from omni_pipeline.connectors import OmniConnector
 from omni_pipeline.connectors.mooncake import MooncakeConnector
 from omni_pipeline.connectors.shm import ShmConnector
+
+COUNT_WAIT_S: Final = 1.0
+"""How long a /metrics scrape waits for the connectors' counts before it reports the last ones."""
 
 
 def nats_subscriptions(nc: NatsClient | None) -> int:
@@ -59,8 +63,8 @@ class ResourceGauges:
         self.subscriptions.set(nats_subscriptions(nc))
 
     def count_connectors(self, connectors: Iterable[OmniConnector]) -> None:
-        """What the connectors hold. Counting may wait on a backend (Mooncake's master), so it
-        runs off the loop, every heartbeat interval; a scrape reads the last count."""
+        """What the connectors hold. Counting may wait on a backend (Mooncake's master): run it
+        off the loop (`OffLoop.within`), and a scrape that cannot wait reads the last count."""
         conns = list(connectors)
         self.shm_segments.set(sum(c.live_objects() for c in conns if isinstance(c, ShmConnector)))
         self.mooncake_keys.set(sum(c.live_objects() for c in conns if isinstance(c, MooncakeConnector)))

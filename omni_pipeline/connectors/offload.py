@@ -61,6 +61,16 @@ class OffLoop:
             await asyncio.wait([fut])
             raise
 
+    async def within(self, seconds: float, fn: Callable[..., object], *args: Any) -> bool:
+        """Run `fn` off the loop and wait for it at most `seconds`; False if it is still running
+        then (it goes on, and whatever it records lands when it ends). For what may be stale
+        rather than late: the counts a /metrics scrape reports, when a backend is slow."""
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        done, _ = await asyncio.wait([fut], timeout=seconds)
+        if done:
+            fut.result()
+        return bool(done)
+
     def cleanup(self, request_id: str) -> None:
         """Free whatever every connector holds for the request, in the background (after any
         write of it still in progress)."""

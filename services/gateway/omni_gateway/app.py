@@ -106,7 +106,6 @@ def build_app(
     app = FastAPI(title="omni-pipeline gateway", lifespan=lifespan)
     app.state.pipeline = pipeline
     app.state.metrics = metrics = GatewayMetrics(lambda: pipeline.migrations)
-    pipeline.bus.resources = metrics.resources  # counted off the loop, read by /metrics
     app.include_router(router)
     # Added innermost first: the key is checked before the body is read; every answer, the
     # guards' included, carries X-Request-Id and is counted.

@@ -41,7 +41,6 @@ from omni_pipeline.control import (
     pack,
     unpack,
 )
-from omni_pipeline.resource_metrics import ResourceGauges
 from omni_pipeline.spec import PipelineSpec
 
 log = logging.getLogger("omni.gateway")
@@ -75,8 +74,6 @@ class Bus:
         self.nc: NatsClient | None = None
         self.covered = asyncio.Event()
         """Every stage that should have replicas has one up (the gateway can serve)."""
-        self.resources: ResourceGauges | None = None
-        """Counted off the loop every interval, for /metrics to read (set by the app)."""
         self._sweeper: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()
         self._waiting = 0
@@ -250,9 +247,6 @@ class Bus:
                 continue
             for r in self.table.expire(now):
                 self.inflight.replica_gone(r, "stopped sending heartbeats")
-            connectors = list(self.payloads.connectors.values())
-            await self.payloads.call(reclaim_unread, connectors, self.spec)
-            if self.resources is not None:
-                await self.payloads.call(self.resources.count_connectors, connectors)
+            await self.payloads.call(reclaim_unread, list(self.payloads.connectors.values()), self.spec)
             if not self.ready():
                 self.covered.clear()

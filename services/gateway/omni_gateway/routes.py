@@ -31,6 +31,7 @@ from omni_gateway.protocol.omni import OmniSleepRequest, OmniWakeupRequest
 from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_inputs, speech_sampling
 from omni_gateway.sleep import sleep, stage_names, wake
 from omni_gateway.speech import audio_stream, sse_stream
+from omni_pipeline.resource_metrics import COUNT_WAIT_S
 from omni_pipeline.spec import OutputKind
 
 router = APIRouter()
@@ -85,7 +86,9 @@ async def health(request: Request) -> JSONResponse:
 async def metrics(request: Request) -> Response:
     m, svc = _metrics(request), _pipeline(request)
     m.tracked.set(len(svc.bus.inflight))
-    m.resources.refresh(svc.bus.nc)  # the connectors' counts are the last ones, made off the loop
+    m.resources.refresh(svc.bus.nc)
+    connectors = list(svc.payloads.connectors.values())
+    await svc.payloads.within(COUNT_WAIT_S, m.resources.count_connectors, connectors)  # or the last count
     encode, content_type = choose_encoder(request.headers.get("accept", ""))  # OpenMetrics: exemplars
     return Response(encode(m.registry), media_type=content_type)
 

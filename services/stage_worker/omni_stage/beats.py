@@ -18,6 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from omni_pipeline.connectors import OmniConnector, reclaim_unread
 from omni_pipeline.control import HEARTBEAT_INTERVAL_S, Heartbeat, Subjects
+from omni_pipeline.resource_metrics import COUNT_WAIT_S
 from omni_pipeline.spec import PipelineSpec
 from omni_stage.engines.base import Engine
 from omni_stage.metrics import StageMetrics
@@ -149,8 +150,8 @@ class Beats:
             log.warning("stage %s: %s", self.name, unhealthy or "connectors healthy again")
         self.book.unhealthy = unhealthy
 
-    def refresh_gauges(self) -> None:
-        """Before a /metrics scrape."""
+    async def refresh_gauges(self) -> None:
+        """Before a /metrics scrape (the connectors' counts off the loop, or the last ones)."""
         load = self.book.core.load()
         m = self.metrics
         m.queued.set(load.queued)
@@ -160,6 +161,8 @@ class Beats:
         m.unread_bytes.set(self.book.ledger.unread_bytes)
         m.credit_accounts.set(self.book.ledger.tracked())
         m.resources.refresh(self.outbox.nc)
+        every = list(self.transfers.connectors.values())
+        await self.transfers.within(COUNT_WAIT_S, m.resources.count_connectors, every)
         if (held := self.engine.active_requests()) is not None:
             m.engine_requests.set(held)
         if (steps := self.engine.steps_run()) is not None:

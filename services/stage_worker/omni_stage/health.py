@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request, Response
 from prometheus_client import CollectorRegistry
@@ -10,7 +10,9 @@ from prometheus_client.exposition import choose_encoder
 
 
 def health_app(
-    registry: CollectorRegistry, is_ready: Callable[[], tuple[bool, str, str]], refresh: Callable[[], None]
+    registry: CollectorRegistry,
+    is_ready: Callable[[], tuple[bool, str, str]],
+    refresh: Callable[[], Awaitable[None]],
 ) -> FastAPI:
     """`is_ready` says: ready or not (200 or 503), the status word, and why."""
     app = FastAPI(title="omni stage replica", docs_url=None, redoc_url=None, openapi_url=None)
@@ -28,7 +30,7 @@ def health_app(
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        refresh()  # on the event loop (it counts its tasks); this moment, not the last heartbeat
+        await refresh()  # this moment's figures, not the last heartbeat's
         encode, content_type = choose_encoder(request.headers.get("accept", ""))  # OpenMetrics: exemplars
         return Response(encode(registry), media_type=content_type)
 
