@@ -76,7 +76,7 @@ $(HELM): $(STAMP)
 
 # The image model is the last one init-demo writes: its index means all are there. Built again
 # when the code that writes them changes (the demo vocoder gained voices, say).
-DEMO_CODE := $(wildcard services/stage_worker/omni_stage/demo*.py)
+DEMO_CODE := $(wildcard services/stage_worker/omni_stage/demo*.py services/stage_worker/omni_stage/models/*/checkpoint.py)
 $(MODELS)/tiny-image/model_index.json: $(DEMO_CODE) | $(SERVE_STAMP)
 	$(OMNI) models init-demo $(MODELS)
 	touch $@

@@ -17,8 +17,8 @@ import torch
 
 from omni_pipeline.spec import EngineSpec, load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, EngineError
-from omni_stage.engines.qwen_omni_vllm import VllmThinker
 from omni_stage.engines.registry import build_engine
+from omni_stage.models.qwen2_5_omni.vllm_thinker import VllmThinker
 from tests.helpers import wait_for
 from tests.integration.test_vllm import LoopThread
 from tests.qwen_reference import (

@@ -468,7 +468,7 @@ def test_audio_features_equal_the_processors_on_every_frame_the_encoder_reads(mo
     the masks keep the same frames."""
     from transformers import AutoTokenizer, Qwen2_5OmniConfig
 
-    from omni_stage.engines.qwen_omni_prompt import Prompts
+    from omni_stage.models.qwen_omni.prompt import Prompts
     from tests.qwen_reference import reference_processor
 
     config = Qwen2_5OmniConfig.from_pretrained(model).thinker_config

@@ -5,7 +5,7 @@
 - tiny-talker: a Qwen2 causal LM over 256 codec tokens, fed the thinker's hidden states.
 - tiny-vocoder: codec tokens -> 24 kHz waveform, 480 samples per code (a small conv decoder).
 - tiny-qwen2.5-omni: a genuine Qwen2.5-Omni checkpoint (thinker, talker, token2wav), see
-  omni_stage.demo_qwen_omni.
+  omni_stage.models.qwen2_5_omni.checkpoint.
 - tiny-image: a diffusers pipeline directory of a PixArt-alpha transformer (its captions are the
   thinker's hidden states, so tiny-thinker is its text encoder), a DPM-Solver scheduler and a
   KL VAE with 4x downsampling: images in multiples of 8 pixels.
@@ -21,6 +21,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from omni_stage.demo_tokenizer import byte_level_tokenizer
+from omni_stage.engines.base import import_object
+from omni_stage.engines.registry import FAMILIES
 
 HIDDEN: Final = 64
 CODEC_VOCAB: Final = 256
@@ -149,13 +151,11 @@ def _image_pipeline(path: Path, caption_channels: int) -> None:
 
 
 def init_demo(out_dir: str | Path) -> dict[str, Path]:
-    """Write tiny-thinker, tiny-talker, tiny-vocoder, tiny-qwen2.5-omni, tiny-qwen3-omni and
-    tiny-image (last: its index means all are there) under `out_dir`; returns their paths."""
-    from omni_stage.demo_qwen3_omni import write_tiny_qwen3_omni
-    from omni_stage.demo_qwen_omni import write_tiny_qwen_omni
-
+    """Write tiny-thinker, tiny-talker, tiny-vocoder, each model family's tiny checkpoint
+    (tiny-qwen2.5-omni, tiny-qwen3-omni: the registry's FAMILIES) and tiny-image (last: its index
+    means all are there) under `out_dir`; returns their paths, by name without `tiny-`."""
     out = Path(out_dir)
-    names = ("thinker", "talker", "vocoder", "qwen2.5-omni", "qwen3-omni", "image")
+    names = ("thinker", "talker", "vocoder", *(f.demo for f in FAMILIES.values()), "image")
     paths = {name: out / f"tiny-{name}" for name in names}
 
     tok = byte_level_tokenizer(CHAT_TEMPLATE, ["<|im_start|>"])
@@ -176,7 +176,7 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
     )
     save_file(voc.state_dict(), str(paths["vocoder"] / "model.safetensors"))
 
-    write_tiny_qwen_omni(paths["qwen2.5-omni"])
-    write_tiny_qwen3_omni(paths["qwen3-omni"])
+    for family in FAMILIES.values():
+        import_object(family.checkpoint)(paths[family.demo])
     _image_pipeline(paths["image"], caption_channels=HIDDEN)
     return paths

@@ -17,11 +17,17 @@ from omni_stage.engines.base import Engine, EngineError, import_object
 
 @dataclass(frozen=True)
 class Family:
-    """A model family served as parts, one per stage (`engine.args.part`)."""
+    """A model family served as parts, one per stage (`engine.args.part`): one package under
+    omni_stage.models, its parts and its tiny checkpoint's writer named here."""
 
     name: str
     parts: dict[EngineKind, dict[str, str]]
     """engine kind -> part -> `module:attribute` of the engine that computes it."""
+    checkpoint: str
+    """`module:attribute` of its tiny checkpoint's writer, `write(path: Path) -> Path` (random
+    weights of the real architecture, every file a real checkpoint has)."""
+    demo: str
+    """The name `omni models init-demo` writes it under (`tiny-<demo>`)."""
 
 
 GENERIC: Final[dict[EngineKind, str]] = {
@@ -33,31 +39,36 @@ GENERIC: Final[dict[EngineKind, str]] = {
 }
 """The engines of stages that name no part."""
 
-_QWEN2_5 = "omni_stage.engines.qwen_omni"
-_QWEN3 = "omni_stage.engines.qwen3_omni"
+_QWEN = "omni_stage.models.qwen_omni"
+_QWEN2_5 = "omni_stage.models.qwen2_5_omni"
+_QWEN3 = "omni_stage.models.qwen3_omni"
 FAMILIES: Final[dict[str, Family]] = {
     "qwen2_5_omni": Family(
         "Qwen2.5-Omni",
         {
             EngineKind.TRANSFORMERS: {
-                "encoder": "omni_stage.engines.qwen_omni_encoder:Encoder",
-                "thinker": f"{_QWEN2_5}:Thinker",
-                "talker": f"{_QWEN2_5}:Talker",
-                "token2wav": f"{_QWEN2_5}:Token2Wav",
+                "encoder": f"{_QWEN}.encoder:Encoder",
+                "thinker": f"{_QWEN}.thinker:Thinker",
+                "talker": f"{_QWEN2_5}.speech:Talker",
+                "token2wav": f"{_QWEN2_5}.speech:Token2Wav",
             },
-            EngineKind.VLLM: {"thinker": "omni_stage.engines.qwen_omni_vllm:VllmThinker"},
+            EngineKind.VLLM: {"thinker": f"{_QWEN2_5}.vllm_thinker:VllmThinker"},
         },
+        checkpoint=f"{_QWEN2_5}.checkpoint:write_tiny_checkpoint",
+        demo="qwen2.5-omni",
     ),
     "qwen3_omni_moe": Family(
         "Qwen3-Omni",
         {
             EngineKind.TRANSFORMERS: {
-                "encoder": f"{_QWEN3}:Qwen3Encoder",
-                "thinker": f"{_QWEN3}:Qwen3Thinker",
-                "talker": f"{_QWEN3}:Qwen3Talker",
-                "code2wav": f"{_QWEN3}:Qwen3Code2Wav",
+                "encoder": f"{_QWEN3}.parts:Qwen3Encoder",
+                "thinker": f"{_QWEN3}.parts:Qwen3Thinker",
+                "talker": f"{_QWEN3}.parts:Qwen3Talker",
+                "code2wav": f"{_QWEN3}.parts:Qwen3Code2Wav",
             },
         },
+        checkpoint=f"{_QWEN3}.checkpoint:write_tiny_checkpoint",
+        demo="qwen3-omni",
     ),
 }
 """Model families by their checkpoints' `model_type`."""

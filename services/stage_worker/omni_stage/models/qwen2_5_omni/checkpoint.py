@@ -16,13 +16,19 @@ the DiT embeds all 8448 codes (the real one only 8193 codec entries: random weig
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 
 from omni_stage.demo_tokenizer import byte_level_tokenizer
+from omni_stage.models.qwen_omni.checkpoint import (
+    VISION,
+    keep_specials_out_of_replies,
+    keep_the_waveform,
+    new_model,
+    save_checkpoint,
+)
 
 HIDDEN: Final = 64
 HEADS: Final = 2  # head_dim 32
@@ -196,75 +202,17 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
     )
 
 
-def processor_files(path: Path, vision: dict[str, Any], processor: str, chat_template: str) -> None:
-    """What a real Qwen-Omni checkpoint holds for its processor: the Whisper feature
-    extractor's settings and the Qwen2-VL image processor's (`vision`) in one
-    preprocessor_config.json, the video processor's own file, and the chat template."""
-    from transformers import WhisperFeatureExtractor
-
-    audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=300)
-    merged = {
-        **audio.to_dict(),
-        **vision,
-        "feature_extractor_type": "WhisperFeatureExtractor",
-        "image_processor_type": "Qwen2VLImageProcessor",
-        "processor_class": processor,
-        "return_attention_mask": True,
-    }
-    merged.pop("mel_filters", None)  # derived from the settings above on load
-    (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
-    video = {**vision, "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": processor}
-    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template}, indent=2))
-
-
-VISION: Final = {  # Qwen2.5-Omni's image and video processors
-    "do_resize": True,
-    "do_rescale": True,
-    "do_normalize": True,
-    "do_convert_rgb": True,
-    "image_mean": [0.48145466, 0.4578275, 0.40821073],
-    "image_std": [0.26862954, 0.26130258, 0.27577711],
-    "rescale_factor": 1 / 255,
-    "min_pixels": 3136,
-    "max_pixels": 12845056,
-    "patch_size": 14,
-    "temporal_patch_size": 2,
-    "merge_size": 2,
-}
-
-
-def write_tiny_qwen_omni(path: Path, seed: int = 5) -> Path:
+def write_tiny_checkpoint(path: Path, seed: int = 5) -> Path:
     """Write tiny-qwen2.5-omni into `path` (a directory); returns it."""
     from transformers import Qwen2_5OmniForConditionalGeneration
-    from transformers.utils import logging as hf_logging
 
     tok = byte_level_tokenizer(CHAT_TEMPLATE, SPECIAL_TOKENS, TOKEN_ROLES)
     ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}
     torch.manual_seed(seed)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the default sub-configs it builds first name ~151k ids
-    try:
-        model = Qwen2_5OmniForConditionalGeneration(_config(ids, len(tok))).eval()
-    finally:
-        hf_logging.set_verbosity(verbosity)
-    with torch.no_grad():
-        # Random weights would end answers at random, or with media placeholders: keep every
-        # special token out of replies, so it speaks printable text until max_tokens (greedy
-        # never picks a zero logit here).
-        for i in ids.values():
-            model.thinker.lm_head.weight[i].zero_()
-        # BigVGAN at the model's own init (std 0.02) shrinks the signal through six upsampling
-        # convolutions to ~1e-8: PyTorch's default init keeps a real waveform (peak ~0.5).
-        for module in model.token2wav.code2wav_bigvgan_model.modules():
-            if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
-                module.reset_parameters()
-    model.generation_config.eos_token_id = ids["<|im_end|>"]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    processor_files(path, VISION, "Qwen2_5OmniProcessor", CHAT_TEMPLATE)
+    model = new_model(Qwen2_5OmniForConditionalGeneration, _config(ids, len(tok)))
+    keep_specials_out_of_replies(model.thinker.lm_head, ids.values())
+    keep_the_waveform(model.token2wav.code2wav_bigvgan_model)  # BigVGAN
+    save_checkpoint(path, model, tok, ids, VISION, "Qwen2_5OmniProcessor", CHAT_TEMPLATE)
     gen = torch.Generator().manual_seed(seed)
     speakers = {
         voice: {

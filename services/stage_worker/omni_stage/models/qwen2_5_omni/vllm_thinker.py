@@ -26,11 +26,11 @@ import torch
 
 from omni_pipeline.spec import REQUEST_SOURCE, StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
-from omni_stage.engines.qwen_omni import thinker_embedding_table
-from omni_stage.engines.qwen_omni_prompt import Prompts
 from omni_stage.engines.sampling import HONOURED
 from omni_stage.engines.vllm import VllmEngine, vllm_logprobs
 from omni_stage.engines.vllm_hidden import ADDRESS_ENV, HiddenStates
+from omni_stage.models.qwen_omni.parts import thinker_embedding_table
+from omni_stage.models.qwen_omni.prompt import Prompts
 from omni_stage.segments import EngineOutput
 
 HIDDEN_WAIT_S: Final = 60.0

@@ -22,9 +22,14 @@ from typing import Any, Final
 
 import torch
 
-from omni_stage.demo_qwen_omni import VISION as QWEN2_5_VISION
-from omni_stage.demo_qwen_omni import processor_files
 from omni_stage.demo_tokenizer import byte_level_tokenizer
+from omni_stage.models.qwen_omni.checkpoint import VISION as QWEN2_5_VISION
+from omni_stage.models.qwen_omni.checkpoint import (
+    keep_specials_out_of_replies,
+    keep_the_waveform,
+    new_model,
+    save_checkpoint,
+)
 
 HIDDEN: Final = 64
 HEADS: Final = 2
@@ -217,33 +222,23 @@ VISION: Final = {  # Qwen3-Omni's image and video processors: 16-pixel patches
 }
 
 
-def write_tiny_qwen3_omni(path: Path, seed: int = 5) -> Path:
+def write_tiny_checkpoint(path: Path, seed: int = 5) -> Path:
     """Write tiny-qwen3-omni into `path` (a directory); returns it."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
     from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeTalkerTextExperts
-    from transformers.utils import logging as hf_logging
 
     tok = tokenizer()
     ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS + ROLE_WORDS}
     torch.manual_seed(seed)
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the default sub-configs it builds first name ~151k ids
-    try:
-        model = Qwen3OmniMoeForConditionalGeneration(_config(ids, len(tok))).eval()
-    finally:
-        hf_logging.set_verbosity(verbosity)
+    model = new_model(Qwen3OmniMoeForConditionalGeneration, _config(ids, len(tok)))
+    keep_specials_out_of_replies(model.thinker.lm_head, ids.values())
     with torch.no_grad():
-        # Keep special tokens out of random replies (printable text until max_tokens), and give
-        # Code2Wav PyTorch's default init, which keeps a real waveform through its upsampling.
-        for i in ids.values():
-            model.thinker.lm_head.weight[i].zero_()
         # Random weights drown one position of the talker's prompt: make each voice's speaker
         # code stand out, so the voice changes the speech, as it does in the trained model.
         for code in SPEAKERS.values():
             model.talker.get_input_embeddings().weight[code].mul_(20.0)
-        for module in model.code2wav.modules():
-            if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
-                module.reset_parameters()
+    keep_the_waveform(model.code2wav)
+    with torch.no_grad():
         # transformers (5.19) initialises the thinker's experts but not the talker's: they hold
         # whatever memory torch.empty gave them, a different checkpoint every time. Draw them
         # from the seed as the thinker's are drawn (normal, the config's initializer range).
@@ -253,10 +248,5 @@ def write_tiny_qwen3_omni(path: Path, seed: int = 5) -> Path:
             if isinstance(module, Qwen3OmniMoeTalkerTextExperts):
                 module.gate_up_proj.normal_(0.0, std, generator=gen)
                 module.down_proj.normal_(0.0, std, generator=gen)
-    model.generation_config.eos_token_id = ids["<|im_end|>"]
-    model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    processor_files(path, VISION, "Qwen3OmniMoeProcessor", CHAT_TEMPLATE)
+    save_checkpoint(path, model, tok, ids, VISION, "Qwen3OmniMoeProcessor", CHAT_TEMPLATE)
     return path

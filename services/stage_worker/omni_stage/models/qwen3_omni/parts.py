@@ -44,15 +44,15 @@ import torch
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.qwen_omni import (
+from omni_stage.models.qwen_omni.encoder import Encoder
+from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
-    Thinker,
     penalise_repeats,
     thinker_embedding_table,
 )
-from omni_stage.engines.qwen_omni_encoder import Encoder
-from omni_stage.engines.qwen_omni_prompt import MediaEmbeds, Prompt, Prompts
+from omni_stage.models.qwen_omni.prompt import MediaEmbeds, Prompt, Prompts
+from omni_stage.models.qwen_omni.thinker import Thinker
 from omni_stage.segments import EngineOutput
 
 DEFAULT_VOICE: Final = "Ethan"
@@ -473,12 +473,3 @@ class Qwen3Code2Wav(Part):
         """Chunks of one length, as one batch (the decoder is causal and per sample)."""
         wav = self.model(torch.stack([c.codes for c in chunks]).to(self.device))
         return [w[0, c.skip : c.keep].float().cpu() for w, c in zip(wav, chunks, strict=True)]
-
-
-PARTS: Final[dict[str, type[Part]]] = {
-    "encoder": Qwen3Encoder,
-    "thinker": Qwen3Thinker,
-    "talker": Qwen3Talker,
-    "code2wav": Qwen3Code2Wav,
-}
-"""Qwen3-Omni's parts, by `engine.args.part`."""

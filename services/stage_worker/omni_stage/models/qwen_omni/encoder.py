@@ -25,8 +25,8 @@ import torch
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.qwen_omni import Part
-from omni_stage.engines.qwen_omni_prompt import EncoderInputs, MediaEmbeds, Prompts
+from omni_stage.models.qwen_omni.parts import Part
+from omni_stage.models.qwen_omni.prompt import EncoderInputs, MediaEmbeds, Prompts
 from omni_stage.segments import EngineOutput
 
 

@@ -1,0 +1,97 @@
+"""What the tiny Qwen-Omni checkpoints of both families share: building the model at random weights,
+keeping its replies printable and its waveform audible, and the files a real checkpoint holds
+beside its weights (tokenizer, processor settings, chat template)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+
+def new_model(cls: Any, config: Any) -> Any:
+    """transformers' `cls` at random weights (seeded by the caller), in eval mode."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the default sub-configs it builds first name ~151k ids
+    try:
+        return cls(config).eval()
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def keep_specials_out_of_replies(lm_head: torch.nn.Linear, ids: Iterable[int]) -> None:
+    """Random weights would end answers at random, or with media placeholders: with these
+    tokens' logits at zero, greedy speaks printable text until max_tokens."""
+    with torch.no_grad():
+        for i in ids:
+            lm_head.weight[i].zero_()
+
+
+def keep_the_waveform(vocoder: torch.nn.Module) -> None:
+    """The vocoders' own init (std 0.02) shrinks the signal through their upsampling convolutions
+    to ~1e-8: PyTorch's default init keeps a real waveform (peak ~0.5)."""
+    for module in vocoder.modules():
+        if isinstance(module, torch.nn.Conv1d | torch.nn.ConvTranspose1d):
+            module.reset_parameters()
+
+
+def save_checkpoint(
+    path: Path,
+    model: Any,
+    tok: Any,
+    ids: dict[str, int],
+    vision: dict[str, Any],
+    processor: str,
+    template: str,
+) -> None:
+    """The model's weights and config, its generation config's eos and pad, the tokenizer, and
+    the processor's files."""
+    model.generation_config.eos_token_id = ids["<|im_end|>"]
+    model.generation_config.pad_token_id = ids["<|endoftext|>"]
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    processor_files(path, vision, processor, template)
+
+
+def processor_files(path: Path, vision: dict[str, Any], processor: str, chat_template: str) -> None:
+    """What a real Qwen-Omni checkpoint holds for its processor: the Whisper feature
+    extractor's settings and the Qwen2-VL image processor's (`vision`) in one
+    preprocessor_config.json, the video processor's own file, and the chat template."""
+    from transformers import WhisperFeatureExtractor
+
+    audio = WhisperFeatureExtractor(feature_size=128, sampling_rate=16000, hop_length=160, chunk_length=300)
+    merged = {
+        **audio.to_dict(),
+        **vision,
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "processor_class": processor,
+        "return_attention_mask": True,
+    }
+    merged.pop("mel_filters", None)  # derived from the settings above on load
+    (path / "preprocessor_config.json").write_text(json.dumps(merged, indent=2))
+    video = {**vision, "video_processor_type": "Qwen2VLVideoProcessor", "processor_class": processor}
+    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2))
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": chat_template}, indent=2))
+
+
+VISION: Final = {  # Qwen2.5-Omni's image and video processors (Qwen3-Omni's change the patches)
+    "do_resize": True,
+    "do_rescale": True,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+    "rescale_factor": 1 / 255,
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+}

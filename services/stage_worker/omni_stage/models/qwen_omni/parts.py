@@ -1,0 +1,104 @@
+"""What every Qwen-Omni part shares: loading its piece of one checkpoint, its voices, the talkers'
+repetition penalty, the thinker's embedding table read alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import ComputeEngine, EngineError
+
+DEFAULT_VOICE: Final = "Chelsie"
+REPETITION_PENALTY: Final = 1.05  # Qwen2_5OmniForConditionalGeneration.generate's talker default
+TALKER_MAX_CODES: Final = 4096  # its talker_max_new_tokens
+_DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def penalise_repeats(logits: torch.Tensor, seen: Iterable[int]) -> torch.Tensor:
+    """The talkers' repetition penalty over the codes `seen`, with transformers' own processor,
+    as the references' generate applies it."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    ids = torch.tensor([sorted(set(seen))], dtype=torch.long, device=logits.device)
+    return RepetitionPenaltyLogitsProcessor(REPETITION_PENALTY)(ids, logits[None])[0]
+
+
+def thinker_embedding_table(stage: str, path: str) -> torch.Tensor:
+    """The thinker's input embedding table, read alone from the checkpoint's safetensors."""
+    from safetensors import safe_open
+
+    name = "thinker.model.embed_tokens.weight"
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            if name in sf.keys():  # noqa: SIM118 (safe_open has no __contains__)
+                return sf.get_tensor(name)
+    raise EngineError(f"stage '{stage}': {path} has no {name}")
+
+
+class Part(ComputeEngine):
+    """Loading one part of the checkpoint, and the voices."""
+
+    part: str
+    weights: tuple[str, ...] = ("model",)
+    config_class = "Qwen2_5OmniConfig"
+    model_name = "Qwen2.5-Omni"
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.dtype = _DTYPES[self.args.get("dtype", "float32")]
+        self.path = str(stage.engine.model)
+        self.model: Any = None
+        self.config: Any = None
+        self.speakers: dict[str, dict[str, Any]] = {}
+        """Each voice's conditioning, from the checkpoint's speaker file."""
+
+    async def start(self) -> None:
+        await self._run(self._load)
+
+    def _load(self) -> None:
+        self._read_config()
+        cls, sub = self._part_class()
+        self.model = self._from_checkpoint(cls, sub, f"^{self.part}\\.")
+        spk = Path(self.path, "spk_dict.pt")
+        if spk.exists() and self.part != "thinker":  # a file of the checkpoint, loaded as transformers does
+            self.speakers = torch.load(spk, weights_only=True)
+            self.voices = tuple(sorted(self.speakers, key=lambda name: name != DEFAULT_VOICE))
+
+    def _read_config(self) -> None:
+        import transformers
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        hf_logging.set_verbosity_error()  # the load report lists the other parts' weights
+        if threads := self.args.get("threads"):
+            torch.set_num_threads(int(threads))
+        if not Path(self.path).is_dir():
+            raise EngineError(f"stage '{self.stage.name}': model directory {self.path!r} not found")
+        try:
+            self.config = getattr(transformers, self.config_class).from_pretrained(self.path)
+        except (OSError, ValueError) as exc:
+            raise EngineError(
+                f"stage '{self.stage.name}': {self.path} is not a {self.model_name} checkpoint: {exc}"
+            ) from exc
+
+    def _from_checkpoint(self, cls: Any, config: Any, prefix: str) -> Any:
+        """Transformers' class `cls` with the checkpoint's weights under `prefix` (a regex)."""
+        return (
+            cls.from_pretrained(self.path, config=config, key_mapping={prefix: ""}, dtype=self.dtype)
+            .to(self.device)
+            .eval()
+        )
+
+    def _part_class(self) -> tuple[Any, Any]:
+        """The transformers class of this part and its sub-config (a part loaded whole)."""
+        raise NotImplementedError
+
+    def speaker(self, sampling: dict[str, Any]) -> dict[str, Any]:
+        """The conditioning of the request's voice."""
+        if not self.voices:
+            raise EngineError(f"stage '{self.stage.name}': {self.path} has no speaker file (spk_dict.pt)")
+        return self.speakers[self.voice(sampling)]

@@ -1,0 +1,216 @@
+"""The Qwen-Omni thinker: the chat template (media in), decoding with a KV cache, batched across
+requests; each unit carries what a talker reads (the input embedding and last hidden state)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import EngineCall, EngineError
+from omni_stage.engines.batching import StepBatcher
+from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.prompts import check_context
+from omni_stage.engines.reply import ReplyText, token_logprobs
+from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
+from omni_stage.engines.structured import JsonGrammars
+from omni_stage.models.qwen_omni.parts import (
+    Part,
+)
+from omni_stage.models.qwen_omni.prompt import MediaEmbeds, Prompt, Prompts
+from omni_stage.segments import EngineOutput
+
+
+class Thinker(Part):
+    """Reads the client's messages, their audio, images and videos included (see `Prompt`)."""
+
+    part = "thinker"
+    accepts = frozenset({"text", "image", "audio"})
+    honours = HONOURED
+    prompts_class = Prompts
+    talker_layer = -1
+    """The layer whose hidden states the talker reads (-1: the last, normed)."""
+    sends_reply_hidden = True
+    """Whether the talker reads each reply token's hidden state, or only its embedding."""
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        self.tokenizer: Any = None
+        self.prompts: Prompts | None = None
+        self.eos: set[int] = set()
+        self.grammars: JsonGrammars | None = None
+        self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.thinker_config.text_config.vocab_size)
+
+    def _part_class(self) -> tuple[Any, Any]:
+        from transformers import Qwen2_5OmniThinkerForConditionalGeneration
+
+        return Qwen2_5OmniThinkerForConditionalGeneration, self.config.thinker_config
+
+    def _load(self) -> None:
+        from transformers import AutoTokenizer, GenerationConfig
+
+        super()._load()
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        self.prompts = self.prompts_class(
+            self.path, self.tokenizer, self.config.thinker_config, self.device, self.dtype
+        )
+        self.accepts = self.prompts.accepts
+        eos = GenerationConfig.from_pretrained(self.path).eos_token_id
+        self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if "response_format" in self.honours:
+            self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        request = call.inputs.get("request")
+        if request is None:
+            raise EngineError(f"stage '{self.stage.name}': the thinker reads the client request")
+        assert self.prompts is not None
+        # An encoder stage's outputs, where one ran on this request's media.
+        embeds = next((e for p in call.inputs.values() if (e := MediaEmbeds.from_payload(p))), None)
+        prompt = await self._run(self.prompts.build, request, embeds)
+        ids = prompt.ids
+        st = call.state
+        st["prompt_tokens"] = int(ids.shape[1])
+        budget = int(call.sampling.get("max_tokens") or 64)
+        check_context(
+            int(ids.shape[1]), budget, self.config.thinker_config.text_config.max_position_embeddings
+        )
+        # Off the compute thread, whose forwards other requests wait for (a grammar compiles).
+        sampler = await asyncio.to_thread(TokenSampler, call.sampling, self.vocab_size, self.grammars)
+        text = ReplyText.for_request(self.tokenizer, call.sampling)
+        feed = ids
+        for s in range(budget):
+            # Decode steps of concurrent requests run together; a prompt runs on its own.
+            key = "decode" if s else object()
+            step = _ThinkerStep(st, feed, sampler, prompt)
+            choice, embeds, hidden = await self.batcher.submit(key, step)
+            tok = choice.token
+            data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
+            if s == 0:  # [1, P, ...]: the prompt is one unit's worth
+                data |= {"prompt_embeds": embeds, "prompt_hidden": hidden} | self._prompt_extras(prompt)
+            else:  # [1, hidden]: the position that consumed token s - 1
+                data |= {"reply_embeds": embeds[0]}
+                if self.sends_reply_hidden:
+                    data["reply_hidden"] = hidden[0]
+            eos = tok in self.eos
+            delta, stopped = text.add(None if eos else tok, last=eos or s == budget - 1)
+            done = eos or stopped
+            logprobs = [] if eos else token_logprobs(self.tokenizer, choice)
+            yield EngineOutput(
+                units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
+            )
+            if done:
+                return
+            feed = torch.tensor([[tok]], device=self.device)
+        st["finish_reason"] = "length"
+
+    def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
+        """What else of the prompt the talker reads, with the first token."""
+        return {}
+
+    def _steps(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
+        if len(steps) == 1:
+            s = steps[0]
+            return [self._step(s.st, s.ids, s.sampler, s.prompt)]
+        return self._decode_together(steps)
+
+    @torch.inference_mode()
+    def _decode_together(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
+        out, caches = decode_together(
+            self.model,
+            [s.st["past"] for s in steps],
+            [self._decode_positions(s.st) for s in steps],
+            input_ids=torch.cat([s.ids for s in steps]),
+            output_hidden_states=True,
+        )
+        results = []
+        for row, (s, cache) in enumerate(zip(steps, caches, strict=True)):
+            s.st["past"] = cache
+            choice = s.sampler.pick(out.logits[row, -1])
+            first, last = (
+                out.hidden_states[0][row : row + 1],
+                out.hidden_states[self.talker_layer][row : row + 1],
+            )
+            results.append((choice, first.float().cpu(), last.float().cpu()))
+        return results
+
+    def _decode_positions(self, st: dict[str, Any]) -> torch.Tensor:
+        """The next position's 3-D ids: the same on all three axes, offset as the prompt's were."""
+        at = st["past"].get_seq_length() + st["rope_deltas"]
+        return (torch.arange(1, device=self.device) + at).view(1, 1, -1).expand(3, 1, -1)
+
+    @torch.inference_mode()
+    def _step(
+        self,
+        st: dict[str, Any],
+        ids: torch.Tensor,
+        sampler: TokenSampler,
+        prompt: Prompt,
+    ) -> tuple[Choice, torch.Tensor, torch.Tensor]:
+        m = self.model
+        past = st.get("past")
+        inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+        if past is None:  # the prompt: its 3-D (M-RoPE) positions, and the offset decoding keeps
+            lay = prompt.layout
+            positions, st["rope_deltas"] = m.get_rope_index(
+                ids,
+                lay.image_grid_thw,
+                lay.video_grid_thw,
+                torch.ones_like(ids),
+                False,
+                lay.audio_lengths,
+                lay.video_second_per_grid,
+            )
+            if prompt.embeds is not None:
+                inputs = self._media_inputs(ids, prompt.embeds)
+            else:
+                inputs |= prompt.features
+        else:
+            positions = self._decode_positions(st)
+        out = m(
+            position_ids=positions,
+            past_key_values=past,
+            use_cache=True,
+            output_hidden_states=True,
+            **inputs,
+        )
+        st["past"] = out.past_key_values
+        choice = sampler.pick(out.logits[0, -1])
+        # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
+        embeds = out.hidden_states[0].float().cpu()
+        if past is None and prompt.media_mask is not None:
+            # but not the media's features: zeros there, as the reference hands it
+            embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
+        return choice, embeds, out.hidden_states[self.talker_layer].float().cpu()
+
+    def _media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
+        """The prefill's inputs with an encoder stage's outputs in place of the media: the
+        prompt's input embeddings with them at the media's placeholders, what the model's
+        forward makes of the encoders' outputs itself."""
+        m = self.model
+        embeds = m.get_input_embeddings()(ids)
+        kinds = (media.image, media.video, media.audio)  # the order of the masks
+        rows = [None if e is None else e.to(self.device, embeds.dtype) for e in kinds]
+        masks = m.get_placeholder_mask(ids, embeds, image_features=rows[0], video_features=rows[1])
+        for mask, e in zip(masks, rows, strict=True):
+            if e is not None:
+                embeds = embeds.masked_scatter(mask, e)
+        return {"inputs_embeds": embeds}
+
+
+@dataclass(frozen=True, slots=True)
+class _ThinkerStep:
+    """One request's next forward: its prompt, or its last token."""
+
+    st: dict[str, Any]
+    ids: torch.Tensor
+    sampler: TokenSampler
+    prompt: Prompt
