@@ -23,6 +23,10 @@ import torch
 
 from omni_stage.demo_tokenizer import byte_level_tokenizer
 from omni_stage.models.qwen_omni.checkpoint import (
+    AUDIO_ENCODER,
+    HEADS,
+    HIDDEN,
+    LAYERS,
     VISION,
     keep_specials_out_of_replies,
     keep_the_waveform,
@@ -30,8 +34,6 @@ from omni_stage.models.qwen_omni.checkpoint import (
     save_checkpoint,
 )
 
-HIDDEN: Final = 64
-HEADS: Final = 2  # head_dim 32
 MROPE_SECTION: Final = [4, 6, 6]  # sums to head_dim / 2, as [16, 24, 24] does for 128
 CODEC_VOCAB: Final = 8448
 CODEC_PAD, CODEC_START, CODEC_END, CODEC_MASK = 8292, 8293, 8294, 8296  # the real ids
@@ -107,16 +109,7 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
         "vision_end_token_id": ids["<|vision_eos|>"],
     }
     thinker = {
-        "audio_config": {
-            "num_mel_bins": 128,
-            "encoder_layers": 2,
-            "encoder_attention_heads": 2,
-            "encoder_ffn_dim": 64,
-            "d_model": 32,
-            "output_dim": HIDDEN,
-            "n_window": 100,
-            "max_source_positions": 1500,
-        },
+        "audio_config": {**AUDIO_ENCODER, "n_window": 100},
         "vision_config": {
             "depth": 2,
             "hidden_size": 32,
@@ -149,13 +142,7 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
     talker = {
         "vocab_size": CODEC_VOCAB,
         "embedding_size": HIDDEN,
-        "hidden_size": HIDDEN,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": 1,
-        "head_dim": HIDDEN // HEADS,
-        "max_position_embeddings": 8192,
+        **LAYERS,
         "rope_parameters": rope,
         **media,
         "tts_text_start_token_id": ids["<|tts_text_bos|>"],

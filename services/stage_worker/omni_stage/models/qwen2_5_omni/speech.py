@@ -15,6 +15,8 @@ from omni_stage.engines.kv_batch import decode_together
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
+    chunk_args,
+    gather_codes,
     penalise_repeats,
     thinker_embedding_table,
 )
@@ -184,9 +186,7 @@ class Token2Wav(Part):
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
-        self.chunk = int(self.args.get("chunkCodes", 0))
-        self.left = int(self.args.get("leftContextCodes", 24))
-        self.right = int(self.args.get("rightContextCodes", 12))
+        self.chunk, self.left, self.right = chunk_args(stage, 0, 24, 12, least_chunk=0)  # 0: whole
         self.batcher = StepBatcher(self._synthesize, self._compute, self.max_batch)
 
     def _part_class(self) -> tuple[Any, Any]:
@@ -204,13 +204,8 @@ class Token2Wav(Part):
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.state
-        for p in call.inputs.values():
-            if "codes" in p and p["codes"].numel():
-                st.setdefault("codes", []).append(p["codes"].long())
-        if "codes" not in st:
+        if (codes := gather_codes(st, call.inputs)) is None:
             return
-        codes = torch.cat(st["codes"])
-        st["codes"] = [codes]
         done = st.get("done", 0)
         while done < len(codes):
             end = len(codes) if self.chunk <= 0 else min(done + self.chunk, len(codes))

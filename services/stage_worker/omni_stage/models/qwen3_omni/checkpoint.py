@@ -23,16 +23,17 @@ from typing import Any, Final
 import torch
 
 from omni_stage.demo_tokenizer import byte_level_tokenizer
-from omni_stage.models.qwen_omni.checkpoint import VISION as QWEN2_5_VISION
 from omni_stage.models.qwen_omni.checkpoint import (
+    AUDIO_ENCODER,
+    HIDDEN,
+    LAYERS,
     keep_specials_out_of_replies,
     keep_the_waveform,
     new_model,
     save_checkpoint,
 )
+from omni_stage.models.qwen_omni.checkpoint import VISION as QWEN2_5_VISION
 
-HIDDEN: Final = 64
-HEADS: Final = 2
 GROUPS: Final = 4
 CODEC_VOCAB: Final = 3072
 CODEC_PAD, CODEC_BOS, CODEC_EOS = 2148, 2149, 2150  # the real ids
@@ -94,15 +95,7 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
 
     rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6], "interleaved": True}
     moe = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
-    layers = {
-        "hidden_size": HIDDEN,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": HEADS,
-        "num_key_value_heads": 1,
-        "head_dim": HIDDEN // HEADS,
-        "max_position_embeddings": 8192,
-    }
+    layers = LAYERS
     media = {
         "audio_token_id": ids["<|audio_pad|>"],
         "image_token_id": ids["<|image_pad|>"],
@@ -114,17 +107,11 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
     }
     thinker = {
         "audio_config": {
-            "num_mel_bins": 128,
-            "encoder_layers": 2,
-            "encoder_attention_heads": 2,
-            "encoder_ffn_dim": 64,
-            "d_model": 32,
-            "output_dim": HIDDEN,
+            **AUDIO_ENCODER,
             "n_window": 50,
             "n_window_infer": 800,
             "conv_chunksize": 500,
             "downsample_hidden_size": 32,
-            "max_source_positions": 1500,
         },
         "vision_config": {
             "depth": 2,

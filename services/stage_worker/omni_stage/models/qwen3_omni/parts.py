@@ -48,6 +48,8 @@ from omni_stage.models.qwen_omni.encoder import Encoder
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
+    chunk_args,
+    gather_codes,
     penalise_repeats,
     thinker_embedding_table,
 )
@@ -428,13 +430,7 @@ class Qwen3Code2Wav(Part):
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
-        self.chunk = int(self.args.get("chunkCodes", 300))
-        self.left = int(self.args.get("leftContextCodes", 25))
-        self.right = int(self.args.get("rightContextCodes", 0))
-        if self.chunk < 1 or self.left < 0 or self.right < 0:
-            raise EngineError(
-                f"stage '{stage.name}': chunkCodes must be at least 1, left/rightContextCodes at least 0"
-            )
+        self.chunk, self.left, self.right = chunk_args(stage, 300, 25, 0, least_chunk=1)
         self.batcher = StepBatcher(self._decode, self._compute, self.max_batch)
 
     def _part_class(self) -> tuple[Any, Any]:
@@ -449,13 +445,8 @@ class Qwen3Code2Wav(Part):
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.state
-        for p in call.inputs.values():
-            if "codes" in p and p["codes"].numel():
-                st.setdefault("codes", []).append(p["codes"].long())
-        if "codes" not in st:
+        if (codes := gather_codes(st, call.inputs)) is None:  # [n, groups]
             return
-        codes = torch.cat(st["codes"])  # [n, groups]
-        st["codes"] = [codes]
         done = st.get("done", 0)
         while done < len(codes):
             end = min(done + self.chunk, len(codes))

@@ -11,6 +11,28 @@ from typing import Any, Final
 
 import torch
 
+HIDDEN: Final = 64
+"""The thinkers' hidden size (the real ones: 3584, 2048)."""
+HEADS: Final = 2  # head_dim 32
+LAYERS: Final = {  # a tiny decoder's layers (the talkers', Qwen3-Omni's thinker's)
+    "hidden_size": HIDDEN,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": 1,
+    "head_dim": HIDDEN // HEADS,
+    "max_position_embeddings": 8192,
+}
+AUDIO_ENCODER: Final = {  # both families' audio encoders, tiny; each adds its windowing
+    "num_mel_bins": 128,
+    "encoder_layers": 2,
+    "encoder_attention_heads": 2,
+    "encoder_ffn_dim": 64,
+    "d_model": 32,
+    "output_dim": HIDDEN,
+    "max_source_positions": 1500,
+}
+
 
 def new_model(cls: Any, config: Any) -> Any:
     """transformers' `cls` at random weights (seeded by the caller), in eval mode."""

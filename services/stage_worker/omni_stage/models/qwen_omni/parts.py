@@ -39,6 +39,33 @@ def thinker_embedding_table(stage: str, path: str) -> torch.Tensor:
     raise EngineError(f"stage '{stage}': {path} has no {name}")
 
 
+def gather_codes(st: dict[str, Any], inputs: dict[str, Any]) -> torch.Tensor | None:
+    """Every code a vocoder part has received for a request so far, these inputs' included,
+    kept as one tensor in the request's state; None before the first."""
+    for p in inputs.values():
+        if "codes" in p and p["codes"].numel():
+            st.setdefault("codes", []).append(p["codes"].long())
+    if "codes" not in st:
+        return None
+    codes = torch.cat(st["codes"])
+    st["codes"] = [codes]
+    return codes
+
+
+def chunk_args(stage: StageSpec, chunk: int, left: int, right: int, least_chunk: int) -> tuple[int, int, int]:
+    """A vocoder part's `chunkCodes`, `leftContextCodes`, `rightContextCodes` (these defaults),
+    checked: codes per chunk, and the context decoded with each on either side."""
+    args = stage.engine.args
+    got = int(args.get("chunkCodes", chunk)), int(args.get("leftContextCodes", left))
+    c, lc, rc = (*got, int(args.get("rightContextCodes", right)))
+    if c < least_chunk or lc < 0 or rc < 0:
+        raise EngineError(
+            f"stage '{stage.name}': chunkCodes must be at least {least_chunk}, "
+            "left/rightContextCodes at least 0"
+        )
+    return c, lc, rc
+
+
 class Part(ComputeEngine):
     """Loading one part of the checkpoint, and the voices."""
 
