@@ -458,7 +458,11 @@ def test_the_encoder_stage_encodes_requests_together_as_each_alone(model: Path) 
     for a, b in zip(together, alone, strict=True):
         assert a.keys() == b.keys()
         for k in a:
-            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
+            # Within float32 rounding of the batched forward (padded to the batch's longest clip):
+            # 1e-5 of the tensor's largest value, since the rounding grows with the values (the
+            # audio tower's, drawn wider for input sensitivity, reach ~5); layouts are equal.
+            scale = float(b[k].abs().max()) if b[k].is_floating_point() and b[k].numel() else 0.0
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-5 * scale)
 
 
 def test_audio_features_equal_the_processors_on_every_frame_the_encoder_reads(model: Path) -> None:
