@@ -1,14 +1,19 @@
-"""Connector calls off the event loop: a small thread pool per process, for the stage worker and the
+"""Connector calls off the event loop: one I/O thread per process, for the stage worker and the
 gateway alike.
 
 A put copies a payload into shared memory or sends it to Mooncake; a get may wait on Mooncake's
 network; a cleanup or a count may wait on a backend that is down. None of it may hold up a loop
 that beats, admits, aborts and answers HTTP.
 
+The calls run one at a time, in the order made, as they ran on the loop before: the Mooncake
+client does not take concurrent calls well through a master restart (calls made side by side
+hung for a minute after one; one at a time they fail or succeed at once). Health checks, which
+must answer while a call hangs, are not made here.
+
 Ownership: a caller cancelled in the middle of a put or a get waits for that call to finish
 before its cancellation goes on, so the cleanup its request's end runs comes after the write it
 frees (a payload written after its request's cleanup would have no owner). Cleanups go on the
-same pool, queued behind the calls already running; `close` waits for what is queued, then
+same thread, queued behind the calls already made; `close` waits for what is queued, then
 closes the connectors.
 """
 
@@ -24,9 +29,9 @@ from omni_pipeline.connectors.base import ConnectorHandle, OmniConnector
 
 log = logging.getLogger("omni.connectors")
 
-IO_THREADS: Final = 4
-"""Connector calls one process runs at once; more wait their turn (how many are in flight is
-bounded anyway: each running request awaits its own)."""
+IO_THREADS: Final = 1
+"""Connector calls one process runs at once (see above); the others wait their turn, and how many
+wait is bounded anyway: each running request awaits its own."""
 
 T = TypeVar("T")
 
@@ -51,7 +56,7 @@ class OffLoop:
         return await self.call(conn.get, from_stage, to_stage, request_id, handle)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
-        """Any call that may wait on a connector's backend."""
+        """Any call of the data plane that may wait on a connector's backend."""
         fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         try:
             return await asyncio.shield(fut)

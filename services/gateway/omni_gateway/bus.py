@@ -247,6 +247,6 @@ class Bus:
                 continue
             for r in self.table.expire(now):
                 self.inflight.replica_gone(r, "stopped sending heartbeats")
-            await self.payloads.call(reclaim_unread, list(self.payloads.connectors.values()), self.spec)
+            await asyncio.to_thread(reclaim_unread, list(self.payloads.connectors.values()), self.spec)
             if not self.ready():
                 self.covered.clear()

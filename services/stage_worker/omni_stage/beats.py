@@ -120,7 +120,8 @@ class Beats:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             for rid in self.book.ledger.expire(time.time(), keep=self.book.requests):
                 log.info("stage %s: request %s: its unread output expired", self.book.spec.name, rid)
-            await self.transfers.call(reclaim_unread, list(self.used), self.pipeline)
+            # Beside the I/O thread, as health checks are: neither waits behind a hung transfer.
+            await asyncio.to_thread(reclaim_unread, list(self.used), self.pipeline)
             await self.transfers.call(
                 self.metrics.resources.count_connectors, self.transfers.connectors.values()
             )
@@ -140,7 +141,7 @@ class Beats:
 
     async def _check_connectors(self) -> None:
         """A connector whose backend is down makes the replica take nothing new until it answers."""
-        health = await self.transfers.call(lambda: [(c, c.health()) for c in self.used])
+        health = await asyncio.to_thread(lambda: [(c, c.health()) for c in self.used])
         unhealthy = "; ".join(
             f"connector '{c.name}' ({c.kind}): {h.get('status') or h.get('error') or 'unhealthy'}"
             for c, h in sorted(health, key=lambda ch: ch[0].name)
