@@ -179,6 +179,20 @@ def encode_frame(obj: Any) -> EncodedFrame:
     return EncodedFrame(header, packer.buffers, packer.data_len)
 
 
+def payload_nbytes(obj: Any) -> int:
+    """The tensor and ndarray bytes `obj` holds (dicts and lists walked): a lower bound on its
+    frame's size, without encoding it."""
+    if isinstance(obj, dict):
+        return sum(payload_nbytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(payload_nbytes(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return int(obj.nbytes)
+    if _is_tensor(obj):
+        return int(obj.numel() * obj.element_size())
+    return len(obj) if isinstance(obj, str | bytes) else 0
+
+
 def encode(obj: Any) -> bytes:
     """Encode `obj` into one buffer (tensor bytes copied once)."""
     return bytes(encode_frame(obj).to_bytes())

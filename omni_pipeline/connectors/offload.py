@@ -5,7 +5,9 @@ A put copies a payload into shared memory or sends it to Mooncake; a get may wai
 network; a cleanup or a count may wait on a backend that is down. None of it may hold up a loop
 that beats, admits, aborts and answers HTTP.
 
-The calls run one at a time, in the order made, as they ran on the loop before: the Mooncake
+A payload small enough to ride inline in its handle touches no backend: it is put and read on
+the loop, saving the hop to the thread on every small message. The other calls run one at a
+time, in the order made, as they ran on the loop before: the Mooncake
 client does not take concurrent calls well through a master restart (calls made side by side
 hung for a minute after one; one at a time they fail or succeed at once). Health checks, which
 must answer while a call hangs, are not made here.
@@ -25,6 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, TypeVar
 
+from omni_pipeline import wire
 from omni_pipeline.connectors.base import ConnectorHandle, OmniConnector
 
 log = logging.getLogger("omni.connectors")
@@ -48,11 +51,15 @@ class OffLoop:
     async def put(
         self, conn: OmniConnector, from_stage: str, to_stage: str, request_id: str, data: Any, seq: int = 0
     ) -> tuple[bool, int, ConnectorHandle]:
+        if wire.payload_nbytes(data) < conn.inline_threshold:  # it rides inline: no backend, a small copy
+            return conn.put(from_stage, to_stage, request_id, data, seq=seq)
         return await self.call(lambda: conn.put(from_stage, to_stage, request_id, data, seq=seq))
 
     async def get(
         self, conn: OmniConnector, from_stage: str, to_stage: str, request_id: str, handle: ConnectorHandle
     ) -> tuple[Any, int]:
+        if handle.inline is not None:  # in the handle itself: no backend, a small decode
+            return conn.get(from_stage, to_stage, request_id, handle)
         return await self.call(conn.get, from_stage, to_stage, request_id, handle)
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
