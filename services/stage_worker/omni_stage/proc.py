@@ -99,11 +99,9 @@ class StageWorker:
             self.metrics, self.tasks.start,
         )  # fmt: skip
         self.tasks.run = self.runner.run
-        used = {self.connectors[e.connector] for e in spec.inputs}
-        used |= {e.connector for e in out_edges} | {self.runner.final_connector}
         self.beats = Beats(
             self.book, self.engine, self.outbox, self.transfers, self.metrics, self.subjects, instance,
-            used, pipeline.spec,
+            self.runner.used_connectors(), pipeline.spec,
         )  # fmt: skip
         self.sleep = SleepControl(
             self.book, self.engine, self.outbox, self.metrics, instance, pipeline_path, spec.paused,

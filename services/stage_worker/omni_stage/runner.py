@@ -72,6 +72,11 @@ class RequestRunner:
         self.start = start
         """Start a queued request's task (one whose slot a paused request gave up)."""
 
+    def used_connectors(self) -> set[OmniConnector]:
+        """The connectors this stage reads or writes through (every process builds them all)."""
+        outs = (e.connector for e in self.book.out_edges)
+        return {*self.in_connectors.values(), *outs, self.final_connector}
+
     async def run(self, st: RequestState) -> str:
         """Run one request to its end; returns its outcome."""
         rid = st.request_id
