@@ -180,8 +180,10 @@ def encode_frame(obj: Any) -> EncodedFrame:
 
 
 def payload_nbytes(obj: Any) -> int:
-    """The tensor and ndarray bytes `obj` holds (dicts and lists walked): a lower bound on its
-    frame's size, without encoding it."""
+    """The tensor, ndarray and text bytes `obj` holds (structs, dicts and lists walked): about
+    its frame's size, without encoding it."""
+    if isinstance(obj, msgspec.Struct):
+        return sum(payload_nbytes(getattr(obj, f)) for f in obj.__struct_fields__)
     if isinstance(obj, dict):
         return sum(payload_nbytes(v) for v in obj.values())
     if isinstance(obj, list | tuple):

@@ -129,7 +129,7 @@ class Attempts:
         """A source stage's StageRequest, the client's request put on its request edge's
         connector (its own copy: a read frees it; inline in the handle when small). Once the
         attempt is in flight, so that its end frees the copy."""
-        conn = self.bus.payloads.connectors[self.sources[stage]]
+        conn = self.payloads.connectors[self.sources[stage]]
         payload = RequestPayload(req.inputs, {} if stage in self.without_media else req.media)
         try:
             _, _, handle = await self.payloads.put(conn, REQUEST_SOURCE, stage, ctx.request_id, payload)
