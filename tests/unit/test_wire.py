@@ -101,3 +101,15 @@ def test_unencodable_refused() -> None:
         wire.encode({"x": torch.zeros(2, dtype=torch.complex64)})
     with pytest.raises(wire.WireError):
         wire.encode({"x": object()})
+
+
+def test_payload_nbytes_counts_what_a_frame_carries_without_encoding_it() -> None:
+    """What decides whether a payload rides inline (put on the loop) or goes to a backend (off
+    it): its tensors', arrays' and texts' bytes, inside structs, dicts and lists."""
+    from omni_pipeline.control import RequestInputs, RequestPayload
+
+    inputs = RequestInputs(["text"], messages=[{"role": "user", "content": "x" * 1000}])
+    payload = RequestPayload(inputs, {"m0": torch.zeros(10, 4), "m1": np.zeros(3, dtype=np.int64)})
+    assert wire.payload_nbytes(payload) == len("user") + 1000 + len("text") + 160 + 24
+    assert wire.payload_nbytes({"hidden": [torch.zeros(2, dtype=torch.bfloat16)], "n": 3}) == 4
+    assert wire.payload_nbytes(payload) <= len(wire.encode(payload))
