@@ -27,7 +27,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from omni_cli.natsd import EmbeddedNats
-from omni_pipeline.control import ControlError, connect_nats
+from omni_pipeline.connection import connect_nats
+from omni_pipeline.control import ControlError
 from tests.helpers import OMNI, ROOT, start_gateway, start_stage, wait_for
 
 PIPELINE = ROOT / "tests" / "data" / "echo.yaml"

@@ -10,8 +10,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from omni_pipeline.connection import nats_security, resolve_nats_url
 from omni_pipeline.connectors import ConnectorError
-from omni_pipeline.control import NATS_URL_ENV, ControlError, nats_security, resolve_nats_url
+from omni_pipeline.control import ControlError
+from omni_pipeline.environment import NATS_URL_ENV
 from omni_pipeline.logs import configure_logging
 from omni_pipeline.spec import PipelineFile, SpecError, load_pipeline
 

@@ -26,6 +26,7 @@ from omni_gateway.errors import BadRequest, StageFailed, Timeout, Unavailable
 from omni_gateway.inflight import Inflight, Tracked
 from omni_gateway.replicas import Replica, ReplicaTable
 from omni_pipeline import tracing, wire
+from omni_pipeline.connection import close_nats, connect_nats
 from omni_pipeline.connectors import reclaim_unread
 from omni_pipeline.connectors.offload import OffLoop
 from omni_pipeline.control import (
@@ -36,8 +37,6 @@ from omni_pipeline.control import (
     GatewayInbound,
     Heartbeat,
     Subjects,
-    close_nats,
-    connect_nats,
     pack,
     unpack,
 )

@@ -26,6 +26,7 @@ from nats.aio.msg import Msg
 from setproctitle import setproctitle
 
 from omni_pipeline import wire
+from omni_pipeline.connection import close_nats, connect_nats
 from omni_pipeline.connectors import ConnectorError, build_connectors, check_request_id
 from omni_pipeline.control import (
     AbortMsg,
@@ -37,8 +38,6 @@ from omni_pipeline.control import (
     StageInbound,
     StageRequest,
     Subjects,
-    close_nats,
-    connect_nats,
     unpack,
 )
 from omni_pipeline.logs import REQUEST_ID, configure_logging
