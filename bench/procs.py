@@ -24,13 +24,18 @@ FILE: Final = "<pipeline file>"
 ROOT: Final = Path(__file__).resolve().parents[1]
 
 
+DEMO_DIR_ENV: Final = "OMNI_DEMO_DIR"
+"""A directory whose models/ init-demo wrote (the tests' own), used instead of building one."""
+
+
 @contextlib.contextmanager
 def demo_models() -> Iterator[Path]:
-    """A directory holding models/ with every demo model: the checkout's, else one built for
-    the block."""
-    if (ROOT / "models" / "tiny-image" / "model_index.json").exists():  # init-demo writes it last
-        yield ROOT
-        return
+    """A directory holding models/ with every demo model: $OMNI_DEMO_DIR's, the checkout's, else
+    one built for the block."""
+    for given in (os.environ.get(DEMO_DIR_ENV), ROOT):
+        if given and (Path(given) / "models" / "tiny-image" / "model_index.json").exists():  # written last
+            yield Path(given)
+            return
     from omni_stage.demo import init_demo
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from bench.procs import DEMO_DIR_ENV
 from tests.helpers import OMNI, ROOT
 
 RATIOS = {
@@ -26,9 +29,15 @@ RATIOS = {
 
 
 @pytest.mark.parametrize("name", sorted(RATIOS))
-def test_benchmark_prints_its_ratios_last(name: str) -> None:
+def test_benchmark_prints_its_ratios_last(name: str, demo_dir: Path) -> None:
+    env = {**os.environ, DEMO_DIR_ENV: str(demo_dir)}  # the session's demo models, not one per benchmark
     out = subprocess.run(
-        [*OMNI, "bench", name, "--quick", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=240
+        [*OMNI, "bench", name, "--quick", "--json"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
