@@ -29,6 +29,10 @@ def byte_level_tokenizer(
         additional_special_tokens=special_tokens,
         **({"extra_special_tokens": roles} if roles else {}),
     )
+    # Named roles replace the additional special tokens given beside them (transformers 5): add
+    # what is missing, each its own id, as in the real tokenizers (none of it may read <unk>).
+    missing = [t for t in special_tokens if fast.convert_tokens_to_ids(t) == fast.unk_token_id]
+    fast.add_tokens(missing, special_tokens=True)
     fast.chat_template = chat_template
     return fast
 

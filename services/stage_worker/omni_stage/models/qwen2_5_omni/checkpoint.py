@@ -207,8 +207,10 @@ def write_tiny_checkpoint(path: Path, seed: int = 5) -> Path:
     speakers = {
         voice: {
             "bos_token": ids[f"<|spk_{voice.lower()}|>"],
-            "cond": torch.randn(SPEAKER_DIM, generator=gen),
-            "ref_mel": torch.randn(40, MEL_DIM, generator=gen),
+            # A batch of one, as the real file holds them ([1, 192], [1, frames, 80]); drawn wide
+            # enough that the voice changes the speech through random weights.
+            "cond": torch.randn(1, SPEAKER_DIM, generator=gen) * 4.0,
+            "ref_mel": torch.randn(1, 40, MEL_DIM, generator=gen) * 4.0,
         }
         for voice in VOICES
     }

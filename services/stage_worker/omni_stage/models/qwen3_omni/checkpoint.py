@@ -83,9 +83,6 @@ CHAT_TEMPLATE: Final = (
 
 def tokenizer() -> Any:
     tok = byte_level_tokenizer(CHAT_TEMPLATE, SPECIAL_TOKENS, TOKEN_ROLES)
-    tok.add_tokens(
-        [t for t in SPECIAL_TOKENS if tok.convert_tokens_to_ids(t) == tok.unk_token_id], special_tokens=True
-    )
     tok.add_tokens(ROLE_WORDS)
     return tok
 

@@ -52,6 +52,17 @@ def gather_codes(st: dict[str, Any], inputs: dict[str, Any]) -> torch.Tensor | N
     return codes
 
 
+def _one_voice(speaker: dict[str, Any]) -> dict[str, Any]:
+    """A voice's conditioning without the batch of one the speaker file holds it in (`cond`
+    [1, dim], `ref_mel` [1, frames, mel]), as transformers' generate expands it."""
+    out = dict(speaker)
+    if isinstance(cond := out.get("cond"), torch.Tensor) and cond.dim() == 2:
+        out["cond"] = cond[0]
+    if isinstance(ref := out.get("ref_mel"), torch.Tensor) and ref.dim() == 3:
+        out["ref_mel"] = ref[0]
+    return out
+
+
 def chunk_args(stage: StageSpec, chunk: int, left: int, right: int, least_chunk: int) -> tuple[int, int, int]:
     """A vocoder part's `chunkCodes`, `leftContextCodes`, `rightContextCodes` (these defaults),
     checked: codes per chunk, and the context decoded with each on either side."""
@@ -92,7 +103,7 @@ class Part(ComputeEngine):
         self.model = self._from_checkpoint(cls, sub, f"^{self.part}\\.")
         spk = Path(self.path, "spk_dict.pt")
         if spk.exists() and self.part != "thinker":  # a file of the checkpoint, loaded as transformers does
-            self.speakers = torch.load(spk, weights_only=True)
+            self.speakers = {name: _one_voice(v) for name, v in torch.load(spk, weights_only=True).items()}
             self.voices = tuple(sorted(self.speakers, key=lambda name: name != DEFAULT_VOICE))
 
     def _read_config(self) -> None:
