@@ -47,6 +47,8 @@ class OffLoop:
         """Who this is, in log lines: `stage talker`, `gateway`."""
         self.connectors = connectors
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="connector-io")
+        self._pending: dict[Callable[..., object], asyncio.Future[object]] = {}
+        """`within`'s calls still running, one per function."""
 
     async def put(
         self, conn: OmniConnector, from_stage: str, to_stage: str, request_id: str, data: Any, seq: int = 0
@@ -76,8 +78,11 @@ class OffLoop:
     async def within(self, seconds: float, fn: Callable[..., object], *args: Any) -> bool:
         """Run `fn` off the loop and wait for it at most `seconds`; False if it is still running
         then (it goes on, and whatever it records lands when it ends). For what may be stale
-        rather than late: the counts a /metrics scrape reports, when a backend is slow."""
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        rather than late: the counts a /metrics scrape reports, when a backend is slow. While a
+        call of `fn` is still pending, no other is queued: it is waited for again."""
+        fut = self._pending.get(fn)
+        if fut is None or fut.done():
+            fut = self._pending[fn] = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
         done, _ = await asyncio.wait([fut], timeout=seconds)
         if done:
             fut.result()

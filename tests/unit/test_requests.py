@@ -107,10 +107,10 @@ def test_a_source_takes_all_sampling_others_only_what_their_engine_reads() -> No
     thinker, talker = book("thinker"), book("talker")
     asked = {"max_tokens": 5, "speed": 1.5}
     st = admitted(thinker, "a")
-    assert thinker.requested(st, StageRequest(ctx("a"), None, asked), frozenset())
+    assert thinker.take_request(st, StageRequest(ctx("a"), None, asked), frozenset())
     assert st.sampling == asked
     st = admitted(talker, "a")
-    assert not talker.requested(st, StageRequest(ctx("a"), None, asked), frozenset({"speed"}))
+    assert not talker.take_request(st, StageRequest(ctx("a"), None, asked), frozenset({"speed"}))
     assert st.sampling == {"speed": 1.5}
 
 

@@ -259,7 +259,7 @@ class StageWorker:
             st = admitted
         try:
             if isinstance(m, StageRequest):
-                source = self.book.requested(st, m, self.engine.request_keys)
+                source = self.book.take_request(st, m, self.engine.request_keys)
                 await self.outbox.answer(msg.reply, Admitted(True))
                 if source:
                     self.book.add_input(st, REQUEST_SOURCE, 0, m, 0, True)

@@ -147,7 +147,7 @@ class RequestBook:
         """Whether an admitted request runs at once (not queued)."""
         return st.request_id in self.core.running
 
-    def requested(self, st: RequestState, m: StageRequest, honoured: frozenset[str]) -> bool:
+    def take_request(self, st: RequestState, m: StageRequest, honoured: frozenset[str]) -> bool:
         """Its StageRequest: take its sampling (all of it at a source stage; elsewhere only the
         `honoured` keys, so a talker never takes the thinker's max_tokens). True if the request
         itself is an input (a source stage); otherwise it only reserved a slot."""
