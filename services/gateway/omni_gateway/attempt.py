@@ -114,7 +114,9 @@ class Attempts:
                 completed = True
             except TimeoutError:
                 reason = "deadline exceeded"
-                raise Timeout(f"request {rid} exceeded {self.spec.gateway.request_timeout_s:.0f}s") from None
+                # Said as a stage's timer says it: whichever fires first, the client reads the same.
+                limit = self.spec.gateway.request_timeout_s
+                raise Timeout(f"request {rid}: request deadline exceeded ({limit:g}s)") from None
             except OmniError as exc:
                 reason = exc.message
                 raise
