@@ -71,8 +71,11 @@ class OffLoop:
             return await asyncio.shield(fut)
         except asyncio.CancelledError:
             # The call goes on in its thread: let it end before the caller does, so the
-            # request's cleanup cannot run before a write of it.
+            # request's cleanup cannot run before a write of it. What it raised no one reads
+            # now (the request is gone): taken here, not reported as never retrieved.
             await asyncio.wait([fut])
+            if not fut.cancelled():
+                fut.exception()
             raise
 
     async def within(self, seconds: float, fn: Callable[..., object], *args: Any) -> bool:
@@ -83,6 +86,7 @@ class OffLoop:
         fut = self._pending.get(fn)
         if fut is None or fut.done():
             fut = self._pending[fn] = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # read, if no one waits
         done, _ = await asyncio.wait([fut], timeout=seconds)
         if done:
             fut.result()
