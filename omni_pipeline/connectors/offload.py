@@ -66,16 +66,19 @@ class OffLoop:
 
     async def call(self, fn: Callable[..., T], *args: Any) -> T:
         """Any call of the data plane that may wait on a connector's backend."""
-        fut = asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        job = self._pool.submit(fn, *args)
+        done = asyncio.wrap_future(job)
         try:
-            return await asyncio.shield(fut)
+            return await asyncio.shield(done)
         except asyncio.CancelledError:
-            # The call goes on in its thread: let it end before the caller does, so the
-            # request's cleanup cannot run before a write of it. What it raised no one reads
-            # now (the request is gone): taken here, not reported as never retrieved.
-            await asyncio.wait([fut])
-            if not fut.cancelled():
-                fut.exception()
+            # Not started yet: dropped, it will write nothing. Running: let it end before the
+            # caller does, so the request's cleanup cannot run before a write of it. What it
+            # raised no one reads now (the request is gone).
+            if job.cancel():
+                raise
+            await asyncio.wait([done])
+            if not done.cancelled():
+                done.exception()
             raise
 
     async def within(self, seconds: float, fn: Callable[..., object], *args: Any) -> bool:
