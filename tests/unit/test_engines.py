@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.registry import build_engine
 from omni_stage.engines.tools import ToolPlan
 from omni_stage.processors import thinker_to_talker
@@ -74,20 +74,20 @@ def test_thinker_greedy_matches_hf_generate(models: Path) -> None:
 def test_talker_takes_embeddings_and_continues_across_calls(models: Path) -> None:
     engine = engine_for("talker", models)
     hidden = torch.randn(16, 64)
-    state: dict[str, Any] = {}
+    state = CallState()
     first = run(
         engine,
         EngineCall("r", {"thinker": thinker_to_talker({"hidden_states": hidden[:8]})}, False, {}, state),
     )
     assert len(first) == 8 * 4 and all(0 <= int(o.data["token_ids"][0]) < 256 for o in first)
-    cached = state["past"].get_seq_length()
+    cached = state.engine.past.get_seq_length()
     second = run(
         engine,
         EngineCall("r", {"thinker": thinker_to_talker({"hidden_states": hidden[8:]})}, True, {}, state),
     )
     assert len(second) == 32
     # One sequence, not a fresh start: call 1's last token, call 2's 8 inputs, 31 of its 32 tokens.
-    assert state["past"].get_seq_length() == cached + 1 + 8 + 31
+    assert state.engine.past.get_seq_length() == cached + 1 + 8 + 31
 
 
 def test_concurrent_requests_decode_in_batched_steps_with_the_same_output(models: Path) -> None:
@@ -120,7 +120,7 @@ def test_concurrent_requests_decode_in_batched_steps_with_the_same_output(models
             )
 
         async def talk(states: torch.Tensor) -> list[int]:
-            state: dict[str, Any] = {}
+            state = CallState()
             tokens: list[int] = []
             for window, last in ((states[:8], False), (states[8:], True)):
                 call = EngineCall(

@@ -19,7 +19,7 @@ from PIL import Image
 from omni_gateway.media import decode_media
 from omni_pipeline.settings import MediaSpec
 from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import Engine, EngineCall
+from omni_stage.engines.base import CallState, Engine, EngineCall
 from omni_stage.engines.registry import build_engine
 from omni_stage.payload import concat
 from tests.helpers import ROOT
@@ -77,7 +77,7 @@ async def run_pipeline(
         encoded = [o async for o in encoder.generate(EngineCall("r", {"request": request}, True, sampling))]
         inputs = {"request": request | {"media": {}}, "encoder": concat([o.data for o in encoded])}
     thought = [o async for o in thinker.generate(EngineCall("r", inputs, True, sampling))]
-    state: dict[str, Any] = {}
+    state = CallState()
     codes = []
     for payload, last in windows(thought, thinker_window):
         call = EngineCall(
@@ -85,7 +85,7 @@ async def run_pipeline(
         )
         codes += [o async for o in talker.generate(call)]
     code_data = concat([o.data for o in codes])
-    audio_state: dict[str, Any] = {}
+    audio_state = CallState()
     audio = []
     for payload, last in windows(codes, 12):  # as the example's window feeds it
         audio += [

@@ -18,7 +18,7 @@ import torch
 from omni_gateway.media import decode_media
 from omni_pipeline.settings import MediaSpec
 from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.registry import build_engine
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
@@ -72,7 +72,7 @@ async def run_pipeline(
         encoded = [o async for o in encoder.generate(EngineCall("r", {"request": request}, True, sampling))]
         inputs = {"request": request | {"media": {}}, "encoder": concat([o.data for o in encoded])}
     thought = [o async for o in thinker.generate(EngineCall("r", inputs, True, sampling))]
-    state: dict[str, Any] = {}
+    state = CallState()
     codes: list[EngineOutput] = []
     for payload, last in windows(thought, thinker_window):
         talk = EngineCall(
@@ -141,7 +141,7 @@ async def decode_in_chunks(model: Path, codes: torch.Tensor, window: int, **args
     """code2wav fed `window` codes a call, as the talker's edge feeds it; its audio chunks."""
     code2wav = engine("code2wav", model, **args)
     await code2wav.start()
-    state: dict[str, Any] = {}
+    state = CallState()
     chunks = []
     for i in range(0, len(codes), window):
         last = i + window >= len(codes)
@@ -321,7 +321,6 @@ def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
                 {"talker": {"codes": codes}},
                 True,
                 {"voice": "Ethan", "seed": seed},
-                {},
             )
             return torch.cat([o.data["audio"] async for o in code2wav.generate(call)])
 

@@ -33,7 +33,7 @@ from omni_pipeline.logs import REQUEST_ID
 from omni_pipeline.spec import DEFAULT_CONNECTOR, OutputKind, StageSpec
 from omni_pipeline.tracing import TRACER
 from omni_stage.assembly import Trigger
-from omni_stage.engines.base import Engine, EngineCall, InvalidRequest
+from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidRequest
 from omni_stage.metrics import StageMetrics
 from omni_stage.outbox import Outbox
 from omni_stage.requests import Inbound, RequestBook, RequestState
@@ -86,7 +86,7 @@ class RequestRunner:
         t0 = time.monotonic()
         seg = Segmenter(self.spec.max_segment_units, self.spec.flush_interval_ms / 1000)
         self.book.start(st)
-        engine_state: dict[str, Any] = {}
+        engine_state = CallState()
         name = self.spec.name
         try:
             async with asyncio.timeout(max(0.0, st.ctx.deadline - time.time())):
@@ -107,7 +107,7 @@ class RequestRunner:
                         del inputs, call
                 last = seg.finish()
                 usage = _usage(engine_state, seg)
-                finish = last.finish_reason or engine_state.get("finish_reason") or "stop"
+                finish = last.finish_reason or engine_state.finish_reason or "stop"
                 await self._emit(st, last, t0, usage, finish)
                 self.book.sent_all(st)
                 if self.spec.final_output is None and self.outbox.nc is not None:
@@ -134,7 +134,7 @@ class RequestRunner:
             await self.outbox.fail(st.ctx, why, ErrorCode.STAGE_ERROR)
             return "error"
         finally:
-            engine_state.clear()
+            engine_state.engine = None  # a KV cache is freed now, not when the task is collected
 
     # --- in ----------------------------------------------------------------------------------
 
@@ -241,9 +241,9 @@ class RequestRunner:
         )
 
 
-def _usage(engine_state: dict[str, Any], seg: Segmenter) -> dict[str, int]:
+def _usage(engine_state: CallState, seg: Segmenter) -> dict[str, int]:
     """What a request has read and made so far (the engine counts its prompt)."""
-    return {"prompt_tokens": int(engine_state.get("prompt_tokens", 0)), "completion_tokens": seg.total_units}
+    return {"prompt_tokens": engine_state.prompt_tokens, "completion_tokens": seg.total_units}
 
 
 def _call_attrs(trig: Trigger[Inbound]) -> dict[str, Any]:

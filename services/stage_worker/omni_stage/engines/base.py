@@ -1,8 +1,9 @@
 """The engine interface: an async stream of outputs per call, cancellable by cancelling the task.
 
-A stage calls its engine once per trigger (see omni_stage.assembly). Engines keep whatever
-they carry between calls of one request (a KV cache, a decoder state) in `call.state`, which
-the stage owns and drops when the request ends, however it ends.
+A stage calls its engine once per trigger (see omni_stage.assembly). What an engine carries
+between calls of one request (a KV cache, a decoder's left context) is a dataclass of its own,
+kept in `call.state` (`call.kept(Kind)`), which the stage owns and drops when the request ends,
+however it ends.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
 
 T = TypeVar("T")
+S = TypeVar("S")
 
 
 class EngineError(RuntimeError):
@@ -40,13 +42,34 @@ class InvalidRequest(EngineError):
 
 
 @dataclass(slots=True)
+class CallState:
+    """What one request's calls share, for the request's life: the two figures the stage reads
+    (its usage and finish) and the engine's own state."""
+
+    prompt_tokens: int = 0
+    """The request's prompt as the engine counted it (tokens, or the units it reads)."""
+    finish_reason: str | None = None
+    """Why the request ended, where its last output does not say (`length`: the budget ran out)."""
+    engine: object | None = None
+    """The engine's own per-request state (`EngineCall.kept`)."""
+
+
+@dataclass(slots=True)
 class EngineCall:
     request_id: str
     inputs: dict[str, Payload]
     """Per producer (or `request` for the client input), the processed payload."""
     is_last: bool
     sampling: dict[str, Any]
-    state: dict[str, Any] = field(default_factory=dict)
+    state: CallState = field(default_factory=CallState)
+
+    def kept(self, kind: type[S]) -> S:
+        """The engine's own state for this request: `kind()` on its first call, then the same."""
+        if self.state.engine is None:
+            self.state.engine = kind()
+        if not isinstance(self.state.engine, kind):
+            raise TypeError(f"request state is a {type(self.state.engine).__name__}, not a {kind.__name__}")
+        return self.state.engine
 
 
 class Engine(ABC):

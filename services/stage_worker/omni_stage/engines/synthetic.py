@@ -24,6 +24,7 @@ import math
 import time
 import zlib
 from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,6 +38,14 @@ def _request_text(inputs: dict[str, Any]) -> str:
     req = inputs.get("request") or {}
     parts = [str(m.get("content", "")) for m in req.get("messages", []) if isinstance(m, dict)]
     return " ".join(parts) + str(req.get("prompt", ""))
+
+
+@dataclass(slots=True)
+class _Emitted:
+    """A request's seed (from its first call's inputs) and the units made for it so far."""
+
+    seed: int | None = None
+    units: int = 0
 
 
 class SyntheticEngine(Engine):
@@ -72,9 +81,12 @@ class SyntheticEngine(Engine):
         else:
             n_in = sum(_units(p) for p in call.inputs.values())
             n = math.ceil(n_in * self.ratio)
-        seed = call.state.setdefault("seed", _seed(call.inputs, text))
+        st = call.kept(_Emitted)
+        if st.seed is None:
+            st.seed = _seed(call.inputs, text)
+        seed = st.seed
         voice = self.voices.index(self.voice(call.sampling)) if self.voices else 0
-        start = call.state.get("emitted", 0)
+        start = st.units
         if self.s_per_call:
             await self._step(asyncio.sleep(self.s_per_call))
         for i in range(start, start + n):
@@ -92,7 +104,7 @@ class SyntheticEngine(Engine):
                 yield EngineOutput(units=self.samples, data=data)
             else:
                 yield EngineOutput(units=1, text=f"tok{i} ", data=data)
-        call.state["emitted"] = start + n
+        st.units = start + n
 
     async def _step(self, work: Awaitable[object]) -> None:
         n = next(self._step_numbers)

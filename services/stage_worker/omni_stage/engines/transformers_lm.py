@@ -47,11 +47,24 @@ from omni_stage.segments import EngineOutput
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+@dataclass(slots=True)
+class _Decoding:
+    """One request's decoding, across its calls: the cache, the token sampled last and not yet
+    fed (the next step, or call, feeds it), and what reads the request's sampling fields (set
+    on its first call)."""
+
+    past: Any = None
+    pending: int | None = None
+    sampler: TokenSampler | None = None
+    tools: ToolPlan | None = None
+    reply: ReplyText | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class _Step:
     """One request's next forward: token ids or embeddings, on top of its cache."""
 
-    st: dict[str, Any]
+    st: _Decoding
     ids: torch.Tensor | None
     embeds: torch.Tensor | None
     sampler: TokenSampler
@@ -59,7 +72,7 @@ class _Step:
     @property
     def is_decode(self) -> bool:
         """One token on a cache: a step that batches with other requests' decode steps."""
-        return self.ids is not None and self.ids.shape[1] == 1 and "past" in self.st
+        return self.ids is not None and self.ids.shape[1] == 1 and self.st.past is not None
 
 
 class TransformersEngine(ComputeEngine):
@@ -117,7 +130,7 @@ class TransformersEngine(ComputeEngine):
         if self.encode:
             yield await self._encode(call)
             return
-        st = call.state
+        st = call.kept(_Decoding)
         # On the compute thread: tokenizing a long prompt must not stall the event loop (and
         # with it the replica's heartbeats).
         ids, embeds, n_units = await self._run(self._inputs, call)
@@ -125,32 +138,30 @@ class TransformersEngine(ComputeEngine):
         if "request" in call.inputs:
             budget = int(max_tokens or 64)
             check_context(n_units, budget, self.model.config.max_position_embeddings)
-            st["prompt_tokens"] = st.get("prompt_tokens", 0) + n_units
+            call.state.prompt_tokens += n_units
         else:
             budget = math.ceil(n_units * self.tokens_per_input_unit)
             if max_tokens:
                 budget = min(budget, int(max_tokens))
-        if "sampler" not in st:
+        if st.sampler is None:
             # Off the event loop, and off the compute thread, whose forwards other requests wait
             # for: vLLM's tool code imports slowly the first time, a grammar compiles against
             # the whole vocabulary.
-            plan = st["tools"] = await asyncio.to_thread(self._tool_plan, call.sampling)
-            schema = plan.schema if plan else None
-            st["sampler"] = await asyncio.to_thread(
+            st.tools = await asyncio.to_thread(self._tool_plan, call.sampling)
+            schema = st.tools.schema if st.tools else None
+            st.sampler = await asyncio.to_thread(
                 TokenSampler, call.sampling, self.vocab_size, self.grammars, schema
             )
-            st["reply_text"] = (
-                ReplyText.for_request(self.tokenizer, call.sampling) if self.tokenizer else None
-            )
+            st.reply = ReplyText.for_request(self.tokenizer, call.sampling) if self.tokenizer else None
         feed_ids, feed_embeds = self._with_pending(st, ids, embeds)
-        reply: ReplyText | None = st["reply_text"]
-        tools: ToolPlan | None = st["tools"]
+        reply, tools, sampler = st.reply, st.tools, st.sampler
+        assert sampler is not None  # set on the first call, above
         for i in range(budget):
-            step = _Step(st, feed_ids, feed_embeds, st["sampler"])
+            step = _Step(st, feed_ids, feed_embeds, sampler)
             choice, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
             tok = choice.token
             feed_ids, feed_embeds = torch.tensor([[tok]], device=self.device), None
-            st["pending"] = tok  # sampled, not yet fed: the next step (or call) feeds it
+            st.pending = tok  # sampled, not yet fed: the next step (or call) feeds it
             eos = tok in self.eos and not self.ignore_eos
             delta, stopped = (
                 ("", False) if reply is None else reply.add(None if eos else tok, eos or i == budget - 1)
@@ -165,10 +176,9 @@ class TransformersEngine(ComputeEngine):
             )
             yield out if tools is None else tools.settle(out, done or i == budget - 1)
             if done:
-                st["finished"] = True
                 return
         if "request" in call.inputs:
-            st["finish_reason"] = "length"
+            call.state.finish_reason = "length"
 
     def _tool_plan(self, sampling: dict[str, Any]) -> ToolPlan | None:
         return ToolPlan(sampling, self.tokenizer, self.tool_parser) if sampling.get("tools") else None
@@ -184,7 +194,7 @@ class TransformersEngine(ComputeEngine):
         if negative := request.get("negative_prompt"):
             negative_ids = prompt_token_ids(self.tokenizer, {"prompt": str(negative)})
             data["negative_prompt_embeds"] = await self._run(self._last_hidden, negative_ids)
-        call.state["prompt_tokens"] = len(ids)
+        call.state.prompt_tokens = len(ids)
         return EngineOutput(units=1, data=data)
 
     @torch.inference_mode()
@@ -193,10 +203,10 @@ class TransformersEngine(ComputeEngine):
         return out.last_hidden_state.float().cpu()
 
     def _with_pending(
-        self, st: dict[str, Any], ids: torch.Tensor | None, embeds: torch.Tensor | None
+        self, st: _Decoding, ids: torch.Tensor | None, embeds: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Prepend the previous call's last sampled token, so windowed calls extend one sequence."""
-        pending = st.pop("pending", None)
+        pending, st.pending = st.pending, None
         if pending is None:
             return ids, embeds
         tok = torch.tensor([[pending]], device=self.device)
@@ -233,16 +243,16 @@ class TransformersEngine(ComputeEngine):
         out = self.model(
             input_ids=s.ids,
             inputs_embeds=s.embeds,
-            past_key_values=s.st.get("past"),
+            past_key_values=s.st.past,
             use_cache=True,
             output_hidden_states=self.return_hidden,
         )
-        s.st["past"] = out.past_key_values
+        s.st.past = out.past_key_values
         return self._pick(s, out, 0)
 
     @torch.inference_mode()
     def _decode_together(self, steps: list[_Step]) -> list[tuple[Choice, torch.Tensor]]:
-        caches = [s.st["past"] for s in steps]
+        caches = [s.st.past for s in steps]
         out, caches = decode_together(
             self.model,
             caches,
@@ -251,7 +261,7 @@ class TransformersEngine(ComputeEngine):
             output_hidden_states=self.return_hidden,
         )
         for s, cache in zip(steps, caches, strict=True):
-            s.st["past"] = cache
+            s.st.past = cache
         return [self._pick(s, out, row) for row, s in enumerate(steps)]
 
     def _pick(self, s: _Step, out: Any, row: int) -> tuple[Choice, torch.Tensor]:

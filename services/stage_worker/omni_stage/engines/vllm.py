@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import os
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -50,6 +51,14 @@ _SAMPLING_KEYS = (
     "frequency_penalty",
     "presence_penalty",
 )
+
+
+@dataclass(slots=True)
+class _Fed:
+    """What a consumer stage has been fed so far: vLLM takes the whole prompt on every call."""
+
+    embeds: torch.Tensor | None = None
+    ids: list[int] = field(default_factory=list)
 
 
 class VllmEngine(Engine):
@@ -118,16 +127,16 @@ class VllmEngine(Engine):
         if (req := call.inputs.get("request")) is not None:
             ids = prompt_token_ids(self.tokenizer, req)
             return {"prompt_token_ids": ids}, len(ids)
-        st = call.state
+        st = call.kept(_Fed)
         embeds = [p["inputs_embeds"] for p in call.inputs.values() if "inputs_embeds" in p]
         if embeds:
-            prev = st.get("embeds")
-            st["embeds"] = torch.cat([prev, *embeds] if prev is not None else embeds, dim=0).float()
-            return {"prompt_embeds": st["embeds"]}, int(sum(e.shape[0] for e in embeds))
+            prev = st.embeds
+            st.embeds = torch.cat([prev, *embeds] if prev is not None else embeds, dim=0).float()
+            return {"prompt_embeds": st.embeds}, int(sum(e.shape[0] for e in embeds))
         toks = [p["token_ids"] for p in call.inputs.values() if "token_ids" in p]
         if toks:
-            st["ids"] = [*st.get("ids", []), *torch.cat(toks).tolist()]
-            return {"prompt_token_ids": list(st["ids"])}, int(sum(t.shape[0] for t in toks))
+            st.ids = [*st.ids, *torch.cat(toks).tolist()]
+            return {"prompt_token_ids": list(st.ids)}, int(sum(t.shape[0] for t in toks))
         raise EngineError(f"stage '{self.stage.name}': inputs carry neither inputs_embeds nor token_ids")
 
     def _sampling(self, call: EngineCall, tools: ToolPlan | None) -> Any:
@@ -158,7 +167,7 @@ class VllmEngine(Engine):
         if call.sampling.get("tools"):  # vLLM's tool code imports slowly the first time
             tools = await asyncio.to_thread(ToolPlan, call.sampling, self.tokenizer, self.tool_parser)
         if "request" in call.inputs:
-            call.state["prompt_tokens"] = call.state.get("prompt_tokens", 0) + n_in
+            call.state.prompt_tokens += n_in
         vllm_id = f"{call.request_id}-{next(self._ids)}"
         finished = False
         try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
@@ -15,12 +15,28 @@ from omni_stage.engines.kv_batch import decode_together
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
+    Vocoding,
     chunk_args,
-    gather_codes,
     penalise_repeats,
     thinker_embedding_table,
 )
 from omni_stage.segments import EngineOutput
+
+
+@dataclass(slots=True)
+class _Speaking:
+    """A talker's request: the thinker's prompt states, one reply state per token so far, the
+    cache, and the codes made (the last one still to feed; `seen`: what the repetition penalty
+    counts)."""
+
+    reply: list[torch.Tensor] = field(default_factory=list)
+    prompt_embeds: torch.Tensor | None = None
+    prompt_hidden: torch.Tensor | None = None
+    past: Any = None
+    made: int = 0
+    last_code: int = 0
+    seen: set[int] = field(default_factory=set)
+    done: bool = False
 
 
 class Talker(Part):
@@ -55,102 +71,101 @@ class Talker(Part):
         self.stop_codes = {self.codec["pad"], self.codec["end"]}
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        st = call.state
+        st = call.kept(_Speaking)
         self._take(st, call.inputs)
         budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
-        if "past" not in st:
-            if "prompt_embeds" not in st or not st["reply"]:
+        if st.past is None:
+            if st.prompt_embeds is None or not st.reply:
                 # The prefill needs token 0's reply state, which comes with token 1: the next
                 # window brings it, or, if the reply was one token long, there is nothing to
                 # speak (the reference's generate fails on that; a server answers text only).
                 return
             voice = self.speaker(call.sampling)
             code = await self._run(self._prefill, st, voice)
-            st["codes"] = 0
         else:
             code = None
-        while not st.get("done"):
+        while not st.done:
             if code is None:
-                step = st["codes"]  # reply state `step` feeds the step after code `step - 1`
-                if step < len(st["reply"]):
-                    reply = st["reply"][step]
+                step = st.made  # reply state `step` feeds the step after code `step - 1`
+                if step < len(st.reply):
+                    reply = st.reply[step]
                 elif call.is_last:
-                    n = len(st["reply"])
+                    n = len(st.reply)
                     reply = self._text_embed(self.text_eos if step == n else self.text_pad)
                 else:
                     return  # waits for the thinker's next window
                 code = await self.batcher.submit("decode", (st, reply))
-            if code in self.stop_codes or st["codes"] >= budget:
-                st["done"] = True
+            if code in self.stop_codes or st.made >= budget:
+                st.done = True
                 return
-            st["codes"] += 1
-            st["last_code"] = code
+            st.made += 1
+            st.last_code = code
             yield EngineOutput(units=1, data={"codes": torch.tensor([code])})
             code = None
 
-    def _take(self, st: dict[str, Any], inputs: dict[str, Any]) -> None:
+    def _take(self, st: _Speaking, inputs: dict[str, Any]) -> None:
         """Gather this window's thinker states: the prompt once, and one reply state per token."""
-        st.setdefault("reply", [])
         for p in inputs.values():
-            if "prompt_embeds" in p and p["prompt_embeds"].shape[0] and "prompt_embeds" not in st:
-                st["prompt_embeds"], st["prompt_hidden"] = p["prompt_embeds"][0], p["prompt_hidden"][0]
+            if "prompt_embeds" in p and p["prompt_embeds"].shape[0] and st.prompt_embeds is None:
+                st.prompt_embeds, st.prompt_hidden = p["prompt_embeds"][0], p["prompt_hidden"][0]
             if "reply_embeds" in p:
                 for e, h in zip(p["reply_embeds"], p["reply_hidden"], strict=True):
-                    st["reply"].append((e + h).to(self.device, self.dtype))
+                    st.reply.append((e + h).to(self.device, self.dtype))
 
     def _text_embed(self, token: int) -> torch.Tensor:
         return self.text_embeds[token]
 
     @torch.inference_mode()
-    def _prefill(self, st: dict[str, Any], voice: dict[str, Any]) -> int:
-        embeds = (st["prompt_embeds"] + st["prompt_hidden"]).to(self.device, self.dtype)
+    def _prefill(self, st: _Speaking, voice: dict[str, Any]) -> int:
+        assert st.prompt_embeds is not None and st.prompt_hidden is not None
+        embeds = (st.prompt_embeds + st.prompt_hidden).to(self.device, self.dtype)
         bos = self._text_embed(int(voice["bos_token"]))
-        inputs = torch.cat([embeds, bos[None], st["reply"][0][None]]).unsqueeze(0)
+        inputs = torch.cat([embeds, bos[None], st.reply[0][None]]).unsqueeze(0)
         # What the model's codes have "seen" for the repetition penalty: its prompt ids.
-        st["seen"] = {self.codec["mask"], self.codec["pad"], self.codec["bos"]}
+        st.seen = {self.codec["mask"], self.codec["pad"], self.codec["bos"]}
         return self._forward(st, inputs)
 
     @torch.inference_mode()
-    def _decodes(self, steps: list[tuple[dict[str, Any], torch.Tensor]]) -> list[int]:
+    def _decodes(self, steps: list[tuple[_Speaking, torch.Tensor]]) -> list[int]:
         """Each request's next code: its last code's embedding plus its next reply state."""
         inputs = []
         for st, reply in steps:
-            code = st["last_code"]
+            code = st.last_code
             inputs.append(
                 (self.model.get_input_embeddings()(torch.tensor([code], device=self.device)) + reply)[None]
             )
-            st["seen"].add(code)
+            st.seen.add(code)
         if len(steps) == 1:
             return [self._forward(steps[0][0], inputs[0])]
         states = [st for st, _ in steps]
         out, caches = decode_together(
             self.model,
-            [st["past"] for st in states],
+            [st.past for st in states],
             [self._positions(st, 1) for st in states],
             inputs_embeds=torch.cat(inputs),
         )
         codes = []
         for row, (st, cache) in enumerate(zip(states, caches, strict=True)):
-            st["past"] = cache
+            st.past = cache
             codes.append(self._pick(st, out.logits[row, -1].float()))
         return codes
 
-    def _positions(self, st: dict[str, Any], n: int) -> torch.Tensor:
-        at = 0 if st.get("past") is None else st["past"].get_seq_length()
+    def _positions(self, st: _Speaking, n: int) -> torch.Tensor:
+        at = 0 if st.past is None else st.past.get_seq_length()
         return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(3, 1, -1)
 
-    def _forward(self, st: dict[str, Any], inputs: torch.Tensor) -> int:
+    def _forward(self, st: _Speaking, inputs: torch.Tensor) -> int:
         positions = self._positions(st, inputs.shape[1])
         out = self.model(
-            inputs_embeds=inputs, position_ids=positions, past_key_values=st.get("past"), use_cache=True
+            inputs_embeds=inputs, position_ids=positions, past_key_values=st.past, use_cache=True
         )
-        st["past"] = out.past_key_values
+        st.past = out.past_key_values
         return self._pick(st, out.logits[0, -1].float())
 
-    def _pick(self, st: dict[str, Any], logits: torch.Tensor) -> int:
+    def _pick(self, st: _Speaking, logits: torch.Tensor) -> int:
         """Greedy, with the reference's repetition penalty over every code fed so far and the
         codec bos suppressed."""
-        logits = penalise_repeats(logits, st["seen"])
+        logits = penalise_repeats(logits, st.seen)
         logits[self.codec["bos"]] = -float("inf")
         return int(torch.argmax(logits))
 
@@ -165,6 +180,13 @@ class _Piece:
     ref: torch.Tensor
     samples: slice
     """The stretch's own samples, of those the decode makes (the rest is context)."""
+
+
+@dataclass(slots=True)
+class _Token2WavState(Vocoding):
+    """Token2wav's request: its codes, and the starting noise drawn so far from its seed."""
+
+    noise: torch.Tensor | None = None
 
 
 class Token2Wav(Part):
@@ -203,10 +225,10 @@ class Token2Wav(Part):
         self.samples_per_frame = int(torch.tensor(rates).prod())
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        st = call.state
-        if (codes := gather_codes(st, call.inputs)) is None:
+        st = call.kept(_Token2WavState)
+        if (codes := st.gather(call.inputs)) is None:
             return
-        done = st.get("done", 0)
+        done = st.decoded
         while done < len(codes):
             end = len(codes) if self.chunk <= 0 else min(done + self.chunk, len(codes))
             if not call.is_last and (self.chunk <= 0 or end + self.right > len(codes)):
@@ -217,25 +239,25 @@ class Token2Wav(Part):
             # Pieces of the same length and voice, from any requests, stack into one decode.
             wav = await self.batcher.submit((piece.codes.shape[0], self.voice(call.sampling)), piece)
             yield EngineOutput(units=end - done, data={"audio": wav, "sample_rate": self.sample_rate})
-            done = st["done"] = end
+            done = st.decoded = end
 
     def _piece(
-        self, st: dict[str, Any], codes: torch.Tensor, start: int, end: int, voice: dict[str, Any], seed: int
+        self, st: _Token2WavState, codes: torch.Tensor, start: int, end: int, voice: dict[str, Any], seed: int
     ) -> _Piece:
         """What decoding codes [start, end) takes: the codes with their context [lo, hi) and
         that stretch's noise."""
         lo = 0 if self.chunk <= 0 else max(0, start - self.left)
         hi = len(codes) if self.chunk <= 0 else min(len(codes), end + self.right)
         frames = hi * self.repeats
-        if st.get("noise") is None or st["noise"].shape[1] < frames:
+        if st.noise is None or st.noise.shape[1] < frames:
             # The reference draws randn([1, frames, mel]) after manual_seed(seed); a longer draw
             # from the same seed begins with the shorter one, so slices of it are the same noise.
             gen = torch.Generator().manual_seed(seed)
-            st["noise"] = torch.randn([1, frames, self.mel_dim], generator=gen)
+            st.noise = torch.randn([1, frames, self.mel_dim], generator=gen)
         per_code = self.repeats * self.samples_per_frame
         return _Piece(
             codes[lo:hi],
-            st["noise"][0, lo * self.repeats : frames],
+            st.noise[0, lo * self.repeats : frames],
             voice["cond"].float(),
             voice["ref_mel"].float(),
             slice((start - lo) * per_code, (end - lo) * per_code),

@@ -148,7 +148,7 @@ class VllmThinker(VllmEngine):
             async for out in self.llm.generate(prompt, self._sampling(call, None), request_id=vllm_id):
                 if unit == 0 and not n_prompt:
                     n_prompt = len(out.prompt_token_ids)
-                    call.state["prompt_tokens"] = n_prompt
+                    call.state.prompt_tokens = n_prompt
                 c = out.outputs[0]
                 finished = out.finished
                 ids = list(c.token_ids)

@@ -36,7 +36,7 @@ reference) picks the talker's speaker code.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
@@ -48,8 +48,8 @@ from omni_stage.models.qwen_omni.encoder import Encoder
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
+    Vocoding,
     chunk_args,
-    gather_codes,
     penalise_repeats,
     thinker_embedding_table,
 )
@@ -178,6 +178,27 @@ class Qwen3Encoder(Encoder):
         return self.audio_tower(packed, feature_lens=lengths).last_hidden_state
 
 
+@dataclass(slots=True)
+class _Speaking:
+    """A talker's request: the thinker's prompt (ids, embeddings, states, media layout), one
+    reply embedding per token so far, the cache and its M-RoPE offset, and the step: code 0
+    of step `step` with the hidden state that drew it, and its residuals once drawn."""
+
+    reply: list[torch.Tensor] = field(default_factory=list)
+    prompt_ids: torch.Tensor | None = None
+    prompt_embeds: torch.Tensor | None = None
+    prompt_hidden: torch.Tensor | None = None
+    layout: dict[str, torch.Tensor] = field(default_factory=dict)
+    past: Any = None
+    rope_delta: int = 0
+    step: int = 0
+    code0: int = 0
+    last_hidden: torch.Tensor | None = None
+    residuals: list[int] | None = None
+    seen: list[int] = field(default_factory=list)
+    done: bool = False
+
+
 class Qwen3Talker(Part):
     part = "talker"
     config_class = "Qwen3OmniMoeConfig"
@@ -232,41 +253,37 @@ class Qwen3Talker(Part):
         return {"code": self.speaker_codes[self.voice(sampling)]}
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        st = call.state
+        st = call.kept(_Speaking)
         self._take(st, call.inputs)
         budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
-        if "past" not in st:
-            if "prompt_ids" not in st or not st["reply"]:
+        if st.past is None:
+            if st.prompt_ids is None or not st.reply:
                 return  # the prefill needs the first reply token's embedding, which comes with the second
-            st["step"], st["seen"] = 0, []
-            st["code0"], st["last_hidden"] = await self._run(
-                self._prefill, st, self.speaker(call.sampling)["code"]
-            )
-        while not st.get("done"):
-            k = st["step"] + 1  # the next step: it draws code k - 1's residuals, then code k
-            if st["code0"] == self.codec_eos or k >= budget:
-                st["done"] = True  # eos has no residuals; nor does the last code a budget allows
+            st.code0, st.last_hidden = await self._run(self._prefill, st, self.speaker(call.sampling)["code"])
+        while not st.done:
+            k = st.step + 1  # the next step: it draws code k - 1's residuals, then code k
+            if st.code0 == self.codec_eos or k >= budget:
+                st.done = True  # eos has no residuals; nor does the last code a budget allows
                 return
-            if "residuals" not in st:
-                st["residuals"] = await self._run(self._residuals, st)
-                yield EngineOutput(units=1, data={"codes": torch.tensor([[st["code0"], *st["residuals"]]])})
+            if st.residuals is None:
+                st.residuals = await self._run(self._residuals, st)
+                yield EngineOutput(units=1, data={"codes": torch.tensor([[st.code0, *st.residuals]])})
             trailing = self._trailing(st, k - 1, call.is_last)
             if trailing is None:
                 return  # waits for the thinker's next window
-            st["code0"], st["last_hidden"] = await self._run(self._decode, st, trailing)
-            st["step"] = k
-            del st["residuals"]
+            st.code0, st.last_hidden = await self._run(self._decode, st, trailing)
+            st.step = k
+            st.residuals = None
 
-    def _take(self, st: dict[str, Any], inputs: dict[str, Any]) -> None:
+    def _take(self, st: _Speaking, inputs: dict[str, Any]) -> None:
         """Gather this window's thinker outputs: the prompt once, and one embedding per token."""
-        st.setdefault("reply", [])
         for p in inputs.values():
-            if "prompt_ids" in p and p["prompt_ids"].shape[0] and "prompt_ids" not in st:
-                st["prompt_ids"], st["prompt_embeds"] = p["prompt_ids"][0], p["prompt_embeds"][0]
-                st["prompt_hidden"] = p["prompt_hidden"][0]
-                st["layout"] = {k: p[f"prompt_{k}"][0] for k in LAYOUT_KEYS if f"prompt_{k}" in p}
+            if "prompt_ids" in p and p["prompt_ids"].shape[0] and st.prompt_ids is None:
+                st.prompt_ids, st.prompt_embeds = p["prompt_ids"][0], p["prompt_embeds"][0]
+                st.prompt_hidden = p["prompt_hidden"][0]
+                st.layout = {k: p[f"prompt_{k}"][0] for k in LAYOUT_KEYS if f"prompt_{k}" in p}
             if "reply_embeds" in p:
-                st["reply"].extend(e.to(self.device, self.dtype) for e in p["reply_embeds"])
+                st.reply.extend(e.to(self.device, self.dtype) for e in p["reply_embeds"])
 
     def _text(self, embeds: torch.Tensor) -> torch.Tensor:
         return self.model.text_projection(embeds)
@@ -275,10 +292,10 @@ class Qwen3Talker(Part):
         assert self.text_embeds is not None
         return self._text(self.text_embeds[self.ids[name]][None])[0]
 
-    def _trailing(self, st: dict[str, Any], j: int, ended: bool) -> torch.Tensor | None:
+    def _trailing(self, st: _Speaking, j: int, ended: bool) -> torch.Tensor | None:
         """What step j + 1 is fed beside the codes: reply token j + 1's projected embedding (the
         reference never has the last token's), then the TTS eos, then its pad; None: not yet."""
-        reply = st["reply"]
+        reply = st.reply
         if j + 1 < len(reply):
             return self._text(reply[j + 1][None])[0]
         if not ended:
@@ -286,10 +303,11 @@ class Qwen3Talker(Part):
         return self._tts("tts_eos" if j + 1 == len(reply) else "tts_pad")
 
     @torch.inference_mode()
-    def _prefill(self, st: dict[str, Any], speaker: int) -> tuple[int, torch.Tensor]:
-        ids = st["prompt_ids"].to(self.device)
-        embeds = st["prompt_embeds"].to(self.device, self.dtype)
-        hidden = st["prompt_hidden"].to(self.device, self.dtype)
+    def _prefill(self, st: _Speaking, speaker: int) -> tuple[int, torch.Tensor]:
+        assert st.prompt_ids is not None and st.prompt_embeds is not None and st.prompt_hidden is not None
+        ids = st.prompt_ids.to(self.device)
+        embeds = st.prompt_embeds.to(self.device, self.dtype)
+        hidden = st.prompt_hidden.to(self.device, self.dtype)
         n = len(ids)
         # The user turns: from each <|im_start|> whose role is the user's, to the next turn.
         starts = torch.where(ids == self.ids["im_start"], torch.arange(n, device=ids.device), -1)
@@ -307,7 +325,7 @@ class Qwen3Talker(Part):
         # The assistant's start: its 3 tokens, 4 TTS pads, the TTS bos and the first reply token,
         # on the codec's control codes and the voice.
         at = int(torch.nonzero((ids[:-1] == self.ids["im_start"]) & (ids[1:] == self.ids["assistant"]))[-1])
-        head = self._text(torch.cat([embeds[at:], st["reply"][0][None]]))
+        head = self._text(torch.cat([embeds[at:], st.reply[0][None]]))
         text = torch.cat(
             [head[:3], self._tts("tts_pad")[None].expand(4, -1), self._tts("tts_bos")[None], head[3:4]]
         )
@@ -323,11 +341,11 @@ class Qwen3Talker(Part):
         positions = self._prefill_positions(st, talker_ids)
         return self._forward(st, inputs, positions)
 
-    def _prefill_positions(self, st: dict[str, Any], talker_ids: torch.Tensor) -> torch.Tensor:
+    def _prefill_positions(self, st: _Speaking, talker_ids: torch.Tensor) -> torch.Tensor:
         """[4, 1, L]: text positions, then the M-RoPE ones (from the media's layout, if any)."""
         n = talker_ids.shape[1]
         text = torch.arange(n, device=self.device)[None]
-        lay = st["layout"]
+        lay = st.layout
         if lay:
             rope, deltas = self.model.get_rope_index(
                 talker_ids,
@@ -338,57 +356,59 @@ class Qwen3Talker(Part):
                 lay.get("audio_lengths"),
                 lay.get("video_second_per_grid"),
             )
-            st["rope_delta"] = int(deltas.reshape(-1)[0])
+            st.rope_delta = int(deltas.reshape(-1)[0])
         else:
-            rope, st["rope_delta"] = text[None].expand(3, -1, -1), 0
+            rope, st.rope_delta = text[None].expand(3, -1, -1), 0
         return torch.cat([text[None], rope.to(self.device)])
 
     @torch.inference_mode()
-    def _residuals(self, st: dict[str, Any]) -> list[int]:
+    def _residuals(self, st: _Speaking) -> list[int]:
         """The code predictor's residual codebooks for the last code, as the reference draws them."""
         m = self.model
-        code0 = torch.tensor([[st["code0"]]], device=self.device)
+        assert st.last_hidden is not None
+        code0 = torch.tensor([[st.code0]], device=self.device)
         drawn = m.code_predictor.generate(
-            inputs_embeds=torch.cat([st["last_hidden"], m.get_input_embeddings()(code0)], dim=1),
+            inputs_embeds=torch.cat([st.last_hidden, m.get_input_embeddings()(code0)], dim=1),
             max_new_tokens=self.groups - 1,
             do_sample=False,
         )
         return drawn[0, -(self.groups - 1) :].tolist()
 
     @torch.inference_mode()
-    def _decode(self, st: dict[str, Any], trailing: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def _decode(self, st: _Speaking, trailing: torch.Tensor) -> tuple[int, torch.Tensor]:
         m = self.model
-        codes = [st["code0"], *st["residuals"]]
+        assert st.residuals is not None
+        codes = [st.code0, *st.residuals]
         tables = [m.get_input_embeddings(), *m.code_predictor.get_input_embeddings()]
         each = [t(torch.tensor([[c]], device=self.device)) for t, c in zip(tables, codes, strict=True)]
         inputs = torch.cat(each, dim=1).sum(1, keepdim=True) + trailing[None, None]
-        past = st["past"].get_seq_length()
+        past = st.past.get_seq_length()
         text = torch.tensor([[past]], device=self.device)
-        positions = torch.cat([text[None], (text + st["rope_delta"])[None].expand(3, -1, -1)])
+        positions = torch.cat([text[None], (text + st.rope_delta)[None].expand(3, -1, -1)])
         return self._forward(st, inputs, positions)
 
     def _forward(
-        self, st: dict[str, Any], inputs: torch.Tensor, positions: torch.Tensor
+        self, st: _Speaking, inputs: torch.Tensor, positions: torch.Tensor
     ) -> tuple[int, torch.Tensor]:
         out = self.model(
             inputs_embeds=inputs,
             position_ids=positions,
-            past_key_values=st.get("past"),
+            past_key_values=st.past,
             use_cache=True,
             output_hidden_states=True,
             generation_step=0,
         )
-        st["past"] = out.past_key_values
+        st.past = out.past_key_values
         code = self._pick(st, out.logits[0, -1].float())
         return code, out.hidden_states[0][-1][:, -1:]
 
-    def _pick(self, st: dict[str, Any], logits: torch.Tensor) -> int:
+    def _pick(self, st: _Speaking, logits: torch.Tensor) -> int:
         """Greedy, with the reference's repetition penalty over the codes so far and its
         suppressed control codes."""
-        logits = penalise_repeats(logits, st["seen"])
+        logits = penalise_repeats(logits, st.seen)
         logits[self.suppressed] = -float("inf")
         code = int(torch.argmax(logits))
-        st["seen"].append(code)
+        st.seen.append(code)
         return code
 
 
@@ -444,10 +464,10 @@ class Qwen3Code2Wav(Part):
         self.upsample = int(self.model.total_upsample)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        st = call.state
-        if (codes := gather_codes(st, call.inputs)) is None:  # [n, groups]
+        st = call.kept(Vocoding)
+        if (codes := st.gather(call.inputs)) is None:  # [n, groups]
             return
-        done = st.get("done", 0)
+        done = st.decoded
         while done < len(codes):
             end = min(done + self.chunk, len(codes))
             if (end - done < self.chunk or end + self.right > len(codes)) and not call.is_last:
@@ -457,7 +477,7 @@ class Qwen3Code2Wav(Part):
             piece = _Chunk(codes[lo:hi].T, (done - lo) * self.upsample, keep)
             wav = await self.batcher.submit(piece.codes.shape, piece)
             yield EngineOutput(units=end - done, data={"audio": wav, "sample_rate": self.sample_rate})
-            done = st["done"] = end
+            done = st.decoded = end
 
     @torch.inference_mode()
     def _decode(self, chunks: list[_Chunk]) -> list[torch.Tensor]:

@@ -4,6 +4,7 @@ repetition penalty, the thinker's embedding table read alone."""
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -39,17 +40,19 @@ def thinker_embedding_table(stage: str, path: str) -> torch.Tensor:
     raise EngineError(f"stage '{stage}': {path} has no {name}")
 
 
-def gather_codes(st: dict[str, Any], inputs: dict[str, Any]) -> torch.Tensor | None:
-    """Every code a vocoder part has received for a request so far, these inputs' included,
-    kept as one tensor in the request's state; None before the first."""
-    for p in inputs.values():
-        if "codes" in p and p["codes"].numel():
-            st.setdefault("codes", []).append(p["codes"].long())
-    if "codes" not in st:
-        return None
-    codes = torch.cat(st["codes"])
-    st["codes"] = [codes]
-    return codes
+@dataclass(slots=True)
+class Vocoding:
+    """A vocoder part's request: the codes received so far, and how many are decoded."""
+
+    codes: torch.Tensor | None = None
+    decoded: int = 0
+
+    def gather(self, inputs: dict[str, Any]) -> torch.Tensor | None:
+        """Every code received so far, these inputs' included; None before the first."""
+        new = [p["codes"].long() for p in inputs.values() if "codes" in p and p["codes"].numel()]
+        if new:
+            self.codes = torch.cat(new if self.codes is None else [self.codes, *new])
+        return self.codes
 
 
 def _one_voice(speaker: dict[str, Any]) -> dict[str, Any]:

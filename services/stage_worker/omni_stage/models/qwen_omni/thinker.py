@@ -77,8 +77,8 @@ class Thinker(Part):
         embeds = next((e for p in call.inputs.values() if (e := MediaEmbeds.from_payload(p))), None)
         prompt = await self._run(self.prompts.build, request, embeds)
         ids = prompt.ids
-        st = call.state
-        st["prompt_tokens"] = int(ids.shape[1])
+        st = call.kept(_Cache)
+        call.state.prompt_tokens = int(ids.shape[1])
         budget = int(call.sampling.get("max_tokens") or 64)
         check_context(
             int(ids.shape[1]), budget, self.config.thinker_config.text_config.max_position_embeddings
@@ -110,7 +110,7 @@ class Thinker(Part):
             if done:
                 return
             feed = torch.tensor([[tok]], device=self.device)
-        st["finish_reason"] = "length"
+        call.state.finish_reason = "length"
 
     def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
         """What else of the prompt the talker reads, with the first token."""
@@ -126,14 +126,14 @@ class Thinker(Part):
     def _decode_together(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
         out, caches = decode_together(
             self.model,
-            [s.st["past"] for s in steps],
+            [s.st.past for s in steps],
             [self._decode_positions(s.st) for s in steps],
             input_ids=torch.cat([s.ids for s in steps]),
             output_hidden_states=True,
         )
         results = []
         for row, (s, cache) in enumerate(zip(steps, caches, strict=True)):
-            s.st["past"] = cache
+            s.st.past = cache
             choice = s.sampler.pick(out.logits[row, -1])
             first, last = (
                 out.hidden_states[0][row : row + 1],
@@ -142,25 +142,25 @@ class Thinker(Part):
             results.append((choice, first.float().cpu(), last.float().cpu()))
         return results
 
-    def _decode_positions(self, st: dict[str, Any]) -> torch.Tensor:
+    def _decode_positions(self, st: _Cache) -> torch.Tensor:
         """The next position's 3-D ids: the same on all three axes, offset as the prompt's were."""
-        at = st["past"].get_seq_length() + st["rope_deltas"]
+        at = st.past.get_seq_length() + st.rope_deltas
         return (torch.arange(1, device=self.device) + at).view(1, 1, -1).expand(3, 1, -1)
 
     @torch.inference_mode()
     def _step(
         self,
-        st: dict[str, Any],
+        st: _Cache,
         ids: torch.Tensor,
         sampler: TokenSampler,
         prompt: Prompt,
     ) -> tuple[Choice, torch.Tensor, torch.Tensor]:
         m = self.model
-        past = st.get("past")
+        past = st.past
         inputs: dict[str, torch.Tensor] = {"input_ids": ids}
         if past is None:  # the prompt: its 3-D (M-RoPE) positions, and the offset decoding keeps
             lay = prompt.layout
-            positions, st["rope_deltas"] = m.get_rope_index(
+            positions, st.rope_deltas = m.get_rope_index(
                 ids,
                 lay.image_grid_thw,
                 lay.video_grid_thw,
@@ -182,7 +182,7 @@ class Thinker(Part):
             output_hidden_states=True,
             **inputs,
         )
-        st["past"] = out.past_key_values
+        st.past = out.past_key_values
         choice = sampler.pick(out.logits[0, -1])
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
         embeds = out.hidden_states[0].float().cpu()
@@ -206,11 +206,19 @@ class Thinker(Part):
         return {"inputs_embeds": embeds}
 
 
+@dataclass(slots=True)
+class _Cache:
+    """One request's KV cache, and the offset of its M-RoPE positions (set by the prefill)."""
+
+    past: Any = None
+    rope_deltas: torch.Tensor | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class _ThinkerStep:
     """One request's next forward: its prompt, or its last token."""
 
-    st: dict[str, Any]
+    st: _Cache
     ids: torch.Tensor
     sampler: TokenSampler
     prompt: Prompt
