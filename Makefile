@@ -86,8 +86,10 @@ demo-models: $(MODELS)/tiny-image/model_index.json
 serve: $(SERVE_STAMP) demo-models
 	$(OMNI) serve examples/tiny-omni.yaml --port $(PORT)
 
+# Two workers, one module each at a time (a module's shared fixtures stay in one process): most
+# tests wait on processes more than they compute. One module alone: `$(PY) -m pytest PATH`.
 test: setup $(VOMNI_STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 # Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
 BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from omni_cli.mooncaked import LocalMooncake
 from omni_cli.natsd import EmbeddedNats
 from omni_stage.demo import init_demo
 from tests.deployment import Deployment, deployed
 from tests.helpers import ROOT
+
+DONE = ".built"
 
 
 @pytest.fixture
@@ -24,9 +28,17 @@ def nats_url() -> Iterator[str]:
 
 @pytest.fixture(scope="session")
 def demo_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A working directory holding models/ built by `omni models init-demo` (once per session)."""
-    d = tmp_path_factory.mktemp("demo")
-    init_demo(d / "models")
+    """A working directory holding models/ built by `omni models init-demo`, once per run: the
+    pytest-xdist workers of one run share one (the first to ask builds it, under a file lock;
+    the run's base temporary directory is the workers' common parent)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent
+    d = root / "demo"
+    with FileLock(str(root / "demo.lock")):
+        if not (d / DONE).exists():
+            init_demo(d / "models")
+            (d / DONE).touch()
     return d
 
 

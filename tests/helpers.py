@@ -31,10 +31,11 @@ T = TypeVar("T")
 ROOT = Path(__file__).parents[1]
 OMNI = [sys.executable, "-m", "omni_cli.main"]
 
-SHM_SESSION = os.environ.setdefault("OMNI_SHM_PREFIX", f"omni-run{uuid.uuid4().hex[:8]}")
-"""This test run's shared memory: set before any process starts, so everything the run makes
+SHM_SESSION = os.environ["OMNI_SHM_PREFIX"] = f"omni-run{uuid.uuid4().hex[:8]}"
+"""This test process's shared memory: set before any process starts, so everything it makes
 (its own connectors, every omni process it starts, which inherit the variable) is named under
-it. A run never sees another run's segments, such as those a run killed mid-test leaves."""
+it. It never sees another's segments: another run's (such as those a run killed mid-test
+leaves), or another pytest-xdist worker's of the same run (each worker sets its own)."""
 
 
 def shm_prefix(name: str) -> str:
