@@ -1,7 +1,10 @@
 """Child-process lifecycle: STARTUP -> READY -> (ERROR) -> SHUTDOWN -> DEAD, as in seed 004.
 
-Children are started with `spawn` and report their state over a one-way pipe as wire-encoded
-structs (bytes, never pickled objects). A monitor thread per child waits on the pipe and the
+Children are forked from a fork server (`forkserver`: a clean process, started once, that has
+imported what `preload` names and done nothing else: no thread, no CUDA), so a child starts
+without importing torch again; each gets its environment from its caller, not the server's.
+They report their state over a one-way pipe as wire-encoded structs (bytes, never pickled
+objects). A monitor thread per child waits on the pipe and the
 process sentinel together, so a death is noticed at once, without polling. Readiness comes
 only from the child's READY event. Shutdown is terminate, wait up to 5 s, kill the tree.
 """
@@ -24,6 +27,7 @@ from typing import Any, Final
 
 import msgspec
 import psutil
+import setproctitle
 
 from omni_pipeline import wire
 
@@ -71,9 +75,26 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
         pass
 
 
-def _child_entry(target: ChildTarget, report: Connection, args: tuple[Any, ...]) -> None:
+_CONTEXT: Final = mp.get_context("forkserver")
+
+
+def preload(modules: list[str]) -> None:
+    """Modules the fork server imports once, before the first child: what every child would
+    import anyway. Only modules that start no thread and touch no accelerator on import."""
+    _CONTEXT.set_forkserver_preload(modules)
+
+
+def _child_entry(target: ChildTarget, report: Connection, args: tuple[Any, ...], env: dict[str, str]) -> None:
+    # setproctitle finds the memory a title goes in (argv, then the environment's block) on its
+    # first call: before the environment changes, or it finds none and titles stay unset.
+    setproctitle.getproctitle()
+    # The caller's environment, before anything reads it (CUDA_VISIBLE_DEVICES: at CUDA's start).
+    for k in os.environ.keys() - env.keys():
+        del os.environ[k]
+    os.environ.update(env)
+    # Its parent is the fork server, which exits when the supervisor does.
     die_with_parent()
-    # Behave as the same program started on its own (as in a pod): spawn would otherwise
+    # Behave as the same program started on its own (as in a pod): forkserver would otherwise
     # become this process's default and keep libraries' semaphores named until exit.
     mp.set_start_method(None, force=True)
     # Ctrl-C in a terminal reaches the whole process group; the supervisor alone decides
@@ -136,7 +157,7 @@ def _shutdown(proc: mp.process.BaseProcess, grace_s: float, terminated: list[boo
 
 
 class ManagedProcess:
-    """A spawned child with a lifecycle: events, readiness, death monitoring, shutdown."""
+    """A child with a lifecycle: events, readiness, death monitoring, shutdown."""
 
     def __init__(
         self,
@@ -153,20 +174,14 @@ class ManagedProcess:
         self.exitcode: int | None = None
         self._on_event = on_event
         self._changed = threading.Condition()
-        ctx = mp.get_context("spawn")
-        reader, writer = ctx.Pipe(duplex=False)
+        reader, writer = _CONTEXT.Pipe(duplex=False)
         self._reader = reader
-        old_env = {k: os.environ.get(k) for k in (env or {})}
-        os.environ.update(env or {})  # spawn copies the parent's environment at start()
-        try:
-            self.process = ctx.Process(target=_child_entry, args=(target, writer, args), name=name)
-            self.process.start()
-        finally:
-            for k, v in old_env.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        # The fork server's environment is the one it started with: the child's own comes along.
+        child_env = {**os.environ, **(env or {})}
+        self.process = _CONTEXT.Process(
+            target=_child_entry, args=(target, writer, args, child_env), name=name
+        )
+        self.process.start()
         writer.close()
         self.pid = self.process.pid
         self._terminated = [False]

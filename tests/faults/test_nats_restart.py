@@ -77,7 +77,8 @@ def test_omni_serve_restarts_its_nats_server(tmp_path: Path) -> None:
     with served(SYNTH, ROOT, tmp_path / "serve.log") as (serve, base):
         assert ask(base, "first") == "ok"
         tree = psutil.Process(serve.proc.pid)
-        titles = {" ".join(p.cmdline()).strip() for p in tree.children()}  # a title is padded
+        # (the stages and the gateway are the children of its fork server)
+        titles = {" ".join(p.cmdline()).strip() for p in tree.children(recursive=True)}  # a title is padded
         print("ps -o cmd:", sorted([" ".join(tree.cmdline()).strip(), *titles]))
         assert " ".join(tree.cmdline()).strip() == "omni: supervisor synth"
         named = {f"omni: stage {s} replica 0" for s in ("thinker", "talker", "vocoder")} | {"omni: gateway"}
@@ -88,7 +89,7 @@ def test_omni_serve_restarts_its_nats_server(tmp_path: Path) -> None:
         wait_for(lambda: ask(base, "probe", timeout=BACK_WITHIN_S) == "ok", BACK_WITHIN_S, "a request")
         print(f"served again {time.monotonic() - killed:.2f}s after the kill")
         assert nats_child(serve).pid != old.pid
-        assert [p for p in tree.children() if p.status() == psutil.STATUS_ZOMBIE] == []
+        assert [p for p in tree.children(recursive=True) if p.status() == psutil.STATUS_ZOMBIE] == []
         assert "nats-server died (exit code -9); restarting" in serve.output()
     # served(): every process gone, no segment left
 

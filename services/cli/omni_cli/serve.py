@@ -29,7 +29,7 @@ from setproctitle import setproctitle
 from omni_cli.children import gateway_child, stage_child
 from omni_cli.natsd import EmbeddedNats
 from omni_pipeline.connectors.shm import DEFAULT_PREFIX, SHM_PREFIX_ENV, ShmConnector
-from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState
+from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState, preload
 from omni_pipeline.placement import VISIBLE_DEVICES_ENV, PlacementError, place, uses_gpus, visible_gpus
 from omni_pipeline.settings import ConnectorSpec
 from omni_pipeline.spec import PipelineFile
@@ -44,6 +44,8 @@ STABLE_AFTER_S: Final = 60.0
 MAX_QUICK_DEATHS: Final = 5
 """Deaths in a row, each sooner than STABLE_AFTER_S after its start, that end `omni serve`."""
 NATS: Final = "nats-server"
+CHILD_MODULES: Final = ["omni_stage.proc", "omni_gateway.app"]
+"""What every stage or gateway imports first (torch among it): the fork server imports it once."""
 NATS_BACKOFF_START_S: Final = 0.1
 """Every process of the tree waits on NATS: it comes back first, at once."""
 
@@ -102,6 +104,7 @@ class Supervisor:
 
     def run(self) -> int:
         setproctitle(f"omni: supervisor {self.pipeline.name}")
+        preload(CHILD_MODULES)
 
         def on_signal(signum: int, _frame: object) -> None:
             # Only a word to the loop (or the startup wait), which stops everything in order.
