@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import copy
 import io
 from pathlib import Path
@@ -70,10 +71,12 @@ def body() -> dict[str, Any]:
 
 
 def thinker_process() -> psutil.Process:
-    """The thinker's stage process (it names itself so), of the one pipeline served."""
-    for proc in psutil.process_iter(["cmdline"]):
-        if " ".join(proc.info["cmdline"] or []).startswith("omni: stage thinker replica 0"):
-            return proc
+    """The thinker's stage process (it names itself so), of the one pipeline this benchmark
+    serves: among its own descendants, not another's on the same machine."""
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if " ".join(proc.cmdline()).startswith("omni: stage thinker replica 0"):
+                return proc
     raise LookupError("no thinker stage process")
 
 

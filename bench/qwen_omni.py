@@ -111,7 +111,7 @@ def plot(result: dict[str, Any], path: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
     n = rounds(ROUNDS, args)
-    tokens, codes = (32, 48) if args.quick else (THINKER_TOKENS, TALKER_CODES)
+    tokens, codes = (16, 24) if args.quick else (THINKER_TOKENS, TALKER_CODES)
     runs: dict[str, dict[str, float]] = {}
     with demo_models() as cwd:
         with served("bench", pipeline(True, codes), cwd=cwd) as base:
