@@ -1,4 +1,5 @@
-"""Child-process lifecycle with real spawned processes: READY, ERROR, death, shutdown."""
+"""Child-process lifecycle with real processes (forked from the fork server): READY, ERROR,
+death, shutdown, and the environment and title each child has."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 import psutil
 import pytest
+from setproctitle import getproctitle, setproctitle
 
 from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState
 
@@ -17,6 +19,12 @@ from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess,
 def ready_then_wait(ready: Callable[[dict[str, Any]], None], tag: str) -> None:
     ready({"tag": tag, "pid": os.getpid()})
     threading.Event().wait()  # serve until terminated
+
+
+def report_environment(ready: Callable[[dict[str, Any]], None], names: list[str]) -> None:
+    setproctitle("omni: test child")
+    ready({"env": {n: os.environ.get(n) for n in names}, "title": getproctitle()})
+    threading.Event().wait()
 
 
 def fail_at_startup(ready: Callable[[dict[str, Any]], None]) -> None:
@@ -66,3 +74,22 @@ def test_shutdown_kills_what_ignores_sigterm() -> None:
     p.shutdown(grace_s=0.5)  # terminate, wait the grace, then kill
     assert not p.alive and p.exitcode == -signal.SIGKILL
     assert not psutil.pid_exists(p.pid)
+
+
+def test_a_child_has_its_callers_environment_of_now_and_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fork server keeps the environment it started with; a child started later gets the
+    caller's, as it is when the child starts, with its own additions, and can set its title."""
+    first = ManagedProcess("first", ready_then_wait, ("a",))  # the fork server runs by now
+    try:
+        first.wait_ready(60)
+        monkeypatch.setenv("OMNI_TEST_LATER", "set after the fork server started")
+        names = ["OMNI_TEST_LATER", "OMNI_TEST_OWN"]
+        child = ManagedProcess("second", report_environment, (names,), env={"OMNI_TEST_OWN": "its own"})
+        try:
+            info = child.wait_ready(60)
+        finally:
+            child.shutdown()
+    finally:
+        first.shutdown()
+    assert info["env"] == {"OMNI_TEST_LATER": "set after the fork server started", "OMNI_TEST_OWN": "its own"}
+    assert info["title"] == "omni: test child"
