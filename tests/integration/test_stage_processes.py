@@ -7,6 +7,7 @@ fails only its request; a client that walks away mid-stream leaves nothing behin
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import socket
 import subprocess
@@ -18,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from omni_cli.natsd import nats_server_binary
+from omni_cli.natsd import EmbeddedNats, nats_server_binary
 from tests.helpers import (
     ROOT,
     OmniProcess,
@@ -36,6 +37,8 @@ from tests.helpers import (
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic.yaml"
 PREFIX = shm_prefix("itest")
+SHARED_PREFIX = shm_prefix("shared-itest")
+"""The module's shared cluster's segments (not a prefix of the other, nor it of this)."""
 
 
 @dataclass
@@ -44,25 +47,46 @@ class Cluster:
     stages: dict[str, OmniProcess]
 
 
-@pytest.fixture
-def cluster_procs(nats_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    env = {"OMNI_SHM_PREFIX": PREFIX}
+@contextlib.contextmanager
+def started(nats_url: str, logs: Path, prefix: str = PREFIX) -> Iterator[Cluster]:
+    """A replica per stage and a gateway, each its own process; every one exits 0 at the end,
+    and no segment is left."""
+    env = {"OMNI_SHM_PREFIX": prefix}
     procs = [
-        start_stage(PIPELINE, s, "0", nats_url, ROOT, tmp_path, env) for s in ("thinker", "talker", "vocoder")
+        start_stage(PIPELINE, s, "0", nats_url, ROOT, logs, env) for s in ("thinker", "talker", "vocoder")
     ]
-    gw, base = start_gateway(PIPELINE, nats_url, ROOT, tmp_path, env=env)
+    gw, base = start_gateway(PIPELINE, nats_url, ROOT, logs, env=env)
     try:
         wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "every stage registered")
         yield Cluster(base, dict(zip(("thinker", "talker", "vocoder"), procs, strict=True)))
     finally:
         for p in [gw, *procs]:
             assert p.stop() == 0, p.output()[-2000:]
-    assert our_shm_segments(PREFIX) == []
+    assert our_shm_segments(prefix) == []
 
 
 @pytest.fixture
-def cluster(cluster_procs: Cluster) -> str:
-    return cluster_procs.base
+def cluster_procs(nats_url: str, tmp_path: Path) -> Iterator[Cluster]:
+    """A cluster of the test's own, for a test that stops one of its processes."""
+    with started(nats_url, tmp_path) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """One cluster for the module's tests that leave it whole: each stops nothing, waits for
+    what it started to end, and reads counters as differences."""
+    server = EmbeddedNats()
+    try:
+        with started(server.url, tmp_path_factory.mktemp("cluster"), SHARED_PREFIX) as c:
+            yield c.base
+    finally:
+        server.stop()
+
+
+def counts(base: str, name: str, **labels: str) -> dict[str, float]:
+    """A counter on each stage's replicas, now."""
+    return {s: replica_metric(base, s, name, **labels) for s in ("thinker", "talker", "vocoder")}
 
 
 def replica_url(base: str, stage: str) -> str:
@@ -71,6 +95,7 @@ def replica_url(base: str, stage: str) -> str:
 
 def test_windows_trigger_expected_calls_and_audio_arrives(cluster: str) -> None:
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
+    before = counts(cluster, "omni_stage_window_triggers_total")
     for i in range(3):
         r = client.chat.completions.create(
             model="synth",
@@ -82,20 +107,20 @@ def test_windows_trigger_expected_calls_and_audio_arrives(cluster: str) -> None:
         audio, sr = decode_wav(r.choices[0].message.audio.data)
         assert sr == 24000 and len(audio) == 20 * 480
     # thinker: 1 call per request; talker, window 8 over 20 units: 8, 8, 4; vocoder, window -1: 1.
-    assert replica_metric(cluster, "thinker", "omni_stage_window_triggers_total") == 3
-    assert replica_metric(cluster, "talker", "omni_stage_window_triggers_total") == 9
-    assert replica_metric(cluster, "vocoder", "omni_stage_window_triggers_total") == 3
+    after = counts(cluster, "omni_stage_window_triggers_total")
+    assert {s: after[s] - before[s] for s in after} == {"thinker": 3, "talker": 9, "vocoder": 3}
 
 
 def test_text_only_request_stops_at_the_thinker(cluster: str) -> None:
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
+    before = replica_metric(cluster, "talker", "omni_stage_window_triggers_total")
     r = client.chat.completions.create(
         model="synth", messages=[{"role": "user", "content": "hi"}], max_tokens=5
     )
     assert r.choices[0].message.content == "tok0 tok1 tok2 tok3 tok4 "
     assert r.choices[0].message.audio is None
     assert r.usage is not None and r.usage.completion_tokens == 5
-    assert replica_metric(cluster, "talker", "omni_stage_window_triggers_total") == 0
+    assert replica_metric(cluster, "talker", "omni_stage_window_triggers_total") == before
 
 
 def test_a_prompt_of_5_mb_is_served_through_the_connector(cluster: str) -> None:
@@ -132,6 +157,7 @@ def test_poisoned_input_fails_only_its_request(cluster: str) -> None:
 
 def test_client_disconnect_mid_stream_frees_everything(cluster: str) -> None:
     client = openai.OpenAI(base_url=f"{cluster}/v1", api_key="unused")
+    aborted = replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted")
     for _ in range(5):
         stream = client.chat.completions.create(
             model="synth",
@@ -152,8 +178,8 @@ def test_client_disconnect_mid_stream_frees_everything(cluster: str) -> None:
             30,
             f"{stage} to drop the abandoned requests",
         )
-    assert replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted") == 5
-    wait_for(lambda: shm_segments_in_use(PREFIX) == [], 10, "no shm segment in use")
+    assert replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted") == aborted + 5
+    wait_for(lambda: shm_segments_in_use(SHARED_PREFIX) == [], 10, "no shm segment in use")
     # And the pipeline still serves.
     r = client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "again"}])
     assert r.choices[0].finish_reason in ("stop", "length")
@@ -161,10 +187,13 @@ def test_client_disconnect_mid_stream_frees_everything(cluster: str) -> None:
 
 def test_non_streaming_client_that_leaves_aborts_its_request(cluster: str) -> None:
     body = {"model": "synth", "messages": [{"role": "user", "content": "slow"}], "max_tokens": 3000}
+    aborted = replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{cluster}/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=1.0))
     wait_for(
-        lambda: replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted") == 1,
+        lambda: (
+            replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted") == aborted + 1
+        ),
         30,
         "the thinker to abort the abandoned request",
     )
