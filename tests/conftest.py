@@ -18,6 +18,13 @@ from tests.helpers import ROOT
 DONE = ".built"
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The unit tests last. Under pytest-xdist each worker takes whole modules in this order:
+    the slow modules that start processes begin early, and the many short unit modules fill the
+    end of the run, where a slow one would keep one worker busy while the others idle."""
+    items.sort(key=lambda item: item.nodeid.startswith("tests/unit/"))
+
+
 @pytest.fixture
 def nats_url() -> Iterator[str]:
     """A real nats-server (`nats-server -a 127.0.0.1 -p -1`), its port read from its log."""
