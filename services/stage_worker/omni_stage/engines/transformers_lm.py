@@ -2,7 +2,7 @@
 
 Each forward step runs on the engine's compute thread, so the event loop keeps serving NATS
 while torch computes; cancelling the request's task stops the loop after the current step. The
-KV cache lives in the request's `call.state`, so a windowed consumer (a talker fed 8 thinker
+KV cache lives in the request's own state (`call.kept`), so a windowed consumer (a talker fed 8 thinker
 states at a time) continues one sequence across calls instead of starting over. The one-token
 decode steps of concurrent requests run as one batched forward, their caches stacked
 (`kv_batch.py`); a prompt or a window of embeddings runs on its own.
