@@ -123,7 +123,18 @@ class Deployment:
         procs = [(f"gateway-{i}", g[0]) for i, g in enumerate(self.gateways)] + list(self.stages.items())
         killed = {name for name, p in procs if p.proc.poll() == -signal.SIGKILL}
         codes = {name: p.stop() for name, p in procs}
-        assert all(c == 0 for name, c in codes.items() if name not in killed), codes
+        failed = [name for name, c in codes.items() if c != 0 and name not in killed]
+        assert not failed, f"{codes}\n{self.log_tails(*failed)}"
+
+    def log_tails(self, *names: str, lines: int = 25) -> str:
+        """The last lines of these processes' logs (every log in the directory without names):
+        what a failure message carries, since CI keeps only the test's output."""
+        paths = sorted(self.logs.glob("*.log"))
+        if names:
+            paths = [p for p in paths if p.stem.split("~")[0] in names]
+        return "\n".join(
+            f"--- {p.name}:\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) for p in paths
+        )
 
 
 @contextlib.contextmanager

@@ -59,7 +59,10 @@ def test_mooncake_master_gone_while_the_vocoder_has_windows_to_read(
     assert "stage 'vocoder'" in result, result
     assert "connector 'remote' (mooncake): get failed: Mooncake get of connfaults/" in result, result
     mooncake.start_master()
-    wait_for(lambda: ask(pipeline.base, "after") == "ok", 30, "a request through the new master")
+    try:
+        wait_for(lambda: ask(pipeline.base, "after") == "ok", 30, "a request through the new master")
+    except AssertionError as exc:  # what each process and the store said, for a failure in CI
+        raise AssertionError(f"{exc}\n{pipeline.log_tails()}") from None
     pipeline.settle(idle)
     assert mooncake.key_count() == 0
 
