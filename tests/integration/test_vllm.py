@@ -175,6 +175,41 @@ def test_json_mode_and_tool_choice_are_the_same_grammar_as_vllms(
     assert json.loads("".join(a for _, a in vllm_call))["answer"] in ("yes", "no")
 
 
+@pytest.mark.parametrize(
+    "extension",
+    [
+        {"repetition_penalty": 1.8},
+        {"top_k": 1, "temperature": 1.5, "seed": 3},
+        {"min_p": 1.0, "temperature": 1.5, "seed": 3},
+        {"logit_bias": {"97": 100.0}, "min_tokens": 5},
+        {"logit_bias": {"97": 100.0}, "ignore_eos": True},
+        {"stop_token_ids": [70]},
+        {"allowed_token_ids": [66, 67, 68, 70]},
+        {"bad_words": ["e", "t"]},
+        {"truncate_prompt_tokens": 6},
+        {"stop": ["e"], "include_stop_str_in_output": True},
+        {"structured_outputs": {"regex": "[a-c]{3}x"}},
+        {"structured_outputs": {"choice": ["yes", "no", "maybe"]}},
+    ],
+    ids=lambda e: "+".join(e),
+)
+def test_vllms_sampling_extensions_mean_the_same_in_both_engines(
+    vllm_engine: VllmEngine, loop: LoopThread, demo_dir: Path, extension: dict[str, Any]
+) -> None:
+    """Each of vLLM's sampling extensions, given to vLLM's own SamplingParams and to the
+    step-loop engines' sampler (transformers' logits processors): the same tokens, the same
+    text, the same finish (a stop; a reply that ran to max_tokens the step loop leaves for its
+    stage to call `length`)."""
+    call = {"request": {"messages": MESSAGES}}
+    sampling = {"max_tokens": 16, **extension}
+    ours = loop.run(collect(vllm_engine, EngineCall("x", call, True, sampling)))
+    hf = thinker(demo_dir / "models", EngineKind.TRANSFORMERS)
+    ref = asyncio.run(_start_and_collect(hf, EngineCall("x", call, True, sampling)))
+    assert token_ids(ours) == token_ids(ref)
+    assert "".join(o.text for o in ours) == "".join(o.text for o in ref)
+    assert (ours[-1].finish_reason == "stop") == (ref[-1].finish_reason == "stop")
+
+
 def test_vllms_own_n_is_n_requests_seeded_seed_plus_index(vllm_engine: VllmEngine, loop: LoopThread) -> None:
     """The gateway answers `n` as `n` requests side by side, reply i seeded with seed + i;
     vLLM's own parallel sampling, asked on its engine, gives the same replies."""

@@ -110,6 +110,11 @@ class Engine(ABC):
     async def start(self) -> None:
         """Load weights; called once before the replica reports READY."""
 
+    def prompt_tokenizer(self) -> tuple[Any, int] | None:
+        """The tokenizer this engine reads a client's prompt with, and the model's context in
+        tokens (what /tokenize answers with); None where it reads no text."""
+        return None
+
     async def sleep(self, level: int) -> None:
         """Free memory as `level` says (at most `max_sleep_level`); called only while the replica
         holds no request. An engine with nothing to free does nothing."""

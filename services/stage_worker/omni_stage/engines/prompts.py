@@ -61,18 +61,44 @@ def check_context(prompt_tokens: int, max_tokens: int, context: int) -> None:
         )
 
 
-def prompt_token_ids(tokenizer: Any, request: dict[str, Any]) -> list[int]:
-    """The request's `messages` through the tokenizer's chat template, or its raw `prompt`."""
-    if "messages" in request:
-        text = tokenizer.apply_chat_template(
-            messages_to_chat(request["messages"]),
-            tools=request.get("tools") or None,
-            add_generation_prompt=True,
-            tokenize=False,
+def chat_template_args(sampling: dict[str, Any]) -> dict[str, Any]:
+    """The chat template's arguments a request sets (vLLM's fields): `add_generation_prompt`
+    (default true), `continue_final_message` (the reply goes on from the last message, so no
+    new turn is opened), and `chat_template_kwargs`, the template's own variables."""
+    continue_final = bool(sampling.get("continue_final_message"))
+    add_generation = sampling.get("add_generation_prompt", True) is not False
+    if continue_final and add_generation and "add_generation_prompt" in sampling:
+        raise InvalidRequest(
+            "continue_final_message: cannot go with add_generation_prompt: true (it opens a new turn)"
         )
+    args: dict[str, Any] = dict(sampling.get("chat_template_kwargs") or {})
+    args["add_generation_prompt"] = add_generation and not continue_final
+    if continue_final:
+        args["continue_final_message"] = True
+    return args
+
+
+def prompt_token_ids(
+    tokenizer: Any, request: dict[str, Any], sampling: dict[str, Any] | None = None
+) -> list[int]:
+    """The request's `messages` through the tokenizer's chat template, or its raw `prompt`; with
+    vLLM's `truncate_prompt_tokens`, only the last that many."""
+    sampling = sampling or {}
+    if "messages" in request:
+        try:
+            text = tokenizer.apply_chat_template(
+                messages_to_chat(request["messages"]),
+                tools=request.get("tools") or None,
+                tokenize=False,
+                **chat_template_args(sampling),
+            )
+        except ValueError as exc:  # continue_final_message without a final message to continue
+            raise InvalidRequest(f"the chat template cannot apply: {exc}") from None
     else:
         text = str(request.get("prompt", ""))
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if (keep := sampling.get("truncate_prompt_tokens")) is not None and int(keep) >= 0:
+        ids = ids[len(ids) - int(keep) :] if int(keep) < len(ids) else ids
     if not ids:  # text the tokenizer drops whole (control characters): nothing to go on from
         raise InvalidRequest("the prompt is empty once tokenized: there is nothing to continue from")
     return ids

@@ -10,28 +10,48 @@ from omni_stage.engines.sampling import Choice
 
 class ReplyText:
     """Whole characters only, never past a stop string (OpenAI's `stop`: the text ends before
-    it), and the last few characters held back while they could still be the start of one."""
+    it; with vLLM's `include_stop_str_in_output`, after it), and the last few characters held
+    back while they could still be the start of one. Special tokens are left out unless
+    `skip_special_tokens` is false (vLLM's; then `spaces_between_special_tokens` says whether
+    they are spaced from the text around them)."""
 
-    def __init__(self, tokenizer: Any, stops: list[str]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stops: list[str],
+        include_stop: bool = False,
+        skip_special: bool = True,
+        spaced_special: bool = True,
+    ) -> None:
         self.tokenizer = tokenizer
         self.stops = stops
+        self.include_stop = include_stop
+        self.decode_args = {"skip_special_tokens": skip_special}
+        if not skip_special and not spaced_special:
+            self.decode_args["spaces_between_special_tokens"] = False
         self.hold = max((len(x) for x in stops), default=1) - 1
         self.tokens: list[int] = []
         self.sent = 0
 
     @classmethod
     def for_request(cls, tokenizer: Any, sampling: dict[str, Any]) -> ReplyText:
-        return cls(tokenizer, [str(x) for x in sampling.get("stop") or [] if x])
+        return cls(
+            tokenizer,
+            [str(x) for x in sampling.get("stop") or [] if x],
+            include_stop=bool(sampling.get("include_stop_str_in_output")),
+            skip_special=sampling.get("skip_special_tokens", True) is not False,
+            spaced_special=sampling.get("spaces_between_special_tokens", True) is not False,
+        )
 
     def add(self, token: int | None, last: bool) -> tuple[str, bool]:
         """This token's text delta (`token` None: the reply ended without one), and whether a
         stop string ended the reply here."""
         if token is not None:
             self.tokens.append(token)
-        full = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        full = self.tokenizer.decode(self.tokens, **self.decode_args)
         if full.endswith("\ufffd") and not last:
             return "", False  # an incomplete UTF-8 sequence; wait for the next byte
-        cuts = [i for x in self.stops if (i := full.find(x)) >= 0]
+        cuts = [i + (len(x) if self.include_stop else 0) for x in self.stops if (i := full.find(x)) >= 0]
         end = min(cuts) if cuts else len(full) if last else max(self.sent, len(full) - self.hold)
         delta, self.sent = full[self.sent : max(self.sent, end)], max(self.sent, end)
         return delta, bool(cuts)

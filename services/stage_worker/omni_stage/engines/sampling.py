@@ -1,18 +1,26 @@
 """Choosing the next token from logits, for every step-loop engine: OpenAI's sampling fields
-applied as vLLM's sampler applies them, so a request means the same on every engine.
+and vLLM's extensions applied as vLLM's sampler applies them, so a request means the same on
+every engine.
 
-In order: `logit_bias` is added to the logits; `frequency_penalty` (times the token's count so
-far in the reply) and `presence_penalty` (once it has appeared) are subtracted; then greedy at
-temperature 0, else temperature and top-p sampling from the request's own generator (seeded by
-its `seed`, else at random), among the tokens a `response_format` grammar allows next (structured.py).
-`logprobs` are of the model's own distribution, before any of that (vLLM's default,
-`raw_logprobs`).
+In order: tokens outside `allowed_token_ids`, a `bad_words` sequence's last token where the reply
+ends with the rest of it, and (before `min_tokens` tokens) every token that would end the reply
+are masked; so is what a `response_format` / `structured_outputs` grammar forbids next
+(structured.py); `logit_bias` is added; `repetition_penalty` divides the logits of tokens seen in
+the prompt or reply (multiplies, where negative), `frequency_penalty` (times the token's count
+so far in the reply) and `presence_penalty` (once it has appeared) are subtracted. Then greedy
+at temperature 0, else temperature, `min_p`, `top_k` and `top_p`, sampling from the request's
+own generator (seeded by its `seed`, else at random). Repetition, min-p and top-k are
+transformers' own logits processors, which compute what vLLM's do. `logprobs` are of the model's
+own distribution, before any of that (vLLM's default, `raw_logprobs`).
+
+A reply ends at an end-of-sequence token (unless `ignore_eos`) or at one of `stop_token_ids`.
 """
 
 from __future__ import annotations
 
 import secrets
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -20,24 +28,48 @@ import torch
 
 from omni_stage.engines import structured
 from omni_stage.engines.base import InvalidRequest
-from omni_stage.engines.structured import JsonConstraint, JsonGrammars, schema_of
+from omni_stage.engines.structured import JsonConstraint, JsonGrammars
 
 GREEDY_BELOW: Final = 1e-5
 """A temperature below this is greedy (as vLLM's sampler does): dividing logits by a tiny one
 overflows them to inf, and a softmax of infs is NaN."""
 
 _SAMPLING: Final = ("temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty")
+SAMPLER_EXTENSIONS: Final = frozenset(
+    {
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "min_tokens",
+        "ignore_eos",
+        "stop_token_ids",
+        "allowed_token_ids",
+        "bad_words",
+    }
+)
+"""vLLM's sampling extensions this sampler applies."""
+REPLY_EXTENSIONS: Final = frozenset(
+    {"include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"}
+)
+"""vLLM's fields for how a reply's tokens become its text (reply.py)."""
+PROMPT_EXTENSIONS: Final = frozenset(
+    {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+)
+"""vLLM's fields for how chat messages become the prompt (the chat template's own arguments)."""
 HONOURED: Final = frozenset(
     (
         *_SAMPLING,
         "logit_bias",
         "logprobs",
         "top_logprobs",
-        *(("response_format",) if structured.AVAILABLE else ()),
+        *SAMPLER_EXTENSIONS,
+        *REPLY_EXTENSIONS,
+        *PROMPT_EXTENSIONS,
+        *(("response_format", "structured_outputs") if structured.AVAILABLE else ()),
     )
 )
-"""What a step-loop engine with a tokenizer honours of a request (`Engine.honours`): JSON mode
-where xgrammar is installed."""
+"""What a step-loop engine with a tokenizer honours of a request (`Engine.honours`): grammars
+where xgrammar is installed. An engine that reads text prompts adds `truncate_prompt_tokens`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +83,8 @@ class Choice:
 
 
 class TokenSampler:
-    """One request's choices of next token, with what they depend on: its generator and the
-    counts of the tokens it has picked."""
+    """One request's choices of next token, with what they depend on: its generator, the tokens
+    of its prompt and the counts of the tokens it has picked."""
 
     def __init__(
         self,
@@ -60,9 +92,16 @@ class TokenSampler:
         vocab_size: int,
         grammars: JsonGrammars | None = None,
         schema: str | None = None,
+        *,
+        eos: frozenset[int] = frozenset(),
+        prompt: list[int] | None = None,
+        tokenizer: Any = None,
     ) -> None:
         """`schema`: the JSON schema the reply must follow (a tool choice's), if not the
-        request's `response_format`."""
+        request's own grammar. `eos`: the model's end-of-sequence tokens. `prompt`: its token
+        ids, which `repetition_penalty` counts as seen (an embeddings-only prompt: none).
+        `tokenizer`: what turns `bad_words` into tokens."""
+        self.vocab_size = vocab_size
         self.temperature = float(sampling.get("temperature", 0.0) or 0.0)
         self.top_p = float(sampling.get("top_p", 1.0) or 1.0)
         seed = sampling.get("seed")  # unseeded: a draw of its own, as vLLM samples it
@@ -74,43 +113,81 @@ class TokenSampler:
         self.logprobs: int | None = (
             int(sampling.get("top_logprobs") or 0) if sampling.get("logprobs") else None
         )
-        self.bias: dict[int, float] = {}
-        for key, value in (sampling.get("logit_bias") or {}).items():
-            token = int(key)
-            if not 0 <= token < vocab_size:
-                raise InvalidRequest(
-                    f"logit_bias: token {token} is not in the vocabulary (0 to {vocab_size - 1})"
-                )
-            self.bias[token] = float(value)
+        self.bias: dict[int, float] = {
+            self._token(int(k), "logit_bias"): float(v) for k, v in (sampling.get("logit_bias") or {}).items()
+        }
+        self.stop_ids = frozenset(
+            self._token(int(t), "stop_token_ids") for t in sampling.get("stop_token_ids") or []
+        )
+        self.ignore_eos = bool(sampling.get("ignore_eos"))
+        self.eos = eos
+        self.min_tokens = int(sampling.get("min_tokens") or 0)
+        self.allowed: torch.Tensor | None = None
+        if (allowed := sampling.get("allowed_token_ids")) is not None:
+            self.allowed = torch.tensor([self._token(int(t), "allowed_token_ids") for t in allowed])
+        self.bad_words = _bad_word_ids(tokenizer, sampling.get("bad_words") or [])
+        self.warpers = _warpers(sampling)
+        self.repetition = _repetition(sampling)
+        self.seen: list[int] = list(prompt or [])
+        self.reply: list[int] = []
         self.counts: Counter[int] = Counter()
         self.constraint: JsonConstraint | None = None
-        if response_format := sampling.get("response_format"):
-            schema = schema or schema_of(response_format)
-        if schema is not None:
+        if grammar := structured.grammar_of(sampling, schema):
             if grammars is None:
-                raise InvalidRequest("response_format: not honoured by this model's engine")
-            self.constraint = grammars.constraint(schema)
+                raise InvalidRequest(f"{grammar.field}: not honoured by this model's engine")
+            self.constraint = grammars.constraint(grammar)
+
+    def _token(self, token: int, field_name: str) -> int:
+        if not 0 <= token < self.vocab_size:
+            raise InvalidRequest(
+                f"{field_name}: token {token} is not in the vocabulary (0 to {self.vocab_size - 1})"
+            )
+        return token
+
+    def ends(self, token: int) -> bool:
+        """Whether the reply ends at this token: an end of sequence (unless `ignore_eos`), or
+        one of its `stop_token_ids`."""
+        return (token in self.eos and not self.ignore_eos) or token in self.stop_ids
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with what may not come next at -inf (a copy, where anything is)."""
+        banned: set[int] = set()
+        if len(self.reply) < self.min_tokens:
+            banned |= self.stop_ids | (self.eos if not self.ignore_eos else frozenset())
+        for word in self.bad_words:
+            if len(word) == 1 or self.reply[-(len(word) - 1) :] == word[:-1]:
+                banned.add(word[-1])
+        if self.allowed is None and not banned and self.constraint is None:
+            return logits
+        out = logits.clone()
+        if self.allowed is not None:
+            keep = out[self.allowed]
+            out.fill_(-torch.inf)
+            out[self.allowed] = keep
+        if banned:
+            out[list(banned)] = -torch.inf
+        if self.constraint is not None:
+            self.constraint.mask(out)
+        return out
 
     def pick(self, logits: torch.Tensor) -> Choice:
         """`logits` [vocab], float32: the model's scores for the next token."""
         logits = logits.float()
-        adjusted = logits
-        if (
-            self.constraint
-            or self.bias
-            or (self.counts and (self.frequency_penalty or self.presence_penalty))
-        ):
-            adjusted = logits.clone()
-            if self.constraint is not None:
-                self.constraint.mask(adjusted)
+        adjusted = self._masked(logits)
+        if self.bias or (self.counts and (self.frequency_penalty or self.presence_penalty)):
+            adjusted = adjusted.clone() if adjusted is logits else adjusted
             for token, bias in self.bias.items():
                 adjusted[token] += bias
             if self.counts:
                 ids = torch.tensor(list(self.counts))
                 n = torch.tensor(list(self.counts.values()), dtype=adjusted.dtype)
                 adjusted[ids] -= self.frequency_penalty * n + self.presence_penalty
-        token = _pick_token(adjusted, self.temperature, self.top_p, self.generator)
+        if self.repetition is not None and self.seen:
+            adjusted = self.repetition(torch.tensor([self.seen]), adjusted.unsqueeze(0))[0]
+        token = _pick_token(adjusted, self.temperature, self.top_p, self.generator, self.warpers)
         self.counts[token] += 1
+        self.seen.append(token)
+        self.reply.append(token)
         if self.constraint is not None:
             self.constraint.accept(token)
         if self.logprobs is None:
@@ -124,10 +201,59 @@ class TokenSampler:
         )
 
 
-def _pick_token(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+Warper = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _warpers(sampling: dict[str, Any]) -> list[Warper]:
+    """min-p, then top-k, on temperature-scaled logits (vLLM's order): transformers' own."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper
+
+    out: list[Warper] = []
+    min_p = float(sampling.get("min_p") or 0.0)
+    if not 0.0 <= min_p <= 1.0:
+        raise InvalidRequest(f"min_p: {min_p} is not between 0 and 1")
+    if min_p > 0.0:
+        out.append(MinPLogitsWarper(min_p))
+    top_k = int(sampling.get("top_k") or 0)
+    if top_k < -1:
+        raise InvalidRequest(f"top_k: {top_k} must be -1 or 0 (all tokens), or positive")
+    if top_k > 0:
+        out.append(TopKLogitsWarper(top_k))
+    return out
+
+
+def _repetition(sampling: dict[str, Any]) -> Warper | None:
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    penalty = float(sampling.get("repetition_penalty") or 1.0)
+    if penalty <= 0.0:
+        raise InvalidRequest(f"repetition_penalty: {penalty} must be above 0")
+    return None if penalty == 1.0 else RepetitionPenaltyLogitsProcessor(penalty)
+
+
+def _bad_word_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word's tokens, alone and after a space (as vLLM bans them: a word mid-sentence
+    is usually its spaced form)."""
+    if words and tokenizer is None:
+        raise InvalidRequest("bad_words: this model's engine has no tokenizer to read them with")
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
+def _pick_token(
+    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, warpers: list[Warper]
+) -> int:
     if temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
+    scaled = logits / temperature
+    for warp in warpers:
+        scaled = warp(torch.empty(1, 0, dtype=torch.long), scaled.unsqueeze(0))[0]
+    probs = torch.softmax(scaled, dim=-1)
     if top_p < 1.0:
         sorted_p, idx = torch.sort(probs, descending=True)
         keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p

@@ -1,15 +1,18 @@
-"""JSON mode for the step-loop engines: OpenAI's `response_format` through xgrammar, the grammar
-engine vLLM itself uses, compiled as vLLM's xgrammar backend compiles it (any whitespace), so
-a constrained reply is the same on every engine.
+"""Constrained decoding for the step-loop engines: OpenAI's `response_format` and vLLM's
+`structured_outputs` (a JSON schema, a regex, a choice of strings, an EBNF grammar) through
+xgrammar, the grammar engine vLLM itself uses, compiled as vLLM's xgrammar backend compiles
+them (JSON with any whitespace, a choice as a grammar of its alternatives), so a constrained
+reply is the same on every engine.
 
-xgrammar is the `structured` extra (vLLM's extras bring it too); without it an engine does not
-declare `response_format`, and the gateway refuses it.
+xgrammar is the `structured` extra (vLLM's extras bring it too); without it an engine declares
+neither field, and the gateway refuses them.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +20,37 @@ import torch
 from omni_stage.engines.base import InvalidRequest
 
 AVAILABLE = importlib.util.find_spec("xgrammar") is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """What a reply must match: `kind` json (a schema), regex, choice or grammar (EBNF), and
+    the request field that asked for it (named in a refusal)."""
+
+    field: str
+    kind: str
+    source: str | list[str]
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+"""The keys of `structured_outputs`, as the gateway passes it on (exactly one set)."""
+
+
+def grammar_of(sampling: dict[str, Any], schema: str | None = None) -> Grammar | None:
+    """The grammar a request's sampling asks for: `schema` (a tool choice's) first, then its
+    `response_format`, then its `structured_outputs`; None if none."""
+    if schema is not None:
+        return Grammar("tool_choice", "json", schema)
+    if response_format := sampling.get("response_format"):
+        return Grammar("response_format", "json", schema_of(response_format))
+    if structured := sampling.get("structured_outputs"):
+        (kind, source), *_ = structured.items()
+        if kind == "json_object":
+            return Grammar("structured_outputs", "json", '{"type": "object"}')
+        if kind == "json" and not isinstance(source, str):
+            source = json.dumps(source)
+        return Grammar("structured_outputs", kind, source)
+    return None
 
 
 def schema_of(response_format: dict[str, Any]) -> str:
@@ -39,15 +73,24 @@ class JsonGrammars:
         self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
         self.vocab_size = vocab_size
 
-    def constraint(self, schema: str) -> JsonConstraint:
+    def constraint(self, grammar: Grammar) -> JsonConstraint:
         import xgrammar as xgr
 
         try:
-            grammar = self.compiler.compile_json_schema(schema, any_whitespace=True)
+            if grammar.kind == "json":
+                compiled = self.compiler.compile_json_schema(grammar.source, any_whitespace=True)
+            elif grammar.kind == "regex":
+                compiled = self.compiler.compile_regex(str(grammar.source))
+            elif grammar.kind == "choice":
+                alternatives = " | ".join(json.dumps(str(c)) for c in grammar.source)
+                compiled = self.compiler.compile_grammar(f"root ::= {alternatives}")
+            else:
+                compiled = self.compiler.compile_grammar(str(grammar.source))
         except (RuntimeError, ValueError) as exc:  # "[time] file.cc:line: what is wrong"
             why = str(exc).rsplit(": ", 1)[-1].strip()
-            raise InvalidRequest(f"response_format: the schema cannot be used: {why}") from None
-        return JsonConstraint(xgr.GrammarMatcher(grammar), self.vocab_size)
+            what = "schema" if grammar.kind == "json" else grammar.kind
+            raise InvalidRequest(f"{grammar.field}: the {what} cannot be used: {why}") from None
+        return JsonConstraint(xgr.GrammarMatcher(compiled), self.vocab_size)
 
 
 class JsonConstraint:

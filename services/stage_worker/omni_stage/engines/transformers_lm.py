@@ -81,7 +81,7 @@ class TransformersEngine(ComputeEngine):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.tool_parser: str | None = self.args.get("toolCallParser")
-        self.honours = engine_honours(HONOURED)
+        self.honours = engine_honours(HONOURED | {"truncate_prompt_tokens"})
         self.dtype = _DTYPES[self.args.get("dtype", "float32")]
         self.return_hidden = bool(self.args.get("returnHiddenStates", False))
         self.tokens_per_input_unit = float(self.args.get("tokensPerInputUnit", 1.0))
@@ -126,6 +126,11 @@ class TransformersEngine(ComputeEngine):
         if self.tokenizer is not None and "response_format" in self.honours:
             self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
 
+    def prompt_tokenizer(self) -> tuple[Any, int] | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer, int(self.model.config.max_position_embeddings)
+
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         if self.encode:
             yield await self._encode(call)
@@ -134,6 +139,7 @@ class TransformersEngine(ComputeEngine):
         # On the compute thread: tokenizing a long prompt must not stall the event loop (and
         # with it the replica's heartbeats).
         ids, embeds, n_units = await self._run(self._inputs, call)
+        prompt = ids[0].tolist() if ids is not None and st.sampler is None else None
         max_tokens = call.sampling.get("max_tokens")
         if "request" in call.inputs:
             budget = int(max_tokens or 64)
@@ -150,7 +156,15 @@ class TransformersEngine(ComputeEngine):
             st.tools = await asyncio.to_thread(self._tool_plan, call.sampling)
             schema = st.tools.schema if st.tools else None
             st.sampler = await asyncio.to_thread(
-                TokenSampler, call.sampling, self.vocab_size, self.grammars, schema
+                lambda: TokenSampler(
+                    call.sampling,
+                    self.vocab_size,
+                    self.grammars,
+                    schema,
+                    eos=frozenset() if self.ignore_eos else frozenset(self.eos),
+                    prompt=prompt,
+                    tokenizer=self.tokenizer,
+                )
             )
             st.reply = ReplyText.for_request(self.tokenizer, call.sampling) if self.tokenizer else None
         feed_ids, feed_embeds = self._with_pending(st, ids, embeds)
@@ -162,15 +176,17 @@ class TransformersEngine(ComputeEngine):
             tok = choice.token
             feed_ids, feed_embeds = torch.tensor([[tok]], device=self.device), None
             st.pending = tok  # sampled, not yet fed: the next step (or call) feeds it
-            eos = tok in self.eos and not self.ignore_eos
+            ended = sampler.ends(tok)
             delta, stopped = (
-                ("", False) if reply is None else reply.add(None if eos else tok, eos or i == budget - 1)
+                ("", False)
+                if reply is None
+                else reply.add(None if ended and not reply.include_stop else tok, ended or i == budget - 1)
             )
-            done = eos or stopped
+            done = ended or stopped
             data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
             if self.return_hidden:
                 data["hidden_states"] = hidden
-            logprobs = token_logprobs(self.tokenizer, choice) if reply is not None and not eos else []
+            logprobs = token_logprobs(self.tokenizer, choice) if reply is not None and not ended else []
             out = EngineOutput(
                 units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
             )
@@ -221,7 +237,7 @@ class TransformersEngine(ComputeEngine):
         if st_req := call.inputs.get("request"):
             if self.tokenizer is None:
                 raise EngineError(f"stage '{self.stage.name}' has no tokenizer to read a request")
-            ids = prompt_token_ids(self.tokenizer, st_req)
+            ids = prompt_token_ids(self.tokenizer, st_req, call.sampling)
             return torch.tensor([ids], device=self.device), None, len(ids)
         embeds = [p["inputs_embeds"] for p in call.inputs.values() if "inputs_embeds" in p]
         if embeds:

@@ -35,8 +35,8 @@ from omni_pipeline.control import TokenLogprob
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.prompts import prompt_token_ids
-from omni_stage.engines.sampling import HONOURED
-from omni_stage.engines.structured import schema_of
+from omni_stage.engines.sampling import HONOURED, REPLY_EXTENSIONS, SAMPLER_EXTENSIONS
+from omni_stage.engines.structured import grammar_of
 from omni_stage.engines.tools import ToolPlan, engine_honours
 from omni_stage.segments import EngineOutput
 
@@ -44,13 +44,13 @@ _SAMPLING_KEYS = (
     "max_tokens",
     "temperature",
     "top_p",
-    "top_k",
     "seed",
     "stop",
-    "repetition_penalty",
     "frequency_penalty",
     "presence_penalty",
+    *sorted(SAMPLER_EXTENSIONS | REPLY_EXTENSIONS),
 )
+"""The request's fields that are vLLM's SamplingParams' own, under the same names."""
 
 
 @dataclass(slots=True)
@@ -68,7 +68,7 @@ class VllmEngine(Engine):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.tool_parser: str | None = self.args.get("toolCallParser")
-        self.honours = engine_honours(HONOURED)
+        self.honours = engine_honours(HONOURED | {"truncate_prompt_tokens"})
         self.llm: Any = None
         self.tokenizer: Any = None
         self._ids = itertools.count()
@@ -100,6 +100,9 @@ class VllmEngine(Engine):
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.stage.engine.model)
 
+    def prompt_tokenizer(self) -> tuple[Any, int] | None:
+        return self.tokenizer, int(self.llm.model_config.max_model_len)
+
     def _engine_args(self, platform: Any) -> dict[str, Any]:
         """vLLM's engine arguments: `engine.args` less ours."""
         return {k: v for k, v in self.args.items() if k not in self.own_args}
@@ -125,7 +128,7 @@ class VllmEngine(Engine):
 
     def _prompt(self, call: EngineCall) -> tuple[dict[str, Any], int]:
         if (req := call.inputs.get("request")) is not None:
-            ids = prompt_token_ids(self.tokenizer, req)
+            ids = prompt_token_ids(self.tokenizer, req, call.sampling)
             return {"prompt_token_ids": ids}, len(ids)
         st = call.kept(_Fed)
         embeds = [p["inputs_embeds"] for p in call.inputs.values() if "inputs_embeds" in p]
@@ -150,10 +153,8 @@ class VllmEngine(Engine):
             params["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
         if call.sampling.get("logprobs"):
             params["logprobs"] = int(call.sampling.get("top_logprobs") or 0)
-        if tools is not None and tools.schema is not None:
-            params["structured_outputs"] = StructuredOutputsParams(json=tools.schema)
-        elif response_format := call.sampling.get("response_format"):
-            params["structured_outputs"] = StructuredOutputsParams(json=schema_of(response_format))
+        if grammar := grammar_of(call.sampling, tools.schema if tools is not None else None):
+            params["structured_outputs"] = StructuredOutputsParams(**{grammar.kind: grammar.source})
         try:
             return SamplingParams(output_kind=RequestOutputKind.DELTA, **params)
         except (TypeError, ValueError) as exc:

@@ -101,13 +101,13 @@ class VllmThinker(VllmEngine):
         self.accepts = self.prompts.accepts
         self.embeds = (await asyncio.to_thread(thinker_embedding_table, self.stage.name, path)).float()
 
-    def _vllm_prompt(self, request: dict[str, Any]) -> dict[str, Any]:
+    def _vllm_prompt(self, request: dict[str, Any], sampling: dict[str, Any]) -> dict[str, Any]:
         """The chat template's text and the media, for vLLM's own processor of this model."""
         assert self.prompts is not None
         if "messages" not in request:  # a bare prompt (speech's input), as the transformers thinker
             ids = self.tokenizer(str(request.get("prompt", "")), add_special_tokens=False)["input_ids"]
             return {"prompt_token_ids": ids}
-        chat = self.prompts.read(request)
+        chat = self.prompts.read(request, sampling=sampling)
         media: dict[str, Any] = {}
         if chat.audios:
             rate = int(self.prompts.features.sampling_rate)
@@ -138,7 +138,7 @@ class VllmThinker(VllmEngine):
         request = call.inputs.get("request")
         if request is None:
             raise EngineError(f"stage '{self.stage.name}': the thinker reads the client request")
-        prompt = await asyncio.to_thread(self._vllm_prompt, request)
+        prompt = await asyncio.to_thread(self._vllm_prompt, request, call.sampling)
         vllm_id = f"{call.request_id}-{next(self._ids)}"
         top = int(call.sampling.get("top_logprobs") or 0)
         self.hidden.expect(vllm_id)

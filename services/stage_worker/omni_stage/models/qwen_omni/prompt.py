@@ -37,6 +37,7 @@ import soxr
 import torch
 
 from omni_stage.engines.base import EngineError, InvalidRequest
+from omni_stage.engines.prompts import chat_template_args
 
 
 @dataclass(frozen=True)
@@ -173,10 +174,13 @@ class Prompts:
         """The content part kinds this prompt reads."""
         return frozenset({"text", "image", "audio"} | ({"video"} if self.videos is not None else set()))
 
-    def read(self, request: dict[str, Any], decode: bool = True) -> Chat:
+    def read(
+        self, request: dict[str, Any], decode: bool = True, sampling: dict[str, Any] | None = None
+    ) -> Chat:
         """The chat template's text (placeholders not yet expanded) and the media, in order:
         audio at the feature extractor's rate, images, videos and the rates of their frames.
-        `decode=False`: the text only, with no media (an encoder stage has read them)."""
+        `decode=False`: the text only, with no media (an encoder stage has read them).
+        `sampling`: the request's, for the chat template's arguments (prompts.chat_template_args)."""
         media: dict[str, torch.Tensor] = request.get("media") or {}
 
         def data(part: dict[str, Any]) -> torch.Tensor:
@@ -214,15 +218,25 @@ class Prompts:
                         raise InvalidRequest(f"this model cannot read the '{kind}' part")
                 content = parts
             chat.append({"role": str(m.get("role", "user")), "content": content or ""})
-        out.text = self.tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+        try:
+            out.text = self.tokenizer.apply_chat_template(
+                chat, tokenize=False, **chat_template_args(sampling or {})
+            )
+        except ValueError as exc:  # continue_final_message without a final message to continue
+            raise InvalidRequest(f"the chat template cannot apply: {exc}") from None
         return out
 
-    def build(self, request: dict[str, Any], embeds: MediaEmbeds | None = None) -> Prompt:
+    def build(
+        self,
+        request: dict[str, Any],
+        embeds: MediaEmbeds | None = None,
+        sampling: dict[str, Any] | None = None,
+    ) -> Prompt:
         """The prompt, with the media's features for the thinker's encoders, or with `embeds`,
         their outputs from an encoder stage, in their place."""
         if "messages" not in request:
             return Prompt(self._ids(str(request.get("prompt", ""))))
-        chat = self.read(request, decode=embeds is None)
+        chat = self.read(request, decode=embeds is None, sampling=sampling)
         if embeds is None:
             inputs = self.process(chat)
             layout, features = inputs.layout, inputs.features

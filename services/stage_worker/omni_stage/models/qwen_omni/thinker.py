@@ -68,6 +68,9 @@ class Thinker(Part):
         if "response_format" in self.honours:
             self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
 
+    def prompt_tokenizer(self) -> tuple[Any, int] | None:
+        return self.tokenizer, int(self.config.thinker_config.text_config.max_position_embeddings)
+
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         request = call.inputs.get("request")
         if request is None:
@@ -75,7 +78,7 @@ class Thinker(Part):
         assert self.prompts is not None
         # An encoder stage's outputs, where one ran on this request's media.
         embeds = next((e for p in call.inputs.values() if (e := MediaEmbeds.from_payload(p))), None)
-        prompt = await self._run(self.prompts.build, request, embeds)
+        prompt = await self._run(self.prompts.build, request, embeds, call.sampling)
         ids = prompt.ids
         st = call.kept(_Cache)
         call.state.prompt_tokens = int(ids.shape[1])
@@ -84,7 +87,16 @@ class Thinker(Part):
             int(ids.shape[1]), budget, self.config.thinker_config.text_config.max_position_embeddings
         )
         # Off the compute thread, whose forwards other requests wait for (a grammar compiles).
-        sampler = await asyncio.to_thread(TokenSampler, call.sampling, self.vocab_size, self.grammars)
+        sampler = await asyncio.to_thread(
+            lambda: TokenSampler(
+                call.sampling,
+                self.vocab_size,
+                self.grammars,
+                eos=frozenset(self.eos),
+                prompt=ids[0].tolist(),
+                tokenizer=self.tokenizer,
+            )
+        )
         text = ReplyText.for_request(self.tokenizer, call.sampling)
         feed = ids
         for s in range(budget):
@@ -100,10 +112,12 @@ class Thinker(Part):
                 data |= {"reply_embeds": embeds[0]}
                 if self.sends_reply_hidden:
                     data["reply_hidden"] = hidden[0]
-            eos = tok in self.eos
-            delta, stopped = text.add(None if eos else tok, last=eos or s == budget - 1)
-            done = eos or stopped
-            logprobs = [] if eos else token_logprobs(self.tokenizer, choice)
+            ended = sampler.ends(tok)
+            delta, stopped = text.add(
+                None if ended and not text.include_stop else tok, last=ended or s == budget - 1
+            )
+            done = ended or stopped
+            logprobs = [] if ended else token_logprobs(self.tokenizer, choice)
             yield EngineOutput(
                 units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
             )
