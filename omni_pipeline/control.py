@@ -101,6 +101,12 @@ class Subjects:
             raise ControlError(f"stage {stage!r} / replica {replica!r} cannot be NATS subject tokens")
         return f"{self.base}.{stage}.{replica}.in"
 
+    def tokenize(self, stage: str) -> str:
+        """Where a stage's replicas answer /tokenize and /detokenize (one of them, as a queue group)."""
+        if not _TOKEN.match(stage):
+            raise ControlError(f"stage {stage!r} cannot be a NATS subject token")
+        return f"{self.base}.{stage}.tokenize"
+
     def gateway_inbox(self, gateway_id: str) -> str:
         if not _TOKEN.match(gateway_id):
             raise ControlError(f"gateway id {gateway_id!r} cannot be a NATS subject token")
@@ -166,6 +172,9 @@ class StageRequest(msgspec.Struct, tag="request", frozen=True, omit_defaults=Tru
     inputs: RequestInputs | None
     sampling: dict[str, Any]
     payload: ConnectorHandle | None = None
+    own: dict[str, Any] = {}
+    """This stage's own sampling (vLLM-Omni's `sampling_params_list`), taken whole, over
+    `sampling`, whether or not the stage is a source."""
 
 
 class Admitted(msgspec.Struct, tag="admitted", frozen=True):
@@ -349,7 +358,36 @@ class SleepAck(msgspec.Struct, tag="sleep_ack", frozen=True):
     message: str = ""
 
 
+class TokenizeMsg(msgspec.Struct, tag="tokenize", frozen=True, omit_defaults=True):
+    """POST /tokenize, asked of a source stage (by request/reply): the prompt or messages as its
+    engine would read them, with vLLM's options (add_special_tokens, add_generation_prompt,
+    continue_final_message, chat_template_kwargs)."""
+
+    inputs: RequestInputs
+    options: dict[str, Any] = {}
+
+
+class DetokenizeMsg(msgspec.Struct, tag="detokenize", frozen=True):
+    """POST /detokenize, asked of a source stage: token ids back to text."""
+
+    tokens: list[int]
+
+
+class TokenizeReply(msgspec.Struct, tag="tokenized", frozen=True, omit_defaults=True):
+    """A stage's answer to either: the ids (and their texts), or the text; or why not
+    (`code`: INVALID_REQUEST is the client's error)."""
+
+    ok: bool
+    tokens: list[int] = []
+    token_strs: list[str] = []
+    prompt: str = ""
+    max_model_len: int = 0
+    code: str = ""
+    message: str = ""
+
+
 ControlInbound = SleepMsg | WakeMsg
+TokenizeInbound = TokenizeMsg | DetokenizeMsg
 StageInbound = StageRequest | SegmentMsg | CreditMsg
 GatewayInbound = FinalMsg | ErrorMsg | StageDone
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
@@ -22,7 +22,7 @@ from opentelemetry.trace import StatusCode
 
 from omni_gateway.bus import ERRORS, Bus
 from omni_gateway.errors import BadRequest, OmniError, PayloadTooLarge, StageFailed, Timeout
-from omni_gateway.events import AudioChunk, Event, Finished, ImageProgress, TextDelta
+from omni_gateway.events import AudioChunk, Event, Finished, ImageProgress, StageFigures, TextDelta
 from omni_gateway.inflight import Tracked
 from omni_gateway.replicas import Replica
 from omni_pipeline import wire
@@ -55,6 +55,8 @@ class Prepared:
     outputs: frozenset[OutputKind]
     media: dict[str, torch.Tensor]
     """Decoded media, by the keys the messages refer to them with."""
+    per_stage: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Sampling the client asked of one stage alone, by stage (StageRequest.own)."""
 
 
 class Attempts:
@@ -104,8 +106,14 @@ class Attempts:
             try:
                 # Downstream replicas first: each holds a slot before any source starts producing
                 # for it, so a refusal (draining, full, gone) comes before any output.
-                reservation = pack(StageRequest(ctx, None, req.sampling))
-                await self.bus.reserve(t, {s: reservation for s in needed if s not in self.sources})
+                await self.bus.reserve(
+                    t,
+                    {
+                        s: pack(StageRequest(ctx, None, req.sampling, own=req.per_stage.get(s, {})))
+                        for s in needed
+                        if s not in self.sources
+                    },
+                )
                 sources = [s for s in needed if s in self.sources]
                 await self.bus.reserve(t, {s: await self._for_source(s, ctx, req) for s in sources})
                 async with asyncio.timeout(remaining):
@@ -139,7 +147,7 @@ class Attempts:
             raise BadRequest(f"the request cannot be sent on: {exc}") from None
         except ConnectorError as exc:
             raise StageFailed(f"gateway -> stage '{stage}': {exc}", code=ErrorCode.CONNECTOR_ERROR) from None
-        request = pack(StageRequest(ctx, None, req.sampling, handle))
+        request = pack(StageRequest(ctx, None, req.sampling, handle, own=req.per_stage.get(stage, {})))
         nc = self.bus.nc
         if nc is not None and len(request) > nc.max_payload:
             raise PayloadTooLarge(
@@ -179,7 +187,22 @@ class Attempts:
                         usage.update(m.usage or {})
                         finish = m.finish_reason or finish
         usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
-        yield Finished(finish, usage, *self._media_usage(t))
+        yield Finished(finish, usage, *self._media_usage(t), stages=self._stage_figures(t))
+
+    def _stage_figures(self, t: Tracked) -> dict[str, StageFigures]:
+        order = [s.name for s in self.spec.stages]
+        ms = lambda at: round((at - t.started) * 1000, 3)  # noqa: E731
+        return {
+            s: StageFigures(
+                order.index(s),
+                str(out.value) if (out := self.spec.stage(s).final_output) is not None else None,
+                t.stage_usage.get(s, {}).get("prompt_tokens", 0),
+                t.stage_usage.get(s, {}).get("completion_tokens", 0),
+                ms(t.first_output[s]) if s in t.first_output else None,
+                ms(at),
+            )
+            for s, at in sorted(t.done.items(), key=lambda kv: order.index(kv[0]))
+        }
 
     def _media_usage(self, t: Tracked) -> tuple[int, int]:
         """(prompt tokens read on the route, units fed to its audio and image stages). Every

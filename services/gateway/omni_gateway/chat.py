@@ -10,10 +10,10 @@ from typing import Any
 
 import numpy as np
 
-from omni_gateway.audio import to_pcm16, wav_bytes, wav_stream_header
+from omni_gateway.audio import to_pcm16, wav_bytes
 from omni_gateway.errors import OmniError, error_from
 from omni_gateway.events import AudioChunk, Event, Finished, OfChoice, TextDelta
-from omni_gateway.protocol.chat import ChatCompletionRequest
+from omni_gateway.protocol.chat import ChatCompletionRequest, TextPart
 from omni_pipeline.control import TokenLogprob, ToolCall
 
 AUDIO_TTL_S = 3600
@@ -52,11 +52,51 @@ def index_of(ev: Event | OfChoice) -> tuple[int, Event]:
     return (ev.index, ev.event) if isinstance(ev, OfChoice) else (0, ev)
 
 
+def response_id(req: ChatCompletionRequest, rid: str) -> str:
+    """The response's id: vLLM's `request_id` where the client set one."""
+    return f"chatcmpl-{req.request_id or rid}"
+
+
+def echoed(req: ChatCompletionRequest) -> str:
+    """What vLLM's `echo` puts before the reply: the last message's text, where that message
+    is in the reply's own role (the assistant's, unless `add_generation_prompt` is false: then
+    the last message's, whose turn the reply goes on)."""
+    last = req.messages[-1]
+    role = "assistant" if req.add_generation_prompt else last.role
+    if not req.echo or last.role != role:
+        return ""
+    if isinstance(last.content, list):
+        return "".join(p.text for p in last.content if isinstance(p, TextPart))
+    return last.content or ""
+
+
+def stage_metrics(req: ChatCompletionRequest, finished: Finished) -> dict[str, Any] | None:
+    """vLLM-Omni's `metrics` (with `return_stage_metrics`): per stage, by its index in the
+    pipeline, what it read and made and when its output reached the gateway."""
+    if not req.return_stage_metrics:
+        return None
+    return {
+        "stage_metrics": {
+            str(f.index): {
+                "stage_id": f.index,
+                "stage": name,
+                "final_output_type": f.final_output,
+                "finish_reason": finished.finish_reason if f.final_output == "text" else None,
+                "num_tokens_in": f.units_in,
+                "num_tokens_out": f.units_out,
+                "stage_gen_time_ms": f.done_ms,
+                "serving_time_to_first_output_ms": f.first_output_ms or 0.0,
+            }
+            for name, f in finished.stages.items()
+        }
+    }
+
+
 def completion_body(
     req: ChatCompletionRequest, rid: str, created: int, results: list[ChatResult]
 ) -> dict[str, Any]:
-    return {
-        "id": f"chatcmpl-{rid}",
+    body = {
+        "id": response_id(req, rid),
         "object": "chat.completion",
         "created": created,
         "model": req.model,
@@ -71,10 +111,13 @@ def completion_body(
         ],
         "usage": _usage([r.finished.usage for r in results]),
     }
+    if (metrics := stage_metrics(req, results[0].finished)) is not None:
+        body["metrics"] = metrics
+    return body
 
 
 def _message(req: ChatCompletionRequest, rid: str, created: int, r: ChatResult) -> dict[str, Any]:
-    text = "".join(r.text)
+    text = echoed(req) + "".join(r.text)
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
     if r.tool_calls:
         message["content"] = text or None
@@ -145,15 +188,17 @@ async def sse_chunks(
 
     Every chunk also says its `modality` (`text` or `audio`), as vLLM-Omni's do. Audio comes in
     one of two shapes. A request that names `audio` (OpenAI's clients must) gets OpenAI's:
-    `delta.audio` with PCM16, where for format `wav` each reply's first delta starts with a
-    streaming WAV header, so its concatenated chunks form a playable file. One that asks for
-    audio without naming `audio` (vLLM-Omni's clients) gets vLLM-Omni's: each chunk a whole
-    WAV file, base64 in `delta.content`. With `stream_options.continuous_usage_stats` (and
-    `include_usage`, as in vLLM) every chunk carries its reply's usage so far. A failure
-    mid-stream becomes an error event; `[DONE]` always ends the stream.
+    `delta.audio`, with raw PCM16 for format `pcm16` (the chunks concatenate into one stream)
+    and for `wav` a whole WAV file per chunk (each decodes on its own, as vLLM-Omni streams
+    them and as its clients read them). One that asks for audio without naming `audio`
+    (vLLM-Omni's clients) gets vLLM-Omni's: a whole WAV file per chunk, base64 in
+    `delta.content`. With `stream_options.continuous_usage_stats` (and `include_usage`, as in
+    vLLM) every chunk carries its reply's usage so far; with `return_stage_metrics` each
+    reply's finish chunk carries vLLM-Omni's `metrics`. vLLM's `echo` comes first, as a text
+    delta. A failure mid-stream becomes an error event; `[DONE]` always ends the stream.
     """
     base = {
-        "id": f"chatcmpl-{rid}",
+        "id": response_id(req, rid),
         "object": "chat.completion.chunk",
         "created": created,
         "model": req.model,
@@ -164,18 +209,25 @@ async def sse_chunks(
     modality = ["text"] * req.n
 
     def chunk(
-        index: int, delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None = None,
+        logprobs: dict[str, Any] | None = None,
+        metrics: dict[str, Any] | None = None,
     ) -> str:
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         body = {**base, "choices": [choice], "modality": modality[index]}
-        return _sse(body | {"usage": so_far[index]} if continuous else body)
+        body |= {"usage": so_far[index]} if continuous else {}
+        return _sse(body | {"metrics": metrics} if metrics is not None else body)
 
-    whole_wav_chunks = req.audio is None
-    header_sent = [req.audio is None or req.audio.format != "wav"] * req.n
+    wav_chunks = req.audio is None or req.audio.format == "wav"
     usage: list[dict[str, int]] = []
     calls: list[dict[str, int]] = [{} for _ in range(req.n)]
+    echo = echoed(req)
     for i in range(req.n):
         yield chunk(i, {"role": "assistant", "content": ""})
+        if echo:
+            yield chunk(i, {"content": echo})
     try:
         item: Event | OfChoice | None = first
         while item is not None:
@@ -191,15 +243,15 @@ async def sse_chunks(
             elif isinstance(ev, AudioChunk):
                 modality[i] = "audio"
                 data = to_pcm16(ev.samples)
-                if whole_wav_chunks:
-                    yield chunk(i, {"content": base64.b64encode(wav_bytes(data, ev.sample_rate)).decode()})
+                if wav_chunks:
+                    data = wav_bytes(data, ev.sample_rate)
+                if req.audio is None:
+                    yield chunk(i, {"content": base64.b64encode(data).decode()})
                 else:
-                    if not header_sent[i]:
-                        data, header_sent[i] = wav_stream_header(ev.sample_rate) + data, True
                     yield chunk(i, {"audio": _audio_delta(rid, i, req.n, created, data)})
             elif isinstance(ev, Finished):
                 so_far[i] = ev.usage
-                yield chunk(i, {}, ev.finish_reason)
+                yield chunk(i, {}, ev.finish_reason, metrics=stage_metrics(req, ev))
                 usage.append(ev.usage)
                 if len(usage) == req.n and options and options.include_usage:
                     total = {**base, "choices": [], "modality": "text", "usage": _usage(usage)}

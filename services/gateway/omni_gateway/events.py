@@ -39,6 +39,21 @@ class ImageProgress:
 
 
 @dataclass(frozen=True, slots=True)
+class StageFigures:
+    """One stage's part in a request, as the gateway saw it: what it read and made (its units:
+    tokens, codes, samples), and when, from the attempt's start, its first output reached the
+    gateway (final stages) and its last message did."""
+
+    index: int
+    """Its place in the pipeline's stages."""
+    final_output: str | None
+    units_in: int
+    units_out: int
+    first_output_ms: float | None
+    done_ms: float
+
+
+@dataclass(frozen=True, slots=True)
 class Finished:
     finish_reason: str
     usage: dict[str, int]
@@ -48,6 +63,8 @@ class Finished:
     fed_units: int = 0
     """What the stages feeding the final audio or image stages made for them (a talker's codec
     codes): a speech response's output tokens."""
+    stages: dict[str, StageFigures] = field(default_factory=dict)
+    """Each stage on the route, by name (vLLM-Omni's `return_stage_metrics`)."""
 
 
 Event = TextDelta | AudioChunk | ImageProgress | Finished

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final
@@ -43,6 +44,11 @@ class Tracked:
     """The attempt's span, as the parent of what is done for it."""
     stage_usage: dict[str, dict[str, int]] = field(default_factory=dict)
     """Per stage on the route, from its last message: what it read and made."""
+    started: float = field(default_factory=time.monotonic)
+    first_output: dict[str, float] = field(default_factory=dict)
+    """Per final stage: when its first output came (monotonic)."""
+    done: dict[str, float] = field(default_factory=dict)
+    """Per stage on the route: when its last message came (monotonic)."""
 
 
 class Inflight:
@@ -93,8 +99,11 @@ class Inflight:
         """A message on the gateway's inbox, for the attempt it names."""
         t = self.attempts.get(m.request_id)
         part_done = isinstance(m, StageDone) or (isinstance(m, FinalMsg) and m.is_last)
+        if t is not None and isinstance(m, FinalMsg):
+            t.first_output.setdefault(m.stage, time.monotonic())
         if t is not None and part_done and (done := t.route.pop(m.stage, None)) is not None:
             self.table.release(m.stage, done[1])  # and its loss no longer matters to the request
+            t.done[m.stage] = time.monotonic()
             if m.usage:
                 t.stage_usage[m.stage] = dict(m.usage)
         if isinstance(m, StageDone):

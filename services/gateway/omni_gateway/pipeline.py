@@ -18,24 +18,37 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 import msgspec
+import nats.errors
 
 from omni_gateway.attempt import Attempts, Prepared
 from omni_gateway.bus import RETRY_AFTER, Bus
-from omni_gateway.errors import BadRequest, ModelNotFound, OmniError, Overloaded
+from omni_gateway.errors import BadRequest, ModelNotFound, OmniError, Overloaded, StageFailed, Unavailable
 from omni_gateway.events import Event, OfChoice
 from omni_gateway.inflight import EVENT_QUEUE
 from omni_gateway.media import decode_media
 from omni_gateway.replay import Delivered, Diverged
 from omni_pipeline.connectors import build_connectors
 from omni_pipeline.connectors.offload import OffLoop
-from omni_pipeline.control import ErrorCode, RequestInputs, Subjects
+from omni_pipeline.control import (
+    DetokenizeMsg,
+    ErrorCode,
+    RequestInputs,
+    Subjects,
+    TokenizeMsg,
+    TokenizeReply,
+    pack,
+    unpack,
+)
 from omni_pipeline.spec import OutputKind, PipelineFile
 
 log = logging.getLogger("omni.gateway")
+
+TOKENIZE_TIMEOUT_S: Final = 10.0
+"""How long /tokenize waits for a stage (a long prompt through a chat template)."""
 
 MIGRATABLE: Final = frozenset(
     {
@@ -67,6 +80,9 @@ class PipelineRequest:
     declared: frozenset[str] | None = None
     """The sampling parameters every source stage takes; any other must be one the source stages
     declare they honour. None: the endpoint's parameters are for stages downstream to take."""
+    per_stage: dict[str, dict[str, object]] = field(default_factory=dict)
+    """Sampling asked of one stage alone (vLLM-Omni's `sampling_params_list`), by stage: each
+    field one the stage declares it honours."""
 
 
 class Pipeline:
@@ -102,6 +118,7 @@ class Pipeline:
             raise BadRequest(f"{param}: {asked} is more than this model's limit of {limit}", param=param)
         if req.declared is not None:
             self._refuse_unhonoured(req.outputs, req.sampling.keys(), req.declared)
+        self._refuse_unhonoured_per_stage(req.outputs, req.per_stage)
         if OutputKind.AUDIO in req.outputs and req.voice_param is not None:
             self._refuse_unknown_voice(req.sampling.get("voice"), req.voice_param)  # type: ignore[arg-type]
         inputs, media = req.inputs, {}
@@ -109,7 +126,7 @@ class Pipeline:
             accepts = self._sources_declare(req.outputs, "accepts")
             messages, decoded = await decode_media(inputs.messages, self.spec.gateway.media, accepts)
             inputs, media = msgspec.structs.replace(inputs, messages=messages), decoded.tensors
-        return Prepared(inputs, dict(req.sampling), req.outputs, media)
+        return Prepared(inputs, dict(req.sampling), req.outputs, media, dict(req.per_stage))
 
     def _check_model(self, model: str | None, wanted: frozenset[OutputKind], param: str) -> None:
         """404 for another model's name; 400 for an output this pipeline does not make."""
@@ -133,7 +150,42 @@ class Pipeline:
         if honoured is None:
             return
         for name in sorted(set(params) - always - honoured):
-            raise BadRequest(f"{name}: not honoured by this model's engine; leave it out", param=name)
+            stages = [
+                s
+                for s in self.spec.needed_stages(set(outputs))
+                if s in self.attempts.sources
+                and name not in (self.bus.table.declared(s, "honours") or {name})
+            ]
+            where = f"stage {', '.join(repr(s) for s in stages)}" if stages else "this model's engine"
+            raise BadRequest(
+                f"{name}: not honoured by {where} ({self._engine_kinds(stages)}); leave it out", param=name
+            )
+
+    def _engine_kinds(self, stages: list[str]) -> str:
+        return ", ".join(sorted({self.spec.stage(s).engine.kind for s in stages})) or "its engine"
+
+    def _refuse_unhonoured_per_stage(
+        self, outputs: frozenset[OutputKind], per_stage: dict[str, dict[str, object]]
+    ) -> None:
+        """A 400 for sampling asked of a stage this request does not run, or that the stage
+        does not declare it honours (max_tokens every stage takes)."""
+        order = [s.name for s in self.spec.stages]
+        needed = self.spec.needed_stages(set(outputs))
+        for stage, params in per_stage.items():
+            param = f"sampling_params_list[{order.index(stage)}]"
+            if stage not in needed:
+                raise BadRequest(
+                    f"{param}: stage '{stage}' does not run for this request's outputs", param=param
+                )
+            honoured = self.bus.table.declared(stage, "honours")
+            if honoured is None:
+                continue
+            for name in sorted(set(params) - {"max_tokens", "top_logprobs"} - honoured):
+                engine = self._engine_kinds([stage])
+                raise BadRequest(
+                    f"{param}.{name}: not honoured by stage '{stage}' ({engine}); leave it out",
+                    param=f"{param}.{name}",
+                )
 
     def _refuse_unknown_voice(self, voice: str | None, param: str) -> None:
         """A 400 listing the voices, for a voice this pipeline does not speak in; none while
@@ -176,6 +228,37 @@ class Pipeline:
                 return None
             declared = own if declared is None else declared & own
         return declared
+
+    # --- tokens ------------------------------------------------------------------------------
+
+    async def tokenize(self, msg: TokenizeMsg | DetokenizeMsg) -> TokenizeReply:
+        """Ask the first source stage's replicas (one answers) to tokenize or detokenize, with
+        the tokenizer and chat template its engine reads the client's prompt with."""
+        stage = next(
+            (
+                s.name
+                for s in self.spec.stages
+                if s.name in self.attempts.sources and not s.skip_without_media
+            ),
+            None,
+        )
+        nc = self.bus.nc
+        if stage is None or nc is None:
+            raise Unavailable("no stage reads the client's prompt here")
+        try:
+            reply = await nc.request(self.bus.subjects.tokenize(stage), pack(msg), timeout=TOKENIZE_TIMEOUT_S)
+        except nats.errors.NoRespondersError:
+            raise Unavailable(
+                f"stage '{stage}' has no replica that tokenizes (none live, or its engine reads no text)"
+            ) from None
+        except (TimeoutError, nats.errors.TimeoutError):
+            raise Unavailable(f"stage '{stage}' did not answer in {TOKENIZE_TIMEOUT_S:g}s") from None
+        answer: TokenizeReply = unpack(reply.data, TokenizeReply)
+        if not answer.ok:
+            if answer.code == ErrorCode.INVALID_REQUEST:
+                raise BadRequest(f"stage '{stage}': {answer.message}")
+            raise StageFailed(f"stage '{stage}': {answer.message}")
+        return answer
 
     # --- running -----------------------------------------------------------------------------
 

@@ -15,7 +15,7 @@ from prometheus_client.exposition import choose_encoder
 from starlette.types import Receive, Scope, Send
 
 from omni_gateway.chat import ChatResult, completion_body, index_of, now, sse_chunks
-from omni_gateway.errors import ModelNotFound, OmniError, StageFailed, Unavailable
+from omni_gateway.errors import BadRequest, ModelNotFound, OmniError, StageFailed, Unavailable
 from omni_gateway.events import AudioChunk, Event, ImageProgress, OfChoice, TextDelta
 from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.metrics import GatewayMetrics
@@ -25,12 +25,15 @@ from omni_gateway.protocol.chat import (
     ChatCompletionRequest,
     sampling_params,
     stage_inputs,
+    stage_sampling,
 )
 from omni_gateway.protocol.images import ImageGenerationRequest, image_inputs, image_sampling
 from omni_gateway.protocol.omni import OmniSleepRequest, OmniWakeupRequest
 from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_inputs, speech_sampling
+from omni_gateway.protocol.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from omni_gateway.sleep import sleep, stage_names, wake
 from omni_gateway.speech import audio_stream, sse_stream
+from omni_pipeline.control import DetokenizeMsg, TokenizeMsg
 from omni_pipeline.resource_metrics import COUNT_WAIT_S
 from omni_pipeline.spec import OutputKind
 
@@ -158,6 +161,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
             results[i].add(ev)
         return JSONResponse(completion_body(req, rid, now(), results))
 
+    try:
+        per_stage = stage_sampling(req, [s.name for s in _pipeline(request).spec.stages])
+    except ValueError as exc:
+        raise BadRequest(f"sampling_params_list: {exc}", param="sampling_params_list") from None
     asked = PipelineRequest(
         req.model,
         frozenset(req.wanted_outputs()),
@@ -167,6 +174,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         voice_param="audio.voice",
         max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         declared=SAMPLING_EVERY_ENGINE,
+        per_stage=per_stage,
     )
     return await _respond(request, asked, respond, req.n, not req.stream)
 
@@ -196,6 +204,33 @@ async def audio_speech(req: SpeechRequest, request: Request) -> Response:
     audio = frozenset({OutputKind.AUDIO})
     asked = PipelineRequest(req.model, audio, speech_inputs(req), speech_sampling(req), voice_param="voice")
     return await _respond(request, asked, respond)
+
+
+@router.post("/tokenize")
+async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> dict[str, Any]:
+    """vLLM's /tokenize: the ids the source stage reads for a prompt or for chat messages."""
+    svc = _pipeline(request)
+    _check_model_name(svc, req.model)
+    inputs, options = req.inputs()
+    got = await svc.tokenize(TokenizeMsg(inputs, options))
+    return {
+        "count": len(got.tokens),
+        "max_model_len": got.max_model_len,
+        "tokens": got.tokens,
+        "token_strs": got.token_strs if req.return_token_strs else None,
+    }
+
+
+@router.post("/detokenize")
+async def detokenize(req: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    svc = _pipeline(request)
+    _check_model_name(svc, req.model)
+    return {"prompt": (await svc.tokenize(DetokenizeMsg(req.tokens))).prompt}
+
+
+def _check_model_name(svc: Pipeline, model: str | None) -> None:
+    if model is not None and model != svc.spec.served_model_name:
+        raise ModelNotFound(f"model '{model}' does not exist", param="model")
 
 
 @router.get("/v1/audio/voices")

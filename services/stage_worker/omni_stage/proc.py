@@ -56,6 +56,7 @@ from omni_stage.requests import Inbound, OutEdge, RequestBook
 from omni_stage.runner import RequestRunner
 from omni_stage.sleep import SleepControl
 from omni_stage.tasks import RequestTasks
+from omni_stage.tokenize import serve_tokenize
 from omni_stage.transfer import Transfers
 
 log = logging.getLogger("omni.stage")
@@ -144,6 +145,8 @@ class StageWorker:
             await nc.subscribe(self.inbox, cb=self._on_inbound)
             await nc.subscribe(self.subjects.abort, cb=self._on_abort)
             await nc.subscribe(self.subjects.control, cb=self._on_control)
+            if self.book.is_source:
+                await serve_tokenize(nc, self.subjects, self.spec.name, self.engine)
             if self.sleep.paused:  # before it is ready: a paused stage's new replica starts asleep
                 await self.sleep.sleep(self.engine.max_sleep_level, "wait")
             self.beats.ready = True

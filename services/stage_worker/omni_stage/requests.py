@@ -149,10 +149,11 @@ class RequestBook:
 
     def take_request(self, st: RequestState, m: StageRequest, honoured: frozenset[str]) -> bool:
         """Its StageRequest: take its sampling (all of it at a source stage; elsewhere only the
-        `honoured` keys, so a talker never takes the thinker's max_tokens). True if the request
+        `honoured` keys, so a talker never takes the thinker's max_tokens), then what the
+        client asked of this stage alone. True if the request
         itself is an input (a source stage); otherwise it only reserved a slot."""
         asked = m.sampling if self.is_source else {k: v for k, v in m.sampling.items() if k in honoured}
-        st.sampling = {**self.spec.sampling, **asked}
+        st.sampling = {**self.spec.sampling, **asked, **m.own}
         return self.is_source
 
     def add_input(

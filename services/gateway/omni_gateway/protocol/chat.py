@@ -198,9 +198,80 @@ _CHAT_OFF: Final[dict[str, tuple[Any, ...]]] = {
 """OpenAI's chat fields this server does not serve yet, each with the values that mean "off"."""
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a choice of strings,
+    an EBNF grammar, or any JSON object."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(default=None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> StructuredOutputs:
+        if len(self.asked()) != 1:
+            raise ValueError("set exactly one of json, regex, choice, grammar, json_object")
+        return self
+
+    def asked(self) -> dict[str, Any]:
+        """{kind: source}, as the engines take it (structured.STRUCTURED_KINDS)."""
+        named = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
+        out = {k: v for k, v in named.items() if v is not None}
+        return out | ({"json_object": True} if self.json_object else {})
+
+
+_GUIDED: Final = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+"""vLLM's older names for `structured_outputs`' kinds, still sent by its users' clients."""
+
+
+class StageSampling(BaseModel):
+    """One entry of vLLM-Omni's `sampling_params_list`: the fields of vLLM's SamplingParams this
+    server passes on to a stage (`logprobs` there is the count of top tokens); any other is a
+    400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    min_tokens: int | None = Field(default=None, ge=0)
+    ignore_eos: bool | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    bad_words: list[str] | None = None
+
+    def sampling(self) -> dict[str, Any]:
+        """As the engines take it: the fields set, `stop` a list, `logprobs` OpenAI's pair."""
+        own = self.model_dump(exclude_none=True)
+        if isinstance(own.get("stop"), str):
+            own["stop"] = [own["stop"]]
+        if "logprobs" in own:
+            own["top_logprobs"], own["logprobs"] = own["logprobs"], True
+        return own
+
+
 class ChatCompletionRequest(BaseModel):
     """POST /v1/chat/completions. Every field is served, refused unless off (`_CHAT_OFF`), or
-    one of OpenAI's platform fields, accepted and ignored; an unknown field is a 400."""
+    one of OpenAI's platform fields, accepted and ignored; an unknown field is a 400. vLLM's
+    extensions (its dialect of this API) and vLLM-Omni's own fields are served as theirs are:
+    docs/api.md has the table of which engine honours which."""
 
     model_config = ConfigDict(extra="forbid")
     model: str = Field(min_length=1)
@@ -238,6 +309,46 @@ class ChatCompletionRequest(BaseModel):
     parallel_tool_calls: bool | None = Field(
         default=None, description="With tools: false allows one call at most. Without, no effect."
     )
+    # vLLM's extensions: passed on to the engines, which declare what they honour.
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0: every token.")
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=256)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="-1: no truncation.")
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=256)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    echo: bool = Field(
+        default=False,
+        description="The last message's text starts the reply, where it is the reply's own role.",
+    )
+    request_id: str | None = Field(
+        default=None, min_length=1, max_length=256, description="The response's id."
+    )
+    priority: int = Field(
+        default=0, description="Only 0: replicas serve first come, first served (vLLM's default policy)."
+    )
+    prompt_logprobs: int | None = Field(default=None, description="Not served yet: refused unless null.")
+    # vLLM-Omni's own.
+    return_stage_metrics: bool = Field(
+        default=False, description="Per-stage figures in `metrics`, as vLLM-Omni's."
+    )
+    sampling_params_list: list[StageSampling | None] | None = Field(
+        default=None, description="Sampling per stage, in the pipeline's stage order (null: the stage's own)."
+    )
     # OpenAI's platform, not the model's: accepted and ignored.
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -258,6 +369,46 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _not_served(cls, v: Any, info: ValidationInfo) -> None:
         refuse_unless_off(v, info, _CHAT_OFF)
+
+    @field_validator("priority")
+    @classmethod
+    def _fcfs(cls, v: int) -> int:
+        if v != 0:
+            raise ValueError("replicas serve first come, first served (vLLM's default policy): only 0")
+        return v
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _no_prompt_logprobs(cls, v: int | None) -> None:
+        if v is not None:
+            raise ValueError("not served yet; leave it out (or send null)")
+
+    @model_validator(mode="after")
+    def _vllm(self) -> ChatCompletionRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "`continue_final_message` and `add_generation_prompt` cannot both be true "
+                "(send add_generation_prompt: false)"
+            )
+        grammars = [name for name in _GUIDED if getattr(self, name) is not None]
+        grammars += ["structured_outputs"] if self.structured_outputs is not None else []
+        grammars += (
+            ["response_format"] if self.response_format and self.response_format.type != "text" else []
+        )
+        if len(grammars) > 1:
+            raise ValueError(f"{' and '.join(f'`{g}`' for g in grammars)} together: ask for one grammar")
+        if self.structured_outputs is not None and self.calls_tools():
+            raise ValueError("`tools` and `structured_outputs` together: ask for one")
+        return self
+
+    def structured(self) -> dict[str, Any] | None:
+        """`structured_outputs`, or the guided_* field that stands for it, as the engines take it."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.asked()
+        for name, kind in _GUIDED.items():
+            if (v := getattr(self, name)) is not None:
+                return {kind: v}
+        return None
 
     @model_validator(mode="after")
     def _tools(self) -> ChatCompletionRequest:
@@ -332,5 +483,38 @@ def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
         # Also a request parameter, not only an input: the stages that speak (a talker, a
         # code2wav) read it downstream of the source stage.
         "voice": req.audio.voice if req.audio is not None else None,
+        # vLLM's extensions, each away from its "off" value.
+        "ignore_eos": req.ignore_eos or None,
+        "min_tokens": req.min_tokens or None,
+        "top_k": req.top_k if req.top_k not in (None, 0, -1) else None,
+        "min_p": req.min_p or None,
+        "repetition_penalty": req.repetition_penalty if req.repetition_penalty not in (None, 1.0) else None,
+        "stop_token_ids": req.stop_token_ids or None,
+        "include_stop_str_in_output": req.include_stop_str_in_output or None,
+        "skip_special_tokens": False if not req.skip_special_tokens else None,
+        "spaces_between_special_tokens": False if not req.spaces_between_special_tokens else None,
+        "truncate_prompt_tokens": req.truncate_prompt_tokens
+        if (req.truncate_prompt_tokens or -1) >= 0
+        else None,
+        "allowed_token_ids": req.allowed_token_ids,
+        "bad_words": req.bad_words or None,
+        "add_generation_prompt": False if not req.add_generation_prompt else None,
+        "continue_final_message": req.continue_final_message or None,
+        "chat_template_kwargs": req.chat_template_kwargs or None,
+        "mm_processor_kwargs": req.mm_processor_kwargs or None,
+        "structured_outputs": req.structured(),
     }
     return {k: v for k, v in params.items() if v is not None}
+
+
+def stage_sampling(req: ChatCompletionRequest, stages: list[str]) -> dict[str, dict[str, Any]]:
+    """vLLM-Omni's `sampling_params_list`, by stage name: entry i is the pipeline's stage i
+    (`stages`, in order); a null entry leaves that stage as it is. ValueError for more entries
+    than stages."""
+    if req.sampling_params_list is None:
+        return {}
+    if len(req.sampling_params_list) > len(stages):
+        raise ValueError(
+            f"{len(req.sampling_params_list)} entries for {len(stages)} stages ({', '.join(stages)})"
+        )
+    return {stages[i]: p.sampling() for i, p in enumerate(req.sampling_params_list) if p is not None}
