@@ -54,6 +54,45 @@ def vllm_omni_client(
     return dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
+PERCENTILE_METRICS = "ttft,tpot,itl,e2el,audio_ttfp,audio_rtf"
+
+
+def vllm_bench_serve(
+    base: str,
+    model: str,
+    tokenizer: Path,
+    out_dir: Path,
+    *,
+    prompts: int,
+    concurrency: int,
+    tokens: int = 16,
+) -> dict[str, Any]:
+    """vLLM-Omni's CLI as its users run it: `vllm bench serve --omni --backend
+    openai-chat-omni` (the console entry point of .venv-vllm-omni) against the gateway at
+    `base`, on its random dataset, every request asking for text and audio and running to
+    `tokens` (`--ignore-eos`). Returns the result file it saves (its detailed one: per-request
+    errors included), with what it printed under `log`."""
+    vllm = VLLM_OMNI_PYTHON.parent / "vllm"
+    if not vllm.exists():
+        raise FileNotFoundError(f"{vllm} is missing: `make vllm-omni-venv` builds it")
+    argv = [
+        str(vllm), "bench", "serve", "--omni", "--backend", "openai-chat-omni",
+        "--base-url", base, "--endpoint", "/v1/chat/completions",
+        "--model", model, "--tokenizer", str(tokenizer),
+        "--dataset-name", "random", "--random-input-len", "16", "--random-output-len", str(tokens),
+        "--num-prompts", str(prompts), "--max-concurrency", str(concurrency), "--ignore-eos",
+        "--percentile-metrics", PERCENTILE_METRICS,
+        "--extra-body", json.dumps({"modalities": ["text", "audio"]}),
+        "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", "result.json",
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # ours would shadow its vLLM
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, cwd=out_dir)
+    log = done.stdout + done.stderr
+    if done.returncode != 0:
+        raise RuntimeError(f"vllm bench serve failed ({done.returncode}): {log[-3000:]}")
+    return {**json.loads((out_dir / "result.json").read_text()), "log": log}
+
+
 async def ours(base: str, tokens: int) -> dict[str, float]:
     body = chat(
         "Tell me a story.", stream=True, max_tokens=tokens, temperature=0.0, modalities=["text", "audio"]

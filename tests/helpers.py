@@ -125,6 +125,19 @@ def vllm_omni_client(
     return run(base, model, requests, max_tokens, extra)
 
 
+def vllm_bench_serve(base: str, model: str, tokenizer: Path, out_dir: Path, **kw: Any) -> dict[str, Any]:
+    """bench.vllm_omni's run of vLLM-Omni's CLI (`vllm bench serve --omni`); skips the test
+    where its virtualenv was not built (`make test` builds it)."""
+    import pytest
+
+    from bench.vllm_omni import VLLM_OMNI_PYTHON
+    from bench.vllm_omni import vllm_bench_serve as run
+
+    if not VLLM_OMNI_PYTHON.exists():
+        pytest.skip(f"{VLLM_OMNI_PYTHON} is missing: `make vllm-omni-venv` (or `make test`) builds it")
+    return run(base, model, tokenizer, out_dir, **kw)
+
+
 def video_file(frames: np.ndarray, fps: int, audio_seconds: float = 0.0) -> bytes:
     """RGB frames [T, H, W, 3] as FFV1 in Matroska: lossless, so decoding gives them back. With
     `audio_seconds`, a 16 kHz PCM track of that length beside them."""

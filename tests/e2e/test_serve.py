@@ -38,6 +38,7 @@ from tests.helpers import (
     served,
     served_example,
     sse_data,
+    vllm_bench_serve,
     vllm_omni_client,
     wait_for,
 )
@@ -99,7 +100,7 @@ def test_streaming_text_and_audio_chunks(demo: str) -> None:
         stream_options={"include_usage": True},
     )
     kinds: list[str] = []
-    audio = b""
+    wavs: list[bytes] = []
     for chunk in stream:
         if not chunk.choices:
             kinds.append("usage")
@@ -108,7 +109,7 @@ def test_streaming_text_and_audio_chunks(demo: str) -> None:
         if (a := audio_delta(chunk)) is not None:
             assert (chunk.model_extra or {})["modality"] == "audio"
             kinds.append("audio")
-            audio += base64.b64decode(a["data"])
+            wavs.append(base64.b64decode(a["data"]))
         elif delta.content:
             kinds.append("text")
         if chunk.choices[0].finish_reason:
@@ -116,8 +117,10 @@ def test_streaming_text_and_audio_chunks(demo: str) -> None:
     assert kinds.index("text") < kinds.index("finish")
     assert kinds[: kinds.index("finish")].count("audio") >= 2
     assert kinds[-1] == "usage"
-    samples, sr = sf.read(io.BytesIO(audio))  # the chunks form one playable WAV
-    assert sr == 24000 and len(samples) == 32 * 4 * 480
+    # Each chunk a WAV file of its own (as vLLM-Omni streams them): decoded one by one, their
+    # samples are the whole answer's.
+    assert sum(len(sf.read(io.BytesIO(w))[0]) for w in wavs) == 32 * 4 * 480
+    assert {sf.info(io.BytesIO(w)).samplerate for w in wavs} == {24000}
 
 
 def _stream(demo: str, **body: Any) -> list[dict[str, Any]]:
@@ -212,16 +215,141 @@ def test_vllm_omni_shape_through_the_openai_client(demo: str) -> None:
 def test_vllm_omni_benchmark_client_measures_text_and_audio(demo: str) -> None:
     """vLLM-Omni's own benchmark request function (`vllm bench serve --omni --backend
     openai-chat-omni`) reads our stream: time to first token, audio time to first packet and
-    audio real-time factor, all of the audio, no warning. Sent OpenAI's shape instead (a
-    request naming `audio`), it cannot parse the audio chunks, which is why both shapes exist."""
-    omni = vllm_omni_client(demo, "tiny-omni", 3, 16)
-    assert omni["warnings"] == [], omni["warnings"]
-    for r in omni["requests"]:
-        assert r["success"] and r["generated_text"] and r["output_tokens"] == 16, r
-        assert r["ttft"] > 0 and r["audio_ttfp"] > 0 and r["audio_rtf"] > 0, r
-        assert r["audio_duration"] == 16 * 4 * 480 / 24000, r
-    openai_shape = vllm_omni_client(demo, "tiny-omni", 1, 16, {"audio": {"voice": "alloy", "format": "wav"}})
-    assert any("Failed to parse wav audio chunk" in w for w in openai_shape["warnings"]), openai_shape
+    audio real-time factor, all of the audio, no warning; in vLLM-Omni's shape (no `audio`
+    named) and in OpenAI's with format wav (each chunk a WAV of its own, as it reads them)."""
+    for extra in ({}, {"audio": {"voice": "alloy", "format": "wav"}}):
+        got = vllm_omni_client(demo, "tiny-omni", 3, 16, extra)
+        assert got["warnings"] == [], got["warnings"]
+        for r in got["requests"]:
+            assert r["success"] and r["generated_text"] and r["output_tokens"] == 16, r
+            assert 0 < r["ttft"] < r["latency"] and r["audio_ttfp"] > 0 and r["audio_rtf"] > 0, r
+            assert r["audio_duration"] == 16 * 4 * 480 / 24000, r
+
+
+def test_vllm_omni_cli_runs_against_the_demo_as_its_users_run_it(
+    demo: str, demo_dir: Path, tmp_path: Path
+) -> None:
+    """`vllm bench serve --omni --backend openai-chat-omni`, vLLM-Omni's own console entry
+    point from its own virtualenv, with TPOT and ITL asked for (so it sends
+    `return_stage_metrics`), `--ignore-eos`, and its /tokenize alignment: every request
+    succeeds, text comes well before the end, tokens come apart, audio plays faster than real
+    time."""
+    tokenizer = demo_dir / "models" / "tiny-thinker"
+    result = vllm_bench_serve(demo, "tiny-omni", tokenizer, tmp_path, prompts=10, concurrency=2)
+    assert result["completed"] == 10 and result["failed"] == 0, result["errors"]
+    assert 0 < result["mean_ttft_ms"] < 0.7 * result["mean_e2el_ms"], result
+    assert result["mean_tpot_ms"] > 0 and result["mean_itl_ms"] > 0, result
+    assert result["mean_audio_ttfp_ms"] > 0 and 0 < result["mean_audio_rtf"] < 1, result
+    assert result["total_output_tokens"] == 10 * 16 and "tokenize unavailable" not in result["log"]
+
+
+def test_vllm_dialect_through_the_openai_client(demo: str) -> None:
+    """vLLM's extensions ride in the openai SDK's `extra_body`, as vLLM's users send them, and
+    change the reply as they say (each is checked engine by engine in
+    tests/unit/test_sampling_extensions.py); vLLM-Omni's own fields too."""
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+    messages: Any = [{"role": "user", "content": "Tell me a story"}]
+
+    def ask(**extra: Any) -> Any:
+        return client.chat.completions.create(
+            model="tiny-omni", messages=messages, max_tokens=12, extra_body=extra
+        )
+
+    greedy = ask().choices[0].message.content
+    assert ask(temperature=1.5, seed=3, top_k=1).choices[0].message.content == greedy
+    forced_eos = {"logit_bias": {"97": 100}}
+    assert ask(**forced_eos).usage.completion_tokens == 1
+    assert ask(ignore_eos=True, **forced_eos).usage.completion_tokens == 12
+    assert ask(min_tokens=5, **forced_eos).usage.completion_tokens == 6
+
+    r = ask(request_id="my-id-1", return_stage_metrics=True)
+    assert r.id == "chatcmpl-my-id-1"
+    stage0 = (r.model_extra or {})["metrics"]["stage_metrics"]["0"]
+    assert (
+        stage0["stage"] == "thinker"
+        and stage0["num_tokens_out"] == 12
+        and stage0["final_output_type"] == "text"
+    )
+    assert stage0["num_tokens_in"] == r.usage.prompt_tokens and stage0["stage_gen_time_ms"] > 0
+
+    # echo with a reply that continues the assistant's own turn: the turn's text comes first.
+    messages = [*messages, {"role": "assistant", "content": "Once upon"}]
+    cont = ask(echo=True, continue_final_message=True, add_generation_prompt=False).choices[0].message.content
+    assert cont.startswith("Once upon") and len(cont) > len("Once upon")
+
+
+def test_stage_metrics_and_sampling_per_stage_with_audio(demo: str) -> None:
+    """`return_stage_metrics` on the streamed finish and the whole response, one entry per
+    stage in pipeline order; `sampling_params_list` reaches one stage alone (the talker's
+    temperature changes the speech, not the thinker's text); a field a stage does not honour
+    is a 400 naming the entry, the field and the stage."""
+    body = {
+        "model": "tiny-omni",
+        "messages": [{"role": "user", "content": "Tell me a story"}],
+        "modalities": ["text", "audio"],
+        "max_tokens": 8,
+        "return_stage_metrics": True,
+    }
+    url = f"{demo}/v1/chat/completions"
+    whole = httpx.post(url, json=body, timeout=60).json()
+    stages = whole["metrics"]["stage_metrics"]
+    assert [stages[i]["stage"] for i in ("0", "1", "2")] == ["thinker", "talker", "vocoder"]
+    assert stages["1"]["num_tokens_in"] == 0 and stages["1"]["num_tokens_out"] == 8 * 4
+    assert stages["2"]["final_output_type"] == "audio" and stages["2"]["serving_time_to_first_output_ms"] > 0
+    streamed = sse_data(httpx.post(url, json={**body, "stream": True}, timeout=60).text)
+    finish = [c for c in streamed if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1 and set(finish[0]["metrics"]["stage_metrics"]) == {"0", "1", "2"}
+
+    plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]["audio"]["data"]
+    talker_hot = {**body, "sampling_params_list": [None, {"temperature": 1.0, "seed": 5}]}
+    hot = httpx.post(url, json=talker_hot, timeout=60).json()["choices"][0]["message"]
+    assert hot["content"] == whole["choices"][0]["message"]["content"] and hot["audio"]["data"] != plain
+    for entries, param, says in (
+        (
+            [None, None, {"temperature": 1.0}],
+            "sampling_params_list[2].temperature",
+            "stage 'vocoder' (torch)",
+        ),
+        ([{"best_of": 2}], "sampling_params_list.0.best_of", "unrecognized request argument"),
+        ([None] * 4, "sampling_params_list", "4 entries for 3 stages"),
+    ):
+        r = httpx.post(url, json={**body, "sampling_params_list": entries}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.text, r.text
+
+
+def test_tokenize_and_detokenize_as_vllms(demo: str) -> None:
+    """vLLM's /tokenize and /detokenize, with the thinker's own tokenizer and chat template:
+    the ids a chat request's prompt is, as its usage counts them."""
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    chat = httpx.post(
+        f"{demo}/tokenize", json={"model": "tiny-omni", "messages": messages}, timeout=30
+    ).json()
+    r = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused").chat.completions.create(
+        model="tiny-omni",
+        messages=messages,
+        max_tokens=2,  # type: ignore[arg-type]
+    )
+    assert set(chat) == {"count", "max_model_len", "tokens", "token_strs"} and chat["token_strs"] is None
+    assert chat["count"] == len(chat["tokens"]) == r.usage.prompt_tokens and chat["max_model_len"] == 4096
+    plain = httpx.post(
+        f"{demo}/tokenize", json={"prompt": "Hello", "return_token_strs": True}, timeout=30
+    ).json()
+    assert plain["token_strs"] == ["H", "e", "l", "l", "o"]
+    back = httpx.post(
+        f"{demo}/detokenize", json={"model": "tiny-omni", "tokens": plain["tokens"]}, timeout=30
+    )
+    assert back.json() == {"prompt": "Hello"}
+    for path, payload, says in (
+        ("/detokenize", {"tokens": [100]}, "100 is not in the vocabulary"),
+        ("/tokenize", {"prompt": "x", "model": "other"}, "model 'other' does not exist"),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "counts text parts only",
+        ),
+    ):
+        got = httpx.post(f"{demo}{path}", json=payload, timeout=30)
+        assert got.status_code in (400, 404) and says in got.text, got.text
 
 
 def test_voices_are_listed_and_honoured(demo: str) -> None:

@@ -128,9 +128,9 @@ USER = [{"role": "user", "content": "x"}]
         ({"temperature": 3}, "temperature", "less than or equal to 2"),
         ({"n": 17}, "n", "less than or equal to 16"),
         # What the echo stage's (synthetic) engine does not declare it honours.
-        ({"frequency_penalty": 0.5}, "frequency_penalty", "not honoured by this model's engine"),
-        ({"logprobs": True}, "logprobs", "not honoured by this model's engine"),
-        ({"temperature": 0.7, "seed": 1}, "seed", "not honoured by this model's engine"),
+        ({"frequency_penalty": 0.5}, "frequency_penalty", "not honoured by stage 'echo' (synthetic)"),
+        ({"logprobs": True}, "logprobs", "not honoured by stage 'echo' (synthetic)"),
+        ({"temperature": 0.7, "seed": 1}, "seed", "not honoured by stage 'echo' (synthetic)"),
         ({"top_logprobs": 2}, "top_logprobs", "needs `logprobs: true`"),
         ({"logit_bias": {"x": 1}}, "logit_bias.x.[key]", "should match pattern"),
         ({"logit_bias": {"5": 101}}, "logit_bias.5", "less than or equal to 100"),
@@ -138,7 +138,7 @@ USER = [{"role": "user", "content": "x"}]
         (
             {"response_format": {"type": "json_object"}},
             "response_format",
-            "not honoured by this model's engine",
+            "not honoured by stage 'echo' (synthetic)",
         ),
         ({"response_format": {"type": "json_schema"}}, "response_format", "goes with, and only with"),
         (
@@ -149,11 +149,11 @@ USER = [{"role": "user", "content": "x"}]
         (
             {"tools": [{"type": "function", "function": {"name": "f"}}]},
             "tools",
-            "not honoured by this model's engine",
+            "not honoured by stage 'echo' (synthetic)",
         ),
         ({"tool_choice": "required"}, None, "other than none or auto needs `tools`"),
         ({"tools": [{"type": "custom", "custom": {"name": "f"}}]}, "tools.0.type", "'function'"),
-        ({"top_k": 5}, "top_k", "unrecognized request argument"),
+        ({"top_k": 5}, "top_k", "not honoured by stage 'echo' (synthetic)"),
         (
             {"messages": [*USER, {"role": "assistant", "content": "no", "refusal": "I won't"}]},
             "messages.1.refusal",

@@ -30,7 +30,7 @@ from omni_gateway.protocol.chat import (
 from omni_gateway.protocol.images import ImageGenerationRequest, image_inputs, image_sampling
 from omni_gateway.protocol.omni import OmniSleepRequest, OmniWakeupRequest
 from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_inputs, speech_sampling
-from omni_gateway.protocol.tokenize import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from omni_gateway.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from omni_gateway.sleep import sleep, stage_names, wake
 from omni_gateway.speech import audio_stream, sse_stream
 from omni_pipeline.control import DetokenizeMsg, TokenizeMsg
@@ -207,7 +207,7 @@ async def audio_speech(req: SpeechRequest, request: Request) -> Response:
 
 
 @router.post("/tokenize")
-async def tokenize(req: TokenizeCompletionRequest | TokenizeChatRequest, request: Request) -> dict[str, Any]:
+async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     """vLLM's /tokenize: the ids the source stage reads for a prompt or for chat messages."""
     svc = _pipeline(request)
     _check_model_name(svc, req.model)
