@@ -310,6 +310,8 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     voices: list[str] | None = None
     """The voices its engine speaks in (none: it takes no voice), for the gateway to list and to
     refuse others before any work; None: not declared."""
+    tokenizes: bool | None = None
+    """It answers /tokenize (a source stage whose engine reads text); None: not declared."""
     asleep: int | None = None
     """The sleep level it is at (or going to), None while awake: gateways route around it and
     answer 503 for the requests that need it."""

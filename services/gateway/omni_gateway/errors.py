@@ -53,6 +53,14 @@ class ModelNotFound(OmniError):
     code = "model_not_found"
 
 
+class NotServed(OmniError):
+    """An endpoint this model has nothing to answer with (/tokenize without a tokenizer)."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
 class Overloaded(OmniError):
     """Every replica of a needed stage is full: come back later."""
 

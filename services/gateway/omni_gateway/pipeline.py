@@ -26,11 +26,20 @@ import nats.errors
 
 from omni_gateway.attempt import Attempts, Prepared
 from omni_gateway.bus import RETRY_AFTER, Bus
-from omni_gateway.errors import BadRequest, ModelNotFound, OmniError, Overloaded, StageFailed, Unavailable
+from omni_gateway.errors import (
+    BadRequest,
+    ModelNotFound,
+    NotServed,
+    OmniError,
+    Overloaded,
+    StageFailed,
+    Unavailable,
+)
 from omni_gateway.events import Event, OfChoice
 from omni_gateway.inflight import EVENT_QUEUE
 from omni_gateway.media import decode_media
 from omni_gateway.replay import Delivered, Diverged
+from omni_pipeline import wire
 from omni_pipeline.connectors import build_connectors
 from omni_pipeline.connectors.offload import OffLoop
 from omni_pipeline.control import (
@@ -119,6 +128,10 @@ class Pipeline:
         if req.declared is not None:
             self._refuse_unhonoured(req.outputs, req.sampling.keys(), req.declared)
         self._refuse_unhonoured_per_stage(req.outputs, req.per_stage)
+        try:  # what the stages get must travel (a number past 64 bits, in a template's variables)
+            wire.encode([req.sampling, req.per_stage])
+        except wire.WireError as exc:
+            raise BadRequest(f"the request's parameters cannot be sent on: {exc}") from None
         if OutputKind.AUDIO in req.outputs and req.voice_param is not None:
             self._refuse_unknown_voice(req.sampling.get("voice"), req.voice_param)  # type: ignore[arg-type]
         inputs, media = req.inputs, {}
@@ -150,16 +163,24 @@ class Pipeline:
         if honoured is None:
             return
         for name in sorted(set(params) - always - honoured):
-            stages = [
-                s
-                for s in self.spec.needed_stages(set(outputs))
-                if s in self.attempts.sources
-                and name not in (self.bus.table.declared(s, "honours") or {name})
-            ]
+            stages = [s for s in self._sources(outputs) if name not in self._honours(s)]
             where = f"stage {', '.join(repr(s) for s in stages)}" if stages else "this model's engine"
             raise BadRequest(
                 f"{name}: not honoured by {where} ({self._engine_kinds(stages)}); leave it out", param=name
             )
+
+    def _sources(self, outputs: frozenset[OutputKind]) -> list[str]:
+        """The source stages on these outputs' route that decide what a request may ask (an
+        encoder that runs only on media does not)."""
+        return [
+            s
+            for s in self.spec.needed_stages(set(outputs))
+            if s in self.attempts.sources and not self.spec.stage(s).skip_without_media
+        ]
+
+    def _honours(self, stage: str) -> frozenset[str]:
+        declared = self.bus.table.declared(stage, "honours")
+        return frozenset() if declared is None else declared
 
     def _engine_kinds(self, stages: list[str]) -> str:
         return ", ".join(sorted({self.spec.stage(s).engine.kind for s in stages})) or "its engine"
@@ -243,8 +264,13 @@ class Pipeline:
             None,
         )
         nc = self.bus.nc
-        if stage is None or nc is None:
-            raise Unavailable("no stage reads the client's prompt here")
+        if stage is None or self.bus.table.tokenizes(stage) is False:
+            raise NotServed(
+                f"model '{self.spec.served_model_name}' has no tokenizer to count with "
+                f"(no source stage's engine reads text)"
+            )
+        if nc is None:
+            raise Unavailable("the gateway is not connected to NATS")
         try:
             reply = await nc.request(self.bus.subjects.tokenize(stage), pack(msg), timeout=TOKENIZE_TIMEOUT_S)
         except nats.errors.NoRespondersError:

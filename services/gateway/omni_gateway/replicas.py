@@ -161,6 +161,13 @@ class ReplicaTable:
                 return frozenset(declared)
         return None
 
+    def tokenizes(self, stage: str) -> bool | None:
+        """Whether the stage answers /tokenize, as its replicas declare it; None while none has."""
+        return next(
+            (r.hb.tokenizes for r in self._by_stage.get(stage, {}).values() if r.hb.tokenizes is not None),
+            None,
+        )
+
     def refused(self, stage: str, instance: str, answer: Admitted) -> None:
         """A replica refused a request for its own state (unhealthy, draining), which its next
         beat would have told us: believe it now, so that a retry goes elsewhere, or is a 503

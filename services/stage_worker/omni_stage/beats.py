@@ -103,6 +103,7 @@ class Beats:
             accepts=sorted(self.engine.accepts),
             honours=sorted(self.engine.honours),
             voices=list(self.engine.voices),
+            tokenizes=self.book.is_source and self.engine.prompt_tokenizer() is not None,
             asleep=self.book.asleep,
             max_sleep_level=self.engine.max_sleep_level,
         )

@@ -222,6 +222,9 @@ class StructuredOutputs(BaseModel):
         return out | ({"json_object": True} if self.json_object else {})
 
 
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Count = Annotated[int, Field(ge=0, lt=2**31)]
+
 _GUIDED: Final = {
     "guided_json": "json",
     "guided_regex": "regex",
@@ -237,24 +240,24 @@ class StageSampling(BaseModel):
     400 naming it."""
 
     model_config = ConfigDict(extra="forbid")
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, lt=2**31)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, lt=2**31)
     min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: list[TokenId] | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
-    min_tokens: int | None = Field(default=None, ge=0)
+    min_tokens: Count | None = None
     ignore_eos: bool | None = None
     logprobs: int | None = Field(default=None, ge=0, le=20)
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
 
     def sampling(self) -> dict[str, Any]:
@@ -311,16 +314,18 @@ class ChatCompletionRequest(BaseModel):
     )
     # vLLM's extensions: passed on to the engines, which declare what they honour.
     ignore_eos: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    top_k: int | None = Field(default=None, ge=-1, description="-1 or 0: every token.")
+    min_tokens: Count = 0
+    top_k: int | None = Field(default=None, ge=-1, lt=2**31, description="-1 or 0: every token.")
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=256)
+    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=256)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
-    truncate_prompt_tokens: int | None = Field(default=None, ge=-1, description="-1: no truncation.")
-    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    truncate_prompt_tokens: int | None = Field(
+        default=None, ge=-1, lt=2**31, description="-1: no truncation."
+    )
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
     bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=256)
     add_generation_prompt: bool = True
     continue_final_message: bool = False

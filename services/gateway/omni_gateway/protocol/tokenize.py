@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omni_gateway.protocol.chat import ChatMessage, TextPart, Tool
+from omni_gateway.protocol.chat import ChatMessage, TextPart, TokenId, Tool
 from omni_pipeline.control import RequestInputs
 
 
@@ -70,4 +70,4 @@ class TokenizeRequest(BaseModel):
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
-    tokens: list[int] = Field(max_length=1 << 20)
+    tokens: list[TokenId] = Field(max_length=1 << 20)
