@@ -17,7 +17,7 @@ import yaml
 
 from tests.deployment import gauges, settle
 from tests.e2e.test_serve import audio_delta
-from tests.helpers import ROOT, decode_wav, replica_metric, served, served_example
+from tests.helpers import ROOT, decode_wav, replica_metric, served, served_example, vllm_bench_serve
 from tests.qwen_reference import (
     media_clips,
     media_message,
@@ -215,6 +215,21 @@ def test_on_vllm_text_audio_and_an_image_in_stream_text_and_speech_out(
             model="qwen2.5-omni", modalities=["text"], messages=MESSAGES, max_tokens=4, tools=[tool]
         )
     assert isinstance(err.value.body, dict) and err.value.body["param"] == "tools", err.value.body
+
+
+def test_vllm_omni_cli_runs_against_the_vllm_thinker_pipeline(
+    vllm_base: str, demo_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM-Omni's own `vllm bench serve --omni` (its console entry point, its virtualenv)
+    against Qwen2.5-Omni with its thinker on vLLM, as against vLLM-Omni itself: every request
+    succeeds, text well before the end, tokens apart, speech measured."""
+    tokenizer = demo_dir / "models" / "tiny-qwen2.5-omni"
+    got = vllm_bench_serve(
+        vllm_base, "qwen2.5-omni", tokenizer, tmp_path, prompts=10, concurrency=2, tokens=8
+    )
+    assert got["completed"] == 10 and got["failed"] == 0, got["errors"]
+    assert 0 < got["mean_ttft_ms"] < 0.7 * got["mean_e2el_ms"] and got["mean_tpot_ms"] > 0, got
+    assert got["mean_audio_ttfp_ms"] > 0 and got["mean_audio_rtf"] > 0, got
 
 
 @pytest.fixture(scope="module")
