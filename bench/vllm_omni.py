@@ -1,14 +1,16 @@
 """vllm-omni: the tiny demo (examples/tiny-omni.yaml) measured by `omni bench`'s client and by
-vLLM-Omni's own benchmark client (its `openai-chat-omni` request function, behind `vllm bench
-serve --omni`), the same requests in one run: TTFT, audio TTFP and audio RTF by vLLM-Omni's
-definitions (bench.omni_stream), medians of each tool's requests, one at a time.
+vLLM-Omni's own CLI, `vllm bench serve --omni --backend openai-chat-omni` (its console entry
+point, from its own virtualenv), one after the other in one run, at concurrency 1 and 4: TTFT,
+TPOT, audio TTFP and audio RTF by vLLM-Omni's definitions (bench.omni_stream), each tool's
+median over its requests.
 
 Each request asks for text and audio as vLLM-Omni's clients do (no `audio` object: the default
-voice, a WAV file per audio chunk), 64 thinker tokens, ROUNDS by each tool in turn, one at a
-time (each sends its own prompt: both are tiny next to the 64 tokens).
+voice, a WAV file per audio chunk; continuous usage), TOKENS thinker tokens with `ignore_eos`,
+ROUNDS requests per tool and concurrency. Their CLI sends its random dataset's 16-token prompts;
+ours a short sentence (both tiny next to the reply).
 
-Ratios, each tool's median over the other's (1.0: they measure alike):
-- ttft_ours_vs_vllm_omni, ttfp_ours_vs_vllm_omni, rtf_ours_vs_vllm_omni.
+Ratios, ours over theirs (1.0: they measure alike), at each concurrency:
+- ttft_c1, tpot_c1, ttfp_c1, rtf_c1, and the same at c4.
 
 vLLM-Omni runs from .venv-vllm-omni (`make vllm-omni-venv`): it pins a vLLM other than ours.
 """
@@ -20,6 +22,7 @@ import copy
 import json
 import os
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +37,9 @@ from bench.procs import demo_models, served
 ROOT = Path(__file__).resolve().parents[1]
 VLLM_OMNI_PYTHON = ROOT / ".venv-vllm-omni" / "bin" / "python"
 """vLLM-Omni 0.30 in a virtualenv of its own (`make vllm-omni-venv`; `make test` builds it)."""
-ROUNDS = 20
+ROUNDS = 32
 TOKENS = 64
+CONCURRENCY = (1, 4)
 
 
 def vllm_omni_client(
@@ -93,28 +97,53 @@ def vllm_bench_serve(
     return {**json.loads((out_dir / "result.json").read_text()), "log": log}
 
 
-async def ours(base: str, tokens: int) -> dict[str, float]:
+async def ours(base: str, tokens: int, requests: int, concurrency: int) -> list[dict[str, float]]:
+    """`requests` streamed requests, `concurrency` at a time, each measured by bench.omni_stream."""
     body = chat(
-        "Tell me a story.", stream=True, max_tokens=tokens, temperature=0.0, modalities=["text", "audio"]
+        "Tell me a story.",
+        stream=True,
+        max_tokens=tokens,
+        temperature=0.0,
+        ignore_eos=True,
+        modalities=["text", "audio"],
+        stream_options={"include_usage": True, "continuous_usage_stats": True},  # as theirs asks
     )
-    body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}  # as theirs asks
+    gate = asyncio.Semaphore(concurrency)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        return await streamed(session, base, body)
+
+        async def one() -> dict[str, float]:
+            async with gate:
+                return await streamed(session, base, body)
+
+        return list(await asyncio.gather(*(one() for _ in range(requests))))
 
 
-def summary(measured: list[dict[str, float]]) -> dict[str, float]:
+def ours_summary(measured: list[dict[str, float]]) -> dict[str, float]:
+    of = lambda k: median([m[k] for m in measured])  # noqa: E731
     return {
-        "ttft_ms": round(median([m["ttft"] for m in measured]) * 1000, 1),
-        "ttfp_ms": round(median([m["audio_ttfp"] for m in measured]) * 1000, 1),
-        "rtf": round(median([m["audio_rtf"] for m in measured]), 3),
+        "ttft_ms": round(of("ttft") * 1000, 1),
+        "tpot_ms": round(of("tpot") * 1000, 2),
+        "ttfp_ms": round(of("audio_ttfp") * 1000, 1),
+        "rtf": round(of("audio_rtf"), 3),
+    }
+
+
+def theirs_summary(result: dict[str, Any]) -> dict[str, float]:
+    """The medians its CLI reports (robuster than its means, at 4 requests at a time, on 2 cores)."""
+    return {
+        "ttft_ms": round(result["median_ttft_ms"], 1),
+        "tpot_ms": round(result["median_tpot_ms"], 2),
+        "ttfp_ms": round(result["median_audio_ttfp_ms"], 1),
+        "rtf": round(result["median_audio_rtf"], 3),
     }
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
     fig, (a, b) = figure(2)
     runs = result["runs"]
-    bars(a, ["TTFT", "TTFP"], {k: [runs[k]["ttft_ms"], runs[k]["ttfp_ms"]] for k in runs}, "ms", "by tool")
-    bars(b, ["RTF"], {k: [runs[k]["rtf"]] for k in runs}, "RTF", "by tool")
+    labels = ["TTFT", "TPOT", "TTFP"]
+    bars(a, labels, {k: [r["ttft_ms"], r["tpot_ms"], r["ttfp_ms"]] for k, r in runs.items()}, "ms", "by tool")
+    bars(b, ["RTF"], {k: [r["rtf"]] for k, r in runs.items()}, "RTF", "by tool")
     from bench.common import save
 
     save(fig, path)
@@ -126,28 +155,33 @@ def main(argv: list[str] | None = None) -> None:
     tokens = 16 if args.quick else TOKENS
     spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())["spec"])
     spec["servedModelName"] = "bench"
-    with demo_models() as cwd, served("bench", spec, cwd=cwd) as base:
-        asyncio.run(ours(base, tokens))  # warm-up
-        mine = [asyncio.run(ours(base, tokens)) for _ in range(n)]
-        got = vllm_omni_client(base, "bench", n, tokens)
-    if got["warnings"]:
-        raise RuntimeError(f"vLLM-Omni's client warned: {got['warnings'][:3]}")
-    for r in got["requests"]:
-        if not r["success"]:
-            raise RuntimeError(f"vLLM-Omni's client failed a request: {r['error']}")
-    theirs = [{k: r[k] for k in ("ttft", "audio_ttfp", "audio_rtf")} for r in got["requests"]]
-    runs = {"omni_bench": summary(mine), "vllm_omni": summary(theirs)}
-    result = {
-        "benchmark": "vllm-omni",
-        "machine": machine(),
-        "runs": runs,
-        "ratios": {
-            f"{m}_ours_vs_vllm_omni": round(runs["omni_bench"][k] / runs["vllm_omni"][k], 3)
-            for m, k in (("ttft", "ttft_ms"), ("ttfp", "ttfp_ms"), ("rtf", "rtf"))
-        },
+    runs: dict[str, dict[str, float]] = {}
+    with demo_models() as cwd, served("bench", spec, cwd=cwd) as base, tempfile.TemporaryDirectory() as tmp:
+        asyncio.run(ours(base, tokens, 2, 1))  # warm-up
+        for c in CONCURRENCY:
+            runs[f"omni_bench_c{c}"] = ours_summary(asyncio.run(ours(base, tokens, n, c)))
+            got = vllm_bench_serve(
+                base,
+                "bench",
+                Path(cwd) / "models" / "tiny-thinker",
+                Path(tmp),
+                prompts=n,
+                concurrency=c,
+                tokens=tokens,
+            )
+            if got["failed"]:
+                raise RuntimeError(
+                    f"vLLM-Omni's CLI failed {got['failed']} requests: {got.get('errors', [])[:3]}"
+                )
+            runs[f"vllm_omni_c{c}"] = theirs_summary(got)
+    ratios = {
+        f"{m}_c{c}": round(runs[f"omni_bench_c{c}"][k] / runs[f"vllm_omni_c{c}"][k], 3)
+        for c in CONCURRENCY
+        for m, k in (("ttft", "ttft_ms"), ("tpot", "tpot_ms"), ("ttfp", "ttfp_ms"), ("rtf", "rtf"))
     }
+    result = {"benchmark": "vllm-omni", "machine": machine(), "runs": runs, "ratios": ratios}
     rows = [(name, "  ".join(f"{k} {v}" for k, v in r.items())) for name, r in runs.items()]
-    rows += [(k, str(v)) for k, v in result["ratios"].items()]
+    rows += [(k, str(v)) for k, v in ratios.items()]
     report("vllm_omni", rows, result, args, plot)
 
 

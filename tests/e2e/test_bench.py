@@ -24,7 +24,7 @@ RATIOS = {
     "gateway": {"added_latency_p50_ms"},
     "qwen-omni": {"ttfp_window_vs_full", "throughput_c8_vs_c1", "c8_batched_vs_unbatched"},
     "sleep": {"tiny-omni_rss_asleep_vs_awake_min", "tiny-omni_rss_asleep_vs_awake_max"},
-    "vllm-omni": {"ttft_ours_vs_vllm_omni", "ttfp_ours_vs_vllm_omni", "rtf_ours_vs_vllm_omni"},
+    "vllm-omni": {f"{m}_c{c}" for m in ("ttft", "tpot", "ttfp", "rtf") for c in (1, 4)},
 }
 
 
