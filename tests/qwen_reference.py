@@ -37,20 +37,29 @@ def reference_generate(
     images: list[Image.Image] | None = None,
     videos: list[np.ndarray] | None = None,
     fps: float | None = None,
+    processor_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The reply's token ids and text, the talker's codes (as its token2wav receives them) and
     the waveform. `torch.manual_seed(seed)` goes right before generate: greedy decoding draws
     nothing, so the DiT's starting noise is the first random draw after it. `audio` (16 kHz),
     `images` and `videos` (frames [T, H, W, 3], taken at `fps`) fill the messages' audio,
     image and video parts, in order, through the model's processor, as its documentation
-    runs it."""
+    runs it; `processor_kwargs` go to that processor call (as vLLM passes mm_processor_kwargs)."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     ref = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
     proc = reference_processor(path)
     tok = proc.tokenizer
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    ids = proc(text=text, audio=audio, images=images, videos=videos, fps=fps, return_tensors="pt")
+    ids = proc(
+        text=text,
+        audio=audio,
+        images=images,
+        videos=videos,
+        fps=fps,
+        return_tensors="pt",
+        **(processor_kwargs or {}),
+    )
     # Images and videos go to the thinker alone (the `thinker_` prefix generate documents):
     # unprefixed, generate hands `pixel_values` to the talker's generate too, which refuses it
     # (5.19). The talker reads neither: without an attention mask its positions ignore the grid.
@@ -117,7 +126,12 @@ def media_message(wav: bytes, png: bytes) -> dict[str, Any]:
 
 
 def reference_with_media(
-    path: Path, thinker_tokens: int, talker_codes: int, seed: int, voice: str
+    path: Path,
+    thinker_tokens: int,
+    talker_codes: int,
+    seed: int,
+    voice: str,
+    processor_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The reference on `media_message`'s question, clip and image, as a transformers user
     passes them: the clip read with soundfile, the image opened with Pillow."""
@@ -127,7 +141,15 @@ def reference_with_media(
     parts = [{"type": "audio"}, {"type": "image"}, {"type": "text", "text": MEDIA_QUESTION}]
     image = Image.open(io.BytesIO(png))
     return reference_generate(
-        path, [{"role": "user", "content": parts}], thinker_tokens, talker_codes, seed, voice, [clip], [image]
+        path,
+        [{"role": "user", "content": parts}],
+        thinker_tokens,
+        talker_codes,
+        seed,
+        voice,
+        [clip],
+        [image],
+        processor_kwargs=processor_kwargs,
     )
 
 

@@ -101,6 +101,19 @@ def test_with_audio_and_an_image_as_well(model: Path, thinker: VllmThinker, loop
     assert_equal(ours, ref)
 
 
+def test_mm_processor_kwargs_as_the_reference_takes_them(
+    model: Path, thinker: VllmThinker, loop: LoopThread
+) -> None:
+    """vLLM's `mm_processor_kwargs` (a minimum pixel count that scales the image up), handed
+    to vLLM's processor as vLLM's server hands them: the reference's answer with them."""
+    bigger = {"min_pixels": 20000}
+    ref = reference_with_media(model, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan", bigger)
+    message = media_message(*media_clips())
+    extra = {"mm_processor_kwargs": bigger}
+    ours = loop.run(run_pipeline(model, "Ethan", 1000, [message], thinker=thinker, extra=extra), timeout=300)
+    assert_equal(ours, ref)
+
+
 def test_concurrent_requests_get_their_own_hidden_states(
     model: Path, thinker: VllmThinker, loop: LoopThread
 ) -> None:

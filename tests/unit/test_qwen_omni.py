@@ -53,11 +53,13 @@ async def run_pipeline(
     messages: list[dict[str, Any]] = MESSAGES,
     thinker: Engine | None = None,
     encoder: Engine | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The three stages, code2wav on the whole code sequence (as the reference decodes it).
     `messages` as a client sends them: media parts are decoded by the gateway's own code.
     `thinker`: one already started (the vLLM thinker's test); else the example's. `encoder`:
-    an encoder stage (started) whose output the thinker reads beside the request."""
+    an encoder stage (started) whose output the thinker reads beside the request. `extra`: more
+    of the request's sampling (what the source stages read)."""
     talker, code2wav = engine("talker", model), engine("code2wav", model, chunkCodes=0)
     if thinker is None:
         thinker = engine("thinker", model)
@@ -66,7 +68,7 @@ async def run_pipeline(
         await e.start()
     messages, media = await decode_media(messages, MediaSpec())
     request = {"messages": messages, "media": media.tensors, "modalities": ["audio", "text"], "voice": voice}
-    sampling = {"max_tokens": THINKER_TOKENS, "voice": voice, "seed": SEED}
+    sampling = {"max_tokens": THINKER_TOKENS, "voice": voice, "seed": SEED, **(extra or {})}
     inputs: dict[str, Payload] = {"request": request}
     if encoder is not None:  # which reads the media; the thinker gets the messages alone (media: false)
         encoded = [o async for o in encoder.generate(EngineCall("r", {"request": request}, True, sampling))]
@@ -280,6 +282,33 @@ def test_with_audio_and_an_image_the_stages_compute_what_the_reference_computes(
     assert ours["codes"].tolist() == media_reference["codes"].tolist()
     assert ours["audio"].shape == media_reference["audio"].shape
     torch.testing.assert_close(ours["audio"], media_reference["audio"], rtol=0, atol=1e-5)
+
+
+def test_mm_processor_kwargs_reach_the_processors_as_in_the_reference(
+    model: Path, media_reference: dict[str, Any]
+) -> None:
+    """vLLM's `mm_processor_kwargs` (here a minimum pixel count that scales the image up): the
+    thinker's processors get them as the model's processor does when vLLM passes them, with or
+    without an encoder stage; the reply is the reference's with them, not the one without. A
+    key the processors here do not take is the client's error."""
+    bigger = {"min_pixels": 20000}
+    theirs = reference_with_media(model, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan", bigger)
+    message = [media_message(*media_clips())]
+    ours = asyncio.run(run_pipeline(model, "Ethan", 1000, message, extra={"mm_processor_kwargs": bigger}))
+    assert ours["tokens"].tolist() == theirs["tokens"].tolist() != media_reference["tokens"].tolist()
+
+    async def with_encoder() -> dict[str, Any]:
+        encoder = engine("encoder", model)
+        await encoder.start()
+        return await run_pipeline(
+            model, "Ethan", 1000, message, encoder=encoder, extra={"mm_processor_kwargs": bigger}
+        )
+
+    assert asyncio.run(with_encoder())["tokens"].tolist() == theirs["tokens"].tolist()
+    with pytest.raises(
+        InvalidRequest, match=r"mm_processor_kwargs\.fps: not taken by this model's processors"
+    ):
+        asyncio.run(run_pipeline(model, "Ethan", 1000, message, extra={"mm_processor_kwargs": {"fps": 2}}))
 
 
 def test_with_a_video_the_stages_compute_what_the_reference_computes(

@@ -30,7 +30,7 @@ from omni_stage.engines.sampling import HONOURED
 from omni_stage.engines.vllm import VllmEngine, vllm_logprobs
 from omni_stage.engines.vllm_hidden import ADDRESS_ENV, HiddenStates
 from omni_stage.models.qwen_omni.parts import thinker_embedding_table
-from omni_stage.models.qwen_omni.prompt import Prompts
+from omni_stage.models.qwen_omni.prompt import Prompts, processor_kwargs
 from omni_stage.segments import EngineOutput
 
 HIDDEN_WAIT_S: Final = 60.0
@@ -49,7 +49,7 @@ class VllmThinker(VllmEngine):
         super().__init__(stage)
         # What the transformers Qwen thinker honours: no tools (a reply that is a call has no
         # speech), so the gateway refuses them rather than this engine dropping them.
-        self.honours = HONOURED
+        self.honours = HONOURED | {"mm_processor_kwargs"}
         if self.args.get("enable_prefix_caching"):
             raise EngineError(
                 f"stage '{stage.name}': enable_prefix_caching: a cached prefix's hidden states are not "
@@ -117,11 +117,16 @@ class VllmThinker(VllmEngine):
         if not media and not chat.videos:
             return {"prompt": chat.text}
         prompt: dict[str, Any] = {"prompt": chat.text, "multi_modal_data": media}
+        if extra := processor_kwargs(sampling):  # vLLM hands them to the model's processor, as we do
+            prompt["mm_processor_kwargs"] = extra
         if chat.videos:
             if len(set(chat.video_fps)) > 1:  # the model's processor takes one rate for all
                 raise InvalidRequest("the videos of one request must be taken at one rate (videoFps)")
             media["video"] = chat.videos
-            prompt["mm_processor_kwargs"] = {"fps": chat.video_fps[0]}
+            prompt["mm_processor_kwargs"] = {
+                **prompt.get("mm_processor_kwargs", {}),
+                "fps": chat.video_fps[0],
+            }
         return prompt
 
     def _prompt_embeds(self, ids: list[int]) -> torch.Tensor:

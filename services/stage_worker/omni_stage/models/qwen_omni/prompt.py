@@ -39,6 +39,29 @@ import torch
 from omni_stage.engines.base import EngineError, InvalidRequest
 from omni_stage.engines.prompts import chat_template_args
 
+PROCESSOR_KWARGS = frozenset({"min_pixels", "max_pixels"})
+"""What of vLLM's `mm_processor_kwargs` the Qwen processors here take: the pixel bounds an image
+or a video frame is resized within (the omni processor hands them to both, as here)."""
+_PIXELS = (28 * 28, 1 << 26)
+
+
+def processor_kwargs(sampling: dict[str, Any]) -> dict[str, int]:
+    """A request's `mm_processor_kwargs`, checked: a 400 for any other key or a bad bound."""
+    asked = dict(sampling.get("mm_processor_kwargs") or {})
+    if unknown := sorted(set(asked) - PROCESSOR_KWARGS):
+        raise InvalidRequest(
+            f"mm_processor_kwargs.{unknown[0]}: not taken by this model's processors here "
+            f"(they take {', '.join(sorted(PROCESSOR_KWARGS))})"
+        )
+    for key, value in asked.items():
+        if not isinstance(value, int) or isinstance(value, bool) or not _PIXELS[0] <= value <= _PIXELS[1]:
+            raise InvalidRequest(
+                f"mm_processor_kwargs.{key}: {value!r} is not a pixel count from 784 to 2^26"
+            )
+    if asked.get("min_pixels", 0) > asked.get("max_pixels", _PIXELS[1]):
+        raise InvalidRequest("mm_processor_kwargs: min_pixels is more than max_pixels")
+    return asked
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -238,7 +261,7 @@ class Prompts:
             return Prompt(self._ids(str(request.get("prompt", ""))))
         chat = self.read(request, decode=embeds is None, sampling=sampling)
         if embeds is None:
-            inputs = self.process(chat)
+            inputs = self.process(chat, sampling)
             layout, features = inputs.layout, inputs.features
         else:
             layout, features = embeds.layout, {}
@@ -250,19 +273,21 @@ class Prompts:
         on_device = {k: v.to(self.device, dtype(v)) for k, v in features.items()}
         return Prompt(ids, layout.on(self.device), on_device, embeds, mask)
 
-    def process(self, chat: Chat) -> EncoderInputs:
-        """The model's processors on the chat's media: the encoders' inputs, on the CPU."""
+    def process(self, chat: Chat, sampling: dict[str, Any] | None = None) -> EncoderInputs:
+        """The model's processors on the chat's media: the encoders' inputs, on the CPU, with
+        the request's `mm_processor_kwargs` (processor_kwargs)."""
+        extra = processor_kwargs(sampling or {})
         features: dict[str, torch.Tensor] = {}
         lengths = per_grid = None
         if chat.audios:
             features["input_features"], features["feature_attention_mask"] = self._audio_features(chat.audios)
             lengths = features["feature_attention_mask"].sum(-1)
         if chat.images:
-            out = self.images(images=chat.images, return_tensors="pt")
+            out = self.images(images=chat.images, return_tensors="pt", **extra)
             features["pixel_values"], features["image_grid_thw"] = out["pixel_values"], out["image_grid_thw"]
         if chat.videos:
             assert self.videos is not None
-            out = self.videos(videos=chat.videos, size=self.video_size, return_tensors="pt")
+            out = self.videos(videos=chat.videos, size=self.video_size, return_tensors="pt", **extra)
             features["pixel_values_videos"] = out["pixel_values_videos"]
             features["video_grid_thw"] = out["video_grid_thw"]
             patch = int(self.videos.temporal_patch_size)

@@ -30,7 +30,7 @@ class Thinker(Part):
 
     part = "thinker"
     accepts = frozenset({"text", "image", "audio"})
-    honours = HONOURED
+    honours = HONOURED | {"mm_processor_kwargs"}
     prompts_class = Prompts
     talker_layer = -1
     """The layer whose hidden states the talker reads (-1: the last, normed)."""
