@@ -217,6 +217,22 @@ class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
     top: list[tuple[str, float]] = []
 
 
+class PromptLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """One token's log probability at a prompt position (vLLM's `prompt_logprobs` entry): its
+    id, its log probability under the model given the prompt before it, its rank (1: likeliest)
+    and its text."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    token: str
+
+
+PromptLogprobs = list[list[PromptLogprob] | None]
+"""Per prompt position: the prompt's own token first, then the likeliest others asked for; None
+at the first position, which nothing predicts."""
+
+
 class ToolCall(msgspec.Struct, frozen=True, array_like=True):
     """A function call the model made instead of (or after) its text, for OpenAI's
     `tool_calls`: `arguments` is the JSON text it wrote."""
@@ -242,6 +258,8 @@ class FinalMsg(msgspec.Struct, tag="final", frozen=True, omit_defaults=True):
     """So far, with this message: `prompt_tokens` the stage read and `completion_tokens`, its
     units (a client's continuous usage stats); the last message's is the request's."""
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
+    """On a text stage's last message, where the request asked (vLLM's `prompt_logprobs`)."""
     """For the tokens behind `text`, when the request asked for `logprobs`."""
     tool_calls: list[ToolCall] | None = None
     """The calls the reply ends with, when the request offered `tools`."""

@@ -272,6 +272,18 @@ def test_vllm_dialect_through_the_openai_client(demo: str) -> None:
     )
     assert stage0["num_tokens_in"] == r.usage.prompt_tokens and stage0["stage_gen_time_ms"] > 0
 
+    with_prompt = ask(prompt_logprobs=1)
+    prompt = (with_prompt.model_extra or {})["prompt_logprobs"]
+    assert len(prompt) == with_prompt.usage.prompt_tokens and prompt[0] is None
+    assert all(
+        1 <= len(at) <= 2 and all(set(v) == {"logprob", "rank", "decoded_token"} for v in at.values())
+        for at in prompt[1:]
+    )
+    with pytest.raises(openai.BadRequestError, match="not available when `stream` is true"):
+        client.chat.completions.create(
+            model="tiny-omni", messages=messages, stream=True, extra_body={"prompt_logprobs": 1}
+        )
+
     # echo with a reply that continues the assistant's own turn: the turn's text comes first.
     messages = [*messages, {"role": "assistant", "content": "Once upon"}]
     cont = ask(echo=True, continue_final_message=True, add_generation_prompt=False).choices[0].message.content

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from omni_pipeline.spec import EngineKind, EngineSpec, load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, InvalidRequest
+from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidRequest
 from omni_stage.engines.prompts import prompt_token_ids
 from omni_stage.engines.registry import build_engine
 from omni_stage.engines.vllm import VllmEngine
@@ -208,6 +208,28 @@ def test_vllms_sampling_extensions_mean_the_same_in_both_engines(
     assert token_ids(ours) == token_ids(ref)
     assert "".join(o.text for o in ours) == "".join(o.text for o in ref)
     assert (ours[-1].finish_reason == "stop") == (ref[-1].finish_reason == "stop")
+
+
+def test_prompt_logprobs_are_vllms_own(vllm_engine: VllmEngine, loop: LoopThread, demo_dir: Path) -> None:
+    """vLLM's `prompt_logprobs` from its engine, and the step-loop engine's from transformers'
+    forward of the prompt: the same tokens, ranks and top alternatives, log probabilities within
+    float noise."""
+    call = {"request": {"messages": MESSAGES}}
+    theirs, ours = CallState(), CallState()
+    sampling = {"max_tokens": 2, "prompt_logprobs": 3}
+    loop.run(collect(vllm_engine, EngineCall("p", call, True, sampling, theirs)))
+    hf = thinker(demo_dir / "models", EngineKind.TRANSFORMERS)
+    asyncio.run(_start_and_collect(hf, EngineCall("p", call, True, sampling, ours)))
+    assert theirs.prompt_logprobs is not None and ours.prompt_logprobs is not None
+    assert len(theirs.prompt_logprobs) == len(ours.prompt_logprobs) == ours.prompt_tokens
+    for v, h in zip(theirs.prompt_logprobs, ours.prompt_logprobs, strict=True):
+        if h is None:
+            assert v is None
+            continue
+        assert v is not None and [(p.token_id, p.rank, p.token) for p in v] == [
+            (p.token_id, p.rank, p.token) for p in h
+        ]
+        assert [p.logprob for p in v] == pytest.approx([p.logprob for p in h], abs=1e-4)
 
 
 def test_vllms_own_n_is_n_requests_seeded_seed_plus_index(vllm_engine: VllmEngine, loop: LoopThread) -> None:

@@ -167,3 +167,32 @@ def test_structured_outputs_regex_choice_and_grammar(thinker: Engine) -> None:
     assert re.fullmatch(r"\(\d\d?\)", grammar), grammar
     with pytest.raises(InvalidRequest, match="structured_outputs: the regex cannot be used"):
         reply(thinker, structured_outputs={"regex": "(unclosed"})
+
+
+def test_prompt_logprobs_are_the_models_over_the_prompt(thinker: Engine, models: Path) -> None:
+    """vLLM's `prompt_logprobs`: at each prompt position after the first, the prompt token's log
+    probability under transformers' own forward of the prompt, its rank, and the k likeliest."""
+    state = CallState()
+    run(
+        thinker,
+        EngineCall(
+            "r", {"request": {"messages": MESSAGES}}, True, {"max_tokens": 2, "prompt_logprobs": 2}, state
+        ),
+    )
+    got = state.prompt_logprobs
+    tok = AutoTokenizer.from_pretrained(models / "tiny-thinker")
+    model = AutoModelForCausalLM.from_pretrained(models / "tiny-thinker")
+    prompt = tok(
+        tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    ids = prompt["input_ids"]
+    with torch.inference_mode():
+        lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    assert got is not None and len(got) == len(ids) and got[0] is None
+    for i, at in enumerate(got[1:]):
+        assert at is not None and at[0].token_id == ids[i + 1] and at[0].token == tok.decode([ids[i + 1]])
+        assert at[0].logprob == pytest.approx(float(lp[i, ids[i + 1]]), abs=1e-5)
+        assert at[0].rank == int((lp[i] > lp[i, ids[i + 1]]).sum()) + 1
+        best = torch.topk(lp[i], 2).indices.tolist()
+        assert [p.token_id for p in at[1:]] == [t for t in best if t != ids[i + 1]]

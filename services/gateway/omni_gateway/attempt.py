@@ -163,6 +163,7 @@ class Attempts:
         held: dict[tuple[str, int], FinalMsg] = {}
         usage: dict[str, int] = {}
         finish = "stop"
+        prompt_logprobs = None
         while pending:
             msg = await t.queue.get()
             if isinstance(msg, ErrorMsg):
@@ -186,8 +187,15 @@ class Attempts:
                     if m.kind == OutputKind.TEXT:
                         usage.update(m.usage or {})
                         finish = m.finish_reason or finish
+                        prompt_logprobs = m.prompt_logprobs
         usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
-        yield Finished(finish, usage, *self._media_usage(t), stages=self._stage_figures(t))
+        yield Finished(
+            finish,
+            usage,
+            *self._media_usage(t),
+            stages=self._stage_figures(t),
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _stage_figures(self, t: Tracked) -> dict[str, StageFigures]:
         order = [s.name for s in self.spec.stages]

@@ -14,7 +14,7 @@ from omni_gateway.audio import to_pcm16, wav_bytes
 from omni_gateway.errors import OmniError, error_from
 from omni_gateway.events import AudioChunk, Event, Finished, OfChoice, TextDelta
 from omni_gateway.protocol.chat import ChatCompletionRequest, TextPart
-from omni_pipeline.control import TokenLogprob, ToolCall
+from omni_pipeline.control import PromptLogprob, TokenLogprob, ToolCall
 
 AUDIO_TTL_S = 3600
 
@@ -113,7 +113,16 @@ def completion_body(
     }
     if (metrics := stage_metrics(req, results[0].finished)) is not None:
         body["metrics"] = metrics
+    if (prompt := results[0].finished.prompt_logprobs) is not None:
+        body["prompt_logprobs"] = [
+            None if at is None else {str(p.token_id): _prompt_logprob(p) for p in at} for at in prompt
+        ]
     return body
+
+
+def _prompt_logprob(p: PromptLogprob) -> dict[str, Any]:
+    """vLLM's Logprob, with -inf clamped as vLLM clamps it (JSON has no infinity)."""
+    return {"logprob": max(p.logprob, -9999.0), "rank": p.rank, "decoded_token": p.token}
 
 
 def _message(req: ChatCompletionRequest, rid: str, created: int, r: ChatResult) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from omni_pipeline.control import TokenLogprob, ToolCall
+from omni_pipeline.control import PromptLogprobs, TokenLogprob, ToolCall
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +65,8 @@ class Finished:
     codes): a speech response's output tokens."""
     stages: dict[str, StageFigures] = field(default_factory=dict)
     """Each stage on the route, by name (vLLM-Omni's `return_stage_metrics`)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The text stage's, where the request asked (vLLM's `prompt_logprobs`)."""
 
 
 Event = TextDelta | AudioChunk | ImageProgress | Finished

@@ -23,6 +23,7 @@ from omni_pipeline.connectors import ConnectorError, OmniConnector
 from omni_pipeline.control import (
     ErrorCode,
     FinalMsg,
+    PromptLogprobs,
     RequestPayload,
     SegmentMsg,
     StageDone,
@@ -108,7 +109,7 @@ class RequestRunner:
                 last = seg.finish()
                 usage = _usage(engine_state, seg)
                 finish = last.finish_reason or engine_state.finish_reason or "stop"
-                await self._emit(st, last, t0, usage, finish)
+                await self._emit(st, last, t0, usage, finish, engine_state.prompt_logprobs)
                 self.book.sent_all(st)
                 if self.spec.final_output is None and self.outbox.nc is not None:
                     await self.outbox.final(st.ctx, StageDone(rid, name, self.outbox.replica, usage))
@@ -174,7 +175,13 @@ class RequestRunner:
     # --- out ---------------------------------------------------------------------------------
 
     async def _emit(
-        self, st: RequestState, seg: Segment, t0: float, usage: dict[str, int], finish: str | None = None
+        self,
+        st: RequestState,
+        seg: Segment,
+        t0: float,
+        usage: dict[str, int],
+        finish: str | None = None,
+        prompt: PromptLogprobs | None = None,
     ) -> None:
         now = time.monotonic()
         self.metrics.segments.inc()
@@ -195,7 +202,7 @@ class RequestRunner:
             out = SegmentMsg(ctx, self.spec.name, send.sequence, send.chunk.is_last, send.chunk.units, handle)
             await self.outbox.segment(send.edge.consumer, out)
         if self.spec.final_output is not None:
-            await self.outbox.final(ctx, await self._final(st, seg, usage, finish))
+            await self.outbox.final(ctx, await self._final(st, seg, usage, finish, prompt))
 
     async def _wait_for_credit(self, st: RequestState, consumer: str) -> None:
         """Pause the request (between engine steps: the engine's generator waits on us) until its
@@ -215,7 +222,12 @@ class RequestRunner:
             self.metrics.credit_wait(consumer, time.monotonic() - t)
 
     async def _final(
-        self, st: RequestState, seg: Segment, usage: dict[str, int], finish: str | None
+        self,
+        st: RequestState,
+        seg: Segment,
+        usage: dict[str, int],
+        finish: str | None,
+        prompt: PromptLogprobs | None,
     ) -> FinalMsg:
         """The client-facing message for a segment, with the usage so far; the last one carries
         the finish reason."""
@@ -237,6 +249,7 @@ class RequestRunner:
             finish_reason=finish,
             usage=usage,
             logprobs=seg.logprobs or None,
+            prompt_logprobs=prompt if kind is OutputKind.TEXT else None,
             tool_calls=seg.tool_calls or None,
         )
 

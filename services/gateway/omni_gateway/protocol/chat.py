@@ -346,7 +346,12 @@ class ChatCompletionRequest(BaseModel):
     priority: int = Field(
         default=0, description="Only 0: replicas serve first come, first served (vLLM's default policy)."
     )
-    prompt_logprobs: int | None = Field(default=None, description="Not served yet: refused unless null.")
+    prompt_logprobs: int | None = Field(
+        default=None,
+        ge=0,
+        le=20,
+        description="The prompt's log probabilities, with this many likeliest others.",
+    )
     # vLLM-Omni's own.
     return_stage_metrics: bool = Field(
         default=False, description="Per-stage figures in `metrics`, as vLLM-Omni's."
@@ -382,14 +387,10 @@ class ChatCompletionRequest(BaseModel):
             raise ValueError("replicas serve first come, first served (vLLM's default policy): only 0")
         return v
 
-    @field_validator("prompt_logprobs")
-    @classmethod
-    def _no_prompt_logprobs(cls, v: int | None) -> None:
-        if v is not None:
-            raise ValueError("not served yet; leave it out (or send null)")
-
     @model_validator(mode="after")
     def _vllm(self) -> ChatCompletionRequest:
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("`prompt_logprobs` are not available when `stream` is true (as in vLLM)")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError(
                 "`continue_final_message` and `add_generation_prompt` cannot both be true "
@@ -405,6 +406,13 @@ class ChatCompletionRequest(BaseModel):
         if self.structured_outputs is not None and self.calls_tools():
             raise ValueError("`tools` and `structured_outputs` together: ask for one")
         return self
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """`prompt_logprobs`; or as vLLM reads `echo` with `top_logprobs`, that many (not for a
+        stream, which cannot carry them)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.top_logprobs if self.echo and not self.stream else None
 
     def structured(self) -> dict[str, Any] | None:
         """`structured_outputs`, or the guided_* field that stands for it, as the engines take it."""
@@ -507,6 +515,7 @@ def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
         "continue_final_message": req.continue_final_message or None,
         "chat_template_kwargs": req.chat_template_kwargs or None,
         "mm_processor_kwargs": req.mm_processor_kwargs or None,
+        "prompt_logprobs": req.prompt_logprobs_asked(),
         "structured_outputs": req.structured(),
     }
     return {k: v for k, v in params.items() if v is not None}

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from omni_pipeline.control import PromptLogprobs
 from omni_pipeline.spec import StageSpec
 from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
@@ -50,6 +51,8 @@ class CallState:
     """The request's prompt as the engine counted it (tokens, or the units it reads)."""
     finish_reason: str | None = None
     """Why the request ended, where its last output does not say (`length`: the budget ran out)."""
+    prompt_logprobs: PromptLogprobs | None = None
+    """The prompt's log probabilities, where the request asked (`prompt_logprobs`)."""
     engine: object | None = None
     """The engine's own per-request state (`EngineCall.kept`)."""
 

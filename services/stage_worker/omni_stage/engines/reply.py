@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from omni_pipeline.control import TokenLogprob
+import torch
+
+from omni_pipeline.control import PromptLogprob, PromptLogprobs, TokenLogprob
 from omni_stage.engines.sampling import Choice
 
 
@@ -64,3 +66,27 @@ def token_logprobs(tokenizer: Any, choice: Choice) -> list[TokenLogprob]:
         return []
     top = [(tokenizer.decode([t]), lp) for t, lp in choice.top]
     return [TokenLogprob(tokenizer.decode([choice.token]), choice.logprob, top)]
+
+
+def prompt_logprobs(tokenizer: Any, ids: list[int], logits: torch.Tensor, top: int) -> PromptLogprobs:
+    """vLLM's `prompt_logprobs` from the model's logits over the prompt (row i predicts token
+    i + 1): at each position after the first, the prompt's own token (its log probability and
+    rank) and the `top` likeliest others, as vLLM reports them."""
+    lp = torch.log_softmax(logits[: len(ids) - 1].float(), dim=-1)
+    target = torch.tensor(ids[1:], device=lp.device)
+    chosen = lp.gather(1, target[:, None])[:, 0]
+    ranks = (lp > chosen[:, None]).sum(1) + 1
+    best = torch.topk(lp, top) if top else None
+    out: PromptLogprobs = [None]
+    for i, tok in enumerate(ids[1:]):
+        row = [PromptLogprob(tok, float(chosen[i]), int(ranks[i]), tokenizer.decode([tok]))]
+        if best is not None:
+            row += [
+                PromptLogprob(t, float(v), rank, tokenizer.decode([t]))
+                for rank, (t, v) in enumerate(
+                    zip(best.indices[i].tolist(), best.values[i].tolist(), strict=True), 1
+                )
+                if t != tok
+            ]
+        out.append(row)
+    return out

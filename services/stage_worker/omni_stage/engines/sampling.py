@@ -37,6 +37,7 @@ overflows them to inf, and a softmax of infs is NaN."""
 _SAMPLING: Final = ("temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty")
 SAMPLER_EXTENSIONS: Final = frozenset(
     {
+        "prompt_logprobs",
         "top_k",
         "min_p",
         "repetition_penalty",
@@ -113,6 +114,8 @@ class TokenSampler:
         self.logprobs: int | None = (
             int(sampling.get("top_logprobs") or 0) if sampling.get("logprobs") else None
         )
+        self.prompt_logprobs: int | None = sampling.get("prompt_logprobs")
+        """vLLM's: the prompt's log probabilities, with this many likeliest others (reply.py)."""
         self.bias: dict[int, float] = {
             self._token(int(k), "logit_bias"): float(v) for k, v in (sampling.get("logit_bias") or {}).items()
         }

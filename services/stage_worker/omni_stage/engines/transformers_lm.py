@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 
+from omni_pipeline.control import PromptLogprobs
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompts import check_context, prompt_token_ids
-from omni_stage.engines.reply import ReplyText, token_logprobs
+from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
 from omni_stage.engines.structured import JsonGrammars
 from omni_stage.engines.tools import ToolPlan, engine_honours
@@ -56,6 +57,7 @@ class _Decoding:
     past: Any = None
     pending: int | None = None
     sampler: TokenSampler | None = None
+    prompt_logprobs: PromptLogprobs | None = None
     tools: ToolPlan | None = None
     reply: ReplyText | None = None
 
@@ -173,6 +175,8 @@ class TransformersEngine(ComputeEngine):
         for i in range(budget):
             step = _Step(st, feed_ids, feed_embeds, sampler)
             choice, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
+            if st.prompt_logprobs is not None and "request" in call.inputs:
+                call.state.prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs, None
             tok = choice.token
             feed_ids, feed_embeds = torch.tensor([[tok]], device=self.device), None
             st.pending = tok  # sampled, not yet fed: the next step (or call) feeds it
@@ -263,6 +267,11 @@ class TransformersEngine(ComputeEngine):
             use_cache=True,
             output_hidden_states=self.return_hidden,
         )
+        if s.sampler.prompt_logprobs is not None and s.st.past is None and s.ids is not None:
+            ids = s.ids[0].tolist()
+            s.st.prompt_logprobs = prompt_logprobs(
+                self.tokenizer, ids, out.logits[0], s.sampler.prompt_logprobs
+            )
         s.st.past = out.past_key_values
         return self._pick(s, out, 0)
 

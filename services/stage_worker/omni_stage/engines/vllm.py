@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from omni_pipeline.control import TokenLogprob
+from omni_pipeline.control import PromptLogprob, PromptLogprobs, TokenLogprob
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.prompts import prompt_token_ids
@@ -173,6 +173,10 @@ class VllmEngine(Engine):
         finished = False
         try:
             async for out in self.llm.generate(prompt, self._sampling(call, tools), request_id=vllm_id):
+                if out.prompt_logprobs is not None and call.state.prompt_logprobs is None:
+                    call.state.prompt_logprobs = vllm_prompt_logprobs(
+                        list(out.prompt_token_ids or []), out.prompt_logprobs
+                    )
                 c = out.outputs[0]
                 finished = out.finished
                 ids = list(c.token_ids)
@@ -212,5 +216,23 @@ def vllm_logprobs(ids: list[int], steps: Any, top: int) -> list[TokenLogprob]:
             TokenLogprob(
                 chosen.decoded_token or "", chosen.logprob, [(b.decoded_token or "", b.logprob) for b in best]
             )
+        )
+    return out
+
+
+def vllm_prompt_logprobs(ids: list[int], positions: Any) -> PromptLogprobs:
+    """vLLM's per-position {token id: Logprob} over the prompt, as ours: the prompt's own token
+    first, then the others by rank."""
+    out: PromptLogprobs = []
+    for tok, at in zip(ids, positions, strict=True):
+        if at is None:
+            out.append(None)
+            continue
+        others = sorted(((t, lp) for t, lp in at.items() if t != tok), key=lambda tl: tl[1].rank)
+        out.append(
+            [
+                PromptLogprob(t, lp.logprob, lp.rank, lp.decoded_token or "")
+                for t, lp in [(tok, at[tok]), *others]
+            ]
         )
     return out

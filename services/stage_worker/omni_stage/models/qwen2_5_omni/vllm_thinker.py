@@ -27,7 +27,7 @@ import torch
 from omni_pipeline.spec import REQUEST_SOURCE, StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.sampling import HONOURED
-from omni_stage.engines.vllm import VllmEngine, vllm_logprobs
+from omni_stage.engines.vllm import VllmEngine, vllm_logprobs, vllm_prompt_logprobs
 from omni_stage.engines.vllm_hidden import ADDRESS_ENV, HiddenStates
 from omni_stage.models.qwen_omni.parts import thinker_embedding_table
 from omni_stage.models.qwen_omni.prompt import Prompts, processor_kwargs
@@ -154,6 +154,10 @@ class VllmThinker(VllmEngine):
                 if unit == 0 and not n_prompt:
                     n_prompt = len(out.prompt_token_ids)
                     call.state.prompt_tokens = n_prompt
+                if out.prompt_logprobs is not None and call.state.prompt_logprobs is None:
+                    call.state.prompt_logprobs = vllm_prompt_logprobs(
+                        list(out.prompt_token_ids), out.prompt_logprobs
+                    )
                 c = out.outputs[0]
                 finished = out.finished
                 ids = list(c.token_ids)

@@ -10,12 +10,13 @@ from typing import Any
 
 import torch
 
+from omni_pipeline.control import PromptLogprobs
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompts import check_context
-from omni_stage.engines.reply import ReplyText, token_logprobs
+from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
 from omni_stage.engines.structured import JsonGrammars
 from omni_stage.models.qwen_omni.parts import (
@@ -104,6 +105,8 @@ class Thinker(Part):
             key = "decode" if s else object()
             step = _ThinkerStep(st, feed, sampler, prompt)
             choice, embeds, hidden = await self.batcher.submit(key, step)
+            if s == 0:
+                call.state.prompt_logprobs = st.prompt_logprobs
             tok = choice.token
             data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
             if s == 0:  # [1, P, ...]: the prompt is one unit's worth
@@ -197,6 +200,10 @@ class Thinker(Part):
             **inputs,
         )
         st.past = out.past_key_values
+        if past is None and sampler.prompt_logprobs is not None:
+            st.prompt_logprobs = prompt_logprobs(
+                self.tokenizer, ids[0].tolist(), out.logits[0], sampler.prompt_logprobs
+            )
         choice = sampler.pick(out.logits[0, -1])
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
         embeds = out.hidden_states[0].float().cpu()
@@ -226,6 +233,7 @@ class _Cache:
 
     past: Any = None
     rope_deltas: torch.Tensor | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
