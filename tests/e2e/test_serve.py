@@ -319,7 +319,7 @@ def test_stage_metrics_and_sampling_per_stage_with_audio(demo: str) -> None:
     for entries, param, says in (
         (
             [None, None, {"temperature": 1.0}],
-            "sampling_params_list[2].temperature",
+            "sampling_params_list.2.temperature",
             "stage 'vocoder' (torch)",
         ),
         ([{"best_of": 2}], "sampling_params_list.0.best_of", "unrecognized request argument"),

@@ -164,10 +164,8 @@ class Pipeline:
             return
         for name in sorted(set(params) - always - honoured):
             stages = [s for s in self._sources(outputs) if name not in self._honours(s)]
-            where = f"stage {', '.join(repr(s) for s in stages)}" if stages else "this model's engine"
-            raise BadRequest(
-                f"{name}: not honoured by {where} ({self._engine_kinds(stages)}); leave it out", param=name
-            )
+            where = f"stage {', '.join(repr(s) for s in stages)} ({self._engine_kinds(stages)})"
+            raise BadRequest(f"{name}: not honoured by {where}; leave it out", param=name)
 
     def _sources(self, outputs: frozenset[OutputKind]) -> list[str]:
         """The source stages on these outputs' route that decide what a request may ask (an
@@ -183,7 +181,7 @@ class Pipeline:
         return frozenset() if declared is None else declared
 
     def _engine_kinds(self, stages: list[str]) -> str:
-        return ", ".join(sorted({self.spec.stage(s).engine.kind for s in stages})) or "its engine"
+        return ", ".join(sorted({self.spec.stage(s).engine.kind for s in stages}))
 
     def _refuse_unhonoured_per_stage(
         self, outputs: frozenset[OutputKind], per_stage: dict[str, dict[str, object]]
@@ -193,7 +191,7 @@ class Pipeline:
         order = [s.name for s in self.spec.stages]
         needed = self.spec.needed_stages(set(outputs))
         for stage, params in per_stage.items():
-            param = f"sampling_params_list[{order.index(stage)}]"
+            param = f"sampling_params_list.{order.index(stage)}"
             if stage not in needed:
                 raise BadRequest(
                     f"{param}: stage '{stage}' does not run for this request's outputs", param=param

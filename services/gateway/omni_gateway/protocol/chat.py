@@ -506,9 +506,7 @@ def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
         "include_stop_str_in_output": req.include_stop_str_in_output or None,
         "skip_special_tokens": False if not req.skip_special_tokens else None,
         "spaces_between_special_tokens": False if not req.spaces_between_special_tokens else None,
-        "truncate_prompt_tokens": req.truncate_prompt_tokens
-        if (req.truncate_prompt_tokens or -1) >= 0
-        else None,
+        "truncate_prompt_tokens": req.truncate_prompt_tokens if req.truncate_prompt_tokens != -1 else None,
         "allowed_token_ids": req.allowed_token_ids,
         "bad_words": req.bad_words or None,
         "add_generation_prompt": False if not req.add_generation_prompt else None,
