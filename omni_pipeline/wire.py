@@ -26,6 +26,7 @@ import functools
 import struct
 import sys
 import threading
+import time
 import warnings
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -167,8 +168,32 @@ def _ext_head(code: int, shape: tuple[int, ...], offset: int, nbytes: int) -> by
     return _EXT_HEAD.pack(code, len(shape), offset, nbytes) + struct.pack(f"<{len(shape)}q", *shape)
 
 
+class Clock:
+    """Seconds this process has spent encoding and decoding frames (control messages and
+    payloads alike), for its /metrics: where a stage's time goes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds = {"encode": 0.0, "decode": 0.0}
+
+    def add(self, op: str, seconds: float) -> None:
+        with self._lock:
+            self.seconds[op] += seconds
+
+
+CLOCK: Final = Clock()
+
+
 def encode_frame(obj: Any) -> EncodedFrame:
     """Encode `obj` (msgspec Structs, dicts, lists, scalars, tensors, ndarrays) as a frame."""
+    t = time.perf_counter()
+    try:
+        return _encode_frame(obj)
+    finally:
+        CLOCK.add("encode", time.perf_counter() - t)
+
+
+def _encode_frame(obj: Any) -> EncodedFrame:
     packer = _Packer()
     try:
         header = packer.encoder.encode(obj)
@@ -253,6 +278,14 @@ def _decoder(type_: Any) -> msgspec.msgpack.Decoder[Any]:
 
 def decode(buf: bytes | bytearray | memoryview, type_: type[T] | Any = Any) -> T:
     """Decode a frame into `type_`; tensors are views on `buf` (see the module docstring)."""
+    t = time.perf_counter()
+    try:
+        return _decode(buf, type_)
+    finally:
+        CLOCK.add("decode", time.perf_counter() - t)
+
+
+def _decode(buf: bytes | bytearray | memoryview, type_: type[T] | Any) -> T:
     if isinstance(buf, bytes):
         buf = bytearray(buf)  # tensors must not alias immutable memory
     mv = memoryview(buf).cast("B")

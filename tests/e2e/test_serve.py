@@ -12,6 +12,7 @@ import re
 import signal
 import wave
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -362,6 +363,50 @@ def test_tokenize_and_detokenize_as_vllms(demo: str) -> None:
     ):
         got = httpx.post(f"{demo}{path}", json=payload, timeout=30)
         assert got.status_code in (400, 404) and says in got.text, got.text
+
+
+def test_each_replica_says_where_its_time_goes(demo: str) -> None:
+    """What `omni bench qwen-omni` reads of each stage: its compute thread's busy seconds, its
+    batched calls and the pieces in them, each request's wait from admission to start, each
+    engine call, and the time spent (de)serialising frames. Four concurrent requests: each
+    counter moves, and the engine calls and waits are counted per request."""
+
+    def read(stage: str) -> dict[str, float]:
+        names = (
+            "omni_engine_compute_seconds_total",
+            "omni_engine_batches_total",
+            "omni_engine_batched_items_total",
+            "omni_stage_queue_wait_seconds_count",
+            "omni_stage_engine_call_seconds_count",
+            "omni_wire_seconds_total",
+        )
+        return {n: replica_metric(demo, stage, n) for n in names}
+
+    stages = ("thinker", "talker", "vocoder")
+    before = {s: read(s) for s in stages}
+    client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused")
+
+    def ask(i: int) -> None:
+        client.chat.completions.create(
+            model="tiny-omni",
+            messages=[{"role": "user", "content": f"Tell me story {i}"}],
+            modalities=["text", "audio"],
+            max_tokens=8,
+        )
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(ask, range(4)))
+    for stage in stages:
+        now = read(stage)
+        moved = {k: now[k] - before[stage][k] for k in now}
+        assert moved["omni_engine_compute_seconds_total"] > 0, (stage, moved)
+        assert moved["omni_stage_queue_wait_seconds_count"] == 4, (stage, moved)
+        assert moved["omni_stage_engine_call_seconds_count"] >= 4, (stage, moved)
+        assert moved["omni_engine_batched_items_total"] >= moved["omni_engine_batches_total"] > 0, (
+            stage,
+            moved,
+        )
+        assert moved["omni_wire_seconds_total"] > 0, (stage, moved)
 
 
 def test_voices_are_listed_and_honoured(demo: str) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import collections
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from omni_pipeline.resource_metrics import ResourceGauges
@@ -47,6 +50,39 @@ class StageMetrics:
             registry=r,
         ).labels(**labels)
         self._engine_steps_seen = 0
+        # Where a replica's time goes (omni bench qwen-omni reads them): its compute thread's
+        # busy seconds, its batched calls and the requests in them, the wait from admission to
+        # start, each engine call (a window), and (de)serialising frames.
+        self.compute_seconds = Counter(
+            "omni_engine_compute_seconds", "Seconds the compute thread has worked", labels.keys(), registry=r
+        ).labels(**labels)
+        self.batches = Counter(
+            "omni_engine_batches", "Batched compute calls run", labels.keys(), registry=r
+        ).labels(**labels)
+        self.batched_items = Counter(
+            "omni_engine_batched_items", "Requests' pieces in those calls", labels.keys(), registry=r
+        ).labels(**labels)
+        self.queue_wait = Histogram(
+            "omni_stage_queue_wait_seconds",
+            "Admission to start, per request",
+            labels.keys(),
+            buckets=_LATENCY,
+            registry=r,
+        ).labels(**labels)
+        self.engine_call = Histogram(
+            "omni_stage_engine_call_seconds",
+            "One engine call (a window of inputs, its outputs' sending included)",
+            labels.keys(),
+            buckets=_LATENCY,
+            registry=r,
+        ).labels(**labels)
+        self.wire_seconds = Counter(
+            "omni_wire_seconds",
+            "Seconds encoding and decoding frames, by op",
+            [*labels.keys(), "op"],
+            registry=r,
+        )
+        self._totals: dict[str, float] = {}
         self.requests = Counter(
             "omni_stage_requests", "Requests ended, by outcome", [*labels.keys(), "outcome"], registry=r
         )
@@ -113,6 +149,24 @@ class StageMetrics:
     def weights_held(self, by_device: dict[str, int]) -> None:
         for device in ("cpu", "cuda", *by_device):
             self.weight_bytes.labels(**self._labels, device=device).set(by_device.get(device, 0))
+
+    def follow(self, counter: Any, total: float, key: str) -> None:
+        """Advance `counter` to a total the process keeps itself (never back)."""
+        seen = self._totals.get(key, 0.0)
+        if total > seen:
+            counter.inc(total - seen)
+            self._totals[key] = total
+
+    def time_spent(
+        self, compute_s: float | None, batch_sizes: collections.Counter[int] | None, wire: dict[str, float]
+    ) -> None:
+        if compute_s is not None:
+            self.follow(self.compute_seconds, compute_s, "compute")
+        if batch_sizes is not None:
+            self.follow(self.batches, sum(batch_sizes.values()), "batches")
+            self.follow(self.batched_items, sum(n * k for n, k in batch_sizes.items()), "items")
+        for op, seconds in wire.items():
+            self.follow(self.wire_seconds.labels(**self._labels, op=op), seconds, f"wire-{op}")
 
     def engine_steps_reached(self, total: int) -> None:
         """The engine counts its own steps; the counter follows its total."""

@@ -84,6 +84,7 @@ class RequestRunner:
         REQUEST_ID.set(rid)  # this task's own context: its log lines name the request
         tracing.adopt(st.span)  # and its trace, and parent its spans
         TRACER.start_span("omni.stage.queue", start_time=st.admitted_ns).end()
+        self.metrics.queue_wait.observe(max(0.0, (time.time_ns() - st.admitted_ns) / 1e9))
         t0 = time.monotonic()
         seg = Segmenter(self.spec.max_segment_units, self.spec.flush_interval_ms / 1000)
         self.book.start(st)
@@ -100,10 +101,12 @@ class RequestRunner:
                         inputs = await self._fetch(st, trig)
                         await self._return_credit(st, trig)
                         call = EngineCall(rid, inputs, ended, st.sampling, engine_state)
+                        called = time.monotonic()
                         with tracing.span("omni.engine.call", attributes=_call_attrs(trig)):
                             async for out in self.engine.generate(call):
                                 if (s := seg.add(out)) is not None:
                                     await self._emit(st, s, t0, _usage(engine_state, seg))
+                        self.metrics.engine_call.observe(time.monotonic() - called)
                         # Inputs read zero-copy pin their segments: let go before the next window.
                         del inputs, call
                 last = seg.finish()

@@ -18,7 +18,7 @@ import importlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -26,6 +26,7 @@ import torch
 
 from omni_pipeline.control import PromptLogprobs
 from omni_pipeline.spec import StageSpec
+from omni_stage.engines.batching import StepBatcher
 from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
 
@@ -142,6 +143,14 @@ class Engine(ABC):
         """Loop steps run so far (diffusion steps), where the engine counts them."""
         return None
 
+    def compute_seconds(self) -> float | None:
+        """Seconds its forwards have run in all, where it runs them itself (a ComputeEngine)."""
+        return None
+
+    def batch_sizes(self) -> collections.Counter[int] | None:
+        """How many batched calls of each size it has run, where it batches (a StepBatcher)."""
+        return None
+
     def busy_s(self) -> float | None:
         """How long the oldest forward running now has run; None while none runs (or where the
         engine does not tell: vLLM's own engine process is watched through `dead`)."""
@@ -167,6 +176,27 @@ class Engine(ABC):
         return name
 
 
+class ComputeThread(ThreadPoolExecutor):
+    """An engine's one compute thread, timing what runs on it: how long the work running now
+    has run (the wedge check) and how long it has worked in all (its busy fraction)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(max_workers=1, thread_name_prefix=name)
+        self.running_since: float | None = None
+        self.busy_seconds = 0.0
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        return super().submit(self._timed, fn, args, kwargs)
+
+    def _timed(self, fn: Callable[..., T], args: tuple[Any, ...], kwargs: dict[str, Any]) -> T:
+        t = self.running_since = time.monotonic()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.running_since = None
+            self.busy_seconds += time.monotonic() - t
+
+
 class ComputeEngine(Engine):
     """An engine whose forwards all run on one compute thread of its own.
 
@@ -186,8 +216,7 @@ class ComputeEngine(Engine):
         self.max_batch = int(self.args.get("maxBatch", stage.max_inflight))
         if self.max_batch < 1:
             raise EngineError(f"stage '{stage.name}': engine.args.maxBatch must be at least 1")
-        self._compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-compute")
-        self._running_since: float | None = None
+        self._compute = ComputeThread(f"{stage.name}-compute")
         if stage.gpu_memory_fraction is not None and torch.cuda.is_available():
             for device in range(torch.cuda.device_count()):  # its own devices: the supervisor placed it
                 torch.cuda.set_per_process_memory_fraction(stage.gpu_memory_fraction, device)
@@ -228,18 +257,22 @@ class ComputeEngine(Engine):
         return dict(held)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._compute, self._timed, fn, args)
-
-    def _timed(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
-        self._running_since = time.monotonic()
-        try:
-            return fn(*args)
-        finally:
-            self._running_since = None
+        return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
     def busy_s(self) -> float | None:
-        since = self._running_since
+        since = self._compute.running_since
         return None if since is None else time.monotonic() - since
+
+    def compute_seconds(self) -> float:
+        return self._compute.busy_seconds
+
+    def batch_sizes(self) -> collections.Counter[int]:
+        """Every StepBatcher this engine holds, together."""
+        sizes: collections.Counter[int] = collections.Counter()
+        for held in vars(self).values():
+            if isinstance(held, StepBatcher):
+                sizes.update(held.batch_sizes)
+        return sizes
 
     async def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
