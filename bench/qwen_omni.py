@@ -19,6 +19,9 @@ Ratios, each against a baseline measured in the same run:
   off in every stage (`maxBatch: 1`): the baseline batching is measured against.
 - c8_vllm_thinker_vs_transformers (not with --quick): requests/s at concurrency 8 with the
   thinker on vLLM (examples/qwen2.5-omni-vllm.yaml) over the transformers thinker.
+
+Each run also says where the time went, stage by stage (bench.profile: busy share, mean
+batch, queue wait, engine call, connector and (de)serialising time per request).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from bench.common import bars, figure, machine, median, parser, report, rounds
 from bench.load import chat
 from bench.omni_stream import streamed
 from bench.procs import demo_models, served
+from bench.profile import profile, snapshot
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_RATE = 24000
@@ -73,7 +77,7 @@ async def one(session: aiohttp.ClientSession, base: str, tokens: int) -> dict[st
     return await streamed(session, base, body)
 
 
-async def load(base: str, concurrency: int, requests: int, tokens: int) -> dict[str, float]:
+async def load(base: str, concurrency: int, requests: int, tokens: int) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         await one(session, base, tokens)  # warm-up
         queue = list(range(requests))
@@ -84,15 +88,18 @@ async def load(base: str, concurrency: int, requests: int, tokens: int) -> dict[
                 queue.pop()
                 done.append(await one(session, base, tokens))
 
+        before = await asyncio.to_thread(snapshot, base)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        stages = profile(before, await asyncio.to_thread(snapshot, base), wall, len(done))
     return {
         "ttft_ms": round(median([d["ttft"] for d in done]) * 1000, 1),
         "ttfp_ms": round(median([d["audio_ttfp"] for d in done]) * 1000, 1),
         "rtf": round(median([d["audio_rtf"] for d in done]), 3),
         "audio_s": round(median([d["audio_s"] for d in done]), 3),
         "req_per_s": round(len(done) / wall, 3),
+        "stages": stages,
     }
 
 
@@ -112,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
     n = rounds(ROUNDS, args)
     tokens, codes = (16, 24) if args.quick else (THINKER_TOKENS, TALKER_CODES)
-    runs: dict[str, dict[str, float]] = {}
+    runs: dict[str, dict[str, Any]] = {}
     with demo_models() as cwd:
         with served("bench", pipeline(True, codes), cwd=cwd) as base:
             runs["chunked_c1"] = asyncio.run(load(base, 1, n, tokens))
@@ -143,7 +150,12 @@ def main(argv: list[str] | None = None) -> None:
         result["ratios"]["c8_vllm_thinker_vs_transformers"] = round(
             runs["vllm_thinker_c8"]["req_per_s"] / runs["chunked_c8"]["req_per_s"], 3
         )
-    rows = [(name, "  ".join(f"{k} {v}" for k, v in r.items())) for name, r in runs.items()]
+    rows = [(name, "  ".join(f"{k} {v}" for k, v in r.items() if k != "stages")) for name, r in runs.items()]
+    rows += [
+        (f"{name} {stage}", "  ".join(f"{k} {v}" for k, v in figures.items()))
+        for name, r in runs.items()
+        for stage, figures in r["stages"].items()
+    ]
     rows += [(k, str(v)) for k, v in result["ratios"].items()]
     report("qwen_omni", rows, result, args, plot)
 
