@@ -131,7 +131,10 @@ class TokenSampler:
         self.bad_words = _bad_word_ids(tokenizer, sampling.get("bad_words") or [])
         self.warpers = _warpers(sampling)
         self.repetition = _repetition(sampling)
-        self.seen: list[int] = list(prompt or [])
+        self.seen: dict[int, None] = dict.fromkeys(prompt or [])
+        """The distinct tokens of the prompt and the reply so far (what repetition_penalty
+        penalises, once each), in the order first seen."""
+        self.seen_ids = torch.tensor([list(self.seen)], dtype=torch.long)
         self.reply: list[int] = []
         self.counts: Counter[int] = Counter()
         self.constraint: JsonConstraint | None = None
@@ -186,10 +189,12 @@ class TokenSampler:
                 n = torch.tensor(list(self.counts.values()), dtype=adjusted.dtype)
                 adjusted[ids] -= self.frequency_penalty * n + self.presence_penalty
         if self.repetition is not None and self.seen:
-            adjusted = self.repetition(torch.tensor([self.seen]), adjusted.unsqueeze(0))[0]
+            adjusted = self.repetition(self.seen_ids, adjusted.unsqueeze(0))[0]
         token = _pick_token(adjusted, self.temperature, self.top_p, self.generator, self.warpers)
         self.counts[token] += 1
-        self.seen.append(token)
+        if token not in self.seen:  # a step's work stays that of the distinct tokens, not the reply's length
+            self.seen[token] = None
+            self.seen_ids = torch.tensor([list(self.seen)], dtype=torch.long)
         self.reply.append(token)
         if self.constraint is not None:
             self.constraint.accept(token)
