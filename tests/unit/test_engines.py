@@ -335,6 +335,8 @@ def test_sleep_frees_the_weights_and_the_woken_engine_computes_the_same(
         held = engine.weight_bytes()
         await engine.sleep(level)
         asleep = engine.weight_bytes()
+        # What its heartbeat reads (whether it answers /tokenize) it still answers asleep.
+        assert (engine.prompt_tokenizer() is not None) == (stage == "thinker")
         await engine.wake_up(level)
         after = [o async for o in engine.generate(_call(stage))]
         return before, held, asleep, after, engine.weight_bytes()

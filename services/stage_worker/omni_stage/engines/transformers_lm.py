@@ -96,6 +96,7 @@ class TransformersEngine(ComputeEngine):
         self.tokenizer: Any = None
         self.eos: set[int] = set()
         self.vocab_size = 0
+        self.context = 0
         self.grammars: JsonGrammars | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
 
@@ -125,13 +126,14 @@ class TransformersEngine(ComputeEngine):
         eos = self.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.context = int(self.model.config.max_position_embeddings)  # kept while asleep
         if self.tokenizer is not None and "response_format" in self.honours:
             self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
 
     def prompt_tokenizer(self) -> tuple[Any, int] | None:
         if self.tokenizer is None:
             return None
-        return self.tokenizer, int(self.model.config.max_position_embeddings)
+        return self.tokenizer, self.context
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         if self.encode:

@@ -101,6 +101,8 @@ class VllmEngine(Engine):
         self.tokenizer = AutoTokenizer.from_pretrained(self.stage.engine.model)
 
     def prompt_tokenizer(self) -> tuple[Any, int] | None:
+        if self.tokenizer is None or self.llm is None:  # not started, or closed
+            return None
         return self.tokenizer, int(self.llm.model_config.max_model_len)
 
     def _engine_args(self, platform: Any) -> dict[str, Any]:
