@@ -170,7 +170,7 @@ class Beats:
             m.engine_requests.set(held)
         if (steps := self.engine.steps_run()) is not None:
             m.engine_steps_reached(steps)
-        m.time_spent(self.engine.compute_seconds(), self.engine.batch_sizes(), dict(wire.CLOCK.seconds))
+        m.time_spent(self.engine.compute_seconds(), self.engine.batch_sizes(), wire.CLOCK.seconds)
         m.sleep_level.set(-1 if self.book.asleep is None else self.book.asleep)
         if (weights := self.engine.weight_bytes()) is not None:
             m.weights_held(weights)
