@@ -7,6 +7,7 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from omni_gateway.protocol.common import refuse_unless_off
+from omni_gateway.protocol.vllm import GUIDED, Count, StageSampling, StructuredOutputs, TokenId
 from omni_pipeline.control import RequestInputs
 from omni_pipeline.spec import OutputKind
 
@@ -198,78 +199,6 @@ _CHAT_OFF: Final[dict[str, tuple[Any, ...]]] = {
 """OpenAI's chat fields this server does not serve yet, each with the values that mean "off"."""
 
 
-class StructuredOutputs(BaseModel):
-    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a choice of strings,
-    an EBNF grammar, or any JSON object."""
-
-    model_config = ConfigDict(extra="forbid")
-    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = Field(default=None, min_length=1)
-    grammar: str | None = None
-    json_object: bool | None = None
-
-    @model_validator(mode="after")
-    def _one(self) -> StructuredOutputs:
-        if len(self.asked()) != 1:
-            raise ValueError("set exactly one of json, regex, choice, grammar, json_object")
-        return self
-
-    def asked(self) -> dict[str, Any]:
-        """{kind: source}, as the engines take it (structured.STRUCTURED_KINDS)."""
-        named = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar}
-        out = {k: v for k, v in named.items() if v is not None}
-        return out | ({"json_object": True} if self.json_object else {})
-
-
-TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-Count = Annotated[int, Field(ge=0, lt=2**31)]
-
-_GUIDED: Final = {
-    "guided_json": "json",
-    "guided_regex": "regex",
-    "guided_choice": "choice",
-    "guided_grammar": "grammar",
-}
-"""vLLM's older names for `structured_outputs`' kinds, still sent by its users' clients."""
-
-
-class StageSampling(BaseModel):
-    """One entry of vLLM-Omni's `sampling_params_list`: the fields of vLLM's SamplingParams this
-    server passes on to a stage (`logprobs` there is the count of top tokens); any other is a
-    400 naming it."""
-
-    model_config = ConfigDict(extra="forbid")
-    max_tokens: int | None = Field(default=None, ge=1, lt=2**31)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=-1, lt=2**31)
-    min_p: float | None = Field(default=None, ge=0, le=1)
-    seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
-    min_tokens: Count | None = None
-    ignore_eos: bool | None = None
-    logprobs: int | None = Field(default=None, ge=0, le=20)
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    allowed_token_ids: list[TokenId] | None = None
-    bad_words: list[str] | None = None
-
-    def sampling(self) -> dict[str, Any]:
-        """As the engines take it: the fields set, `stop` a list, `logprobs` OpenAI's pair."""
-        own = self.model_dump(exclude_none=True)
-        if isinstance(own.get("stop"), str):
-            own["stop"] = [own["stop"]]
-        if "logprobs" in own:
-            own["top_logprobs"], own["logprobs"] = own["logprobs"], True
-        return own
-
-
 class ChatCompletionRequest(BaseModel):
     """POST /v1/chat/completions. Every field is served, refused unless off (`_CHAT_OFF`), or
     one of OpenAI's platform fields, accepted and ignored; an unknown field is a 400. vLLM's
@@ -396,7 +325,7 @@ class ChatCompletionRequest(BaseModel):
                 "`continue_final_message` and `add_generation_prompt` cannot both be true "
                 "(send add_generation_prompt: false)"
             )
-        grammars = [name for name in _GUIDED if getattr(self, name) is not None]
+        grammars = [name for name in GUIDED if getattr(self, name) is not None]
         grammars += ["structured_outputs"] if self.structured_outputs is not None else []
         grammars += (
             ["response_format"] if self.response_format and self.response_format.type != "text" else []
@@ -418,7 +347,7 @@ class ChatCompletionRequest(BaseModel):
         """`structured_outputs`, or the guided_* field that stands for it, as the engines take it."""
         if self.structured_outputs is not None:
             return self.structured_outputs.asked()
-        for name, kind in _GUIDED.items():
+        for name, kind in GUIDED.items():
             if (v := getattr(self, name)) is not None:
                 return {kind: v}
         return None

@@ -7,7 +7,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from omni_gateway.protocol.chat import ChatMessage, TextPart, TokenId, Tool
+from omni_gateway.protocol.chat import ChatMessage, TextPart, Tool
+from omni_gateway.protocol.vllm import TokenId
 from omni_pipeline.control import RequestInputs
 
 
