@@ -23,7 +23,8 @@ stage of their own in front of the thinker: omni_stage.models.qwen_omni.encoder)
   the request's state. Codes: greedy with the reference's repetition penalty (1.05 over every
   code fed so far) and the codec bos suppressed; it stops at the codec pad or end code.
 - token2wav: the DiT (an ODE from noise, 10 Runge-Kutta steps with guidance) and BigVGAN, on
-  the whole code sequence or in chunks with context (`chunkCodes`): 24 kHz. The noise comes
+  the whole code sequence or in chunks (`chunkCodes`), each reading what the request kept of
+  the chunk before (dit.py): 24 kHz. The noise comes
   from the request's seed (0 by default) exactly as the reference draws it after
   `torch.manual_seed(seed)`.
 

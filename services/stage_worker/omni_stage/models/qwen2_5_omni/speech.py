@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
 
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import EngineCall
+from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
+from omni_stage.models.qwen2_5_omni.dit import CachedDiT, LeftContext, Window
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
@@ -172,34 +174,52 @@ class Talker(Part):
 
 @dataclass(frozen=True, slots=True)
 class _Piece:
-    """One stretch of one request's codes to decode, with what the decode needs."""
+    """One stretch of one request's codes to decode: the DiT's window (the chunk and its right
+    context), and the mel the vocoder reads before it."""
 
-    codes: torch.Tensor
-    noise: torch.Tensor
-    cond: torch.Tensor
-    ref: torch.Tensor
-    samples: slice
-    """The stretch's own samples, of those the decode makes (the rest is context)."""
+    window: Window
+    own: int
+    """The chunk's own frames, of the window's (the rest is right context)."""
+    keep: bool
+    """Whether a chunk follows, which needs what this one keeps."""
+    mel_before: torch.Tensor
+    voice: str
+
+    def key(self) -> Hashable:
+        """What pieces must share to be decoded as one batch."""
+        w = self.window
+        left = w.left.frames if w.left is not None else 0
+        return (w.codes.shape[0], self.own, left, self.mel_before.shape[0], self.keep, self.voice)
+
+
+@dataclass(frozen=True, slots=True)
+class _Decoded:
+    audio: torch.Tensor
+    left: LeftContext | None
+    mel: torch.Tensor | None
 
 
 @dataclass(slots=True)
 class _Token2WavState(Vocoding):
-    """Token2wav's request: its codes, and the starting noise drawn so far from its seed."""
+    """Token2wav's request: its codes, the starting noise drawn so far from its seed, and what
+    the next chunk reads of the frames decoded before it (the DiT's look-back layers' inputs,
+    the vocoder's mel)."""
 
     noise: torch.Tensor | None = None
+    left: LeftContext | None = None
+    mel: torch.Tensor | None = None
 
 
 class Token2Wav(Part):
     """The DiT and BigVGAN, on the whole code sequence or in chunks as codes arrive.
 
-    `chunkCodes: 0` (the default) waits for the last code and decodes everything at once,
-    exactly as the reference does. `chunkCodes: C` decodes C codes at a time, each chunk with
-    `leftContextCodes` before it and `rightContextCodes` after it (waiting for those unless
-    the codes have ended), and emits only the chunk's own samples. The DiT's attention is
-    block-local, but its ODE applies it 36 times, so context reaches far: a chunk is close to
-    the whole decode, not equal (tests/unit/test_qwen_omni.py states how close). Either way the
-    starting noise is one draw from the request's seed, sliced, so the whole decode's frames
-    get the reference's noise."""
+    `chunkCodes: 0` (the default) waits for the last code and decodes everything at once, as
+    the reference does. `chunkCodes: C` decodes C codes at a time (a multiple of the DiT's
+    block), each with `rightContextCodes` after it (waited for unless the codes have ended),
+    and emits only the chunk's own samples. Nothing before a chunk is decoded again: the DiT's
+    look-back layers read what the request kept of the chunk before (dit.py), and BigVGAN reads
+    `leftContextCodes` of mel already made. Either way the starting noise is one draw from the
+    request's seed, sliced, so the whole decode's frames get the reference's noise."""
 
     part = "token2wav"
     request_keys = frozenset({"voice", "seed"})
@@ -208,7 +228,7 @@ class Token2Wav(Part):
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
-        self.chunk, self.left, self.right = chunk_args(stage, 0, 24, 12, least_chunk=0)  # 0: whole
+        self.chunk, self.left, self.right = chunk_args(stage, 0, 12, 12, least_chunk=0)  # 0: whole
         self.batcher = StepBatcher(self._synthesize, self._compute, self.max_batch)
 
     def _part_class(self) -> tuple[Any, Any]:
@@ -219,8 +239,14 @@ class Token2Wav(Part):
     def _load(self) -> None:
         super()._load()
         self.model.float()  # the reference runs token2wav in float32 whatever the rest is
-        dit = self.model.code2wav_dit_model
-        self.repeats, self.mel_dim = dit.repeats, dit.mel_dim
+        self.dit = CachedDiT(self.model.code2wav_dit_model)
+        self.repeats, self.mel_dim = self.dit.dit.repeats, self.dit.dit.mel_dim
+        if self.chunk > 0 and self.chunk * self.repeats % self.dit.block:
+            raise EngineError(
+                f"stage '{self.stage.name}': chunkCodes must be a multiple of "
+                f"{self.dit.block // math.gcd(self.dit.block, self.repeats)} (the DiT's blocks of "
+                f"{self.dit.block} frames, {self.repeats} frames a code)"
+            )
         rates = self.config.token2wav_config.bigvgan_config.upsample_rates
         self.samples_per_frame = int(torch.tensor(rates).prod())
 
@@ -233,72 +259,54 @@ class Token2Wav(Part):
             end = len(codes) if self.chunk <= 0 else min(done + self.chunk, len(codes))
             if not call.is_last and (self.chunk <= 0 or end + self.right > len(codes)):
                 return  # wait for the rest, or for this chunk's right context
-            piece = self._piece(
-                st, codes, done, end, self.speaker(call.sampling), int(call.sampling.get("seed", 0) or 0)
-            )
-            # Pieces of the same length and voice, from any requests, stack into one decode.
-            wav = await self.batcher.submit((piece.codes.shape[0], self.voice(call.sampling)), piece)
-            yield EngineOutput(units=end - done, data={"audio": wav, "sample_rate": self.sample_rate})
+            piece = self._piece(st, codes, done, end, call)
+            # Pieces of the same shape and voice, from any requests, stack into one decode.
+            out = await self.batcher.submit(piece.key(), piece)
+            st.left, st.mel = out.left, out.mel
+            yield EngineOutput(units=end - done, data={"audio": out.audio, "sample_rate": self.sample_rate})
             done = st.decoded = end
 
     def _piece(
-        self, st: _Token2WavState, codes: torch.Tensor, start: int, end: int, voice: dict[str, Any], seed: int
+        self, st: _Token2WavState, codes: torch.Tensor, start: int, end: int, call: EngineCall
     ) -> _Piece:
-        """What decoding codes [start, end) takes: the codes with their context [lo, hi) and
-        that stretch's noise."""
-        lo = 0 if self.chunk <= 0 else max(0, start - self.left)
+        """What decoding codes [start, end) takes: the codes with their right context, that
+        stretch's noise, and what was kept of the frames before it."""
         hi = len(codes) if self.chunk <= 0 else min(len(codes), end + self.right)
         frames = hi * self.repeats
         if st.noise is None or st.noise.shape[1] < frames:
             # The reference draws randn([1, frames, mel]) after manual_seed(seed); a longer draw
             # from the same seed begins with the shorter one, so slices of it are the same noise.
-            gen = torch.Generator().manual_seed(seed)
-            st.noise = torch.randn([1, frames, self.mel_dim], generator=gen)
-        per_code = self.repeats * self.samples_per_frame
-        return _Piece(
-            codes[lo:hi],
-            st.noise[0, lo * self.repeats : frames],
+            # Twice as long as asked each time: a long request draws O(log n) times, not per chunk.
+            seed = int(call.sampling.get("seed", 0) or 0)
+            longer = frames if st.noise is None or self.chunk <= 0 else max(frames, 2 * st.noise.shape[1])
+            st.noise = torch.randn([1, longer, self.mel_dim], generator=torch.Generator().manual_seed(seed))
+        voice = self.speaker(call.sampling)
+        before = st.mel if start and st.mel is not None else torch.zeros(0, self.mel_dim)
+        window = Window(
+            codes[start:hi],
+            st.noise[0, start * self.repeats : frames],
             voice["cond"].float(),
             voice["ref_mel"].float(),
-            slice((start - lo) * per_code, (end - lo) * per_code),
+            start * self.repeats,
+            st.left if start else None,
         )
+        keep = self.chunk > 0 and not (call.is_last and end == len(codes))
+        return _Piece(window, (end - start) * self.repeats, keep, before, self.voice(call.sampling))
 
     @torch.inference_mode()
-    def _synthesize(self, pieces: list[_Piece]) -> list[torch.Tensor]:
-        """Pieces of one length and voice, as one batch: the DiT and BigVGAN on [B, ...]."""
-        stack = lambda xs: torch.stack(xs).to(self.device)  # noqa: E731
-        mel = self._dit(
-            stack([p.codes for p in pieces]),
-            stack([p.cond for p in pieces]),
-            stack([p.ref for p in pieces]),
-            stack([p.noise for p in pieces]),
-        )
-        wav = self.model.code2wav_bigvgan_model(mel).reshape(len(pieces), -1)
-        return [w[p.samples].float().cpu() for w, p in zip(wav, pieces, strict=True)]
-
-    def _dit(
-        self, codes: torch.Tensor, cond: torch.Tensor, ref: torch.Tensor, noise: torch.Tensor
-    ) -> torch.Tensor:
-        """Qwen2_5OmniToken2WavDiTModel.sample with its defaults (10 steps, guidance 0.5, sway
-        -1), from the given starting noise instead of a fresh draw."""
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-
-        dit = self.model.code2wav_dit_model
-        guidance, sway, steps = 0.5, -1.0, 10
-        cond = cond.unsqueeze(1).repeat(1, noise.shape[1], 1)
-
-        def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            out = dit(
-                hidden_states=x,
-                quantized_code=codes,
-                speaker_embedding=cond,
-                condition_vector=ref,
-                time_step=t,
-                apply_cfg=True,
+    def _synthesize(self, pieces: list[_Piece]) -> list[_Decoded]:
+        """Pieces of one shape and voice, as one batch: the DiT and BigVGAN on [B, ...]."""
+        own, keep = pieces[0].own, pieces[0].keep
+        mel, kept = self.dit.solve([p.window for p in pieces], own if keep else None)
+        before = torch.stack([p.mel_before for p in pieces]).to(mel.device)
+        mel = torch.cat([before, mel], dim=1)
+        wav = self.model.code2wav_bigvgan_model(mel.permute(0, 2, 1)).reshape(len(pieces), -1)
+        m, per = before.shape[1], self.samples_per_frame
+        out = []
+        for r in range(len(pieces)):
+            tail = (
+                mel[r, max(0, m + own - self.left * self.repeats) : m + own].cpu().clone() if keep else None
             )
-            guided, null = torch.chunk(out, 2, dim=0)
-            return guided + (guided - null) * guidance
-
-        t = torch.linspace(0, 1, steps, device=noise.device, dtype=cond.dtype)
-        t = t + sway * (torch.cos(torch.pi / 2 * t) - 1 + t)
-        return RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)[-1].permute(0, 2, 1)
+            audio = wav[r, m * per : (m + own) * per].float().cpu()
+            out.append(_Decoded(audio, kept[r] if keep else None, tail))
+        return out
