@@ -15,6 +15,11 @@ Ratios, each against a baseline measured in the same run:
   Goal <= 0.15.
 - throughput_c8_vs_c1: requests/s at concurrency 8 over concurrency 1 (goal >= 4), the stages
   batching the steps of concurrent requests (their default).
+- streamed_vs_whole_throughput_c1: requests/s at concurrency 1 with code2wav in chunks over
+  the same on the whole sequence: what streaming costs (goal >= 0.9).
+- rtf_c8: the median RTF at concurrency 8, chunked (goal < 1: audio comes faster than it plays).
+- ttfp_c8_vs_c1: median TTFP at concurrency 8 over concurrency 1 (goal <= 2.5).
+- throughput_c16_vs_c1, rtf_c16 (not with --quick): the same at concurrency 16.
 - c8_batched_vs_unbatched: requests/s at concurrency 8 with batching over the same with it
   off in every stage (`maxBatch: 1`): the baseline batching is measured against.
 - c8_vllm_thinker_vs_transformers (not with --quick): requests/s at concurrency 8 with the
@@ -108,8 +113,12 @@ def plot(result: dict[str, Any], path: Any) -> None:
     runs = result["runs"]
     ttfp = [k for k in ("chunked_c1", "full_c1", "vllm_thinker_c1") if k in runs]
     bars(a, ["c1"], {k: [runs[k]["ttfp_ms"]] for k in ttfp}, "TTFP, ms", "chunked vs whole")
-    rate = [k for k in ("chunked_c1", "unbatched_c8", "chunked_c8", "vllm_thinker_c8") if k in runs]
-    bars(b, ["req/s"], {k: [runs[k]["req_per_s"]] for k in rate}, "requests/s", "c1 and c8")
+    rate = [
+        k
+        for k in ("chunked_c1", "full_c1", "unbatched_c8", "chunked_c8", "chunked_c16", "vllm_thinker_c8")
+        if k in runs
+    ]
+    bars(b, ["req/s"], {k: [runs[k]["req_per_s"]] for k in rate}, "requests/s", "c1, c8 and c16")
     from bench.common import save
 
     save(fig, path)
@@ -124,6 +133,8 @@ def main(argv: list[str] | None = None) -> None:
         with served("bench", pipeline(True, codes), cwd=cwd) as base:
             runs["chunked_c1"] = asyncio.run(load(base, 1, n, tokens))
             runs["chunked_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
+            if not args.quick:
+                runs["chunked_c16"] = asyncio.run(load(base, 16, 16 * n, tokens))
         with served("bench", pipeline(True, codes, batched=False), cwd=cwd) as base:
             runs["unbatched_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
         with served("bench", pipeline(False, codes), cwd=cwd) as base:
@@ -144,8 +155,18 @@ def main(argv: list[str] | None = None) -> None:
             "c8_batched_vs_unbatched": round(
                 runs["chunked_c8"]["req_per_s"] / runs["unbatched_c8"]["req_per_s"], 3
             ),
+            "streamed_vs_whole_throughput_c1": round(
+                runs["chunked_c1"]["req_per_s"] / runs["full_c1"]["req_per_s"], 3
+            ),
+            "rtf_c8": runs["chunked_c8"]["rtf"],
+            "ttfp_c8_vs_c1": round(runs["chunked_c8"]["ttfp_ms"] / runs["chunked_c1"]["ttfp_ms"], 3),
         },
     }
+    if "chunked_c16" in runs:
+        result["ratios"]["throughput_c16_vs_c1"] = round(
+            runs["chunked_c16"]["req_per_s"] / runs["chunked_c1"]["req_per_s"], 3
+        )
+        result["ratios"]["rtf_c16"] = runs["chunked_c16"]["rtf"]
     if "vllm_thinker_c8" in runs:
         result["ratios"]["c8_vllm_thinker_vs_transformers"] = round(
             runs["vllm_thinker_c8"]["req_per_s"] / runs["chunked_c8"]["req_per_s"], 3

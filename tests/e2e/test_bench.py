@@ -22,7 +22,14 @@ RATIOS = {
     "pipeline": {"throughput_vs_ideal", "bottleneck_2_replicas_speedup"},
     "streaming": {"ttfa_window_vs_full"},
     "gateway": {"added_latency_p50_ms"},
-    "qwen-omni": {"ttfp_window_vs_full", "throughput_c8_vs_c1", "c8_batched_vs_unbatched"},
+    "qwen-omni": {
+        "ttfp_window_vs_full",
+        "throughput_c8_vs_c1",
+        "c8_batched_vs_unbatched",
+        "streamed_vs_whole_throughput_c1",
+        "rtf_c8",
+        "ttfp_c8_vs_c1",
+    },
     "sleep": {"tiny-omni_rss_asleep_vs_awake_min", "tiny-omni_rss_asleep_vs_awake_max"},
     "vllm-omni": {f"{m}_c{c}" for m in ("ttft", "tpot", "ttfp", "rtf") for c in (1, 4)},
 }
