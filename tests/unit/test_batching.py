@@ -46,6 +46,23 @@ def test_pieces_that_wait_run_together_by_key_and_a_bad_one_fails_alone() -> Non
     asyncio.run(go())
 
 
+def test_a_first_piece_runs_before_older_ones_with_its_key() -> None:
+    """A piece that a request's first output waits on goes before pieces queued earlier: its
+    key's batch runs next (with the older pieces of that key), then the rest, oldest first."""
+
+    async def go() -> None:
+        run = Doubler()
+        b = StepBatcher(run, ThreadPoolExecutor(1), max_batch=8)
+        running = b.submit("later", 1)
+        waiting = [b.submit("later", 2), b.submit("first", 3), b.submit("first", 4, first=True)]
+        run.go.set()
+        assert await running == 2
+        assert await asyncio.gather(*waiting) == [4, 6, 8]
+        assert run.calls == [[1], [3, 4], [2]]
+
+    asyncio.run(go())
+
+
 def test_a_cancelled_piece_leaves_its_batch() -> None:
     async def go() -> None:
         run = Doubler()

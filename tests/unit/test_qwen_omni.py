@@ -157,24 +157,29 @@ async def decode_in_chunks(
     return chunks, code2wav.dit.frames_solved  # type: ignore[attr-defined]
 
 
+@pytest.mark.parametrize("longest", [12, 48])
 def test_audio_decoded_in_chunks_equals_the_whole_decode_and_solves_each_frame_once(
-    model: Path, reference: dict[str, Any]
+    model: Path, reference: dict[str, Any], longest: int
 ) -> None:
-    """Chunks of 12 codes (one DiT block), each solved with the 12 codes after it and reading
-    what the request kept of the chunk before (its look-back layers' inputs at every
-    evaluation, BigVGAN's last 10 codes of mel): the same length, and within 1e-6 of the whole
-    decode on this checkpoint (measured: 7e-8, an SNR of 136 dB). Nothing before a chunk is
-    solved again: the DiT solves each frame once, and the right context once more. Without
+    """Chunks of 12 codes (one DiT block), or growing from 12 to as long as the audio before
+    them (up to `maxChunkCodes`), each solved with the 12 codes after it and reading what the
+    request kept of the chunk before (its look-back layers' inputs at every evaluation,
+    BigVGAN's last 10 codes of mel): the same length, and within 1e-6 of the whole decode on
+    this checkpoint (measured: 7e-8, an SNR of 136 dB). Nothing before a chunk is solved
+    again: the DiT solves each frame once, and each chunk's right context once more. Without
     context a chunk is far off (30 dB)."""
     codes = reference["codes"]
-    chunks, solved = asyncio.run(decode_in_chunks(model, codes, 12, chunkCodes=12))
-    n = -(-len(codes) // 12)
-    assert len(chunks) == n > 1
+    chunks, solved = asyncio.run(decode_in_chunks(model, codes, 12, chunkCodes=12, maxChunkCodes=longest))
+    sizes, done = [], 0
+    while done < len(codes):
+        sizes.append(min(max(done, 12), longest, len(codes) - done))
+        done += sizes[-1]
+    assert [len(c) // 480 for c in chunks] == sizes and len(sizes) > 2  # 480 samples a code
     audio = torch.cat(chunks)
     assert audio.shape == reference["audio"].shape
     torch.testing.assert_close(audio, reference["audio"], rtol=0, atol=1e-6)
     repeats = 2  # DiT frames a code
-    assert solved <= (len(codes) + 12 * (n - 1)) * repeats, solved
+    assert solved <= (len(codes) + 12 * (len(sizes) - 1)) * repeats, solved
     blind, _ = asyncio.run(
         decode_in_chunks(model, codes, 12, chunkCodes=12, leftContextCodes=0, rightContextCodes=0)
     )
@@ -531,9 +536,18 @@ def test_audio_features_equal_the_processors_on_every_frame_the_encoder_reads(mo
         assert torch.equal(ours[i][:, kept[i].bool()], theirs[i][:, their_kept[i].bool()]), i
 
 
-def test_chunks_that_split_a_dit_block_are_refused_at_start(model: Path) -> None:
-    """A chunk's kept left context is whole DiT blocks (24 frames, 12 codes here): a chunk of
-    5 codes would cut one, so the stage says so at start, naming the argument."""
-    code2wav = engine("code2wav", model, chunkCodes=5)
-    with pytest.raises(EngineError, match="chunkCodes must be a multiple of 12"):
-        asyncio.run(code2wav.start())
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ({"chunkCodes": 5}, "chunkCodes must be a multiple of 12"),
+        ({"chunkCodes": 12, "maxChunkCodes": 30}, "maxChunkCodes must be a multiple of 12"),
+        ({"chunkCodes": 24, "maxChunkCodes": 12}, "maxChunkCodes must be at least chunkCodes"),
+    ],
+)
+def test_chunks_that_split_a_dit_block_are_refused_at_start(
+    model: Path, args: dict[str, int], says: str
+) -> None:
+    """A chunk's kept left context is whole DiT blocks (24 frames, 12 codes here): a chunk
+    that would cut one is refused when the stage starts, naming the argument."""
+    with pytest.raises(EngineError, match=says):
+        asyncio.run(engine("code2wav", model, **args).start())

@@ -5,7 +5,9 @@ A replica serves up to `maxInflight` requests at once, each in its own task, and
 compute thread. Each task submits its next piece of work (a code2wav chunk, say) with a key
 saying what it can be stacked with; when the thread comes free, the batcher takes the oldest
 waiting piece and every other waiting piece of the same key (up to `max_batch`) and runs them
-as one batched call. Nothing waits for a batch to fill: under light load a piece runs alone
+as one batched call; a piece a request's first output waits on (`first`) goes before older
+ones, so a newcomer's first audio does not queue behind everyone's later chunks. Nothing
+waits for a batch to fill: under light load a piece runs alone
 at once; under load the pieces that queued behind a running call go together. A request
 cancelled while waiting is dropped from its batch; a batch that fails is run again piece by
 piece, so only the piece that fails fails its request, never the batch the replica.
@@ -29,6 +31,7 @@ class _Waiting(Generic[I, O]):
     key: Hashable
     item: I
     done: asyncio.Future[O]
+    first: bool
 
 
 class StepBatcher(Generic[I, O]):
@@ -43,10 +46,11 @@ class StepBatcher(Generic[I, O]):
         self.batch_sizes: Counter[int] = Counter()
         """How many batches of each size have run (for tests and metrics)."""
 
-    def submit(self, key: Hashable, item: I) -> asyncio.Future[O]:
-        """Queue `item` now; the future is its result. Cancelling it drops the item."""
+    def submit(self, key: Hashable, item: I, first: bool = False) -> asyncio.Future[O]:
+        """Queue `item` now; the future is its result. Cancelling it drops the item. `first`:
+        the request's first output waits on it, so its batch runs before older ones."""
         done: asyncio.Future[O] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Waiting(key, item, done))
+        self._waiting.append(_Waiting(key, item, done, first))
         self._next()
         return done
 
@@ -54,7 +58,7 @@ class StepBatcher(Generic[I, O]):
         self._waiting = [w for w in self._waiting if not w.done.cancelled()]
         if self._busy or not self._waiting:
             return
-        key = self._waiting[0].key
+        key = next((w for w in self._waiting if w.first), self._waiting[0]).key
         batch = [w for w in self._waiting if w.key == key][: self.max_batch]
         self._waiting = [w for w in self._waiting if w not in batch]
         self._busy = True

@@ -214,9 +214,10 @@ class Token2Wav(Part):
     """The DiT and BigVGAN, on the whole code sequence or in chunks as codes arrive.
 
     `chunkCodes: 0` (the default) waits for the last code and decodes everything at once, as
-    the reference does. `chunkCodes: C` decodes C codes at a time (a multiple of the DiT's
-    block), each with `rightContextCodes` after it (waited for unless the codes have ended),
-    and emits only the chunk's own samples. Nothing before a chunk is decoded again: the DiT's
+    the reference does. `chunkCodes: C` decodes the first C codes (a multiple of the DiT's
+    block) as soon as they and `rightContextCodes` after them are there, then chunks as long
+    as the audio before them up to `maxChunkCodes` (C by default), each emitting only its own
+    samples. Nothing before a chunk is decoded again: the DiT's
     look-back layers read what the request kept of the chunk before (dit.py), and BigVGAN reads
     `leftContextCodes` of mel already made. Either way the starting noise is one draw from the
     request's seed, sliced, so the whole decode's frames get the reference's noise."""
@@ -228,7 +229,10 @@ class Token2Wav(Part):
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
-        self.chunk, self.left, self.right = chunk_args(stage, 0, 12, 12, least_chunk=0)  # 0: whole
+        self.chunk, self.left, self.right = chunk_args(stage, 0, 10, 12, least_chunk=0)  # 0: whole
+        self.max_chunk = int(self.args.get("maxChunkCodes", self.chunk))
+        if self.chunk > 0 and self.max_chunk < self.chunk:
+            raise EngineError(f"stage '{stage.name}': maxChunkCodes must be at least chunkCodes")
         self.batcher = StepBatcher(self._synthesize, self._compute, self.max_batch)
 
     def _part_class(self) -> tuple[Any, Any]:
@@ -241,12 +245,13 @@ class Token2Wav(Part):
         self.model.float()  # the reference runs token2wav in float32 whatever the rest is
         self.dit = CachedDiT(self.model.code2wav_dit_model)
         self.repeats, self.mel_dim = self.dit.dit.repeats, self.dit.dit.mel_dim
-        if self.chunk > 0 and self.chunk * self.repeats % self.dit.block:
-            raise EngineError(
-                f"stage '{self.stage.name}': chunkCodes must be a multiple of "
-                f"{self.dit.block // math.gcd(self.dit.block, self.repeats)} (the DiT's blocks of "
-                f"{self.dit.block} frames, {self.repeats} frames a code)"
-            )
+        for name, n in (("chunkCodes", self.chunk), ("maxChunkCodes", self.max_chunk)):
+            if self.chunk > 0 and n * self.repeats % self.dit.block:
+                raise EngineError(
+                    f"stage '{self.stage.name}': {name} must be a multiple of "
+                    f"{self.dit.block // math.gcd(self.dit.block, self.repeats)} (the DiT's blocks of "
+                    f"{self.dit.block} frames, {self.repeats} frames a code)"
+                )
         rates = self.config.token2wav_config.bigvgan_config.upsample_rates
         self.samples_per_frame = int(torch.tensor(rates).prod())
 
@@ -256,15 +261,21 @@ class Token2Wav(Part):
             return
         done = st.decoded
         while done < len(codes):
-            end = len(codes) if self.chunk <= 0 else min(done + self.chunk, len(codes))
+            end = len(codes) if self.chunk <= 0 else min(done + self._chunk_after(done), len(codes))
             if not call.is_last and (self.chunk <= 0 or end + self.right > len(codes)):
                 return  # wait for the rest, or for this chunk's right context
             piece = self._piece(st, codes, done, end, call)
-            # Pieces of the same shape and voice, from any requests, stack into one decode.
-            out = await self.batcher.submit(piece.key(), piece)
+            # Pieces of the same shape and voice, from any requests, stack into one decode; a
+            # request's first chunk goes ahead of later ones (its listener hears nothing yet).
+            out = await self.batcher.submit(piece.key(), piece, first=done == 0)
             st.left, st.mel = out.left, out.mel
             yield EngineOutput(units=end - done, data={"audio": out.audio, "sample_rate": self.sample_rate})
             done = st.decoded = end
+
+    def _chunk_after(self, done: int) -> int:
+        """Codes in the chunk after the first `done`: as many as came before it (the audio
+        already out plays while the next is made), from chunkCodes up to maxChunkCodes."""
+        return min(max(done, self.chunk), self.max_chunk)
 
     def _piece(
         self, st: _Token2WavState, codes: torch.Tensor, start: int, end: int, call: EngineCall
