@@ -240,6 +240,44 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
     assert together == alone
 
 
+def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Path) -> None:
+    """Three requests of different prompt lengths (one with audio and an image) on one talker
+    replica at once: their talker steps run as batches (caches stacked, left-padded, masked,
+    each at its own M-RoPE position), so do the code predictor's residuals of their codes, and
+    each request gets exactly the codes, every codebook, it gets alone."""
+    requests = [
+        {"role": "user", "content": QUESTION},
+        media_message(*media_clips()),
+        {"role": "user", "content": "A much longer question, to make the prompts differ in length: why?"},
+    ]
+
+    async def go() -> tuple[list[list[list[int]]], list[list[list[int]]], Any]:
+        thinker, talker = engine("thinker", model), engine("talker", model)
+        await thinker.start()
+        await talker.start()
+        thoughts = []
+        for m in requests:
+            messages, media = await decode_media([m], MediaSpec())
+            call = EngineCall(
+                "r", {"request": {"messages": messages, "media": media.tensors}}, True, {"max_tokens": 8}
+            )
+            thoughts.append(concat([o.data async for o in thinker.generate(call)]))
+
+        async def talk(thought: dict[str, Any]) -> list[list[int]]:
+            call = EngineCall("r", {"thinker": thought}, True, {"max_tokens": TALKER_CODES, "voice": "Ethan"})
+            return concat([o.data async for o in talker.generate(call)])["codes"].tolist()
+
+        together = await asyncio.gather(*(talk(t) for t in thoughts))
+        sizes = talker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
+        alone = [await talk(t) for t in thoughts]
+        return list(together), alone, sizes
+
+    together, alone, sizes = asyncio.run(go())
+    assert max(sizes) == 3, sizes
+    assert all(len(codes) > 4 for codes in alone)
+    assert together == alone
+
+
 @pytest.mark.parametrize("media", ["audio and image", "video"])
 def test_with_an_encoder_stage_the_pipeline_computes_the_same(model: Path, media: str) -> None:
     """The encoder stage (Qwen3-Omni's audio and vision encoders alone, its vision encoder's

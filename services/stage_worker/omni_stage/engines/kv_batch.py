@@ -17,11 +17,12 @@ import torch.nn.functional as F
 
 
 def decode_together(
-    model: Any, caches: list[Any], positions: list[torch.Tensor], **inputs: torch.Tensor
+    model: Any, caches: list[Any], positions: list[torch.Tensor], **inputs: Any
 ) -> tuple[Any, list[Any]]:
-    """`model(**inputs)` for B requests at one new position each: `inputs` are batched on dim 0
-    ([B, 1, ...]); `positions[i]` is row i's position ids ([1, 1], or [3, 1, 1] for M-RoPE),
-    joined on their batch dimension. Returns the model's output and each request's cache with
+    """`model(**inputs)` for B requests at one new position each: tensor `inputs` are batched
+    on dim 0 ([B, 1, ...]), others passed as they are; `positions[i]` is row i's position ids
+    ([1, 1], or [3, 1, 1] for M-RoPE, [4, 1, 1] for Qwen3-Omni's text and M-RoPE rows), joined
+    on their batch dimension. Returns the model's output and each request's cache with
     the step added."""
     from transformers import DynamicCache
 

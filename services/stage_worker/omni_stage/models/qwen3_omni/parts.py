@@ -44,6 +44,7 @@ import torch
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
+from omni_stage.engines.kv_batch import decode_together
 from omni_stage.models.qwen_omni.encoder import Encoder
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
@@ -199,6 +200,18 @@ class _Speaking:
     done: bool = False
 
 
+@dataclass(slots=True)
+class _Step:
+    """One request's piece of a batched talker step: its state and, for a decode step, the
+    text it is fed (none: its last code's residuals are drawn); what the step drew."""
+
+    st: _Speaking
+    trailing: torch.Tensor | None = None
+    residuals: list[int] = field(default_factory=list)
+    code0: int = 0
+    hidden: torch.Tensor | None = None
+
+
 class Qwen3Talker(Part):
     part = "talker"
     config_class = "Qwen3OmniMoeConfig"
@@ -210,6 +223,9 @@ class Qwen3Talker(Part):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.text_embeds: torch.Tensor | None = None
+        # Concurrent requests' steps run together: the code predictor's residuals of their last
+        # codes as one batch, their next talker steps as another; a prefill runs on its own.
+        self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
@@ -266,12 +282,13 @@ class Qwen3Talker(Part):
                 st.done = True  # eos has no residuals; nor does the last code a budget allows
                 return
             if st.residuals is None:
-                st.residuals = await self._run(self._residuals, st)
+                st.residuals = (await self.batcher.submit("residuals", _Step(st))).residuals
                 yield EngineOutput(units=1, data={"codes": torch.tensor([[st.code0, *st.residuals]])})
             trailing = self._trailing(st, k - 1, call.is_last)
             if trailing is None:
                 return  # waits for the thinker's next window
-            st.code0, st.last_hidden = await self._run(self._decode, st, trailing)
+            drawn = await self.batcher.submit("decode", _Step(st, trailing))
+            st.code0, st.last_hidden = drawn.code0, drawn.hidden
             st.step = k
             st.residuals = None
 
@@ -362,30 +379,66 @@ class Qwen3Talker(Part):
         return torch.cat([text[None], rope.to(self.device)])
 
     @torch.inference_mode()
-    def _residuals(self, st: _Speaking) -> list[int]:
-        """The code predictor's residual codebooks for the last code, as the reference draws them."""
+    def _steps(self, steps: list[_Step]) -> list[_Step]:
+        """One batch of one kind: every request's residuals, or every request's next code."""
+        if steps[0].trailing is None:
+            return self._residuals(steps)
+        return self._decodes(steps)
+
+    def _residuals(self, steps: list[_Step]) -> list[_Step]:
+        """The code predictor's residual codebooks for each request's last code, as the
+        reference draws them: its generate on a batch of equal-length prompts (the hidden
+        state that drew the code and the code's embedding)."""
         m = self.model
-        assert st.last_hidden is not None
-        code0 = torch.tensor([[st.code0]], device=self.device)
+        sts = [s.st for s in steps]
+        assert all(st.last_hidden is not None for st in sts)
+        code0 = torch.tensor([[st.code0] for st in sts], device=self.device)
+        hidden = torch.cat([st.last_hidden for st in sts])  # type: ignore[misc]
         drawn = m.code_predictor.generate(
-            inputs_embeds=torch.cat([st.last_hidden, m.get_input_embeddings()(code0)], dim=1),
+            inputs_embeds=torch.cat([hidden, m.get_input_embeddings()(code0)], dim=1),
             max_new_tokens=self.groups - 1,
             do_sample=False,
         )
-        return drawn[0, -(self.groups - 1) :].tolist()
+        return [
+            _Step(st, residuals=row[-(self.groups - 1) :].tolist())
+            for st, row in zip(sts, drawn, strict=True)
+        ]
 
-    @torch.inference_mode()
-    def _decode(self, st: _Speaking, trailing: torch.Tensor) -> tuple[int, torch.Tensor]:
+    def _decodes(self, steps: list[_Step]) -> list[_Step]:
+        """Each request's next code 0 and the hidden state that drew it: its codes' embeddings
+        summed, plus the step's text, at its own position in its own cache."""
+        inputs = [self._step_input(s.st, s.trailing) for s in steps]  # type: ignore[arg-type]
+        positions = [self._step_positions(s.st) for s in steps]
+        if len(steps) == 1:
+            code, hidden = self._forward(steps[0].st, inputs[0], positions[0])
+            return [_Step(steps[0].st, code0=code, hidden=hidden)]
+        out, caches = decode_together(
+            self.model,
+            [s.st.past for s in steps],
+            positions,
+            inputs_embeds=torch.cat(inputs),
+            output_hidden_states=True,
+            generation_step=0,
+        )
+        drawn = []
+        for row, (s, cache) in enumerate(zip(steps, caches, strict=True)):
+            s.st.past = cache
+            code = self._pick(s.st, out.logits[row, -1].float())
+            drawn.append(_Step(s.st, code0=code, hidden=out.hidden_states[0][-1][row : row + 1, -1:]))
+        return drawn
+
+    def _step_input(self, st: _Speaking, trailing: torch.Tensor) -> torch.Tensor:
         m = self.model
         assert st.residuals is not None
         codes = [st.code0, *st.residuals]
         tables = [m.get_input_embeddings(), *m.code_predictor.get_input_embeddings()]
         each = [t(torch.tensor([[c]], device=self.device)) for t, c in zip(tables, codes, strict=True)]
-        inputs = torch.cat(each, dim=1).sum(1, keepdim=True) + trailing[None, None]
-        past = st.past.get_seq_length()
-        text = torch.tensor([[past]], device=self.device)
-        positions = torch.cat([text[None], (text + st.rope_delta)[None].expand(3, -1, -1)])
-        return self._forward(st, inputs, positions)
+        return torch.cat(each, dim=1).sum(1, keepdim=True) + trailing[None, None]
+
+    def _step_positions(self, st: _Speaking) -> torch.Tensor:
+        """[4, 1, 1]: the step's text position, and its M-RoPE ones (offset by the prompt's media)."""
+        text = torch.tensor([[st.past.get_seq_length()]], device=self.device)
+        return torch.cat([text[None], (text + st.rope_delta)[None].expand(3, -1, -1)])
 
     def _forward(
         self, st: _Speaking, inputs: torch.Tensor, positions: torch.Tensor
