@@ -10,6 +10,10 @@ And a streamed request keeps, from one chunk to the next, all that its next chun
 reads of the frames before it: the input of each look-back layer over the last block, at each
 evaluation (`LeftContext`). A chunk then solves only its own frames and its right context,
 instead of solving its left context's frames again at every chunk as a window of context does.
+The solve goes one Runge-Kutta step (four evaluations) at a time (`CachedDiT.step`), each step
+a batch of the windows at that step, so a replica's compute thread can take a newcomer's first
+chunk between two steps of others' chunks rather than after their whole solve.
+
 Those kept frames were solved before the chunk after them was known beyond the right context,
 so a chunk is close to the whole decode, not equal to it (tests/unit/test_qwen_omni.py says how
 close, against the windows of context that vLLM-Omni decodes).
@@ -17,7 +21,7 @@ close, against the windows of context that vLLM-Omni decodes).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
@@ -56,9 +60,29 @@ class Window:
     left: LeftContext | None
 
 
+@dataclass(slots=True, eq=False)
+class Solve:
+    """One window's solve between its steps."""
+
+    window: Window
+    keep_at: int | None
+    """A frame of the window (block-aligned) where the next chunk starts: what that chunk's
+    look-back layers read before it is kept. None: no chunk follows."""
+    x: torch.Tensor
+    """The current value, [frames, mel]: the noise at first, the mel once every step is done."""
+    fixed: torch.Tensor
+    """What every evaluation is conditioned on, guided and null rows ([2, frames, features])."""
+    step: int = 0
+    kept: list[dict[int, torch.Tensor]] = field(default_factory=list)
+    """What the next chunk reads, per evaluation so far: layer -> [2, frames, hidden]."""
+
+    def left_context(self) -> LeftContext:
+        return LeftContext(tuple(self.kept))
+
+
 class CachedDiT:
-    """The DiT of a loaded `Qwen2_5OmniToken2WavModel`, solving windows of several requests at
-    once (same length, same left context length)."""
+    """The DiT of a loaded `Qwen2_5OmniToken2WavModel`, stepping the solves of several requests
+    at once (same step, same length, same left context length)."""
 
     def __init__(self, dit: Any) -> None:
         self.dit = dit
@@ -70,23 +94,26 @@ class CachedDiT:
         }
         self.reach = max(self.back.values(), default=0)
         """Frames before a chunk that its look-back layers read: what a stream keeps."""
+        t = torch.linspace(0, 1, STEPS)
+        self.times = t + SWAY * (torch.cos(torch.pi / 2 * t) - 1 + t)
+        self.steps = STEPS - 1
         self.frames_solved = 0
         """Frames solved so far, every request's (what tests read: no frame is solved twice)."""
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.dit.parameters()).device
+
     @torch.inference_mode()
-    def solve(self, windows: list[Window], keep_at: int | None) -> tuple[torch.Tensor, list[LeftContext]]:
-        """The mel of each window ([B, frames, mel]), and, if `keep_at` (a frame of the window,
-        block-aligned) is given, what the chunk starting there must be given of the frames
-        before it."""
-        dit = self.dit
-        b, frames = len(windows), windows[0].noise.shape[0]
-        left = windows[0].left.frames if windows[0].left is not None else 0
-        device = next(dit.parameters()).device
+    def begin(self, windows: list[Window], keep_at: int | None) -> list[Solve]:
+        """The windows' solves, ready for their first step: what they are conditioned on is
+        computed here, once (the speaker encoder, the codes' embedding)."""
+        dit, b, device = self.dit, len(windows), self.device
+        frames = windows[0].noise.shape[0]
         self.frames_solved += b * frames
         codes = torch.stack([w.codes for w in windows]).to(device)
-        noise = torch.stack([w.noise for w in windows]).to(device)
         # Rows 0..b-1 guided, b..2b-1 null (conditioning dropped), as the reference's input
-        # embedding stacks them. What they are conditioned on is the same at every evaluation.
+        # embedding stacks them.
         ref = torch.stack([w.ref for w in windows]).to(device)
         voice = dit.input_embed.spk_encoder(torch.cat([ref, torch.zeros_like(ref)]))
         cond = torch.stack([w.cond for w in windows]).to(device)
@@ -98,56 +125,64 @@ class CachedDiT:
             ),
             dim=-1,
         )
-        starts = torch.tensor([w.start - left for w in windows], device=device)
+        return [
+            Solve(w, keep_at, w.noise.to(device), torch.stack([fixed[r], fixed[b + r]]))
+            for r, w in enumerate(windows)
+        ]
+
+    @torch.inference_mode()
+    def step(self, solves: list[Solve]) -> None:
+        """One Runge-Kutta step of each solve (all at the same step, of the same shape), as the
+        reference's solver takes it; each solve's value and what it keeps are updated."""
+        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
+
+        dit, b, device = self.dit, len(solves), self.device
+        first = solves[0]
+        frames = first.x.shape[0]
+        left = first.window.left.frames if first.window.left is not None else 0
+        fixed = self._rows([s.fixed for s in solves])
+        starts = torch.tensor([s.window.start - left for s in solves], device=device)
         positions = (starts[:, None] + torch.arange(left + frames, device=device)).repeat(2, 1)
         rope = dit.rotary_embed(fixed, positions)  # (cos, sin) over the left context and the window
         own_rope = tuple(r[:, left:] for r in rope)
         blocks = torch.arange(left + frames, device=device) // self.block
         diff = (blocks[None, :] - blocks[:, None]).expand(2 * b, dit.num_attention_heads, -1, -1)
         own_diff = diff[:, :, left:, left:]
-        before = [w.left.inputs for w in windows if w.left is not None] if left else []
-        kept_in = (
-            [
-                {i: self._rows([inputs[e][i] for inputs in before]) for i in self.back}
-                for e in range(len(before[0]))
-            ]
-            if before
-            else []
-        )
-        kept_out: list[dict[int, torch.Tensor]] = []
+        evals = 4 * first.step  # the solve's evaluations before this step
+        keep_at = first.keep_at
+        kept: list[dict[int, torch.Tensor]] = []
 
         def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            e = len(kept_out)
-            kept_out.append({})
+            e = evals + len(kept)
+            kept.append({})
             time = dit.time_embed(t.repeat(2 * b))
             h = dit.input_embed.proj(torch.cat((torch.cat([x, x]), fixed), dim=-1))
             for i, layer in enumerate(dit.transformer_blocks):
                 if i in self.back and left:
-                    whole = torch.cat([kept_in[e][i], h], dim=1)
+                    before = self._rows([s.window.left.inputs[e][i] for s in solves])  # type: ignore[union-attr]
+                    whole = torch.cat([before, h], dim=1)
                     h = layer(whole, time, position_embeddings=rope, block_diff=diff)[:, left:]
                 else:
                     whole = h
                     h = layer(h, time, position_embeddings=own_rope, block_diff=own_diff)
                 if i in self.back and keep_at is not None:
                     at = left + keep_at
-                    kept_out[e][i] = whole[:, max(0, at - self.reach) : at].clone()
+                    kept[-1][i] = whole[:, max(0, at - self.reach) : at].clone()
             out = dit.proj_out(dit.norm_out(h, time))
             guided, null = torch.chunk(out, 2, dim=0)
             return guided + (guided - null) * GUIDANCE
 
-        from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
-
-        t = torch.linspace(0, 1, STEPS, device=device, dtype=cond.dtype)
-        t = t + SWAY * (torch.cos(torch.pi / 2 * t) - 1 + t)
-        mel = RungeKutta4ODESolver(function=velocity, initial_value=noise).integrate(t)[-1]
-        if keep_at is None:
-            return mel, []
-        return mel, [
-            LeftContext(tuple({i: torch.stack([k[i][r], k[i][b + r]]) for i in k} for k in kept_out))
-            for r in range(b)
-        ]
+        x = torch.stack([s.x for s in solves])
+        t0, t1 = self.times[first.step].to(device), self.times[first.step + 1].to(device)
+        solver = RungeKutta4ODESolver(function=velocity, initial_value=x)
+        delta, _ = solver._compute_step(velocity, t0, t1 - t0, t1, x)
+        x = x + delta
+        for r, s in enumerate(solves):
+            s.x = x[r]
+            s.kept += [{i: torch.stack([k[i][r], k[i][b + r]]) for i in k} for k in kept]
+            s.step += 1
 
     @staticmethod
     def _rows(per_window: list[torch.Tensor]) -> torch.Tensor:
-        """Windows' [2, n, h] as the batch's rows: every guided row, then every null row."""
+        """Windows' [2, ...] as the batch's rows: every guided row, then every null row."""
         return torch.stack(per_window, dim=1).flatten(0, 1)

@@ -13,7 +13,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
-from omni_stage.models.qwen2_5_omni.dit import CachedDiT, LeftContext, Window
+from omni_stage.models.qwen2_5_omni.dit import CachedDiT, LeftContext, Solve, Window
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
@@ -172,10 +172,11 @@ class Talker(Part):
         return int(torch.argmax(logits))
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class _Piece:
     """One stretch of one request's codes to decode: the DiT's window (the chunk and its right
-    context), and the mel the vocoder reads before it."""
+    context), the mel the vocoder reads before it, and how far it has got: its solve, step by
+    step (`phase` 0 to 8), then BigVGAN (`phase` 9)."""
 
     window: Window
     own: int
@@ -184,12 +185,14 @@ class _Piece:
     """Whether a chunk follows, which needs what this one keeps."""
     mel_before: torch.Tensor
     voice: str
+    phase: int = 0
+    solve: Solve | None = None
 
     def key(self) -> Hashable:
-        """What pieces must share to be decoded as one batch."""
+        """What pieces must share to go as one batch: the phase, the shapes and the voice."""
         w = self.window
         left = w.left.frames if w.left is not None else 0
-        return (w.codes.shape[0], self.own, left, self.mel_before.shape[0], self.keep, self.voice)
+        return (self.phase, w.codes.shape[0], self.own, left, self.mel_before.shape[0], self.keep, self.voice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,9 +268,11 @@ class Token2Wav(Part):
             if not call.is_last and (self.chunk <= 0 or end + self.right > len(codes)):
                 return  # wait for the rest, or for this chunk's right context
             piece = self._piece(st, codes, done, end, call)
-            # Pieces of the same shape and voice, from any requests, stack into one decode; a
-            # request's first chunk goes ahead of later ones (its listener hears nothing yet).
-            out = await self.batcher.submit(piece.key(), piece, first=done == 0)
+            # Pieces at the same phase, of the same shape and voice, from any requests, go as one
+            # batch, a solver step at a time; a request's first chunk goes ahead of later ones
+            # (its listener hears nothing yet).
+            while (out := await self.batcher.submit(piece.key(), piece, first=done == 0)) is None:
+                piece.phase += 1
             st.left, st.mel = out.left, out.mel
             yield EngineOutput(units=end - done, data={"audio": out.audio, "sample_rate": self.sample_rate})
             done = st.decoded = end
@@ -305,19 +310,30 @@ class Token2Wav(Part):
         return _Piece(window, (end - start) * self.repeats, keep, before, self.voice(call.sampling))
 
     @torch.inference_mode()
-    def _synthesize(self, pieces: list[_Piece]) -> list[_Decoded]:
-        """Pieces of one shape and voice, as one batch: the DiT and BigVGAN on [B, ...]."""
+    def _synthesize(self, pieces: list[_Piece]) -> list[_Decoded | None]:
+        """Pieces at one phase, of one shape and voice, as one batch: a step of their DiT solves
+        (None: more to do), or, once solved, BigVGAN on [B, ...] (their audio)."""
+        phase = pieces[0].phase
+        if phase == 0:
+            keep_at = pieces[0].own if pieces[0].keep else None
+            for p, solve in zip(pieces, self.dit.begin([p.window for p in pieces], keep_at), strict=True):
+                p.solve = solve
+        solves = [p.solve for p in pieces]
+        assert all(solves)
+        if phase < self.dit.steps:
+            self.dit.step(solves)  # type: ignore[arg-type]
+            return [None] * len(pieces)
         own, keep = pieces[0].own, pieces[0].keep
-        mel, kept = self.dit.solve([p.window for p in pieces], own if keep else None)
+        mel = torch.stack([s.x for s in solves])  # type: ignore[union-attr]
         before = torch.stack([p.mel_before for p in pieces]).to(mel.device)
         mel = torch.cat([before, mel], dim=1)
         wav = self.model.code2wav_bigvgan_model(mel.permute(0, 2, 1)).reshape(len(pieces), -1)
-        m, per = before.shape[1], self.samples_per_frame
-        out = []
-        for r in range(len(pieces)):
-            tail = (
-                mel[r, max(0, m + own - self.left * self.repeats) : m + own].cpu().clone() if keep else None
+        m, per, tail = before.shape[1], self.samples_per_frame, self.left * self.repeats
+        return [
+            _Decoded(
+                wav[r, m * per : (m + own) * per].float().cpu(),
+                s.left_context() if keep else None,  # type: ignore[union-attr]
+                mel[r, max(0, m + own - tail) : m + own].cpu().clone() if keep else None,
             )
-            audio = wav[r, m * per : (m + own) * per].float().cpu()
-            out.append(_Decoded(audio, kept[r] if keep else None, tail))
-        return out
+            for r, s in enumerate(solves)
+        ]
