@@ -132,8 +132,9 @@ class CachedDiT:
 
     @torch.inference_mode()
     def step(self, solves: list[Solve]) -> None:
-        """One Runge-Kutta step of each solve (all at the same step, of the same shape), as the
-        reference's solver takes it; each solve's value and what it keeps are updated."""
+        """One Runge-Kutta step of each solve (of the same shape, each at its own step: its time
+        is its row's), as the reference's solver takes it; each solve's value and what it keeps
+        are updated."""
         from transformers.models.qwen2_5_omni.modeling_qwen2_5_omni import RungeKutta4ODESolver
 
         dit, b, device = self.dit, len(solves), self.device
@@ -148,18 +149,17 @@ class CachedDiT:
         blocks = torch.arange(left + frames, device=device) // self.block
         diff = (blocks[None, :] - blocks[:, None]).expand(2 * b, dit.num_attention_heads, -1, -1)
         own_diff = diff[:, :, left:, left:]
-        evals = 4 * first.step  # the solve's evaluations before this step
         keep_at = first.keep_at
         kept: list[dict[int, torch.Tensor]] = []
 
         def velocity(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-            e = evals + len(kept)
+            j = len(kept)  # the step's evaluation; the solve's is 4 * step + j
             kept.append({})
-            time = dit.time_embed(t.repeat(2 * b))
+            time = dit.time_embed(t.reshape(-1).repeat(2))
             h = dit.input_embed.proj(torch.cat((torch.cat([x, x]), fixed), dim=-1))
             for i, layer in enumerate(dit.transformer_blocks):
                 if i in self.back and left:
-                    before = self._rows([s.window.left.inputs[e][i] for s in solves])  # type: ignore[union-attr]
+                    before = self._rows([s.window.left.inputs[4 * s.step + j][i] for s in solves])  # type: ignore[union-attr]
                     whole = torch.cat([before, h], dim=1)
                     h = layer(whole, time, position_embeddings=rope, block_diff=diff)[:, left:]
                 else:
@@ -173,7 +173,8 @@ class CachedDiT:
             return guided + (guided - null) * GUIDANCE
 
         x = torch.stack([s.x for s in solves])
-        t0, t1 = self.times[first.step].to(device), self.times[first.step + 1].to(device)
+        at = torch.tensor([s.step for s in solves])
+        t0, t1 = (self.times[at + k].view(-1, 1, 1).to(device) for k in (0, 1))
         solver = RungeKutta4ODESolver(function=velocity, initial_value=x)
         delta, _ = solver._compute_step(velocity, t0, t1 - t0, t1, x)
         x = x + delta

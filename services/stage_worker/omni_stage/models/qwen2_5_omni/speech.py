@@ -13,7 +13,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
-from omni_stage.models.qwen2_5_omni.dit import CachedDiT, LeftContext, Solve, Window
+from omni_stage.models.qwen2_5_omni.dit import STEPS, CachedDiT, LeftContext, Solve, Window
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
@@ -189,10 +189,12 @@ class _Piece:
     solve: Solve | None = None
 
     def key(self) -> Hashable:
-        """What pieces must share to go as one batch: the phase, the shapes and the voice."""
+        """What pieces must share to go as one batch: solving (at any step) or vocoding, the
+        shapes and the voice."""
         w = self.window
         left = w.left.frames if w.left is not None else 0
-        return (self.phase, w.codes.shape[0], self.own, left, self.mel_before.shape[0], self.keep, self.voice)
+        vocoding = self.phase == STEPS - 1
+        return (vocoding, w.codes.shape[0], self.own, left, self.mel_before.shape[0], self.keep, self.voice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -268,9 +270,9 @@ class Token2Wav(Part):
             if not call.is_last and (self.chunk <= 0 or end + self.right > len(codes)):
                 return  # wait for the rest, or for this chunk's right context
             piece = self._piece(st, codes, done, end, call)
-            # Pieces at the same phase, of the same shape and voice, from any requests, go as one
-            # batch, a solver step at a time; a request's first chunk goes ahead of later ones
-            # (its listener hears nothing yet).
+            # Pieces of the same shape and voice, from any requests, go as one batch, a solver
+            # step at a time (each at its own step), then vocoded; a request's first chunk goes
+            # ahead of later ones (its listener hears nothing yet).
             while (out := await self.batcher.submit(piece.key(), piece, first=done == 0)) is None:
                 piece.phase += 1
             st.left, st.mel = out.left, out.mel
@@ -311,18 +313,17 @@ class Token2Wav(Part):
 
     @torch.inference_mode()
     def _synthesize(self, pieces: list[_Piece]) -> list[_Decoded | None]:
-        """Pieces at one phase, of one shape and voice, as one batch: a step of their DiT solves
-        (None: more to do), or, once solved, BigVGAN on [B, ...] (their audio)."""
-        phase = pieces[0].phase
-        if phase == 0:
-            keep_at = pieces[0].own if pieces[0].keep else None
-            for p, solve in zip(pieces, self.dit.begin([p.window for p in pieces], keep_at), strict=True):
-                p.solve = solve
-        solves = [p.solve for p in pieces]
-        assert all(solves)
-        if phase < self.dit.steps:
-            self.dit.step(solves)  # type: ignore[arg-type]
+        """Pieces of one shape and voice, as one batch: a step of each one's DiT solve, wherever
+        it is (None: more to do), or, once solved, BigVGAN on [B, ...] (their audio)."""
+        if pieces[0].phase < self.dit.steps:
+            new = [p for p in pieces if p.solve is None]
+            if new:
+                keep_at = new[0].own if new[0].keep else None
+                for p, solve in zip(new, self.dit.begin([p.window for p in new], keep_at), strict=True):
+                    p.solve = solve
+            self.dit.step([p.solve for p in pieces])  # type: ignore[misc]
             return [None] * len(pieces)
+        solves = [p.solve for p in pieces]
         own, keep = pieces[0].own, pieces[0].keep
         mel = torch.stack([s.x for s in solves])  # type: ignore[union-attr]
         before = torch.stack([p.mel_before for p in pieces]).to(mel.device)
