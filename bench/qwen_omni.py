@@ -109,16 +109,19 @@ async def load(base: str, concurrency: int, requests: int, tokens: int) -> dict[
 
 
 def plot(result: dict[str, Any], path: Any) -> None:
-    fig, (a, b) = figure(2)
+    fig, (a, b, c) = figure(3)
     runs = result["runs"]
-    ttfp = [k for k in ("chunked_c1", "full_c1", "vllm_thinker_c1") if k in runs]
-    bars(a, ["c1"], {k: [runs[k]["ttfp_ms"]] for k in ttfp}, "TTFP, ms", "chunked vs whole")
+    ttfp = [k for k in ("chunked_c1", "chunked_c8", "full_c1", "vllm_thinker_c1") if k in runs]
+    bars(a, ["TTFP"], {k: [runs[k]["ttfp_ms"]] for k in ttfp}, "TTFP, ms", "streamed vs whole, c1 vs c8")
     rate = [
         k
         for k in ("chunked_c1", "full_c1", "unbatched_c8", "chunked_c8", "chunked_c16", "vllm_thinker_c8")
         if k in runs
     ]
     bars(b, ["req/s"], {k: [runs[k]["req_per_s"]] for k in rate}, "requests/s", "c1, c8 and c16")
+    rtf = [k for k in ("chunked_c1", "chunked_c8", "chunked_c16", "unbatched_c8") if k in runs]
+    bars(c, ["RTF"], {k: [runs[k]["rtf"]] for k in rtf}, "RTF", "RTF (< 1: faster than it plays)")
+    c.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     from bench.common import save
 
     save(fig, path)
