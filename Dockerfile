@@ -15,9 +15,10 @@ ENV PYTHONUNBUFFERED=1 \
     HOME=/home/omni \
     HF_HOME=/home/omni/.cache/huggingface
 
-# Mooncake's transfer engine links libibverbs, libnuma and libcurl.
+# Mooncake's transfer engine links libibverbs, libnuma and libcurl; torch.compile (a stage's
+# `compile: true`) builds kernels with the C/C++ compiler, on GPUs through Triton's launcher.
 RUN apt-get update \
- && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 \
+ && apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 g++ \
  && rm -rf /var/lib/apt/lists/* \
  && python -m venv /opt/omni
 

@@ -11,8 +11,9 @@ VOMNI   := .venv-vllm-omni
 VOMNI_STAMP := $(VOMNI)/.installed
 MODELS  := models
 PORT    ?= 8000
-# Debian packages the native parts need (Mooncake's transfer engine links these).
-DEBIAN  := libibverbs1 libnuma1 libcurl4
+# Debian packages the native parts need (Mooncake's transfer engine links the libraries;
+# torch.compile's CPU backend, `compile: true`, builds its kernels with g++).
+DEBIAN  := libibverbs1 libnuma1 libcurl4 g++
 
 .PHONY: setup serve test bench lint format golden demo-models vllm-omni-venv system-packages clean
 

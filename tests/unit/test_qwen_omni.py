@@ -6,7 +6,9 @@ checkpoint, same prompt, greedy."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +142,7 @@ def test_an_unknown_voice_is_refused_before_any_work(model: Path) -> None:
 
 
 async def decode_in_chunks(
-    model: Path, codes: torch.Tensor, window: int, **args: int
+    model: Path, codes: torch.Tensor, window: int, **args: Any
 ) -> tuple[list[torch.Tensor], int]:
     """code2wav fed `window` codes a call, as the talker's edge feeds it; its audio chunks, and
     the frames its DiT solved."""
@@ -551,3 +553,52 @@ def test_chunks_that_split_a_dit_block_are_refused_at_start(
     that would cut one is refused when the stage starts, naming the argument."""
     with pytest.raises(EngineError, match=says):
         asyncio.run(engine("code2wav", model, **args).start())
+
+
+def test_compiled_code2wav_decodes_what_eager_decodes(model: Path, reference: dict[str, Any]) -> None:
+    """`compile: true` (torch.compile of the DiT's layers and BigVGAN, here on the CPU's
+    inductor backend, which builds its kernels with g++): a first, a middle and a last chunk,
+    streamed with kept context, are what the stage decodes without it, within 1e-6 (fused
+    kernels may sum in another order)."""
+    codes = reference["codes"][:36]
+    eager, _ = asyncio.run(decode_in_chunks(model, codes, 12, chunkCodes=12))
+    compiled, _ = asyncio.run(decode_in_chunks(model, codes, 12, chunkCodes=12, compile=True))
+    assert [len(c) for c in compiled] == [len(c) for c in eager] and len(eager) == 3
+    torch.testing.assert_close(torch.cat(compiled), torch.cat(eager), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_code2wav_asleep_holds_no_weights_and_woken_decodes_the_same(
+    model: Path, reference: dict[str, Any], level: int
+) -> None:
+    """Level 2 frees every weight: none of the DiT's or BigVGAN's tensors outlives the sleep
+    (nothing beside the model, such as the layer-by-layer DiT, keeps them); level 1 keeps them
+    in host memory, where on the CPU they already are. The woken stage decodes the same audio."""
+    codes = reference["codes"][:24]
+
+    async def go() -> tuple[list[torch.Tensor], list[torch.Tensor], bool, dict[str, int]]:
+        code2wav = engine("code2wav", model, chunkCodes=12)
+        await code2wav.start()
+
+        async def decode() -> list[torch.Tensor]:
+            call = EngineCall("r", {"talker": {"codes": codes}}, True, {"voice": "Ethan", "seed": SEED})
+            return [o.data["audio"] async for o in code2wav.generate(call)]
+
+        before = await decode()
+        m = code2wav.model  # type: ignore[attr-defined]
+        weights = [
+            weakref.ref(next(m.code2wav_dit_model.parameters())),
+            weakref.ref(next(m.code2wav_bigvgan_model.parameters())),
+        ]
+        del m
+        await code2wav.sleep(level)
+        gc.collect()
+        freed = all(w() is None for w in weights)
+        asleep = code2wav.weight_bytes()
+        await code2wav.wake_up(level)
+        return before, await decode(), freed, asleep
+
+    before, after, freed, asleep = asyncio.run(go())
+    assert freed == (level == 2)
+    assert (asleep == {}) == (level == 2)
+    assert [a.tolist() for a in after] == [b.tolist() for b in before]

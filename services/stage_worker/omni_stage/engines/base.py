@@ -207,8 +207,10 @@ class ComputeEngine(Engine):
     """
 
     weights: tuple[str, ...] = ()
-    """The attributes `_load` sets that hold weights (modules or tensors): what `sleep` moves to
-    host memory (level 1) or drops (level 2; `wake_up` runs `_load` again)."""
+    """The attributes `_load` sets that hold weights (modules, tensors, or objects holding modules
+    with a `to`): what `sleep` moves to host memory (level 1) or drops (level 2; `wake_up` runs
+    `_load` again). Every one that holds a module must be named, or a level-2 sleep frees
+    nothing of it."""
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -247,13 +249,16 @@ class ComputeEngine(Engine):
 
     def weight_bytes(self) -> dict[str, int]:
         held: collections.Counter[str] = collections.Counter()
+        seen: set[int] = set()  # a tensor two attributes share (a compiled wrapper's) counts once
         for name in self.weights:
             obj = getattr(self, name, None)
             tensors = [obj] if isinstance(obj, torch.Tensor) else []
             if isinstance(obj, torch.nn.Module):
                 tensors = [*obj.parameters(), *obj.buffers()]
             for t in tensors:
-                held[t.device.type] += t.numel() * t.element_size()
+                if id(t) not in seen:
+                    seen.add(id(t))
+                    held[t.device.type] += t.numel() * t.element_size()
         return dict(held)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:

@@ -85,8 +85,10 @@ class CachedDiT:
     """The DiT of a loaded `Qwen2_5OmniToken2WavModel`, stepping the solves of several requests
     at once (of one length and left context length, each at its own step)."""
 
-    def __init__(self, dit: Any) -> None:
+    def __init__(self, dit: Any, compiled: bool = False) -> None:
         self.dit = dit
+        self.layers = [torch.compile(b, dynamic=True) if compiled else b for b in dit.transformer_blocks]
+        """The DiT's layers, compiled by `torch.compile` where asked (`compile: true`)."""
         self.block = int(dit.block_size)
         self.back = {
             i: int(layer.look_backward_block) * self.block
@@ -104,6 +106,11 @@ class CachedDiT:
     @property
     def device(self) -> torch.device:
         return next(self.dit.parameters()).device
+
+    def to(self, device: torch.device | str) -> CachedDiT:
+        """Moves its DiT (a level-1 sleep); the compiled layers wrap the same modules."""
+        self.dit.to(device)
+        return self
 
     @torch.inference_mode()
     def begin(self, windows: list[Window], keep_at: int | None) -> list[Solve]:
@@ -158,7 +165,7 @@ class CachedDiT:
             kept.append({})
             time = dit.time_embed(t.reshape(-1).repeat(2))
             h = dit.input_embed.proj(torch.cat((torch.cat([x, x]), fixed), dim=-1))
-            for i, layer in enumerate(dit.transformer_blocks):
+            for i, layer in enumerate(self.layers):
                 if i in self.back and left:
                     before = self._rows([s.window.left.inputs[4 * s.step + j][i] for s in solves])  # type: ignore[union-attr]
                     whole = torch.cat([before, h], dim=1)

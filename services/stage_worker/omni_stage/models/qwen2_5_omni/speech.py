@@ -225,10 +225,15 @@ class Token2Wav(Part):
     samples. Nothing before a chunk is decoded again: the DiT's
     look-back layers read what the request kept of the chunk before (dit.py), and BigVGAN reads
     `leftContextCodes` of mel already made. Either way the starting noise is one draw from the
-    request's seed, sliced, so the whole decode's frames get the reference's noise."""
+    request's seed, sliced, so the whole decode's frames get the reference's noise.
+
+    `compile: true` runs the DiT's layers and BigVGAN through `torch.compile` (off by default:
+    it compiles at start, again on waking from a level-2 sleep, and for new shapes; on this CPU
+    it halves their time, within 1e-6 of not compiling)."""
 
     part = "token2wav"
     request_keys = frozenset({"voice", "seed"})
+    weights = ("model", "dit", "vocoder")  # the last two hold the model's own modules
     needs_last_call = True  # the last chunk waits for right context until the codes end
     sample_rate: Final = 24000
 
@@ -248,7 +253,10 @@ class Token2Wav(Part):
     def _load(self) -> None:
         super()._load()
         self.model.float()  # the reference runs token2wav in float32 whatever the rest is
-        self.dit = CachedDiT(self.model.code2wav_dit_model)
+        compiled = bool(self.args.get("compile", False))
+        self.dit = CachedDiT(self.model.code2wav_dit_model, compiled)
+        bigvgan = self.model.code2wav_bigvgan_model
+        self.vocoder = torch.compile(bigvgan, dynamic=True) if compiled else bigvgan
         self.repeats, self.mel_dim = self.dit.dit.repeats, self.dit.dit.mel_dim
         for name, n in (("chunkCodes", self.chunk), ("maxChunkCodes", self.max_chunk)):
             if self.chunk > 0 and n * self.repeats % self.dit.block:
@@ -328,7 +336,7 @@ class Token2Wav(Part):
         mel = torch.stack([s.x for s in solves])  # type: ignore[union-attr]
         before = torch.stack([p.mel_before for p in pieces]).to(mel.device)
         mel = torch.cat([before, mel], dim=1)
-        wav = self.model.code2wav_bigvgan_model(mel.permute(0, 2, 1)).reshape(len(pieces), -1)
+        wav = self.vocoder(mel.permute(0, 2, 1)).reshape(len(pieces), -1)
         m, per, tail = before.shape[1], self.samples_per_frame, self.left * self.repeats
         return [
             _Decoded(
