@@ -222,9 +222,9 @@ class Token2Wav(Part):
     the reference does. `chunkCodes: C` decodes the first C codes (a multiple of the DiT's
     block) as soon as they and `rightContextCodes` after them are there, then chunks as long
     as the audio before them up to `maxChunkCodes` (C by default), each emitting only its own
-    samples. Nothing before a chunk is decoded again: the DiT's
-    look-back layers read what the request kept of the chunk before (dit.py), and BigVGAN reads
-    `leftContextCodes` of mel already made. Either way the starting noise is one draw from the
+    samples. Nothing before a chunk is decoded again: the DiT's look-back layers read what the
+    request kept of the chunk before (dit.py), and BigVGAN reads `leftContextCodes` of mel
+    already made. Either way the starting noise is one draw from the
     request's seed, sliced, so the whole decode's frames get the reference's noise.
 
     `compile: true` runs the DiT's layers and BigVGAN through `torch.compile` (off by default:
