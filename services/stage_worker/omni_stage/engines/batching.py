@@ -6,8 +6,9 @@ compute thread. Each task submits its next piece of work (a code2wav chunk, say)
 saying what it can be stacked with; when the thread comes free, the batcher takes the oldest
 waiting piece and every other waiting piece of the same key (up to `max_batch`) and runs them
 as one batched call; a piece a request's first output waits on (`first`) goes before older
-ones, so a newcomer's first audio does not queue behind everyone's later chunks. Nothing
-waits for a batch to fill: under light load a piece runs alone
+ones, so a newcomer's first audio does not queue behind everyone's later chunks (those still
+run whenever no first piece waits; a replica admits `maxInflight` requests, so newcomers come
+only as others finish). Nothing waits for a batch to fill: under light load a piece runs alone
 at once; under load the pieces that queued behind a running call go together. A request
 cancelled while waiting is dropped from its batch; a batch that fails is run again piece by
 piece, so only the piece that fails fails its request, never the batch the replica.
