@@ -61,10 +61,10 @@ FAMILIES: Final[dict[str, Family]] = {
         "Qwen3-Omni",
         {
             EngineKind.TRANSFORMERS: {
-                "encoder": f"{_QWEN3}.parts:Qwen3Encoder",
-                "thinker": f"{_QWEN3}.parts:Qwen3Thinker",
-                "talker": f"{_QWEN3}.parts:Qwen3Talker",
-                "code2wav": f"{_QWEN3}.parts:Qwen3Code2Wav",
+                "encoder": f"{_QWEN3}.thinker:Qwen3Encoder",
+                "thinker": f"{_QWEN3}.thinker:Qwen3Thinker",
+                "talker": f"{_QWEN3}.speech:Qwen3Talker",
+                "code2wav": f"{_QWEN3}.speech:Qwen3Code2Wav",
             },
         },
         checkpoint=f"{_QWEN3}.checkpoint:write_tiny_checkpoint",

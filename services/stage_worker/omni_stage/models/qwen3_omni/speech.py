@@ -1,37 +1,4 @@
-"""Qwen3-Omni as three stages from one checkpoint: thinker -> talker -> code2wav.
-
-`engine: {kind: transformers, model: DIR, args: {part: thinker|talker|code2wav}}` on a
-checkpoint whose config is `qwen3_omni_moe`. Each stage loads only its part with transformers'
-own class, as for Qwen2.5-Omni (qwen_omni.py, whose thinker this one is but for what it sends),
-and computes what `Qwen3OmniMoeForConditionalGeneration.generate(..., return_audio=True)`
-computes with greedy decoding (`talker_do_sample=False`), split where the model splits:
-
-- thinker: the MoE thinker, its prompt built as `Qwen3OmniMoeProcessor` builds it (its audio
-  features padded to the longest clip, its own audio lengths and video bounds). Unit 0 carries
-  the prompt's ids, input embeddings and hidden states of the layer the talker reads
-  (`accept_hidden_layer`), with the media's layout; unit `s` the input embedding of token
-  `s - 1` (the talker reads the reply's embeddings only).
-- talker: its prompt is the user turns (text positions: the thinker's embeddings through its
-  text projection; media positions: the thinker's hidden states through its hidden
-  projection) and the assistant's start (3 tokens, 4 pads and the TTS bos, the first reply
-  token, each with its codec control code and the voice's speaker code). Each step picks the
-  first codebook's code (greedy, repetition penalty 1.05 over the codes so far, the top 1024
-  ids but the codec eos suppressed), then its code predictor (transformers' own `generate`,
-  greedy) the residual codebooks from the step's last hidden state; the next step is fed the
-  sum of the code's embeddings and the next reply token's projected embedding (then the TTS
-  eos, then its pad). A code goes out, all its codebooks, once its residuals are drawn; as in
-  the reference, the code of the last step a budget allows is not (its residuals never are).
-- code2wav: the causal Code2Wav decoder on chunks of `chunkCodes` codes (300 by default),
-  each with `leftContextCodes` (25) before it: the reference's `chunked_decode` with its
-  defaults is exactly that. 1920 samples a code at 24 kHz, less 555 at the end of a decode
-  (its causal transposed convolutions trim what the next code would complete): with
-  `rightContextCodes` (0 by default) each chunk but the last is decoded with that many codes
-  after it and keeps exactly its own codes' samples, so small chunks lose nothing between
-  them.
-
-The voice (`audio.voice`: the checkpoint's `speaker_id` names, Ethan by default as in the
-reference) picks the talker's speaker code.
-"""
+"""Qwen3-Omni's talker (with its code predictor) and Code2Wav (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -42,10 +9,10 @@ from typing import Any, Final
 import torch
 
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import EngineCall, EngineError
+from omni_stage.engines.base import EngineCall
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
-from omni_stage.models.qwen_omni.encoder import Encoder
+from omni_stage.models.qwen3_omni.thinker import LAYOUT_KEYS
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
@@ -54,8 +21,6 @@ from omni_stage.models.qwen_omni.parts import (
     penalise_repeats,
     thinker_embedding_table,
 )
-from omni_stage.models.qwen_omni.prompt import MediaEmbeds, Prompt, Prompts
-from omni_stage.models.qwen_omni.thinker import Thinker
 from omni_stage.segments import EngineOutput
 
 DEFAULT_VOICE: Final = "Ethan"
@@ -63,120 +28,6 @@ SUPPRESSED_TOP: Final = 1024
 """The reference suppresses the top 1024 ids of the talker's vocabulary (its control codes),
 all but the codec eos."""
 TALKER_TEXT_TYPE: Final = "qwen3_omni_moe_talker_text"
-LAYOUT_KEYS: Final = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
-
-
-class Qwen3Prompts(Prompts):
-    """The prompt as `Qwen3OmniMoeProcessor` builds it."""
-
-    def __init__(
-        self, path: str, tokenizer: Any, thinker_config: Any, device: torch.device, dtype: torch.dtype
-    ):
-        super().__init__(path, tokenizer, thinker_config, device, dtype)
-        self.n_window = int(thinker_config.audio_config.n_window)
-
-    @staticmethod
-    def _processor_defaults() -> dict[str, Any]:
-        from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import Qwen3OmniMoeProcessorKwargs
-
-        return Qwen3OmniMoeProcessorKwargs._defaults
-
-    def audio_tokens(self, lengths: torch.Tensor) -> list[int]:
-        from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import (
-            _get_feat_extract_output_lengths,
-        )
-
-        return _get_feat_extract_output_lengths(lengths, self.n_window).tolist()
-
-    def _audio_features(self, audios: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """As the processor calls the feature extractor: padded to the longest clip, whole."""
-        fe = self.features
-        out = fe(
-            audios,
-            sampling_rate=fe.sampling_rate,
-            padding=True,
-            truncation=False,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        return out["input_features"], out["attention_mask"]
-
-
-class Qwen3Thinker(Thinker):
-    """Qwen2.5-Omni's thinker stage on Qwen3-Omni's MoE thinker, sending what its talker reads."""
-
-    config_class = "Qwen3OmniMoeConfig"
-    model_name = "Qwen3-Omni"
-    prompts_class = Qwen3Prompts
-    sends_reply_hidden = False
-
-    def _part_class(self) -> tuple[Any, Any]:
-        from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
-
-        return Qwen3OmniMoeThinkerForConditionalGeneration, self.config.thinker_config
-
-    def _load(self) -> None:
-        super()._load()
-        self.talker_layer = int(self.config.talker_config.accept_hidden_layer)
-
-    def _media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
-        """The audio rows at their placeholders of the input embeddings (as the forward puts
-        its audio encoder's), and the image and video rows with their deepstack features
-        through the forward's own seam for precomputed vision outputs (`mm_encoder_outputs`)."""
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-            BaseModelOutputWithDeepstackFeatures,
-        )
-
-        m = self.model
-        embeds = m.get_input_embeddings()(ids)
-        if media.audio is not None:
-            _, _, audio_mask = m.get_placeholder_mask(ids, inputs_embeds=embeds)
-            embeds = embeds.masked_scatter(audio_mask, media.audio.to(self.device, embeds.dtype))
-        assert self.prompts is not None
-        _, image_sizes, video_sizes = self.prompts.layout_tokens(media.layout)
-        vision: dict[str, Any] = {}
-        for kind, rows, deep, sizes in (
-            ("image", media.image, media.image_deepstack, image_sizes),
-            ("video", media.video, media.video_deepstack, video_sizes),
-        ):
-            if rows is not None and deep is None:
-                raise EngineError(
-                    f"stage '{self.stage.name}': the encoder's {kind} rows came without deepstack features"
-                )
-            if rows is not None:
-                vision[kind] = BaseModelOutputWithDeepstackFeatures(
-                    pooler_output=torch.split(rows.to(self.device, self.dtype), sizes),
-                    deepstack_features=[torch.split(d.to(self.device, self.dtype), sizes) for d in deep],
-                )
-        return {"input_ids": ids, "inputs_embeds": embeds, "mm_encoder_outputs": vision}
-
-    def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
-        """The prompt's ids and its media's layout, each as one unit ([1, ...])."""
-        out = {"prompt_ids": prompt.ids.cpu()}
-        for key in LAYOUT_KEYS:
-            if (value := getattr(prompt.layout, key)) is not None:
-                out[f"prompt_{key}"] = value.cpu()[None]
-        return out
-
-
-class Qwen3Encoder(Encoder):
-    """Qwen3-Omni's audio and vision encoders as a stage of their own (qwen_omni_encoder.py);
-    its vision encoder's deepstack features go to the thinker with the rows."""
-
-    config_class = "Qwen3OmniMoeConfig"
-    model_name = "Qwen3-Omni"
-    prompts_class = Qwen3Prompts
-
-    def _tower_classes(self) -> tuple[Any, Any]:
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
-            Qwen3OmniMoeAudioEncoder,
-            Qwen3OmniMoeVisionEncoder,
-        )
-
-        return Qwen3OmniMoeAudioEncoder, Qwen3OmniMoeVisionEncoder
-
-    def _audio_tower(self, packed: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-        return self.audio_tower(packed, feature_lens=lengths).last_hidden_state
 
 
 @dataclass(slots=True)
