@@ -77,6 +77,10 @@ class Solve:
     kept: list[dict[int, torch.Tensor]] = field(default_factory=list)
     """What the next chunk reads, per evaluation so far: layer -> [2, frames, hidden]."""
 
+    @property
+    def solved(self) -> bool:
+        return self.step == STEPS - 1
+
     def left_context(self) -> LeftContext:
         return LeftContext(tuple(self.kept))
 
@@ -99,7 +103,6 @@ class CachedDiT:
         """Frames before a chunk that its look-back layers read: what a stream keeps."""
         t = torch.linspace(0, 1, STEPS)
         self.times = t + SWAY * (torch.cos(torch.pi / 2 * t) - 1 + t)
-        self.steps = STEPS - 1
         self.frames_solved = 0
         """Frames solved so far, every request's (what tests read: no frame is solved twice)."""
 

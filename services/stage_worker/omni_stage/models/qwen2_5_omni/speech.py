@@ -13,7 +13,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
-from omni_stage.models.qwen2_5_omni.dit import STEPS, CachedDiT, LeftContext, Solve, Window
+from omni_stage.models.qwen2_5_omni.dit import CachedDiT, LeftContext, Solve, Window
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
@@ -175,8 +175,8 @@ class Talker(Part):
 @dataclass(slots=True, eq=False)
 class _Piece:
     """One stretch of one request's codes to decode: the DiT's window (the chunk and its right
-    context), the mel the vocoder reads before it, and how far it has got: its solve, step by
-    step (`phase` 0 to 8), then BigVGAN (`phase` 9)."""
+    context), the mel the vocoder reads before it, and its solve once begun: step by step, then
+    BigVGAN."""
 
     window: Window
     own: int
@@ -185,7 +185,6 @@ class _Piece:
     """Whether a chunk follows, which needs what this one keeps."""
     mel_before: torch.Tensor
     voice: str
-    phase: int = 0
     solve: Solve | None = None
 
     def key(self) -> Hashable:
@@ -193,7 +192,7 @@ class _Piece:
         shapes and the voice."""
         w = self.window
         left = w.left.frames if w.left is not None else 0
-        vocoding = self.phase == STEPS - 1
+        vocoding = self.solve is not None and self.solve.solved
         return (vocoding, w.codes.shape[0], self.own, left, self.mel_before.shape[0], self.keep, self.voice)
 
 
@@ -282,7 +281,7 @@ class Token2Wav(Part):
             # step at a time (each at its own step), then vocoded; a request's first chunk goes
             # ahead of later ones (its listener hears nothing yet).
             while (out := await self.batcher.submit(piece.key(), piece, first=done == 0)) is None:
-                piece.phase += 1
+                pass  # a step of its solve done; more to go
             st.left, st.mel = out.left, out.mel
             yield EngineOutput(units=end - done, data={"audio": out.audio, "sample_rate": self.sample_rate})
             done = st.decoded = end
@@ -323,7 +322,7 @@ class Token2Wav(Part):
     def _synthesize(self, pieces: list[_Piece]) -> list[_Decoded | None]:
         """Pieces of one shape and voice, as one batch: a step of each one's DiT solve, wherever
         it is (None: more to do), or, once solved, BigVGAN on [B, ...] (their audio)."""
-        if pieces[0].phase < self.dit.steps:
+        if pieces[0].solve is None or not pieces[0].solve.solved:
             new = [p for p in pieces if p.solve is None]
             if new:
                 keep_at = new[0].own if new[0].keep else None
