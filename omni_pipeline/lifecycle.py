@@ -7,6 +7,10 @@ They report their state over a one-way pipe as wire-encoded structs (bytes, neve
 objects). A monitor thread per child waits on the pipe and the
 process sentinel together, so a death is noticed at once, without polling. Readiness comes
 only from the child's READY event. Shutdown is terminate, wait up to 5 s, kill the tree.
+
+A serving process (a child here, or `omni stage` / `omni gateway` as a pod's main process) ends
+the same way in both: once it has stopped serving it has `STOP_DEADLINE_S` to close (`exit_if_stuck`),
+and it leaves with `exit_process`, without the interpreter's teardown.
 """
 
 from __future__ import annotations
@@ -14,16 +18,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
 import signal
+import sys
 import threading
 import traceback
 import weakref
 from collections.abc import Callable
 from multiprocessing.connection import Connection, wait
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import msgspec
 import psutil
@@ -34,6 +40,8 @@ from omni_pipeline import wire
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE_S: Final = 5.0
+STOP_DEADLINE_S: Final = 20.0
+"""How long a process that has stopped serving may take to close its connections and libraries."""
 _PR_SET_PDEATHSIG: Final = 1
 
 
@@ -63,6 +71,25 @@ ChildTarget = Callable[..., None]
 def _send(conn: Connection, ev: LifecycleEvent) -> None:
     with contextlib.suppress(BrokenPipeError, OSError):  # the parent is gone: nothing to tell
         conn.send_bytes(wire.encode(ev))
+
+
+def exit_if_stuck(seconds: float = STOP_DEADLINE_S) -> None:
+    """From now on the process has `seconds` to end. If it has not by then (a backend that no
+    longer answers, a native library's close, a thread that never returns), every thread's
+    stack goes to stderr, which says what held it, and it exits with status 1. The timer is the
+    whole process's: only a process's own entry point arms it."""
+    faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def exit_process(code: int) -> NoReturn:
+    """End now, without the interpreter's teardown: it would join threads still inside a
+    backend's call (a connector's I/O thread waits out Mooncake's 30 s timeout per call) and run
+    half-closed native libraries' destructors. Everything the process owns has been closed."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
@@ -122,7 +149,7 @@ def _child_entry(target: ChildTarget, report: Connection, args: tuple[Any, ...],
     finally:
         _send(report, LifecycleEvent(ProcState.SHUTDOWN))
         report.close()
-    os._exit(code)  # skip interpreter teardown of half-closed native libraries
+    exit_process(code)
 
 
 def kill_tree(pid: int, reap_root: bool = True) -> None:

@@ -16,7 +16,10 @@ Ownership: a caller cancelled in the middle of a put or a get waits for that cal
 before its cancellation goes on, so the cleanup its request's end runs comes after the write it
 frees (a payload written after its request's cleanup would have no owner). Cleanups go on the
 same thread, queued behind the calls already made; `close` waits for what is queued, then
-closes the connectors.
+closes the connectors. A backend that no longer answers holds each call for its own timeout
+(Mooncake: 30 s), so `close` waits `CLOSE_WAIT_S` at most; then it leaves the calls running
+and the connectors open (a thread is inside one), and the process exits without them: the
+backends' own expiry is the last owner of what they held.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for_futures
 from typing import Any, Final, TypeVar
 
 from omni_pipeline import wire
@@ -35,6 +39,9 @@ log = logging.getLogger("omni.connectors")
 IO_THREADS: Final = 1
 """Connector calls one process runs at once (see above); the others wait their turn, and how many
 wait is bounded anyway: each running request awaits its own."""
+
+CLOSE_WAIT_S: Final = 10.0
+"""How long `close` waits for the connector calls already made."""
 
 T = TypeVar("T")
 
@@ -49,6 +56,8 @@ class OffLoop:
         self._pool = ThreadPoolExecutor(IO_THREADS, thread_name_prefix="connector-io")
         self._pending: dict[Callable[..., object], asyncio.Future[object]] = {}
         """`within`'s calls still running, one per function."""
+        self._last: Future[None] | None = None
+        """Once closing: the pool's last call, done when every call before it is."""
 
     async def put(
         self, conn: OmniConnector, from_stage: str, to_stage: str, request_id: str, data: Any, seq: int = 0
@@ -103,11 +112,24 @@ class OffLoop:
         except RuntimeError:  # closed: a request that ended as the process stopped
             log.warning("%s: request %s ended after its connectors closed", self.owner, request_id)
 
-    def close(self) -> None:
-        """Wait for the cleanups still queued, then close the connectors."""
-        self._pool.shutdown(wait=True)
+    def close(self, wait_s: float = CLOSE_WAIT_S) -> bool:
+        """Wait up to `wait_s` for the calls still queued (cleanups), then close the connectors.
+        False if calls were still running then: the connectors are left open, and a later
+        `close` waits for those calls again."""
+        if self._last is None:  # one thread, in order: this no-op runs after every call made
+            self._last = self._pool.submit(lambda: None)
+            self._pool.shutdown(wait=False)
+        if not wait_for_futures([self._last], timeout=wait_s).done:
+            log.warning(
+                "%s: connector calls still running after %g s (a backend not answering); "
+                "leaving them and the connectors open",
+                self.owner,
+                wait_s,
+            )
+            return False
         for c in self.connectors.values():
             c.close()
+        return True
 
     def _cleanup_now(self, request_id: str) -> None:
         for c in self.connectors.values():

@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,8 +78,7 @@ class Kubelet:
         self._stop.set()
         self._thread.join(30)
         with self._lock:
-            for pod in list(self.pods.values()):
-                self._kill(pod)
+            self._kill(*self.pods.values())
             self.pods.clear()
 
     def _api(self, api_version: str, kind: str) -> Any:
@@ -131,8 +131,9 @@ class Kubelet:
         deployments = kind.get(namespace=self.namespace).to_dict()["items"]
         names = {d["metadata"]["name"] for d in deployments}
         with self._lock:
-            for pod in [p for p in self.pods.values() if p.deployment not in names]:
-                self._kill(pod)
+            gone = [p for p in self.pods.values() if p.deployment not in names]
+            self._kill(*gone)
+            for pod in gone:
                 del self.pods[pod.name]
         for d in deployments:
             self._sync_deployment(kind, d)
@@ -144,14 +145,12 @@ class Kubelet:
         digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
         with self._lock:
             mine = [p for p in self.pods.values() if p.deployment == name]
-            for pod in mine:
-                if pod.template_hash != digest:  # an old template: replace (Recreate)
-                    self._kill(pod)
-                    del self.pods[pod.name]
-            mine = [p for p in self.pods.values() if p.deployment == name]
-            for pod in mine[want:]:
-                self._kill(pod)
+            current = [p for p in mine if p.template_hash == digest]
+            gone = [p for p in mine if p.template_hash != digest] + current[want:]  # Recreate, scale down
+            self._kill(*gone)
+            for pod in gone:
                 del self.pods[pod.name]
+            mine = current[:want]
             for _ in range(want - len(mine)):
                 pod = self._start(name, digest, template)
                 self.pods[pod.name] = pod
@@ -292,13 +291,18 @@ class Kubelet:
         except httpx.HTTPError:
             pod.ready = False
 
-    def _kill(self, pod: Pod) -> None:
-        grace = pod.spec.get("terminationGracePeriodSeconds", 30)
-        if pod.proc.poll() is None:
-            os.killpg(pod.proc.pid, signal.SIGTERM)
+    def _kill(self, *pods: Pod) -> None:
+        """Stop pods as the kubelet does: all at once, each SIGTERM, then SIGKILL after its grace."""
+        for pod in pods:
+            if pod.proc.poll() is None:
+                os.killpg(pod.proc.pid, signal.SIGTERM)
+        start = time.monotonic()
+        for pod in pods:
+            grace = pod.spec.get("terminationGracePeriodSeconds", 30)
             try:
-                pod.proc.wait(grace)
+                pod.proc.wait(max(0.0, start + grace - time.monotonic()))
             except subprocess.TimeoutExpired:
+                self.errors.append(f"{pod.name} still running {grace}s after SIGTERM: killed")
                 os.killpg(pod.proc.pid, signal.SIGKILL)
                 pod.proc.wait(5)
-        shutil.rmtree(pod.log.parent / "volumes", ignore_errors=True)
+            shutil.rmtree(pod.log.parent / "volumes", ignore_errors=True)

@@ -3,10 +3,13 @@ memory, and nothing left behind on read, abort, or a crash on either side."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
+import logging
 import multiprocessing as mp
 import os
 import stat
+import threading
 import uuid
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -16,6 +19,7 @@ import torch
 
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError, ConnectorHandle, PayloadGone, ShmConnector
+from omni_pipeline.connectors.offload import OffLoop
 from omni_pipeline.settings import ConnectorSpec
 from tests.helpers import our_shm_segments, read_handles, shm_prefix, shm_segments_in_use
 
@@ -251,3 +255,32 @@ def test_a_segment_nobody_reads_is_reclaimed_by_its_writer() -> None:
     finally:
         conn.close()
     assert our_shm_segments(prefix) == []
+
+
+async def test_closing_leaves_a_connector_call_that_never_ends(caplog: pytest.LogCaptureFixture) -> None:
+    """A backend that answers nothing holds each call for its own timeout (Mooncake's is 30 s, for
+    every queued call). Closing a process's connector I/O waits a bounded time, then leaves the
+    call and the connectors open, so the process can exit (a stage once hung at exit past its
+    pod's grace); once the call ends, a second close closes them. The call that never ends is
+    a stand-in, held on an event: no backend hangs on cue (a SIGSTOPped mooncake_master hangs
+    some calls and answers others at once)."""
+    conn = ShmConnector("default", SPEC, prefix=_prefix())
+    io = OffLoop("test", {"default": conn})
+    await io.put(conn, "a", "b", "r1", {"x": torch.ones(4096)})
+    assert conn.pooled_bytes() > 0
+    running, answer = threading.Event(), threading.Event()
+
+    def a_call_that_waits_for_its_backend() -> bool:
+        running.set()
+        return answer.wait()
+
+    held = asyncio.ensure_future(io.call(a_call_that_waits_for_its_backend))
+    assert await asyncio.to_thread(running.wait, 30)
+    with caplog.at_level(logging.WARNING, "omni.connectors"):
+        assert io.close(wait_s=0.2) is False
+    assert "connector calls still running after 0.2 s" in caplog.text
+    assert conn.pooled_bytes() > 0  # left open: a thread may be inside it
+    answer.set()
+    assert io.close(wait_s=30.0) is True
+    assert await held is True
+    assert conn.pooled_bytes() == 0

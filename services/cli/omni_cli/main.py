@@ -14,6 +14,7 @@ from omni_pipeline.connection import nats_security, resolve_nats_url
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.control import ControlError
 from omni_pipeline.environment import NATS_URL_ENV
+from omni_pipeline.lifecycle import exit_process
 from omni_pipeline.logs import configure_logging
 from omni_pipeline.spec import PipelineFile, SpecError, load_pipeline
 
@@ -61,7 +62,7 @@ def cmd_stage(a: argparse.Namespace) -> int:
         a.metrics_port,
         a.pipeline,
     )
-    return 0
+    exit_process(0)  # as a pod's main process: no interpreter teardown (omni_pipeline.lifecycle)
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:
@@ -76,7 +77,7 @@ def cmd_gateway(a: argparse.Namespace) -> int:
     except ApiKeyError as exc:
         print(f"omni: {exc}", file=sys.stderr)
         return 2
-    return 0
+    exit_process(0)  # as a pod's main process: no interpreter teardown (omni_pipeline.lifecycle)
 
 
 def cmd_init_demo(a: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from omni_gateway.guards import ApiKeyAuth, BodyLimit, load_api_keys
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline
 from omni_gateway.routes import router
+from omni_pipeline.lifecycle import exit_if_stuck
 from omni_pipeline.logs import REQUEST_ID, configure_logging
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
 from omni_pipeline.spec import PipelineFile
@@ -188,6 +189,7 @@ def run_gateway(
                 sock.getsockname()[1],
             )
             yield
+            exit_if_stuck()  # done serving: closing must not hold the process (or a pod) for ever
             await service.stop()
 
         sock = listen(host, port)

@@ -40,6 +40,7 @@ from omni_pipeline.control import (
     Subjects,
     unpack,
 )
+from omni_pipeline.lifecycle import exit_if_stuck, exit_process
 from omni_pipeline.logs import REQUEST_ID, configure_logging
 from omni_pipeline.placement import VISIBLE_DEVICES_ENV
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
@@ -168,6 +169,7 @@ class StageWorker:
             )
             await self.beats.beat(stopping=True)
         finally:
+            exit_if_stuck()  # done serving: closing must not hold the process (or a pod) for ever
             self.tasks.cancel_all()
             if self.outbox.nc is not None:
                 await close_nats(self.outbox.nc)
@@ -325,7 +327,6 @@ def run_stage(
         # exit would wait for it for ever: go now, to be restarted.
         log.error("%s", exc)
         shutdown_tracing()
-        logging.shutdown()
-        os._exit(1)
+        exit_process(1)
     finally:
         shutdown_tracing()
