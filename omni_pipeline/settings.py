@@ -136,6 +136,21 @@ class MediaSpec(SpecModel):
     fetch_max_bytes: int = Field(default=20 << 20, ge=1, description="Largest body a URL fetch may return.")
 
 
+class RealtimeSpec(SpecModel):
+    max_sessions: int = Field(
+        default=64,
+        ge=0,
+        description="Live sessions (WS /v1/realtime) a gateway replica holds at once; beyond it the upgrade "
+        "is refused with a 429. 0: no live sessions.",
+    )
+    idle_timeout_s: float = Field(
+        default=300.0, gt=0, description="A session with no client event for this long is closed (1000)."
+    )
+    max_session_s: float = Field(
+        default=3600.0, gt=0, description="A session is closed (1000) after this long."
+    )
+
+
 class GatewaySpec(SpecModel):
     replicas: int = Field(default=1, ge=1, description="Gateway replicas (Distributed mode).")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port of the gateway.")
@@ -171,6 +186,7 @@ class GatewaySpec(SpecModel):
         ge=0,
         description="Requests that may wait so at once; more get a 503 at once.",
     )
+    realtime: RealtimeSpec = Field(default_factory=RealtimeSpec, description="Limits on live sessions.")
 
 
 class ObservabilitySpec(SpecModel):

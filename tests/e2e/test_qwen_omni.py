@@ -6,6 +6,7 @@ same checkpoint, same prompt, greedy, the DiT's noise from the same seed."""
 from __future__ import annotations
 
 import base64
+import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 import openai
 import pytest
+import soundfile
 import yaml
 
 from tests.deployment import gauges, settle
@@ -140,6 +142,72 @@ def test_a_one_token_answer_is_text_and_no_speech(base: str) -> None:
     assert len(r.choices[0].message.content) == 1
     samples, _ = decode_wav(r.choices[0].message.audio.data)
     assert len(samples) == 0
+
+
+def spoken_turn(seconds: float) -> bytes:
+    """PCM16 at 24 kHz, as a Realtime client sends it: a tone in noise, from a seed."""
+    rng = np.random.default_rng(5)
+    t = np.arange(int(24000 * seconds)) / 24000
+    clip = 0.3 * np.sin(2 * np.pi * 330 * t) + 0.05 * rng.standard_normal(t.size)
+    return (clip * 32767).astype("<i2").tobytes()
+
+
+def realtime_until(conn: Any, last: str) -> list[Any]:
+    """The SDK's server events up to and including the first of type `last`."""
+    events = []
+    while (event := conn.recv()).type != last:
+        events.append(event)
+    return [*events, event]
+
+
+def user_says(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def test_a_spoken_turn_over_the_realtime_api(base: str) -> None:
+    """The Realtime acceptance, through the openai SDK: a turn of audio appended in 100 ms pieces
+    and committed is heard as the chat endpoint hears the same audio (the same text; speech in
+    deltas), a bad event is an error after which the session goes on, a second turn is
+    answered, and a response cancelled after its first audio ends `cancelled`."""
+    pcm = spoken_turn(2.0)
+    with client(base).realtime.connect(model="qwen2.5-omni") as conn:
+        assert conn.recv().type == "session.created"
+        voice = {"type": "realtime", "audio": {"output": {"voice": "Ethan"}}}
+        conn.send({"type": "session.update", "session": voice})
+        assert conn.recv().type == "session.updated"
+        for at in range(0, len(pcm), 4800):
+            piece = base64.b64encode(pcm[at : at + 4800]).decode()
+            conn.send({"type": "input_audio_buffer.append", "audio": piece})
+        conn.send({"type": "input_audio_buffer.commit"})
+        conn.send({"type": "response.create", "response": {"max_output_tokens": THINKER_TOKENS}})
+        events = realtime_until(conn, "response.done")
+        transcript = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+        assert events[-1].response.status == "incomplete"  # cut at THINKER_TOKENS
+        assert sum(e.type == "response.output_audio.delta" for e in events) > 1
+        wav = io.BytesIO()
+        soundfile.write(wav, np.frombuffer(pcm, "<i2"), 24000, format="WAV", subtype="PCM_16")
+        data = base64.b64encode(wav.getvalue()).decode()
+        heard = {
+            "role": "user",
+            "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}],
+        }
+        assert transcript == ask(base, messages=[heard]).choices[0].message.content
+
+        conn.send({"type": "input_audio_buffer.append", "audio": "not base64!", "event_id": "bad"})
+        error = conn.recv()
+        assert error.type == "error" and error.error.event_id == "bad" and error.error.param == "audio"
+
+        conn.send({"type": "conversation.item.create", "item": user_says("Say more.")})
+        conn.send({"type": "response.create", "response": {"max_output_tokens": 4}})
+        second = realtime_until(conn, "response.done")
+        assert second[-1].response.status == "incomplete"
+        assert any(e.type == "response.output_audio_transcript.delta" for e in second)
+
+        conn.send({"type": "conversation.item.create", "item": user_says("Tell me about the sea.")})
+        conn.send({"type": "response.create"})
+        realtime_until(conn, "response.output_audio.delta")
+        conn.send({"type": "response.cancel"})
+        assert realtime_until(conn, "response.done")[-1].response.status == "cancelled"
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,8 @@ from omni_gateway.errors import BadRequest, OmniError
 from omni_gateway.guards import ApiKeyAuth, BodyLimit, load_api_keys
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline
+from omni_gateway.realtime.socket import LiveSessions
+from omni_gateway.realtime.socket import router as realtime_router
 from omni_gateway.routes import router
 from omni_pipeline.lifecycle import exit_if_stuck
 from omni_pipeline.logs import REQUEST_ID, configure_logging
@@ -108,6 +110,8 @@ def build_app(
     app.state.pipeline = pipeline
     app.state.metrics = metrics = GatewayMetrics(lambda: pipeline.migrations)
     app.include_router(router)
+    app.include_router(realtime_router)
+    app.state.live_sessions = LiveSessions(pipeline.spec.gateway.realtime.max_sessions)
     # Added innermost first: the key is checked before the body is read; every answer, the
     # guards' included, carries X-Request-Id and is counted.
     app.add_middleware(BodyLimit, max_bytes=pipeline.spec.gateway.max_request_bytes)
@@ -198,11 +202,15 @@ def run_gateway(
             FastAPIInstrumentor.instrument_app(
                 app, excluded_urls="/health,/metrics", exclude_spans=["receive", "send"]
             )
-        server = make_server(app, timeout_graceful_shutdown=30)
+        # A socket's message is a request body too: the same limit (larger ones close it, 1009).
+        server = make_server(
+            app, timeout_graceful_shutdown=30, ws_max_size=pipeline.spec.gateway.max_request_bytes
+        )
 
         def stop() -> None:
             server.should_exit = True
             stopping.set()
+            app.state.live_sessions.close_all("the gateway is shutting down")
 
         on_shutdown_signals(stop)
         await server.serve(sockets=[sock])

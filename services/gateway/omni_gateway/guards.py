@@ -49,8 +49,26 @@ async def _refuse(send: Send, err: OmniError) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+WS_KEY_PROTOCOL: Final = b"openai-insecure-api-key."
+"""A browser cannot set a socket's headers: it offers its key as a subprotocol (OpenAI's way)."""
+
+
+async def _refuse_socket(scope: Scope, send: Send, err: OmniError) -> None:
+    """Refuse a WebSocket upgrade with an HTTP answer where the server can send one; else a
+    plain refusal (403)."""
+    if "websocket.http.response" not in scope.get("extensions", {}):
+        await send({"type": "websocket.close", "code": 1008, "reason": err.message})
+        return
+    body = msgspec.json.encode(err.body())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items()]
+    await send({"type": "websocket.http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "websocket.http.response.body", "body": body})
+
+
 class ApiKeyAuth:
-    """`Authorization: Bearer <key>` on every path but OPEN_PATHS, when keys are configured."""
+    """`Authorization: Bearer <key>` on every path but OPEN_PATHS, when keys are configured; on a
+    WebSocket, the header or the `openai-insecure-api-key.<key>` subprotocol."""
 
     def __init__(self, app: ASGIApp, keys: frozenset[str]) -> None:
         self.app = app
@@ -66,13 +84,20 @@ class ApiKeyAuth:
         return ok
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not self.keys or scope["path"] in OPEN_PATHS:
+        if scope["type"] not in ("http", "websocket") or not self.keys or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
         header = dict(scope["headers"]).get(b"authorization", b"")
+        if scope["type"] == "websocket" and not header:
+            offered = [p.encode() for p in scope.get("subprotocols", [])]
+            header = next(
+                (b"Bearer " + p[len(WS_KEY_PROTOCOL) :] for p in offered if p.startswith(WS_KEY_PROTOCOL)),
+                b"",
+            )
         if not self._allowed(header):
             msg = "missing or invalid API key: send 'Authorization: Bearer <key>'"
-            await _refuse(send, Unauthorized(msg, headers={"WWW-Authenticate": "Bearer"}))
+            err = Unauthorized(msg, headers={"WWW-Authenticate": "Bearer"})
+            await (_refuse_socket(scope, send, err) if scope["type"] == "websocket" else _refuse(send, err))
             return
         await self.app(scope, receive, send)
 

@@ -1,0 +1,498 @@
+"""One live session over the Realtime protocol: its settings, its conversation, and at most one
+response at a time, each a run of the pipeline API over the conversation.
+
+Events go out in the protocol's order through one `send`, which waits for the socket (a client
+that does not read slows its own response, and nothing piles up here). A response that is
+cancelled (`response.cancel`, the client's speech, the socket closing) has its pipeline run
+closed, which aborts it at every stage and frees what it held; its item keeps what was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import msgspec
+import numpy as np
+
+from omni_gateway.errors import BadRequest, ModelNotFound, OmniError
+from omni_gateway.events import AudioChunk, Finished, TextDelta
+from omni_gateway.pipeline import Pipeline, PipelineRequest
+from omni_gateway.protocol.chat import SAMPLING_EVERY_ENGINE
+from omni_gateway.realtime.conversation import (
+    AudioBuffer,
+    Conversation,
+    ConversationItem,
+    Part,
+    decode_pcm,
+    item_from_client,
+    messages,
+    truncate,
+)
+from omni_gateway.realtime.protocol import (
+    PCM_RATE,
+    AudioAppend,
+    AudioClear,
+    AudioCommit,
+    ClientEvent,
+    ItemCreate,
+    ItemDelete,
+    ItemRetrieve,
+    ItemTruncate,
+    RealtimeError,
+    ResponseCancel,
+    ResponseCreate,
+    ResponseParams,
+    ServerVad,
+    SessionConfig,
+    SessionUpdate,
+    client_event_id,
+    new_id,
+    parse_event,
+)
+from omni_pipeline.control import RequestInputs
+from omni_pipeline.spec import OutputKind
+
+log = logging.getLogger("omni.gateway")
+
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+FORMAT: Final = {"type": "audio/pcm", "rate": PCM_RATE}
+
+
+@dataclass
+class Settings:
+    """The session's settings, as `session.update` leaves them."""
+
+    output_modalities: list[str]
+    instructions: str = ""
+    max_output_tokens: int | None = None
+    """None: "inf" (up to the gateway's own limit)."""
+    voice: str | None = None
+    """None: the model's own default."""
+    turn_detection: ServerVad | None = None
+
+
+@dataclass
+class Response:
+    id: str
+    modalities: list[str]
+    voice: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str] | None
+    in_conversation: bool
+    item: ConversationItem
+    task: asyncio.Task[None] | None = None
+    cancelled: str | None = None
+    """Why it was cancelled: `client_cancelled`, `turn_detected`."""
+    usage: dict[str, Any] = field(default_factory=dict)
+    ending: bool = False
+    """Its run is over and its closing events are going out."""
+
+    @property
+    def part(self) -> Part:
+        return self.item.parts[0]
+
+    @property
+    def speaks(self) -> bool:
+        return "audio" in self.modalities
+
+
+class RealtimeSession:
+    """A session's state and its answers to each client event."""
+
+    def __init__(self, pipeline: Pipeline, send: Send, max_buffer_bytes: int) -> None:
+        self.pipeline = pipeline
+        self.id = new_id("sess")
+        self._send = send
+        speaks = OutputKind.AUDIO in pipeline.spec.output_kinds()
+        self.settings = Settings(output_modalities=["audio"] if speaks else ["text"])
+        self.conversation = Conversation()
+        self.buffer = AudioBuffer(max_buffer_bytes)
+        self.response: Response | None = None
+        self.responses = 0
+
+    # --- the socket's side -------------------------------------------------------------------
+
+    async def open(self) -> None:
+        await self.emit("session.created", session=self.session_wire())
+
+    async def receive(self, data: str | bytes) -> None:
+        """One client message: answered in the protocol's events, or an `error` event."""
+        event: ClientEvent | None = None
+        try:
+            event = parse_event(data)
+            await self._handle(event)
+        except RealtimeError as exc:
+            event_id = event.event_id if event is not None else client_event_id(data)
+            await self.error(exc.message, code=exc.code, param=exc.param, event_id=event_id)
+
+    async def close(self) -> None:
+        """The socket is gone: end the response in progress (its run aborted and freed)."""
+        await self.cancel("client_cancelled")
+
+    async def emit(self, type_: str, **fields: Any) -> None:
+        await self._send({"type": type_, "event_id": new_id("event"), **fields})
+
+    async def error(
+        self,
+        message: str,
+        *,
+        code: str,
+        param: str | None = None,
+        event_id: str | None = None,
+        kind: str = "invalid_request_error",
+    ) -> None:
+        error = {"type": kind, "code": code, "message": message, "param": param, "event_id": event_id}
+        await self.emit("error", error=error)
+
+    # --- client events -----------------------------------------------------------------------
+
+    async def _handle(self, event: ClientEvent) -> None:
+        match event:
+            case SessionUpdate(session=config):
+                self._update(config)
+                await self.emit("session.updated", session=self.session_wire())
+            case AudioAppend(audio=audio):
+                self.buffer.append(decode_pcm(audio, "audio"))
+            case AudioCommit():
+                await self.commit()
+            case AudioClear():
+                self.buffer.clear()
+                await self.emit("input_audio_buffer.cleared")
+            case ItemCreate(item=item, previous_item_id=previous):
+                if item is None:
+                    raise RealtimeError("item: an item to create", param="item")
+                await self.add_item(item_from_client(item, "item"), previous)
+            case ItemRetrieve(item_id=item_id):
+                await self.emit("conversation.item.retrieved", item=self.conversation.get(item_id).wire())
+            case ItemDelete(item_id=item_id):
+                self.conversation.delete(item_id)
+                await self.emit("conversation.item.deleted", item_id=item_id)
+            case ItemTruncate(item_id=item_id, content_index=index, audio_end_ms=end):
+                await self.truncate(item_id, index, end)
+            case ResponseCreate(response=params):
+                await self.create_response(params)
+            case ResponseCancel(response_id=rid):
+                if self.response is None or (rid is not None and rid != self.response.id):
+                    raise RealtimeError(
+                        "response_id: no such response in progress",
+                        code="response_cancel_not_active",
+                        param="response_id",
+                    )
+                await self.cancel("client_cancelled")
+
+    def _update(self, config: SessionConfig) -> None:
+        """Check every field first, then set them: an update is taken whole or not at all."""
+        s = Settings(**vars(self.settings))
+        if config.model is not msgspec.UNSET and config.model != self.pipeline.spec.served_model_name:
+            raise RealtimeError(
+                f"session.model: model '{config.model}' is not served here", param="session.model"
+            )
+        if config.output_modalities is not msgspec.UNSET:
+            s.output_modalities = self._modalities(config.output_modalities, "session.output_modalities")
+        if config.instructions is not msgspec.UNSET:
+            s.instructions = config.instructions
+        if config.max_output_tokens is not msgspec.UNSET:
+            s.max_output_tokens = self._max_tokens(config.max_output_tokens, "session.max_output_tokens")
+        audio = config.audio
+        turn = audio.input.turn_detection if audio and audio.input else msgspec.UNSET
+        if turn is not msgspec.UNSET:
+            if turn is not None:
+                raise RealtimeError(
+                    "session.audio.input.turn_detection: server_vad is not served yet; send null "
+                    "and commit each turn",
+                    param="session.audio.input.turn_detection",
+                )
+            s.turn_detection = turn
+        if audio is not msgspec.UNSET and audio.output is not msgspec.UNSET:
+            out = audio.output
+            if out.speed is not msgspec.UNSET and out.speed != 1.0:
+                raise RealtimeError(
+                    "session.audio.output.speed: only 1.0 is served", param="session.audio.output.speed"
+                )
+            if out.voice is not msgspec.UNSET:
+                s.voice = self._voice(out.voice, "session.audio.output.voice")
+        self.settings = s
+
+    def _modalities(self, asked: list[str], param: str) -> list[str]:
+        if sorted(set(asked)) not in (["audio"], ["text"]):
+            raise RealtimeError(f"{param}: ['audio'] (speech and its transcript) or ['text']", param=param)
+        if asked == ["audio"] and OutputKind.AUDIO not in self.pipeline.spec.output_kinds():
+            raise RealtimeError(
+                f"{param}: model '{self.pipeline.spec.served_model_name}' does not speak", param=param
+            )
+        return list(asked)
+
+    def _max_tokens(self, asked: int | str, param: str) -> int | None:
+        if asked == "inf":
+            return None
+        limit = self.pipeline.spec.gateway.max_tokens
+        if not isinstance(asked, int) or not 1 <= asked <= limit:
+            raise RealtimeError(f"{param}: 1 to {limit}, or 'inf'", param=param)
+        return asked
+
+    def _voice(self, voice: str | None, param: str) -> str | None:
+        voices = self.pipeline.voices()
+        if voice is not None and voices is not None and voice not in voices:
+            listed = ", ".join(sorted(voices)) or "none (this model's speech takes no voice)"
+            raise RealtimeError(
+                f"{param}: voice '{voice}' is not one of this model's voices: {listed}", param=param
+            )
+        return voice
+
+    async def commit(self) -> None:
+        if self.buffer.size == 0:
+            raise RealtimeError(
+                "the input audio buffer is empty: append audio before committing",
+                code="input_audio_buffer_commit_empty",
+            )
+        item = ConversationItem("user", [Part("input_audio", pcm=self.buffer.take())])
+        previous = self.conversation.add(item)
+        await self.emit("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous)
+        await self._announce(item, previous)
+
+    async def add_item(self, item: ConversationItem, previous_item_id: str | None) -> None:
+        previous = self.conversation.add(item, previous_item_id)
+        await self._announce(item, previous)
+
+    async def _announce(self, item: ConversationItem, previous: str | None) -> None:
+        await self.emit("conversation.item.added", item=item.wire(), previous_item_id=previous)
+        await self.emit("conversation.item.done", item=item.wire(), previous_item_id=previous)
+
+    async def truncate(self, item_id: str, content_index: int, audio_end_ms: int) -> None:
+        item = self.conversation.get(item_id)
+        if self.response is not None and self.response.item is item:
+            await self.cancel("client_cancelled")  # what the client says it played ends it
+        truncate(item, content_index, audio_end_ms)
+        await self.emit(
+            "conversation.item.truncated",
+            item_id=item_id,
+            content_index=content_index,
+            audio_end_ms=audio_end_ms,
+        )
+
+    # --- responses ---------------------------------------------------------------------------
+
+    async def create_response(self, params: ResponseParams) -> None:
+        if self.response is not None:
+            raise RealtimeError(
+                f"response {self.response.id} is in progress: cancel it or wait for response.done",
+                code="conversation_already_has_active_response",
+            )
+        s = self.settings
+        modalities = s.output_modalities
+        if params.output_modalities is not msgspec.UNSET:
+            modalities = self._modalities(params.output_modalities, "response.output_modalities")
+        max_tokens = s.max_output_tokens
+        if params.max_output_tokens is not msgspec.UNSET:
+            max_tokens = self._max_tokens(params.max_output_tokens, "response.max_output_tokens")
+        voice = s.voice
+        audio = params.audio
+        if (
+            audio is not msgspec.UNSET
+            and audio.output is not msgspec.UNSET
+            and audio.output.voice is not msgspec.UNSET
+        ):
+            voice = self._voice(audio.output.voice, "response.audio.output.voice")
+        instructions = s.instructions if params.instructions is msgspec.UNSET else params.instructions
+        if params.input is not None:
+            items = [item_from_client(item, f"response.input.{i}") for i, item in enumerate(params.input)]
+        elif params.conversation == "none":
+            raise RealtimeError(
+                "response.input: a response outside the conversation needs its input", param="response.input"
+            )
+        else:
+            items = list(self.conversation.items)
+        part = Part("output_audio" if "audio" in modalities else "output_text", text="", transcript="")
+        response = Response(
+            id=new_id("resp"),
+            modalities=modalities,
+            voice=voice,
+            max_output_tokens=max_tokens,
+            metadata=params.metadata,
+            in_conversation=params.conversation == "auto",
+            item=ConversationItem("assistant", [part], status="in_progress"),
+        )
+        asked = PipelineRequest(
+            None,
+            frozenset({OutputKind.TEXT, OutputKind.AUDIO} if response.speaks else {OutputKind.TEXT}),
+            RequestInputs(
+                modalities=sorted([*modalities, "text"]), messages=messages(instructions, items), voice=voice
+            ),
+            {k: v for k, v in (("max_tokens", max_tokens), ("voice", voice)) if v is not None},
+            outputs_param="response.output_modalities",
+            voice_param="response.audio.output.voice",
+            max_tokens_param="response.max_output_tokens",
+            declared=SAMPLING_EVERY_ENGINE,
+        )
+        try:  # before anything is announced: a bad request is the client's, an error event
+            prepared = await self.pipeline.prepare(asked)
+        except (BadRequest, ModelNotFound) as exc:
+            param = _client_param(exc.param)
+            raise RealtimeError(exc.message, code=exc.code or "invalid_request", param=param) from None
+        self.response = response
+        self.responses += 1
+        response.task = asyncio.get_running_loop().create_task(
+            self._run(response, prepared), name=response.id
+        )
+
+    async def cancel(self, reason: str) -> None:
+        """End the response in progress, if any, as `cancelled`; returns once it has ended."""
+        response = self.response
+        if response is None or response.task is None:
+            return
+        if response.cancelled is None and not response.ending:
+            response.cancelled = reason
+            response.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.shield(response.task)
+
+    async def _run(self, r: Response, prepared: Any) -> None:
+        status, details = "completed", None
+        try:
+            await self._begin(r)
+            rid = r.id.replace("resp_", "rt-")
+            async with contextlib.aclosing(self.pipeline.run(rid, prepared)) as events:
+                async for ev in events:
+                    await self._deliver(r, ev)
+            if r.usage.get("finish_reason") == "length":
+                status, details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
+        except asyncio.CancelledError:
+            if r.cancelled is None:  # not ours: the session is being torn down
+                raise
+            status, details = "cancelled", {"type": "cancelled", "reason": r.cancelled}
+        except OmniError as exc:
+            log.warning("realtime %s: response %s failed: %s", self.id, r.id, exc.message)
+            status = "failed"
+            details = {
+                "type": "failed",
+                "error": {"type": exc.type, "code": exc.code, "message": exc.message},
+            }
+        except Exception as exc:  # a bug of ours: the response fails, the session goes on
+            log.exception("realtime %s: response %s", self.id, r.id)
+            status = "failed"
+            details = {
+                "type": "failed",
+                "error": {"type": "server_error", "code": None, "message": repr(exc)},
+            }
+        finally:
+            r.ending = True  # a cancel from here on waits for the end rather than cutting it short
+        try:
+            await self._end(r, status, details)
+        finally:
+            if self.response is r:
+                self.response = None
+
+    async def _begin(self, r: Response) -> None:
+        await self.emit("response.created", response=self._response_wire(r, "in_progress"))
+        previous = self.conversation.add(r.item) if r.in_conversation else None
+        await self.emit("response.output_item.added", response_id=r.id, output_index=0, item=r.item.wire())
+        if r.in_conversation:
+            await self.emit("conversation.item.added", item=r.item.wire(), previous_item_id=previous)
+        await self.emit("response.content_part.added", **self._at(r), part=self._part_wire(r))
+
+    async def _deliver(self, r: Response, ev: Any) -> None:
+        if isinstance(ev, TextDelta) and ev.text:
+            if r.speaks:
+                r.part.transcript = (r.part.transcript or "") + ev.text
+                await self.emit("response.output_audio_transcript.delta", **self._at(r), delta=ev.text)
+            else:
+                r.part.text = (r.part.text or "") + ev.text
+                await self.emit("response.output_text.delta", **self._at(r), delta=ev.text)
+        elif isinstance(ev, AudioChunk) and r.speaks:
+            if ev.sample_rate != PCM_RATE:
+                raise OmniError(f"the model speaks at {ev.sample_rate} Hz; audio/pcm is {PCM_RATE} Hz")
+            pcm = (np.clip(ev.samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+            r.part.audio_bytes += len(pcm)
+            await self.emit(
+                "response.output_audio.delta", **self._at(r), delta=base64.b64encode(pcm).decode()
+            )
+        elif isinstance(ev, Finished):
+            text_out = ev.usage.get("completion_tokens", 0)
+            r.usage = {
+                "finish_reason": ev.finish_reason,
+                "total_tokens": ev.usage.get("prompt_tokens", 0) + text_out + ev.fed_units,
+                "input_tokens": ev.usage.get("prompt_tokens", 0),
+                "output_tokens": text_out + ev.fed_units,
+                "input_token_details": {"cached_tokens": 0},
+                "output_token_details": {"text_tokens": text_out, "audio_tokens": ev.fed_units},
+            }
+
+    async def _end(self, r: Response, status: str, details: dict[str, Any] | None) -> None:
+        at = self._at(r)
+        if r.speaks:
+            await self.emit("response.output_audio.done", **at)
+            await self.emit("response.output_audio_transcript.done", **at, transcript=r.part.transcript or "")
+        else:
+            await self.emit("response.output_text.done", **at, text=r.part.text or "")
+        await self.emit("response.content_part.done", **at, part=self._part_wire(r))
+        r.item.status = "completed" if status == "completed" else "incomplete"
+        await self.emit("response.output_item.done", response_id=r.id, output_index=0, item=r.item.wire())
+        if r.in_conversation:
+            await self.emit("conversation.item.done", item=r.item.wire())
+        await self.emit("response.done", response=self._response_wire(r, status, details))
+
+    # --- what events show --------------------------------------------------------------------
+
+    def _at(self, r: Response) -> dict[str, Any]:
+        return {"response_id": r.id, "item_id": r.item.id, "output_index": 0, "content_index": 0}
+
+    def _part_wire(self, r: Response) -> dict[str, Any]:
+        if r.speaks:
+            return {"type": "audio", "transcript": r.part.transcript or ""}
+        return {"type": "text", "text": r.part.text or ""}
+
+    def _response_wire(
+        self, r: Response, status: str, details: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        usage = {k: v for k, v in r.usage.items() if k != "finish_reason"} or None
+        return {
+            "id": r.id,
+            "object": "realtime.response",
+            "status": status,
+            "status_details": details,
+            "output": [r.item.wire()] if status != "in_progress" else [],
+            "conversation_id": self.id if r.in_conversation else None,
+            "output_modalities": r.modalities,
+            "max_output_tokens": r.max_output_tokens if r.max_output_tokens is not None else "inf",
+            "audio": {"output": {"format": FORMAT, "voice": r.voice}},
+            "metadata": r.metadata,
+            "usage": usage,
+        }
+
+    def session_wire(self) -> dict[str, Any]:
+        s = self.settings
+        turn = None if s.turn_detection is None else msgspec.to_builtins(s.turn_detection)
+        return {
+            "type": "realtime",
+            "object": "realtime.session",
+            "id": self.id,
+            "model": self.pipeline.spec.served_model_name,
+            "output_modalities": s.output_modalities,
+            "instructions": s.instructions,
+            "max_output_tokens": s.max_output_tokens if s.max_output_tokens is not None else "inf",
+            "audio": {
+                "input": {
+                    "format": FORMAT,
+                    "turn_detection": turn,
+                    "transcription": None,
+                    "noise_reduction": None,
+                },
+                "output": {"format": FORMAT, "voice": s.voice, "speed": 1.0},
+            },
+            "tools": [],
+            "tool_choice": "none",
+        }
+
+
+def _client_param(param: str | None) -> str | None:
+    """A pre-flight check names the chat message's part (`messages.1.content.0`); the client
+    sent conversation items, so name the kind of field instead."""
+    if param is None or not param.startswith("messages"):
+        return param
+    return "item.content"

@@ -1,0 +1,254 @@
+"""`WS /v1/realtime` end to end: the official openai SDK's `client.realtime.connect()` and a plain
+`websockets` client against `omni serve` of the tiny demo (it reads text and speaks), as their
+users run them. What a response says is what the chat endpoint says for the same conversation."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+from websockets.exceptions import InvalidStatus
+from websockets.sync.client import connect
+
+from tests.deployment import gauges, settle
+from tests.e2e.test_serve import audio_delta
+from tests.helpers import ROOT, served
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tiny-omni"
+ENDS = "response.done"
+
+
+@pytest.fixture(scope="module")
+def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The tiny demo, its gateway holding two live sessions at most."""
+    spec = yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())
+    spec["spec"]["gateway"]["realtime"] = {"maxSessions": 2}
+    pipeline = demo_dir / "tiny-omni-realtime.yaml"
+    pipeline.write_text(yaml.safe_dump(spec))
+    with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, url):
+        yield url
+
+
+def sdk(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def ws_url(base: str) -> str:
+    return f"{base.replace('http://', 'ws://')}/v1/realtime?model={MODEL}"
+
+
+def user_text(text: str) -> dict[str, Any]:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+def until(conn: Any, last: str = ENDS) -> list[dict[str, Any]]:
+    """Server events up to and including the first of type `last`, as plain dicts."""
+    seen = []
+    while True:
+        event = conn.recv()
+        seen.append(event if isinstance(event, dict) else event.model_dump(exclude_unset=True))
+        if seen[-1]["type"] == last:
+            return seen
+
+
+def said(events: list[dict[str, Any]]) -> tuple[str, bytes]:
+    """A response's transcript and its audio (PCM16), from its deltas."""
+    text = "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
+    pcm = b"".join(base64.b64decode(e["delta"]) for e in events if e["type"] == "response.output_audio.delta")
+    return text, pcm
+
+
+def chat(base: str, messages: list[dict[str, Any]], max_tokens: int) -> tuple[str, bytes]:
+    """The same conversation through the chat endpoint, streamed: its text and its PCM16."""
+    text, pcm = "", b""
+    for chunk in sdk(base).chat.completions.create(
+        model=MODEL,
+        messages=messages,  # type: ignore[arg-type]
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        max_tokens=max_tokens,
+        stream=True,
+    ):
+        if chunk.choices and chunk.choices[0].delta.content:
+            text += chunk.choices[0].delta.content
+        if (a := audio_delta(chunk)) is not None and a.get("data"):
+            pcm += base64.b64decode(str(a["data"]))
+    return text, pcm
+
+
+def test_a_turn_and_the_next_say_what_the_chat_endpoint_says(base: str) -> None:
+    """Two turns on one session through the openai SDK, in the protocol's order of events; the
+    second reads the first answer back as the assistant's turn."""
+    with sdk(base).realtime.connect(model=MODEL) as conn:
+        created = until(conn, "session.created")[-1]
+        assert created["session"]["model"] == MODEL
+        assert created["session"]["audio"]["output"]["format"] == {"type": "audio/pcm", "rate": 24000}
+        conn.send(
+            {
+                "type": "session.update",
+                "session": {"type": "realtime", "audio": {"output": {"voice": "alloy"}}},
+            }
+        )
+        assert until(conn, "session.updated")[-1]["session"]["audio"]["output"]["voice"] == "alloy"
+
+        conn.send({"type": "conversation.item.create", "item": user_text("Hello there")})
+        added = until(conn, "conversation.item.done")
+        assert [e["type"] for e in added] == ["conversation.item.added", "conversation.item.done"]
+        conn.send({"type": "response.create", "response": {"max_output_tokens": 8}})
+        first = until(conn)
+        kinds = [e["type"] for e in first if not e["type"].endswith(".delta")]
+        assert kinds == [
+            "response.created",
+            "response.output_item.added",
+            "conversation.item.added",
+            "response.content_part.added",
+            "response.output_audio.done",
+            "response.output_audio_transcript.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "conversation.item.done",
+            "response.done",
+        ]
+        done = first[-1]["response"]
+        assert done["status"] == "incomplete"  # 8 tokens: cut at max_output_tokens
+        assert done["status_details"]["reason"] == "max_output_tokens"
+        assert done["usage"]["output_token_details"]["text_tokens"] == 8
+        text, pcm = said(first)
+        assert (text, pcm) == chat(base, [{"role": "user", "content": "Hello there"}], 8)
+        assert done["output"][0]["content"][0]["transcript"] == text
+
+        conn.send({"type": "conversation.item.create", "item": user_text("And then?")})
+        until(conn, "conversation.item.done")
+        conn.send({"type": "response.create", "response": {"max_output_tokens": 6}})
+        second = until(conn)
+        history = [
+            {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": text},
+            {"role": "user", "content": "And then?"},
+        ]
+        assert said(second) == chat(base, history, 6)
+
+
+def test_text_only_sessions_stream_output_text(base: str) -> None:
+    with sdk(base).realtime.connect(model=MODEL) as conn:
+        until(conn, "session.created")
+        conn.send({"type": "session.update", "session": {"type": "realtime", "output_modalities": ["text"]}})
+        until(conn, "session.updated")
+        conn.send({"type": "conversation.item.create", "item": user_text("Hello there")})
+        conn.send({"type": "response.create", "response": {"max_output_tokens": 8}})
+        events = until(conn)
+        assert not [e for e in events if "audio" in e["type"]]
+        text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+        done = next(e for e in events if e["type"] == "response.output_text.done")
+        assert text and done["text"] == text
+
+
+def test_a_bad_event_gets_an_error_and_the_session_goes_on(base: str) -> None:
+    """A plain websockets client, as agent frameworks use: each bad event is an `error` naming its
+    field and echoing the client's event_id; the next turn is answered."""
+    with connect(ws_url(base)) as ws:
+        assert json.loads(ws.recv())["type"] == "session.created"
+        bad = [
+            ({"type": "input_audio_buffer.append", "audio": "not base64!", "event_id": "e1"}, "audio"),
+            ({"type": "session.update", "session": {"tools": []}, "event_id": "e2"}, "session.tools"),
+            ({"type": "no.such.event", "event_id": "e3"}, "type"),
+            ({"type": "input_audio_buffer.commit", "event_id": "e4"}, None),
+            ({"type": "conversation.item.delete", "item_id": "item_x", "event_id": "e5"}, "item_id"),
+            ({"type": "response.cancel", "event_id": "e6"}, "response_id"),
+        ]
+        for event, param in bad:
+            ws.send(json.dumps(event))
+            error = json.loads(ws.recv())
+            assert error["type"] == "error", error
+            assert error["error"]["event_id"] == event["event_id"]
+            assert error["error"]["param"] == param, error
+        ws.send("not json")
+        assert json.loads(ws.recv())["error"]["code"] == "invalid_json"
+
+        ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Hello there")}))
+        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 4}}))
+        events = until(_Plain(ws))
+        assert events[-1]["response"]["status"] == "incomplete"
+        assert said(events)[0]
+
+
+def test_a_model_that_does_not_hear_refuses_a_spoken_turn(base: str) -> None:
+    """The tiny demo reads text only: a committed turn of audio is a conversation item, and the
+    response over it is refused (an error naming the part), the session going on."""
+    with connect(ws_url(base)) as ws:
+        json.loads(ws.recv())
+        silence = base64.b64encode(bytes(4800)).decode()  # 100 ms
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": silence}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        committed, added, done = (json.loads(ws.recv()) for _ in range(3))
+        assert committed["type"] == "input_audio_buffer.committed"
+        assert added["item"]["id"] == committed["item_id"] == done["item"]["id"]
+        ws.send(json.dumps({"type": "response.create", "event_id": "r1"}))
+        error = json.loads(ws.recv())
+        assert error["type"] == "error" and error["error"]["event_id"] == "r1"
+        assert "audio" in error["error"]["message"], error
+
+
+def test_a_cancelled_response_ends_cancelled_and_frees_every_stage(base: str) -> None:
+    idle = gauges([base])
+    with sdk(base).realtime.connect(model=MODEL) as conn:
+        until(conn, "session.created")
+        conn.send({"type": "conversation.item.create", "item": user_text("Hello there")})
+        conn.send({"type": "response.create"})
+        until(conn, "response.output_audio.delta")
+        conn.send({"type": "response.cancel"})
+        done = until(conn)[-1]["response"]
+        assert done["status"] == "cancelled"
+        assert done["status_details"]["reason"] == "client_cancelled"
+        assert done["output"][0]["status"] == "incomplete"
+        conn.send({"type": "conversation.item.create", "item": user_text("Again")})
+        conn.send({"type": "response.create", "response": {"max_output_tokens": 4}})
+        assert until(conn)[-1]["response"]["status"] == "incomplete"
+    settle([base], idle)
+
+
+def test_a_dropped_socket_aborts_its_response(base: str) -> None:
+    idle = gauges([base])
+    with connect(ws_url(base)) as ws:
+        json.loads(ws.recv())
+        ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Hello there")}))
+        ws.send(json.dumps({"type": "response.create"}))
+        while json.loads(ws.recv())["type"] != "response.output_audio.delta":
+            pass
+    settle([base], idle)
+
+
+def test_sessions_beyond_the_limit_are_refused_at_the_upgrade(base: str) -> None:
+    with connect(ws_url(base)) as a, connect(ws_url(base)) as b:
+        for ws in (a, b):
+            assert json.loads(ws.recv())["type"] == "session.created"
+        with pytest.raises(InvalidStatus) as refused:
+            connect(ws_url(base))
+        assert refused.value.response.status_code == 429
+        assert b"most live sessions (2)" in refused.value.response.body
+    with connect(ws_url(base)) as c:  # freed when the others closed
+        assert json.loads(c.recv())["type"] == "session.created"
+
+
+def test_another_models_name_is_refused_at_the_upgrade(base: str) -> None:
+    with pytest.raises(InvalidStatus) as refused:
+        connect(f"{base.replace('http://', 'ws://')}/v1/realtime?model=gpt-realtime")
+    assert refused.value.response.status_code == 404
+
+
+class _Plain:
+    """A websockets connection read as the SDK's is, for `until`."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+
+    def recv(self) -> dict[str, Any]:
+        return json.loads(self.ws.recv())
