@@ -12,8 +12,9 @@ VOMNI_STAMP := $(VOMNI)/.installed
 MODELS  := models
 PORT    ?= 8000
 # Debian packages the native parts need (Mooncake's transfer engine links the libraries;
-# torch.compile's CPU backend, `compile: true`, builds its kernels with g++).
-DEBIAN  := libibverbs1 libnuma1 libcurl4 g++
+# torch.compile's CPU backend, `compile: true`, builds its kernels with g++), and espeak-ng, whose
+# speech the live-session tests talk to server VAD with.
+DEBIAN  := libibverbs1 libnuma1 libcurl4 g++ espeak-ng
 
 .PHONY: setup serve test bench lint format golden demo-models vllm-omni-venv system-packages clean
 

@@ -172,7 +172,10 @@ def test_a_spoken_turn_over_the_realtime_api(base: str) -> None:
     pcm = spoken_turn(2.0)
     with client(base).realtime.connect(model="qwen2.5-omni") as conn:
         assert conn.recv().type == "session.created"
-        voice = {"type": "realtime", "audio": {"output": {"voice": "Ethan"}}}
+        voice = {
+            "type": "realtime",
+            "audio": {"input": {"turn_detection": None}, "output": {"voice": "Ethan"}},
+        }
         conn.send({"type": "session.update", "session": voice})
         assert conn.recv().type == "session.updated"
         for at in range(0, len(pcm), 4800):
@@ -204,7 +207,7 @@ def test_a_spoken_turn_over_the_realtime_api(base: str) -> None:
         assert any(e.type == "response.output_audio_transcript.delta" for e in second)
 
         conn.send({"type": "conversation.item.create", "item": user_says("Tell me about the sea.")})
-        conn.send({"type": "response.create"})
+        conn.send({"type": "response.create", "response": {"max_output_tokens": 1000}})
         realtime_until(conn, "response.output_audio.delta")
         conn.send({"type": "response.cancel"})
         assert realtime_until(conn, "response.done")[-1].response.status == "cancelled"

@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import base64
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import openai
 import pytest
+import soundfile
+import soxr
 import yaml
-from websockets.exceptions import InvalidStatus
+from websockets.exceptions import ConnectionClosed, ConnectionClosedOK, InvalidStatus
 from websockets.sync.client import connect
 
 from tests.deployment import gauges, settle
@@ -24,16 +28,22 @@ pytestmark = pytest.mark.slow
 
 MODEL = "tiny-omni"
 ENDS = "response.done"
+LONG = 4000
+"""Tokens for a response that is still speaking when a test interrupts it (the tiny demo's
+greedy answers run to their limit: 4000 take about 20 s here)."""
 
 
 @pytest.fixture(scope="module")
 def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The tiny demo, its gateway holding two live sessions at most."""
+    """The tiny demo, its gateway holding two live sessions at most, after a first request (the
+    NATS client makes its request-reply subscription on the first: held idle from then on, so
+    a test that reads the idle gauges does not depend on running after another)."""
     spec = yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())
     spec["spec"]["gateway"]["realtime"] = {"maxSessions": 2}
     pipeline = demo_dir / "tiny-omni-realtime.yaml"
     pipeline.write_text(yaml.safe_dump(spec))
     with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, url):
+        chat(url, [{"role": "user", "content": "Hello"}], 1)
         yield url
 
 
@@ -202,7 +212,7 @@ def test_a_cancelled_response_ends_cancelled_and_frees_every_stage(base: str) ->
     with sdk(base).realtime.connect(model=MODEL) as conn:
         until(conn, "session.created")
         conn.send({"type": "conversation.item.create", "item": user_text("Hello there")})
-        conn.send({"type": "response.create"})
+        conn.send({"type": "response.create", "response": {"max_output_tokens": LONG}})
         until(conn, "response.output_audio.delta")
         conn.send({"type": "response.cancel"})
         done = until(conn)[-1]["response"]
@@ -220,7 +230,7 @@ def test_a_dropped_socket_aborts_its_response(base: str) -> None:
     with connect(ws_url(base)) as ws:
         json.loads(ws.recv())
         ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Hello there")}))
-        ws.send(json.dumps({"type": "response.create"}))
+        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": LONG}}))
         while json.loads(ws.recv())["type"] != "response.output_audio.delta":
             pass
     settle([base], idle)
@@ -238,6 +248,74 @@ def test_sessions_beyond_the_limit_are_refused_at_the_upgrade(base: str) -> None
         assert json.loads(c.recv())["type"] == "session.created"
 
 
+def test_server_vad_hears_two_turns_in_speech_silence_speech(base: str, speech: bytes) -> None:
+    """Real Silero VAD on synthesised speech (espeak-ng), streamed in 100 ms pieces: each turn is
+    started, stopped and committed under the id its start announced, and nothing else."""
+    silence = bytes(48 * 1500)
+    with connect(ws_url(base)) as ws:
+        created = json.loads(ws.recv())["session"]
+        assert created["audio"]["input"]["turn_detection"]["type"] == "server_vad"  # OpenAI's default
+        turn = {"type": "server_vad", "create_response": False, "silence_duration_ms": 500}
+        update = {"type": "session.update", "session": {"audio": {"input": {"turn_detection": turn}}}}
+        ws.send(json.dumps(update))
+        assert json.loads(ws.recv())["type"] == "session.updated"
+        stream_audio(ws, speech + silence + speech + silence)
+        events = [json.loads(ws.recv()) for _ in range(2 * 5)]
+    kinds = [e["type"] for e in events]
+    one_turn = [
+        "input_audio_buffer.speech_started",
+        "input_audio_buffer.speech_stopped",
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+        "conversation.item.done",
+    ]
+    assert kinds == one_turn * 2
+    first, second = events[:5], events[5:]
+    for turn_events in (first, second):
+        ids = {e.get("item_id") or e["item"]["id"] for e in turn_events}
+        assert len(ids) == 1
+    assert first[0]["audio_start_ms"] < first[1]["audio_end_ms"] < second[0]["audio_start_ms"]
+    assert second[0]["audio_start_ms"] >= len(speech) // 48 + 1000  # in the second speech, not the silence
+
+
+def test_speech_during_a_response_cancels_it(base: str, speech: bytes) -> None:
+    """Barge-in: the user speaks while the answer is playing; the response ends `cancelled`
+    (turn_detected) at once, its stages' work aborted, and the turn is heard as the next."""
+    idle = gauges([base])
+    with connect(ws_url(base)) as ws:
+        json.loads(ws.recv())
+        ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Hello there")}))
+        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": LONG}}))
+        while json.loads(ws.recv())["type"] != "response.output_audio.delta":
+            pass
+        stream_audio(ws, speech)
+        seen = []
+        while (event := json.loads(ws.recv()))["type"] != ENDS:
+            seen.append(event["type"])
+        assert "input_audio_buffer.speech_started" in seen
+        assert event["response"]["status"] == "cancelled"
+        assert event["response"]["status_details"]["reason"] == "turn_detected"
+    settle([base], idle)
+
+
+def stream_audio(ws: Any, pcm: bytes) -> None:
+    for at in range(0, len(pcm), 4800):  # 100 ms
+        ws.send(
+            json.dumps(
+                {"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[at : at + 4800]).decode()}
+            )
+        )
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """Two seconds of English from espeak-ng (Debian's), as 24 kHz PCM16."""
+    wav = tmp_path_factory.mktemp("speech") / "hello.wav"
+    subprocess.run(["espeak-ng", "-w", str(wav), "Hello, how are you doing today?"], check=True)
+    samples, rate = soundfile.read(wav, dtype="float32")
+    return (np.clip(soxr.resample(samples, rate, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+
+
 def test_another_models_name_is_refused_at_the_upgrade(base: str) -> None:
     with pytest.raises(InvalidStatus) as refused:
         connect(f"{base.replace('http://', 'ws://')}/v1/realtime?model=gpt-realtime")
@@ -252,3 +330,37 @@ class _Plain:
 
     def recv(self) -> dict[str, Any]:
         return json.loads(self.ws.recv())
+
+
+def test_keys_idle_sessions_and_shutdown(
+    demo_dir: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gateway with API keys takes a socket's key from its Authorization header or, as browsers
+    send it, from the `openai-insecure-api-key.<key>` subprotocol, and refuses a socket without
+    one (401); it closes a session idle past `idleTimeoutS` (1000), and at shutdown closes the
+    sessions still open with 1001 and a reason."""
+    spec = yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())
+    spec["spec"]["gateway"]["realtime"] = {"idleTimeoutS": 3}
+    pipeline = demo_dir / "tiny-omni-realtime-keys.yaml"
+    pipeline.write_text(yaml.safe_dump(spec))
+    monkeypatch.setenv("OMNI_API_KEYS", "sesame")
+    with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (serve, base):
+        with pytest.raises(InvalidStatus) as refused:
+            connect(ws_url(base))
+        assert refused.value.response.status_code == 401
+        with connect(ws_url(base), additional_headers={"Authorization": "Bearer sesame"}) as ws:
+            assert json.loads(ws.recv())["type"] == "session.created"
+            with pytest.raises(ConnectionClosedOK) as idle:
+                while True:
+                    ws.recv()
+            assert idle.value.rcvd.code == 1000 and idle.value.rcvd.reason == "session idle"
+        browser = connect(ws_url(base), subprotocols=["realtime", "openai-insecure-api-key.sesame"])
+        with browser as ws:
+            assert ws.subprotocol == "realtime"
+            assert json.loads(ws.recv())["type"] == "session.created"
+            serve.interrupt_group()
+            with pytest.raises(ConnectionClosed) as shut:
+                while True:
+                    ws.recv()
+            assert shut.value.rcvd is not None and shut.value.rcvd.code == 1001
+            assert shut.value.rcvd.reason == "the gateway is shutting down"

@@ -59,3 +59,21 @@ class GatewayMetrics:
             ["code"],
             registry=r,
         )
+        self.live_sessions = Gauge(
+            "omni_gateway_realtime_sessions", "Live sessions open (WS /v1/realtime)", registry=r
+        )
+        self.live_responses = Counter(
+            "omni_gateway_realtime_responses",
+            "Live sessions' responses, by how they ended (completed, cancelled, incomplete, failed)",
+            ["status"],
+            registry=r,
+        )
+        self.barge_ins = Counter(
+            "omni_gateway_realtime_barge_ins", "Responses cancelled by the user's speech", registry=r
+        )
+        self.speech_to_audio = Histogram(
+            "omni_gateway_realtime_speech_end_to_audio_seconds",
+            "End of a user's turn (its commit, or VAD's speech_stopped) to its response's first audio",
+            buckets=_BUCKETS,
+            registry=r,
+        )

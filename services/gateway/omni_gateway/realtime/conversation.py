@@ -159,34 +159,53 @@ def _part(c: ContentPart, where: str) -> Part:
 
 
 class AudioBuffer:
-    """The user's audio since the last commit or clear, up to `max_bytes`."""
+    """The user's audio since the last commit or clear, up to `max_bytes`. Positions are ms of all
+    the audio appended in the session (where VAD's marks fall)."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._chunks: list[bytes] = []
-        self.size = 0
-        self.appended_ms = 0
-        """All audio appended in the session, in ms: where VAD's speech marks fall."""
+        self._pcm = bytearray()
+        self._start = 0
+        """Where the buffer begins, in bytes of all the audio appended."""
+
+    @property
+    def size(self) -> int:
+        return len(self._pcm)
+
+    @property
+    def start_ms(self) -> int:
+        return self._start // BYTES_PER_MS
+
+    @property
+    def end_ms(self) -> int:
+        return (self._start + len(self._pcm)) // BYTES_PER_MS
 
     def append(self, pcm: bytes) -> None:
-        if self.size + len(pcm) > self.max_bytes:
+        if len(self._pcm) + len(pcm) > self.max_bytes:
             raise RealtimeError(
                 f"audio: the input buffer holds {pcm_ms(self.max_bytes) / 1000:g} s at most; commit it",
                 code="input_audio_buffer_full",
                 param="audio",
             )
-        self._chunks.append(pcm)
-        self.size += len(pcm)
-        self.appended_ms += pcm_ms(pcm)
+        self._pcm += pcm
 
-    def take(self) -> bytes:
-        pcm = b"".join(self._chunks)
-        self.clear()
+    def take(self, until_ms: int | None = None) -> bytes:
+        """The audio up to `until_ms` (None: all of it), out of the buffer."""
+        end = len(self._pcm) if until_ms is None else self._offset(until_ms)
+        pcm = bytes(self._pcm[:end])
+        del self._pcm[:end]
+        self._start += end
         return pcm
 
+    def keep_from(self, ms: int) -> None:
+        """Drop the audio before `ms` (VAD: what came before a turn's padding)."""
+        self.take(ms)
+
     def clear(self) -> None:
-        self._chunks.clear()
-        self.size = 0
+        self.take()
+
+    def _offset(self, ms: int) -> int:
+        return min(max(ms * BYTES_PER_MS - self._start, 0), len(self._pcm)) // 2 * 2
 
 
 class Conversation:

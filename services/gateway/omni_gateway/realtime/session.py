@@ -13,6 +13,7 @@ import asyncio
 import base64
 import contextlib
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -22,6 +23,7 @@ import numpy as np
 
 from omni_gateway.errors import BadRequest, ModelNotFound, OmniError
 from omni_gateway.events import AudioChunk, Finished, TextDelta
+from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline, PipelineRequest
 from omni_gateway.protocol.chat import SAMPLING_EVERY_ENGINE
 from omni_gateway.realtime.conversation import (
@@ -55,6 +57,7 @@ from omni_gateway.realtime.protocol import (
     new_id,
     parse_event,
 )
+from omni_gateway.realtime.vad import SpeechStarted, TurnDetector
 from omni_pipeline.control import RequestInputs
 from omni_pipeline.spec import OutputKind
 
@@ -74,7 +77,8 @@ class Settings:
     """None: "inf" (up to the gateway's own limit)."""
     voice: str | None = None
     """None: the model's own default."""
-    turn_detection: ServerVad | None = None
+    turn_detection: ServerVad | None = field(default_factory=ServerVad)
+    """Server VAD unless the client turns it off (null: it commits each turn), as OpenAI's."""
 
 
 @dataclass
@@ -90,6 +94,8 @@ class Response:
     cancelled: str | None = None
     """Why it was cancelled: `client_cancelled`, `turn_detected`."""
     usage: dict[str, Any] = field(default_factory=dict)
+    turn_ended: float | None = None
+    """When the user's turn it answers was committed (monotonic), if it answers one."""
     ending: bool = False
     """Its run is over and its closing events are going out."""
 
@@ -105,20 +111,29 @@ class Response:
 class RealtimeSession:
     """A session's state and its answers to each client event."""
 
-    def __init__(self, pipeline: Pipeline, send: Send, max_buffer_bytes: int) -> None:
+    def __init__(
+        self, pipeline: Pipeline, send: Send, max_buffer_bytes: int, metrics: GatewayMetrics
+    ) -> None:
         self.pipeline = pipeline
         self.id = new_id("sess")
         self._send = send
+        self.metrics = metrics
         speaks = OutputKind.AUDIO in pipeline.spec.output_kinds()
         self.settings = Settings(output_modalities=["audio"] if speaks else ["text"])
         self.conversation = Conversation()
         self.buffer = AudioBuffer(max_buffer_bytes)
+        self.detector: TurnDetector | None = None
+        self._speech_item: str | None = None
+        """The id the turn VAD hears now will have, from speech_started to its commit."""
+        self._turn_ended: float | None = None
+        """When the last user turn was committed (monotonic), until a response answers it."""
         self.response: Response | None = None
         self.responses = 0
 
     # --- the socket's side -------------------------------------------------------------------
 
     async def open(self) -> None:
+        await self._detect_turns()
         await self.emit("session.created", session=self.session_wire())
 
     async def receive(self, data: str | bytes) -> None:
@@ -155,10 +170,13 @@ class RealtimeSession:
     async def _handle(self, event: ClientEvent) -> None:
         match event:
             case SessionUpdate(session=config):
+                before = self.settings.turn_detection
                 self._update(config)
+                if self.settings.turn_detection != before:
+                    await self._detect_turns()
                 await self.emit("session.updated", session=self.session_wire())
             case AudioAppend(audio=audio):
-                self.buffer.append(decode_pcm(audio, "audio"))
+                await self.append(decode_pcm(audio, "audio"))
             case AudioCommit():
                 await self.commit()
             case AudioClear():
@@ -202,12 +220,9 @@ class RealtimeSession:
         audio = config.audio
         turn = audio.input.turn_detection if audio and audio.input else msgspec.UNSET
         if turn is not msgspec.UNSET:
-            if turn is not None:
-                raise RealtimeError(
-                    "session.audio.input.turn_detection: server_vad is not served yet; send null "
-                    "and commit each turn",
-                    param="session.audio.input.turn_detection",
-                )
+            if turn is not None and not 0.0 < turn.threshold < 1.0:
+                param = "session.audio.input.turn_detection.threshold"
+                raise RealtimeError(f"{param}: between 0 and 1", param=param)
             s.turn_detection = turn
         if audio is not msgspec.UNSET and audio.output is not msgspec.UNSET:
             out = audio.output
@@ -245,14 +260,59 @@ class RealtimeSession:
             )
         return voice
 
-    async def commit(self) -> None:
+    async def _detect_turns(self) -> None:
+        turn = self.settings.turn_detection
+        self._speech_item = None
+        if turn is None:
+            self.detector = None
+            return
+        self.detector = await asyncio.to_thread(TurnDetector, turn, self.buffer.end_ms)
+
+    async def append(self, pcm: bytes) -> None:
+        self.buffer.append(pcm)
+        if self.detector is None:
+            return
+        for mark in await asyncio.to_thread(self.detector.feed, pcm):
+            if isinstance(mark, SpeechStarted):
+                await self._speech_started(mark.at_ms)
+            else:
+                await self._speech_stopped(mark.at_ms)
+        if not self.detector.speaking:  # keep only what may pad the next turn's start
+            self.buffer.keep_from(self.buffer.end_ms - self.detector.settings.prefix_padding_ms)
+
+    async def _speech_started(self, at_ms: int) -> None:
+        assert self.detector is not None
+        start = max(at_ms - self.detector.settings.prefix_padding_ms, self.buffer.start_ms)
+        self.buffer.keep_from(start)
+        self._speech_item = new_id("item")
+        await self.emit("input_audio_buffer.speech_started", audio_start_ms=start, item_id=self._speech_item)
+        if self.response is not None and self.detector.settings.interrupt_response:
+            self.metrics.barge_ins.inc()
+            await self.cancel("turn_detected")
+
+    async def _speech_stopped(self, at_ms: int) -> None:
+        assert self.detector is not None
+        self._speech_item = item_id = self._speech_item or new_id("item")
+        await self.emit("input_audio_buffer.speech_stopped", audio_end_ms=at_ms, item_id=item_id)
+        await self.commit(until_ms=at_ms)
+        if self.detector.settings.create_response:
+            try:
+                await self.create_response(ResponseParams())
+            except RealtimeError as exc:  # the client's to know, as for its own response.create
+                await self.error(exc.message, code=exc.code, param=exc.param)
+
+    async def commit(self, until_ms: int | None = None) -> None:
+        """The buffer (up to `until_ms`) as the user's next item: VAD's heard turn keeps the id
+        its speech_started gave it."""
         if self.buffer.size == 0:
             raise RealtimeError(
                 "the input audio buffer is empty: append audio before committing",
                 code="input_audio_buffer_commit_empty",
             )
-        item = ConversationItem("user", [Part("input_audio", pcm=self.buffer.take())])
+        item = ConversationItem("user", [Part("input_audio", pcm=self.buffer.take(until_ms))])
+        item.id, self._speech_item = self._speech_item or item.id, None
         previous = self.conversation.add(item)
+        self._turn_ended = time.monotonic()
         await self.emit("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous)
         await self._announce(item, previous)
 
@@ -317,6 +377,7 @@ class RealtimeSession:
             metadata=params.metadata,
             in_conversation=params.conversation == "auto",
             item=ConversationItem("assistant", [part], status="in_progress"),
+            turn_ended=self._turn_ended,
         )
         asked = PipelineRequest(
             None,
@@ -337,6 +398,7 @@ class RealtimeSession:
             raise RealtimeError(exc.message, code=exc.code or "invalid_request", param=param) from None
         self.response = response
         self.responses += 1
+        self._turn_ended = None
         response.task = asyncio.get_running_loop().create_task(
             self._run(response, prepared), name=response.id
         )
@@ -407,6 +469,8 @@ class RealtimeSession:
         elif isinstance(ev, AudioChunk) and r.speaks:
             if ev.sample_rate != PCM_RATE:
                 raise OmniError(f"the model speaks at {ev.sample_rate} Hz; audio/pcm is {PCM_RATE} Hz")
+            if r.part.audio_bytes == 0 and r.turn_ended is not None:
+                self.metrics.speech_to_audio.observe(time.monotonic() - r.turn_ended)
             pcm = (np.clip(ev.samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
             r.part.audio_bytes += len(pcm)
             await self.emit(
@@ -436,6 +500,7 @@ class RealtimeSession:
         if r.in_conversation:
             await self.emit("conversation.item.done", item=r.item.wire())
         await self.emit("response.done", response=self._response_wire(r, status, details))
+        self.metrics.live_responses.labels(status=status).inc()
 
     # --- what events show --------------------------------------------------------------------
 
@@ -467,7 +532,7 @@ class RealtimeSession:
 
     def session_wire(self) -> dict[str, Any]:
         s = self.settings
-        turn = None if s.turn_detection is None else msgspec.to_builtins(s.turn_detection)
+        turn = None if s.turn_detection is None else msgspec.structs.asdict(s.turn_detection)
         return {
             "type": "realtime",
             "object": "realtime.session",

@@ -21,6 +21,7 @@ from fastapi.responses import JSONResponse
 from starlette.websockets import WebSocketState
 
 from omni_gateway.errors import ModelNotFound, OmniError, Overloaded
+from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline
 from omni_gateway.realtime.conversation import BYTES_PER_MS
 from omni_gateway.realtime.session import RealtimeSession
@@ -86,8 +87,10 @@ async def realtime(ws: WebSocket) -> None:
                     await ws.send_text(msgspec.json.encode(event).decode())
 
     max_buffer = int(limits.media.max_audio_seconds * 1000) * BYTES_PER_MS
-    session = RealtimeSession(pipeline, send, max_buffer)
+    metrics: GatewayMetrics = ws.app.state.metrics
+    session = RealtimeSession(pipeline, send, max_buffer, metrics)
     sessions.open[session.id] = ws
+    metrics.live_sessions.inc()
     log.info("realtime %s: opened (%d live)", session.id, len(sessions.open))
     why = "closed by the client"
     try:
@@ -95,6 +98,7 @@ async def realtime(ws: WebSocket) -> None:
         why = await _serve(ws, session, limits.realtime.idle_timeout_s, limits.realtime.max_session_s)
     finally:
         del sessions.open[session.id]
+        metrics.live_sessions.dec()
         await session.close()
         log.info("realtime %s: %s after %d responses", session.id, why, session.responses)
 
