@@ -264,9 +264,11 @@ async def test_closing_leaves_a_connector_call_that_never_ends(caplog: pytest.Lo
     pod's grace); once the call ends, a second close closes them. The call that never ends is
     a stand-in, held on an event: no backend hangs on cue (a SIGSTOPped mooncake_master hangs
     some calls and answers others at once)."""
-    conn = ShmConnector("default", SPEC, prefix=_prefix())
+    prefix = _prefix()
+    conn = ShmConnector("default", SPEC, prefix=prefix)
     io = OffLoop("test", {"default": conn})
     await io.put(conn, "a", "b", "r1", {"x": torch.ones(4096)})
+    io.cleanup("r1")  # its request is over: the segment back to the pool, which close unlinks
     assert conn.pooled_bytes() > 0
     running, answer = threading.Event(), threading.Event()
 
@@ -283,4 +285,4 @@ async def test_closing_leaves_a_connector_call_that_never_ends(caplog: pytest.Lo
     answer.set()
     assert io.close(wait_s=30.0) is True
     assert await held is True
-    assert conn.pooled_bytes() == 0
+    assert conn.pooled_bytes() == 0 and our_shm_segments(prefix) == []
