@@ -12,9 +12,10 @@ VOMNI_STAMP := $(VOMNI)/.installed
 MODELS  := models
 PORT    ?= 8000
 # Debian packages the native parts need (Mooncake's transfer engine links the libraries;
-# torch.compile's CPU backend, `compile: true`, builds its kernels with g++), and espeak-ng, whose
-# speech the live-session tests talk to server VAD with.
-DEBIAN  := libibverbs1 libnuma1 libcurl4 g++ espeak-ng
+# torch.compile's CPU backend, `compile: true`, builds its kernels with g++); and for the tests,
+# espeak-ng, whose speech they talk to live sessions with, and the headless Chromium (and its
+# driver) the talk page is tested in.
+DEBIAN  := libibverbs1 libnuma1 libcurl4 g++ espeak-ng chromium chromium-driver
 
 .PHONY: setup serve test bench lint format golden demo-models vllm-omni-venv system-packages clean
 
@@ -25,7 +26,7 @@ system-packages:
 	@missing=$$(for p in $(DEBIAN); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
 	if [ -n "$$missing" ]; then \
 		if [ "$$(id -u)" = 0 ]; then \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 		else \
 			echo "missing Debian packages: $$missing (sudo apt-get install $$missing)"; exit 1; \
 		fi; \

@@ -30,6 +30,7 @@ RATIOS = {
         "rtf_c8",
         "ttfp_c8_vs_c1",
     },
+    "realtime": {"first_audio_10s_vs_2s", "first_audio_turn5_vs_turn1"},
     "sleep": {"tiny-omni_rss_asleep_vs_awake_min", "tiny-omni_rss_asleep_vs_awake_max"},
     "vllm-omni": {f"{m}_c{c}" for m in ("ttft", "tpot", "ttfp", "rtf") for c in (1, 4)},
 }

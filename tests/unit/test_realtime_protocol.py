@@ -97,7 +97,7 @@ def test_items_go_where_the_client_puts_them_and_read_as_a_chat() -> None:
     with pytest.raises(RealtimeError) as missing:
         chat.add(ConversationItem("user", [Part("input_text", text="x")]), "nope")
     assert missing.value.param == "previous_item_id"
-    assert messages("Be brief.", chat.items) == [
+    assert messages("Be brief.", chat.items, max_media=8) == [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": [{"type": "text", "text": "before all"}]},
         {"role": "user", "content": [{"type": "text", "text": "first"}]},
@@ -118,3 +118,13 @@ def test_truncating_cuts_the_transcript_at_a_word_where_playback_stopped() -> No
     user = ConversationItem("user", [Part("input_text", text="hi")])
     with pytest.raises(RealtimeError, match="only an assistant's audio"):
         truncate(user, 0, 0)
+
+
+def test_the_prompt_keeps_the_latest_turns_within_the_media_limit() -> None:
+    """A long spoken conversation: its earlier turns drop out of the prompt (not out of the
+    conversation) once its audio turns pass the gateway's media parts per request."""
+    turns = [ConversationItem("user", [Part("input_audio", pcm=bytes(480))], id=f"u{i}") for i in range(3)]
+    answer = ConversationItem("assistant", [Part("output_text", text="ok")], id="a")
+    chat = messages("", [turns[0], answer, turns[1], turns[2]], max_media=2)
+    assert [m["role"] for m in chat] == ["assistant", "user", "user"]  # u0 dropped
+    assert len(messages("", [turns[0], answer, turns[1]], max_media=2)) == 3

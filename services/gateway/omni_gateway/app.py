@@ -23,6 +23,7 @@ from omni_gateway.errors import BadRequest, OmniError
 from omni_gateway.guards import ApiKeyAuth, BodyLimit, load_api_keys
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline
+from omni_gateway.realtime.page import router as page_router
 from omni_gateway.realtime.socket import LiveSessions
 from omni_gateway.realtime.socket import router as realtime_router
 from omni_gateway.routes import router
@@ -111,6 +112,7 @@ def build_app(
     app.state.metrics = metrics = GatewayMetrics(lambda: pipeline.migrations)
     app.include_router(router)
     app.include_router(realtime_router)
+    app.include_router(page_router)
     app.state.live_sessions = LiveSessions(pipeline.spec.gateway.realtime.max_sessions)
     # Added innermost first: the key is checked before the body is read; every answer, the
     # guards' included, carries X-Request-Id and is counted.

@@ -17,8 +17,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omni_gateway.errors import OmniError, PayloadTooLarge, Unauthorized
 from omni_pipeline.settings import API_KEYS_ENV, API_KEYS_FILE_ENV
 
-OPEN_PATHS: Final = frozenset({"/health", "/health/live", "/metrics"})
-"""Probes and Prometheus reach these without a key; they carry no request data."""
+OPEN_PATHS: Final = frozenset({"/health", "/health/live", "/metrics", "/talk"})
+"""Probes, Prometheus and a browser opening the talk page reach these without a key; they carry
+no request data."""
 
 
 class ApiKeyError(RuntimeError):

@@ -247,11 +247,22 @@ class Conversation:
         del self.items[self.index(item_id)]
 
 
-def messages(instructions: str, items: list[ConversationItem]) -> list[dict[str, Any]]:
-    """The chat a response runs over: the instructions as its system message, then the items."""
+def messages(instructions: str, items: list[ConversationItem], max_media: int) -> list[dict[str, Any]]:
+    """The chat a response runs over: the instructions as its system message, then the latest
+    items that hold at most `max_media` media parts between them (the gateway's limit for one
+    request); earlier ones drop out of the prompt, not out of the conversation (OpenAI's
+    `truncation: auto`)."""
+    kept: list[dict[str, Any]] = []
+    media = 0
+    for item in reversed(items):
+        if (m := item.message()) is None:
+            continue
+        media += sum(1 for p in item.parts if p.type in ("input_audio", "input_image"))
+        if media > max_media:
+            break
+        kept.append(m)
     chat = [{"role": "system", "content": instructions}] if instructions else []
-    chat += [m for item in items if (m := item.message()) is not None]
-    return chat
+    return chat + kept[::-1]
 
 
 def truncate(item: ConversationItem, content_index: int, audio_end_ms: int) -> None:

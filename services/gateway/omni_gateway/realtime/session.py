@@ -383,7 +383,9 @@ class RealtimeSession:
             None,
             frozenset({OutputKind.TEXT, OutputKind.AUDIO} if response.speaks else {OutputKind.TEXT}),
             RequestInputs(
-                modalities=sorted([*modalities, "text"]), messages=messages(instructions, items), voice=voice
+                modalities=sorted([*modalities, "text"]),
+                messages=messages(instructions, items, self.pipeline.spec.gateway.media.max_parts),
+                voice=voice,
             ),
             {k: v for k, v in (("max_tokens", max_tokens), ("voice", voice)) if v is not None},
             outputs_param="response.output_modalities",

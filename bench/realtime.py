@@ -1,0 +1,168 @@
+"""realtime: live sessions (WS /v1/realtime) on Qwen2.5-Omni (examples/qwen2.5-omni.yaml, the tiny
+checkpoint, this CPU), measured as a voice client feels them.
+
+Each turn is a user's audio (a tone in noise, 24 kHz PCM16) appended in 100 ms pieces and
+committed by hand (turn_detection null), then `response.create` for a short spoken answer
+(THINKER_TOKENS tokens, voice Ethan). First audio is the time from the commit (the end of
+speech) to the first `response.output_audio.delta`.
+
+Ratios, each against a baseline measured in the same run:
+- first_audio_10s_vs_2s: median first audio after a 10 s utterance over after a 2 s one, each on
+  a fresh session (issue 38's goal <= 1.3: little work left at the end of speech).
+- first_audio_turn5_vs_turn1: median first audio at the fifth turn of a session over the first
+  (2 s utterances; goal <= 1.3: the conversation's earlier turns are not prefilled again).
+And, as figures: cancel_ms, from `response.cancel` to `response.done` (`cancelled`) for a
+response cancelled at its first audio.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import copy
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+from websockets.asyncio.client import ClientConnection, connect
+
+from bench.common import bars, figure, machine, median, parser, report, rounds
+from bench.procs import demo_models, served
+
+ROOT = Path(__file__).resolve().parents[1]
+ROUNDS = 5
+THINKER_TOKENS = 30
+TURNS = 5
+PIECE = 4800  # bytes: 100 ms of 24 kHz PCM16
+
+
+def pipeline() -> dict[str, Any]:
+    spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "qwen2.5-omni.yaml").read_text())["spec"])
+    spec["servedModelName"] = "bench"
+    return spec
+
+
+def utterance(seconds: float, seed: int) -> bytes:
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(24000 * seconds)) / 24000
+    clip = 0.3 * np.sin(2 * np.pi * (220 + 40 * seed) * t) + 0.05 * rng.standard_normal(t.size)
+    return (clip * 32767).astype("<i2").tobytes()
+
+
+async def session(base: str) -> ClientConnection:
+    ws = await connect(f"{base.replace('http://', 'ws://')}/v1/realtime?model=bench", max_size=None)
+    await _until(ws, "session.created")
+    manual = {"audio": {"input": {"turn_detection": None}, "output": {"voice": "Ethan"}}}
+    await ws.send(json.dumps({"type": "session.update", "session": manual}))
+    await _until(ws, "session.updated")
+    return ws
+
+
+async def _until(ws: ClientConnection, kind: str) -> dict[str, Any]:
+    while (event := json.loads(await ws.recv()))["type"] != kind:
+        if event["type"] == "error":
+            raise RuntimeError(event["error"]["message"])
+    return event
+
+
+async def turn(ws: ClientConnection, pcm: bytes, cancel: bool = False) -> dict[str, float]:
+    """One spoken turn: first audio after the commit, in ms (and, cancelling at the first audio,
+    how long the cancel took)."""
+    for at in range(0, len(pcm), PIECE):
+        piece = base64.b64encode(pcm[at : at + PIECE]).decode()
+        await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": piece}))
+    t0 = time.perf_counter()
+    await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+    tokens = 1000 if cancel else THINKER_TOKENS
+    await ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": tokens}}))
+    await _until(ws, "response.output_audio.delta")
+    figures = {"first_audio_ms": (time.perf_counter() - t0) * 1000}
+    if cancel:
+        t1 = time.perf_counter()
+        await ws.send(json.dumps({"type": "response.cancel"}))
+        done = await _until(ws, "response.done")
+        assert done["response"]["status"] == "cancelled", done["response"]["status"]
+        figures["cancel_ms"] = (time.perf_counter() - t1) * 1000
+    else:
+        await _until(ws, "response.done")
+    return figures
+
+
+async def by_length(base: str, seconds: float, n: int) -> float:
+    firsts = []
+    for i in range(n):
+        ws = await session(base)
+        firsts.append((await turn(ws, utterance(seconds, i)))["first_audio_ms"])
+        await ws.close()
+    return round(median(firsts), 1)
+
+
+async def by_turn(base: str, n: int) -> list[float]:
+    per_turn: list[list[float]] = [[] for _ in range(TURNS)]
+    for _ in range(n):
+        ws = await session(base)
+        for t in range(TURNS):
+            per_turn[t].append((await turn(ws, utterance(2.0, t)))["first_audio_ms"])
+        await ws.close()
+    return [round(median(xs), 1) for xs in per_turn]
+
+
+async def cancels(base: str, n: int) -> float:
+    ws = await session(base)
+    took = [(await turn(ws, utterance(2.0, i), cancel=True))["cancel_ms"] for i in range(n)]
+    await ws.close()
+    return round(median(took), 1)
+
+
+def plot(result: dict[str, Any], path: Any) -> None:
+    runs = result["runs"]
+    fig, (by_len, by_t) = figure(2)
+    bars(
+        by_len,
+        ["2 s", "10 s"],
+        {"first audio": [runs["first_audio_2s_ms"], runs["first_audio_10s_ms"]]},
+        "ms",
+    )
+    by_len.set_title("End of speech to first audio, by utterance")
+    turns = [f"turn {i + 1}" for i in range(TURNS)]
+    bars(by_t, turns, {"first audio": runs["first_audio_by_turn_ms"]}, "ms")
+    by_t.set_title("End of speech to first audio, by turn (2 s each)")
+    from bench.common import save
+
+    save(fig, path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser(__doc__).parse_args(argv)
+    n = rounds(ROUNDS, args)
+    with demo_models() as cwd, served("bench", pipeline(), cwd=cwd) as base:
+
+        async def measure() -> dict[str, Any]:
+            await by_length(base, 2.0, 1)  # warm: the first request sets up what every later one uses
+            return {
+                "first_audio_2s_ms": await by_length(base, 2.0, n),
+                "first_audio_10s_ms": await by_length(base, 10.0, n),
+                "first_audio_by_turn_ms": await by_turn(base, n),
+                "cancel_ms": await cancels(base, n),
+            }
+
+        runs = asyncio.run(measure())
+    by = runs["first_audio_by_turn_ms"]
+    result = {
+        "benchmark": "realtime",
+        "machine": machine(),
+        "runs": runs,
+        "ratios": {
+            "first_audio_10s_vs_2s": round(runs["first_audio_10s_ms"] / runs["first_audio_2s_ms"], 3),
+            "first_audio_turn5_vs_turn1": round(by[-1] / by[0], 3),
+        },
+    }
+    rows = [(k, str(v)) for k, v in runs.items()] + [(k, str(v)) for k, v in result["ratios"].items()]
+    report("realtime", rows, result, args, plot)
+
+
+if __name__ == "__main__":
+    main()
