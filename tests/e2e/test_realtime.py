@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,7 +24,7 @@ from websockets.sync.client import connect
 
 from tests.deployment import gauges, settle
 from tests.e2e.test_serve import audio_delta
-from tests.helpers import ROOT, served
+from tests.helpers import ROOT, replicas, served, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -330,6 +332,128 @@ class _Plain:
 
     def recv(self) -> dict[str, Any]:
         return json.loads(self.ws.recv())
+
+
+def speech_endpoint(base: str, text: str) -> bytes:
+    """`POST /v1/audio/speech` of `text` as raw PCM, with the openai SDK."""
+    return sdk(base).audio.speech.create(model=MODEL, voice="alloy", input=text, response_format="pcm").read()
+
+
+def speech_socket(base: str) -> Any:
+    return connect(f"{base.replace('http://', 'ws://')}/v1/audio/speech/stream")
+
+
+def test_the_speech_stream_socket_speaks_what_the_speech_endpoint_speaks(base: str) -> None:
+    """vLLM-Omni's text-in speech-out socket: text in pieces, flushed by input.done, comes back
+    as the speech endpoint's audio for the same text; the socket stays open for the next."""
+    with speech_socket(base) as ws:
+        ws.send(json.dumps({"type": "session.config", "voice": "alloy", "response_format": "pcm"}))
+        for utterance in range(2):
+            ws.send(json.dumps({"type": "input.text", "text": "Hello "}))
+            ws.send(json.dumps({"type": "input.text", "text": "there."}))
+            ws.send(json.dumps({"type": "input.done"}))
+            start, audio, done, flushed = (ws.recv() for _ in range(4))
+            assert json.loads(start) == {
+                "type": "audio.start",
+                "utterance_index": utterance,
+                "sentence_index": 0,
+                "sentence_text": "Hello there.",
+                "format": "pcm",
+            }
+            assert audio == speech_endpoint(base, "Hello there.")
+            assert json.loads(done) == {
+                "type": "audio.done",
+                "utterance_index": utterance,
+                "sentence_index": 0,
+                "total_bytes": len(audio),
+            }
+            assert json.loads(flushed) == {
+                "type": "session.done",
+                "utterance_index": utterance,
+                "total_sentences": 1,
+            }
+
+
+def test_the_speech_stream_socket_speaks_each_sentence_as_its_text_ends(base: str) -> None:
+    """`split_granularity: sentence` with `stream_audio`: a sentence is spoken once its end has
+    come, before the flush, its PCM streamed as it is made."""
+    with speech_socket(base) as ws:
+        config = {
+            "type": "session.config",
+            "split_granularity": "sentence",
+            "stream_audio": True,
+            "response_format": "pcm",
+        }
+        ws.send(json.dumps({**config, "voice": "alloy"}))
+        ws.send(json.dumps({"type": "input.text", "text": "Hello there. And"}))
+        start = json.loads(ws.recv())
+        assert start["sentence_text"] == "Hello there." and start["sample_rate"] == 24000
+        pcm = b""
+        while isinstance(frame := ws.recv(), bytes):
+            pcm += frame
+        assert json.loads(frame)["type"] == "audio.done"
+        assert pcm == speech_endpoint(base, "Hello there.")
+        ws.send(json.dumps({"type": "input.text", "text": " then?"}))
+        ws.send(json.dumps({"type": "input.done"}))
+        assert json.loads(ws.recv())["sentence_text"] == "And then?"
+        while isinstance(frame := ws.recv(), bytes):
+            pass
+        assert json.loads(ws.recv()) == {"type": "session.done", "utterance_index": 0, "total_sentences": 2}
+
+
+def test_the_speech_stream_socket_refuses_what_it_cannot_do_and_goes_on(base: str) -> None:
+    with speech_socket(base) as ws:
+        cases = [
+            ({"type": "input.text", "text": "early"}, "Expected session.config"),
+            (
+                {"type": "session.config", "ref_audio": "data:audio/wav;base64,AAAA"},
+                "ref_audio: voice cloning",
+            ),
+            ({"type": "session.config", "voice": "nobody"}, "voice 'nobody'"),
+            ({"type": "session.config", "response_format": "mp3"}, "'mp3' is not served"),
+            ({"type": "session.config", "stream_audio": True}, "stream_audio requires response_format 'pcm'"),
+            ({"type": "session.config", "word_timestamps": True}, "no forced aligner"),
+            ({"type": "session.config", "volume": 3}, "volume"),
+        ]
+        for message, says in cases:
+            ws.send(json.dumps(message))
+            error = json.loads(ws.recv())
+            assert error["type"] == "error" and says in error["message"], (message, error)
+        ws.send(json.dumps({"type": "session.config", "response_format": "wav"}))
+        ws.send(json.dumps({"type": "input.text", "text": "Fine."}))
+        ws.send(json.dumps({"type": "input.done"}))
+        assert json.loads(ws.recv())["format"] == "wav"
+        assert ws.recv()[:4] == b"RIFF"
+        ws.send(json.dumps({"type": "session.close"}))
+
+
+def test_a_stage_killed_mid_response_and_the_session_goes_on(base: str) -> None:
+    """SIGKILL of the talker while a live response speaks: the response is run again on a fresh
+    route (the supervisor restarts the talker) or ends `failed` with the reason, never hangs;
+    the session then answers its next turn, and nothing is left held. (Last in this module: it
+    restarts a replica the others share.)"""
+    idle = gauges([base])
+    [talker] = replicas(base, "talker")
+    with connect(ws_url(base)) as ws:
+        json.loads(ws.recv())
+        ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Hello there")}))
+        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 200}}))
+        while json.loads(ws.recv())["type"] != "response.output_audio.delta":
+            pass
+        os.kill(talker["pid"], signal.SIGKILL)
+        done = until(_Plain(ws))[-1]["response"]
+        assert done["status"] in ("incomplete", "failed"), done  # 200 tokens: incomplete if it went on
+        if done["status"] == "failed":
+            assert "talker" in done["status_details"]["error"]["message"], done
+        wait_for(
+            lambda: [r["pid"] for r in replicas(base, "talker")] not in ([], [talker["pid"]]),
+            60,
+            "a new talker",
+        )
+        ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Again")}))
+        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 4}}))
+        assert until(_Plain(ws))[-1]["response"]["status"] == "incomplete"
+    settle([base], idle)
 
 
 def test_keys_idle_sessions_and_shutdown(

@@ -26,6 +26,7 @@ from omni_gateway.pipeline import Pipeline
 from omni_gateway.realtime.page import router as page_router
 from omni_gateway.realtime.socket import LiveSessions
 from omni_gateway.realtime.socket import router as realtime_router
+from omni_gateway.realtime.speech_stream import router as speech_stream_router
 from omni_gateway.routes import router
 from omni_pipeline.lifecycle import exit_if_stuck
 from omni_pipeline.logs import REQUEST_ID, configure_logging
@@ -113,6 +114,7 @@ def build_app(
     app.include_router(router)
     app.include_router(realtime_router)
     app.include_router(page_router)
+    app.include_router(speech_stream_router)
     app.state.live_sessions = LiveSessions(pipeline.spec.gateway.realtime.max_sessions)
     # Added innermost first: the key is checked before the body is read; every answer, the
     # guards' included, carries X-Request-Id and is counted.

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import base64
 import binascii
-import io
-import wave
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from omni_gateway.audio import wav_bytes
 from omni_gateway.realtime.protocol import PCM_RATE, ContentPart, Item, RealtimeError, new_id
 
 BYTES_PER_MS: Final = PCM_RATE * 2 // 1000
@@ -39,16 +38,6 @@ def decode_pcm(b64: str, param: str) -> bytes:
             f"{param}: an odd number of bytes is not 16-bit PCM", code="invalid_audio", param=param
         )
     return pcm
-
-
-def wav(pcm: bytes) -> bytes:
-    out = io.BytesIO()
-    with wave.open(out, "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(PCM_RATE)
-        w.writeframes(pcm)
-    return out.getvalue()
 
 
 @dataclass
@@ -105,7 +94,7 @@ class ConversationItem:
             if p.type == "input_text":
                 content.append({"type": "text", "text": p.text or ""})
             elif p.type == "input_audio":
-                data = base64.b64encode(wav(p.pcm)).decode()
+                data = base64.b64encode(wav_bytes(p.pcm, PCM_RATE)).decode()
                 content.append({"type": "input_audio", "input_audio": {"data": data, "format": "wav"}})
             elif p.type == "input_image":
                 content.append({"type": "image_url", "image_url": {"url": p.image_url}})

@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
-import numpy as np
 
-from omni_gateway.errors import BadRequest, ModelNotFound, OmniError
+from omni_gateway.audio import to_pcm16
+from omni_gateway.errors import OmniError
 from omni_gateway.events import AudioChunk, Finished, TextDelta
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline, PipelineRequest
@@ -145,6 +145,15 @@ class RealtimeSession:
         except RealtimeError as exc:
             event_id = event.event_id if event is not None else client_event_id(data)
             await self.error(exc.message, code=exc.code, param=exc.param, event_id=event_id)
+        except Exception as exc:  # a bug of ours: said, logged, and the session goes on
+            log.exception("realtime %s: %s", self.id, type(event).__name__)
+            event_id = event.event_id if event is not None else None
+            await self.error(
+                f"internal error: {type(exc).__name__}",
+                code="server_error",
+                event_id=event_id,
+                kind="server_error",
+            )
 
     async def close(self) -> None:
         """The socket is gone: end the response in progress (its run aborted and freed)."""
@@ -269,6 +278,13 @@ class RealtimeSession:
         self.detector = await asyncio.to_thread(TurnDetector, turn, self.buffer.end_ms)
 
     async def append(self, pcm: bytes) -> None:
+        if (
+            self.detector is not None
+            and self.detector.speaking
+            and self.buffer.size + len(pcm) > self.buffer.max_bytes
+        ):
+            # Speech longer than the buffer holds: the turn so far ends here, the rest is the next.
+            await self._speech_stopped(self.buffer.end_ms)
         self.buffer.append(pcm)
         if self.detector is None:
             return
@@ -395,9 +411,9 @@ class RealtimeSession:
         )
         try:  # before anything is announced: a bad request is the client's, an error event
             prepared = await self.pipeline.prepare(asked)
-        except (BadRequest, ModelNotFound) as exc:
+        except OmniError as exc:  # a 400 of the chat API, or a pipeline that cannot take it now
             param = _client_param(exc.param)
-            raise RealtimeError(exc.message, code=exc.code or "invalid_request", param=param) from None
+            raise RealtimeError(exc.message, code=exc.code or exc.type, param=param) from None
         self.response = response
         self.responses += 1
         self._turn_ended = None
@@ -473,7 +489,7 @@ class RealtimeSession:
                 raise OmniError(f"the model speaks at {ev.sample_rate} Hz; audio/pcm is {PCM_RATE} Hz")
             if r.part.audio_bytes == 0 and r.turn_ended is not None:
                 self.metrics.speech_to_audio.observe(time.monotonic() - r.turn_ended)
-            pcm = (np.clip(ev.samples, -1.0, 1.0) * 32767.0).astype("<i2").tobytes()
+            pcm = to_pcm16(ev.samples)
             r.part.audio_bytes += len(pcm)
             await self.emit(
                 "response.output_audio.delta", **self._at(r), delta=base64.b64encode(pcm).decode()

@@ -76,8 +76,6 @@ async def realtime(ws: WebSocket) -> None:
     if refusal is not None:
         await ws.send_denial_response(JSONResponse(refusal.body(), refusal.status, refusal.headers))
         return
-    offered = ws.scope.get("subprotocols", [])
-    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
     lock = asyncio.Lock()
 
     async def send(event: dict[str, Any]) -> None:
@@ -89,11 +87,13 @@ async def realtime(ws: WebSocket) -> None:
     max_buffer = int(limits.media.max_audio_seconds * 1000) * BYTES_PER_MS
     metrics: GatewayMetrics = ws.app.state.metrics
     session = RealtimeSession(pipeline, send, max_buffer, metrics)
-    sessions.open[session.id] = ws
+    sessions.open[session.id] = ws  # before the first await: the slot is this upgrade's
     metrics.live_sessions.inc()
-    log.info("realtime %s: opened (%d live)", session.id, len(sessions.open))
     why = "closed by the client"
     try:
+        offered = ws.scope.get("subprotocols", [])
+        await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+        log.info("realtime %s: opened (%d live)", session.id, len(sessions.open))
         await session.open()
         why = await _serve(ws, session, limits.realtime.idle_timeout_s, limits.realtime.max_session_s)
     finally:
