@@ -44,6 +44,7 @@ NOT_SERVED: Final = {
     "speaker_embedding": "voice cloning is not served",
     "initial_codec_chunk_frames": "set the code2wav stage's chunkCodes in the pipeline instead",
     "non_streaming_mode": "no engine here has Qwen3-TTS prompt modes",
+    "seed": "POST /v1/audio/speech takes no seed here, so neither does its socket",
 }
 _SENTENCE_ENDS: Final = ".!?\u3002\uff01\uff1f"
 """And the CJK full stop, exclamation and question marks."""
@@ -68,7 +69,6 @@ class StreamConfig(msgspec.Struct, forbid_unknown_fields=True):
     max_new_tokens: int | None = None
     stream_audio: bool = False
     word_timestamps: bool = False
-    seed: int | None = None
     split_granularity: Literal["none", "sentence", "clause"] = "none"
 
 
