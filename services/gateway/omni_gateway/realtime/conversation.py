@@ -140,6 +140,8 @@ def _part(c: ContentPart, where: str) -> Part:
     if kind == "output_audio":  # the model reads its text only
         size = len(decode_pcm(c.audio, f"{where}.audio")) if c.audio else 0
         return Part(kind, transcript=c.transcript or "", audio_bytes=size)
+    if c.detail not in (None, "auto"):
+        raise RealtimeError(f"{where}.detail: only 'auto' is served", param=f"{where}.detail")
     if not c.image_url:
         raise RealtimeError(
             f"{where}.image_url: an input_image part has an image_url", param=f"{where}.image_url"
