@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from websockets.sync.client import connect
 
 from bench.otlp import OtlpReceiver, ReceivedSpan
 from omni_cli.mooncaked import LocalMooncake
@@ -141,6 +142,41 @@ def test_a_request_is_one_trace_through_every_replica(traced: Traced) -> None:
         assert all(ids[s.parent_id].name in ("omni.engine.call", "omni.stage.request") for s in found)
     # The hidden states went through Mooncake (the demo's default connector for tensors).
     assert {s.attributes["omni.connector.kind"] for s in edge("put", "thinker", "talker")} == {"mooncake"}
+
+
+@pytest.mark.slow
+def test_each_live_turn_is_one_trace_through_every_replica(traced: Traced) -> None:
+    """A live session's responses (WS /v1/realtime): each is a trace of its own, rooted at its
+    `omni.realtime.response` span, reaching every stage replica; not one trace per socket."""
+    responses = []
+    with connect(traced.deployment.base.replace("http://", "ws://") + "/v1/realtime") as ws:
+        json.loads(ws.recv())
+        for text in ("one", "two"):
+            item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+            ws.send(json.dumps({"type": "conversation.item.create", "item": item}))
+            ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 4}}))
+            while (event := json.loads(ws.recv()))["type"] != "response.done":
+                pass
+            responses.append(event["response"]["id"])
+
+    def turns() -> dict[str, list[ReceivedSpan]]:
+        spans = traced.receiver.spans()
+        roots = {s.attributes.get("omni.response_id"): s for s in spans if s.name == "omni.realtime.response"}
+        return {r: [s for s in spans if s.trace_id == roots[r].trace_id] for r in responses if r in roots}
+
+    def complete() -> bool:
+        found = turns()
+        every = {"omni-gateway", *(f"omni-stage-{s}" for s in STAGES)}
+        return len(found) == 2 and all({s.service for s in spans} >= every for spans in found.values())
+
+    wait_for(complete, 30, "each turn's spans from the gateway and every stage replica")
+    found = turns()
+    (first,), (second,) = ([s for s in found[r] if s.name == "omni.realtime.response"] for r in responses)
+    assert first.trace_id != second.trace_id and first.parent_id == second.parent_id == ""
+    assert first.attributes["omni.outcome"] == "incomplete"
+    for root in (first, second):
+        (attempt,) = [s for s in found[root.attributes["omni.response_id"]] if s.name == "omni.request"]
+        assert attempt.parent_id == root.span_id
 
 
 def exported(t: Traced) -> dict[str, str]:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import msgspec
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 
 from omni_gateway.audio import to_pcm16
 from omni_gateway.errors import OmniError
@@ -58,6 +60,7 @@ from omni_gateway.realtime.protocol import (
     parse_event,
 )
 from omni_gateway.realtime.vad import SpeechStarted, TurnDetector
+from omni_pipeline import tracing
 from omni_pipeline.control import RequestInputs
 from omni_pipeline.spec import OutputKind
 
@@ -433,6 +436,14 @@ class RealtimeSession:
             await asyncio.shield(response.task)
 
     async def _run(self, r: Response, prepared: Any) -> None:
+        """One response, a trace of its own: its turn's, across every stage (under the socket's
+        span, a whole session would be one trace)."""
+        attributes = {"omni.session_id": self.id, "omni.response_id": r.id}
+        with tracing.span("omni.realtime.response", Context(), SpanKind.SERVER, attributes) as span:
+            span.set_attribute("omni.outcome", await self._respond(r, prepared))
+
+    async def _respond(self, r: Response, prepared: Any) -> str:
+        """Run it, say how it went, and end it; returns its status."""
         status, details = "completed", None
         try:
             await self._begin(r)
@@ -467,6 +478,7 @@ class RealtimeSession:
         finally:
             if self.response is r:
                 self.response = None
+        return status
 
     async def _begin(self, r: Response) -> None:
         await self.emit("response.created", response=self._response_wire(r, "in_progress"))
