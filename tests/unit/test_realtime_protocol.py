@@ -41,6 +41,11 @@ from omni_gateway.realtime.protocol import AudioAppend, RealtimeError, SessionUp
             "input transcription is not served",
         ),
         ('{"type":"input_audio_buffer.append","audio":5}', "audio", "Expected `str`"),
+        (
+            '{"type":"session.update","session":{"audio":{"input":{"turn_detection":{"type":"server_vad","threshold":1.5}}}}}',
+            "session.audio.input.turn_detection.threshold",
+            "< 1.0",
+        ),
         ('{"type":"response.create","response":{"tools":[]}}', "response.tools", "function calling"),
         ('{"type":"conversation.item.create","item":{"type":"function_call"}}', "item.type", "Invalid"),
         ('{"type":"no.such.event"}', "type", "unknown event type 'no.such.event'"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import uuid
-from typing import Any, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import msgspec
 
@@ -42,11 +42,14 @@ class AudioFormat(_Struct):
     rate: Literal[24000] = PCM_RATE
 
 
+Ms = Annotated[int, msgspec.Meta(ge=0, le=60_000)]
+
+
 class ServerVad(_Struct):
     type: Literal["server_vad"] = "server_vad"
-    threshold: float = 0.5
-    prefix_padding_ms: int = 300
-    silence_duration_ms: int = 500
+    threshold: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.5
+    prefix_padding_ms: Ms = 300
+    silence_duration_ms: Ms = 500
     create_response: bool = True
     interrupt_response: bool = True
     idle_timeout_ms: None = None

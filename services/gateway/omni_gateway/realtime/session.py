@@ -232,9 +232,6 @@ class RealtimeSession:
         audio = config.audio
         turn = audio.input.turn_detection if audio and audio.input else msgspec.UNSET
         if turn is not msgspec.UNSET:
-            if turn is not None and not 0.0 < turn.threshold < 1.0:
-                param = "session.audio.input.turn_detection.threshold"
-                raise RealtimeError(f"{param}: between 0 and 1", param=param)
             s.turn_detection = turn
         if audio is not msgspec.UNSET and audio.output is not msgspec.UNSET:
             out = audio.output
