@@ -98,8 +98,9 @@ serve: $(SERVE_STAMP) demo-models
 # Three workers, one module each at a time (a module's shared fixtures stay in one process): on
 # two cores, a third keeps them busy while the others wait on processes, heartbeats and drains
 # (15.5 min against 16.8 with two, 29 with one). One module alone: `$(PY) -m pytest PATH`.
+# The slowest tests are listed at the end of every run, to keep the suite's time in view.
 test: setup $(VOMNI_STAMP)
-	$(PY) -m pytest -n 3 --dist loadfile
+	$(PY) -m pytest -n 3 --dist loadfile --durations=20
 
 # Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
 BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep
