@@ -37,11 +37,13 @@ greedy answers run to their limit: 4000 take about 20 s here)."""
 
 @pytest.fixture(scope="module")
 def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The tiny demo, its gateway holding two live sessions at most, after a first request (the
-    NATS client makes its request-reply subscription on the first: held idle from then on, so
-    a test that reads the idle gauges does not depend on running after another)."""
+    """The tiny demo, its gateway holding two live sessions at most and reading messages of 1 MiB
+    at most, after a first request (the NATS client makes its request-reply subscription on
+    the first: held idle from then on, so a test that reads the idle gauges does not depend
+    on running after another)."""
     spec = yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())
     spec["spec"]["gateway"]["realtime"] = {"maxSessions": 2}
+    spec["spec"]["gateway"]["maxRequestBytes"] = 1 << 20  # and socket messages
     pipeline = demo_dir / "tiny-omni-realtime.yaml"
     pipeline.write_text(yaml.safe_dump(spec))
     with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, url):
@@ -316,6 +318,16 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> bytes:
     subprocess.run(["espeak-ng", "-w", str(wav), "Hello, how are you doing today?"], check=True)
     samples, rate = soundfile.read(wav, dtype="float32")
     return (np.clip(soxr.resample(samples, rate, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def test_a_message_over_the_size_limit_closes_the_socket(base: str) -> None:
+    with connect(ws_url(base), max_size=None) as ws:
+        json.loads(ws.recv())
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "A" * (1 << 20)}))
+        with pytest.raises(ConnectionClosed) as closed:
+            while True:
+                ws.recv()
+        assert closed.value.rcvd is not None and closed.value.rcvd.code == 1009
 
 
 def test_another_models_name_is_refused_at_the_upgrade(base: str) -> None:
