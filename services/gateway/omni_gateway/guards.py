@@ -42,12 +42,14 @@ def load_api_keys() -> frozenset[str]:
     return frozenset(keys)
 
 
-async def _refuse(send: Send, err: OmniError) -> None:
+async def _refuse(send: Send, err: OmniError, scope: str = "http") -> None:
+    """OpenAI's error body with the error's status: an HTTP answer, or (`websocket.http`) the
+    answer to a WebSocket upgrade."""
     body = msgspec.json.encode(err.body())
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
+    await send({"type": f"{scope}.response.start", "status": err.status, "headers": headers})
+    await send({"type": f"{scope}.response.body", "body": body})
 
 
 WS_KEY_PROTOCOL: Final = b"openai-insecure-api-key."
@@ -60,11 +62,7 @@ async def _refuse_socket(scope: Scope, send: Send, err: OmniError) -> None:
     if "websocket.http.response" not in scope.get("extensions", {}):
         await send({"type": "websocket.close", "code": 1008, "reason": err.message})
         return
-    body = msgspec.json.encode(err.body())
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in err.headers.items()]
-    await send({"type": "websocket.http.response.start", "status": err.status, "headers": headers})
-    await send({"type": "websocket.http.response.body", "body": body})
+    await _refuse(send, err, "websocket.http")
 
 
 class ApiKeyAuth:
