@@ -17,6 +17,8 @@ import msgspec
 
 PCM_RATE: Final = 24000
 """`audio/pcm` is 16-bit little-endian mono at 24 kHz, in and out."""
+PCM_FORMAT: Final = {"type": "audio/pcm", "rate": PCM_RATE}
+"""The one audio format served, as sessions and responses show it."""
 
 
 class RealtimeError(Exception):

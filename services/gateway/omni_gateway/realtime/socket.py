@@ -100,7 +100,7 @@ async def realtime(ws: WebSocket) -> None:
         del sessions.open[session.id]
         metrics.live_sessions.dec()
         await session.close()
-        log.info("realtime %s: %s after %d responses", session.id, why, session.responses)
+        log.info("realtime %s: %s after %d responses", session.id, why, session.responses.count)
 
 
 async def _serve(ws: WebSocket, session: RealtimeSession, idle_s: float, most_s: float) -> str:
