@@ -229,14 +229,19 @@ def test_a_cancelled_response_ends_cancelled_and_frees_every_stage(base: str) ->
     settle([base], idle)
 
 
+def answer_until_it_speaks(ws: Any, tokens: int = LONG) -> None:
+    """Ask a plain socket's session for an answer of `tokens`; return at its first audio."""
+    ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Hello there")}))
+    ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": tokens}}))
+    while json.loads(ws.recv())["type"] != "response.output_audio.delta":
+        pass
+
+
 def test_a_dropped_socket_aborts_its_response(base: str) -> None:
     idle = gauges([base])
     with connect(ws_url(base)) as ws:
         json.loads(ws.recv())
-        ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Hello there")}))
-        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": LONG}}))
-        while json.loads(ws.recv())["type"] != "response.output_audio.delta":
-            pass
+        answer_until_it_speaks(ws)
     settle([base], idle)
 
 
@@ -288,10 +293,7 @@ def test_speech_during_a_response_cancels_it(base: str, speech: bytes) -> None:
     idle = gauges([base])
     with connect(ws_url(base)) as ws:
         json.loads(ws.recv())
-        ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Hello there")}))
-        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": LONG}}))
-        while json.loads(ws.recv())["type"] != "response.output_audio.delta":
-            pass
+        answer_until_it_speaks(ws)
         stream_audio(ws, speech)
         seen = []
         while (event := json.loads(ws.recv()))["type"] != ENDS:
@@ -448,10 +450,7 @@ def test_a_stage_killed_mid_response_and_the_session_goes_on(base: str) -> None:
     [talker] = replicas(base, "talker")
     with connect(ws_url(base)) as ws:
         json.loads(ws.recv())
-        ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Hello there")}))
-        ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 200}}))
-        while json.loads(ws.recv())["type"] != "response.output_audio.delta":
-            pass
+        answer_until_it_speaks(ws, tokens=200)
         os.kill(talker["pid"], signal.SIGKILL)
         done = until(_Plain(ws))[-1]["response"]
         assert done["status"] in ("incomplete", "failed"), done  # 200 tokens: incomplete if it went on

@@ -277,12 +277,16 @@ async def test_closing_leaves_a_connector_call_that_never_ends(caplog: pytest.Lo
         return answer.wait()
 
     held = asyncio.ensure_future(io.call(a_call_that_waits_for_its_backend))
-    assert await asyncio.to_thread(running.wait, 30)
-    with caplog.at_level(logging.WARNING, "omni.connectors"):
-        assert io.close(wait_s=0.2) is False
-    assert "connector calls still running after 0.2 s" in caplog.text
-    assert conn.pooled_bytes() > 0  # left open: a thread may be inside it
-    answer.set()
-    assert io.close(wait_s=30.0) is True
-    assert await held is True
-    assert conn.pooled_bytes() == 0 and our_shm_segments(prefix) == []
+    try:
+        assert await asyncio.to_thread(running.wait, 30)
+        with caplog.at_level(logging.WARNING, "omni.connectors"):
+            assert io.close(wait_s=0.2) is False
+        assert "connector calls still running after 0.2 s" in caplog.text
+        assert conn.pooled_bytes() > 0  # left open: a thread may be inside it
+        answer.set()
+        assert io.close(wait_s=30.0) is True
+        assert await held is True
+        assert conn.pooled_bytes() == 0 and our_shm_segments(prefix) == []
+    finally:  # failed midway: nothing of this test's may fail another's leak check
+        answer.set()
+        conn.sweep()
