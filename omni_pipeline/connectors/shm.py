@@ -344,8 +344,13 @@ class ShmConnector(OmniConnector):
         }
 
     def close(self) -> None:
-        """Unlink our free and busy segments; ones still in use go when their reader lets go."""
+        """Give back what this process still reads (the process is ending: its tensors' release
+        would come from finalizers an exit without teardown does not run), then unlink our free
+        and busy segments; ours still in use go when their reader lets go."""
         with self._lock:
+            for path in SHM_DIR.glob(f"{self.prefix}-@held-*-*-{self._pid}"):
+                owner, n = path.name[len(self.prefix) + len("-@held-") :].split("-")[:2]
+                _release(str(path), self._state("free", int(owner), int(n)), int(owner))
             for seg in list(self._segments.values()):
                 for state in ("free", "busy"):
                     with contextlib.suppress(FileNotFoundError):
