@@ -11,8 +11,9 @@ Ratios, each against a baseline measured in the same run:
   a fresh session (issue 38's goal <= 1.3: little work left at the end of speech).
 - first_audio_turn5_vs_turn1: median first audio at the fifth turn of a session over the first
   (2 s utterances; goal <= 1.3: the conversation's earlier turns are not prefilled again).
-And, as figures: cancel_ms, from `response.cancel` to `response.done` (`cancelled`) for a
-response cancelled at its first audio.
+And, as figures: each turn's prompt tokens and those the thinker reused of the turn before
+(`prompt_cache_key`: the session's own), and cancel_ms, from `response.cancel` to
+`response.done` (`cancelled`) for a response cancelled at its first audio.
 """
 
 from __future__ import annotations
@@ -87,7 +88,11 @@ async def turn(ws: ClientConnection, pcm: bytes, cancel: bool = False) -> dict[s
         assert done["response"]["status"] == "cancelled", done["response"]["status"]
         figures["cancel_ms"] = (time.perf_counter() - t1) * 1000
     else:
-        await _until(ws, "response.done")
+        usage = (await _until(ws, "response.done"))["response"]["usage"]
+        figures |= {
+            "input_tokens": usage["input_tokens"],
+            "cached_tokens": usage["input_token_details"]["cached_tokens"],
+        }
     return figures
 
 
@@ -100,14 +105,19 @@ async def by_length(base: str, seconds: float, n: int) -> float:
     return round(median(firsts), 1)
 
 
-async def by_turn(base: str, n: int) -> list[float]:
+async def by_turn(base: str, n: int) -> tuple[list[float], list[str]]:
+    """Median first audio at each turn of a session, and each turn's prompt: `cached/input`
+    tokens (what the thinker reused of the turn before, of what the prompt holds)."""
     per_turn: list[list[float]] = [[] for _ in range(TURNS)]
+    prompts = [""] * TURNS
     for _ in range(n):
         ws = await session(base)
         for t in range(TURNS):
-            per_turn[t].append((await turn(ws, utterance(2.0, t)))["first_audio_ms"])
+            figures = await turn(ws, utterance(2.0, t))
+            per_turn[t].append(figures["first_audio_ms"])
+            prompts[t] = f"{figures['cached_tokens']:.0f}/{figures['input_tokens']:.0f}"
         await ws.close()
-    return [round(median(xs), 1) for xs in per_turn]
+    return [round(median(xs), 1) for xs in per_turn], prompts
 
 
 async def cancels(base: str, n: int) -> float:
@@ -145,7 +155,13 @@ def main(argv: list[str] | None = None) -> None:
             return {
                 "first_audio_2s_ms": await by_length(base, 2.0, n),
                 "first_audio_10s_ms": await by_length(base, 10.0, n),
-                "first_audio_by_turn_ms": await by_turn(base, n),
+                **dict(
+                    zip(
+                        ("first_audio_by_turn_ms", "cached_of_input_tokens_by_turn"),
+                        await by_turn(base, n),
+                        strict=True,
+                    )
+                ),
                 "cancel_ms": await cancels(base, n),
             }
 

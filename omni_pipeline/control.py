@@ -360,6 +360,13 @@ class WakeMsg(msgspec.Struct, tag="wake", frozen=True):
     stages: list[str]
 
 
+class ForgetPromptMsg(msgspec.Struct, tag="forget_prompt", frozen=True):
+    """Broadcast on the control subject: every replica gives up the sequence it keeps for this
+    `prompt_cache_key` (its live session closed). Nothing answers."""
+
+    key: str
+
+
 class SleepAck(msgspec.Struct, tag="sleep_ack", frozen=True):
     """A replica's answer to a SleepMsg or WakeMsg, once done (or failed: `ok` false)."""
 
@@ -406,7 +413,7 @@ class TokenizeReply(msgspec.Struct, tag="tokenized", frozen=True, omit_defaults=
     message: str = ""
 
 
-ControlInbound = SleepMsg | WakeMsg
+ControlInbound = SleepMsg | WakeMsg | ForgetPromptMsg
 TokenizeInbound = TokenizeMsg | DetokenizeMsg
 StageInbound = StageRequest | SegmentMsg | CreditMsg
 GatewayInbound = FinalMsg | ErrorMsg | StageDone

@@ -168,7 +168,8 @@ def test_a_spoken_turn_over_the_realtime_api(base: str) -> None:
     """The Realtime acceptance, through the openai SDK: a turn of audio appended in 100 ms pieces
     and committed is heard as the chat endpoint hears the same audio (the same text; speech in
     deltas), a bad event is an error after which the session goes on, a second turn is
-    answered, and a response cancelled after its first audio ends `cancelled`."""
+    answered (as the chat endpoint answers the conversation, though its prefill reused the first
+    turn's sequence), and a response cancelled after its first audio ends `cancelled`."""
     pcm = spoken_turn(2.0)
     with client(base).realtime.connect(model="qwen2.5-omni") as conn:
         assert conn.recv().type == "session.created"
@@ -204,7 +205,15 @@ def test_a_spoken_turn_over_the_realtime_api(base: str) -> None:
         conn.send({"type": "response.create", "response": {"max_output_tokens": 4}})
         second = realtime_until(conn, "response.done")
         assert second[-1].response.status == "incomplete"
-        assert any(e.type == "response.output_audio_transcript.delta" for e in second)
+        # Heard after the first turn's sequence, which the thinker kept: as a whole prefill hears it.
+        assert second[-1].response.usage.input_token_details.cached_tokens > 0
+        again = "".join(e.delta for e in second if e.type == "response.output_audio_transcript.delta")
+        history = [
+            heard,
+            {"role": "assistant", "content": transcript},
+            {"role": "user", "content": "Say more."},
+        ]
+        assert again == ask(base, messages=history, max_tokens=4).choices[0].message.content
 
         conn.send({"type": "conversation.item.create", "item": user_says("Tell me about the sea.")})
         conn.send({"type": "response.create", "response": {"max_output_tokens": 1000}})

@@ -22,7 +22,7 @@ import yaml
 from websockets.exceptions import ConnectionClosed, ConnectionClosedOK, InvalidStatus
 from websockets.sync.client import connect
 
-from tests.deployment import gauges, settle
+from tests.deployment import gauges, metric_values, metrics_urls, settle
 from tests.e2e.test_serve import audio_delta
 from tests.helpers import ROOT, replicas, served, wait_for
 
@@ -98,9 +98,20 @@ def chat(base: str, messages: list[dict[str, Any]], max_tokens: int) -> tuple[st
     return text, pcm
 
 
+def kept_sequences(base: str) -> float:
+    """Conversations' sequences the replicas keep (prompt_cache_key), all stages together."""
+    return sum(
+        metric_values(url, ("omni_engine_prompt_caches",)).get("omni_engine_prompt_caches", 0.0)
+        for url in metrics_urls([base]).values()
+    )
+
+
 def test_a_turn_and_the_next_say_what_the_chat_endpoint_says(base: str) -> None:
     """Two turns on one session through the openai SDK, in the protocol's order of events; the
-    second reads the first answer back as the assistant's turn."""
+    second reads the first answer back as the assistant's turn, and its prefill reuses the
+    sequence the thinker kept of the first (`cached_tokens`) yet says what the chat endpoint
+    says computing it whole. The session closed, its sequence is given up."""
+    before = kept_sequences(base)
     with sdk(base).realtime.connect(model=MODEL) as conn:
         created = until(conn, "session.created")[-1]
         assert created["session"]["model"] == MODEL
@@ -149,6 +160,33 @@ def test_a_turn_and_the_next_say_what_the_chat_endpoint_says(base: str) -> None:
             {"role": "user", "content": "And then?"},
         ]
         assert said(second) == chat(base, history, 6)
+        assert done["usage"]["input_token_details"]["cached_tokens"] == 0
+        cached = second[-1]["response"]["usage"]["input_token_details"]["cached_tokens"]
+        assert 0 < cached < second[-1]["response"]["usage"]["input_tokens"]
+        assert kept_sequences(base) == before + 1
+    wait_for(lambda: kept_sequences(base) == before, 10, "the session's sequence to be given up")
+
+
+def test_a_chat_conversation_named_by_prompt_cache_key_reuses_its_last_turn(base: str) -> None:
+    """The chat API with OpenAI's `prompt_cache_key`: turn 2 reports the prompt tokens turn 1's
+    sequence held (`usage.prompt_tokens_details.cached_tokens`) and answers what it answers
+    without the key; a key longer than OpenAI's 64 characters is a 400 naming it."""
+    client = sdk(base)
+    ask = lambda messages, **extra: client.chat.completions.create(  # noqa: E731
+        model=MODEL, messages=messages, max_tokens=6, modalities=["text"], **extra
+    )
+    turn1 = [{"role": "user", "content": "Hello there"}]
+    first = ask(turn1, prompt_cache_key="chat-conversation")
+    turn2 = [*turn1, {"role": "assistant", "content": first.choices[0].message.content}]
+    turn2.append({"role": "user", "content": "Go on."})
+    kept, whole = ask(turn2, prompt_cache_key="chat-conversation"), ask(turn2)
+    assert kept.choices[0].message.content == whole.choices[0].message.content
+    assert kept.usage is not None and kept.usage.prompt_tokens_details is not None
+    assert 0 < (kept.usage.prompt_tokens_details.cached_tokens or 0) < kept.usage.prompt_tokens
+    assert whole.usage is not None and whole.usage.prompt_tokens_details is None
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(turn1, prompt_cache_key="k" * 65)
+    assert refused.value.body["param"] == "prompt_cache_key"  # type: ignore[index]
 
 
 def test_text_only_sessions_stream_output_text(base: str) -> None:

@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.prompt_cache import MediaSpan, PromptCaches, Sequence
 from omni_stage.engines.registry import build_engine
 from omni_stage.engines.tools import ToolPlan
 from omni_stage.processors import thinker_to_talker
@@ -406,3 +407,57 @@ def test_synthetic_is_deterministic_and_can_be_poisoned() -> None:
             thinker,
             EngineCall("r2", {"request": {"messages": [{"role": "user", "content": "POISON"}]}}, True, {}),
         )
+
+
+def test_a_conversation_kept_by_its_prompt_cache_key_prefills_only_its_new_turn(models: Path) -> None:
+    """Turn 2 with turn 1's `prompt_cache_key`: the tokens turn 1's sequence holds (its prompt
+    and its reply, as the chat template writes the reply back) are not computed again, and the
+    reply is the one the whole prefill gives, which is Hugging Face's generate's (above). With
+    `promptCaches: 0` nothing is kept; a sleeping engine gives up what it kept."""
+    turn1 = [{"role": "user", "content": "What is omni?"}]
+
+    async def go(engine: Engine) -> tuple[list[int], list[int], int, int]:
+        await engine.start()
+
+        async def ask(messages: list[dict[str, Any]], key: str | None) -> tuple[list[EngineOutput], int]:
+            sampling = {"max_tokens": 12} | ({"prompt_cache_key": key} if key else {})
+            call = EngineCall("r", {"request": {"messages": messages}}, True, sampling)
+            return [o async for o in engine.generate(call)], call.state.cached_tokens
+
+        first, _ = await ask(turn1, "c")
+        turn2 = [*turn1, {"role": "assistant", "content": "".join(o.text for o in first)}]
+        turn2.append({"role": "user", "content": "Say more."})
+        kept, cached = await ask(turn2, "c")
+        whole, _ = await ask(turn2, None)
+        await engine.sleep(0)
+        _, after_sleep = await ask(turn2, "c")
+        tokens = lambda outs: [int(o.data["token_ids"][0]) for o in outs]  # noqa: E731
+        return tokens(kept), tokens(whole), cached, after_sleep
+
+    kept, whole, cached, after_sleep = asyncio.run(go(engine_for("thinker", models)))
+    assert kept == whole
+    assert cached > 0 and after_sleep == 0
+    _, _, none_kept, _ = asyncio.run(
+        go(engine_for("thinker", models, args={"returnHiddenStates": True, "promptCaches": 0}))
+    )
+    assert none_kept == 0
+
+
+def test_kept_sequences_are_bounded_by_count_and_idle_time() -> None:
+    """The least recently used is given up beyond the capacity; one unused for the idle time is
+    given up at the next look; a request takes its key's sequence (a second finds none)."""
+    caches = PromptCaches(capacity=2, idle_s=60)
+    for key in ("a", "b", "c"):
+        caches.keep(key, Sequence([1, 2, 3], None))
+    assert caches.take("a") is None and len(caches) == 2
+    b = caches.take("b")
+    assert b is not None and caches.take("b") is None
+    caches.keep("b", b)
+    b.used -= 61  # as if a minute went by unused
+    assert caches.expire() == 1 and caches.take("b") is None
+    assert caches.forget("c") and len(caches) == 0
+    seq = Sequence([5, 6, 7, 8], None, [MediaSpan(1, 3, b"x")])
+    assert seq.shared([5, 6, 7, 8, 9], [MediaSpan(1, 3, b"x")]) == 4
+    assert seq.shared([5, 6, 7, 8, 9], [MediaSpan(1, 3, b"y")]) == 1  # other media: up to it
+    assert seq.shared([5, 6, 7, 8], [MediaSpan(1, 3, b"x")]) == 3  # the last position is computed
+    assert seq.shared([5, 6, 0, 8], [MediaSpan(1, 3, b"x")]) == 1  # not inside an item

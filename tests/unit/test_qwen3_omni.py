@@ -289,3 +289,52 @@ def test_with_an_encoder_stage_the_pipeline_computes_the_same(model: Path, media
     assert split["tokens"].tolist() == whole["tokens"].tolist()
     assert split["codes"].tolist() == whole["codes"].tolist()
     torch.testing.assert_close(split["audio"], whole["audio"], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["own encoders", "encoder stage"])
+def test_a_conversation_kept_by_its_prompt_cache_key_thinks_as_a_whole_prefill(
+    model: Path, split: bool
+) -> None:
+    """Qwen3-Omni's thinker on turn 2 of a conversation whose turns both have audio and an
+    image (the vision encoder's deepstack features go to the first layers at the image's
+    positions): with turn 1's `prompt_cache_key` it computes only what turn 2 adds, and sends
+    the talker what the whole prefill sends (every position's embedding and state, the
+    prompt's ids and layout) and the same reply."""
+    wav, png = media_clips()
+    image = io.BytesIO()
+    Image.fromarray(np.random.default_rng(9).integers(0, 256, (40, 70, 3), dtype=np.uint8)).save(image, "PNG")
+
+    async def go() -> tuple[list[Any], list[Any], int]:
+        thinker = engine("thinker", model)
+        encoder = engine("encoder", model) if split else None
+        for e in (thinker, encoder):
+            if e is not None:
+                await e.start()
+
+        async def think(messages: list[dict[str, Any]], key: str | None) -> tuple[list[Any], int]:
+            messages, media = await decode_media(messages, MediaSpec())
+            request = {"messages": messages, "media": media.tensors}
+            sampling = {"max_tokens": THINKER_TOKENS} | ({"prompt_cache_key": key} if key else {})
+            inputs: dict[str, Any] = {"request": request}
+            if encoder is not None:
+                encoded = [
+                    o async for o in encoder.generate(EngineCall("e", {"request": request}, True, sampling))
+                ]
+                inputs = {"request": request | {"media": {}}, "encoder": concat([o.data for o in encoded])}
+            call = EngineCall("r", inputs, True, sampling)
+            return [o async for o in thinker.generate(call)], call.state.cached_tokens
+
+        first = media_message(wav, png)
+        turn1, _ = await think([first], "c")
+        second = [first, {"role": "assistant", "content": "".join(o.text for o in turn1)}]
+        second.append(media_message(wav, image.getvalue()))
+        kept, cached = await think(second, "c")
+        whole, _ = await think(second, None)
+        return kept, whole, cached
+
+    kept, whole, cached = asyncio.run(go())
+    assert cached > 0
+    assert [o.data["token_ids"].tolist() for o in kept] == [o.data["token_ids"].tolist() for o in whole]
+    assert kept[0].data.keys() == whole[0].data.keys()
+    for name, value in whole[0].data.items():
+        torch.testing.assert_close(kept[0].data[name], value, rtol=0, atol=1e-4, msg=name)

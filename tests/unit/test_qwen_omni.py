@@ -6,6 +6,7 @@ checkpoint, same prompt, greedy."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import gc
 import io
 import weakref
@@ -75,7 +76,8 @@ async def run_pipeline(
     if encoder is not None:  # which reads the media; the thinker gets the messages alone (media: false)
         encoded = [o async for o in encoder.generate(EngineCall("r", {"request": request}, True, sampling))]
         inputs = {"request": request | {"media": {}}, "encoder": concat([o.data for o in encoded])}
-    thought = [o async for o in thinker.generate(EngineCall("r", inputs, True, sampling))]
+    thinking = EngineCall("r", inputs, True, sampling)
+    thought = [o async for o in thinker.generate(thinking)]
     state = CallState()
     codes: list[EngineOutput] = []
     for payload, last in windows(thought, thinker_window):
@@ -91,6 +93,8 @@ async def run_pipeline(
         "text": "".join(o.text for o in thought),
         "codes": code_data["codes"],
         "audio": audio[0].data["audio"],
+        "cached_tokens": thinking.state.cached_tokens,
+        "prompt_hidden": thought[0].data["prompt_hidden"],
     }
 
 
@@ -460,6 +464,62 @@ def test_with_an_encoder_stage_the_pipeline_computes_the_same(
     if media != "video":
         assert split["tokens"].tolist() == media_reference["tokens"].tolist()
     assert blind != split["tokens"].tolist()
+
+
+def _clip(seed: int) -> dict[str, Any]:
+    """A user turn with a 1 s tone in noise of its own (the same length whatever the seed)."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(16000) / 16000
+    pcm = (0.3 * np.sin(2 * np.pi * (300 + 50 * seed) * t) + 0.05 * rng.standard_normal(t.size)).astype(
+        np.float32
+    )
+    wav = io.BytesIO()
+    soundfile.write(wav, pcm, 16000, format="WAV", subtype="FLOAT")
+    audio = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(), "format": "wav"},
+    }
+    return {"role": "user", "content": [audio, {"type": "text", "text": "And now?"}]}
+
+
+@pytest.mark.parametrize("encoder_stage", [False, True], ids=["own encoders", "encoder stage"])
+def test_a_conversation_kept_by_its_prompt_cache_key_answers_as_a_whole_prefill(
+    model: Path, encoder_stage: bool
+) -> None:
+    """Turn 2 of a conversation (turn 1's audio, image and question, its answer, a new clip):
+    with turn 1's `prompt_cache_key` the thinker reuses turn 1's sequence (its answer included)
+    and computes only the rest, and thinks, talks and speaks what it does with no key (the
+    whole prefill, which the tests above hold to the reference). Turn 2 asked again with
+    another clip of the same length (the same placeholder tokens, other sound) reuses turn 2's
+    sequence only up to the clip: it answers as its whole prefill does, and the states the
+    talker reads are not those of the first clip."""
+    first = media_message(*media_clips())
+
+    async def go() -> tuple[dict[str, Any], ...]:
+        encoder = (await started(engine("encoder", model)))[0] if encoder_stage else None
+        (thinker,) = await started(engine("thinker", model))
+        key = {"prompt_cache_key": "conversation-1"}
+        turn1 = await run_pipeline(model, "Ethan", 4, [first], thinker, encoder, key)
+        second = [first, {"role": "assistant", "content": turn1["text"]}, _clip(1)]
+        kept = await run_pipeline(model, "Ethan", 4, second, thinker, encoder, key)
+        whole = await run_pipeline(model, "Ethan", 4, second, thinker, encoder)
+        other = [*second[:2], _clip(2)]
+        other_kept = await run_pipeline(model, "Ethan", 4, other, thinker, encoder, key)
+        other_whole = await run_pipeline(model, "Ethan", 4, other, thinker, encoder)
+        return turn1, kept, whole, other_kept, other_whole
+
+    turn1, kept, whole, other_kept, other_whole = asyncio.run(go())
+    assert turn1["cached_tokens"] == 0 and whole["cached_tokens"] == 0
+    assert kept["cached_tokens"] > 0
+    assert kept["tokens"].tolist() == whole["tokens"].tolist()
+    assert kept["codes"].tolist() == whole["codes"].tolist()
+    torch.testing.assert_close(kept["audio"], whole["audio"], rtol=0, atol=WAVEFORM_ATOL)
+    assert kept["cached_tokens"] < other_kept["cached_tokens"]  # turn 2's prompt, up to the clip
+    assert other_kept["tokens"].tolist() == other_whole["tokens"].tolist()
+    assert other_kept["codes"].tolist() == other_whole["codes"].tolist()
+    # What the talker reads of the prompt: as the whole prefill computes it, not the first clip's.
+    torch.testing.assert_close(other_kept["prompt_hidden"], other_whole["prompt_hidden"], rtol=0, atol=1e-4)
+    assert not torch.allclose(other_whole["prompt_hidden"], whole["prompt_hidden"], rtol=0, atol=1e-2)
 
 
 def test_the_encoder_stage_encodes_requests_together_as_each_alone(model: Path) -> None:

@@ -4,6 +4,7 @@ make a replica look fuller than it is."""
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from omni_gateway.errors import Overloaded, Unavailable
@@ -202,3 +203,19 @@ def test_a_replica_that_refuses_for_sleep_is_believed_until_its_next_beat() -> N
         t.pick("s")
     t.update(beat(), 0.5)
     assert t.pick("s").hb.instance == "i1"
+
+
+def test_a_conversations_replica_is_picked_while_it_serves_with_room() -> None:
+    """`prefer` (the instance keeping a conversation's sequence) wins over a less loaded one;
+    full or draining, the least loaded serves instead."""
+    table = ReplicaTable(OURS)
+    table.update(beat(inflight=2, instance="kept"), 0.0)
+    table.update(msgspec.structs.replace(beat(instance="idle"), replica="1"), 0.0)
+    assert table.pick("s").hb.instance == "idle"
+    assert table.pick("s", prefer="kept").hb.instance == "kept"
+    for _ in range(2):  # to capacity + max_queued
+        table.pick("s", prefer="kept")
+    assert table.pick("s", prefer="kept").hb.instance == "idle"
+    table.update(beat(instance="kept", draining=True), 1.0)
+    table.release("s", "kept")
+    assert table.pick("s", prefer="kept").hb.instance == "idle"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -42,6 +43,8 @@ from omni_pipeline.control import (
 from omni_pipeline.spec import REQUEST_SOURCE, OutputKind, PipelineSpec
 from omni_pipeline.tracing import TRACER
 
+CONVERSATIONS_PINNED: Final = 4096
+"""Conversations (`prompt_cache_key`) whose replicas a gateway remembers; the oldest forgotten."""
 ROOT_CAUSE_WAIT_S: Final = 2.0
 """How long a request that met a vanished payload waits for the error that explains it."""
 
@@ -70,6 +73,9 @@ class Attempts:
         """The stages that read the client's request, and the connector their copy goes on."""
         self.without_media = {s.name for s, e in spec.consumers(REQUEST_SOURCE) if not e.media}
         """Those whose request edge says `media: false`: they get the messages alone."""
+        self.pinned: OrderedDict[str, dict[str, str]] = OrderedDict()
+        """By `prompt_cache_key`, the instance of each stage its last request ran on (which
+        keeps its sequence): the key's next request goes there while it has room."""
 
     async def run(self, rid: str, deadline: float, req: Prepared) -> AsyncIterator[Event]:
         """One attempt; its events as they come. Closing it aborts the attempt."""
@@ -82,14 +88,18 @@ class Attempts:
         try:
             needed = self.spec.needed_stages(set(req.outputs), media=bool(req.media))
             picked: dict[str, Replica] = {}
+            key = req.sampling.get("prompt_cache_key")
+            pinned = self.pinned.get(key, {}) if isinstance(key, str) else {}
             try:
                 for s in needed:
-                    picked[s] = await self.bus.pick(s, deadline)
+                    picked[s] = await self.bus.pick(s, deadline, pinned.get(s))
             except OmniError as exc:
                 for stage, r in picked.items():
                     self.bus.table.release(stage, r.hb.instance)
                 reason = exc.message
                 raise
+            if isinstance(key, str):
+                self._pin(key, {s: r.hb.instance for s, r in picked.items()})
             t = Tracked(
                 rid,
                 {s: (r.hb.replica, r.hb.instance) for s, r in picked.items()},
@@ -134,6 +144,16 @@ class Attempts:
             if not completed:
                 span.set_status(StatusCode.ERROR, reason)
             span.end()
+
+    def _pin(self, key: str, route: dict[str, str]) -> None:
+        self.pinned.pop(key, None)
+        self.pinned[key] = route
+        while len(self.pinned) > CONVERSATIONS_PINNED:
+            self.pinned.popitem(last=False)
+
+    def forget(self, key: str) -> None:
+        """A conversation ended: its pin goes."""
+        self.pinned.pop(key, None)
 
     async def _for_source(self, stage: str, ctx: RequestContext, req: Prepared) -> bytes:
         """A source stage's StageRequest, the client's request put on its request edge's

@@ -112,8 +112,9 @@ class Bus:
 
     # --- replicas ----------------------------------------------------------------------------
 
-    async def pick(self, stage: str, deadline: float) -> Replica:
-        """A replica of `stage` for a new attempt. While NATS is away or the stage has no live
+    async def pick(self, stage: str, deadline: float, prefer: str | None = None) -> Replica:
+        """A replica of `stage` for a new attempt (`prefer`: the instance to pick where it can,
+        ReplicaTable.pick). While NATS is away or the stage has no live
         replica (one restarting), wait for it, within the request's deadline and replicaWaitS,
         as one of at most maxWaitingRequests; then the 503 says what was missing. Replicas
         that are up but unhealthy (a connector's backend down) are a 503 at once, naming why."""
@@ -126,7 +127,7 @@ class Bus:
                 try:
                     if not self.connected:
                         raise Unavailable("the gateway is not connected to NATS", headers=RETRY_AFTER)
-                    return self.table.pick(stage)
+                    return self.table.pick(stage, prefer)
                 except Unavailable as exc:
                     if self.connected and (self.table.sick(stage) or self.table.asleep(stage)):
                         raise  # its replicas are up but cannot serve (a backend down, asleep): say so now

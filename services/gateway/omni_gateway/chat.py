@@ -143,12 +143,19 @@ def _message(req: ChatCompletionRequest, rid: str, created: int, r: ChatResult) 
     return message
 
 
-def _usage(each: list[dict[str, int]]) -> dict[str, int]:
+def _usage(each: list[dict[str, int]]) -> dict[str, Any]:
     """One prompt, read by every reply: counted once, as OpenAI counts it; the replies' tokens
-    summed."""
+    summed. Of the prompt, those a kept sequence held (`prompt_cache_key`) in its details."""
     prompt = each[0].get("prompt_tokens", 0)
     completion = sum(u.get("completion_tokens", 0) for u in each)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+    if cached := max(u.get("cached_tokens", 0) for u in each):
+        usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return usage
 
 
 def choice_logprobs(req: ChatCompletionRequest, tokens: list[TokenLogprob]) -> dict[str, Any] | None:
@@ -259,7 +266,7 @@ async def sse_chunks(
                 else:
                     yield chunk(i, {"audio": _audio_delta(rid, i, req.n, created, data)})
             elif isinstance(ev, Finished):
-                so_far[i] = ev.usage
+                so_far[i] = _usage([ev.usage])
                 yield chunk(i, {}, ev.finish_reason, metrics=stage_metrics(req, ev))
                 usage.append(ev.usage)
                 if len(usage) == req.n and options and options.include_usage:

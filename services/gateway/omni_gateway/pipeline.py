@@ -45,6 +45,7 @@ from omni_pipeline.connectors.offload import OffLoop
 from omni_pipeline.control import (
     DetokenizeMsg,
     ErrorCode,
+    ForgetPromptMsg,
     RequestInputs,
     Subjects,
     TokenizeMsg,
@@ -114,6 +115,14 @@ class Pipeline:
     async def stop(self) -> None:
         await self.bus.stop()
         self.payloads.close()
+
+    async def forget_conversation(self, key: str) -> None:
+        """A conversation ended (its live session closed): its pin goes, and every replica gives
+        up the sequence it kept for it (one that misses the word gives it up when it idles out)."""
+        self.attempts.forget(key)
+        if self.bus.nc is not None and self.bus.connected:
+            with contextlib.suppress(nats.errors.Error):
+                await self.bus.nc.publish(self.bus.subjects.control, pack(ForgetPromptMsg(key)))
 
     # --- pre-flight --------------------------------------------------------------------------
 

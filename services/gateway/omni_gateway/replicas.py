@@ -114,7 +114,9 @@ class ReplicaTable:
                     gone.append(stage.pop(instance))
         return gone
 
-    def pick(self, stage: str) -> Replica:
+    def pick(self, stage: str, prefer: str | None = None) -> Replica:
+        """The least loaded replica of `stage` with room; the instance `prefer` names where it
+        serves and has room (it keeps a conversation's sequence)."""
         known = self._by_stage.get(stage, {}).values()
         live = [r for r in known if r.serving]
         if not live and self.asleep(stage):
@@ -130,7 +132,9 @@ class ReplicaTable:
         open_ = [r for r in live if r.room]
         if not open_:
             raise Overloaded(f"every replica of stage '{stage}' is full", headers={"Retry-After": "1"})
-        best = min(open_, key=lambda r: (r.load / max(1, r.hb.capacity), r.hb.replica))
+        best = next((r for r in open_ if r.hb.instance == prefer), None) or min(
+            open_, key=lambda r: (r.load / max(1, r.hb.capacity), r.hb.replica)
+        )
         best.ours += 1
         return best
 

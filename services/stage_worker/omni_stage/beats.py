@@ -116,12 +116,15 @@ class Beats:
             await self.beat()
 
     async def checking(self, also: Callable[[], Awaitable[None]], engine_died: Callable[[str], None]) -> None:
-        """Every interval: expire what no consumer will read, reclaim what dead readers held,
-        check the engine and the connectors, then `also` (the pipeline file's `paused`)."""
+        """Every interval: expire what no consumer will read and the conversations' caches no one
+        used for their idle time, reclaim what dead readers held, check the engine and the
+        connectors, then `also` (the pipeline file's `paused`)."""
         while True:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             for rid in self.book.ledger.expire(time.time(), keep=self.book.requests):
                 log.info("stage %s: request %s: its unread output expired", self.book.spec.name, rid)
+            if self.engine.prompt_caches is not None:
+                self.engine.prompt_caches.expire()
             # Beside the I/O thread, as health checks are: neither waits behind a hung transfer.
             await asyncio.to_thread(reclaim_unread, list(self.used), self.pipeline)
             await self.transfers.call(
@@ -174,3 +177,6 @@ class Beats:
         m.sleep_level.set(-1 if self.book.asleep is None else self.book.asleep)
         if (weights := self.engine.weight_bytes()) is not None:
             m.weights_held(weights)
+        if (caches := self.engine.prompt_caches) is not None:
+            m.prompt_caches.set(len(caches))
+            m.follow(m.prompt_cache_reused, caches.reused_tokens, "prompt-cache-reused")

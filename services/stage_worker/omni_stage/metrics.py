@@ -143,6 +143,15 @@ class StageMetrics:
             [*labels.keys(), "device"],
             registry=r,
         )
+        self.prompt_caches = gauge(
+            "omni_engine_prompt_caches", "Conversations' sequences kept between requests (prompt_cache_key)"
+        )
+        self.prompt_cache_reused = Counter(
+            "omni_engine_prompt_cache_reused_tokens",
+            "Prompt tokens a kept sequence held, not computed again",
+            labels.keys(),
+            registry=r,
+        ).labels(**labels)
         self.resources = ResourceGauges(r, labels)
         self._labels = labels
 

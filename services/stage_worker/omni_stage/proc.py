@@ -34,6 +34,7 @@ from omni_pipeline.control import (
     ControlInbound,
     CreditMsg,
     ErrorCode,
+    ForgetPromptMsg,
     SleepMsg,
     StageInbound,
     StageRequest,
@@ -220,7 +221,10 @@ class StageWorker:
         except wire.WireError as exc:
             log.warning("stage %s: refused a control message: %s", self.spec.name, exc)
             return
-        if self.spec.name in m.stages:
+        if isinstance(m, ForgetPromptMsg):
+            if self.engine.prompt_caches is not None:
+                self.engine.prompt_caches.forget(m.key)
+        elif self.spec.name in m.stages:
             self.sleep.spawn(
                 self.sleep.sleep(m.level, m.mode) if isinstance(m, SleepMsg) else self.sleep.wake(), msg.reply
             )

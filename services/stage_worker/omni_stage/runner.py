@@ -259,7 +259,8 @@ class RequestRunner:
 
 def _usage(engine_state: CallState, seg: Segmenter) -> dict[str, int]:
     """What a request has read and made so far (the engine counts its prompt)."""
-    return {"prompt_tokens": engine_state.prompt_tokens, "completion_tokens": seg.total_units}
+    usage = {"prompt_tokens": engine_state.prompt_tokens, "completion_tokens": seg.total_units}
+    return usage | ({"cached_tokens": engine_state.cached_tokens} if engine_state.cached_tokens else {})
 
 
 def _call_attrs(trig: Trigger[Inbound]) -> dict[str, Any]:

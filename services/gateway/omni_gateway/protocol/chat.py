@@ -288,13 +288,17 @@ class ChatCompletionRequest(BaseModel):
     sampling_params_list: list[StageSampling | None] | None = Field(
         default=None, description="Sampling per stage, in the pipeline's stage order (null: the stage's own)."
     )
+    prompt_cache_key: str | None = Field(
+        default=None,
+        max_length=64,
+        description="A conversation's name: its turns reuse the sequence the replica kept of the last.",
+    )
     # OpenAI's platform, not the model's: accepted and ignored.
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
-    prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
     # Not served yet: refused unless off.
     functions: list[Any] | None = None
@@ -400,9 +404,10 @@ def _dump(value: Any) -> Any:
     return value.model_dump() if isinstance(value, BaseModel) else value
 
 
-SAMPLING_EVERY_ENGINE: Final = frozenset({"max_tokens", "voice"})
-"""What every source stage takes: its budget, and the voice (refused, if unknown, by the stage
-that speaks). Any other parameter the source stages must declare they honour (`honours`)."""
+SAMPLING_EVERY_ENGINE: Final = frozenset({"max_tokens", "voice", "prompt_cache_key"})
+"""What every source stage takes: its budget, the voice (refused, if unknown, by the stage that
+speaks), and the conversation's name (a hint: an engine that keeps no sequence computes the
+same without it). Any other parameter the source stages must declare they honour (`honours`)."""
 
 
 def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -444,6 +449,7 @@ def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
         "mm_processor_kwargs": req.mm_processor_kwargs or None,
         "prompt_logprobs": req.prompt_logprobs_asked(),
         "structured_outputs": req.structured(),
+        "prompt_cache_key": req.prompt_cache_key,
     }
     return {k: v for k, v in params.items() if v is not None}
 

@@ -184,7 +184,7 @@ class Responses:
                 "total_tokens": ev.usage.get("prompt_tokens", 0) + text_out + ev.fed_units,
                 "input_tokens": ev.usage.get("prompt_tokens", 0),
                 "output_tokens": text_out + ev.fed_units,
-                "input_token_details": {"cached_tokens": 0},
+                "input_token_details": {"cached_tokens": ev.usage.get("cached_tokens", 0)},
                 "output_token_details": {"text_tokens": text_out, "audio_tokens": ev.fed_units},
             }
 

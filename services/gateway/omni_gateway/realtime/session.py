@@ -122,8 +122,10 @@ class RealtimeSession:
             )
 
     async def close(self) -> None:
-        """The socket is gone: end the response in progress (its run aborted and freed)."""
+        """The socket is gone: end the response in progress (its run aborted and freed), and
+        the replicas give up the conversation's kept sequence."""
         await self.cancel("client_cancelled")
+        await self.pipeline.forget_conversation(self.id)
 
     async def emit(self, type_: str, **fields: Any) -> None:
         await self._send({"type": type_, "event_id": new_id("event"), **fields})
@@ -367,7 +369,19 @@ class RealtimeSession:
                 messages=messages(instructions, items, self.pipeline.spec.gateway.media.max_parts),
                 voice=voice,
             ),
-            {k: v for k, v in (("max_tokens", max_tokens), ("voice", voice)) if v is not None},
+            {
+                k: v
+                for k, v in (
+                    ("max_tokens", max_tokens),
+                    ("voice", voice),
+                    # The conversation's own turns: each begins with the last, kept by the thinker.
+                    (
+                        "prompt_cache_key",
+                        self.id if params.input is None and response.in_conversation else None,
+                    ),
+                )
+                if v is not None
+            },
             outputs_param="response.output_modalities",
             voice_param="response.audio.output.voice",
             max_tokens_param="response.max_output_tokens",

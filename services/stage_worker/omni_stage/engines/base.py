@@ -27,6 +27,7 @@ import torch
 from omni_pipeline.control import PromptLogprobs
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.batching import StepBatcher
+from omni_stage.engines.prompt_cache import DEFAULT_CAPACITY, DEFAULT_IDLE_S, PromptCaches
 from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
 
@@ -54,6 +55,8 @@ class CallState:
     """Why the request ended, where its last output does not say (`length`: the budget ran out)."""
     prompt_logprobs: PromptLogprobs | None = None
     """The prompt's log probabilities, where the request asked (`prompt_logprobs`)."""
+    cached_tokens: int = 0
+    """Of `prompt_tokens`, those a kept sequence held, not computed again (`prompt_cache_key`)."""
     engine: object | None = None
     """The engine's own per-request state (`EngineCall.kept`)."""
 
@@ -100,6 +103,10 @@ class Engine(ABC):
     speak past the reply, a vocoder waiting for right context): it is called on the request's
     last trigger even when that brings no inputs (a producer's stream that ended on a window
     boundary sends an empty last chunk). Others are not called for nothing."""
+
+    prompt_caches: PromptCaches | None = None
+    """The conversations' sequences kept between requests (`prompt_cache_key`), where the engine
+    keeps them (prompt_cache.py); given up on sleep and when a key's session closes."""
 
     max_sleep_level: int = 2
     """The deepest sleep this engine can do, in vLLM's levels: 0 frees nothing (the replica only
@@ -223,11 +230,24 @@ class ComputeEngine(Engine):
             for device in range(torch.cuda.device_count()):  # its own devices: the supervisor placed it
                 torch.cuda.set_per_process_memory_fraction(stage.gpu_memory_fraction, device)
 
+    def _kept_conversations(self) -> PromptCaches:
+        """The conversations' sequences this engine keeps, bounded by its arguments
+        `promptCaches` and `promptCacheIdleS` (prompt_cache.py)."""
+        try:
+            return PromptCaches(
+                int(self.args.get("promptCaches", DEFAULT_CAPACITY)),
+                float(self.args.get("promptCacheIdleS", DEFAULT_IDLE_S)),
+            )
+        except ValueError as exc:
+            raise EngineError(f"stage '{self.stage.name}': engine.args.{exc}") from None
+
     def _load(self) -> None:
         """Load the weights (on the compute thread): at start, and on waking from level 2."""
         raise NotImplementedError
 
     async def sleep(self, level: int) -> None:
+        if self.prompt_caches is not None:
+            self.prompt_caches.clear()
         if level >= 1:  # on the compute thread: no forward is using the weights meanwhile
             await self._run(self._release_weights, level)
 

@@ -17,9 +17,13 @@ transformer on a Qwen2 model's hidden states): one forward pass over the request
 over its `negative_prompt` if it has one, emitting the last layer's states as one unit,
 `prompt_embeds` [1, tokens, hidden] (and `negative_prompt_embeds`).
 
+A client's request that names a `prompt_cache_key` keeps its sequence when it ends, and the
+key's next request prefills only what its prompt adds to it (prompt_cache.py).
+
 Arguments (`engine.args`): mode (generate, encode), device, dtype, threads, returnHiddenStates,
 tokensPerInputUnit (new tokens per input unit for upstream inputs), ignoreEos, maxBatch,
-toolCallParser (vLLM's tool parser for the model family, for `tool_choice: auto`; tools.py).
+toolCallParser (vLLM's tool parser for the model family, for `tool_choice: auto`; tools.py),
+promptCaches, promptCacheIdleS (prompt_cache.py).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.prompt_cache import Sequence
 from omni_stage.engines.prompts import check_context, prompt_token_ids
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
@@ -60,6 +65,9 @@ class _Decoding:
     prompt_logprobs: PromptLogprobs | None = None
     tools: ToolPlan | None = None
     reply: ReplyText | None = None
+    tokens: list[int] = field(default_factory=list)
+    """A client request's prompt and the tokens sampled since: its sequence, as far as the cache
+    holds it (what `PromptCaches.keep` keeps)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +100,7 @@ class TransformersEngine(ComputeEngine):
         if mode not in ("generate", "encode"):
             raise EngineError(f"stage '{stage.name}': engine.args.mode must be 'generate' or 'encode'")
         self.encode = mode == "encode"
+        self.prompt_caches = None if self.encode else self._kept_conversations()
         self.model: Any = None
         self.tokenizer: Any = None
         self.eos: set[int] = set()
@@ -145,10 +154,15 @@ class TransformersEngine(ComputeEngine):
         ids, embeds, n_units = await self._run(self._inputs, call)
         prompt = ids[0].tolist() if ids is not None and st.sampler is None else None
         max_tokens = call.sampling.get("max_tokens")
+        key = call.sampling.get("prompt_cache_key")
         if "request" in call.inputs:
             budget = int(max_tokens or 64)
             check_context(n_units, budget, self.model.config.max_position_embeddings)
             call.state.prompt_tokens += n_units
+            assert ids is not None
+            st.tokens = ids[0].tolist()
+            if key is not None and "prompt_logprobs" not in call.sampling:
+                ids = self._reuse(call, st, key, ids)
         else:
             budget = math.ceil(n_units * self.tokens_per_input_unit)
             if max_tokens:
@@ -196,11 +210,34 @@ class TransformersEngine(ComputeEngine):
             out = EngineOutput(
                 units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
             )
+            if "request" in call.inputs:
+                st.tokens.append(tok)
+                if done or i == budget - 1:  # complete: the sequence is kept for the key's next request
+                    self._keep(key, st)
             yield out if tools is None else tools.settle(out, done or i == budget - 1)
             if done:
                 return
         if "request" in call.inputs:
             call.state.finish_reason = "length"
+
+    def _reuse(self, call: EngineCall, st: _Decoding, key: str, ids: torch.Tensor) -> torch.Tensor:
+        """Start the request on the key's kept sequence, as far as its prompt shares it (that
+        cache, cut to the shared positions, becomes the request's); returns the rest of the
+        prompt, which the prefill computes."""
+        assert self.prompt_caches is not None
+        if (seq := self.prompt_caches.take(key)) is None or not (n := seq.shared(st.tokens, [])):
+            return ids
+        seq.cut(n)
+        st.past = seq.past
+        call.state.cached_tokens = n
+        self.prompt_caches.reused_tokens += n
+        return ids[:, n:]
+
+    def _keep(self, key: str | None, st: _Decoding) -> None:
+        if key is None or self.prompt_caches is None or st.past is None:
+            return
+        held = st.past.get_seq_length()  # the last token sampled is not fed: not held
+        self.prompt_caches.keep(key, Sequence(st.tokens[:held], st.past))
 
     def _tool_plan(self, sampling: dict[str, Any]) -> ToolPlan | None:
         return ToolPlan(sampling, self.tokenizer, self.tool_parser) if sampling.get("tools") else None

@@ -17,7 +17,10 @@ compare token for token.
 
 The media's layout (`Layout`: audio lengths, image and video grids, seconds per temporal
 patch) is all the expansion and the positions need, so the thinker builds the same prompt from
-an encoder stage's outputs (`MediaEmbeds`) as from the media.
+an encoder stage's outputs (`MediaEmbeds`) as from the media. It also tells which rows of the
+features (or of the encoders' outputs) are which item's: a prompt whose first positions a kept
+sequence holds is prefilled from the rest alone (`Prompts.after`), and each item's digest tells
+one clip from another of the same length (`Prompts.media_spans`).
 
 Media arrive decoded by the gateway (RGB uint8 [H, W, 3]; RGB frames [T, H, W, 3] with the
 rate they were taken at; mono float32 PCM with its rate, resampled here to the feature
@@ -30,14 +33,18 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import numpy as np
 import soxr
 import torch
 
 from omni_stage.engines.base import EngineError, InvalidRequest
+from omni_stage.engines.prompt_cache import MediaSpan, digest
 from omni_stage.engines.prompts import chat_template_args
+
+KINDS: Final = ("audio", "image", "video")
+"""The media kinds, in the order of their placeholder tokens, layouts and masks here."""
 
 PROCESSOR_KWARGS = frozenset({"min_pixels", "max_pixels"})
 """What of vLLM's `mm_processor_kwargs` the Qwen processors here take: the pixel bounds an image
@@ -88,6 +95,16 @@ class Layout:
         move = lambda t: None if t is None else t.to(device)  # noqa: E731
         return Layout(*(move(getattr(self, f.name)) for f in fields(self)))
 
+    def after(self, audio: int, image: int, video: int) -> Layout:
+        """The layout of the items past the first `audio`, `image` and `video` of each kind."""
+        rest = lambda t, n: None if t is None or n >= len(t) else t[n:]  # noqa: E731
+        return Layout(
+            rest(self.audio_lengths, audio),
+            rest(self.image_grid_thw, image),
+            rest(self.video_grid_thw, video),
+            rest(self.video_second_per_grid, video),
+        )
+
 
 @dataclass(frozen=True)
 class EncoderInputs:
@@ -111,7 +128,7 @@ class MediaEmbeds:
     """Qwen3-Omni: the vision encoder's features for the thinker's first layers, [layers, N, H]."""
     video_deepstack: torch.Tensor | None = None
 
-    _KINDS: ClassVar = ("audio", "image", "video")
+    _KINDS: ClassVar = KINDS
     _LAYOUT: ClassVar = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
     _DEEPSTACK: ClassVar = ("image_deepstack", "video_deepstack")
 
@@ -272,6 +289,98 @@ class Prompts:
         dtype = lambda v: self.dtype if v.is_floating_point() else v.dtype  # noqa: E731
         on_device = {k: v.to(self.device, dtype(v)) for k, v in features.items()}
         return Prompt(ids, layout.on(self.device), on_device, embeds, mask)
+
+    def media_spans(self, prompt: Prompt) -> list[MediaSpan]:
+        """Each media item's positions in the prompt and a digest of what its encoder reads (or
+        what an encoder stage made of it), in the order they come."""
+        ids = prompt.ids[0]
+        spans = []
+        for kind, token, sizes in zip(
+            KINDS, self.media_ids.tolist(), self.layout_tokens(prompt.layout), strict=True
+        ):
+            where = (ids == token).nonzero().flatten().tolist()
+            at = 0
+            for n, item in zip(sizes, self._items(prompt, kind), strict=True):
+                if n:
+                    spans.append(MediaSpan(where[at], where[at + n - 1] + 1, digest(*item)))
+                at += n
+        return sorted(spans, key=lambda m: m.start)
+
+    def _items(self, prompt: Prompt, kind: str) -> list[tuple[torch.Tensor | None, ...]]:
+        """Each item of a kind: the tensors that make it what it is."""
+        lay, f, e = prompt.layout, prompt.features, prompt.embeds
+        if kind == "audio" and lay.audio_lengths is not None:
+            if e is not None:
+                assert e.audio is not None
+                return [(r,) for r in torch.split(e.audio, self.audio_tokens(lay.audio_lengths))]
+            lengths = f["feature_attention_mask"].sum(-1).tolist()
+            return [(f["input_features"][k, :, :n],) for k, n in enumerate(lengths)]
+        grid = lay.image_grid_thw if kind == "image" else lay.video_grid_thw
+        if kind == "audio" or grid is None:
+            return []
+        extra: list[torch.Tensor | None] = list(grid)
+        if kind == "video":
+            assert lay.video_second_per_grid is not None
+            extra = [
+                torch.stack([g.float(), t.float().expand(3)])
+                for g, t in zip(grid, lay.video_second_per_grid, strict=True)
+            ]
+        if e is not None:
+            rows, deep = (e.image, e.image_deepstack) if kind == "image" else (e.video, e.video_deepstack)
+            assert rows is not None
+            sizes = (grid.prod(-1) // self.merge).tolist()
+            deeps = torch.split(deep, sizes, dim=1) if deep is not None else [None] * len(sizes)
+            return list(zip(torch.split(rows, sizes), deeps, extra, strict=True))
+        pixels = f["pixel_values" if kind == "image" else "pixel_values_videos"]
+        return list(zip(torch.split(pixels, grid.prod(-1).tolist()), extra, strict=True))
+
+    def after(self, prompt: Prompt, start: int) -> Prompt:
+        """The prompt from position `start` on, with only the media items there: what a prefill
+        on a cache holding the first `start` positions reads. No item may straddle `start`."""
+        ids = prompt.ids[0, :start]
+        skip = [int((ids == t).sum()) for t in self.media_ids.tolist()]  # positions, per kind
+        counts = []  # items, per kind
+        for held, sizes in zip(skip, self.layout_tokens(prompt.layout), strict=True):
+            n = 0
+            while held > 0:
+                held -= sizes[n]
+                n += 1
+            if held:
+                raise ValueError(f"position {start} is inside a media item")
+            counts.append(n)
+        a, i, v = counts
+        lay = prompt.layout
+        features: dict[str, torch.Tensor] = {}
+        f = prompt.features
+        if "input_features" in f and a < len(f["input_features"]):
+            features |= {k: f[k][a:] for k in ("input_features", "feature_attention_mask")}
+        for kind, n, pixels, grid in (
+            ("image", i, "pixel_values", lay.image_grid_thw),
+            ("video", v, "pixel_values_videos", lay.video_grid_thw),
+        ):
+            if pixels in f and grid is not None and n < len(grid):
+                features[pixels] = f[pixels][int(grid[:n].prod(-1).sum()) :]
+                features[f"{kind}_grid_thw"] = grid[n:]
+        embeds = None
+        if (e := prompt.embeds) is not None:
+            tokens = self.layout_tokens(e.layout)
+
+            def rest(rows: torch.Tensor | None, kind: int, n: int, dim: int = 0) -> torch.Tensor | None:
+                """The rows of a kind's items past its first `n` (on `dim`); None if none."""
+                if rows is None or n >= len(tokens[kind]):
+                    return None
+                return rows.narrow(dim, sum(tokens[kind][:n]), sum(tokens[kind][n:]))
+
+            embeds = MediaEmbeds(
+                rest(e.audio, 0, a),
+                rest(e.image, 1, i),
+                rest(e.video, 2, v),
+                e.layout.after(a, i, v),
+                rest(e.image_deepstack, 1, i, 1),
+                rest(e.video_deepstack, 2, v, 1),
+            )
+        mask = None if prompt.media_mask is None else prompt.media_mask[:, start:]
+        return Prompt(prompt.ids[:, start:], lay.after(a, i, v), features, embeds, mask)
 
     def process(self, chat: Chat, sampling: dict[str, Any] | None = None) -> EncoderInputs:
         """The model's processors on the chat's media: the encoders' inputs, on the CPU, with

@@ -1,11 +1,16 @@
 """The Qwen-Omni thinker: the chat template (media in), decoding with a KV cache, batched across
-requests; each unit carries what a talker reads (the input embedding and last hidden state)."""
+requests; each unit carries what a talker reads (the input embedding and last hidden state).
+
+A request that names a `prompt_cache_key` keeps its sequence when it ends, with what the talker
+reads of each position (the talker reads the whole prompt's, the reused positions' included);
+the key's next request prefills only the positions its prompt adds (prompt_cache.py), its
+M-RoPE positions those of the whole prompt."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,6 +20,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.prompt_cache import MediaSpan, Sequence
 from omni_stage.engines.prompts import check_context
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
@@ -45,6 +51,7 @@ class Thinker(Part):
         self.eos: set[int] = set()
         self.grammars: JsonGrammars | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
+        self.prompt_caches = self._kept_conversations()
 
     @property
     def vocab_size(self) -> int:
@@ -83,6 +90,13 @@ class Thinker(Part):
         ids = prompt.ids
         st = call.kept(_Cache)
         call.state.prompt_tokens = int(ids.shape[1])
+        st.tokens = ids[0].tolist()
+        key = call.sampling.get("prompt_cache_key")
+        keeping = (
+            key is not None and self.prompt_caches.capacity > 0 and "prompt_logprobs" not in call.sampling
+        )
+        if keeping:
+            await self._run(self._reuse, call, st, str(key), prompt)
         budget = int(call.sampling.get("max_tokens") or 64)
         check_context(
             int(ids.shape[1]), budget, self.config.thinker_config.text_config.max_position_embeddings
@@ -102,12 +116,17 @@ class Thinker(Part):
         feed = ids
         for s in range(budget):
             # Decode steps of concurrent requests run together; a prompt runs on its own.
-            key = "decode" if s else object()
             step = _ThinkerStep(st, feed, sampler, prompt)
-            choice, embeds, hidden = await self.batcher.submit(key, step)
+            choice, embeds, hidden = await self.batcher.submit("decode" if s else object(), step)
+            if keeping:
+                st.embeds.append(embeds[0])
+                st.hidden.append(hidden[0])
             if s == 0:
                 call.state.prompt_logprobs = st.prompt_logprobs
+                if st.start:  # the talker reads the whole prompt's: the reused positions' first
+                    embeds, hidden = torch.cat(st.embeds)[None], torch.cat(st.hidden)[None]
             tok = choice.token
+            st.tokens.append(tok)
             data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
             if s == 0:  # [1, P, ...]: the prompt is one unit's worth
                 data |= {"prompt_embeds": embeds, "prompt_hidden": hidden} | self._prompt_extras(prompt)
@@ -121,6 +140,8 @@ class Thinker(Part):
             )
             done = ended or stopped
             logprobs = [] if ended else token_logprobs(self.tokenizer, choice)
+            if keeping and (done or s == budget - 1):  # complete: kept for the key's next request
+                self._keep(str(key), st)
             yield EngineOutput(
                 units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
             )
@@ -128,6 +149,28 @@ class Thinker(Part):
                 return
             feed = torch.tensor([[tok]], device=self.device)
         call.state.finish_reason = "length"
+
+    def _reuse(self, call: EngineCall, st: _Cache, key: str, prompt: Prompt) -> None:
+        """Start the request on the key's kept sequence, as far as its prompt shares it: that
+        cache, cut to the shared positions, and what the talker reads of them. (On the compute
+        thread: the media's digests read every feature.)"""
+        assert self.prompts is not None and self.prompt_caches is not None
+        st.media = self.prompts.media_spans(prompt)
+        if (seq := self.prompt_caches.take(key)) is None or not (n := seq.shared(st.tokens, st.media)):
+            return
+        seq.cut(n)
+        st.past, st.start = seq.past, n
+        st.embeds, st.hidden = [seq.rows["embeds"].float()], [seq.rows["hidden"].float()]
+        call.state.cached_tokens = n
+        self.prompt_caches.reused_tokens += n
+
+    def _keep(self, key: str, st: _Cache) -> None:
+        held = st.past.get_seq_length()  # the last token sampled is not fed: not held
+        rows = {  # in the model's dtype: what they were computed in, half the memory in bf16
+            "embeds": torch.cat(st.embeds)[:held].to(self.dtype),
+            "hidden": torch.cat(st.hidden)[:held].to(self.dtype),
+        }
+        self.prompt_caches.keep(key, Sequence(st.tokens[:held], st.past, st.media, rows))
 
     def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
         """What else of the prompt the talker reads, with the first token."""
@@ -175,7 +218,8 @@ class Thinker(Part):
         m = self.model
         past = st.past
         inputs: dict[str, torch.Tensor] = {"input_ids": ids}
-        if past is None:  # the prompt: its 3-D (M-RoPE) positions, and the offset decoding keeps
+        prefill = st.rope_deltas is None
+        if prefill:  # the prompt: its 3-D (M-RoPE) positions, and the offset decoding keeps
             lay = prompt.layout
             positions, st.rope_deltas = m.get_rope_index(
                 ids,
@@ -186,6 +230,11 @@ class Thinker(Part):
                 lay.audio_lengths,
                 lay.video_second_per_grid,
             )
+            if st.start:  # a kept sequence holds the first positions: the rest alone
+                assert self.prompts is not None
+                prompt = self.prompts.after(prompt, st.start)
+                ids, positions = prompt.ids, positions[..., st.start :]
+                inputs = {"input_ids": ids}
             if prompt.embeds is not None:
                 inputs = self._media_inputs(ids, prompt.embeds)
             else:
@@ -200,14 +249,14 @@ class Thinker(Part):
             **inputs,
         )
         st.past = out.past_key_values
-        if past is None and sampler.prompt_logprobs is not None:
+        if prefill and sampler.prompt_logprobs is not None:
             st.prompt_logprobs = prompt_logprobs(
                 self.tokenizer, ids[0].tolist(), out.logits[0], sampler.prompt_logprobs
             )
         choice = sampler.pick(out.logits[0, -1])
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
         embeds = out.hidden_states[0].float().cpu()
-        if past is None and prompt.media_mask is not None:
+        if prefill and prompt.media_mask is not None:
             # but not the media's features: zeros there, as the reference hands it
             embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
         return choice, embeds, out.hidden_states[self.talker_layer].float().cpu()
@@ -229,11 +278,20 @@ class Thinker(Part):
 
 @dataclass(slots=True)
 class _Cache:
-    """One request's KV cache, and the offset of its M-RoPE positions (set by the prefill)."""
+    """One request's KV cache, and the offset of its M-RoPE positions (set by the prefill); with
+    a `prompt_cache_key`, its sequence as the cache holds it (`Sequence`'s parts)."""
 
     past: Any = None
     rope_deltas: torch.Tensor | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    start: int = 0
+    """Positions a kept sequence held: the prefill computes those after."""
+    tokens: list[int] = field(default_factory=list)
+    media: list[MediaSpan] = field(default_factory=list)
+    embeds: list[torch.Tensor] = field(default_factory=list)
+    """What the talker reads of each position: its input embedding (zeros at media), [n, H]..."""
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    """...and its hidden state at the talker's layer, [n, H] (kept only with a key)."""
 
 
 @dataclass(frozen=True, slots=True)
