@@ -57,18 +57,24 @@ async def run_pipeline(
     thinker: Engine | None = None,
     encoder: Engine | None = None,
     extra: dict[str, Any] | None = None,
+    talker: Engine | None = None,
 ) -> dict[str, Any]:
     """The three stages, code2wav on the whole code sequence (as the reference decodes it).
     `messages` as a client sends them: media parts are decoded by the gateway's own code.
     `thinker`: one already started (the vLLM thinker's test); else the example's. `encoder`:
     an encoder stage (started) whose output the thinker reads beside the request. `extra`: more
-    of the request's sampling (what the source stages read)."""
-    talker, code2wav = engine("talker", model), engine("code2wav", model, chunkCodes=0)
+    of the request's sampling (what the source stages read; the talker its `prompt_cache_key`).
+    `talker`: one already started (a conversation's, across turns)."""
+    code2wav = engine("code2wav", model, chunkCodes=0)
     if thinker is None:
         thinker = engine("thinker", model)
         await thinker.start()
-    for e in (talker, code2wav):
-        await e.start()
+    if talker is None:
+        talker = engine("talker", model)
+        await talker.start()
+    await code2wav.start()
+    assert talker.prompt_caches is not None
+    reused_before = talker.prompt_caches.reused_tokens
     messages, media = await decode_media(messages, MediaSpec())
     request = {"messages": messages, "media": media.tensors, "modalities": ["audio", "text"], "voice": voice}
     sampling = {"max_tokens": THINKER_TOKENS, "voice": voice, "seed": SEED, **(extra or {})}
@@ -81,9 +87,9 @@ async def run_pipeline(
     state = CallState()
     codes: list[EngineOutput] = []
     for payload, last in windows(thought, thinker_window):
-        talk = EngineCall(
-            "r", {"thinker": payload}, last, {"max_tokens": TALKER_CODES, "voice": voice}, state
-        )
+        talking = {"max_tokens": TALKER_CODES, "voice": voice}
+        talking |= {k: v for k, v in (extra or {}).items() if k == "prompt_cache_key"}
+        talk = EngineCall("r", {"thinker": payload}, last, talking, state)
         codes += [o async for o in talker.generate(talk)]
     code_data = concat([o.data for o in codes])
     wav_call = EngineCall("r", {"talker": code_data}, True, {"voice": voice, "seed": SEED})
@@ -95,6 +101,7 @@ async def run_pipeline(
         "audio": audio[0].data["audio"],
         "cached_tokens": thinking.state.cached_tokens,
         "prompt_hidden": thought[0].data["prompt_hidden"],
+        "talker_reused": talker.prompt_caches.reused_tokens - reused_before,
     }
 
 
@@ -488,7 +495,8 @@ def test_a_conversation_kept_by_its_prompt_cache_key_answers_as_a_whole_prefill(
 ) -> None:
     """Turn 2 of a conversation (turn 1's audio, image and question, its answer, a new clip):
     with turn 1's `prompt_cache_key` the thinker reuses turn 1's sequence (its answer included)
-    and computes only the rest, and thinks, talks and speaks what it does with no key (the
+    and the talker turn 1's prompt positions, each computes only the rest, and they think,
+    talk and speak what they do with no key (the
     whole prefill, which the tests above hold to the reference). Turn 2 asked again with
     another clip of the same length (the same placeholder tokens, other sound) reuses turn 2's
     sequence only up to the clip: it answers as its whole prefill does, and the states the
@@ -497,20 +505,23 @@ def test_a_conversation_kept_by_its_prompt_cache_key_answers_as_a_whole_prefill(
 
     async def go() -> tuple[dict[str, Any], ...]:
         encoder = (await started(engine("encoder", model)))[0] if encoder_stage else None
-        (thinker,) = await started(engine("thinker", model))
+        thinker, talker = await started(engine("thinker", model), engine("talker", model))
         key = {"prompt_cache_key": "conversation-1"}
-        turn1 = await run_pipeline(model, "Ethan", 4, [first], thinker, encoder, key)
+        turn1 = await run_pipeline(model, "Ethan", 4, [first], thinker, encoder, key, talker)
         second = [first, {"role": "assistant", "content": turn1["text"]}, _clip(1)]
-        kept = await run_pipeline(model, "Ethan", 4, second, thinker, encoder, key)
-        whole = await run_pipeline(model, "Ethan", 4, second, thinker, encoder)
+        kept = await run_pipeline(model, "Ethan", 4, second, thinker, encoder, key, talker)
+        whole = await run_pipeline(model, "Ethan", 4, second, thinker, encoder, talker=talker)
         other = [*second[:2], _clip(2)]
-        other_kept = await run_pipeline(model, "Ethan", 4, other, thinker, encoder, key)
-        other_whole = await run_pipeline(model, "Ethan", 4, other, thinker, encoder)
+        other_kept = await run_pipeline(model, "Ethan", 4, other, thinker, encoder, key, talker)
+        other_whole = await run_pipeline(model, "Ethan", 4, other, thinker, encoder, talker=talker)
         return turn1, kept, whole, other_kept, other_whole
 
     turn1, kept, whole, other_kept, other_whole = asyncio.run(go())
     assert turn1["cached_tokens"] == 0 and whole["cached_tokens"] == 0
     assert kept["cached_tokens"] > 0
+    # The talker too: turn 1's prompt positions, fed the thinker's kept rows, are not fed again.
+    assert turn1["talker_reused"] == 0 and whole["talker_reused"] == 0
+    assert 0 < kept["talker_reused"] <= kept["cached_tokens"]
     assert kept["tokens"].tolist() == whole["tokens"].tolist()
     assert kept["codes"].tolist() == whole["codes"].tolist()
     torch.testing.assert_close(kept["audio"], whole["audio"], rtol=0, atol=WAVEFORM_ATOL)

@@ -59,6 +59,7 @@ class Sequence:
     items, and per position what the engine reads again (`rows`, each [len(ids), ...])."""
 
     ids: list[int]
+    """Its tokens (none for a stage fed embeddings: its `rows` say what it was fed)."""
     past: Any
     media: list[MediaSpan] = field(default_factory=list)
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -84,11 +85,19 @@ class Sequence:
 
     def cut(self, n: int) -> None:
         """Keep the first `n` positions only."""
-        if (drop := len(self.ids) - n) > 0:
+        if (drop := self.past.get_seq_length() - n) > 0:
             self.past.crop(-drop)
-            self.ids = self.ids[:n]
-            self.media = [m for m in self.media if m.end <= n]
-            self.rows = {k: v[:n] for k, v in self.rows.items()}
+        self.ids = self.ids[:n]
+        self.media = [m for m in self.media if m.end <= n]
+        self.rows = {k: v[:n] for k, v in self.rows.items()}
+
+
+def same_rows(kept: torch.Tensor, new: torch.Tensor) -> int:
+    """How many leading rows two sequences of input embeddings share, bit for bit (a stage fed
+    embeddings, not tokens, matches its kept sequence by them)."""
+    m = min(len(kept), len(new))
+    differ = (kept[:m] != new[:m].to(kept.device, kept.dtype)).any(-1).nonzero()
+    return int(differ[0]) if len(differ) else m
 
 
 class PromptCaches:

@@ -13,6 +13,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.prompt_cache import Sequence, same_rows
 from omni_stage.models.qwen2_5_omni.dit import CachedDiT, LeftContext, Solve, Window
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
@@ -39,11 +40,19 @@ class _Speaking:
     last_code: int = 0
     seen: set[int] = field(default_factory=set)
     done: bool = False
+    key: str | None = None
+    """The conversation's `prompt_cache_key`: what the talker is fed is kept under it."""
+    fed: list[torch.Tensor] = field(default_factory=list)
+    """With a key, every input row fed so far ([n, H] each), in order."""
 
 
 class Talker(Part):
+    """Speaks the thinker's reply. With a `prompt_cache_key` it keeps its sequence too: the next
+    turn's prompt begins with this turn's prompt positions, fed the same thinker rows (the
+    thinker's own kept ones), so its prefill computes the rest only (prompt_cache.py)."""
+
     part = "talker"
-    request_keys = frozenset({"voice"})
+    request_keys = frozenset({"voice", "prompt_cache_key"})
     needs_last_call = True  # past the reply it speaks on the thinker's text eos, then its pad
     weights = ("model", "text_embeds")
 
@@ -51,6 +60,7 @@ class Talker(Part):
         super().__init__(stage)
         # Decode steps of concurrent requests run together; a prefill runs on its own.
         self.batcher = StepBatcher(self._decodes, self._compute, self.max_batch)
+        self.prompt_caches = self._kept_conversations()
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniTalkerForConditionalGeneration
@@ -83,6 +93,8 @@ class Talker(Part):
                 # speak (the reference's generate fails on that; a server answers text only).
                 return
             voice = self.speaker(call.sampling)
+            if (key := call.sampling.get("prompt_cache_key")) is not None and self.prompt_caches.capacity:
+                st.key = str(key)
             code = await self._run(self._prefill, st, voice)
         else:
             code = None
@@ -99,6 +111,9 @@ class Talker(Part):
                 code = await self.batcher.submit("decode", (st, reply))
             if code in self.stop_codes or st.made >= budget:
                 st.done = True
+                if st.key is not None:  # complete: kept for the conversation's next turn
+                    fed = torch.cat(st.fed)[: st.past.get_seq_length()]
+                    self.prompt_caches.keep(st.key, Sequence([], st.past, rows={"fed": fed}))
                 return
             st.made += 1
             st.last_code = code
@@ -122,10 +137,18 @@ class Talker(Part):
         assert st.prompt_embeds is not None and st.prompt_hidden is not None
         embeds = (st.prompt_embeds + st.prompt_hidden).to(self.device, self.dtype)
         bos = self._text_embed(int(voice["bos_token"]))
-        inputs = torch.cat([embeds, bos[None], st.reply[0][None]]).unsqueeze(0)
+        inputs = torch.cat([embeds, bos[None], st.reply[0][None]])
         # What the model's codes have "seen" for the repetition penalty: its prompt ids.
         st.seen = {self.codec["mask"], self.codec["pad"], self.codec["bos"]}
-        return self._forward(st, inputs)
+        if st.key is not None:
+            st.fed.append(inputs)
+            seq = self.prompt_caches.take(st.key)
+            # At most the prompt's rows: the voice's bos and the first reply state are this turn's.
+            if seq is not None and (n := min(same_rows(seq.rows["fed"], inputs), len(embeds))):
+                seq.cut(n)
+                st.past, inputs = seq.past, inputs[n:]
+                self.prompt_caches.reused_tokens += n
+        return self._forward(st, inputs[None])
 
     @torch.inference_mode()
     def _decodes(self, steps: list[tuple[_Speaking, torch.Tensor]]) -> list[int]:
@@ -137,6 +160,8 @@ class Talker(Part):
                 (self.model.get_input_embeddings()(torch.tensor([code], device=self.device)) + reply)[None]
             )
             st.seen.add(code)
+            if st.key is not None:
+                st.fed.append(inputs[-1][0])
         if len(steps) == 1:
             return [self._forward(steps[0][0], inputs[0])]
         states = [st for st, _ in steps]
