@@ -263,7 +263,10 @@ def test_a_cancelled_response_ends_cancelled_and_frees_every_stage(base: str) ->
         assert done["output"][0]["status"] == "incomplete"
         conn.send({"type": "conversation.item.create", "item": user_text("Again")})
         conn.send({"type": "response.create", "response": {"max_output_tokens": 4}})
-        assert until(conn)[-1]["response"]["status"] == "incomplete"
+        again = until(conn)[-1]["response"]
+        assert again["status"] == "incomplete"
+        # The cancelled response left its sequence, as far as it got: the next turn reuses it.
+        assert again["usage"]["input_token_details"]["cached_tokens"] > 0
     settle([base], idle)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import gc
 import io
 import weakref
@@ -531,6 +532,53 @@ def test_a_conversation_kept_by_its_prompt_cache_key_answers_as_a_whole_prefill(
     # What the talker reads of the prompt: as the whole prefill computes it, not the first clip's.
     torch.testing.assert_close(other_kept["prompt_hidden"], other_whole["prompt_hidden"], rtol=0, atol=1e-4)
     assert not torch.allclose(other_whole["prompt_hidden"], whole["prompt_hidden"], rtol=0, atol=1e-2)
+
+
+def test_a_response_cut_short_leaves_its_sequence_for_the_next_turn(model: Path) -> None:
+    """A barge-in: turn 1 closed after three tokens (its task cancelled) leaves the sequence it
+    had made, once its step in progress has ended; turn 2, whose assistant turn is the text
+    sent so far, reuses it and answers as its whole prefill does."""
+    first = media_message(*media_clips())
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any]]:
+        thinker, talker = await started(engine("thinker", model), engine("talker", model))
+        assert thinker.prompt_caches is not None
+        messages, media = await decode_media([first], MediaSpec())
+        call = EngineCall(
+            "r",
+            {"request": {"messages": messages, "media": media.tensors}},
+            True,
+            {"max_tokens": 50, "prompt_cache_key": "c"},
+        )
+        said: list[str] = []
+        three = asyncio.Event()
+
+        async def listen() -> None:
+            async for o in thinker.generate(call):
+                said.append(o.text)
+                if len(said) == 3:
+                    three.set()
+                    await asyncio.Event().wait()  # the client stops listening here
+
+        task = asyncio.create_task(listen())
+        async with asyncio.timeout(30):
+            await three.wait()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        async with asyncio.timeout(10):
+            while len(thinker.prompt_caches) == 0:  # kept once the compute thread is done with it
+                await asyncio.sleep(0.01)
+        second = [first, {"role": "assistant", "content": "".join(said)}, _clip(1)]
+        key = {"prompt_cache_key": "c"}
+        kept = await run_pipeline(model, "Ethan", 4, second, thinker, None, key, talker)
+        whole = await run_pipeline(model, "Ethan", 4, second, thinker, None, talker=talker)
+        return kept, whole
+
+    kept, whole = asyncio.run(go())
+    assert kept["cached_tokens"] > 0
+    assert kept["tokens"].tolist() == whole["tokens"].tolist()
+    assert kept["codes"].tolist() == whole["codes"].tolist()
 
 
 def test_the_encoder_stage_encodes_requests_together_as_each_alone(model: Path) -> None:

@@ -241,6 +241,14 @@ class ComputeEngine(Engine):
         except ValueError as exc:
             raise EngineError(f"stage '{self.stage.name}': engine.args.{exc}") from None
 
+    def _keep_after_step(self, keep: Callable[[], None]) -> None:
+        """Call `keep` on the event loop once the compute thread has ended the step it is in:
+        a request cancelled while its step ran keeps its sequence (`keep`) only then, whole.
+        (The batcher hands the thread its next batch only after the running one is answered,
+        so this comes right after it.)"""
+        done = asyncio.get_running_loop().run_in_executor(self._compute, time.monotonic)
+        done.add_done_callback(lambda f: None if f.cancelled() else keep())
+
     def _load(self) -> None:
         """Load the weights (on the compute thread): at start, and on waking from level 2."""
         raise NotImplementedError

@@ -13,8 +13,9 @@ served it last, so the sequence is found.
 Bounded by the engine's arguments: at most `promptCaches` sequences a replica (default 16; 0
 keeps none), the least recently used given up first, and each given up after `promptCacheIdleS`
 unused (default 300), when the gateway says the key's session closed, and when the replica
-sleeps. A sequence serves one request at a time: a request takes it, and puts back its own only
-when it ends complete (a cancelled or failed one may have stopped mid-step).
+sleeps. A sequence serves one request at a time: a request takes it, and puts back its own when
+it ends complete, or when it was cancelled (a barge-in), once the step it was in has ended on
+the compute thread (`ComputeEngine._keep_after_step`). A request that failed keeps nothing.
 """
 
 from __future__ import annotations
@@ -64,6 +65,17 @@ class Sequence:
     media: list[MediaSpan] = field(default_factory=list)
     rows: dict[str, torch.Tensor] = field(default_factory=dict)
     used: float = 0.0
+
+    @classmethod
+    def left(
+        cls, ids: list[int], past: Any, media: list[MediaSpan], rows: dict[str, torch.Tensor]
+    ) -> Sequence:
+        """What a request leaves: its sequence as far as its cache and its record of each
+        position agree (a request cancelled mid-step has a cache one step past its record)."""
+        n = min([past.get_seq_length(), *(len(v) for v in rows.values()), *([len(ids)] if ids else [])])
+        seq = cls(ids, past, media, rows)
+        seq.cut(n)
+        return seq
 
     def shared(self, ids: list[int], media: list[MediaSpan]) -> int:
         """How many leading positions of a prompt (`ids`, its `media`) this sequence holds:

@@ -68,6 +68,9 @@ class _Decoding:
     tokens: list[int] = field(default_factory=list)
     """A client request's prompt and the tokens sampled since: its sequence, as far as the cache
     holds it (what `PromptCaches.keep` keeps)."""
+    key: str | None = None
+    """A client request's `prompt_cache_key`, where its sequence is kept."""
+    kept: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,35 +191,43 @@ class TransformersEngine(ComputeEngine):
         feed_ids, feed_embeds = self._with_pending(st, ids, embeds)
         reply, tools, sampler = st.reply, st.tools, st.sampler
         assert sampler is not None  # set on the first call, above
-        for i in range(budget):
-            step = _Step(st, feed_ids, feed_embeds, sampler)
-            choice, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
-            if st.prompt_logprobs is not None and "request" in call.inputs:
-                call.state.prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs, None
-            tok = choice.token
-            feed_ids, feed_embeds = torch.tensor([[tok]], device=self.device), None
-            st.pending = tok  # sampled, not yet fed: the next step (or call) feeds it
-            ended = sampler.ends(tok)
-            delta, stopped = (
-                ("", False)
-                if reply is None
-                else reply.add(None if ended and not reply.include_stop else tok, ended or i == budget - 1)
-            )
-            done = ended or stopped
-            data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
-            if self.return_hidden:
-                data["hidden_states"] = hidden
-            logprobs = token_logprobs(self.tokenizer, choice) if reply is not None and not ended else []
-            out = EngineOutput(
-                units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
-            )
-            if "request" in call.inputs:
-                st.tokens.append(tok)
-                if done or i == budget - 1:  # complete: the sequence is kept for the key's next request
-                    self._keep(key, st)
-            yield out if tools is None else tools.settle(out, done or i == budget - 1)
-            if done:
-                return
+        st.key = str(key) if key is not None and "request" in call.inputs else None
+        try:
+            for i in range(budget):
+                step = _Step(st, feed_ids, feed_embeds, sampler)
+                choice, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
+                if st.prompt_logprobs is not None and "request" in call.inputs:
+                    call.state.prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs, None
+                tok = choice.token
+                feed_ids, feed_embeds = torch.tensor([[tok]], device=self.device), None
+                st.pending = tok  # sampled, not yet fed: the next step (or call) feeds it
+                ended = sampler.ends(tok)
+                delta, stopped = (
+                    ("", False)
+                    if reply is None
+                    else reply.add(
+                        None if ended and not reply.include_stop else tok, ended or i == budget - 1
+                    )
+                )
+                done = ended or stopped
+                data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
+                if self.return_hidden:
+                    data["hidden_states"] = hidden
+                logprobs = token_logprobs(self.tokenizer, choice) if reply is not None and not ended else []
+                out = EngineOutput(
+                    units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
+                )
+                if "request" in call.inputs:
+                    st.tokens.append(tok)
+                    if done or i == budget - 1:  # complete: the sequence is kept for the key's next request
+                        self._keep(st)
+                yield out if tools is None else tools.settle(out, done or i == budget - 1)
+                if done:
+                    return
+        except (asyncio.CancelledError, GeneratorExit):  # a barge-in: what it made is kept
+            if st.key is not None and not st.kept and st.past is not None:
+                self._keep_after_step(lambda: self._keep(st))
+            raise
         if "request" in call.inputs:
             call.state.finish_reason = "length"
 
@@ -233,11 +244,12 @@ class TransformersEngine(ComputeEngine):
         self.prompt_caches.reused_tokens += n
         return ids[:, n:]
 
-    def _keep(self, key: str | None, st: _Decoding) -> None:
-        if key is None or self.prompt_caches is None or st.past is None:
+    def _keep(self, st: _Decoding) -> None:
+        if st.key is None or self.prompt_caches is None or st.past is None:
             return
-        held = st.past.get_seq_length()  # the last token sampled is not fed: not held
-        self.prompt_caches.keep(key, Sequence(st.tokens[:held], st.past))
+        st.kept = True
+        # The last token sampled is not fed: not held.
+        self.prompt_caches.keep(st.key, Sequence.left(st.tokens, st.past, [], {}))
 
     def _tool_plan(self, sampling: dict[str, Any]) -> ToolPlan | None:
         return ToolPlan(sampling, self.tokenizer, self.tool_parser) if sampling.get("tools") else None

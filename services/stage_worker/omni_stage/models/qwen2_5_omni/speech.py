@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ class _Speaking:
     """The conversation's `prompt_cache_key`: what the talker is fed is kept under it."""
     fed: list[torch.Tensor] = field(default_factory=list)
     """With a key, every input row fed so far ([n, H] each), in order."""
+    kept: bool = False
 
 
 class Talker(Part):
@@ -84,41 +86,53 @@ class Talker(Part):
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.kept(_Speaking)
-        self._take(st, call.inputs)
-        budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
-        if st.past is None:
-            if st.prompt_embeds is None or not st.reply:
-                # The prefill needs token 0's reply state, which comes with token 1: the next
-                # window brings it, or, if the reply was one token long, there is nothing to
-                # speak (the reference's generate fails on that; a server answers text only).
-                return
-            voice = self.speaker(call.sampling)
-            if (key := call.sampling.get("prompt_cache_key")) is not None and self.prompt_caches.capacity:
-                st.key = str(key)
-            code = await self._run(self._prefill, st, voice)
-        else:
-            code = None
-        while not st.done:
-            if code is None:
-                step = st.made  # reply state `step` feeds the step after code `step - 1`
-                if step < len(st.reply):
-                    reply = st.reply[step]
-                elif call.is_last:
-                    n = len(st.reply)
-                    reply = self._text_embed(self.text_eos if step == n else self.text_pad)
-                else:
-                    return  # waits for the thinker's next window
-                code = await self.batcher.submit("decode", (st, reply))
-            if code in self.stop_codes or st.made >= budget:
-                st.done = True
-                if st.key is not None:  # complete: kept for the conversation's next turn
-                    fed = torch.cat(st.fed)[: st.past.get_seq_length()]
-                    self.prompt_caches.keep(st.key, Sequence([], st.past, rows={"fed": fed}))
-                return
-            st.made += 1
-            st.last_code = code
-            yield EngineOutput(units=1, data={"codes": torch.tensor([code])})
-            code = None
+        try:
+            self._take(st, call.inputs)
+            budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
+            if st.past is None:
+                if st.prompt_embeds is None or not st.reply:
+                    # The prefill needs token 0's reply state, which comes with token 1: the next
+                    # window brings it, or, if the reply was one token long, there is nothing to
+                    # speak (the reference's generate fails on that; a server answers text only).
+                    return
+                voice = self.speaker(call.sampling)
+                kept = None
+                if (key := call.sampling.get("prompt_cache_key")) is not None and self.prompt_caches.capacity:
+                    st.key = str(key)
+                    kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
+                code = await self._run(self._prefill, st, voice, kept)
+            else:
+                code = None
+            while not st.done:
+                if code is None:
+                    step = st.made  # reply state `step` feeds the step after code `step - 1`
+                    if step < len(st.reply):
+                        reply = st.reply[step]
+                    elif call.is_last:
+                        n = len(st.reply)
+                        reply = self._text_embed(self.text_eos if step == n else self.text_pad)
+                    else:
+                        return  # waits for the thinker's next window
+                    code = await self.batcher.submit("decode", (st, reply))
+                if code in self.stop_codes or st.made >= budget:
+                    st.done = True
+                    self._keep(st)  # complete: kept for the conversation's next turn
+                    return
+                st.made += 1
+                st.last_code = code
+                yield EngineOutput(units=1, data={"codes": torch.tensor([code])})
+                code = None
+        except (asyncio.CancelledError, GeneratorExit):  # a barge-in: what it made is kept
+            if st.key is not None and not st.kept and st.past is not None:
+                self._keep_after_step(lambda: self._keep(st))
+            raise
+
+    def _keep(self, st: _Speaking) -> None:
+        if st.key is None or st.kept or not st.fed:
+            return
+        st.kept = True
+        assert self.prompt_caches is not None
+        self.prompt_caches.keep(st.key, Sequence.left([], st.past, [], {"fed": torch.cat(st.fed)}))
 
     def _take(self, st: _Speaking, inputs: dict[str, Any]) -> None:
         """Gather this window's thinker states: the prompt once, and one reply state per token."""
@@ -133,7 +147,9 @@ class Talker(Part):
         return self.text_embeds[token]
 
     @torch.inference_mode()
-    def _prefill(self, st: _Speaking, voice: dict[str, Any]) -> int:
+    def _prefill(self, st: _Speaking, voice: dict[str, Any], seq: Sequence | None) -> int:
+        """The prompt, the voice's bos and the first reply state; on `seq`, the conversation's
+        kept sequence, as far as this prompt's rows are the ones it was fed."""
         assert st.prompt_embeds is not None and st.prompt_hidden is not None
         embeds = (st.prompt_embeds + st.prompt_hidden).to(self.device, self.dtype)
         bos = self._text_embed(int(voice["bos_token"]))
@@ -142,12 +158,11 @@ class Talker(Part):
         st.seen = {self.codec["mask"], self.codec["pad"], self.codec["bos"]}
         if st.key is not None:
             st.fed.append(inputs)
-            seq = self.prompt_caches.take(st.key)
-            # At most the prompt's rows: the voice's bos and the first reply state are this turn's.
-            if seq is not None and (n := min(same_rows(seq.rows["fed"], inputs), len(embeds))):
-                seq.cut(n)
-                st.past, inputs = seq.past, inputs[n:]
-                self.prompt_caches.reused_tokens += n
+        # At most the prompt's rows: the voice's bos and the first reply state are this turn's.
+        if seq is not None and (n := min(same_rows(seq.rows["fed"], inputs), len(embeds))):
+            seq.cut(n)
+            st.past, inputs = seq.past, inputs[n:]
+            self.prompt_caches.reused_tokens += n
         return self._forward(st, inputs[None])
 
     @torch.inference_mode()

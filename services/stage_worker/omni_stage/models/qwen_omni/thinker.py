@@ -96,7 +96,9 @@ class Thinker(Part):
             key is not None and self.prompt_caches.capacity > 0 and "prompt_logprobs" not in call.sampling
         )
         if keeping:
-            await self._run(self._reuse, call, st, str(key), prompt)
+            st.key = str(key)
+            kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
+            await self._run(self._reuse, call, st, kept, prompt)
         budget = int(call.sampling.get("max_tokens") or 64)
         check_context(
             int(ids.shape[1]), budget, self.config.thinker_config.text_config.max_position_embeddings
@@ -114,49 +116,54 @@ class Thinker(Part):
         )
         text = ReplyText.for_request(self.tokenizer, call.sampling)
         feed = ids
-        for s in range(budget):
-            # Decode steps of concurrent requests run together; a prompt runs on its own.
-            step = _ThinkerStep(st, feed, sampler, prompt)
-            choice, embeds, hidden = await self.batcher.submit("decode" if s else object(), step)
-            if keeping:
-                st.embeds.append(embeds[0])
-                st.hidden.append(hidden[0])
-            if s == 0:
-                call.state.prompt_logprobs = st.prompt_logprobs
-                if st.start:  # the talker reads the whole prompt's: the reused positions' first
-                    embeds, hidden = torch.cat(st.embeds)[None], torch.cat(st.hidden)[None]
-            tok = choice.token
-            st.tokens.append(tok)
-            data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
-            if s == 0:  # [1, P, ...]: the prompt is one unit's worth
-                data |= {"prompt_embeds": embeds, "prompt_hidden": hidden} | self._prompt_extras(prompt)
-            else:  # [1, hidden]: the position that consumed token s - 1
-                data |= {"reply_embeds": embeds[0]}
-                if self.sends_reply_hidden:
-                    data["reply_hidden"] = hidden[0]
-            ended = sampler.ends(tok)
-            delta, stopped = text.add(
-                None if ended and not text.include_stop else tok, last=ended or s == budget - 1
-            )
-            done = ended or stopped
-            logprobs = [] if ended else token_logprobs(self.tokenizer, choice)
-            if keeping and (done or s == budget - 1):  # complete: kept for the key's next request
-                self._keep(str(key), st)
-            yield EngineOutput(
-                units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
-            )
-            if done:
-                return
-            feed = torch.tensor([[tok]], device=self.device)
+        try:
+            for s in range(budget):
+                # Decode steps of concurrent requests run together; a prompt runs on its own.
+                step = _ThinkerStep(st, feed, sampler, prompt)
+                choice, embeds, hidden = await self.batcher.submit("decode" if s else object(), step)
+                if keeping:
+                    st.embeds.append(embeds[0])
+                    st.hidden.append(hidden[0])
+                if s == 0:
+                    call.state.prompt_logprobs = st.prompt_logprobs
+                    if st.start:  # the talker reads the whole prompt's: the reused positions' first
+                        embeds, hidden = torch.cat(st.embeds)[None], torch.cat(st.hidden)[None]
+                tok = choice.token
+                st.tokens.append(tok)
+                data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
+                if s == 0:  # [1, P, ...]: the prompt is one unit's worth
+                    data |= {"prompt_embeds": embeds, "prompt_hidden": hidden} | self._prompt_extras(prompt)
+                else:  # [1, hidden]: the position that consumed token s - 1
+                    data |= {"reply_embeds": embeds[0]}
+                    if self.sends_reply_hidden:
+                        data["reply_hidden"] = hidden[0]
+                ended = sampler.ends(tok)
+                delta, stopped = text.add(
+                    None if ended and not text.include_stop else tok, last=ended or s == budget - 1
+                )
+                done = ended or stopped
+                logprobs = [] if ended else token_logprobs(self.tokenizer, choice)
+                if keeping and (done or s == budget - 1):  # complete: kept for the key's next request
+                    self._keep(st)
+                yield EngineOutput(
+                    units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
+                )
+                if done:
+                    return
+                feed = torch.tensor([[tok]], device=self.device)
+        except (asyncio.CancelledError, GeneratorExit):  # a barge-in: what it made is kept
+            if keeping and not st.kept and st.past is not None:
+                self._keep_after_step(lambda: self._keep(st))
+            raise
         call.state.finish_reason = "length"
 
-    def _reuse(self, call: EngineCall, st: _Cache, key: str, prompt: Prompt) -> None:
-        """Start the request on the key's kept sequence, as far as its prompt shares it: that
-        cache, cut to the shared positions, and what the talker reads of them. (On the compute
-        thread: the media's digests read every feature.)"""
+    def _reuse(self, call: EngineCall, st: _Cache, seq: Sequence | None, prompt: Prompt) -> None:
+        """Start the request on its conversation's kept sequence, as far as its prompt shares
+        it: that cache, cut to the shared positions, and what the talker reads of them. (On the
+        compute thread: the media's digests read every feature.)"""
         assert self.prompts is not None and self.prompt_caches is not None
         st.media = self.prompts.media_spans(prompt)
-        if (seq := self.prompt_caches.take(key)) is None or not (n := seq.shared(st.tokens, st.media)):
+        if seq is None or not (n := seq.shared(st.tokens, st.media)):
             return
         seq.cut(n)
         st.past, st.start = seq.past, n
@@ -164,13 +171,17 @@ class Thinker(Part):
         call.state.cached_tokens = n
         self.prompt_caches.reused_tokens += n
 
-    def _keep(self, key: str, st: _Cache) -> None:
-        held = st.past.get_seq_length()  # the last token sampled is not fed: not held
+    def _keep(self, st: _Cache) -> None:
+        assert st.key is not None and self.prompt_caches is not None
+        st.kept = True
+        if not st.embeds:  # cancelled before its prefill's rows came back: nothing to keep
+            return
         rows = {  # in the model's dtype: what they were computed in, half the memory in bf16
-            "embeds": torch.cat(st.embeds)[:held].to(self.dtype),
-            "hidden": torch.cat(st.hidden)[:held].to(self.dtype),
+            "embeds": torch.cat(st.embeds).to(self.dtype),
+            "hidden": torch.cat(st.hidden).to(self.dtype),
         }
-        self.prompt_caches.keep(key, Sequence(st.tokens[:held], st.past, st.media, rows))
+        # The last token sampled is not fed: not held.
+        self.prompt_caches.keep(st.key, Sequence.left(st.tokens, st.past, st.media, rows))
 
     def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
         """What else of the prompt the talker reads, with the first token."""
@@ -286,6 +297,9 @@ class _Cache:
     prompt_logprobs: PromptLogprobs | None = None
     start: int = 0
     """Positions a kept sequence held: the prefill computes those after."""
+    key: str | None = None
+    """The conversation's `prompt_cache_key`, where its sequence is kept."""
+    kept: bool = False
     tokens: list[int] = field(default_factory=list)
     media: list[MediaSpan] = field(default_factory=list)
     embeds: list[torch.Tensor] = field(default_factory=list)
