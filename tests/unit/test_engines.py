@@ -445,7 +445,8 @@ def test_a_conversation_kept_by_its_prompt_cache_key_prefills_only_its_new_turn(
 
 def test_kept_sequences_are_bounded_by_count_and_idle_time() -> None:
     """The least recently used is given up beyond the capacity; one unused for the idle time is
-    given up at the next look; a request takes its key's sequence (a second finds none)."""
+    given up at the next look; a request takes its key's sequence (a second finds none); a
+    forgotten key keeps nothing again."""
     caches = PromptCaches(capacity=2, idle_s=60)
     for key in ("a", "b", "c"):
         caches.keep(key, Sequence([1, 2, 3], None))
@@ -456,6 +457,8 @@ def test_kept_sequences_are_bounded_by_count_and_idle_time() -> None:
     b.used -= 61  # as if a minute went by unused
     assert caches.expire() == 1 and caches.take("b") is None
     assert caches.forget("c") and len(caches) == 0
+    caches.keep("c", Sequence([1], None))  # a request of an ended session, ending late: not kept
+    assert len(caches) == 0
     seq = Sequence([5, 6, 7, 8], None, [MediaSpan(1, 3, b"x")])
     assert seq.shared([5, 6, 7, 8, 9], [MediaSpan(1, 3, b"x")]) == 4
     assert seq.shared([5, 6, 7, 8, 9], [MediaSpan(1, 3, b"y")]) == 1  # other media: up to it

@@ -30,6 +30,9 @@ import torch
 
 DEFAULT_CAPACITY: Final = 16
 DEFAULT_IDLE_S: Final = 300.0
+FORGOTTEN_KEPT: Final = 4096
+"""Keys given up by word of their session's end, remembered so that a request of theirs still
+ending (cancelled mid-step) keeps nothing after; the oldest are forgotten."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +124,7 @@ class PromptCaches:
         self.capacity = capacity
         self.idle_s = idle_s
         self._kept: OrderedDict[str, Sequence] = OrderedDict()
+        self._forgotten: OrderedDict[str, None] = OrderedDict()
         self.reused_tokens = 0
         """Prompt positions not computed again, since the start (a metric)."""
 
@@ -135,7 +139,7 @@ class PromptCaches:
     def keep(self, key: str | None, seq: Sequence) -> None:
         """Keep a request's sequence for the key's next request, giving up the least recently
         used beyond the capacity."""
-        if key is None or self.capacity == 0:
+        if key is None or self.capacity == 0 or key in self._forgotten:
             return
         seq.used = time.monotonic()
         self._kept.pop(key, None)
@@ -145,6 +149,10 @@ class PromptCaches:
         self.expire()
 
     def forget(self, key: str) -> bool:
+        """The key's conversation ended: its sequence goes, and none is kept for it again."""
+        self._forgotten[key] = None
+        while len(self._forgotten) > FORGOTTEN_KEPT:
+            self._forgotten.popitem(last=False)
         return self._kept.pop(key, None) is not None
 
     def clear(self) -> None:
