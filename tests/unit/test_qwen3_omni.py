@@ -338,3 +338,47 @@ def test_a_conversation_kept_by_its_prompt_cache_key_thinks_as_a_whole_prefill(
     assert kept[0].data.keys() == whole[0].data.keys()
     for name, value in whole[0].data.items():
         torch.testing.assert_close(kept[0].data[name], value, rtol=0, atol=1e-4, msg=name)
+
+
+def test_the_talker_keeps_a_conversations_user_turns_and_speaks_as_a_whole_prefill(model: Path) -> None:
+    """Qwen3-Omni's talker reads the prompt's user turns: with the conversation's
+    `prompt_cache_key` turn 2's talker reuses turn 1's (fed the same rows, the thinker's kept
+    ones) and draws the codes it draws prefilling them all."""
+    wav, png = media_clips()
+
+    async def go() -> tuple[list[list[int]], list[list[int]], int, int]:
+        thinker, talker = engine("thinker", model), engine("talker", model)
+        for e in (thinker, talker):
+            await e.start()
+        assert talker.prompt_caches is not None
+
+        async def turn(messages: list[dict[str, Any]], key: str | None) -> tuple[str, list[list[int]]]:
+            messages, media = await decode_media(messages, MediaSpec())
+            keyed = {"prompt_cache_key": key} if key else {}
+            request = {"request": {"messages": messages, "media": media.tensors}}
+            thought = [
+                o
+                async for o in thinker.generate(
+                    EngineCall("r", request, True, {"max_tokens": THINKER_TOKENS} | keyed)
+                )
+            ]
+            state, codes = CallState(), []
+            for payload, last in windows(thought, 4):
+                call = EngineCall(
+                    "r", {"thinker": payload}, last, {"max_tokens": TALKER_CODES} | keyed, state
+                )
+                codes += [o.data["codes"][0].tolist() async for o in talker.generate(call)]
+            return "".join(o.text for o in thought), codes
+
+        first = media_message(wav, png)
+        said, _ = await turn([first], "c")
+        second = [first, {"role": "assistant", "content": said}, {"role": "user", "content": QUESTION}]
+        before = talker.prompt_caches.reused_tokens
+        _, kept = await turn(second, "c")
+        reused = talker.prompt_caches.reused_tokens - before
+        _, whole = await turn(second, None)
+        return kept, whole, reused, len(talker.prompt_caches)
+
+    kept, whole, reused, held = asyncio.run(go())
+    assert reused > 0 and held == 1
+    assert len(kept) > 4 and kept == whole

@@ -43,15 +43,16 @@ class _Speaking:
     done: bool = False
     key: str | None = None
     """The conversation's `prompt_cache_key`: what the talker is fed is kept under it."""
-    fed: list[torch.Tensor] = field(default_factory=list)
-    """With a key, every input row fed so far ([n, H] each), in order."""
+    prompt_rows: torch.Tensor | None = None
+    """With a key, the prompt's input rows [P, H]: what the conversation's next turn begins
+    with (its reply and codes the next turn's prompt does not repeat)."""
     kept: bool = False
 
 
 class Talker(Part):
-    """Speaks the thinker's reply. With a `prompt_cache_key` it keeps its sequence too: the next
-    turn's prompt begins with this turn's prompt positions, fed the same thinker rows (the
-    thinker's own kept ones), so its prefill computes the rest only (prompt_cache.py)."""
+    """Speaks the thinker's reply. With a `prompt_cache_key` it keeps its prompt's positions: the
+    next turn's prompt begins with them, fed the same thinker rows (the thinker's own kept
+    ones), so its prefill computes the rest only (prompt_cache.py)."""
 
     part = "talker"
     request_keys = frozenset({"voice", "prompt_cache_key"})
@@ -128,11 +129,12 @@ class Talker(Part):
             raise
 
     def _keep(self, st: _Speaking) -> None:
-        if st.key is None or st.kept or not st.fed:
+        """The prompt's positions of the sequence, kept for the conversation's next turn."""
+        if st.key is None or st.kept or st.prompt_rows is None:
             return
         st.kept = True
         assert self.prompt_caches is not None
-        self.prompt_caches.keep(st.key, Sequence.left([], st.past, [], {"fed": torch.cat(st.fed)}))
+        self.prompt_caches.keep(st.key, Sequence.left([], st.past, [], {"fed": st.prompt_rows}))
 
     def _take(self, st: _Speaking, inputs: dict[str, Any]) -> None:
         """Gather this window's thinker states: the prompt once, and one reply state per token."""
@@ -157,7 +159,7 @@ class Talker(Part):
         # What the model's codes have "seen" for the repetition penalty: its prompt ids.
         st.seen = {self.codec["mask"], self.codec["pad"], self.codec["bos"]}
         if st.key is not None:
-            st.fed.append(inputs)
+            st.prompt_rows = embeds
         # At most the prompt's rows: the voice's bos and the first reply state are this turn's.
         if seq is not None and (n := min(same_rows(seq.rows["fed"], inputs), len(embeds))):
             seq.cut(n)
@@ -175,8 +177,6 @@ class Talker(Part):
                 (self.model.get_input_embeddings()(torch.tensor([code], device=self.device)) + reply)[None]
             )
             st.seen.add(code)
-            if st.key is not None:
-                st.fed.append(inputs[-1][0])
         if len(steps) == 1:
             return [self._forward(steps[0][0], inputs[0])]
         states = [st for st, _ in steps]

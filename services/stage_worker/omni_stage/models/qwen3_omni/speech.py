@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -12,6 +13,7 @@ from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.prompt_cache import Sequence, same_rows
 from omni_stage.models.qwen3_omni.thinker import LAYOUT_KEYS
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
@@ -49,6 +51,11 @@ class _Speaking:
     residuals: list[int] | None = None
     seen: list[int] = field(default_factory=list)
     done: bool = False
+    key: str | None = None
+    """The conversation's `prompt_cache_key`: the user turns' positions are kept under it."""
+    user_rows: torch.Tensor | None = None
+    """With a key, the user turns' input rows: what the conversation's next turn begins with."""
+    kept: bool = False
 
 
 @dataclass(slots=True)
@@ -64,10 +71,14 @@ class _Step:
 
 
 class Qwen3Talker(Part):
+    """Speaks the thinker's reply from the prompt's user turns. With a `prompt_cache_key` it keeps
+    those turns' positions: the next turn's talker prompt begins with them, fed the same rows
+    (from the thinker's kept ones), so its prefill computes the rest only (prompt_cache.py)."""
+
     part = "talker"
     config_class = "Qwen3OmniMoeConfig"
     model_name = "Qwen3-Omni"
-    request_keys = frozenset({"voice"})
+    request_keys = frozenset({"voice", "prompt_cache_key"})
     needs_last_call = True  # past the reply it speaks on the TTS eos, then its pad
     weights = ("model", "text_embeds")
 
@@ -77,6 +88,7 @@ class Qwen3Talker(Part):
         # Concurrent requests' steps run together: the code predictor's residuals of their last
         # codes as one batch, their next talker steps as another; a prefill runs on its own.
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
+        self.prompt_caches = self._kept_conversations()
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
@@ -123,25 +135,44 @@ class Qwen3Talker(Part):
         st = call.kept(_Speaking)
         self._take(st, call.inputs)
         budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
-        if st.past is None:
-            if st.prompt_ids is None or not st.reply:
-                return  # the prefill needs the first reply token's embedding, which comes with the second
-            st.code0, st.last_hidden = await self._run(self._prefill, st, self.speaker(call.sampling)["code"])
-        while not st.done:
-            k = st.step + 1  # the next step: it draws code k - 1's residuals, then code k
-            if st.code0 == self.codec_eos or k >= budget:
-                st.done = True  # eos has no residuals; nor does the last code a budget allows
-                return
-            if st.residuals is None:
-                st.residuals = (await self.batcher.submit("residuals", _Step(st))).residuals
-                yield EngineOutput(units=1, data={"codes": torch.tensor([[st.code0, *st.residuals]])})
-            trailing = self._trailing(st, k - 1, call.is_last)
-            if trailing is None:
-                return  # waits for the thinker's next window
-            drawn = await self.batcher.submit("decode", _Step(st, trailing))
-            st.code0, st.last_hidden = drawn.code0, drawn.hidden
-            st.step = k
-            st.residuals = None
+        try:
+            if st.past is None:
+                if st.prompt_ids is None or not st.reply:
+                    return  # the prefill needs the first reply token's embedding, which comes with the second
+                kept = None
+                if (key := call.sampling.get("prompt_cache_key")) is not None and self.prompt_caches.capacity:
+                    st.key = str(key)
+                    kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
+                speaker = self.speaker(call.sampling)["code"]
+                st.code0, st.last_hidden = await self._run(self._prefill, st, speaker, kept)
+            while not st.done:
+                k = st.step + 1  # the next step: it draws code k - 1's residuals, then code k
+                if st.code0 == self.codec_eos or k >= budget:
+                    st.done = True  # eos has no residuals; nor does the last code a budget allows
+                    self._keep(st)  # complete: kept for the conversation's next turn
+                    return
+                if st.residuals is None:
+                    st.residuals = (await self.batcher.submit("residuals", _Step(st))).residuals
+                    yield EngineOutput(units=1, data={"codes": torch.tensor([[st.code0, *st.residuals]])})
+                trailing = self._trailing(st, k - 1, call.is_last)
+                if trailing is None:
+                    return  # waits for the thinker's next window
+                drawn = await self.batcher.submit("decode", _Step(st, trailing))
+                st.code0, st.last_hidden = drawn.code0, drawn.hidden
+                st.step = k
+                st.residuals = None
+        except (asyncio.CancelledError, GeneratorExit):  # a barge-in: what it made is kept
+            if st.key is not None and not st.kept and st.past is not None:
+                self._keep_after_step(lambda: self._keep(st))
+            raise
+
+    def _keep(self, st: _Speaking) -> None:
+        """The user turns' positions of the sequence, kept for the conversation's next turn."""
+        if st.key is None or st.kept or st.user_rows is None:
+            return
+        st.kept = True
+        assert self.prompt_caches is not None
+        self.prompt_caches.keep(st.key, Sequence.left([], st.past, [], {"fed": st.user_rows}))
 
     def _take(self, st: _Speaking, inputs: dict[str, Any]) -> None:
         """Gather this window's thinker outputs: the prompt once, and one embedding per token."""
@@ -171,7 +202,9 @@ class Qwen3Talker(Part):
         return self._tts("tts_eos" if j + 1 == len(reply) else "tts_pad")
 
     @torch.inference_mode()
-    def _prefill(self, st: _Speaking, speaker: int) -> tuple[int, torch.Tensor]:
+    def _prefill(self, st: _Speaking, speaker: int, seq: Sequence | None) -> tuple[int, torch.Tensor]:
+        """The user turns, the assistant's start and the first reply token; on `seq`, the
+        conversation's kept sequence, as far as these user turns' rows are the ones it was fed."""
         assert st.prompt_ids is not None and st.prompt_embeds is not None and st.prompt_hidden is not None
         ids = st.prompt_ids.to(self.device)
         embeds = st.prompt_embeds.to(self.device, self.dtype)
@@ -207,6 +240,12 @@ class Qwen3Talker(Part):
         inputs = torch.cat([user_part, text + codec])[None]
         talker_ids = torch.cat([ids[user], torch.full((9,), self.ids["tts_pad"], device=self.device)])[None]
         positions = self._prefill_positions(st, talker_ids)
+        if st.key is not None:
+            st.user_rows = user_part
+        if seq is not None and (n := same_rows(seq.rows["fed"], user_part)):
+            seq.cut(n)
+            st.past, inputs, positions = seq.past, inputs[:, n:], positions[..., n:]
+            self.prompt_caches.reused_tokens += n
         return self._forward(st, inputs, positions)
 
     def _prefill_positions(self, st: _Speaking, talker_ids: torch.Tensor) -> torch.Tensor:
