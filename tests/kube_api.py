@@ -10,7 +10,7 @@ writes touch only status; main writes never touch it), server-side apply with fi
 across managers (tests/kube_fields.py: an apply that drops a field it alone owned removes it,
 conflicts are 409s unless forced) and the one default it matters for (a Deployment's
 `spec.replicas`: 1), equality label selectors on lists, and the garbage collector (deleting an
-owner deletes what it owns).
+owner deletes what it owns; what is created for an owner already gone is deleted at once).
 """
 
 from __future__ import annotations
@@ -104,7 +104,11 @@ class ApiServer(kmock.KubernetesEmulator):
                 self._requests[self._requests.index(request)] = served
             request = served
         response = await super()._handle(request)
-        if request.resource is not None and request.action == kmock.action.DELETE and request.name:
+        # The garbage collector: after a delete, and after a create, since an object created for
+        # an owner already gone (an operator's apply that raced the owner's deletion) is collected
+        # too: a real cluster's collector deletes any dependent whose owners are all absent.
+        deleted = request.action == kmock.action.DELETE and request.name
+        if request.resource is not None and (deleted or request.action == kmock.action.CREATE):
             await self._collect_garbage()
         return response
 

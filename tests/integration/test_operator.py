@@ -302,6 +302,21 @@ def test_delete_removes_children_and_leaves_no_finalizer(kube: Kube) -> None:
     wait_for(lambda: all(not names for names in children(kube, ns).values()), 30, "children gone")
 
 
+def test_a_child_applied_after_its_pipeline_was_deleted_is_collected(kube: Kube) -> None:
+    """A reconcile that read the pipeline just before it was deleted applies its children after:
+    created for an owner already gone, the cluster's garbage collector deletes them (the API
+    emulator does as it does), so deleting a pipeline never leaves pods running."""
+    owner = {"apiVersion": PIPELINE_API, "kind": "OmniPipeline", "name": "gone", "uid": "no-such-uid"}
+    body = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "late", "ownerReferences": [owner]},
+        "data": {"k": "v"},
+    }
+    kube.kind("v1", "ConfigMap").create(body=body, namespace="late")
+    assert kube.get("v1", "ConfigMap", "late", "late") is None
+
+
 def operator_metric(name: str, **labels: str) -> float:
     return metric(f"http://127.0.0.1:{METRICS_PORT}/metrics", name, **labels)
 
