@@ -279,11 +279,14 @@ def answer_until_it_speaks(ws: Any, tokens: int = LONG) -> None:
 
 
 def test_a_dropped_socket_aborts_its_response(base: str) -> None:
-    idle = gauges([base])
+    """Every stage lets go of the response, and the thinker of the session's sequence (which
+    the cancelled response left, and the session's end took back)."""
+    idle, kept = gauges([base]), kept_sequences(base)
     with connect(ws_url(base)) as ws:
         json.loads(ws.recv())
         answer_until_it_speaks(ws)
     settle([base], idle)
+    wait_for(lambda: kept_sequences(base) == kept, 10, "the session's sequence to be given up")
 
 
 def test_sessions_beyond_the_limit_are_refused_at_the_upgrade(base: str) -> None:
