@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -17,7 +18,7 @@ import gc
 import importlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -241,13 +242,20 @@ class ComputeEngine(Engine):
         except ValueError as exc:
             raise EngineError(f"stage '{self.stage.name}': engine.args.{exc}") from None
 
-    def _keep_after_step(self, keep: Callable[[], None]) -> None:
-        """Call `keep` on the event loop once the compute thread has ended the step it is in:
-        a request cancelled while its step ran keeps its sequence (`keep`) only then, whole.
-        (The batcher hands the thread its next batch only after the running one is answered,
-        so this comes right after it.)"""
-        done = asyncio.get_running_loop().run_in_executor(self._compute, time.monotonic)
-        done.add_done_callback(lambda f: None if f.cancelled() else keep())
+    @contextlib.contextmanager
+    def _keeping_if_cut(self, keep: Callable[[], None]) -> Iterator[None]:
+        """Around a request's steps: cut short (its task cancelled, a barge-in; or closed), it
+        calls `keep` on the event loop once the compute thread has ended the step in progress,
+        when the request's cache is whole again; `keep` says what, if anything, is kept. (The
+        batcher hands the thread its next batch only after the running one is answered, so
+        this comes right after it.)"""
+        try:
+            yield
+        except (asyncio.CancelledError, GeneratorExit):
+            with contextlib.suppress(RuntimeError):  # no loop: a generator finalized at exit
+                done = asyncio.get_running_loop().run_in_executor(self._compute, time.monotonic)
+                done.add_done_callback(lambda f: None if f.cancelled() else keep())
+            raise
 
     def _load(self) -> None:
         """Load the weights (on the compute thread): at start, and on waking from level 2."""

@@ -15,7 +15,7 @@ keeps none), the least recently used given up first, and each given up after `pr
 unused (default 300), when the gateway says the key's session closed, and when the replica
 sleeps. A sequence serves one request at a time: a request takes it, and puts back its own when
 it ends complete, or when it was cancelled (a barge-in), once the step it was in has ended on
-the compute thread (`ComputeEngine._keep_after_step`). A request that failed keeps nothing.
+the compute thread (`ComputeEngine._keeping_if_cut`). A request that failed keeps nothing.
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ class TransformersEngine(ComputeEngine):
         reply, tools, sampler = st.reply, st.tools, st.sampler
         assert sampler is not None  # set on the first call, above
         st.key = str(key) if key is not None and "request" in call.inputs else None
-        try:
+        with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             for i in range(budget):
                 step = _Step(st, feed_ids, feed_embeds, sampler)
                 choice, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
@@ -224,10 +224,6 @@ class TransformersEngine(ComputeEngine):
                 yield out if tools is None else tools.settle(out, done or i == budget - 1)
                 if done:
                     return
-        except (asyncio.CancelledError, GeneratorExit):  # a barge-in: what it made is kept
-            if st.key is not None and not st.kept and st.past is not None:
-                self._keep_after_step(lambda: self._keep(st))
-            raise
         if "request" in call.inputs:
             call.state.finish_reason = "length"
 
@@ -245,7 +241,7 @@ class TransformersEngine(ComputeEngine):
         return ids[:, n:]
 
     def _keep(self, st: _Decoding) -> None:
-        if st.key is None or self.prompt_caches is None or st.past is None:
+        if st.key is None or st.kept or st.past is None or self.prompt_caches is None:
             return
         st.kept = True
         # The last token sampled is not fed: not held.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import math
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
@@ -87,7 +86,7 @@ class Talker(Part):
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.kept(_Speaking)
-        try:
+        with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             self._take(st, call.inputs)
             budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
             if st.past is None:
@@ -123,17 +122,18 @@ class Talker(Part):
                 st.last_code = code
                 yield EngineOutput(units=1, data={"codes": torch.tensor([code])})
                 code = None
-        except (asyncio.CancelledError, GeneratorExit):  # a barge-in: what it made is kept
-            if st.key is not None and not st.kept and st.past is not None:
-                self._keep_after_step(lambda: self._keep(st))
-            raise
 
     def _keep(self, st: _Speaking) -> None:
         """The prompt's positions of the sequence, kept for the conversation's next turn."""
-        if st.key is None or st.kept or st.prompt_rows is None:
+        if (
+            st.key is None
+            or st.kept
+            or st.past is None
+            or st.prompt_rows is None
+            or self.prompt_caches is None
+        ):
             return
         st.kept = True
-        assert self.prompt_caches is not None
         self.prompt_caches.keep(st.key, Sequence.left([], st.past, [], {"fed": st.prompt_rows}))
 
     def _take(self, st: _Speaking, inputs: dict[str, Any]) -> None:

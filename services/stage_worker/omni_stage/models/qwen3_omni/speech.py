@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -135,7 +134,7 @@ class Qwen3Talker(Part):
         st = call.kept(_Speaking)
         self._take(st, call.inputs)
         budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
-        try:
+        with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             if st.past is None:
                 if st.prompt_ids is None or not st.reply:
                     return  # the prefill needs the first reply token's embedding, which comes with the second
@@ -161,17 +160,12 @@ class Qwen3Talker(Part):
                 st.code0, st.last_hidden = drawn.code0, drawn.hidden
                 st.step = k
                 st.residuals = None
-        except (asyncio.CancelledError, GeneratorExit):  # a barge-in: what it made is kept
-            if st.key is not None and not st.kept and st.past is not None:
-                self._keep_after_step(lambda: self._keep(st))
-            raise
 
     def _keep(self, st: _Speaking) -> None:
         """The user turns' positions of the sequence, kept for the conversation's next turn."""
-        if st.key is None or st.kept or st.user_rows is None:
+        if st.key is None or st.kept or st.past is None or st.user_rows is None or self.prompt_caches is None:
             return
         st.kept = True
-        assert self.prompt_caches is not None
         self.prompt_caches.keep(st.key, Sequence.left([], st.past, [], {"fed": st.user_rows}))
 
     def _take(self, st: _Speaking, inputs: dict[str, Any]) -> None:

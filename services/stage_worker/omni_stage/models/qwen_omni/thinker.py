@@ -116,7 +116,7 @@ class Thinker(Part):
         )
         text = ReplyText.for_request(self.tokenizer, call.sampling)
         feed = ids
-        try:
+        with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             for s in range(budget):
                 # Decode steps of concurrent requests run together; a prompt runs on its own.
                 step = _ThinkerStep(st, feed, sampler, prompt)
@@ -151,10 +151,6 @@ class Thinker(Part):
                 if done:
                     return
                 feed = torch.tensor([[tok]], device=self.device)
-        except (asyncio.CancelledError, GeneratorExit):  # a barge-in: what it made is kept
-            if keeping and not st.kept and st.past is not None:
-                self._keep_after_step(lambda: self._keep(st))
-            raise
         call.state.finish_reason = "length"
 
     def _reuse(self, call: EngineCall, st: _Cache, seq: Sequence | None, prompt: Prompt) -> None:
@@ -172,10 +168,10 @@ class Thinker(Part):
         self.prompt_caches.reused_tokens += n
 
     def _keep(self, st: _Cache) -> None:
-        assert st.key is not None and self.prompt_caches is not None
-        st.kept = True
-        if not st.embeds:  # cancelled before its prefill's rows came back: nothing to keep
+        # Cut short before its prefill's rows came back, it has nothing to keep.
+        if st.key is None or st.kept or st.past is None or not st.embeds or self.prompt_caches is None:
             return
+        st.kept = True
         rows = {  # in the model's dtype: what they were computed in, half the memory in bf16
             "embeds": torch.cat(st.embeds).to(self.dtype),
             "hidden": torch.cat(st.hidden).to(self.dtype),
