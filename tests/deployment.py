@@ -17,7 +17,15 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import OmniProcess, decode_wav, get_json, start_gateway, start_stage, wait_for
+from tests.helpers import (
+    SHM_SESSION,
+    OmniProcess,
+    decode_wav,
+    get_json,
+    start_gateway,
+    start_stage,
+    wait_for,
+)
 
 STREAMED: Final = "a streamed one"
 """What SteadyLoad's streaming workers ask, every time."""
@@ -66,7 +74,9 @@ def settle(gateways: list[str], idle: dict[str, dict[str, float]], timeout: floa
             p: {k: (v, now.get(p, {}).get(k)) for k, v in g.items() if now.get(p, {}).get(k) != v}
             for p, g in idle.items()
         }
-        raise AssertionError(f"still held after {timeout}s, (idle, now): {diff}") from None
+        # Which segments, by name (request, reader, owner): what a leak's cause is read from.
+        segments = sorted(p.name for p in Path("/dev/shm").glob(f"{SHM_SESSION}*") if "-@free-" not in p.name)
+        raise AssertionError(f"still held after {timeout}s, (idle, now): {diff}; shm: {segments}") from None
 
 
 @dataclass
