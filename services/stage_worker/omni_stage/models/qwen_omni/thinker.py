@@ -121,7 +121,7 @@ class Thinker(Part):
                 # Decode steps of concurrent requests run together; a prompt runs on its own.
                 step = _ThinkerStep(st, feed, sampler, prompt)
                 choice, embeds, hidden = await self.batcher.submit("decode" if s else object(), step)
-                if keeping:
+                if st.key is not None:
                     st.embeds.append(embeds[0])
                     st.hidden.append(hidden[0])
                 if s == 0:
@@ -143,7 +143,7 @@ class Thinker(Part):
                 )
                 done = ended or stopped
                 logprobs = [] if ended else token_logprobs(self.tokenizer, choice)
-                if keeping and (done or s == budget - 1):  # complete: kept for the key's next request
+                if st.key is not None and (done or s == budget - 1):  # complete: kept for its next turn
                     self._keep(st)
                 yield EngineOutput(
                     units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
