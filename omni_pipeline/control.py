@@ -333,6 +333,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     asleep: int | None = None
     """The sleep level it is at (or going to), None while awake: gateways route around it and
     answer 503 for the requests that need it."""
+    audio_ahead: bool = False
+    """Its engine encodes a live session's audio as it arrives (AudioInMsg), so a gateway sends
+    the audio ahead to the replica the session's responses are pinned to."""
     max_sleep_level: int | None = None
     """The deepest sleep its engine can do (see SleepMsg); None: it cannot be put to sleep."""
     ts: float = msgspec.field(default_factory=time.time)
@@ -365,6 +368,19 @@ class ForgetPromptMsg(msgspec.Struct, tag="forget_prompt", frozen=True):
     `prompt_cache_key` (its live session closed). Nothing answers."""
 
     key: str
+
+
+class AudioInMsg(msgspec.Struct, tag="audio_in", frozen=True):
+    """To the replica of the source stage a live session's next response will run on, whose
+    engine encodes audio ahead (`Heartbeat.audio_ahead`): a piece of the session's input audio
+    as it is appended, 16-bit little-endian mono PCM at `rate`, from sample `start` of the
+    turn (0 begins a turn). Keyed by the session's `prompt_cache_key`, which its responses
+    carry. Nothing answers: a replica that misses a piece only encodes less ahead."""
+
+    key: str
+    start: int
+    pcm: bytes
+    rate: int
 
 
 class SleepAck(msgspec.Struct, tag="sleep_ack", frozen=True):
@@ -415,7 +431,7 @@ class TokenizeReply(msgspec.Struct, tag="tokenized", frozen=True, omit_defaults=
 
 ControlInbound = SleepMsg | WakeMsg | ForgetPromptMsg
 TokenizeInbound = TokenizeMsg | DetokenizeMsg
-StageInbound = StageRequest | SegmentMsg | CreditMsg
+StageInbound = StageRequest | SegmentMsg | CreditMsg | AudioInMsg
 GatewayInbound = FinalMsg | ErrorMsg | StageDone
 
 

@@ -649,12 +649,137 @@ def test_audio_features_equal_the_processors_on_every_frame_the_encoder_reads(mo
     rng = np.random.default_rng(1)
     clips = [(0.3 * rng.standard_normal(n)).astype(np.float32) for n in (16037, 80000, 160, 1)]
     clips.append(np.zeros(24000, dtype=np.float32))
-    ours, kept = prompts._audio_features(clips)
+    ours, kept = prompts.audio_features(clips)
     out = reference_processor(model)(text="<|AUDIO|>" * len(clips), audio=clips, return_tensors="pt")
     theirs, their_kept = out["input_features"], out["feature_attention_mask"]
     assert kept.sum(-1).tolist() == their_kept.sum(-1).tolist() == [101, 500, 1, 1, 150]
     for i in range(len(clips)):
         assert torch.equal(ours[i][:, kept[i].bool()], theirs[i][:, their_kept[i].bool()]), i
+
+
+def _pcm16(seconds: float, loudness: Any) -> bytes:
+    """A 24 kHz 16-bit clip (a live session's format): a tone in noise whose amplitude is
+    `loudness` of the time in seconds."""
+    rng = np.random.default_rng(5)
+    t = np.arange(int(24000 * seconds)) / 24000
+    clip = loudness(t) * (np.sin(2 * np.pi * 330 * t) + 0.15 * rng.standard_normal(t.size))
+    return (np.clip(clip, -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def _spoken(pcm: bytes) -> dict[str, Any]:
+    """The clip as a committed turn reaches the thinker: a 16-bit WAV, then a question."""
+    wav = io.BytesIO()
+    soundfile.write(wav, np.frombuffer(pcm, "<i2"), 24000, format="WAV", subtype="PCM_16")
+    audio = {
+        "type": "input_audio",
+        "input_audio": {"data": base64.b64encode(wav.getvalue()).decode(), "format": "wav"},
+    }
+    return {"role": "user", "content": [audio, {"type": "text", "text": "And now?"}]}
+
+
+def test_the_audio_tower_encodes_window_by_window_what_it_encodes_whole(model: Path) -> None:
+    """Qwen2.5-Omni's audio tower attends within windows of `n_window * 2` feature frames (200
+    here): two clips (7.3 s and 2.51 s: whole windows, and a partial last one of an odd length)
+    encoded window by window, each window alone, give the rows `get_audio_features` gives the
+    clips whole, within float32 rounding (1e-5 of the largest value)."""
+    from omni_stage.models.qwen_omni.audio_windows import AudioWindows
+
+    async def go() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        (thinker,) = await started(engine("thinker", model))
+        prompts, m = thinker.prompts, thinker.model  # type: ignore[attr-defined]
+        rng = np.random.default_rng(2)
+        clips = [(0.3 * rng.standard_normal(int(16000 * s))).astype(np.float32) for s in (7.3, 2.51)]
+        feats, mask = prompts.audio_features(clips)
+        with torch.inference_mode():
+            whole = m.get_audio_features(feats, mask).last_hidden_state
+        w = AudioWindows(prompts, lambda: m.audio_tower, m.config.audio_config.n_window)
+        lengths = mask.sum(-1).tolist()
+        windows = [
+            feats[c, :, i : min(i + w.window, n)]
+            for c, n in enumerate(lengths)
+            for i in range(0, n, w.window)
+        ]
+        return whole, torch.cat(w.encode(windows)), [x.shape[-1] for x in windows]
+
+    whole, windowed, sizes = asyncio.run(go())
+    assert sizes == [200, 200, 200, 130, 200, 51]
+    assert windowed.shape == whole.shape
+    torch.testing.assert_close(windowed, whole, rtol=0, atol=1e-5 * float(whole.abs().max()))
+
+
+async def _speak_ahead(thinker: Engine, key: str, pcm: bytes) -> None:
+    """A session's audio reaching the thinker's replica as a gateway sends it: 100 ms pieces,
+    each given its turn on the event loop as pieces arriving over the socket get."""
+    assert thinker.audio_ahead is not None
+    for at in range(0, len(pcm), 4800):
+        thinker.audio_ahead.append(key, at // 2, pcm[at : at + 4800], 24000)
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize(
+    ("loudness", "ahead"),
+    [(lambda t: 0.3 + 0 * t, 2), (lambda t: 10 ** (t - 4.5), 0)],
+    ids=["steady", "louder and louder"],
+)
+def test_a_sessions_audio_encoded_as_it_arrives_answers_as_the_whole_prefill(
+    model: Path, loudness: Any, ahead: int
+) -> None:
+    """A 5 s turn (500 feature frames: two whole windows and a partial one) sent ahead in
+    100 ms pieces of 24 kHz PCM16, then asked with the session's key: the thinker takes the
+    windows encoded as they arrived and encodes only the last, and answers token for token as
+    the same request with no key (the whole prefill, which the tests above hold to the
+    reference). A voice growing from a whisper to its loudest at the end (by 100 dB) moves the
+    features' floor (the loudest frame's, less 80 dB) after each window was encoded: none
+    encoded ahead equals the request's, so all are encoded then, and the answer is still the
+    same. Nothing is left held for the session afterwards."""
+    pcm = _pcm16(5.0, loudness)
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any], int, int, int]:
+        thinker, talker = await started(engine("thinker", model), engine("talker", model))
+        a = thinker.audio_ahead
+        assert a is not None
+        await _speak_ahead(thinker, "s", pcm)
+        assert len(a) == 1
+        key = {"prompt_cache_key": "s"}
+        asked = await run_pipeline(model, "Ethan", 4, [_spoken(pcm)], thinker, None, key, talker)
+        whole = await run_pipeline(model, "Ethan", 4, [_spoken(pcm)], thinker, None, talker=talker)
+        return asked, whole, a.windows_ahead, a.windows_late, len(a)
+
+    asked, whole, windows_ahead, windows_late, held = asyncio.run(go())
+    assert (windows_ahead, windows_late) == (ahead, 3 - ahead)
+    assert held == 0
+    assert asked["tokens"].tolist() == whole["tokens"].tolist()
+    assert asked["codes"].tolist() == whole["codes"].tolist()
+
+
+def test_audio_ahead_is_bounded_and_freed(model: Path) -> None:
+    """Sessions beyond `audioAheadStreams` give up the least recently heard; a piece that does
+    not follow the last ends its turn's work ahead; a closed session (forget) and a sleep free
+    what they held; a replica with `audioAhead: false` encodes nothing ahead."""
+
+    async def go() -> None:
+        (thinker,) = await started(engine("thinker", model, audioAheadStreams=2))
+        a = thinker.audio_ahead
+        assert a is not None
+        pcm = _pcm16(2.5, lambda t: 0.3 + 0 * t)
+        for key in ("a", "b", "c"):
+            await _speak_ahead(thinker, key, pcm)
+        assert len(a) == 2 and await a.take("a") == {}
+        assert len(await a.take("b")) == 1
+        a.append("c", 0, pcm[:4800], 24000)
+        a.append("c", 9999, pcm[4800:9600], 24000)  # a piece was lost: nothing more of it is encoded
+        for at in range(9600, len(pcm), 4800):
+            a.append("c", at // 2, pcm[at : at + 4800], 24000)
+        assert await a.take("c") == {}
+        await _speak_ahead(thinker, "d", pcm)
+        a.forget("d")
+        await _speak_ahead(thinker, "e", pcm)
+        await thinker.sleep(1)
+        assert len(a) == 0
+        (off,) = await started(engine("thinker", model, audioAhead=False))
+        assert off.audio_ahead is None
+
+    asyncio.run(go())
 
 
 @pytest.mark.parametrize(

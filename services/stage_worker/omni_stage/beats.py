@@ -107,6 +107,7 @@ class Beats:
             tokenizes=self.book.is_source and self.engine.prompt_tokenizer() is not None,
             asleep=self.book.asleep,
             max_sleep_level=self.engine.max_sleep_level,
+            audio_ahead=self.book.is_source and self.engine.audio_ahead is not None,
         )
         await self.outbox.broadcast(self.subjects.heartbeat, hb)
 
@@ -123,8 +124,9 @@ class Beats:
             await asyncio.sleep(HEARTBEAT_INTERVAL_S)
             for rid in self.book.ledger.expire(time.time(), keep=self.book.requests):
                 log.info("stage %s: request %s: its unread output expired", self.book.spec.name, rid)
-            if self.engine.prompt_caches is not None:
-                self.engine.prompt_caches.expire()
+            for held in (self.engine.prompt_caches, self.engine.audio_ahead):
+                if held is not None:
+                    held.expire()
             # Beside the I/O thread, as health checks are: neither waits behind a hung transfer.
             await asyncio.to_thread(reclaim_unread, list(self.used), self.pipeline)
             await self.transfers.call(
@@ -180,3 +182,6 @@ class Beats:
         if (caches := self.engine.prompt_caches) is not None:
             m.prompt_caches.set(len(caches))
             m.follow(m.prompt_cache_reused, caches.reused_tokens, "prompt-cache-reused")
+        if (ahead := self.engine.audio_ahead) is not None:
+            m.audio_ahead.set(len(ahead))
+            m.audio_windows_encoded(ahead.windows_ahead, ahead.windows_late)

@@ -152,12 +152,26 @@ class StageMetrics:
             labels.keys(),
             registry=r,
         ).labels(**labels)
+        self.audio_ahead = gauge(
+            "omni_engine_audio_ahead_sessions", "Live sessions whose audio is encoded as it arrives"
+        )
+        self.audio_windows = Counter(
+            "omni_engine_audio_windows",
+            "Windows of a request's audio the encoder ran: ahead, as the audio arrived, or late, "
+            "when the request came",
+            [*labels.keys(), "encoded"],
+            registry=r,
+        )
         self.resources = ResourceGauges(r, labels)
         self._labels = labels
 
     def weights_held(self, by_device: dict[str, int]) -> None:
         for device in ("cpu", "cuda", *by_device):
             self.weight_bytes.labels(**self._labels, device=device).set(by_device.get(device, 0))
+
+    def audio_windows_encoded(self, ahead: int, late: int) -> None:
+        for when, total in (("ahead", ahead), ("late", late)):
+            self.follow(self.audio_windows.labels(**self._labels, encoded=when), total, f"audio-{when}")
 
     def follow(self, counter: Any, total: float, key: str) -> None:
         """Advance `counter` to a total the process keeps itself (never back)."""

@@ -31,6 +31,7 @@ from omni_pipeline.connectors import ConnectorError, build_connectors, check_req
 from omni_pipeline.control import (
     AbortMsg,
     Admitted,
+    AudioInMsg,
     ControlInbound,
     CreditMsg,
     ErrorCode,
@@ -222,8 +223,9 @@ class StageWorker:
             log.warning("stage %s: refused a control message: %s", self.spec.name, exc)
             return
         if isinstance(m, ForgetPromptMsg):
-            if self.engine.prompt_caches is not None:
-                self.engine.prompt_caches.forget(m.key)
+            for held in (self.engine.prompt_caches, self.engine.audio_ahead):
+                if held is not None:
+                    held.forget(m.key)
         elif self.spec.name in m.stages:
             self.sleep.spawn(
                 self.sleep.sleep(m.level, m.mode) if isinstance(m, SleepMsg) else self.sleep.wake(), msg.reply
@@ -231,11 +233,16 @@ class StageWorker:
 
     async def _on_inbound(self, msg: Msg) -> None:
         try:
-            m: Inbound | CreditMsg = unpack(msg.data, StageInbound)
-            check_request_id(m.request_id if isinstance(m, CreditMsg) else m.ctx.request_id)
+            m: Inbound | CreditMsg | AudioInMsg = unpack(msg.data, StageInbound)
+            if not isinstance(m, AudioInMsg):
+                check_request_id(m.request_id if isinstance(m, CreditMsg) else m.ctx.request_id)
         except (wire.WireError, ConnectorError) as exc:
             log.warning("stage %s: refused a message on %s: %s", self.spec.name, msg.subject, exc)
             self.metrics.outcome("refused")
+            return
+        if isinstance(m, AudioInMsg):
+            if self.engine.audio_ahead is not None:
+                self.engine.audio_ahead.append(m.key, m.start, m.pcm, m.rate)
             return
         if isinstance(m, CreditMsg):
             self.book.credit_back(m.request_id, m.consumer, m.chunks)

@@ -27,6 +27,9 @@ import torch
 
 from omni_pipeline.control import PromptLogprobs
 from omni_pipeline.spec import StageSpec
+from omni_stage.engines.audio_ahead import DEFAULT_SECONDS as AHEAD_SECONDS
+from omni_stage.engines.audio_ahead import DEFAULT_STREAMS as AHEAD_STREAMS
+from omni_stage.engines.audio_ahead import AudioAhead, WindowEncoder
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.prompt_cache import DEFAULT_CAPACITY, DEFAULT_IDLE_S, PromptCaches
 from omni_stage.payload import Payload
@@ -108,6 +111,10 @@ class Engine(ABC):
     prompt_caches: PromptCaches | None = None
     """The conversations' sequences kept between requests (`prompt_cache_key`), where the engine
     keeps them (prompt_cache.py); given up on sleep and when a key's session closes."""
+
+    audio_ahead: AudioAhead | None = None
+    """Live sessions' audio, encoded as it arrives (audio_ahead.py), where the engine can: its
+    requests take the windows encoded ahead. Given up on sleep and when a session closes."""
 
     max_sleep_level: int = 2
     """The deepest sleep this engine can do, in vLLM's levels: 0 frees nothing (the replica only
@@ -242,6 +249,23 @@ class ComputeEngine(Engine):
         except ValueError as exc:
             raise EngineError(f"stage '{self.stage.name}': engine.args.{exc}") from None
 
+    def _audio_ahead(self, encoder: WindowEncoder) -> AudioAhead | None:
+        """Live sessions' audio encoded as it arrives with `encoder`, bounded by the engine's
+        arguments `audioAheadStreams`, `audioAheadSeconds` and `promptCacheIdleS`; None where
+        `audioAhead: false` turns it off."""
+        if not self.args.get("audioAhead", True):
+            return None
+        try:
+            return AudioAhead(
+                encoder,
+                self._run,
+                int(self.args.get("audioAheadStreams", AHEAD_STREAMS)),
+                float(self.args.get("audioAheadSeconds", AHEAD_SECONDS)),
+                float(self.args.get("promptCacheIdleS", DEFAULT_IDLE_S)),
+            )
+        except ValueError as exc:
+            raise EngineError(f"stage '{self.stage.name}': engine.args.{exc}") from None
+
     @contextlib.contextmanager
     def _keeping_if_cut(self, keep: Callable[[], None]) -> Iterator[None]:
         """Around a request's steps: cut short (its task cancelled, a barge-in; or closed), it
@@ -262,8 +286,9 @@ class ComputeEngine(Engine):
         raise NotImplementedError
 
     async def sleep(self, level: int) -> None:
-        if self.prompt_caches is not None:
-            self.prompt_caches.clear()
+        for held in (self.prompt_caches, self.audio_ahead):
+            if held is not None:
+                held.clear()
         if level >= 1:  # on the compute thread: no forward is using the weights meanwhile
             await self._run(self._release_weights, level)
 

@@ -37,7 +37,7 @@ class Qwen3Prompts(Prompts):
 
         return _get_feat_extract_output_lengths(lengths, self.n_window).tolist()
 
-    def _audio_features(self, audios: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    def audio_features(self, audios: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """As the processor calls the feature extractor: padded to the longest clip, whole."""
         fe = self.features
         out = fe(
@@ -58,6 +58,7 @@ class Qwen3Thinker(Thinker):
     model_name = "Qwen3-Omni"
     prompts_class = Qwen3Prompts
     sends_reply_hidden = False
+    windowed_audio = False  # its audio tower attends across n_window_infer frames, not one window
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen3OmniMoeThinkerForConditionalGeneration

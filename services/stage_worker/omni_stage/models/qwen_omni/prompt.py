@@ -2,7 +2,7 @@
 and the features its encoders read, as `Qwen2_5OmniProcessor` builds them.
 
 The processor's parts are loaded the way it loads them: the checkpoint's Whisper feature
-extractor (16 kHz; the features of its 300 s window, with the mask, see `_audio_features`),
+extractor (16 kHz; the features of its 300 s window, with the mask, see `audio_features`),
 its Qwen2-VL image processor
 (`AutoImageProcessor`, the backend transformers picks) and its video processor
 (`AutoVideoProcessor`), and its placeholder expansion is done here: each `<|AUDIO|>` becomes
@@ -389,7 +389,7 @@ class Prompts:
         features: dict[str, torch.Tensor] = {}
         lengths = per_grid = None
         if chat.audios:
-            features["input_features"], features["feature_attention_mask"] = self._audio_features(chat.audios)
+            features["input_features"], features["feature_attention_mask"] = self.audio_features(chat.audios)
             lengths = features["feature_attention_mask"].sum(-1)
         if chat.images:
             out = self.images(images=chat.images, return_tensors="pt", **extra)
@@ -404,7 +404,7 @@ class Prompts:
         layout = Layout(lengths, features.get("image_grid_thw"), features.get("video_grid_thw"), per_grid)
         return EncoderInputs(features, layout)
 
-    def _audio_features(self, audios: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+    def audio_features(self, audios: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """The log-mel features and their frame mask, equal on every frame the mask keeps to what
         the model's processor computes (`padding="max_length"`: each clip padded with zeros to
         the extractor's 300 s window, ~180 ms of work a clip here whatever its length), but

@@ -25,6 +25,7 @@ from omni_stage.engines.prompts import check_context
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
 from omni_stage.engines.structured import JsonGrammars
+from omni_stage.models.qwen_omni.audio_windows import AudioWindows
 from omni_stage.models.qwen_omni.parts import (
     Part,
 )
@@ -43,6 +44,9 @@ class Thinker(Part):
     """The layer whose hidden states the talker reads (-1: the last, normed)."""
     sends_reply_hidden = True
     """Whether the talker reads each reply token's hidden state, or only its embedding."""
+    windowed_audio = True
+    """Whether its audio tower's windows are independent, so a live session's audio is encoded
+    window by window as it arrives (audio_windows.py)."""
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -75,6 +79,13 @@ class Thinker(Part):
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if "response_format" in self.honours:
             self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
+        if self.windowed_audio:
+            n_window = int(self.config.thinker_config.audio_config.n_window)
+            windows = AudioWindows(self.prompts, lambda: self.model.audio_tower, n_window)
+            if self.audio_ahead is None:
+                self.audio_ahead = self._audio_ahead(windows)
+            else:  # loaded again (a wake): the same sessions, the new model's parts
+                self.audio_ahead.encoder = windows
 
     def prompt_tokenizer(self) -> tuple[Any, int] | None:
         return self.tokenizer, int(self.config.thinker_config.text_config.max_position_embeddings)
@@ -92,6 +103,8 @@ class Thinker(Part):
         call.state.prompt_tokens = int(ids.shape[1])
         st.tokens = ids[0].tolist()
         key = call.sampling.get("prompt_cache_key")
+        if key is not None and self.audio_ahead is not None:
+            st.ahead = await self.audio_ahead.take(str(key))
         keeping = (
             key is not None and self.prompt_caches.capacity > 0 and "prompt_logprobs" not in call.sampling
         )
@@ -244,6 +257,9 @@ class Thinker(Part):
                 inputs = {"input_ids": ids}
             if prompt.embeds is not None:
                 inputs = self._media_inputs(ids, prompt.embeds)
+            elif st.ahead and "input_features" in prompt.features:
+                inputs = self._with_audio_ahead(ids, prompt, st.ahead)
+                st.ahead = {}
             else:
                 inputs |= prompt.features
         else:
@@ -267,6 +283,18 @@ class Thinker(Part):
             # but not the media's features: zeros there, as the reference hands it
             embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
         return choice, embeds, out.hidden_states[self.talker_layer].float().cpu()
+
+    def _with_audio_ahead(
+        self, ids: torch.Tensor, prompt: Prompt, ahead: dict[bytes, torch.Tensor]
+    ) -> dict[str, Any]:
+        """The prefill's inputs with its audio encoded window by window, taking the windows a
+        live session's audio was encoded into ahead where they are equal; the other media's
+        features as they are (the model's forward encodes those)."""
+        assert self.audio_ahead is not None
+        others = dict(prompt.features)
+        feats, mask = others.pop("input_features"), others.pop("feature_attention_mask")
+        rows = self.audio_ahead.encoded(feats, mask.sum(-1).tolist(), ahead)
+        return self._media_inputs(ids, MediaEmbeds(rows, None, None, prompt.layout)) | others
 
     def _media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
         """The prefill's inputs with an encoder stage's outputs in place of the media: the
@@ -295,6 +323,8 @@ class _Cache:
     """Positions a kept sequence held: the prefill computes those after."""
     key: str | None = None
     """The conversation's `prompt_cache_key`, where its sequence is kept."""
+    ahead: dict[bytes, torch.Tensor] = field(default_factory=dict)
+    """Its live session's audio windows encoded as they arrived, by digest, until the prefill."""
     kept: bool = False
     tokens: list[int] = field(default_factory=list)
     media: list[MediaSpan] = field(default_factory=list)
