@@ -167,10 +167,14 @@ def user_says(text: str) -> dict[str, Any]:
 def test_a_spoken_turn_over_the_realtime_api(base: str) -> None:
     """The Realtime acceptance, through the openai SDK: a turn of audio appended in 100 ms pieces
     and committed is heard as the chat endpoint hears the same audio (the same text; speech in
-    deltas), a bad event is an error after which the session goes on, a second turn is
+    deltas), though the thinker encoded its two whole windows (2 s each) as they arrived and only
+    the last part at the commit; a bad event is an error after which the session goes on, a second turn is
     answered (as the chat endpoint answers the conversation, though its prefill reused the first
     turn's sequence), and a response cancelled after its first audio ends `cancelled`."""
-    pcm = spoken_turn(2.0)
+    pcm = spoken_turn(5.0)
+    windows = "omni_engine_audio_windows_total"
+    ahead = replica_metric(base, "thinker", windows, encoded="ahead")
+    late = replica_metric(base, "thinker", windows, encoded="late")
     with client(base).realtime.connect(model="qwen2.5-omni") as conn:
         assert conn.recv().type == "session.created"
         voice = {
@@ -195,6 +199,8 @@ def test_a_spoken_turn_over_the_realtime_api(base: str) -> None:
             "role": "user",
             "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}],
         }
+        assert replica_metric(base, "thinker", windows, encoded="ahead") - ahead == 2
+        assert replica_metric(base, "thinker", windows, encoded="late") - late == 1
         assert transcript == ask(base, messages=[heard]).choices[0].message.content
 
         conn.send({"type": "input_audio_buffer.append", "audio": "not base64!", "event_id": "bad"})

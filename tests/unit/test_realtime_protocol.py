@@ -86,6 +86,24 @@ def test_the_buffer_keeps_positions_of_all_the_audio_appended() -> None:
     assert full.value.code == "input_audio_buffer_full"
 
 
+def test_the_buffer_sends_each_turns_audio_ahead_once_from_its_start() -> None:
+    """What goes ahead to be encoded: each piece once, at its place in the turn; once the
+    buffer's start moves (VAD's trim, a commit, a clear), its turn is sent anew from 0."""
+    buf = AudioBuffer(max_bytes=BYTES_PER_MS * 1000)
+    buf.append(b"\x01\x00" * 10)
+    assert buf.unsent() == (0, b"\x01\x00" * 10)
+    assert buf.unsent() == (20, b"")
+    buf.append(b"\x02\x00" * 5)
+    assert buf.unsent() == (20, b"\x02\x00" * 5)
+    buf.append(bytes(BYTES_PER_MS * 100))
+    buf.keep_from(100)  # the turn now begins later: all it holds is unsent
+    assert buf.unsent() == (0, bytes(buf.size))
+    buf.append(b"\x03\x00")
+    buf.take()
+    buf.append(b"\x04\x00")
+    assert buf.unsent() == (0, b"\x04\x00")
+
+
 def test_items_go_where_the_client_puts_them_and_read_as_a_chat() -> None:
     chat = Conversation()
     a = ConversationItem("user", [Part("input_text", text="first")], id="a")

@@ -145,6 +145,10 @@ class Attempts:
                 span.set_status(StatusCode.ERROR, reason)
             span.end()
 
+    def pin(self, key: str, stage: str, instance: str) -> None:
+        """The key's next request runs its `stage` on `instance` (where it has room)."""
+        self._pin(key, self.pinned.get(key, {}) | {stage: instance})
+
     def _pin(self, key: str, route: dict[str, str]) -> None:
         self.pinned.pop(key, None)
         self.pinned[key] = route

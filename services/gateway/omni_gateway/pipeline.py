@@ -43,6 +43,7 @@ from omni_pipeline import wire
 from omni_pipeline.connectors import build_connectors
 from omni_pipeline.connectors.offload import OffLoop
 from omni_pipeline.control import (
+    AudioInMsg,
     DetokenizeMsg,
     ErrorCode,
     ForgetPromptMsg,
@@ -123,6 +124,22 @@ class Pipeline:
         if self.bus.nc is not None and self.bus.connected:
             with contextlib.suppress(nats.errors.Error):
                 await self.bus.nc.publish(self.bus.subjects.control, pack(ForgetPromptMsg(key)))
+
+    async def audio_in(self, key: str, start: int, pcm: bytes, rate: int) -> None:
+        """A piece of a live session's audio, sent ahead to the replica of the source stage that
+        encodes it as it arrives (and the session is pinned to it, so its response runs there;
+        docs/realtime.md); nothing where no stage does. From sample `start` of the turn: 0
+        begins one. Best effort: a piece not sent is encoded when the response comes."""
+        stage = next((s for s in self.attempts.sources if self.bus.table.encodes_audio_ahead(s)), None)
+        if stage is None or self.bus.nc is None or not self.bus.connected:
+            return
+        replica = self.bus.table.choose(stage, self.attempts.pinned.get(key, {}).get(stage))
+        if replica is None:
+            return
+        self.attempts.pin(key, stage, replica.hb.instance)
+        subject = self.bus.subjects.stage_inbox(stage, replica.hb.replica)
+        with contextlib.suppress(nats.errors.Error):
+            await self.bus.nc.publish(subject, pack(AudioInMsg(key, start, pcm, rate)))
 
     # --- pre-flight --------------------------------------------------------------------------
 

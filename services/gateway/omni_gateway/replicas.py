@@ -129,14 +129,19 @@ class ReplicaTable:
             sick = sorted({r.hb.unhealthy for r in known if r.hb.unhealthy and not r.hb.draining})
             why = f" (unhealthy: {'; '.join(sick)})" if sick else ""
             raise Unavailable(f"stage '{stage}' has no live replica{why}", headers={"Retry-After": "1"})
-        open_ = [r for r in live if r.room]
-        if not open_:
+        best = self.choose(stage, prefer)
+        if best is None:
             raise Overloaded(f"every replica of stage '{stage}' is full", headers={"Retry-After": "1"})
-        best = next((r for r in open_ if r.hb.instance == prefer), None) or min(
-            open_, key=lambda r: (r.load / max(1, r.hb.capacity), r.hb.replica)
-        )
         best.ours += 1
         return best
+
+    def choose(self, stage: str, prefer: str | None = None) -> Replica | None:
+        """The replica `pick` would pick now, without taking a slot of it; None if none would
+        do (none serving with room)."""
+        open_ = [r for r in self._by_stage.get(stage, {}).values() if r.serving and r.room]
+        return next((r for r in open_ if r.hb.instance == prefer), None) or min(
+            open_, key=lambda r: (r.load / max(1, r.hb.capacity), r.hb.replica), default=None
+        )
 
     def sick(self, stage: str) -> bool:
         """Every replica of `stage` that is not draining says it is unhealthy (and one does)."""
@@ -164,6 +169,10 @@ class ReplicaTable:
             if (declared := getattr(r.hb, what)) is not None:
                 return frozenset(declared)
         return None
+
+    def encodes_audio_ahead(self, stage: str) -> bool:
+        """Whether the stage's replicas encode a live session's audio as it arrives."""
+        return any(r.hb.audio_ahead for r in self._by_stage.get(stage, {}).values())
 
     def tokenizes(self, stage: str) -> bool | None:
         """Whether the stage answers /tokenize, as its replicas declare it; None while none has."""

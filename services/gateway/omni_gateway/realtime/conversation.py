@@ -158,6 +158,8 @@ class AudioBuffer:
         self._pcm = bytearray()
         self._start = 0
         """Where the buffer begins, in bytes of all the audio appended."""
+        self._sent_from, self._sent = -1, 0
+        """Where the buffer began when its audio was last sent ahead, and how much of it was."""
 
     @property
     def size(self) -> int:
@@ -194,6 +196,15 @@ class AudioBuffer:
 
     def clear(self) -> None:
         self.take()
+
+    def unsent(self) -> tuple[int, bytes]:
+        """The audio not yet sent ahead to be encoded (RealtimeSession._send_ahead), and where
+        in the buffer it begins (bytes), now marked sent. Once the buffer's start moves (a
+        commit, a clear, VAD's trim), all of it is unsent again: its turn begins anew."""
+        if self._sent_from != self._start:
+            self._sent_from, self._sent = self._start, 0
+        at, self._sent = self._sent, len(self._pcm)
+        return at, bytes(self._pcm[at:])
 
     def _offset(self, ms: int) -> int:
         return min(max(ms * BYTES_PER_MS - self._start, 0), len(self._pcm)) // 2 * 2

@@ -32,6 +32,7 @@ from omni_gateway.realtime.conversation import (
 )
 from omni_gateway.realtime.protocol import (
     PCM_FORMAT,
+    PCM_RATE,
     AudioAppend,
     AudioClear,
     AudioCommit,
@@ -253,6 +254,7 @@ class RealtimeSession:
             await self._speech_stopped(self.buffer.end_ms)
         self.buffer.append(pcm)
         if self.detector is None:
+            await self._send_ahead()
             return
         for mark in await asyncio.to_thread(self.detector.feed, pcm):
             if isinstance(mark, SpeechStarted):
@@ -261,6 +263,17 @@ class RealtimeSession:
                 await self._speech_stopped(mark.at_ms)
         if not self.detector.speaking:  # keep only what may pad the next turn's start
             self.buffer.keep_from(self.buffer.end_ms - self.detector.settings.prefix_padding_ms)
+        await self._send_ahead()
+
+    async def _send_ahead(self) -> None:
+        """The turn's audio not sent yet, ahead to the replica that encodes it as it arrives
+        (Pipeline.audio_in): each append with manual turns, and with VAD while it hears speech
+        (from the turn's padding on)."""
+        if self.detector is not None and not self.detector.speaking:
+            return
+        at, pcm = self.buffer.unsent()
+        if pcm:
+            await self.pipeline.audio_in(self.id, at // 2, pcm, PCM_RATE)
 
     async def _speech_started(self, at_ms: int) -> None:
         assert self.detector is not None
