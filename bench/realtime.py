@@ -1,14 +1,17 @@
 """realtime: live sessions (WS /v1/realtime) on Qwen2.5-Omni (examples/qwen2.5-omni.yaml, the tiny
 checkpoint, this CPU), measured as a voice client feels them.
 
-Each turn is a user's audio (a tone in noise, 24 kHz PCM16) appended in 100 ms pieces and
-committed by hand (turn_detection null), then `response.create` for a short spoken answer
-(THINKER_TOKENS tokens, voice Ethan). First audio is the time from the commit (the end of
-speech) to the first `response.output_audio.delta`.
+Each turn is a user's audio (a tone in noise, 24 kHz PCM16) appended in 100 ms pieces as it
+is spoken (one every 100 ms; --quick sends them at once) and committed by hand
+(turn_detection null), then `response.create` for a short spoken answer (THINKER_TOKENS
+tokens, voice Ethan). First audio is the time from the commit (the end of speech) to the first
+`response.output_audio.delta`.
 
 Ratios, each against a baseline measured in the same run:
 - first_audio_10s_vs_2s: median first audio after a 10 s utterance over after a 2 s one, each on
-  a fresh session (issue 38's goal <= 1.3: little work left at the end of speech).
+  a fresh session (issue 38's goal <= 1.3: little work left at the end of speech, the audio
+  encoded as it arrived); and, in a full run, the same with the thinker's `audioAhead: false`
+  (first_audio_10s_vs_2s_not_ahead: all of it encoded at the commit).
 - first_audio_turn5_vs_turn1: median first audio at the fifth turn of a session over the first
   (2 s utterances; goal <= 1.3: the conversation's earlier turns are not prefilled again).
 And, as figures: each turn's prompt tokens and those the thinker reused of the turn before
@@ -69,10 +72,13 @@ async def _until(ws: ClientConnection, kind: str) -> dict[str, Any]:
     return event
 
 
-async def turn(ws: ClientConnection, pcm: bytes, cancel: bool = False) -> dict[str, float]:
+async def turn(ws: ClientConnection, pcm: bytes, paced: bool, cancel: bool = False) -> dict[str, float]:
     """One spoken turn: first audio after the commit, in ms (and, cancelling at the first audio,
-    how long the cancel took)."""
+    how long the cancel took). `paced`: each piece when it has been spoken, as a microphone's."""
+    start = time.perf_counter()
     for at in range(0, len(pcm), PIECE):
+        if paced:
+            await asyncio.sleep(max(0.0, start + at / (2 * 24000) - time.perf_counter()))
         piece = base64.b64encode(pcm[at : at + PIECE]).decode()
         await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": piece}))
     t0 = time.perf_counter()
@@ -96,16 +102,16 @@ async def turn(ws: ClientConnection, pcm: bytes, cancel: bool = False) -> dict[s
     return figures
 
 
-async def by_length(base: str, seconds: float, n: int) -> float:
+async def by_length(base: str, seconds: float, n: int, paced: bool) -> float:
     firsts = []
     for i in range(n):
         ws = await session(base)
-        firsts.append((await turn(ws, utterance(seconds, i)))["first_audio_ms"])
+        firsts.append((await turn(ws, utterance(seconds, i), paced))["first_audio_ms"])
         await ws.close()
     return round(median(firsts), 1)
 
 
-async def by_turn(base: str, n: int) -> tuple[list[float], list[str]]:
+async def by_turn(base: str, n: int, paced: bool) -> tuple[list[float], list[str]]:
     """Median first audio at each turn of a session, and each turn's prompt: `cached/input`
     tokens (what the thinker reused of the turn before, of what the prompt holds)."""
     per_turn: list[list[float]] = [[] for _ in range(TURNS)]
@@ -113,7 +119,7 @@ async def by_turn(base: str, n: int) -> tuple[list[float], list[str]]:
     for _ in range(n):
         ws = await session(base)
         for t in range(TURNS):
-            figures = await turn(ws, utterance(2.0, t))
+            figures = await turn(ws, utterance(2.0, t), paced)
             per_turn[t].append(figures["first_audio_ms"])
             prompts[t] = f"{figures['cached_tokens']:.0f}/{figures['input_tokens']:.0f}"
         await ws.close()
@@ -122,7 +128,7 @@ async def by_turn(base: str, n: int) -> tuple[list[float], list[str]]:
 
 async def cancels(base: str, n: int) -> float:
     ws = await session(base)
-    took = [(await turn(ws, utterance(2.0, i), cancel=True))["cancel_ms"] for i in range(n)]
+    took = [(await turn(ws, utterance(2.0, i), False, cancel=True))["cancel_ms"] for i in range(n)]
     await ws.close()
     return round(median(took), 1)
 
@@ -130,12 +136,13 @@ async def cancels(base: str, n: int) -> float:
 def plot(result: dict[str, Any], path: Any) -> None:
     runs = result["runs"]
     fig, (by_len, by_t) = figure(2)
-    bars(
-        by_len,
-        ["2 s", "10 s"],
-        {"first audio": [runs["first_audio_2s_ms"], runs["first_audio_10s_ms"]]},
-        "ms",
-    )
+    series = {"audio encoded as it arrives": [runs["first_audio_2s_ms"], runs["first_audio_10s_ms"]]}
+    if "first_audio_10s_not_ahead_ms" in runs:
+        series["all of it at the commit"] = [
+            runs["first_audio_2s_not_ahead_ms"],
+            runs["first_audio_10s_not_ahead_ms"],
+        ]
+    bars(by_len, ["2 s", "10 s"], series, "ms")
     by_len.set_title("End of speech to first audio, by utterance")
     turns = [f"turn {i + 1}" for i in range(TURNS)]
     bars(by_t, turns, {"first audio": runs["first_audio_by_turn_ms"]}, "ms")
@@ -145,37 +152,57 @@ def plot(result: dict[str, Any], path: Any) -> None:
     save(fig, path)
 
 
+def not_ahead() -> dict[str, Any]:
+    """The pipeline with its thinker encoding no audio ahead: all of a turn at its commit."""
+    spec = pipeline()
+    thinker = next(s for s in spec["stages"] if s["name"] == "thinker")
+    thinker["engine"]["args"]["audioAhead"] = False
+    return spec
+
+
+async def by_lengths(base: str, n: int, paced: bool) -> dict[str, float]:
+    await by_length(base, 2.0, 1, False)  # warm: the first request sets up what every later one uses
+    return {
+        "first_audio_2s_ms": await by_length(base, 2.0, n, paced),
+        "first_audio_10s_ms": await by_length(base, 10.0, n, paced),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
     n = rounds(ROUNDS, args)
-    with demo_models() as cwd, served("bench", pipeline(), cwd=cwd) as base:
+    paced = not args.quick
+    with demo_models() as cwd:
+        with served("bench", pipeline(), cwd=cwd) as base:
 
-        async def measure() -> dict[str, Any]:
-            await by_length(base, 2.0, 1)  # warm: the first request sets up what every later one uses
-            return {
-                "first_audio_2s_ms": await by_length(base, 2.0, n),
-                "first_audio_10s_ms": await by_length(base, 10.0, n),
-                **dict(
-                    zip(
-                        ("first_audio_by_turn_ms", "cached_of_input_tokens_by_turn"),
-                        await by_turn(base, n),
-                        strict=True,
-                    )
-                ),
-                "cancel_ms": await cancels(base, n),
-            }
+            async def measure() -> dict[str, Any]:
+                return {
+                    **await by_lengths(base, n, paced),
+                    **dict(
+                        zip(
+                            ("first_audio_by_turn_ms", "cached_of_input_tokens_by_turn"),
+                            await by_turn(base, n, paced),
+                            strict=True,
+                        )
+                    ),
+                    "cancel_ms": await cancels(base, n),
+                }
 
-        runs = asyncio.run(measure())
+            runs = asyncio.run(measure())
+        if not args.quick:
+            with served("bench", not_ahead(), cwd=cwd) as base:
+                off = asyncio.run(by_lengths(base, n, paced))
+            runs |= {f"{k[:-3]}_not_ahead_ms": v for k, v in off.items()}
     by = runs["first_audio_by_turn_ms"]
-    result = {
-        "benchmark": "realtime",
-        "machine": machine(),
-        "runs": runs,
-        "ratios": {
-            "first_audio_10s_vs_2s": round(runs["first_audio_10s_ms"] / runs["first_audio_2s_ms"], 3),
-            "first_audio_turn5_vs_turn1": round(by[-1] / by[0], 3),
-        },
+    ratios = {
+        "first_audio_10s_vs_2s": round(runs["first_audio_10s_ms"] / runs["first_audio_2s_ms"], 3),
+        "first_audio_turn5_vs_turn1": round(by[-1] / by[0], 3),
     }
+    if "first_audio_10s_not_ahead_ms" in runs:
+        ratios["first_audio_10s_vs_2s_not_ahead"] = round(
+            runs["first_audio_10s_not_ahead_ms"] / runs["first_audio_2s_not_ahead_ms"], 3
+        )
+    result = {"benchmark": "realtime", "machine": machine(), "runs": runs, "ratios": ratios}
     rows = [(k, str(v)) for k, v in runs.items()] + [(k, str(v)) for k, v in result["ratios"].items()]
     report("realtime", rows, result, args, plot)
 

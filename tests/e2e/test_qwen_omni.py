@@ -19,7 +19,15 @@ import yaml
 
 from tests.deployment import gauges, settle
 from tests.e2e.test_serve import audio_delta
-from tests.helpers import ROOT, decode_wav, replica_metric, served, served_example, vllm_bench_serve
+from tests.helpers import (
+    ROOT,
+    decode_wav,
+    replica_metric,
+    served,
+    served_example,
+    vllm_bench_serve,
+    wait_for,
+)
 from tests.qwen_reference import (
     media_clips,
     media_message,
@@ -226,6 +234,14 @@ def test_a_spoken_turn_over_the_realtime_api(base: str) -> None:
         realtime_until(conn, "response.output_audio.delta")
         conn.send({"type": "response.cancel"})
         assert realtime_until(conn, "response.done")[-1].response.status == "cancelled"
+
+    # A turn spoken but never answered: what its replica encoded ahead goes with the session.
+    sessions = lambda: replica_metric(base, "thinker", "omni_engine_audio_ahead_sessions")  # noqa: E731
+    with client(base).realtime.connect(model="qwen2.5-omni") as conn:
+        conn.send({"type": "session.update", "session": voice})
+        conn.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[:48000]).decode()})
+        wait_for(lambda: sessions() == 1, 30, "the thinker to hear the turn")
+    wait_for(lambda: sessions() == 0, 30, "the thinker to give the closed session's audio up")
 
 
 @pytest.fixture(scope="module")
