@@ -126,11 +126,18 @@ class Pipeline:
                 await self.bus.nc.publish(self.bus.subjects.control, pack(ForgetPromptMsg(key)))
 
     async def audio_in(self, key: str, start: int, pcm: bytes, rate: int) -> None:
-        """A piece of a live session's audio, sent ahead to the replica of the source stage that
-        encodes it as it arrives (and the session is pinned to it, so its response runs there;
-        docs/realtime.md); nothing where no stage does. From sample `start` of the turn: 0
-        begins one. Best effort: a piece not sent is encoded when the response comes."""
-        stage = next((s for s in self.attempts.sources if self.bus.table.encodes_audio_ahead(s)), None)
+        """A piece of a live session's audio, sent ahead to the replica of the stage that reads
+        the request's media and encodes audio as it arrives, to which the session is pinned
+        for its response (docs/realtime.md); nothing where no stage does. From sample `start`
+        of the turn: 0 begins one. Best effort: a piece not sent is encoded at the response."""
+        stage = next(
+            (
+                s
+                for s in self.attempts.sources
+                if s not in self.attempts.without_media and self.bus.table.encodes_audio_ahead(s)
+            ),
+            None,
+        )
         if stage is None or self.bus.nc is None or not self.bus.connected:
             return
         replica = self.bus.table.choose(stage, self.attempts.pinned.get(key, {}).get(stage))
