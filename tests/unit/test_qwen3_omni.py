@@ -382,3 +382,59 @@ def test_the_talker_keeps_a_conversations_user_turns_and_speaks_as_a_whole_prefi
     kept, whole, reused, held = asyncio.run(go())
     assert reused > 0 and held == 1
     assert len(kept) > 4 and kept == whole
+
+
+def test_a_sessions_audio_encoded_as_it_arrives_in_8_s_windows_thinks_as_the_whole_prefill(
+    model: Path,
+) -> None:
+    """Qwen3-Omni's audio tower convolves within 100 frames and attends within
+    `n_window_infer` frames (800: 8 s), so its windows are 8 s. Two clips (17.3 s and 3.01 s)
+    encoded window by window give the rows `get_audio_features` gives them whole, within
+    float32 rounding; and a 17.3 s turn sent ahead in 100 ms pieces of 24 kHz PCM16 (two whole
+    windows, encoded as they arrived, and a partial one at the request), asked with the
+    session's key, thinks and sends the talker what the same request with no key does."""
+    from omni_stage.models.qwen_omni.audio_windows import AudioWindows
+    from tests.unit.test_qwen_omni import _pcm16, _speak_ahead, _spoken
+
+    pcm = _pcm16(17.3, lambda t: 0.3 + 0 * t)
+
+    async def go() -> tuple[Any, ...]:
+        thinker = engine("thinker", model)
+        await thinker.start()
+        prompts, m = thinker.prompts, thinker.model  # type: ignore[attr-defined]
+        rng = np.random.default_rng(2)
+        clips = [(0.3 * rng.standard_normal(int(16000 * s))).astype(np.float32) for s in (17.3, 3.01)]
+        feats, mask = prompts.audio_features(clips)
+        with torch.inference_mode():
+            whole_rows = m.get_audio_features(feats, mask).last_hidden_state
+        w = AudioWindows(prompts, lambda: m.audio_tower, thinker._audio_window())  # type: ignore[attr-defined]
+        lengths = mask.sum(-1).tolist()
+        windows = [
+            feats[c, :, i : min(i + w.window, n)]
+            for c, n in enumerate(lengths)
+            for i in range(0, n, w.window)
+        ]
+        windowed_rows = torch.cat(w.encode(windows))
+
+        async def think(key: str | None) -> list[Any]:
+            messages, media = await decode_media([_spoken(pcm)], MediaSpec())
+            sampling = {"max_tokens": THINKER_TOKENS} | ({"prompt_cache_key": key} if key else {})
+            call = EngineCall(
+                "r", {"request": {"messages": messages, "media": media.tensors}}, True, sampling
+            )
+            return [o async for o in thinker.generate(call)]
+
+        await _speak_ahead(thinker, "s", pcm)
+        asked, whole = await think("s"), await think(None)
+        a = thinker.audio_ahead
+        assert a is not None
+        counts = (a.windows_ahead, a.windows_late)
+        return whole_rows, windowed_rows, [x.shape[-1] for x in windows], asked, whole, counts
+
+    whole_rows, windowed_rows, sizes, asked, whole, counts = asyncio.run(go())
+    assert sizes == [800, 800, 130, 301]
+    torch.testing.assert_close(windowed_rows, whole_rows, rtol=0, atol=1e-5 * float(whole_rows.abs().max()))
+    assert counts == (2, 1)
+    assert [o.data["token_ids"].tolist() for o in asked] == [o.data["token_ids"].tolist() for o in whole]
+    for name, value in whole[0].data.items():
+        torch.testing.assert_close(asked[0].data[name], value, rtol=0, atol=1e-4, msg=name)

@@ -692,7 +692,7 @@ def test_the_audio_tower_encodes_window_by_window_what_it_encodes_whole(model: P
         feats, mask = prompts.audio_features(clips)
         with torch.inference_mode():
             whole = m.get_audio_features(feats, mask).last_hidden_state
-        w = AudioWindows(prompts, lambda: m.audio_tower, m.config.audio_config.n_window)
+        w = AudioWindows(prompts, lambda: m.audio_tower, thinker._audio_window())  # type: ignore[attr-defined]
         lengths = mask.sum(-1).tolist()
         windows = [
             feats[c, :, i : min(i + w.window, n)]
@@ -708,12 +708,13 @@ def test_the_audio_tower_encodes_window_by_window_what_it_encodes_whole(model: P
 
 
 async def _speak_ahead(thinker: Engine, key: str, pcm: bytes) -> None:
-    """A session's audio reaching the thinker's replica as a gateway sends it: 100 ms pieces,
-    each given its turn on the event loop as pieces arriving over the socket get."""
+    """A session's audio reaching the thinker's replica as a gateway sends it, 100 ms pieces,
+    at the pace of speech: the encoder keeps up, so each window is encoded as soon as it is
+    complete, with what had arrived by then."""
     assert thinker.audio_ahead is not None
     for at in range(0, len(pcm), 4800):
         thinker.audio_ahead.append(key, at // 2, pcm[at : at + 4800], 24000)
-        await asyncio.sleep(0)
+        await thinker.audio_ahead.caught_up(key)
 
 
 @pytest.mark.parametrize(

@@ -16,10 +16,8 @@ makes, whether a piece was missed, a turn ended mid-window, or the features chan
 change: the features' floor follows the loudest frame so far, so a louder frame later changes
 the windows before it, and those are encoded again.
 
-This is exact only for an encoder whose windows do not see each other. Qwen2.5-Omni's audio
-tower is one: its convolutions and attention run within fixed windows of `n_window * 2` frames,
-and its pooling pairs never cross one (tests/unit/test_qwen_omni.py checks windowed against
-whole encoding).
+This holds only for an encoder whose windows do not see each other, as the Qwen-Omni audio
+towers' do not (models/qwen_omni/audio_windows.py).
 """
 
 from __future__ import annotations
@@ -156,10 +154,19 @@ class AudioAhead:
         if s is None:
             return {}
         s.resampler = None
+        await self._done(s)
+        return dict(s.windows)
+
+    async def caught_up(self, key: str) -> None:
+        """Return once every window complete in the session's audio so far is encoded."""
+        if (s := self._streams.get(key)) is not None:
+            await self._done(s)
+
+    @staticmethod
+    async def _done(s: _Stream) -> None:
         if s.task is not None and not s.task.done():
             with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.shield(s.task)
-        return dict(s.windows)
 
     def forget(self, key: str) -> None:
         """The session closed: its audio and windows go."""

@@ -58,7 +58,6 @@ class Qwen3Thinker(Thinker):
     model_name = "Qwen3-Omni"
     prompts_class = Qwen3Prompts
     sends_reply_hidden = False
-    windowed_audio = False  # its audio tower attends across n_window_infer frames, not one window
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
@@ -68,6 +67,9 @@ class Qwen3Thinker(Thinker):
     def _load(self) -> None:
         super()._load()
         self.talker_layer = int(self.config.talker_config.accept_hidden_layer)
+
+    def _audio_window(self) -> int:
+        return int(self.config.thinker_config.audio_config.n_window_infer)
 
     def _media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
         """The audio rows at their placeholders of the input embeddings (as the forward puts

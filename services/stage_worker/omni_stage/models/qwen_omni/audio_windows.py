@@ -1,9 +1,10 @@
-"""Qwen2.5-Omni's audio tower run window by window: how the thinker encodes a live session's
+"""A Qwen-Omni audio tower run window by window: how the thinker encodes a live session's
 audio while it arrives (omni_stage.engines.audio_ahead).
 
-The tower splits each clip's features into windows of `n_window * 2` frames, and its
-convolutions, attention and pooling never reach across one, so a window encoded alone gives the
-rows the whole clip gives there (tests/unit/test_qwen_omni.py compares them).
+Neither tower reaches across a window of its own: Qwen2.5-Omni's convolves, attends and pools
+within `n_window * 2` frames (2 s), Qwen3-Omni's convolves within `n_window * 2` and attends
+within `n_window_infer` frames (8 s). So a window encoded alone gives the rows the whole clip
+gives there (tests/unit/test_qwen_omni.py and test_qwen3_omni.py compare them).
 """
 
 from __future__ import annotations
@@ -20,13 +21,13 @@ from omni_stage.models.qwen_omni.prompt import Prompts
 class AudioWindows:
     """The thinker's feature extraction and audio tower, as `audio_ahead.WindowEncoder`."""
 
-    def __init__(self, prompts: Prompts, tower: Callable[[], Any], n_window: int) -> None:
+    def __init__(self, prompts: Prompts, tower: Callable[[], Any], window: int) -> None:
         self.prompts = prompts
         self.tower = tower
         """The loaded model's tower, looked up at each use (a sleep may drop the model)."""
         fe = prompts.features
         self.rate = int(fe.sampling_rate)
-        self.window = 2 * n_window
+        self.window = window
         self._hop = int(fe.hop_length)
         self._reach = int(fe.n_fft) // 2
         """Samples a frame reads past its centre (the STFT's window is centred on it)."""
@@ -45,6 +46,5 @@ class AudioWindows:
         p = self.prompts
         lengths = torch.tensor([w.shape[-1] for w in windows], device=p.device)
         packed = torch.cat(windows, dim=-1).to(p.device, p.dtype)
-        after_cnn, _ = tower._get_feat_extract_output_lengths(lengths)
-        rows = tower(packed, feature_lens=lengths, aftercnn_lens=after_cnn).last_hidden_state
+        rows = tower(packed, feature_lens=lengths).last_hidden_state  # both read the lengths alone
         return list(torch.split(rows, p.audio_tokens(lengths)))

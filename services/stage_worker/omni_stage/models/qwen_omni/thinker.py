@@ -44,9 +44,6 @@ class Thinker(Part):
     """The layer whose hidden states the talker reads (-1: the last, normed)."""
     sends_reply_hidden = True
     """Whether the talker reads each reply token's hidden state, or only its embedding."""
-    windowed_audio = True
-    """Whether its audio tower's windows are independent, so a live session's audio is encoded
-    window by window as it arrives (audio_windows.py)."""
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -79,9 +76,8 @@ class Thinker(Part):
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if "response_format" in self.honours:
             self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
-        if self.windowed_audio:
-            n_window = int(self.config.thinker_config.audio_config.n_window)
-            windows = AudioWindows(self.prompts, lambda: self.model.audio_tower, n_window)
+        if "audio" in self.accepts:
+            windows = AudioWindows(self.prompts, lambda: self.model.audio_tower, self._audio_window())
             if self.audio_ahead is None:
                 self.audio_ahead = self._audio_ahead(windows)
             else:  # loaded again (a wake): the same sessions, the new model's parts
@@ -165,6 +161,10 @@ class Thinker(Part):
                     return
                 feed = torch.tensor([[tok]], device=self.device)
         call.state.finish_reason = "length"
+
+    def _audio_window(self) -> int:
+        """Feature frames its audio tower never reaches across (audio_windows.py)."""
+        return 2 * int(self.config.thinker_config.audio_config.n_window)
 
     def _reuse(self, call: EngineCall, st: _Cache, seq: Sequence | None, prompt: Prompt) -> None:
         """Start the request on its conversation's kept sequence, as far as its prompt shares
