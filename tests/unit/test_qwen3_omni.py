@@ -407,7 +407,7 @@ def test_a_sessions_audio_encoded_as_it_arrives_in_8_s_windows_thinks_as_the_who
         feats, mask = prompts.audio_features(clips)
         with torch.inference_mode():
             whole_rows = m.get_audio_features(feats, mask).last_hidden_state
-        w = AudioWindows(prompts, lambda: m.audio_tower, thinker._audio_window())  # type: ignore[attr-defined]
+        w = AudioWindows(prompts, lambda: m.audio_tower, m.config.audio_config)
         lengths = mask.sum(-1).tolist()
         windows = [
             feats[c, :, i : min(i + w.window, n)]

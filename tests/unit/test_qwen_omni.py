@@ -598,13 +598,16 @@ def test_the_encoder_stage_encodes_requests_together_as_each_alone(model: Path) 
         [media_message(shorter.getvalue(), png)],
     ]
 
+    from omni_stage.models.qwen_omni.encoder import Encoding
+
     async def go() -> tuple[list[Payload], list[Payload], list[EngineOutput]]:
         (encoder,) = await started(engine("encoder", model))
         inputs = []
         for messages in requests:
             messages, media = await decode_media(messages, MediaSpec())
             prompts = encoder.prompts  # type: ignore[attr-defined]
-            inputs.append(prompts.process(prompts.read({"messages": messages, "media": media.tensors})))
+            processed = prompts.process(prompts.read({"messages": messages, "media": media.tensors}))
+            inputs.append(Encoding(processed, {}))  # no live session's audio encoded ahead
         together = [e.to_payload() for e in encoder._encode(inputs)]  # type: ignore[attr-defined]
         # What sleep frees is the two towers; woken, it encodes as before.
         assert encoder.weight_bytes()["cpu"] > 0
@@ -692,7 +695,7 @@ def test_the_audio_tower_encodes_window_by_window_what_it_encodes_whole(model: P
         feats, mask = prompts.audio_features(clips)
         with torch.inference_mode():
             whole = m.get_audio_features(feats, mask).last_hidden_state
-        w = AudioWindows(prompts, lambda: m.audio_tower, thinker._audio_window())  # type: ignore[attr-defined]
+        w = AudioWindows(prompts, lambda: m.audio_tower, m.config.audio_config)
         lengths = mask.sum(-1).tolist()
         windows = [
             feats[c, :, i : min(i + w.window, n)]
@@ -707,23 +710,27 @@ def test_the_audio_tower_encodes_window_by_window_what_it_encodes_whole(model: P
     torch.testing.assert_close(windowed, whole, rtol=0, atol=1e-5 * float(whole.abs().max()))
 
 
-async def _speak_ahead(thinker: Engine, key: str, pcm: bytes) -> None:
-    """A session's audio reaching the thinker's replica as a gateway sends it, 100 ms pieces,
-    at the pace of speech: the encoder keeps up, so each window is encoded as soon as it is
-    complete, with what had arrived by then."""
-    assert thinker.audio_ahead is not None
+async def _speak_ahead(hearing: Engine, key: str, pcm: bytes) -> None:
+    """A session's audio reaching the replica that reads its media (the thinker, or an encoder
+    stage) as a gateway sends it, 100 ms pieces, at the pace of speech: the encoder keeps up,
+    so each window is encoded as soon as it is complete, with what had arrived by then."""
+    assert hearing.audio_ahead is not None
     for at in range(0, len(pcm), 4800):
-        thinker.audio_ahead.append(key, at // 2, pcm[at : at + 4800], 24000)
-        await thinker.audio_ahead.caught_up(key)
+        hearing.audio_ahead.append(key, at // 2, pcm[at : at + 4800], 24000)
+        await hearing.audio_ahead.caught_up(key)
 
 
 @pytest.mark.parametrize(
-    ("loudness", "ahead"),
-    [(lambda t: 0.3 + 0 * t, 2), (lambda t: 10 ** (t - 4.5), 0)],
-    ids=["steady", "louder and louder"],
+    ("loudness", "ahead", "encoder_stage"),
+    [
+        (lambda t: 0.3 + 0 * t, 2, False),
+        (lambda t: 10 ** (t - 4.5), 0, False),
+        (lambda t: 0.3 + 0 * t, 2, True),
+    ],
+    ids=["steady", "louder and louder", "steady, encoder stage"],
 )
 def test_a_sessions_audio_encoded_as_it_arrives_answers_as_the_whole_prefill(
-    model: Path, loudness: Any, ahead: int
+    model: Path, loudness: Any, ahead: int, encoder_stage: bool
 ) -> None:
     """A 5 s turn (500 feature frames: two whole windows and a partial one) sent ahead in
     100 ms pieces of 24 kHz PCM16, then asked with the session's key: the thinker takes the
@@ -732,18 +739,21 @@ def test_a_sessions_audio_encoded_as_it_arrives_answers_as_the_whole_prefill(
     reference). A voice growing from a whisper to its loudest at the end (by 100 dB) moves the
     features' floor (the loudest frame's, less 80 dB) after each window was encoded: none
     encoded ahead equals the request's, so all are encoded then, and the answer is still the
-    same. Nothing is left held for the session afterwards."""
+    same. With an encoder stage, the encoder is what hears ahead. Nothing is left held for the
+    session afterwards."""
     pcm = _pcm16(5.0, loudness)
 
     async def go() -> tuple[dict[str, Any], dict[str, Any], int, int, int]:
         thinker, talker = await started(engine("thinker", model), engine("talker", model))
-        a = thinker.audio_ahead
+        encoder = (await started(engine("encoder", model)))[0] if encoder_stage else None
+        hearing = encoder or thinker
+        a = hearing.audio_ahead
         assert a is not None
-        await _speak_ahead(thinker, "s", pcm)
+        await _speak_ahead(hearing, "s", pcm)
         assert len(a) == 1
         key = {"prompt_cache_key": "s"}
-        asked = await run_pipeline(model, "Ethan", 4, [_spoken(pcm)], thinker, None, key, talker)
-        whole = await run_pipeline(model, "Ethan", 4, [_spoken(pcm)], thinker, None, talker=talker)
+        asked = await run_pipeline(model, "Ethan", 4, [_spoken(pcm)], thinker, encoder, key, talker)
+        whole = await run_pipeline(model, "Ethan", 4, [_spoken(pcm)], thinker, encoder, talker=talker)
         return asked, whole, a.windows_ahead, a.windows_late, len(a)
 
     asked, whole, windows_ahead, windows_late, held = asyncio.run(go())

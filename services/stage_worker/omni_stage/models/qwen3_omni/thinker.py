@@ -68,9 +68,6 @@ class Qwen3Thinker(Thinker):
         super()._load()
         self.talker_layer = int(self.config.talker_config.accept_hidden_layer)
 
-    def _audio_window(self) -> int:
-        return int(self.config.thinker_config.audio_config.n_window_infer)
-
     def _media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
         """The audio rows at their placeholders of the input embeddings (as the forward puts
         its audio encoder's), and the image and video rows with their deepstack features

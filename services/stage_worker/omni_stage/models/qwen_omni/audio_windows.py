@@ -18,16 +18,22 @@ import torch
 from omni_stage.models.qwen_omni.prompt import Prompts
 
 
+def tower_window(audio_config: Any) -> int:
+    """Feature frames a Qwen-Omni audio tower never reaches across: Qwen3-Omni's attends within
+    `n_window_infer`, Qwen2.5-Omni's (which has none) within `n_window * 2`."""
+    return int(getattr(audio_config, "n_window_infer", 0) or 2 * audio_config.n_window)
+
+
 class AudioWindows:
     """The thinker's feature extraction and audio tower, as `audio_ahead.WindowEncoder`."""
 
-    def __init__(self, prompts: Prompts, tower: Callable[[], Any], window: int) -> None:
+    def __init__(self, prompts: Prompts, tower: Callable[[], Any], audio_config: Any) -> None:
         self.prompts = prompts
         self.tower = tower
         """The loaded model's tower, looked up at each use (a sleep may drop the model)."""
         fe = prompts.features
         self.rate = int(fe.sampling_rate)
-        self.window = window
+        self.window = tower_window(audio_config)
         self._hop = int(fe.hop_length)
         self._reach = int(fe.n_fft) // 2
         """Samples a frame reads past its centre (the STFT's window is centred on it)."""

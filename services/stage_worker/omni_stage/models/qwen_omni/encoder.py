@@ -18,6 +18,7 @@ unit, of whatever length each kind's rows have.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,6 +62,7 @@ class Encoder(Part):
         tokenizer = AutoTokenizer.from_pretrained(self.path)
         self.prompts = self.prompts_class(self.path, tokenizer, c, self.device, self.dtype)
         self.accepts = self.prompts.accepts
+        self._hear_ahead(self.prompts, lambda: self.audio_tower)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         request = call.inputs.get("request")
@@ -70,22 +72,35 @@ class Encoder(Part):
         inputs = await self._run(lambda: self.prompts.process(self.prompts.read(request), call.sampling))
         if not inputs.features:
             return  # no media in the messages: nothing to encode (the route normally skips us)
-        embeds = await self.batcher.submit("encode", inputs)
+        key = call.sampling.get("prompt_cache_key")
+        ahead = {} if key is None or self.audio_ahead is None else await self.audio_ahead.take(str(key))
+        embeds = await self.batcher.submit("encode", Encoding(inputs, ahead))
         yield EngineOutput(units=1, data=embeds.to_payload(), finish_reason="stop")
 
     @torch.inference_mode()
-    def _encode(self, batch: list[EncoderInputs]) -> list[MediaEmbeds]:
-        """Every request's media through each encoder at once, split back per request."""
-        audio = self._audio([b.features for b in batch if "input_features" in b.features])
-        image = self._vision([b.features for b in batch], "pixel_values", "image_grid_thw")
-        video = self._vision([b.features for b in batch], "pixel_values_videos", "video_grid_thw")
+    def _encode(self, batch: list[Encoding]) -> list[MediaEmbeds]:
+        """Every request's media through each encoder at once, split back per request; the
+        audio of a request with windows encoded ahead window by window instead, taking them."""
+        hearing = [e for e in batch if "input_features" in e.inputs.features]
+        together = iter(self._audio([e.inputs.features for e in hearing if not e.ahead]))
+        audio = {id(e): self._audio_ahead_rows(e) if e.ahead else next(together) for e in hearing}
+        inputs = [e.inputs for e in batch]
+        image = self._vision([b.features for b in inputs], "pixel_values", "image_grid_thw")
+        video = self._vision([b.features for b in inputs], "pixel_values_videos", "video_grid_thw")
         out = []
-        for b in batch:
-            a = audio.pop(0) if "input_features" in b.features else None
+        for e, b in zip(batch, inputs, strict=True):
+            a = audio.get(id(e))
             i, i_deep = image.pop(0) if "pixel_values" in b.features else (None, None)
             v, v_deep = video.pop(0) if "pixel_values_videos" in b.features else (None, None)
             out.append(MediaEmbeds(a, i, v, b.layout, i_deep, v_deep))  # the processors' layout: on the CPU
         return out
+
+    def _audio_ahead_rows(self, e: Encoding) -> torch.Tensor:
+        assert self.audio_ahead is not None
+        f = e.inputs.features
+        lengths = f["feature_attention_mask"].sum(-1).tolist()
+        feats = f["input_features"].to(self.device, self.dtype)
+        return self.audio_ahead.encoded(feats, lengths, e.ahead).cpu()
 
     def _audio(self, features: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each request's audio rows: `get_audio_features` of the model's thinker, on the
@@ -129,3 +144,11 @@ class Encoder(Part):
             return [(r, None) for r in rows]
         stacked = [d.cpu() for d in torch.split(torch.stack(list(deep)), per_request, dim=1)]
         return list(zip(rows, stacked, strict=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Encoding:
+    """One request's media to encode, and its live session's audio windows encoded ahead."""
+
+    inputs: EncoderInputs
+    ahead: dict[bytes, torch.Tensor]

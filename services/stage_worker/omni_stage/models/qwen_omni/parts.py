@@ -3,7 +3,7 @@ repetition penalty, the thinker's embedding table read alone."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -12,6 +12,8 @@ import torch
 
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineError
+from omni_stage.models.qwen_omni.audio_windows import AudioWindows
+from omni_stage.models.qwen_omni.prompt import Prompts
 
 DEFAULT_VOICE: Final = "Chelsie"
 REPETITION_PENALTY: Final = 1.05  # Qwen2_5OmniForConditionalGeneration.generate's talker default
@@ -137,6 +139,18 @@ class Part(ComputeEngine):
     def _part_class(self) -> tuple[Any, Any]:
         """The transformers class of this part and its sub-config (a part loaded whole)."""
         raise NotImplementedError
+
+    def _hear_ahead(self, prompts: Prompts, tower: Callable[[], Any]) -> None:
+        """(At each load.) Live sessions' audio encoded as it arrives by the audio tower
+        `tower` returns (audio_windows.py), where this part hears: the same sessions across a
+        sleep's wake, the newly loaded tower's windows."""
+        if "audio" not in self.accepts:
+            return
+        windows = AudioWindows(prompts, tower, self.config.thinker_config.audio_config)
+        if self.audio_ahead is None:
+            self.audio_ahead = self._audio_ahead(windows)
+        else:
+            self.audio_ahead.encoder = windows
 
     def speaker(self, sampling: dict[str, Any]) -> dict[str, Any]:
         """The conditioning of the request's voice."""

@@ -25,7 +25,6 @@ from omni_stage.engines.prompts import check_context
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
 from omni_stage.engines.structured import JsonGrammars
-from omni_stage.models.qwen_omni.audio_windows import AudioWindows
 from omni_stage.models.qwen_omni.parts import (
     Part,
 )
@@ -76,12 +75,7 @@ class Thinker(Part):
         self.eos = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if "response_format" in self.honours:
             self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
-        if "audio" in self.accepts:
-            windows = AudioWindows(self.prompts, lambda: self.model.audio_tower, self._audio_window())
-            if self.audio_ahead is None:
-                self.audio_ahead = self._audio_ahead(windows)
-            else:  # loaded again (a wake): the same sessions, the new model's parts
-                self.audio_ahead.encoder = windows
+        self._hear_ahead(self.prompts, lambda: self.model.audio_tower)
 
     def prompt_tokenizer(self) -> tuple[Any, int] | None:
         return self.tokenizer, int(self.config.thinker_config.text_config.max_position_embeddings)
@@ -161,10 +155,6 @@ class Thinker(Part):
                     return
                 feed = torch.tensor([[tok]], device=self.device)
         call.state.finish_reason = "length"
-
-    def _audio_window(self) -> int:
-        """Feature frames its audio tower never reaches across (audio_windows.py)."""
-        return 2 * int(self.config.thinker_config.audio_config.n_window)
 
     def _reuse(self, call: EngineCall, st: _Cache, seq: Sequence | None, prompt: Prompt) -> None:
         """Start the request on its conversation's kept sequence, as far as its prompt shares
