@@ -765,8 +765,9 @@ def test_a_sessions_audio_encoded_as_it_arrives_answers_as_the_whole_prefill(
 
 def test_audio_ahead_is_bounded_and_freed(model: Path) -> None:
     """Sessions beyond `audioAheadStreams` give up the least recently heard; a piece that does
-    not follow the last ends its turn's work ahead; a closed session (forget) and a sleep free
-    what they held; a replica with `audioAhead: false` encodes nothing ahead."""
+    not follow the last ends its turn's work ahead, and one that is not 16-bit PCM is dropped;
+    a text turn does not take the audio coming; a closed session (forget) and a sleep free what
+    they held; a replica with `audioAhead: false` encodes nothing ahead."""
 
     async def go() -> None:
         (thinker,) = await started(engine("thinker", model, audioAheadStreams=2))
@@ -784,7 +785,13 @@ def test_audio_ahead_is_bounded_and_freed(model: Path) -> None:
         assert await a.take("c") == {}
         await _speak_ahead(thinker, "d", pcm)
         a.forget("d")
+        a.append("z", 0, b"\x01", 24000)  # not 16-bit PCM: dropped
+        assert len(a) == 0
         await _speak_ahead(thinker, "e", pcm)
+        text = {"request": {"messages": MESSAGES, "media": {}}}
+        call = EngineCall("t", text, True, {"max_tokens": 1, "prompt_cache_key": "e"})
+        assert [o async for o in thinker.generate(call)]
+        assert len(a) == 1  # a text turn of the session leaves the audio coming to its own turn
         await thinker.sleep(1)
         assert len(a) == 0
         (off,) = await started(engine("thinker", model, audioAhead=False))

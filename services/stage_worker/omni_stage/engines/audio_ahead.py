@@ -122,7 +122,11 @@ class AudioAhead:
     def append(self, key: str, start: int, pcm: bytes, rate: int) -> None:
         """A piece of a session's audio: 16-bit PCM at `rate`, from sample `start` of its turn
         (0 begins a turn, and gives up what was encoded of the turn before, if no request took
-        it). A piece that does not follow the last (one missed) ends the turn's work ahead."""
+        it). A piece that does not follow the last (one missed) ends the turn's work ahead, and
+        one that is not 16-bit PCM at a rate from 8 to 192 kHz is dropped."""
+        if len(pcm) % 2 or not 8000 <= rate <= 192000 or start < 0:
+            log.warning("audio ahead: dropped a piece of %d bytes at %d Hz", len(pcm), rate)
+            return
         s = self._streams.get(key)
         if start == 0:
             if s is not None:

@@ -73,7 +73,9 @@ class Encoder(Part):
         if not inputs.features:
             return  # no media in the messages: nothing to encode (the route normally skips us)
         key = call.sampling.get("prompt_cache_key")
-        ahead = {} if key is None or self.audio_ahead is None else await self.audio_ahead.take(str(key))
+        ahead = {}
+        if key is not None and self.audio_ahead is not None and "input_features" in inputs.features:
+            ahead = await self.audio_ahead.take(str(key))
         embeds = await self.batcher.submit("encode", Encoding(inputs, ahead))
         yield EngineOutput(units=1, data=embeds.to_payload(), finish_reason="stop")
 

@@ -93,8 +93,8 @@ class Thinker(Part):
         call.state.prompt_tokens = int(ids.shape[1])
         st.tokens = ids[0].tolist()
         key = call.sampling.get("prompt_cache_key")
-        if key is not None and self.audio_ahead is not None:
-            st.ahead = await self.audio_ahead.take(str(key))
+        if key is not None and self.audio_ahead is not None and "input_features" in prompt.features:
+            st.ahead = await self.audio_ahead.take(str(key))  # (a text turn leaves the audio coming)
         keeping = (
             key is not None and self.prompt_caches.capacity > 0 and "prompt_logprobs" not in call.sampling
         )
