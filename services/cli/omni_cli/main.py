@@ -112,7 +112,10 @@ def cmd_operator(a: argparse.Namespace) -> int:
     from omni_operator.handlers import run_operator
 
     lease = (a.lease_namespace, a.lease_seconds) if a.leader_election else None
-    return run_operator(a.image, a.namespace, a.resync_seconds, a.liveness, a.metrics_port, lease)
+    code = run_operator(a.image, a.namespace, a.resync_seconds, a.liveness, a.metrics_port, lease)
+    # No interpreter teardown: the leader election's daemon thread may be writing a log line,
+    # and a daemon thread holding stderr's lock at teardown aborts the process (SIGABRT).
+    exit_process(code)
 
 
 def cmd_validate(a: argparse.Namespace) -> int:
