@@ -25,7 +25,7 @@ def tower_window(audio_config: Any) -> int:
 
 
 class AudioWindows:
-    """The thinker's feature extraction and audio tower, as `audio_ahead.WindowEncoder`."""
+    """A Qwen part's feature extraction and audio tower, as `audio_ahead.WindowEncoder`."""
 
     def __init__(self, prompts: Prompts, tower: Callable[[], Any], audio_config: Any) -> None:
         self.prompts = prompts
