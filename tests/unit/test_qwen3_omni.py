@@ -393,28 +393,14 @@ def test_a_sessions_audio_encoded_as_it_arrives_in_8_s_windows_thinks_as_the_who
     float32 rounding; and a 17.3 s turn sent ahead in 100 ms pieces of 24 kHz PCM16 (two whole
     windows, encoded as they arrived, and a partial one at the request), asked with the
     session's key, thinks and sends the talker what the same request with no key does."""
-    from omni_stage.models.qwen_omni.audio_windows import AudioWindows
-    from tests.unit.test_qwen_omni import _pcm16, _speak_ahead, _spoken
+    from tests.unit.test_qwen_omni import _pcm16, _speak_ahead, _spoken, windowed_and_whole
 
     pcm = _pcm16(17.3, lambda t: 0.3 + 0 * t)
 
     async def go() -> tuple[Any, ...]:
         thinker = engine("thinker", model)
         await thinker.start()
-        prompts, m = thinker.prompts, thinker.model  # type: ignore[attr-defined]
-        rng = np.random.default_rng(2)
-        clips = [(0.3 * rng.standard_normal(int(16000 * s))).astype(np.float32) for s in (17.3, 3.01)]
-        feats, mask = prompts.audio_features(clips)
-        with torch.inference_mode():
-            whole_rows = m.get_audio_features(feats, mask).last_hidden_state
-        w = AudioWindows(prompts, lambda: m.audio_tower, m.config.audio_config)
-        lengths = mask.sum(-1).tolist()
-        windows = [
-            feats[c, :, i : min(i + w.window, n)]
-            for c, n in enumerate(lengths)
-            for i in range(0, n, w.window)
-        ]
-        windowed_rows = torch.cat(w.encode(windows))
+        whole_rows, windowed_rows, sizes = windowed_and_whole(thinker, (17.3, 3.01))
 
         async def think(key: str | None) -> list[Any]:
             messages, media = await decode_media([_spoken(pcm)], MediaSpec())
@@ -429,7 +415,7 @@ def test_a_sessions_audio_encoded_as_it_arrives_in_8_s_windows_thinks_as_the_who
         a = thinker.audio_ahead
         assert a is not None
         counts = (a.windows_ahead, a.windows_late)
-        return whole_rows, windowed_rows, [x.shape[-1] for x in windows], asked, whole, counts
+        return whole_rows, windowed_rows, sizes, asked, whole, counts
 
     whole_rows, windowed_rows, sizes, asked, whole, counts = asyncio.run(go())
     assert sizes == [800, 800, 130, 301]

@@ -680,29 +680,36 @@ def _spoken(pcm: bytes) -> dict[str, Any]:
     return {"role": "user", "content": [audio, {"type": "text", "text": "And now?"}]}
 
 
+def windowed_and_whole(
+    thinker: Engine, seconds: tuple[float, ...]
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Clips of noise this long through the thinker's audio tower whole (`get_audio_features`)
+    and window by window (audio_windows.py), and the windows' lengths in frames."""
+    from omni_stage.models.qwen_omni.audio_windows import AudioWindows
+
+    prompts, m = thinker.prompts, thinker.model  # type: ignore[attr-defined]
+    rng = np.random.default_rng(2)
+    clips = [(0.3 * rng.standard_normal(int(16000 * s))).astype(np.float32) for s in seconds]
+    feats, mask = prompts.audio_features(clips)
+    with torch.inference_mode():
+        whole = m.get_audio_features(feats, mask).last_hidden_state
+    w = AudioWindows(prompts, lambda: m.audio_tower, m.config.audio_config)
+    lengths = mask.sum(-1).tolist()
+    windows = [
+        feats[c, :, i : min(i + w.window, n)] for c, n in enumerate(lengths) for i in range(0, n, w.window)
+    ]
+    return whole, torch.cat(w.encode(windows)), [x.shape[-1] for x in windows]
+
+
 def test_the_audio_tower_encodes_window_by_window_what_it_encodes_whole(model: Path) -> None:
     """Qwen2.5-Omni's audio tower attends within windows of `n_window * 2` feature frames (200
     here): two clips (7.3 s and 2.51 s: whole windows, and a partial last one of an odd length)
     encoded window by window, each window alone, give the rows `get_audio_features` gives the
     clips whole, within float32 rounding (1e-5 of the largest value)."""
-    from omni_stage.models.qwen_omni.audio_windows import AudioWindows
 
     async def go() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         (thinker,) = await started(engine("thinker", model))
-        prompts, m = thinker.prompts, thinker.model  # type: ignore[attr-defined]
-        rng = np.random.default_rng(2)
-        clips = [(0.3 * rng.standard_normal(int(16000 * s))).astype(np.float32) for s in (7.3, 2.51)]
-        feats, mask = prompts.audio_features(clips)
-        with torch.inference_mode():
-            whole = m.get_audio_features(feats, mask).last_hidden_state
-        w = AudioWindows(prompts, lambda: m.audio_tower, m.config.audio_config)
-        lengths = mask.sum(-1).tolist()
-        windows = [
-            feats[c, :, i : min(i + w.window, n)]
-            for c, n in enumerate(lengths)
-            for i in range(0, n, w.window)
-        ]
-        return whole, torch.cat(w.encode(windows)), [x.shape[-1] for x in windows]
+        return windowed_and_whole(thinker, (7.3, 2.51))
 
     whole, windowed, sizes = asyncio.run(go())
     assert sizes == [200, 200, 200, 130, 200, 51]
