@@ -149,6 +149,18 @@ class RealtimeSpec(SpecModel):
     max_session_s: float = Field(
         default=3600.0, gt=0, description="A session is closed (1000) after this long."
     )
+    resume_grace_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="A full-duplex session (/v1/realtime?duplex=1) whose socket drops is kept this long for "
+        "the client to resume it (session.resume); its events are kept for replay meanwhile. 0: not kept.",
+    )
+    resume_journal_bytes: int = Field(
+        default=8 << 20,
+        ge=0,
+        description="Bytes of a full-duplex session's events kept until the client acknowledges them "
+        "(session.event_ack), for replay on resume; beyond it the session is told to resync.",
+    )
 
 
 class GatewaySpec(SpecModel):

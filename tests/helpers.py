@@ -125,6 +125,26 @@ def vllm_omni_client(
     return run(base, model, requests, max_tokens, extra)
 
 
+def vllm_omni_duplex_client(
+    ws_url: str, model: str, pcm: Path, rate: int, voice: str, tokens: int, long_tokens: int
+) -> dict[str, Any]:
+    """scripts/vllm_omni_duplex_client.py: vLLM-Omni's DuplexClient, through a relay it cuts once,
+    in vLLM-Omni's own virtualenv; what it saw. Skips the test where that virtualenv was not
+    built (`make test` builds it)."""
+    import pytest
+
+    from bench.vllm_omni import VLLM_OMNI_PYTHON
+
+    if not VLLM_OMNI_PYTHON.exists():
+        pytest.skip(f"{VLLM_OMNI_PYTHON} is missing: `make vllm-omni-venv` (or `make test`) builds it")
+    argv = [str(VLLM_OMNI_PYTHON), str(ROOT / "scripts" / "vllm_omni_duplex_client.py"), ws_url, model]
+    argv += [str(pcm), str(rate), voice, str(tokens), str(long_tokens)]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # ours would shadow its vLLM
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert done.returncode == 0, f"vLLM-Omni's duplex client failed: {done.stderr[-3000:]}"
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
 def vllm_bench_serve(base: str, model: str, tokenizer: Path, out_dir: Path, **kw: Any) -> dict[str, Any]:
     """bench.vllm_omni's run of vLLM-Omni's CLI (`vllm bench serve --omni`); skips the test
     where its virtualenv was not built (`make test` builds it)."""

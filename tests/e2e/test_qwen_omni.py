@@ -15,8 +15,10 @@ import numpy as np
 import openai
 import pytest
 import soundfile
+import soxr
 import yaml
 
+from omni_gateway.audio import to_pcm16
 from tests.deployment import gauges, settle
 from tests.e2e.test_serve import audio_delta
 from tests.helpers import (
@@ -26,6 +28,7 @@ from tests.helpers import (
     served,
     served_example,
     vllm_bench_serve,
+    vllm_omni_duplex_client,
     wait_for,
 )
 from tests.qwen_reference import (
@@ -242,6 +245,52 @@ def test_a_spoken_turn_over_the_realtime_api(base: str) -> None:
         conn.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(pcm[:48000]).decode()})
         wait_for(lambda: sessions() == 1, 30, "the thinker to hear the turn")
     wait_for(lambda: sessions() == 0, 30, "the thinker to give the closed session's audio up")
+
+
+def test_vllm_omnis_duplex_client_talks_resumes_and_cuts_in(base: str, tmp_path: Path) -> None:
+    """vLLM-Omni's DuplexClient, as its users drive `/v1/realtime?duplex=1`
+    (scripts/vllm_omni_duplex_client.py), on a model without native duplex (turn-based, as
+    vLLM-Omni's fallback says). A turn spoken at 16 kHz (the client's default rate) is heard as
+    the chat endpoint hears the same audio at 24 kHz (the gateway resamples it as it comes), though
+    the connection was cut at the answer's first audio: the client resumed, and got every event
+    once, in order, and all the audio sent. A second answer, cut in on (`barge_in`) with one chunk
+    acknowledged as played, ends `cancelled`, and the conversation keeps what was played."""
+    rng = np.random.default_rng(5)
+    t = np.arange(16000 * 3) / 16000
+    clip = (0.3 * np.sin(2 * np.pi * 330 * t) + 0.05 * rng.standard_normal(t.size)) * 32767
+    pcm = tmp_path / "turn.pcm"
+    pcm.write_bytes(clip.astype("<i2").tobytes())
+    url = base.replace("http://", "ws://") + "/v1/realtime"
+    seen = vllm_omni_duplex_client(url, "qwen2.5-omni", pcm, 16000, "Ethan", THINKER_TOKENS, 1000)
+
+    assert seen["session"]["capabilities"]["implementation_level"] == "turn_based_duplex"
+    events = seen["events"]
+    types = [e["type"] for e in events]
+    assert types.count("connection.resumed") == 1 and types.count("session.resumed") == 1
+    numbers = [e["server_event_seq"] for e in events if e["server_event_seq"] is not None]
+    assert numbers == list(range(numbers[0], numbers[0] + len(numbers)))
+    resumed = seen["resumed"]
+    assert resumed["decision"] == "speak" and resumed["status"] == "incomplete"  # cut at THINKER_TOKENS
+    acks = [e["event"] for e in events if e["type"] == "playback.acknowledged"]
+    last_ack = [a for a in acks if a["response_id"] == resumed["response_id"]][-1]
+    assert last_ack["played_ms"] == last_ack["sent_ms"] == resumed["audio_ms"] > 0
+    # What the gateway hears: the same samples as resampling the whole turn at once.
+    at24k = soxr.resample(clip.astype(np.float32) / 32768.0, 16000, 24000)
+    heard = io.BytesIO()
+    soundfile.write(heard, np.frombuffer(to_pcm16(at24k), "<i2"), 24000, format="WAV", subtype="PCM_16")
+    data = base64.b64encode(heard.getvalue()).decode()
+    turn = {
+        "role": "user",
+        "content": [{"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}],
+    }
+    assert resumed["transcript"] == ask(base, messages=[turn]).choices[0].message.content
+
+    barged = seen["barged"]
+    assert barged["status"] == "cancelled"
+    truncated = [e for e in events if e["type"] == "conversation.item.truncated"]
+    assert [e["audio_end_ms"] for e in truncated] == [seen["acked_before_barge_in_ms"]]
+    assert 0 < seen["acked_before_barge_in_ms"] < barged["audio_ms"]
+    assert types[-1] == "session.closed"
 
 
 @pytest.fixture(scope="module")

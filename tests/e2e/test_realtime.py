@@ -33,16 +33,18 @@ ENDS = "response.done"
 LONG = 4000
 """Tokens for a response that is still speaking when a test interrupts it (the tiny demo's
 greedy answers run to their limit: 4000 take about 20 s here)."""
+GRACE = 2.0
+"""How long a duplex session whose socket dropped waits for its resume here."""
 
 
 @pytest.fixture(scope="module")
 def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """The tiny demo, its gateway holding two live sessions at most and reading messages of 1 MiB
-    at most, after a first request (the NATS client makes its request-reply subscription on
-    the first: held idle from then on, so a test that reads the idle gauges does not depend
-    on running after another)."""
+    """The tiny demo, its gateway holding two live sessions at most (a duplex one GRACE s after
+    its socket drops) and reading messages of 1 MiB at most, after a first request (the NATS
+    client makes its request-reply subscription on the first: held idle from then on, so a
+    test that reads the idle gauges does not depend on running after another)."""
     spec = yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())
-    spec["spec"]["gateway"]["realtime"] = {"maxSessions": 2}
+    spec["spec"]["gateway"]["realtime"] = {"maxSessions": 2, "resumeGraceS": GRACE}
     spec["spec"]["gateway"]["maxRequestBytes"] = 1 << 20  # and socket messages
     pipeline = demo_dir / "tiny-omni-realtime.yaml"
     pipeline.write_text(yaml.safe_dump(spec))
@@ -517,7 +519,7 @@ def test_keys_idle_sessions_and_shutdown(
     """A gateway with API keys takes a socket's key from its Authorization header or, as browsers
     send it, from the `openai-insecure-api-key.<key>` subprotocol, and refuses a socket without
     one (401); it closes a session idle past `idleTimeoutS` (1000), and at shutdown closes the
-    sessions still open with 1001 and a reason."""
+    sessions still open with 1001 and a reason (a duplex session says session.closed first)."""
     spec = yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())
     spec["spec"]["gateway"]["realtime"] = {"idleTimeoutS": 3}
     pipeline = demo_dir / "tiny-omni-realtime-keys.yaml"
@@ -534,12 +536,152 @@ def test_keys_idle_sessions_and_shutdown(
                     ws.recv()
             assert idle.value.rcvd.code == 1000 and idle.value.rcvd.reason == "session idle"
         browser = connect(ws_url(base), subprotocols=["realtime", "openai-insecure-api-key.sesame"])
-        with browser as ws:
+        duplex = connect(f"{ws_url(base)}&duplex=1", additional_headers={"Authorization": "Bearer sesame"})
+        with browser as ws, duplex:
             assert ws.subprotocol == "realtime"
             assert json.loads(ws.recv())["type"] == "session.created"
+            assert json.loads(duplex.recv())["type"] == "session.created"  # opened by ?model=
             serve.interrupt_group()
-            with pytest.raises(ConnectionClosed) as shut:
-                while True:
-                    ws.recv()
-            assert shut.value.rcvd is not None and shut.value.rcvd.code == 1001
-            assert shut.value.rcvd.reason == "the gateway is shutting down"
+            for socket in (ws, duplex):
+                with pytest.raises(ConnectionClosed) as shut:
+                    while True:
+                        last = json.loads(socket.recv())
+                assert shut.value.rcvd is not None and shut.value.rcvd.code == 1001
+                assert shut.value.rcvd.reason == "the gateway is shutting down"
+            assert last == {**last, "type": "session.closed", "reason": "server_shutdown"}
+
+
+def duplex_url(base: str) -> str:
+    """As vLLM-Omni's DuplexClient connects: the session opens with its first message."""
+    return f"{ws_url(base)}&duplex=1&autostart=0"
+
+
+def open_duplex(ws: Any, **session: Any) -> dict[str, Any]:
+    """A plain socket's duplex session, opened with `session.update` as vLLM-Omni's clients open
+    one; its session.created."""
+    ws.send(json.dumps({"type": "session.update", "session": {"model": MODEL, **session}}))
+    created = json.loads(ws.recv())
+    assert created["type"] == "session.created", created
+    return created
+
+
+def say(ws: Any, text: str) -> None:
+    """A typed turn (input.text.append), committed: answered by itself (auto_response)."""
+    ws.send(json.dumps({"type": "input.text.append", "text": text}))
+    ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+
+
+def resume(ws: Any, created: dict[str, Any], token: str, last_seq: int) -> dict[str, Any]:
+    """The session of `created` resumed on socket `ws`: the server's first answer."""
+    session_id = created["session"]["id"]
+    resumed = {"session_id": session_id, "resume_token": token, "last_received_server_event_seq": last_seq}
+    ws.send(json.dumps({"type": "session.resume", **resumed}))
+    return dict(json.loads(ws.recv()))
+
+
+def test_a_duplex_session_resumes_on_a_new_socket_with_what_it_missed(base: str) -> None:
+    """A duplex session outlives its socket: the answer goes on while it is away, and a new
+    socket resuming it (its token, the last event it got) gets session.resumed with a new token,
+    then every event it missed, in order, each once; the old token is spent. A resume while a
+    socket is attached takes the session over (the old socket is told, and closed); and
+    session.close ends it (session.closed, the socket closed 1000), every stage letting go."""
+    idle = gauges([base])
+    with connect(duplex_url(base)) as ws:
+        created = open_duplex(ws, modalities=["text"], max_output_tokens=400)
+        assert created["session"]["capabilities"]["implementation_level"] == "turn_based_duplex"
+        say(ws, "Hello there")
+        seen = []
+        while (event := json.loads(ws.recv()))["type"] != "response.output_text.delta":
+            seen.append(event)
+        seen.append(event)
+    # No session.close: the socket dropped, and the session waits for its resume.
+    numbers = [e["server_event_seq"] for e in seen]
+    assert numbers == list(range(1, len(seen) + 1))
+    assert [e["type"] for e in seen][:4] == [
+        "input_audio_buffer.committed",
+        "conversation.item.added",
+        "conversation.item.done",
+        "response.created",
+    ]
+    assert seen[3]["response_id"] == seen[3]["response"]["id"]  # the dialect's top-level id
+
+    with connect(duplex_url(base)) as again:
+        resumed = resume(again, created, created["resume_token"], numbers[-1])
+        assert resumed["type"] == "session.resumed" and resumed["attachment_generation"] == 2
+        assert resumed["resume_token"] != created["resume_token"]
+        rest = until(_Plain(again))
+        after = numbers[-1] + 1
+        assert [e["server_event_seq"] for e in rest] == list(range(after, after + len(rest)))
+        text = "".join(e["delta"] for e in seen + rest if e["type"] == "response.output_text.delta")
+        assert rest[-1]["response"]["output"][0]["content"][0]["text"] == text
+        last = rest[-1]["server_event_seq"]
+        again.send(json.dumps({"type": "session.event_ack", "server_event_seq": last}))
+
+        with connect(duplex_url(base)) as spent:
+            refused = resume(spent, created, created["resume_token"], 0)
+            assert refused["type"] == "error" and refused["error"]["code"] == "invalid_resume_token"
+
+        with connect(duplex_url(base)) as taker:
+            taken = resume(taker, created, resumed["resume_token"], last)
+            assert taken["type"] == "session.resumed" and taken["attachment_generation"] == 3
+            assert json.loads(again.recv())["type"] == "session.replaced"
+            with pytest.raises(ConnectionClosedOK):
+                again.recv()
+            taker.send(json.dumps({"type": "session.close"}))
+            closed = json.loads(taker.recv())
+            assert closed["type"] == "session.closed" and closed["reason"] == "client_close"
+            with pytest.raises(ConnectionClosedOK) as ended:
+                taker.recv()
+            assert ended.value.rcvd is not None and ended.value.rcvd.code == 1000
+    settle([base], idle)
+
+
+def live_sessions(base: str) -> float:
+    name = "omni_gateway_realtime_sessions"
+    return metric_values(f"{base}/metrics", (name,))[name]
+
+
+def test_a_duplex_session_not_resumed_in_time_ends_and_frees_everything(base: str) -> None:
+    """Its socket dropped mid-answer and no resume within `resumeGraceS`: the session ends, its
+    answer aborted at every stage, its slot and sequence given back; then it cannot be resumed."""
+    idle, kept = gauges([base]), kept_sequences(base)
+    with connect(duplex_url(base)) as ws:
+        created = open_duplex(ws, modalities=["text"], max_output_tokens=LONG)
+        say(ws, "Hello there")
+        while json.loads(ws.recv())["type"] != "response.output_text.delta":
+            pass
+    wait_for(lambda: live_sessions(base) == 0, 10 * GRACE, "the session to end")
+    settle([base], idle)
+    wait_for(lambda: kept_sequences(base) == kept, 10, "the session's sequence to be given up")
+    with connect(duplex_url(base)) as gone:
+        refused = resume(gone, created, created["resume_token"], 0)
+        assert refused["type"] == "error" and refused["error"]["code"] == "session_resume_expired"
+
+
+def test_a_duplex_session_refuses_what_it_cannot_do_and_goes_on(base: str) -> None:
+    """A field the session cannot honour is an error that names it: in the first session.update,
+    no session opens (the socket closes, 1008); later, the session goes on. (`/v1/duplex` is
+    the same socket as `/v1/realtime?duplex=1`.)"""
+    with connect(f"{base.replace('http://', 'ws://')}/v1/duplex?model={MODEL}&autostart=0") as ws:
+        ws.send(json.dumps({"type": "session.update", "session": {"model": MODEL, "ref_audio": "x"}}))
+        error = json.loads(ws.recv())
+        assert error["type"] == "error" and error["error"]["param"] == "session.ref_audio"
+        with pytest.raises(ConnectionClosed) as refused:
+            ws.recv()
+        assert refused.value.rcvd is not None and refused.value.rcvd.code == 1008
+    with connect(duplex_url(base)) as ws:
+        open_duplex(ws, sample_rate_hz=16000)
+        piece = base64.b64encode(bytes(3200)).decode()  # 100 ms at 16 kHz
+        bad = {"type": "input_audio_buffer.append", "audio": piece, "sample_rate_hz": 24000, "event_id": "a"}
+        ws.send(json.dumps(bad))
+        error = json.loads(ws.recv())["error"]
+        assert error["param"] == "sample_rate_hz" and error["event_id"] == "a", error
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": piece, "video_frames": ["x"]}))
+        assert json.loads(ws.recv())["error"]["param"] == "video_frames"
+        ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": piece, "is_speech": False}))
+        ws.send(json.dumps({"type": "input_audio_buffer.commit"}))  # only what is not speech
+        listen = json.loads(ws.recv())
+        assert listen["type"] == "response.listen", listen
+        assert listen["response"]["metadata"]["reason"] == "not_speech"
+        ws.send(json.dumps({"type": "session.heartbeat"}))
+        assert json.loads(ws.recv())["type"] == "session.heartbeat_ack"

@@ -115,7 +115,8 @@ def build_app(
     app.include_router(realtime_router)
     app.include_router(page_router)
     app.include_router(speech_stream_router)
-    app.state.live_sessions = LiveSessions(pipeline.spec.gateway.realtime.max_sessions)
+    realtime = pipeline.spec.gateway.realtime
+    app.state.live_sessions = LiveSessions(realtime.max_sessions, realtime.resume_grace_s, metrics)
     # Added innermost first: the key is checked before the body is read; every answer, the
     # guards' included, carries X-Request-Id and is counted.
     app.add_middleware(BodyLimit, max_bytes=pipeline.spec.gateway.max_request_bytes)

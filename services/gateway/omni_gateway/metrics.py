@@ -69,7 +69,14 @@ class GatewayMetrics:
             registry=r,
         )
         self.barge_ins = Counter(
-            "omni_gateway_realtime_barge_ins", "Responses cancelled by the user's speech", registry=r
+            "omni_gateway_realtime_barge_ins",
+            "Responses cut short by the user (speech heard while they play, or the duplex barge_in)",
+            registry=r,
+        )
+        self.resumes = Counter(
+            "omni_gateway_realtime_resumes",
+            "Full-duplex sessions resumed on a new socket after theirs dropped (session.resume)",
+            registry=r,
         )
         self.speech_to_audio = Histogram(
             "omni_gateway_realtime_speech_end_to_audio_seconds",

@@ -35,11 +35,11 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex[:20]}"
 
 
-class _Struct(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
-    pass
+class Strict(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True):
+    """A client's struct: a field it does not declare is refused by name."""
 
 
-class AudioFormat(_Struct):
+class AudioFormat(Strict):
     type: Literal["audio/pcm"] = "audio/pcm"
     rate: Literal[24000] = PCM_RATE
 
@@ -47,7 +47,7 @@ class AudioFormat(_Struct):
 Ms = Annotated[int, msgspec.Meta(ge=0, le=60_000)]
 
 
-class ServerVad(_Struct):
+class ServerVad(Strict):
     type: Literal["server_vad"] = "server_vad"
     threshold: Annotated[float, msgspec.Meta(gt=0.0, lt=1.0)] = 0.5
     prefix_padding_ms: Ms = 300
@@ -57,20 +57,20 @@ class ServerVad(_Struct):
     idle_timeout_ms: None = None
 
 
-class AudioInput(_Struct):
+class AudioInput(Strict):
     format: AudioFormat | msgspec.UnsetType = msgspec.UNSET
     turn_detection: ServerVad | msgspec.UnsetType | None = msgspec.UNSET
     transcription: None = None
     noise_reduction: None = None
 
 
-class AudioOutput(_Struct):
+class AudioOutput(Strict):
     format: AudioFormat | msgspec.UnsetType = msgspec.UNSET
     voice: str | msgspec.UnsetType | None = msgspec.UNSET
     speed: float | msgspec.UnsetType = msgspec.UNSET
 
 
-class AudioConfig(_Struct):
+class AudioConfig(Strict):
     input: AudioInput | msgspec.UnsetType = msgspec.UNSET
     output: AudioOutput | msgspec.UnsetType = msgspec.UNSET
 
@@ -79,7 +79,7 @@ Modality = Literal["text", "audio"]
 MaxTokens = int | Literal["inf"]
 
 
-class SessionConfig(_Struct):
+class SessionConfig(Strict):
     """`session.update`'s `session`: what it sets; UNSET leaves a field as it was."""
 
     type: Literal["realtime"] = "realtime"
@@ -90,7 +90,7 @@ class SessionConfig(_Struct):
     audio: AudioConfig | msgspec.UnsetType = msgspec.UNSET
 
 
-class ContentPart(_Struct):
+class ContentPart(Strict):
     type: Literal["input_text", "input_audio", "input_image", "output_text", "output_audio", "text", "audio"]
     text: str | None = None
     audio: str | None = None
@@ -100,7 +100,7 @@ class ContentPart(_Struct):
     detail: Literal["auto", "low", "high"] | None = None
 
 
-class Item(_Struct):
+class Item(Strict):
     """A conversation item as a client creates it: messages only (function calls are not served)."""
 
     type: Literal["message"]
@@ -111,16 +111,16 @@ class Item(_Struct):
     status: Literal["completed", "incomplete", "in_progress"] | None = None
 
 
-class ResponseAudioOutput(_Struct):
+class ResponseAudioOutput(Strict):
     format: AudioFormat | msgspec.UnsetType = msgspec.UNSET
     voice: str | msgspec.UnsetType = msgspec.UNSET
 
 
-class ResponseAudio(_Struct):
+class ResponseAudio(Strict):
     output: ResponseAudioOutput | msgspec.UnsetType = msgspec.UNSET
 
 
-class ResponseParams(_Struct):
+class ResponseParams(Strict):
     """`response.create`'s `response`: this response's overrides of the session."""
 
     conversation: Literal["auto", "none"] = "auto"
@@ -132,50 +132,52 @@ class ResponseParams(_Struct):
     metadata: dict[str, str] | None = None
 
 
-class _Event(_Struct, tag_field="type"):
+class EventBase(Strict, tag_field="type"):
+    """A client event: tagged by its `type`, with the client's own `event_id` to echo in errors."""
+
     event_id: str | None = None
 
 
-class SessionUpdate(_Event, tag="session.update"):
+class SessionUpdate(EventBase, tag="session.update"):
     session: SessionConfig = msgspec.field(default_factory=SessionConfig)
 
 
-class AudioAppend(_Event, tag="input_audio_buffer.append"):
+class AudioAppend(EventBase, tag="input_audio_buffer.append"):
     audio: str = ""
 
 
-class AudioCommit(_Event, tag="input_audio_buffer.commit"):
+class AudioCommit(EventBase, tag="input_audio_buffer.commit"):
     pass
 
 
-class AudioClear(_Event, tag="input_audio_buffer.clear"):
+class AudioClear(EventBase, tag="input_audio_buffer.clear"):
     pass
 
 
-class ItemCreate(_Event, tag="conversation.item.create"):
+class ItemCreate(EventBase, tag="conversation.item.create"):
     item: Item | None = None
     previous_item_id: str | None = None
 
 
-class ItemRetrieve(_Event, tag="conversation.item.retrieve"):
+class ItemRetrieve(EventBase, tag="conversation.item.retrieve"):
     item_id: str = ""
 
 
-class ItemTruncate(_Event, tag="conversation.item.truncate"):
+class ItemTruncate(EventBase, tag="conversation.item.truncate"):
     item_id: str = ""
     content_index: int = 0
     audio_end_ms: int = 0
 
 
-class ItemDelete(_Event, tag="conversation.item.delete"):
+class ItemDelete(EventBase, tag="conversation.item.delete"):
     item_id: str = ""
 
 
-class ResponseCreate(_Event, tag="response.create"):
+class ResponseCreate(EventBase, tag="response.create"):
     response: ResponseParams = msgspec.field(default_factory=ResponseParams)
 
 
-class ResponseCancel(_Event, tag="response.cancel"):
+class ResponseCancel(EventBase, tag="response.cancel"):
     response_id: str | None = None
 
 
@@ -201,15 +203,19 @@ NOT_SERVED: Final = {
     "noise_reduction": "noise reduction is not served",
     "semantic_vad": "semantic_vad is not served: use server_vad",
     "idle_timeout_ms": "idle_timeout_ms is not served",
+    "video_frames": "camera frames are not served with live audio here",
+    "ref_audio": "voice cloning is not served",
 }
 _UNKNOWN: Final = re.compile(r"Object contains unknown field `([^`]+)`(?: - at `\$\.?([^`]*)`)?")
+_MISSING: Final = re.compile(r"Object missing required field `([^`]+)`")
 _AT: Final = re.compile(r"^(.*?)(?: - at `\$\.?([^`]*)`)?$")
 
 
-def parse_event(data: str | bytes) -> ClientEvent:
-    """A client event, or RealtimeError naming what is wrong with it."""
+def parse_event(data: str | bytes, decoder: msgspec.json.Decoder[Any] = _DECODER) -> Any:
+    """A client event (of `decoder`'s union: GA's, or a dialect's), or RealtimeError naming
+    what is wrong with it."""
     try:
-        return _DECODER.decode(data)
+        return decoder.decode(data)
     except msgspec.ValidationError as exc:
         raise _refusal(str(exc), data) from None
     except msgspec.DecodeError:
@@ -236,6 +242,9 @@ def _refusal(message: str, data: str | bytes) -> RealtimeError:
         )
     if text.startswith("Object missing required field `type`") and not param:
         return RealtimeError("type: every event names its type", code="invalid_event", param="type")
+    if m := _MISSING.match(text):
+        missing = f"{param}.{m.group(1)}" if param else m.group(1)
+        return RealtimeError(f"{missing}: required", code="missing_required_parameter", param=missing)
     return RealtimeError(f"{param}: {text}" if param else text, param=param)
 
 

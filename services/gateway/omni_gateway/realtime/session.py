@@ -36,7 +36,6 @@ from omni_gateway.realtime.protocol import (
     AudioAppend,
     AudioClear,
     AudioCommit,
-    ClientEvent,
     ItemCreate,
     ItemDelete,
     ItemRetrieve,
@@ -74,6 +73,8 @@ class Settings:
     """None: the model's own default."""
     turn_detection: ServerVad | None = field(default_factory=ServerVad)
     """Server VAD unless the client turns it off (null: it commits each turn), as OpenAI's."""
+    temperature: float | None = None
+    """None: the model's own (the duplex dialect's `session.temperature` sets it; GA has none)."""
 
 
 class RealtimeSession:
@@ -96,6 +97,8 @@ class RealtimeSession:
         self._turn_ended: float | None = None
         """When the last user turn was committed (monotonic), until a response answers it."""
         self.responses = Responses(pipeline, self.emit, self.conversation, metrics, self.id)
+        self.ended: str | None = None
+        """Why the client ended the session by an event of its own (the duplex `session.close`)."""
 
     # --- the socket's side -------------------------------------------------------------------
 
@@ -105,9 +108,9 @@ class RealtimeSession:
 
     async def receive(self, data: str | bytes) -> None:
         """One client message: answered in the protocol's events, or an `error` event."""
-        event: ClientEvent | None = None
+        event: Any = None
         try:
-            event = parse_event(data)
+            event = self.parse(data)
             await self._handle(event)
         except RealtimeError as exc:
             event_id = event.event_id if event is not None else client_event_id(data)
@@ -121,6 +124,10 @@ class RealtimeSession:
                 event_id=event_id,
                 kind="server_error",
             )
+
+    def parse(self, data: str | bytes) -> Any:
+        """A client message as an event of the session's dialect (here GA's)."""
+        return parse_event(data)
 
     async def close(self) -> None:
         """The socket is gone: end the response in progress (its run aborted and freed), and
@@ -145,7 +152,7 @@ class RealtimeSession:
 
     # --- client events -----------------------------------------------------------------------
 
-    async def _handle(self, event: ClientEvent) -> None:
+    async def _handle(self, event: Any) -> None:
         match event:
             case SessionUpdate(session=config):
                 before = self.settings.turn_detection
@@ -244,7 +251,9 @@ class RealtimeSession:
             return
         self.detector = await asyncio.to_thread(TurnDetector, turn, self.buffer.end_ms)
 
-    async def append(self, pcm: bytes) -> None:
+    async def append(self, pcm: bytes, speech: bool = True) -> None:
+        """`pcm` into the buffer (and to VAD: as silence where the client says it is not
+        `speech`, as the duplex dialect lets it)."""
         if (
             self.detector is not None
             and self.detector.speaking
@@ -256,7 +265,8 @@ class RealtimeSession:
         if self.detector is None:
             await self._send_ahead()
             return
-        for mark in await asyncio.to_thread(self.detector.feed, pcm):
+        heard = pcm if speech else bytes(len(pcm))
+        for mark in await asyncio.to_thread(self.detector.feed, heard):
             if isinstance(mark, SpeechStarted):
                 await self._speech_started(mark.at_ms)
             else:
@@ -299,17 +309,21 @@ class RealtimeSession:
     async def commit(self, until_ms: int | None = None) -> None:
         """The buffer (up to `until_ms`) as the user's next item: VAD's heard turn keeps the id
         its speech_started gave it."""
-        if self.buffer.size == 0:
-            raise RealtimeError(
-                "the input audio buffer is empty: append audio before committing",
-                code="input_audio_buffer_commit_empty",
-            )
-        item = ConversationItem("user", [Part("input_audio", pcm=self.buffer.take(until_ms))])
+        item = ConversationItem("user", self._user_parts(until_ms))
         item.id, self._speech_item = self._speech_item or item.id, None
         previous = self.conversation.add(item)
         self._turn_ended = time.monotonic()
         await self.emit("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous)
         await self._announce(item, previous)
+
+    def _user_parts(self, until_ms: int | None) -> list[Part]:
+        """What the user's committed turn holds: the buffer's audio (up to `until_ms`)."""
+        if self.buffer.size == 0:
+            raise RealtimeError(
+                "the input audio buffer is empty: append audio before committing",
+                code="input_audio_buffer_commit_empty",
+            )
+        return [Part("input_audio", pcm=self.buffer.take(until_ms))]
 
     async def add_item(self, item: ConversationItem, previous_item_id: str | None) -> None:
         previous = self.conversation.add(item, previous_item_id)
@@ -364,14 +378,16 @@ class RealtimeSession:
         else:
             items = list(self.conversation.items)
         part = Part("output_audio" if "audio" in modalities else "output_text", text="", transcript="")
+        rid = new_id("resp")
         response = Response(
-            id=new_id("resp"),
+            id=rid,
             modalities=modalities,
             voice=voice,
             max_output_tokens=max_tokens,
             metadata=params.metadata,
             in_conversation=params.conversation == "auto",
-            item=ConversationItem("assistant", [part], status="in_progress"),
+            # Named after its response, as vLLM-Omni's clients expect (their playback acks name it).
+            item=ConversationItem("assistant", [part], id=f"item_{rid}", status="in_progress"),
             turn_ended=self._turn_ended,
         )
         asked = PipelineRequest(
@@ -387,6 +403,7 @@ class RealtimeSession:
                 for k, v in (
                     ("max_tokens", max_tokens),
                     ("voice", voice),
+                    ("temperature", s.temperature),
                     # The conversation's own turns: each begins with the last, kept by the thinker.
                     (
                         "prompt_cache_key",
