@@ -33,7 +33,7 @@ ENDS = "response.done"
 LONG = 4000
 """Tokens for a response that is still speaking when a test interrupts it (the tiny demo's
 greedy answers run to their limit: 4000 take about 20 s here)."""
-GRACE = 2.0
+GRACE = 5.0
 """How long a duplex session whose socket dropped waits for its resume here."""
 
 

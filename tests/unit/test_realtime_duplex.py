@@ -44,13 +44,15 @@ def test_a_full_journal_stops_keeping_and_cannot_be_replayed() -> None:
     assert Journal(max_bytes=0).overflowed  # resumes turned off
 
 
-def test_a_resume_token_matches_only_the_last_one_issued() -> None:
+def test_a_resume_token_matches_the_last_one_issued_and_knows_the_one_before() -> None:
     token = ResumeToken()
     assert not token.matches("")
     first = token.issue()
     assert token.matches(first) and not token.matches(first + "x")
     second = token.issue()
-    assert token.matches(second) and not token.matches(first)
+    assert token.matches(second) and not token.matches(first) and token.matches_previous(first)
+    token.issue()
+    assert not token.matches_previous(first)
 
 
 @pytest.mark.parametrize("rate", [8000, 16000, 44100])

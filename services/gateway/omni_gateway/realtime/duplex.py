@@ -140,8 +140,10 @@ class DuplexSession(RealtimeSession):
 
     async def resume(self, socket: Attachment, token: str, last_seq: int) -> Attachment | None:
         """Move the session onto `socket`: session.resumed (a new token), then every event after
-        `last_seq`, in order; returns the socket it replaced, if one was still attached."""
-        if not self.token.matches(token):
+        `last_seq`, in order; returns the socket it replaced, if one was still attached. The
+        token before the last still resumes while no socket is attached: the socket its
+        successor went out on may have dropped before the client read it."""
+        if not (self.token.matches(token) or (self.socket is None and self.token.matches_previous(token))):
             raise RealtimeError(
                 "resume_token: not this session's", code="invalid_resume_token", param="resume_token"
             )
@@ -169,9 +171,11 @@ class DuplexSession(RealtimeSession):
         return not self.journal.overflowed and self.ended is None
 
     async def finish(self, reason: str) -> None:
-        """The session ends: session.closed says why, and the socket's handler closes it."""
+        """The session ends: its answer in progress first (cancelled, said), then
+        session.closed says why, its last event; the socket's handler closes the socket."""
         if self.ended is None:
             self.ended = reason
+            await self.cancel("client_cancelled")
             await self.emit("session.closed", session_id=self.id, reason=reason, event={})
 
     def parse(self, data: str | bytes) -> Any:

@@ -69,14 +69,20 @@ class ResumeToken:
     resume (a new one each time); only its digest is kept, and compared in constant time."""
 
     def __init__(self) -> None:
-        self._digest = b""
+        self._digest = self._previous = b""
 
     def issue(self) -> str:
         token = secrets.token_urlsafe(32)
-        self._digest = hashlib.sha256(token.encode()).digest()
+        self._previous, self._digest = self._digest, hashlib.sha256(token.encode()).digest()
         return token
 
     def matches(self, token: str) -> bool:
-        return bool(self._digest) and hmac.compare_digest(
-            hashlib.sha256(token.encode()).digest(), self._digest
-        )
+        return _same(token, self._digest)
+
+    def matches_previous(self, token: str) -> bool:
+        """The token issued before the last one."""
+        return _same(token, self._previous)
+
+
+def _same(token: str, digest: bytes) -> bool:
+    return bool(digest) and hmac.compare_digest(hashlib.sha256(token.encode()).digest(), digest)
