@@ -69,7 +69,11 @@ _OUTPUT_DELTAS: Final = frozenset(
 )
 
 
-@dataclass
+MAX_TYPED: Final = 65536
+"""Characters typed into one user turn (input.text.append) before its commit."""
+
+
+@dataclass(eq=False)
 class Attachment:
     """The socket a session is sent over now; a resume gives it a new one."""
 
@@ -276,6 +280,12 @@ class DuplexSession(RealtimeSession):
                 await self._clear_input()
                 await self.emit("input_audio_buffer.cleared")
             case TextAppend(text=text):
+                if sum(map(len, self._typed)) + len(text) > MAX_TYPED:
+                    raise RealtimeError(
+                        f"text: a turn holds {MAX_TYPED} typed characters at most; commit it",
+                        code="input_text_too_long",
+                        param="text",
+                    )
                 self._typed.append(text)
             case PlaybackAck():
                 await self._playback(event)

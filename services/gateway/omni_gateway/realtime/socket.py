@@ -184,18 +184,30 @@ async def duplex(ws: WebSocket) -> None:
     session = await _duplex_handshake(ws, socket, sessions)
     if session is None:
         return
-    why = await _serve(ws, session, lambda: session.idle_s, session.started + limits.max_session_s)
-    if session.ended is None and why == "closed by the client":
-        if session.socket is not None and session.socket is not socket:
-            return  # replaced by a resume: the session goes on there
-        session.detach(socket)
-        if session.resumable and sessions.grace_s > 0:
-            log.info("realtime %s: its socket dropped; held %gs for a resume", session.id, sessions.grace_s)
-            sessions.hold(session)
-            return
-    await sessions.end(session, session.ended or why)
-    with contextlib.suppress(Exception):  # the client's own close may have come first
-        await ws.close(1000, f"session {session.ended}")
+    why, lives_on = "failed", False
+    try:
+        why = await _serve(ws, session, lambda: session.idle_s, session.started + limits.max_session_s)
+        if session.ended is None and why == "closed by the client":
+            lives_on = _lives_on(session, socket, sessions)
+    finally:  # a handler that fails ends its session, unless a resume moved it to another socket
+        if not lives_on and (session.ended is not None or session.socket in (socket, None)):
+            await sessions.end(session, session.ended or why)
+    if not lives_on:
+        with contextlib.suppress(Exception):  # the client's own close may have come first
+            await ws.close(1000, f"session {session.ended}")
+
+
+def _lives_on(session: DuplexSession, socket: Attachment, sessions: LiveSessions) -> bool:
+    """The client went without `session.close`: the session goes on where a resume moved it,
+    or waits for one (held); False when it cannot be resumed."""
+    if session.socket is not None and session.socket is not socket:
+        return True  # replaced by a resume: the session goes on there
+    session.detach(socket)
+    if not session.resumable or sessions.grace_s <= 0:
+        return False
+    log.info("realtime %s: its socket dropped; held %gs for a resume", session.id, sessions.grace_s)
+    sessions.hold(session)
+    return True
 
 
 async def _duplex_handshake(
@@ -241,9 +253,13 @@ async def _duplex_handshake(
         return None
     sessions.add(session)
     log.info("realtime %s: duplex session opened (%d live)", session.id, len(sessions.duplex))
-    await session.start(socket)
-    if first is not None and not isinstance(event, DuplexSessionUpdate):
-        await session.receive(first)
+    try:
+        await session.start(socket)
+        if first is not None and not isinstance(event, DuplexSessionUpdate):
+            await session.receive(first)
+    except BaseException:  # a session that could not start holds nothing
+        await sessions.end(session, "failed")
+        raise
     return session
 
 
