@@ -11,6 +11,7 @@ frees what the request held when it ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -99,16 +100,23 @@ class RequestRunner:
                     if trig.inputs or (ended and self.engine.needs_last_call):
                         self.metrics.window_triggers.inc()
                         inputs = await self._fetch(st, trig)
-                        await self._return_credit(st, trig)
-                        call = EngineCall(rid, inputs, ended, st.sampling, engine_state)
-                        called = time.monotonic()
-                        with tracing.span("omni.engine.call", attributes=_call_attrs(trig)):
-                            async for out in self.engine.generate(call):
-                                if (s := seg.add(out)) is not None:
-                                    await self._emit(st, s, t0, _usage(engine_state, seg))
-                        self.metrics.engine_call.observe(time.monotonic() - called)
-                        # Inputs read zero-copy pin their segments: let go before the next window.
-                        del inputs, call
+                        call: EngineCall | None = None
+                        try:
+                            await self._return_credit(st, trig)
+                            call = EngineCall(rid, inputs, ended, st.sampling, engine_state)
+                            called = time.monotonic()
+                            with tracing.span("omni.engine.call", attributes=_call_attrs(trig)):
+                                async with contextlib.aclosing(self.engine.generate(call)) as outs:
+                                    async for out in outs:
+                                        if (s := seg.add(out)) is not None:
+                                            await self._emit(st, s, t0, _usage(engine_state, seg))
+                            self.metrics.engine_call.observe(time.monotonic() - called)
+                        finally:
+                            # Inputs read zero-copy pin their segments: let go before the next
+                            # window, and at once when an error leaves it (its traceback holds
+                            # this frame, and a reference cycle would keep the inputs, and the
+                            # segments, until the cyclic collector happened to run).
+                            del inputs, call
                 last = seg.finish()
                 usage = _usage(engine_state, seg)
                 finish = last.finish_reason or engine_state.finish_reason or "stop"
