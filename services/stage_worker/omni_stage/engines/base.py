@@ -18,7 +18,7 @@ import gc
 import importlib
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncGenerator, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -147,8 +147,9 @@ class Engine(ABC):
         return None
 
     @abstractmethod
-    def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        """Outputs for one trigger of one request, as they are produced."""
+    def generate(self, call: EngineCall) -> AsyncGenerator[EngineOutput, None]:
+        """Outputs for one trigger of one request, as they are produced: an async generator,
+        which the runner closes when the window ends early (an error, an abort)."""
 
     def active_requests(self) -> int | None:
         """Requests the engine itself holds, where it tracks them (for the leak gauges)."""
