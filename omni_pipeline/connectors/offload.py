@@ -89,6 +89,11 @@ class OffLoop:
             if not done.cancelled():
                 done.exception()
             raise
+        finally:
+            # The futures keep what `fn` raised, and its traceback keeps this frame and every
+            # caller's: a cycle, that would pin what the callers' locals hold (zero-copy views
+            # on another process's shared memory) until the cyclic collector ran. Let go here.
+            del job, done
 
     async def within(self, seconds: float, fn: Callable[..., object], *args: Any) -> bool:
         """Run `fn` off the loop and wait for it at most `seconds`; False if it is still running
