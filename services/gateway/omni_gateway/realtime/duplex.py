@@ -15,10 +15,7 @@ or at VAD's end of speech.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Final
 
 import msgspec
@@ -48,7 +45,7 @@ from omni_gateway.realtime.duplex_protocol import (
     SessionResume,
     TextAppend,
 )
-from omni_gateway.realtime.journal import Journal, ResumeToken
+from omni_gateway.realtime.link import Attachment, Hello, Link
 from omni_gateway.realtime.protocol import (
     PCM_RATE,
     AudioClear,
@@ -73,19 +70,6 @@ MAX_TYPED: Final = 65536
 """Characters typed into one user turn (input.text.append) before its commit."""
 
 
-@dataclass(eq=False)
-class Attachment:
-    """The socket a session is sent over now; a resume gives it a new one."""
-
-    send_text: Callable[[str], Awaitable[None]]
-    close: Callable[[int, str], Awaitable[None]]
-    generation: int = 0
-
-
-class ResyncRequired(Exception):
-    """The journal no longer holds every event the resuming client missed."""
-
-
 class DuplexSession(RealtimeSession):
     """A live session of the duplex dialect; LiveSessions holds it while its socket is away."""
 
@@ -98,11 +82,8 @@ class DuplexSession(RealtimeSession):
         max_idle_s: float,
     ) -> None:
         super().__init__(pipeline, self._deliver, max_buffer_bytes, metrics)
+        self.link = Link(self.id, journal_bytes)
         self.settings.turn_detection = None  # the dialect's default: the client commits
-        self.journal = Journal(journal_bytes)
-        self.token = ResumeToken()
-        self.socket: Attachment | None = None
-        self.generation = 0
         self.started = time.monotonic()
         self.max_idle_s = max_idle_s
         self.idle_timeout_s: float | None = None
@@ -123,9 +104,6 @@ class DuplexSession(RealtimeSession):
         """What the client last said it played of the latest response (None: nothing said)."""
         self._spoken: str | None = None
         """The response whose speak decision went out."""
-        self._lock = asyncio.Lock()
-        """One sender at a time, and none while a resume swaps the socket and replays."""
-        self._told_resync = False
 
     # --- the socket's side -------------------------------------------------------------------
 
@@ -134,45 +112,17 @@ class DuplexSession(RealtimeSession):
         return self.idle_timeout_s or self.max_idle_s
 
     async def start(self, socket: Attachment) -> None:
-        """On its first socket: session.created, with the token to resume it (not journaled:
-        a client that missed it has no token to resume with)."""
+        """On its first socket: session.created, with the token to resume it."""
         await self._detect_turns()
-        self.generation = socket.generation = 1
-        self.socket = socket
-        async with self._lock:
-            await self._to_socket(self._handshake("session.created"))
+        await self.link.attach(socket, self._hello("session.created"))
 
     async def resume(self, socket: Attachment, token: str, last_seq: int) -> Attachment | None:
-        """Move the session onto `socket`: session.resumed (a new token), then every event after
-        `last_seq`, in order; returns the socket it replaced, if one was still attached. The
-        token before the last still resumes while no socket is attached: the socket its
-        successor went out on may have dropped before the client read it."""
-        if not (self.token.matches(token) or (self.socket is None and self.token.matches_previous(token))):
-            raise RealtimeError(
-                "resume_token: not this session's", code="invalid_resume_token", param="resume_token"
-            )
-        async with self._lock:
-            missed = self.journal.after(last_seq)
-            if missed is None:
-                raise ResyncRequired
-            replaced, self.socket = self.socket, socket
-            self.generation += 1
-            socket.generation = self.generation
-            await self._to_socket(self._handshake("session.resumed"))
-            for text in missed:
-                await self._to_socket(text)
-        return replaced
-
-    def detach(self, socket: Attachment) -> bool:
-        """`socket` has gone; True if the session was on it (and now waits for a resume)."""
-        if self.socket is not socket:
-            return False
-        self.socket = None
-        return True
+        """Onto `socket` (Link.resume): session.resumed, then what the client missed."""
+        return await self.link.resume(socket, token, last_seq, self._hello("session.resumed"))
 
     @property
     def resumable(self) -> bool:
-        return not self.journal.overflowed and self.ended is None
+        return not self.link.journal.overflowed and self.ended is None
 
     async def finish(self, reason: str) -> None:
         """The session ends: its answer in progress first (cancelled, said), then
@@ -187,40 +137,21 @@ class DuplexSession(RealtimeSession):
 
     # --- what goes out -----------------------------------------------------------------------
 
-    def _handshake(self, type_: str) -> str:
-        event = {
-            "type": type_,
-            "event_id": new_id("event"),
-            "session_id": self.id,
-            "session": self.session_wire(),
-            "resume_token": self.token.issue(),
-            "attachment_generation": self.generation,
-        }
-        return msgspec.json.encode(event).decode()
+    def _hello(self, type_: str) -> Hello:
+        def hello(token: str, generation: int) -> dict[str, Any]:
+            return {
+                "type": type_,
+                "event_id": new_id("event"),
+                "session_id": self.id,
+                "session": self.session_wire(),
+                "resume_token": token,
+                "attachment_generation": generation,
+            }
+
+        return hello
 
     async def _deliver(self, event: dict[str, Any]) -> None:
-        """Every event of the session: numbered and journaled, then sent if a socket is there."""
-        async with self._lock:
-            text = self.journal.record(event)
-            if self.journal.overflowed and not self._told_resync:
-                self._told_resync = True
-                resync = {
-                    "type": "session.resync_required",
-                    "event_id": new_id("event"),
-                    "session_id": self.id,
-                    "reason": "journal_overflow",
-                }
-                await self._to_socket(msgspec.json.encode(resync).decode())
-            await self._to_socket(text)
-
-    async def _to_socket(self, text: str) -> None:
-        socket = self.socket
-        if socket is None:
-            return
-        try:
-            await socket.send_text(text)
-        except Exception:  # it has gone: kept in the journal, for a resume
-            self.detach(socket)
+        await self.link.deliver(event)
 
     async def emit(self, type_: str, **fields: Any) -> None:
         """The dialect's additions to GA's events: a response's id at the top of its created
@@ -293,7 +224,7 @@ class DuplexSession(RealtimeSession):
                 await self._barge_in()
             case EventAck(server_event_seq=seq):
                 try:
-                    self.journal.acknowledge(seq)
+                    self.link.journal.acknowledge(seq)
                 except ValueError as exc:
                     raise RealtimeError(
                         str(exc), code="invalid_event_ack", param="server_event_seq"

@@ -28,8 +28,9 @@ from omni_gateway.errors import ModelNotFound, OmniError, Overloaded
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline
 from omni_gateway.realtime.conversation import BYTES_PER_MS
-from omni_gateway.realtime.duplex import Attachment, DuplexSession, ResyncRequired
+from omni_gateway.realtime.duplex import DuplexSession
 from omni_gateway.realtime.duplex_protocol import DUPLEX_DECODER, DuplexSessionUpdate, SessionResume
+from omni_gateway.realtime.link import Attachment, ResyncRequired
 from omni_gateway.realtime.protocol import RealtimeError, client_event_id, new_id, parse_event
 from omni_gateway.realtime.session import RealtimeSession
 
@@ -108,7 +109,7 @@ class LiveSessions:
             with contextlib.suppress(Exception):  # one that has just gone
                 await ws.close(GOING_AWAY, reason)
         for session in list(self.duplex.values()):
-            socket = session.socket
+            socket = session.link.socket
             await self.end(session, "server_shutdown")
             if socket is not None:
                 with contextlib.suppress(Exception):
@@ -190,7 +191,7 @@ async def duplex(ws: WebSocket) -> None:
         if session.ended is None and why == "closed by the client":
             lives_on = _lives_on(session, socket, sessions)
     finally:  # a handler that fails ends its session, unless a resume moved it to another socket
-        if not lives_on and (session.ended is not None or session.socket in (socket, None)):
+        if not lives_on and (session.ended is not None or session.link.socket in (socket, None)):
             await sessions.end(session, session.ended or why)
     if not lives_on:
         with contextlib.suppress(Exception):  # the client's own close may have come first
@@ -200,9 +201,9 @@ async def duplex(ws: WebSocket) -> None:
 def _lives_on(session: DuplexSession, socket: Attachment, sessions: LiveSessions) -> bool:
     """The client went without `session.close`: the session goes on where a resume moved it,
     or waits for one (held); False when it cannot be resumed."""
-    if session.socket is not None and session.socket is not socket:
+    if session.link.socket is not None and session.link.socket is not socket:
         return True  # replaced by a resume: the session goes on there
-    session.detach(socket)
+    session.link.detach(socket)
     if not session.resumable or sessions.grace_s <= 0:
         return False
     log.info("realtime %s: its socket dropped; held %gs for a resume", session.id, sessions.grace_s)
@@ -282,7 +283,7 @@ async def _resume(
         return None
     sessions.resumed(session)
     metrics.resumes.inc()
-    log.info("realtime %s: resumed (generation %d)", session.id, session.generation)
+    log.info("realtime %s: resumed (generation %d)", session.id, session.link.generation)
     if replaced is not None:
         replacement = {"type": "session.replaced", "event_id": new_id("event"), "session_id": session.id}
         with contextlib.suppress(Exception):  # it may be gone already
