@@ -17,6 +17,7 @@ from typing import Any, Final
 import msgspec
 
 from omni_pipeline import wire
+from omni_pipeline.clips import ClipLimits
 from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, PayloadGone
 
 log = logging.getLogger(__name__)
@@ -338,6 +339,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     the audio ahead to the replica the session's responses are pinned to."""
     max_sleep_level: int | None = None
     """The deepest sleep its engine can do (see SleepMsg); None: it cannot be put to sleep."""
+    clip_limits: ClipLimits | None = None
+    """What its engine can make of a video (a video denoiser's), once loaded: a gateway refuses
+    a video job beyond it before queueing it."""
     ts: float = msgspec.field(default_factory=time.time)
 
 

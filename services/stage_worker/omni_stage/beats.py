@@ -108,6 +108,7 @@ class Beats:
             asleep=self.book.asleep,
             max_sleep_level=self.engine.max_sleep_level,
             audio_ahead=self.book.is_source and self.engine.audio_ahead is not None,
+            clip_limits=self.engine.clip_limits,
         )
         await self.outbox.broadcast(self.subjects.heartbeat, hb)
 

@@ -9,6 +9,8 @@
 - tiny-image: a diffusers pipeline directory of a PixArt-alpha transformer (its captions are the
   thinker's hidden states, so tiny-thinker is its text encoder), a DPM-Solver scheduler and a
   KL VAE with 4x downsampling: images in multiples of 8 pixels.
+- tiny-video: a diffusers Wan 2.1 text-to-video pipeline directory (UMT5 text encoder, Wan 3D
+  transformer, Wan VAE, UniPC flow scheduler), complete, so diffusers' `WanPipeline` loads it.
 """
 
 from __future__ import annotations
@@ -150,12 +152,69 @@ def _image_pipeline(path: Path, caption_channels: int) -> None:
     (path / "model_index.json").write_text(json.dumps(index, indent=2))
 
 
+def _video_pipeline(path: Path) -> None:
+    """A Wan 2.1 text-to-video pipeline directory as diffusers' `WanPipeline` loads it: a UMT5
+    text encoder (with the demo tokenizer), the 3D transformer, the causal 3D VAE (4x in time,
+    8x in space) and the flow-matching UniPC scheduler Wan ships with."""
+    import diffusers
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tok = byte_level_tokenizer("", [])
+    torch.manual_seed(5)
+    UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(tok),
+            d_model=32,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    ).save_pretrained(path / "text_encoder")
+    tok.save_pretrained(path / "tokenizer")
+    WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=32,
+        freq_dim=256,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    ).save_pretrained(path / "transformer")
+    AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    ).save_pretrained(path / "vae")
+    UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    ).save_pretrained(path / "scheduler")
+    index = {
+        "_class_name": "WanPipeline",
+        "_diffusers_version": diffusers.__version__,
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "transformer_2": [None, None],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+    }
+    (path / "model_index.json").write_text(json.dumps(index, indent=2))
+
+
 def init_demo(out_dir: str | Path) -> dict[str, Path]:
     """Write tiny-thinker, tiny-talker, tiny-vocoder, each model family's tiny checkpoint
     (tiny-qwen2.5-omni, tiny-qwen3-omni: the registry's FAMILIES) and tiny-image (last: its index
     means all are there) under `out_dir`; returns their paths, by name without `tiny-`."""
     out = Path(out_dir)
-    names = ("thinker", "talker", "vocoder", *(f.demo for f in FAMILIES.values()), "image")
+    names = ("thinker", "talker", "vocoder", *(f.demo for f in FAMILIES.values()), "video", "image")
     paths = {name: out / f"tiny-{name}" for name in names}
 
     tok = byte_level_tokenizer(CHAT_TEMPLATE, ["<|im_start|>"])
@@ -178,5 +237,6 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
 
     for family in FAMILIES.values():
         import_object(family.checkpoint)(paths[family.demo])
+    _video_pipeline(paths["video"])
     _image_pipeline(paths["image"], caption_channels=HIDDEN)
     return paths

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from omni_pipeline.clips import ClipLimits
 from omni_pipeline.control import PromptLogprobs
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.audio_ahead import DEFAULT_SECONDS as AHEAD_SECONDS
@@ -115,6 +116,10 @@ class Engine(ABC):
     audio_ahead: AudioAhead | None = None
     """Live sessions' audio, encoded as it arrives (audio_ahead.py), where the engine can: its
     requests take the windows encoded ahead. Given up on sleep and when a session closes."""
+
+    clip_limits: ClipLimits | None = None
+    """What the engine can make of a video, once loaded (a video denoiser's), announced in the
+    replica's heartbeat: a gateway refuses a video job beyond it before queueing it."""
 
     max_sleep_level: int = 2
     """The deepest sleep this engine can do, in vLLM's levels: 0 frees nothing (the replica only

@@ -42,6 +42,7 @@ from typing import Any, Final
 import torch
 import torch.nn.functional as F
 
+from omni_pipeline.clips import ClipError, check_size
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.batching import StepBatcher
@@ -56,12 +57,21 @@ MAX_STEPS: Final = 1000
 
 
 def build_diffusers_engine(stage: StageSpec) -> Engine:
+    """The engine of the stage's `role`, for the model family its pipeline directory holds (a
+    video family's denoiser and VAE differ from an image family's)."""
+    from omni_stage.engines import diffusers_text, diffusers_video
+
     role = stage.engine.args.get("role")
+    video = diffusers_video.is_video_pipeline(Path(str(stage.engine.model)))
+    if role == "encode":
+        return diffusers_text.TextEncodeEngine(stage)
     if role == "denoise":
-        return DenoiseEngine(stage)
+        return diffusers_video.VideoDenoiseEngine(stage) if video else DenoiseEngine(stage)
     if role == "decode":
-        return DecodeEngine(stage)
-    raise EngineError(f"stage '{stage.name}': engine.args.role must be 'denoise' or 'decode', got {role!r}")
+        return diffusers_video.VideoDecodeEngine(stage) if video else DecodeEngine(stage)
+    raise EngineError(
+        f"stage '{stage.name}': engine.args.role must be 'encode', 'denoise' or 'decode', got {role!r}"
+    )
 
 
 class _DiffusersPart(ComputeEngine):
@@ -78,6 +88,8 @@ class _DiffusersPart(ComputeEngine):
         self._steps = 0
         self.vae_scale = 8
         """Pixels per latent cell, from the VAE's config (the denoiser never loads the VAE)."""
+        self.vae_frames = 1
+        """Video frames per latent frame after the first (a video VAE's temporal compression)."""
 
     async def start(self) -> None:
         await self._run(self._start)
@@ -89,7 +101,10 @@ class _DiffusersPart(ComputeEngine):
         if threads := self.args.get("threads"):
             torch.set_num_threads(int(threads))
         config = self._part_class("vae").load_config(self.path, subfolder="vae")
-        self.vae_scale = int(2 ** (len(config["block_out_channels"]) - 1))
+        self.vae_scale = int(
+            config.get("scale_factor_spatial") or 2 ** (len(config["block_out_channels"]) - 1)
+        )
+        self.vae_frames = int(config.get("scale_factor_temporal") or 1)
         self._load()
 
     @functools.cached_property
@@ -105,16 +120,19 @@ class _DiffusersPart(ComputeEngine):
         return index
 
     def _part_class(self, part: str) -> Any:
+        """The class of a part, from diffusers or (a text encoder, a tokenizer) transformers."""
         import diffusers
+        import transformers
 
         index_file = self.path / "model_index.json"
         entry = self._index.get(part)
-        if not isinstance(entry, list) or len(entry) != 2 or entry[0] != "diffusers":
+        libraries = {"diffusers": diffusers, "transformers": transformers}
+        if not isinstance(entry, list) or len(entry) != 2 or entry[0] not in libraries:
             raise EngineError(f"stage '{self.stage.name}': {index_file} has no diffusers part '{part}'")
-        cls = getattr(diffusers, str(entry[1]), None)
+        cls = getattr(libraries[entry[0]], str(entry[1]), None)
         if cls is None:
             raise EngineError(
-                f"stage '{self.stage.name}': diffusers has no class {entry[1]!r} (for '{part}')"
+                f"stage '{self.stage.name}': {entry[0]} has no class {entry[1]!r} (for '{part}')"
             )
         return cls
 
@@ -237,12 +255,10 @@ class DenoiseEngine(_DiffusersPart):
         steps = int(sampling.get("num_inference_steps") or self.steps)
         guidance = sampling.get("guidance_scale")
         guidance = self.guidance if guidance is None else float(guidance)
-        m, top = self.multiple, self.max_size
-        if not (m <= width <= top and m <= height <= top and width % m == 0 and height % m == 0):
-            raise InvalidRequest(
-                f"size {width}x{height}: this model makes widths and heights that are multiples of {m}, "
-                f"from {m} to {top}"
-            )
+        try:
+            check_size(width, height, self.multiple, self.max_size)
+        except ClipError as exc:
+            raise InvalidRequest(str(exc)) from None
         if not 1 <= n <= MAX_IMAGES:
             raise InvalidRequest(f"n: {n} images; from 1 to {MAX_IMAGES}")
         if not 1 <= steps <= MAX_STEPS:

@@ -1,0 +1,237 @@
+"""Video diffusion stages: Wan 2.1's 3D transformer as the denoiser, its causal 3D VAE as the
+decoder (the image stages of diffusers.py, with time as one more latent axis).
+
+role `denoise` (`WanTransformer3DModel`). Reads `prompt_embeds` and `negative_prompt_embeds`
+(the `encode` stage's), pads them with zeros to `textLength` tokens as Wan's pipeline feeds its
+transformer, and samples latents [n, C, 1 + (frames - 1) / 4, h / 8, w / 8] in float32, the
+transformer running in the stage's dtype. The prompt's and the negative's rows go in one
+forward, and concurrent requests' steps with latents of one shape share it (diffusers.py's
+batching). A clip's length is `num_frames`, or `seconds` at the stage's `fps`, rounded to
+the frames the VAE can make (4k + 1); the stage's `maxFrames` bounds it.
+role `decode` (`AutoencoderKLWan`). Final latents in, frames out: uint8 [n, F, H, W, 3].
+
+Units. A video job reports its progress, so with `progress` set the denoiser emits a unit after
+every step that carries no latents, only the count; the final unit carries them. Units joined
+in one segment stay aligned, so the latents ride in a per-unit list (`None` in a progress unit):
+`latents` [tensor | None], `step` [1], `steps` [1], `final` [1]; metadata `fps`. The decoder
+passes the newest progress on and decodes the final unit: `frames` [tensor | None] per unit.
+
+Request parameters: n, width, height, num_frames, seconds, fps, num_inference_steps,
+guidance_scale, seed, progress. Arguments (`engine.args`): those of diffusers.py's stages, and
+textLength, fps (the clip's frame rate, default 16, Wan's), frames (default length), maxFrames.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any, Final
+
+import torch
+
+from omni_pipeline.clips import ClipError, ClipLimits, clip_frames
+from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.batching import StepBatcher
+from omni_stage.engines.diffusers import DenoiseEngine, _conditioning, _DiffusersPart, _inputs, _Sampling
+from omni_stage.engines.diffusers_text import TEXT_LENGTH
+from omni_stage.payload import concat
+from omni_stage.segments import EngineOutput
+
+VIDEO_DENOISERS: Final = ("WanTransformer3DModel",)
+
+
+def is_video_pipeline(path: Path) -> bool:
+    """Whether a pipeline directory holds a video family (its transformer is a video one)."""
+    try:
+        entry = json.loads((path / "model_index.json").read_text()).get("transformer")
+    except (OSError, ValueError, AttributeError):
+        return False  # the engine's own loading says what is wrong with the directory
+    return isinstance(entry, list) and len(entry) == 2 and entry[1] in VIDEO_DENOISERS
+
+
+class VideoDenoiseEngine(DenoiseEngine):
+    request_keys = DenoiseEngine.request_keys | {"num_frames", "seconds", "fps", "progress"}
+
+    def __init__(self, stage: Any) -> None:
+        super().__init__(stage)
+        self.text_length = int(self.args.get("textLength", TEXT_LENGTH))
+        self.fps = int(self.args.get("fps", 16))
+        self.frames = int(self.args.get("frames", 81))
+        self.max_frames = int(self.args.get("maxFrames", self.frames))
+
+    def _load(self) -> None:
+        cls = self._part_class("transformer").__name__
+        if cls not in VIDEO_DENOISERS:
+            raise EngineError(
+                f"stage '{self.stage.name}': video denoiser {cls} is not supported; "
+                f"supported: {', '.join(VIDEO_DENOISERS)}"
+            )
+        self.denoiser = self._load_part("transformer")
+        self.scheduler = self._load_part("scheduler")
+        self._takes_generator = False  # flow-matching schedulers draw no noise while stepping
+        self.multiple = self.vae_scale * int(self.denoiser.config.patch_size[1])
+        self.clip_limits = ClipLimits(
+            self.multiple, self.max_size, self.fps, self.frames, self.max_frames, self.vae_frames
+        )
+
+    def _frames(self, sampling: dict[str, Any]) -> tuple[int, int]:
+        """The clip's frames and frame rate (omni_pipeline.clips)."""
+        assert self.clip_limits is not None
+        seconds = sampling.get("seconds")
+        try:
+            return clip_frames(
+                self.clip_limits,
+                None if seconds is None else float(seconds),
+                sampling.get("fps"),
+                sampling.get("num_frames"),
+            )
+        except ClipError as exc:
+            raise InvalidRequest(str(exc)) from None
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        embeds = _inputs(call, "prompt_embeds")
+        negative = _inputs(call, "negative_prompt_embeds")
+        if embeds is None:
+            raise EngineError(f"stage '{self.stage.name}': no prompt_embeds in its inputs (an encode stage?)")
+        frames, fps = self._frames(call.sampling)
+        plan = await self._run(
+            self._plan_video, embeds[-1], None if negative is None else negative[-1], call.sampling, frames
+        )
+        progress = bool(call.sampling.get("progress"))
+        self._active.add(call.request_id)
+        try:
+            timesteps = plan.scheduler.timesteps
+            for i in range(len(timesteps)):
+                await self.batcher.submit(tuple(plan.latents.shape[1:]), (plan, timesteps[i]))
+                if progress and i + 1 < len(timesteps):
+                    yield EngineOutput(units=1, data=_unit(None, i + 1, len(timesteps), fps))
+            latents = plan.latents.float().cpu().clone()
+            yield EngineOutput(units=1, data=_unit(latents, len(timesteps), len(timesteps), fps))
+        finally:
+            self._active.discard(call.request_id)
+
+    @torch.inference_mode()
+    def _plan_video(
+        self, embeds: torch.Tensor, negative: torch.Tensor | None, sampling: dict[str, Any], frames: int
+    ) -> _Sampling:
+        n, width, height, steps, guidance = self._params(sampling)
+        c = self.denoiser.config
+        if embeds.shape[-1] != c.text_dim:
+            raise EngineError(
+                f"stage '{self.stage.name}': prompt embeddings are {embeds.shape[-1]} wide, "
+                f"the denoiser takes {c.text_dim}"
+            )
+        seed = sampling.get("seed")
+        generator = torch.Generator().manual_seed(int(seed) if seed is not None else secrets.randbits(63))
+        scheduler = type(self.scheduler).from_config(self.scheduler.config)  # its state is per request
+        scheduler.set_timesteps(steps, device=self.device)
+        scheduler.set_begin_index(0)
+        latent_frames = (frames - 1) // self.vae_frames + 1
+        shape = (n, c.in_channels, latent_frames, height // self.vae_scale, width // self.vae_scale)
+        latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
+        cond, mask = _conditioning(self._padded(embeds), self._padded(negative), n, guidance > 1.0)
+        return _Sampling(
+            scheduler,
+            latents,
+            cond.to(self.device, self.dtype),
+            mask.to(self.device, self.dtype),
+            guidance,
+            generator,
+            set(),
+            (height, width),
+        )
+
+    def _padded(self, embeds: torch.Tensor | None) -> torch.Tensor | None:
+        """[tokens, hidden] -> [textLength, hidden], zeros after the prompt (Wan's pipeline)."""
+        if embeds is None:
+            return None
+        e = embeds[: self.text_length].float()
+        return torch.cat([e, e.new_zeros(self.text_length - e.shape[0], e.shape[1])])
+
+    def _denoise(
+        self,
+        x: torch.Tensor,
+        t: torch.Tensor,
+        cond: torch.Tensor,
+        mask: torch.Tensor,
+        sizes: list[tuple[int, int]],
+    ) -> torch.Tensor:
+        """Wan attends to every text position (the zeros too), so the mask goes unused."""
+        out = self.denoiser(
+            hidden_states=x.to(self.dtype), timestep=t, encoder_hidden_states=cond, return_dict=False
+        )[0]
+        return out.float()
+
+
+class VideoDecodeEngine(_DiffusersPart):
+    weights = ("vae",)
+
+    def __init__(self, stage: Any) -> None:
+        super().__init__(stage)
+        self.vae: Any = None
+        self.batcher = StepBatcher(self._decode_together, self._compute, self.max_batch)
+
+    def _load(self) -> None:
+        self.vae = self._load_part("vae")
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        parts = [p for p in call.inputs.values() if "latents" in p]
+        if not parts:
+            return
+        payload = concat(parts)
+        latents, step, steps, final = payload["latents"], payload["step"], payload["steps"], payload["final"]
+        fps = int(payload.get("fps") or 16)
+        self._active.add(call.request_id)
+        try:
+            done = [i for i in range(len(final)) if bool(final[i])]
+            if not done:  # only progress: pass the newest on
+                i = len(final) - 1
+                yield EngineOutput(units=1, data=_frames_unit(None, int(step[i]), int(steps[i]), False, fps))
+                return
+            for i in done:
+                if not isinstance(latents[i], torch.Tensor):
+                    raise EngineError(f"stage '{self.stage.name}': a final unit came without latents")
+                video = await self.batcher.submit(tuple(latents[i].shape[1:]), latents[i])
+                yield EngineOutput(units=1, data=_frames_unit(video, int(step[i]), int(steps[i]), True, fps))
+        finally:
+            self._active.discard(call.request_id)
+
+    def _decode_together(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Latents [n, C, f, h, w] of one shape from several requests, in one VAE decode."""
+        return list(self._decode(torch.cat(items)).split([x.shape[0] for x in items]))
+
+    @torch.inference_mode()
+    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """Un-normalized as Wan's pipeline does (per-channel mean and std), decoded, and turned
+        into uint8 frames [n, F, H, W, 3]."""
+        c = self.vae.config
+        shape = (1, c.z_dim, 1, 1, 1)
+        mean = torch.tensor(c.latents_mean).view(shape).to(self.device, self.dtype)
+        std = 1.0 / torch.tensor(c.latents_std).view(shape).to(self.device, self.dtype)
+        lat = latents.to(self.device, self.dtype) / std + mean
+        video = self.vae.decode(lat, return_dict=False)[0]
+        self._steps += 1
+        rgb = ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
+        return rgb.permute(0, 2, 3, 4, 1).cpu().contiguous()
+
+
+def _unit(latents: torch.Tensor | None, step: int, steps: int, fps: int) -> dict[str, Any]:
+    return {
+        "latents": [latents],
+        "step": torch.tensor([step], dtype=torch.int64),
+        "steps": torch.tensor([steps], dtype=torch.int64),
+        "final": torch.tensor([latents is not None], dtype=torch.bool),
+        "fps": fps,
+    }
+
+
+def _frames_unit(frames: torch.Tensor | None, step: int, steps: int, final: bool, fps: int) -> dict[str, Any]:
+    return {
+        "frames": [frames],
+        "step": torch.tensor([step], dtype=torch.int64),
+        "steps": torch.tensor([steps], dtype=torch.int64),
+        "final": torch.tensor([final], dtype=torch.bool),
+        "fps": fps,
+    }
