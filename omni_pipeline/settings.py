@@ -163,6 +163,42 @@ class RealtimeSpec(SpecModel):
     )
 
 
+class VideoJobsSpec(SpecModel):
+    """Video generation jobs (/v1/videos): where they are kept, and how many may wait."""
+
+    state_dir: str = Field(
+        default=".omni-state",
+        description="omni serve: the directory (relative: to the working directory) holding the job store "
+        "(SQLite) and the videos, under the pipeline's name; jobs and their files outlive the gateway.",
+    )
+    concurrency: int = Field(default=2, ge=1, description="Jobs a gateway replica runs at once.")
+    max_queued: int = Field(
+        default=256, ge=1, description="Jobs queued or running in all; a job beyond it is refused (429)."
+    )
+    max_queued_per_key: int = Field(
+        default=16,
+        ge=1,
+        description="Jobs queued or running per API key (all clients share one key when keys are off); "
+        "beyond it, 429.",
+    )
+    retention_s: float = Field(
+        default=86400.0,
+        gt=0,
+        description="A finished job (and its files) is kept this long after it ends, then deleted "
+        "(its expires_at).",
+    )
+    max_video_bytes: int = Field(
+        default=1 << 30, ge=1 << 10, description="Largest video file a job may write; a larger one fails it."
+    )
+    timeout_s: float = Field(default=3600.0, gt=0, description="A job's deadline once it runs.")
+    lease_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="A running job's lease: renewed while its gateway lives; a job whose lease lapses (its "
+        "gateway died or was replaced) is taken up by the next gateway that looks, one only.",
+    )
+
+
 class GatewaySpec(SpecModel):
     replicas: int = Field(default=1, ge=1, description="Gateway replicas (Distributed mode).")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port of the gateway.")
@@ -199,6 +235,7 @@ class GatewaySpec(SpecModel):
         description="Requests that may wait so at once; more get a 503 at once.",
     )
     realtime: RealtimeSpec = Field(default_factory=RealtimeSpec, description="Limits on live sessions.")
+    videos: VideoJobsSpec = Field(default_factory=VideoJobsSpec, description="Video generation jobs.")
 
 
 class ObservabilitySpec(SpecModel):

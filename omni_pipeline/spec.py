@@ -61,6 +61,7 @@ class OutputKind(StrEnum):
     TEXT = "text"
     AUDIO = "audio"
     IMAGE = "image"
+    VIDEO = "video"
 
 
 class EngineSpec(_Model):
@@ -181,7 +182,8 @@ class StageSpec(_Model):
     engine: EngineSpec
     inputs: list[InputSpec] = Field(min_length=1, max_length=16, description="In-edges of this stage.")
     final_output: OutputKind | None = Field(
-        default=None, description="If set, this stage's output goes to the client as text, audio or image."
+        default=None,
+        description="If set, this stage's output goes to the client as text, audio, image or video.",
     )
     skip_without_media: bool = Field(
         default=False,

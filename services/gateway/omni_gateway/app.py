@@ -8,6 +8,7 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, Final
 
 from fastapi import FastAPI, Request
@@ -28,10 +29,12 @@ from omni_gateway.realtime.socket import LiveSessions
 from omni_gateway.realtime.socket import router as realtime_router
 from omni_gateway.realtime.speech_stream import router as speech_stream_router
 from omni_gateway.routes import router
+from omni_gateway.videos.jobs import VideoJobs
+from omni_gateway.videos.routes import router as videos_router
 from omni_pipeline.lifecycle import exit_if_stuck
 from omni_pipeline.logs import REQUEST_ID, configure_logging
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
-from omni_pipeline.spec import PipelineFile
+from omni_pipeline.spec import OutputKind, PipelineFile
 from omni_pipeline.tracing import configure_tracing, shutdown_tracing
 
 log = logging.getLogger("omni.gateway")
@@ -115,6 +118,9 @@ def build_app(
     app.include_router(realtime_router)
     app.include_router(page_router)
     app.include_router(speech_stream_router)
+    app.include_router(videos_router)
+    app.state.api_keys_required = bool(api_keys)
+    app.state.video_jobs = None  # set while serving, for a pipeline that makes video
     realtime = pipeline.spec.gateway.realtime
     app.state.live_sessions = LiveSessions(realtime.max_sessions, realtime.resume_grace_s, metrics)
     # Added innermost first: the key is checked before the body is read; every answer, the
@@ -189,6 +195,12 @@ def run_gateway(
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(READY_WAIT_S):
                         await service.bus.covered.wait()
+            jobs = None
+            if OutputKind.VIDEO in pipeline.spec.output_kinds():
+                videos = pipeline.spec.gateway.videos
+                jobs = VideoJobs(service, videos, Path(videos.state_dir) / pipeline.name)
+                await jobs.start()
+                app.state.video_jobs = jobs
             ready({"port": sock.getsockname()[1], "gateway_id": service.gateway_id})
             log.info(
                 "gateway %s serving %s on http://%s:%d",
@@ -199,6 +211,8 @@ def run_gateway(
             )
             yield
             exit_if_stuck()  # done serving: closing must not hold the process (or a pod) for ever
+            if jobs is not None:
+                await jobs.stop()  # its running jobs go back to the queue, for the next gateway
             await service.stop()
 
         sock = listen(host, port)

@@ -23,7 +23,15 @@ from opentelemetry.trace import StatusCode
 
 from omni_gateway.bus import ERRORS, Bus
 from omni_gateway.errors import BadRequest, OmniError, PayloadTooLarge, StageFailed, Timeout
-from omni_gateway.events import AudioChunk, Event, Finished, ImageProgress, StageFigures, TextDelta
+from omni_gateway.events import (
+    AudioChunk,
+    Event,
+    Finished,
+    ImageProgress,
+    StageFigures,
+    TextDelta,
+    VideoProgress,
+)
 from omni_gateway.inflight import Tracked
 from omni_gateway.replicas import Replica
 from omni_pipeline import wire
@@ -289,6 +297,8 @@ class Attempts:
             return [AudioChunk(samples, int(payload.get("sample_rate", 24000)))]
         if m.kind == OutputKind.IMAGE:
             return _image_events(m.stage, payload)
+        if m.kind == OutputKind.VIDEO:
+            return _video_events(m.stage, payload)
         raise StageFailed(f"stage '{m.stage}': output kind '{m.kind}' is not served by this endpoint")
 
 
@@ -308,3 +318,25 @@ def _image_events(stage: str, payload: dict[str, Any]) -> list[Event]:
         ImageProgress(int(steps[u]), [img.numpy().copy() for img in images[u]], bool(final[u]))
         for u in range(images.shape[0])
     ]
+
+
+def _video_events(stage: str, payload: dict[str, Any]) -> list[Event]:
+    """One event per unit: `frames` [units] of uint8 [n, F, H, W, 3] in the final unit (None in
+    a progress unit), with `step`, `steps` and `final` per unit and the clip's `fps`."""
+    frames, step, steps, final = (payload.get(k) for k in ("frames", "step", "steps", "final"))
+    if not (
+        isinstance(frames, list)
+        and all(isinstance(t, torch.Tensor) for t in (step, steps, final))
+        and len(frames) == len(final)  # type: ignore[arg-type]
+    ):
+        raise StageFailed(f"stage '{stage}' sent video without frames, step, steps and final")
+    events: list[Event] = []
+    for u, clips in enumerate(frames):
+        last = bool(final[u])  # type: ignore[index]
+        if last and not (isinstance(clips, torch.Tensor) and clips.dim() == 5 and clips.dtype == torch.uint8):
+            raise StageFailed(f"stage '{stage}' sent a final video unit without uint8 frames [n, F, H, W, 3]")
+        # Copies: the payload is a view on a shm segment, which a slow client must not pin.
+        videos = [clip.numpy().copy() for clip in clips] if last else []
+        fps = int(payload.get("fps") or 16)
+        events.append(VideoProgress(int(step[u]), int(steps[u]), videos, fps, last))  # type: ignore[index]
+    return events

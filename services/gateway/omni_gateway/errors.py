@@ -61,6 +61,22 @@ class NotServed(OmniError):
     code = "not_found"
 
 
+class NotFound(OmniError):
+    """A resource that does not exist (a video job), or not for the caller's API key."""
+
+    status = 404
+    type = "invalid_request_error"
+    code = "not_found"
+
+
+class NotReady(OmniError):
+    """A resource not in the state the request needs (a video's content while it renders)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "not_ready"
+
+
 class Overloaded(OmniError):
     """Every replica of a needed stage is full: come back later."""
 

@@ -39,6 +39,19 @@ class ImageProgress:
 
 
 @dataclass(frozen=True, slots=True)
+class VideoProgress:
+    """A video request after `step` of its `steps` denoising steps; the last one (`is_last`)
+    carries the clips, one RGB array [frames, height, width, 3] uint8 per video, made to be
+    played at `fps`."""
+
+    step: int
+    steps: int
+    videos: list[np.ndarray]
+    fps: int
+    is_last: bool
+
+
+@dataclass(frozen=True, slots=True)
 class StageFigures:
     """One stage's part in a request, as the gateway saw it: what it read and made (its units:
     tokens, codes, samples), and when, from the attempt's start, its first output reached the
@@ -69,7 +82,7 @@ class Finished:
     """The text stage's, where the request asked (vLLM's `prompt_logprobs`)."""
 
 
-Event = TextDelta | AudioChunk | ImageProgress | Finished
+Event = TextDelta | AudioChunk | ImageProgress | VideoProgress | Finished
 
 
 @dataclass(frozen=True, slots=True)

@@ -40,6 +40,7 @@ from omni_gateway.inflight import EVENT_QUEUE
 from omni_gateway.media import decode_media
 from omni_gateway.replay import Delivered, Diverged
 from omni_pipeline import wire
+from omni_pipeline.clips import ClipError, check_size, clip_frames
 from omni_pipeline.connectors import build_connectors
 from omni_pipeline.connectors.offload import OffLoop
 from omni_pipeline.control import (
@@ -263,6 +264,28 @@ class Pipeline:
                 spoken = own if spoken is None else spoken & own
         return spoken or frozenset()
 
+    def check_clip(
+        self,
+        width: int | None,
+        height: int | None,
+        seconds: float | None,
+        fps: int | None,
+        num_frames: int | None,
+    ) -> None:
+        """A 400 naming the field, for a video the stages that make it have said they cannot
+        (omni_pipeline.clips); nothing while none has said (the stage refuses it then)."""
+        for stage in self.spec.needed_stages({OutputKind.VIDEO}):
+            if (limits := self.bus.table.clip_limits(stage)) is None:
+                continue
+            try:
+                if width is not None or height is not None:
+                    check_size(
+                        width or limits.multiple, height or limits.multiple, limits.multiple, limits.max_size
+                    )
+                clip_frames(limits, seconds, fps, num_frames)
+            except ClipError as exc:
+                raise BadRequest(str(exc), param=exc.param) from None
+
     def _sources_declare(
         self, outputs: frozenset[OutputKind], what: Literal["accepts", "honours"]
     ) -> frozenset[str] | None:
@@ -319,15 +342,18 @@ class Pipeline:
 
     # --- running -----------------------------------------------------------------------------
 
-    async def run(self, rid: str, req: Prepared, *, whole: bool = False) -> AsyncIterator[Event]:
+    async def run(
+        self, rid: str, req: Prepared, *, whole: bool = False, timeout_s: float | None = None
+    ) -> AsyncIterator[Event]:
         """Run one request; yields its events as they arrive. Closing the iterator aborts it.
 
         Nothing the caller has is sent twice: with `whole` (the caller sends nothing to its
         client before the end) the events are held until the request completes; otherwise a
         re-run's events are spliced on after what was already yielded (omni_gateway.replay),
         and a re-run that does not repeat it fails the request with the error that made it move.
+        `timeout_s`: its deadline, if not the gateway's `requestTimeoutS` (a video job's).
         """
-        deadline = time.monotonic() + self.spec.gateway.request_timeout_s
+        deadline = time.monotonic() + (timeout_s or self.spec.gateway.request_timeout_s)
         limit = self.spec.gateway.migration_limit
         delivered = Delivered()
         moved_by: OmniError | None = None

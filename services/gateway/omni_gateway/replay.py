@@ -14,7 +14,7 @@ from typing import Final
 
 import numpy as np
 
-from omni_gateway.events import AudioChunk, Event, Finished, ImageProgress, TextDelta
+from omni_gateway.events import AudioChunk, Event, Finished, ImageProgress, TextDelta, VideoProgress
 
 AUDIO_CHECKED: Final = 4800
 """Samples before the splice point a re-run's audio is compared on (0.2 s at 24 kHz)."""
@@ -52,7 +52,7 @@ class Delivered:
         elif isinstance(ev, AudioChunk):
             self.samples += len(ev.samples)
             self.audio_tail = np.concatenate([self.audio_tail, ev.samples])[-AUDIO_CHECKED:]
-        elif isinstance(ev, ImageProgress):
+        elif isinstance(ev, ImageProgress | VideoProgress):
             self.image_step = max(self.image_step, ev.step)
 
     def splice(self) -> Splice:
@@ -82,7 +82,7 @@ class Splice:
             return self._text(ev)
         if isinstance(ev, AudioChunk):
             return self._audio(ev)
-        if isinstance(ev, ImageProgress):
+        if isinstance(ev, ImageProgress | VideoProgress):
             return ev if ev.is_last or ev.step > self.image_step else None
         if isinstance(ev, Finished) and (self.text_seen < len(self.text) or self.samples_seen < self.samples):
             raise Diverged("its re-run ended before it had repeated what was already sent")

@@ -17,6 +17,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from omni_gateway.errors import Overloaded, Unavailable
+from omni_pipeline.clips import ClipLimits
 from omni_pipeline.control import HEARTBEAT_MISSES, Admitted, ErrorCode, Heartbeat
 
 ASLEEP_RETRY_AFTER_S: Final = 10
@@ -169,6 +170,12 @@ class ReplicaTable:
             if (declared := getattr(r.hb, what)) is not None:
                 return frozenset(declared)
         return None
+
+    def clip_limits(self, stage: str) -> ClipLimits | None:
+        """What the stage can make of a video, as its replicas declare it; None where none has."""
+        return next(
+            (r.hb.clip_limits for r in self._by_stage.get(stage, {}).values() if r.hb.clip_limits), None
+        )
 
     def encodes_audio_ahead(self, stage: str) -> bool:
         """Whether the stage's replicas encode a live session's audio as it arrives."""

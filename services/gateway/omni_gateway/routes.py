@@ -16,7 +16,7 @@ from starlette.types import Receive, Scope, Send
 
 from omni_gateway.chat import ChatResult, completion_body, index_of, now, sse_chunks
 from omni_gateway.errors import BadRequest, ModelNotFound, OmniError, StageFailed, Unavailable
-from omni_gateway.events import AudioChunk, Event, ImageProgress, OfChoice, TextDelta
+from omni_gateway.events import AudioChunk, Event, ImageProgress, OfChoice, TextDelta, VideoProgress
 from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline, PipelineRequest
@@ -31,8 +31,10 @@ from omni_gateway.protocol.images import ImageGenerationRequest, image_inputs, i
 from omni_gateway.protocol.omni import OmniSleepRequest, OmniWakeupRequest
 from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_inputs, speech_sampling
 from omni_gateway.protocol.tokenize import DetokenizeRequest, TokenizeRequest
+from omni_gateway.protocol.videos import read_video_request
 from omni_gateway.sleep import sleep, stage_names, wake
 from omni_gateway.speech import audio_stream, sse_stream
+from omni_gateway.videos.jobs import checked, encoded_files
 from omni_pipeline.control import DetokenizeMsg, TokenizeMsg
 from omni_pipeline.resource_metrics import COUNT_WAIT_S
 from omni_pipeline.spec import OutputKind
@@ -191,6 +193,30 @@ async def images_generations(req: ImageGenerationRequest, request: Request) -> R
     return await _respond(request, asked, respond, whole=not req.stream)
 
 
+@router.post("/v1/videos/sync", response_model=None)
+async def videos_sync(request: Request) -> Response:
+    """vLLM-Omni's synchronous video generation: the form of POST /v1/videos, answered with the
+    MP4 itself once it is made (no job, nothing kept)."""
+    req = await read_video_request(request)
+    t0 = time.monotonic()
+
+    async def respond(rid: str, first: Event, events: AsyncIterator[Event]) -> Response:
+        final = next(
+            (ev for ev in await _rest(first, events) if isinstance(ev, VideoProgress) and ev.is_last), None
+        )
+        if final is None or not final.videos:
+            raise StageFailed("the pipeline ended without a video")
+        mp4 = (await asyncio.to_thread(encoded_files, final))["video"]
+        headers = {
+            "X-Model": _pipeline(request).spec.served_model_name,
+            "X-Inference-Time-S": f"{time.monotonic() - t0:.3f}",
+        }
+        return Response(mp4, media_type="video/mp4", headers=headers)
+
+    asked = await checked(_pipeline(request), req, progress=False)
+    return await _respond(request, asked, respond, whole=True)
+
+
 @router.post("/v1/audio/speech", response_model=None)
 async def audio_speech(req: SpeechRequest, request: Request) -> Response:
     async def respond(_: str, first: Event, events: AsyncIterator[Event]) -> Response | Streamed:
@@ -280,7 +306,7 @@ async def _observed(
             raise
 
 
-_OUTPUT_OF: Final = {TextDelta: "text", AudioChunk: "audio", ImageProgress: "image"}
+_OUTPUT_OF: Final = {TextDelta: "text", AudioChunk: "audio", ImageProgress: "image", VideoProgress: "video"}
 
 
 async def _rest(first: T, events: AsyncIterator[T]) -> list[T]:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from omni_pipeline.clips import ClipError, check_size
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import ComputeEngine, Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
@@ -54,24 +54,6 @@ _DENOISERS: Final = ("PixArtTransformer2DModel", "UNet2DConditionModel")
 """Denoiser classes whose call this engine knows (text-conditioned, cross-attention)."""
 MAX_IMAGES: Final = 10
 MAX_STEPS: Final = 1000
-
-
-def build_diffusers_engine(stage: StageSpec) -> Engine:
-    """The engine of the stage's `role`, for the model family its pipeline directory holds (a
-    video family's denoiser and VAE differ from an image family's)."""
-    from omni_stage.engines import diffusers_text, diffusers_video
-
-    role = stage.engine.args.get("role")
-    video = diffusers_video.is_video_pipeline(Path(str(stage.engine.model)))
-    if role == "encode":
-        return diffusers_text.TextEncodeEngine(stage)
-    if role == "denoise":
-        return diffusers_video.VideoDenoiseEngine(stage) if video else DenoiseEngine(stage)
-    if role == "decode":
-        return diffusers_video.VideoDecodeEngine(stage) if video else DecodeEngine(stage)
-    raise EngineError(
-        f"stage '{stage.name}': engine.args.role must be 'encode', 'denoise' or 'decode', got {role!r}"
-    )
 
 
 class _DiffusersPart(ComputeEngine):

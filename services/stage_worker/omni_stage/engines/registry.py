@@ -35,7 +35,7 @@ GENERIC: Final[dict[EngineKind, str]] = {
     EngineKind.TRANSFORMERS: "omni_stage.engines.transformers_lm:TransformersEngine",
     EngineKind.TORCH: "omni_stage.engines.torch_module:TorchModuleEngine",
     EngineKind.VLLM: "omni_stage.engines.vllm:VllmEngine",
-    EngineKind.DIFFUSERS: "omni_stage.engines.diffusers:build_diffusers_engine",
+    EngineKind.DIFFUSERS: "omni_stage.engines.diffusion:build_diffusers_engine",
 }
 """The engines of stages that name no part."""
 

@@ -1,0 +1,230 @@
+"""The video job runner: takes jobs from the store and runs them through the pipeline.
+
+Up to `concurrency` jobs run at once per gateway. Every `lease_s / 3` (and whenever a job is
+made or ends) the runner renews the leases of the jobs it runs, cancels those it no longer
+holds (deleted, or claimed by another after a stall), claims what it has room for (new jobs,
+and those of a gateway that died), and deletes what has expired. A job's progress follows its
+denoising steps. A job the pipeline cannot take now (every replica full, none up) waits and is
+tried again; one the pipeline fails is `failed` with the error. A gateway that stops gives its
+running jobs back, queued, for the next gateway to take at once; one that dies leaves them to
+the next after their lease lapses. Either way the job runs again from the start, with the
+same seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import shutil
+import time
+from pathlib import Path
+from typing import Final
+
+from omni_gateway.errors import OmniError, Overloaded, StageFailed, Unavailable
+from omni_gateway.events import VideoProgress
+from omni_gateway.pipeline import Pipeline, PipelineRequest
+from omni_gateway.protocol.videos import VideoCreateRequest, video_inputs, video_sampling
+from omni_gateway.videos.media import FILE_NAMES, encode_mp4, encode_spritesheet, encode_thumbnail
+from omni_gateway.videos.store import SqliteJobStore, VideoJob
+from omni_pipeline.settings import VideoJobsSpec
+from omni_pipeline.spec import OutputKind
+
+log = logging.getLogger("omni.gateway.videos")
+
+RETRY_S: Final = 2.0
+"""How long a job the pipeline could not take waits before it is tried again."""
+
+
+def asked_of(req: VideoCreateRequest, progress: bool) -> PipelineRequest:
+    return PipelineRequest(
+        req.model, frozenset({OutputKind.VIDEO}), video_inputs(req), video_sampling(req, progress)
+    )
+
+
+async def checked(pipeline: Pipeline, req: VideoCreateRequest, progress: bool) -> PipelineRequest:
+    """The request, once checked as far as it can be before it runs: the pipeline's checks, and
+    what its video stages have said they can make (a 400 naming the field)."""
+    asked = asked_of(req, progress)
+    await pipeline.prepare(asked)
+    width, height = req.width_height()
+    seconds = float(req.seconds) if req.seconds is not None else None
+    pipeline.check_clip(width, height, seconds, req.fps, req.num_frames)
+    return asked
+
+
+def clip_figures(video: VideoProgress) -> tuple[str, str]:
+    """A finished clip's `size` (WxH) and `seconds`, as its resource shows them."""
+    frames, height, width, _ = video.videos[0].shape
+    return f"{width}x{height}", f"{(frames - 1) / video.fps:g}"
+
+
+def encoded_files(video: VideoProgress) -> dict[str, bytes]:
+    """Each content variant's bytes (the MP4, its thumbnail and spritesheet)."""
+    frames = video.videos[0]
+    return {
+        "video": encode_mp4(frames, video.fps),
+        "thumbnail": encode_thumbnail(frames),
+        "spritesheet": encode_spritesheet(frames),
+    }
+
+
+class VideoJobs:
+    def __init__(self, pipeline: Pipeline, spec: VideoJobsSpec, root: Path) -> None:
+        self.pipeline, self.spec = pipeline, spec
+        self.store = SqliteJobStore(root / "jobs.sqlite3")
+        self.files = root / "videos"
+        self.files.mkdir(parents=True, exist_ok=True)
+        self.holder = f"{pipeline.gateway_id}-{secrets.token_hex(4)}"
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._loop: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Take jobs up from now on; first delete the files of jobs no longer in the store (a
+        gateway that died between deleting a job and its files)."""
+        kept = await asyncio.to_thread(self.store.ids)
+        stray = [p.name for p in self.files.iterdir() if not p.name.startswith(".") and p.name not in kept]
+        await self.remove_files(stray)
+        self._loop = asyncio.create_task(self._taking(), name="video-jobs")
+
+    async def stop(self) -> None:
+        """Stop taking jobs, end those running here and give them back, queued."""
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+        running = list(self._running.values())
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+        await asyncio.to_thread(self.store.release, self.holder, [t.get_name() for t in running])
+        self.store.close()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def path(self, job_id: str, variant: str) -> Path:
+        return self.files / job_id / FILE_NAMES[variant]
+
+    async def remove_files(self, job_ids: list[str]) -> None:
+        def remove() -> None:
+            for job_id in job_ids:
+                shutil.rmtree(self.files / job_id, ignore_errors=True)
+
+        await asyncio.to_thread(remove)
+
+    def cancel(self, job_id: str) -> None:
+        """End the job's run here, if it runs here (it was deleted)."""
+        if (task := self._running.get(job_id)) is not None:
+            task.cancel()
+
+    async def _taking(self) -> None:
+        while True:
+            try:
+                await self._tick()
+            except Exception:  # the store on a full or failing disk: say so, and look again
+                log.exception("video jobs: taking jobs failed")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.spec.lease_s / 3):
+                    await self._wake.wait()
+            self._wake.clear()
+
+    async def _tick(self) -> None:
+        now = time.time()
+        store = self.store
+        held = await asyncio.to_thread(store.renew, self.holder, list(self._running), now + self.spec.lease_s)
+        for job_id in set(self._running) - held:
+            self._running[job_id].cancel()  # deleted, or another took it after our lease lapsed
+        if (room := self.spec.concurrency - len(self._running)) > 0:
+            for job in await asyncio.to_thread(store.claim, self.holder, now, self.spec.lease_s, room):
+                self._running[job.id] = asyncio.create_task(self._run(job), name=job.id)
+        if expired := await asyncio.to_thread(store.expired, now):
+            await self.remove_files(expired)
+            log.info("video jobs: %d expired and deleted", len(expired))
+
+    async def _run(self, job: VideoJob) -> None:
+        async def update(**values: object) -> bool:
+            return await asyncio.to_thread(self.store.update, job.id, self.holder, **values)
+
+        try:
+            await update(status="in_progress", progress=0)
+            req = VideoCreateRequest.model_validate(job.request)
+            prepared = await self.pipeline.prepare(asked_of(req, progress=True))
+            final: VideoProgress | None = None
+            shown = 0
+            rid = f"{job.id}-{secrets.token_hex(3)}"
+            run = self.pipeline.run(rid, prepared, timeout_s=self.spec.timeout_s)
+            async with contextlib.aclosing(run) as events:
+                async for ev in events:
+                    if not isinstance(ev, VideoProgress):
+                        continue
+                    if ev.is_last:
+                        final = ev
+                    elif (pct := min(99, ev.step * 100 // max(1, ev.steps))) > shown:
+                        shown = pct
+                        await update(progress=pct)
+            if final is None or not final.videos:
+                raise StageFailed("the pipeline ended without a video")
+            size, seconds = clip_figures(final)
+            await self._write(job.id, final)
+            done = int(time.time())
+            expires = done + int(self.spec.retention_s)
+            if not await update(
+                status="completed",
+                progress=100,
+                completed_at=done,
+                expires_at=expires,
+                size=size,
+                seconds=seconds,
+            ):  # deleted meanwhile: its files go too
+                await self.remove_files([job.id])
+                return
+            log.info("video job %s completed (%s, %s s)", job.id, size, seconds)
+        except asyncio.CancelledError:
+            raise
+        except (Overloaded, Unavailable) as exc:  # the pipeline is busy or restarting: wait
+            log.info("video job %s waits: %s", job.id, exc.message)
+            await update(status="queued", progress=0, lease_until=time.time() + RETRY_S)
+        except Exception as exc:
+            err = exc if isinstance(exc, OmniError) else None
+            if err is None:
+                log.exception("video job %s failed", job.id)
+            done = int(time.time())
+            await update(
+                status="failed",
+                completed_at=done,
+                expires_at=done + int(self.spec.retention_s),
+                error={
+                    "code": (err.code if err and err.code else "internal_error"),
+                    "message": err.message if err else f"internal error: {type(exc).__name__}",
+                },
+            )
+        finally:
+            self._running.pop(job.id, None)
+            self._wake.set()
+
+    async def _write(self, job_id: str, final: VideoProgress) -> None:
+        """The clip's files, encoded off the event loop and put in place at once (a directory
+        renamed into place), so a reader sees all of them or none."""
+
+        def write() -> None:
+            files = encoded_files(final)
+            if (n := len(files["video"])) > self.spec.max_video_bytes:
+                raise StageFailed(
+                    f"the video is {n} bytes, more than this server keeps ({self.spec.max_video_bytes})",
+                    code="video_too_large",
+                )
+            staging = self.files / f".{job_id}.{secrets.token_hex(4)}"
+            staging.mkdir()
+            try:
+                for variant, data in files.items():
+                    (staging / FILE_NAMES[variant]).write_bytes(data)
+                shutil.rmtree(self.files / job_id, ignore_errors=True)  # an earlier run's, cut short
+                staging.rename(self.files / job_id)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+
+        await asyncio.to_thread(write)

@@ -1,0 +1,248 @@
+"""Video jobs end to end: `omni serve examples/tiny-video.yaml` (Wan 2.1's text encoder,
+transformer and VAE as three stages: random weights, real diffusers loading and sampling) and
+the official openai client's Videos API; vLLM-Omni's /v1/videos/sync; jobs that outlive the
+gateway (killed, and stopped and started again) in the SQLite job store."""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import av
+import httpx
+import numpy as np
+import openai
+import psutil
+import pytest
+import yaml
+from PIL import Image
+
+from tests.helpers import (
+    ROOT,
+    OmniProcess,
+    assert_all_gone,
+    free_port,
+    openai_client,
+    served_example,
+    wait_for,
+)
+
+# The SDK warns of OpenAI's own service's end at every videos call: not ours to heed.
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
+
+
+@pytest.fixture(scope="module")
+def video_demo(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with served_example("tiny-video.yaml", demo_dir, tmp_path_factory.mktemp("logs")) as base:
+        yield base
+
+
+def frames_of(mp4: bytes) -> tuple[list[np.ndarray], float]:
+    """An MP4's decoded frames (RGB) and its frame rate."""
+    with av.open(io.BytesIO(mp4)) as container:
+        stream = container.streams.video[0]
+        assert stream.codec_context.name == "h264"
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+        return frames, float(stream.average_rate or 0)
+
+
+def finished(client: openai.OpenAI, video_id: str, timeout: float = 120) -> tuple[Any, list[tuple[str, int]]]:
+    """The job once it has ended, and every (status, progress) seen on the way."""
+    seen: list[tuple[str, int]] = []
+
+    def ended() -> Any:
+        v = client.videos.retrieve(video_id)
+        seen.append((v.status, v.progress))
+        return v if v.status in ("completed", "failed") else None
+
+    return wait_for(ended, timeout, f"video job {video_id} to end", interval=0.005), seen
+
+
+def test_a_job_runs_shows_its_progress_and_serves_its_video(video_demo: str) -> None:
+    client = openai_client(video_demo)
+    job = client.videos.create(
+        prompt="a red fox in the snow", seconds="2", size="64x48", extra_body={"num_inference_steps": 40}
+    )
+    assert (job.object, job.status, job.progress, job.prompt) == (
+        "video",
+        "queued",
+        0,
+        "a red fox in the snow",
+    )
+    assert (job.size, job.seconds, job.model, job.completed_at) == ("64x48", "2", "tiny-video", None)
+
+    done, seen = finished(client, job.id)
+    assert done.status == "completed" and done.progress == 100 and done.error is None, done
+    progress = [p for s, p in seen if s == "in_progress"]
+    assert progress == sorted(progress) and len(set(progress) - {0}) >= 2, seen  # it moves with the steps
+    assert done.completed_at is not None and done.expires_at == done.completed_at + 86400
+
+    mp4 = client.videos.download_content(job.id).read()
+    frames, fps = frames_of(mp4)
+    assert len(frames) == 17 and fps == 8 and frames[0].shape == (48, 64, 3)  # 2 s at 8 fps, 4k + 1
+    for variant in ("thumbnail", "spritesheet"):
+        img = Image.open(io.BytesIO(client.videos.download_content(job.id, variant=variant).read()))
+        assert img.format == "WEBP" and img.height == 48
+    assert img.width == 8 * 64  # eight frames side by side
+
+    # Range requests, as a player seeks.
+    r = httpx.get(f"{video_demo}/v1/videos/{job.id}/content", headers={"Range": "bytes=100-199"})
+    assert r.status_code == 206 and r.content == mp4[100:200]
+    assert r.headers["content-range"] == f"bytes 100-199/{len(mp4)}"
+
+    assert job.id in [v.id for v in client.videos.list(order="desc", limit=100).data]
+
+    remix = client.videos.remix(job.id, prompt="a blue fox in the snow")
+    assert remix.remixed_from_video_id == job.id and remix.prompt == "a blue fox in the snow"
+    remixed, _ = finished(client, remix.id)
+    assert (remixed.status, remixed.size, remixed.seconds) == ("completed", "64x48", "2")
+
+    deleted = client.videos.delete(job.id)
+    assert deleted.deleted and deleted.id == job.id
+    with pytest.raises(openai.NotFoundError):
+        client.videos.retrieve(job.id)
+    with pytest.raises(openai.NotFoundError):
+        client.videos.download_content(job.id)
+
+
+def test_list_pages_in_both_orders(video_demo: str) -> None:
+    client = openai_client(video_demo)
+    ids = [
+        client.videos.create(prompt=f"clip {i}", size="32x32", extra_body={"num_inference_steps": 1}).id
+        for i in range(3)
+    ]
+    for i in ids:
+        finished(client, i)
+    newest = client.videos.list(limit=2, order="desc")
+    assert [v.id for v in newest.data] == ids[:0:-1] and newest.has_more
+    after = client.videos.list(limit=2, order="asc", after=ids[0])
+    assert [v.id for v in after.data] == ids[1:]
+    assert [v.id for v in client.videos.list(order="desc", limit=100)][:3] == ids[::-1]  # the SDK pages on
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"size": "63x48"}, "size"),
+        ({"size": "512x512"}, "size"),
+        ({"seconds": "30"}, "seconds"),
+        ({"seconds": "four"}, "seconds"),
+        ({"extra_body": {"num_frames": 10}}, "num_frames"),
+        ({"extra_body": {"fps": 99}}, "fps"),
+        ({"extra_body": {"frames_per_second": 8}}, "frames_per_second"),
+        ({"input_reference": ("cat.png", b"\x89PNG...", "image/png")}, "input_reference"),
+        ({"model": "sora-2"}, "model"),
+    ],
+)
+def test_what_the_model_cannot_make_is_a_400_before_a_job_exists(
+    video_demo: str, fields: dict[str, Any], param: str
+) -> None:
+    client = openai_client(video_demo)
+    before = [v.id for v in client.videos.list(limit=100)]
+    with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as refused:
+        client.videos.create(prompt="x", **fields)
+    assert refused.value.body["param"] == param, refused.value.body  # type: ignore[index]
+    assert [v.id for v in client.videos.list(limit=100)] == before
+
+
+def test_json_bodies_and_refusals_of_the_other_calls(video_demo: str) -> None:
+    r = httpx.post(f"{video_demo}/v1/videos", json={"prompt": "rain", "size": "32x32", "seconds": "1"})
+    assert r.status_code == 200 and r.json()["status"] == "queued"
+    client = openai_client(video_demo)
+    queued = r.json()["id"]
+    with pytest.raises(openai.ConflictError):  # no content yet, nor a remix of it
+        client.videos.remix(queued, prompt="snow")
+    finished(client, queued)
+    bad = httpx.get(f"{video_demo}/v1/videos/{queued}/content", params={"variant": "gif"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "variant"
+    assert httpx.get(f"{video_demo}/v1/videos", params={"after": "video_nope"}).status_code == 400
+    with pytest.raises(openai.NotFoundError):
+        client.videos.delete("video_nope")
+    # A video pipeline makes no images.
+    with pytest.raises(openai.BadRequestError):
+        client.images.generate(model="tiny-video", prompt="x")
+
+
+def test_sync_answers_with_the_mp4(video_demo: str) -> None:
+    """vLLM-Omni's /v1/videos/sync: the same form, the MP4 itself in the answer, no job."""
+    before = [v.id for v in openai_client(video_demo).videos.list(limit=100)]
+    form = {"prompt": "a lighthouse", "size": "48x32", "num_frames": "5", "num_inference_steps": "3"}
+    r = httpx.post(f"{video_demo}/v1/videos/sync", data=form, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"] == "video/mp4", r.text
+    assert r.headers["x-model"] == "tiny-video" and float(r.headers["x-inference-time-s"]) > 0
+    frames, _ = frames_of(r.content)
+    assert len(frames) == 5 and frames[0].shape == (32, 48, 3)
+    refused = httpx.post(f"{video_demo}/v1/videos/sync", data={**form, "num_frames": "6"})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "num_frames"
+    assert [v.id for v in openai_client(video_demo).videos.list(limit=100)] == before
+
+
+def gateway_of(serve: OmniProcess) -> psutil.Process:
+    """The serving gateway process of the tree (not one killed and not yet reaped)."""
+
+    def title(p: psutil.Process) -> str:
+        try:
+            return " ".join(p.cmdline()).strip() if p.status() != psutil.STATUS_ZOMBIE else ""
+        except psutil.Error:  # it exited meanwhile
+            return ""
+
+    [gw] = [p for p in psutil.Process(serve.proc.pid).children(recursive=True) if title(p) == "omni: gateway"]
+    return gw
+
+
+def start(pipeline: Path, cwd: Path, log: Path, port: int) -> tuple[OmniProcess, openai.OpenAI]:
+    serve = OmniProcess(["serve", str(pipeline), "--port", str(port)], cwd, log)
+    serve.wait_output("ready at", 180)
+    return serve, openai_client(f"http://127.0.0.1:{port}")
+
+
+def test_jobs_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
+    """A job running when the gateway is killed completes once the supervisor has started it
+    again (the new gateway takes it up when the dead one's lease lapses); one running when
+    omni serve is stopped is given back and completes after it starts again; finished jobs
+    are listed and served across restarts."""
+    spec = yaml.safe_load((ROOT / "examples" / "tiny-video.yaml").read_text())
+    spec["spec"]["gateway"]["videos"] = {"stateDir": str(tmp_path / "state"), "leaseS": 2, "concurrency": 1}
+    pipeline = tmp_path / "tiny-video.yaml"
+    pipeline.write_text(yaml.safe_dump(spec))
+    port = free_port()
+    long = {"size": "64x64", "extra_body": {"num_inference_steps": 300, "num_frames": 17}}
+
+    serve, client = start(pipeline, demo_dir, tmp_path / "serve-1.log", port)
+    try:
+        quick = client.videos.create(prompt="first", size="32x32", extra_body={"num_inference_steps": 2})
+        assert finished(client, quick.id)[0].status == "completed"
+        killed = client.videos.create(prompt="through a kill", **long)
+        wait_for(lambda: client.videos.retrieve(killed.id).progress > 0, 60, "the job to be running")
+        old = gateway_of(serve)
+        os.kill(old.pid, signal.SIGKILL)
+        done, _ = finished(client, killed.id, timeout=180)  # asked of the new gateway, same port
+        assert done.status == "completed", done
+        assert gateway_of(serve).pid != old.pid
+        assert "gateway died" in serve.output()
+
+        stopped = client.videos.create(prompt="through a stop", **long)
+        wait_for(lambda: client.videos.retrieve(stopped.id).progress > 0, 60, "the job to be running")
+    finally:
+        serve.interrupt_group()
+    assert_all_gone(serve)
+
+    serve, client = start(pipeline, demo_dir, tmp_path / "serve-2.log", port)
+    try:
+        listed = {v.id: v for v in client.videos.list(limit=100)}
+        assert set(listed) == {quick.id, killed.id, stopped.id}
+        assert listed[quick.id].status == "completed" and listed[killed.id].status == "completed"
+        frames, _ = frames_of(client.videos.download_content(quick.id).read())
+        assert len(frames) >= 2
+        done, _ = finished(client, stopped.id, timeout=180)
+        assert done.status == "completed", done
+        assert len(frames_of(client.videos.download_content(stopped.id).read())[0]) == 17
+        assert re.search(r"video job \S+ completed", serve.output())
+    finally:
+        serve.interrupt_group()
+    assert_all_gone(serve)
