@@ -66,7 +66,7 @@ def finished(client: openai.OpenAI, video_id: str, timeout: float = 120) -> tupl
 def test_a_job_runs_shows_its_progress_and_serves_its_video(video_demo: str) -> None:
     client = openai_client(video_demo)
     job = client.videos.create(
-        prompt="a red fox in the snow", seconds="2", size="64x48", extra_body={"num_inference_steps": 40}
+        prompt="a red fox in the snow", seconds="2", size="64x48", extra_body={"num_inference_steps": 80}
     )
     assert (job.object, job.status, job.progress, job.prompt) == (
         "video",

@@ -34,7 +34,7 @@ def text_to_video(
     if negative is not None:
         request["negative_prompt"] = negative
     [embeds] = outputs(started(stage("encode", wan)), {"request": request}, {})
-    latents = outputs(started(stage("denoise", wan)), {"encoder": embeds.data}, sampling)
+    latents = outputs(started(stage("denoise", wan, progressIntervalS=0)), {"encoder": embeds.data}, sampling)
     frames = outputs(started(stage("decode", wan)), {"dit": concat([o.data for o in latents])}, {})
     return latents, frames
 

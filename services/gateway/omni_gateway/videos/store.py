@@ -110,6 +110,9 @@ class SqliteJobStore:
         self._lock = threading.Lock()
         with self._locked() as db:
             db.execute("PRAGMA journal_mode=WAL")
+            db.execute(
+                "PRAGMA synchronous=NORMAL"
+            )  # WAL: a process crash loses nothing, a power cut the last writes
             db.executescript(_SCHEMA)
 
     @contextlib.contextmanager

@@ -11,20 +11,23 @@ the frames the VAE can make (4k + 1); the stage's `maxFrames` bounds it.
 role `decode` (`AutoencoderKLWan`). Final latents in, frames out: uint8 [n, F, H, W, 3].
 
 Units. A video job reports its progress, so with `progress` set the denoiser emits a unit after
-every step that carries no latents, only the count; the final unit carries them. Units joined
+a step (every step, or at most one per `progressIntervalS`) that carries no latents, only the
+count; the final unit carries them. Units joined
 in one segment stay aligned, so the latents ride in a per-unit list (`None` in a progress unit):
 `latents` [tensor | None], `step` [1], `steps` [1], `final` [1]; metadata `fps`. The decoder
 passes the newest progress on and decodes the final unit: `frames` [tensor | None] per unit.
 
 Request parameters: n, width, height, num_frames, seconds, fps, num_inference_steps,
 guidance_scale, seed, progress. Arguments (`engine.args`): those of diffusers.py's stages, and
-textLength, fps (the clip's frame rate, default 16, Wan's), frames (default length), maxFrames.
+textLength, fps (the clip's frame rate, default 16, Wan's), frames (default length), maxFrames,
+progressIntervalS (0.2).
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
@@ -40,6 +43,9 @@ from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
 
 VIDEO_DENOISERS: Final = ("WanTransformer3DModel",)
+PROGRESS_INTERVAL_S: Final = 0.2
+"""Progress goes out after a step at most this often: a real model's step takes longer (every
+step reported), a small one's steps would cost more in messages than in compute."""
 
 
 def is_video_pipeline(path: Path) -> bool:
@@ -60,6 +66,7 @@ class VideoDenoiseEngine(DenoiseEngine):
         self.fps = int(self.args.get("fps", 16))
         self.frames = int(self.args.get("frames", 81))
         self.max_frames = int(self.args.get("maxFrames", self.frames))
+        self.progress_s = float(self.args.get("progressIntervalS", PROGRESS_INTERVAL_S))
 
     def _load(self) -> None:
         cls = self._part_class("transformer").__name__
@@ -100,12 +107,14 @@ class VideoDenoiseEngine(DenoiseEngine):
             self._plan_video, embeds[-1], None if negative is None else negative[-1], call.sampling, frames
         )
         progress = bool(call.sampling.get("progress"))
+        reported = time.monotonic()
         self._active.add(call.request_id)
         try:
             timesteps = plan.scheduler.timesteps
             for i in range(len(timesteps)):
                 await self.batcher.submit(tuple(plan.latents.shape[1:]), (plan, timesteps[i]))
-                if progress and i + 1 < len(timesteps):
+                if progress and i + 1 < len(timesteps) and time.monotonic() - reported >= self.progress_s:
+                    reported = time.monotonic()
                     yield EngineOutput(units=1, data=_unit(None, i + 1, len(timesteps), fps))
             latents = plan.latents.float().cpu().clone()
             yield EngineOutput(units=1, data=_unit(latents, len(timesteps), len(timesteps), fps))
