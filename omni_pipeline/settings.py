@@ -166,10 +166,16 @@ class RealtimeSpec(SpecModel):
 class VideoJobsSpec(SpecModel):
     """Video generation jobs (/v1/videos): where they are kept, and how many may wait."""
 
+    store: Literal["auto", "sqlite", "jetstream"] = Field(
+        default="auto",
+        description="Where jobs are kept: sqlite (and files) under stateDir, or NATS JetStream's key-value "
+        "and object stores (the pipeline's NATS must have JetStream on). auto: sqlite in SingleNode, "
+        "jetstream otherwise.",
+    )
     state_dir: str = Field(
         default=".omni-state",
-        description="omni serve: the directory (relative: to the working directory) holding the job store "
-        "(SQLite) and the videos, under the pipeline's name; jobs and their files outlive the gateway.",
+        description="The directory (relative: to the working directory) holding the SQLite job store and the "
+        "videos, under the pipeline's name (with JetStream: the local copies of videos being served).",
     )
     concurrency: int = Field(default=2, ge=1, description="Jobs a gateway replica runs at once.")
     max_queued: int = Field(

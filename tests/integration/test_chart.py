@@ -28,6 +28,7 @@ DASHBOARD = CHART / "dashboards" / "omni-pipeline.json"
 VALUE_SETS = {
     "defaults": [],
     "nats-and-mooncake": ["--set", "nats.enabled=true", "--set", "mooncake.enabled=true"],
+    "nats-without-jetstream": ["--set", "nats.enabled=true", "--set", "nats.jetstream.enabled=false"],
     "namespaced": ["--set", "operator.watchNamespaces={team-a,team-b}"],
     "bring-your-own-sa": ["--set", "serviceAccount.create=false", "--set", "rbac.create=false"],
 }
@@ -147,12 +148,34 @@ def test_optional_nats_and_mooncake() -> None:
     assert commands == {"omni", "mooncake_master", "mooncake_client"}
 
 
+def test_nats_keeps_jetstream_on_a_volume_of_its_own() -> None:
+    """JetStream (where Distributed mode keeps video jobs and their files) is on by default, its
+    store on a claim of the size and class the values give; off, neither is rendered."""
+    size = [
+        "--set",
+        "nats.jetstream.storage.size=50Gi",
+        "--set",
+        "nats.jetstream.storage.storageClassName=fast",
+    ]
+    (nats,) = by_kind(template(*VALUE_SETS["nats-and-mooncake"], *size), "StatefulSet")
+    [container] = nats["spec"]["template"]["spec"]["containers"]
+    assert "--jetstream" in container["args"] and "--store_dir=/data" in container["args"]
+    assert container["volumeMounts"] == [{"name": "data", "mountPath": "/data"}]
+    [claim] = nats["spec"]["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == "data" and claim["spec"]["storageClassName"] == "fast"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    (plain,) = by_kind(template(*VALUE_SETS["nats-without-jetstream"]), "StatefulSet")
+    assert "--jetstream" not in plain["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "volumeClaimTemplates" not in plain["spec"]
+
+
 @pytest.mark.parametrize(
     ("setting", "complaint"),
     [
         ("operator.resyncSeconds=0", "resyncSeconds"),
         ("operator.watchNamespaces={Not_A_Namespace}", "watchNamespaces"),
         ("nats.port=70000", "port"),
+        ("nats.jetstream.storage.size=lots", "size"),
         ("operator.typo=1", "typo"),
     ],
 )

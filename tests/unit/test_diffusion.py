@@ -274,5 +274,5 @@ def test_the_encoder_mode_gives_the_last_hidden_states(demo_dir: Path) -> None:
 
 
 def test_a_role_is_required(pixart: Path) -> None:
-    with pytest.raises(Exception, match="role must be 'denoise' or 'decode'"):
+    with pytest.raises(Exception, match="role must be 'encode', 'denoise' or 'decode'"):
         stage("sample", pixart)

@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final
 
 from setproctitle import setproctitle
@@ -190,7 +191,15 @@ class Supervisor:
         """The embedded nats-server, on the port it had before (a restart), with a thread that
         reaps it and tells the loop when it exits."""
         self.nats_slot.started_at = time.monotonic()  # a start that fails counts as a quick death
-        server = EmbeddedNats(port=self.nats.port if self.nats else -1)
+        videos = self.pipeline.spec.gateway.videos
+        jetstream: tuple[str, ...] = ()
+        if videos.store == "jetstream":  # video jobs kept in JetStream: its files under the state directory
+            jetstream = (
+                "--jetstream",
+                "--store_dir",
+                str(Path(videos.state_dir, self.pipeline.name, "jetstream")),
+            )
+        server = EmbeddedNats(port=self.nats.port if self.nats else -1, args=jetstream)
         self.nats = server
 
         def watch() -> None:

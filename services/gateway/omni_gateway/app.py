@@ -8,7 +8,6 @@ import logging
 import re
 import uuid
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any, Final
 
 from fastapi import FastAPI, Request
@@ -197,8 +196,7 @@ def run_gateway(
                         await service.bus.covered.wait()
             jobs = None
             if OutputKind.VIDEO in pipeline.spec.output_kinds():
-                videos = pipeline.spec.gateway.videos
-                jobs = VideoJobs(service, videos, Path(videos.state_dir) / pipeline.name)
+                jobs = await VideoJobs.open(service, pipeline.name)
                 await jobs.start()
                 app.state.video_jobs = jobs
             ready({"port": sock.getsockname()[1], "gateway_id": service.gateway_id})

@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import logging
 import secrets
-import shutil
 import time
 from pathlib import Path
 from typing import Final
@@ -26,10 +25,12 @@ from omni_gateway.errors import OmniError, Overloaded, StageFailed, Unavailable
 from omni_gateway.events import VideoProgress
 from omni_gateway.pipeline import Pipeline, PipelineRequest
 from omni_gateway.protocol.videos import VideoCreateRequest, video_inputs, video_sampling
+from omni_gateway.videos.jetstream_store import JetStreamJobStore
 from omni_gateway.videos.media import FILE_NAMES, encode_mp4, encode_spritesheet, encode_thumbnail
-from omni_gateway.videos.store import SqliteJobStore, VideoJob
+from omni_gateway.videos.sqlite_store import SqliteJobStore
+from omni_gateway.videos.store import JobStore, VideoJob
 from omni_pipeline.settings import VideoJobsSpec
-from omni_pipeline.spec import OutputKind
+from omni_pipeline.spec import Mode, OutputKind
 
 log = logging.getLogger("omni.gateway.videos")
 
@@ -71,22 +72,35 @@ def encoded_files(video: VideoProgress) -> dict[str, bytes]:
 
 
 class VideoJobs:
-    def __init__(self, pipeline: Pipeline, spec: VideoJobsSpec, root: Path) -> None:
-        self.pipeline, self.spec = pipeline, spec
-        self.store = SqliteJobStore(root / "jobs.sqlite3")
-        self.files = root / "videos"
-        self.files.mkdir(parents=True, exist_ok=True)
+    def __init__(self, pipeline: Pipeline, spec: VideoJobsSpec, store: JobStore) -> None:
+        self.pipeline, self.spec, self.store = pipeline, spec, store
         self.holder = f"{pipeline.gateway_id}-{secrets.token_hex(4)}"
         self._running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
 
+    @classmethod
+    async def open(cls, pipeline: Pipeline, name: str) -> VideoJobs:
+        """The jobs of pipeline `name`, in the store its mode keeps them in (`store: auto`:
+        SQLite in SingleNode, JetStream otherwise)."""
+        spec = pipeline.spec.gateway.videos
+        kind = spec.store
+        if kind == "auto":
+            kind = "sqlite" if pipeline.spec.mode is Mode.SINGLE_NODE else "jetstream"
+        root = Path(spec.state_dir) / name
+        store: JobStore
+        if kind == "sqlite":
+            store = await asyncio.to_thread(SqliteJobStore, root)
+        else:
+            store = await JetStreamJobStore.open(pipeline.bus.nc, name, root / "cache")
+        log.info("video jobs: kept in %s", "SQLite under " + str(root) if kind == "sqlite" else "JetStream")
+        return cls(pipeline, spec, store)
+
     async def start(self) -> None:
         """Take jobs up from now on; first delete the files of jobs no longer in the store (a
         gateway that died between deleting a job and its files)."""
-        kept = await asyncio.to_thread(self.store.ids)
-        stray = [p.name for p in self.files.iterdir() if not p.name.startswith(".") and p.name not in kept]
-        await self.remove_files(stray)
+        stray = await self.store.file_ids() - await self.store.ids()
+        await self.store.remove_files(sorted(stray))
         self._loop = asyncio.create_task(self._taking(), name="video-jobs")
 
     async def stop(self) -> None:
@@ -99,21 +113,11 @@ class VideoJobs:
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
-        await asyncio.to_thread(self.store.release, self.holder, [t.get_name() for t in running])
-        self.store.close()
+        await self.store.release(self.holder, [t.get_name() for t in running])
+        await self.store.close()
 
     def wake(self) -> None:
         self._wake.set()
-
-    def path(self, job_id: str, variant: str) -> Path:
-        return self.files / job_id / FILE_NAMES[variant]
-
-    async def remove_files(self, job_ids: list[str]) -> None:
-        def remove() -> None:
-            for job_id in job_ids:
-                shutil.rmtree(self.files / job_id, ignore_errors=True)
-
-        await asyncio.to_thread(remove)
 
     def cancel(self, job_id: str) -> None:
         """End the job's run here, if it runs here (it was deleted)."""
@@ -124,7 +128,7 @@ class VideoJobs:
         while True:
             try:
                 await self._tick()
-            except Exception:  # the store on a full or failing disk: say so, and look again
+            except Exception:  # the store unreachable, or its disk full: say so, and look again
                 log.exception("video jobs: taking jobs failed")
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.spec.lease_s / 3):
@@ -133,20 +137,19 @@ class VideoJobs:
 
     async def _tick(self) -> None:
         now = time.time()
-        store = self.store
-        held = await asyncio.to_thread(store.renew, self.holder, list(self._running), now + self.spec.lease_s)
+        held = await self.store.renew(self.holder, list(self._running), now + self.spec.lease_s)
         for job_id in set(self._running) - held:
             self._running[job_id].cancel()  # deleted, or another took it after our lease lapsed
         if (room := self.spec.concurrency - len(self._running)) > 0:
-            for job in await asyncio.to_thread(store.claim, self.holder, now, self.spec.lease_s, room):
+            for job in await self.store.claim(self.holder, now, self.spec.lease_s, room):
                 self._running[job.id] = asyncio.create_task(self._run(job), name=job.id)
-        if expired := await asyncio.to_thread(store.expired, now):
-            await self.remove_files(expired)
+        if expired := await self.store.expired(now):
+            await self.store.remove_files(expired)
             log.info("video jobs: %d expired and deleted", len(expired))
 
     async def _run(self, job: VideoJob) -> None:
         async def update(**values: object) -> bool:
-            return await asyncio.to_thread(self.store.update, job.id, self.holder, **values)
+            return await self.store.update(job.id, self.holder, **values)
 
         try:
             await update(status="in_progress", progress=0)
@@ -168,7 +171,13 @@ class VideoJobs:
             if final is None or not final.videos:
                 raise StageFailed("the pipeline ended without a video")
             size, seconds = clip_figures(final)
-            await self._write(job.id, final)
+            files = await asyncio.to_thread(encoded_files, final)
+            if (n := len(files["video"])) > self.spec.max_video_bytes:
+                raise StageFailed(
+                    f"the video is {n} bytes, more than this server keeps ({self.spec.max_video_bytes})",
+                    code="video_too_large",
+                )
+            await self.store.put_files(job.id, {FILE_NAMES[v]: data for v, data in files.items()})
             done = int(time.time())
             expires = done + int(self.spec.retention_s)
             if not await update(
@@ -179,7 +188,7 @@ class VideoJobs:
                 size=size,
                 seconds=seconds,
             ):  # deleted meanwhile: its files go too
-                await self.remove_files([job.id])
+                await self.store.remove_files([job.id])
                 return
             log.info("video job %s completed (%s, %s s)", job.id, size, seconds)
         except asyncio.CancelledError:
@@ -204,27 +213,3 @@ class VideoJobs:
         finally:
             self._running.pop(job.id, None)
             self._wake.set()
-
-    async def _write(self, job_id: str, final: VideoProgress) -> None:
-        """The clip's files, encoded off the event loop and put in place at once (a directory
-        renamed into place), so a reader sees all of them or none."""
-
-        def write() -> None:
-            files = encoded_files(final)
-            if (n := len(files["video"])) > self.spec.max_video_bytes:
-                raise StageFailed(
-                    f"the video is {n} bytes, more than this server keeps ({self.spec.max_video_bytes})",
-                    code="video_too_large",
-                )
-            staging = self.files / f".{job_id}.{secrets.token_hex(4)}"
-            staging.mkdir()
-            try:
-                for variant, data in files.items():
-                    (staging / FILE_NAMES[variant]).write_bytes(data)
-                shutil.rmtree(self.files / job_id, ignore_errors=True)  # an earlier run's, cut short
-                staging.rename(self.files / job_id)
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise
-
-        await asyncio.to_thread(write)

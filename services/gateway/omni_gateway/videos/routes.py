@@ -3,7 +3,6 @@ range requests), remix. The synchronous /v1/videos/sync is in omni_gateway.route
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import secrets
 import time
@@ -21,7 +20,7 @@ from omni_gateway.protocol.videos import (
     read_video_request,
 )
 from omni_gateway.videos.jobs import VideoJobs, checked
-from omni_gateway.videos.media import MEDIA_TYPES
+from omni_gateway.videos.media import FILE_NAMES, MEDIA_TYPES
 from omni_gateway.videos.store import StoreFull, VideoJob
 
 router = APIRouter()
@@ -45,7 +44,7 @@ def owner_of(request: Request) -> str:
 
 
 async def _job(request: Request, video_id: str) -> VideoJob:
-    job = await asyncio.to_thread(_jobs(request).store.get, video_id, owner_of(request))
+    job = await _jobs(request).store.get(video_id, owner_of(request))
     if job is None:
         raise NotFound(f"video '{video_id}' does not exist", param="video_id")
     return job
@@ -70,7 +69,7 @@ async def _create(request: Request, req: VideoCreateRequest, remixed_from: str |
     )
     spec = jobs.spec
     try:
-        await asyncio.to_thread(jobs.store.add, job, spec.max_queued, spec.max_queued_per_key)
+        await jobs.store.add(job, spec.max_queued, spec.max_queued_per_key)
     except StoreFull as full:
         whose = "this API key's" if full.scope == "key" else "this server's"
         raise Overloaded(
@@ -95,7 +94,7 @@ async def list_videos(
 ) -> dict[str, Any]:
     jobs = _jobs(request)
     try:
-        page, more = await asyncio.to_thread(jobs.store.page, owner_of(request), after, limit, order == "asc")
+        page, more = await jobs.store.page(owner_of(request), after, limit, order == "asc")
     except KeyError:
         raise BadRequest(f"after: video '{after}' does not exist", param="after") from None
     return {
@@ -116,11 +115,11 @@ async def retrieve_video(request: Request, video_id: str) -> dict[str, Any]:
 async def delete_video(request: Request, video_id: str) -> dict[str, Any]:
     """The job goes, running or not (its run ends), and its files with it."""
     jobs = _jobs(request)
-    if not await asyncio.to_thread(jobs.store.delete, video_id, owner_of(request)):
+    if not await jobs.store.delete(video_id, owner_of(request)):
         raise NotFound(f"video '{video_id}' does not exist", param="video_id")
     jobs.cancel(video_id)
     jobs.wake()  # another gateway running it finds it gone when it next renews
-    await jobs.remove_files([video_id])
+    await jobs.store.remove_files([video_id])
     return {"object": "video.deleted", "deleted": True, "id": video_id}
 
 
@@ -132,8 +131,8 @@ async def video_content(request: Request, video_id: str, variant: str = "video")
     job = await _job(request, video_id)
     if job.status != "completed":
         raise NotReady(f"video '{video_id}' has no content: it is {job.status}")
-    path = _jobs(request).path(video_id, variant)
-    if not path.is_file():
+    path = await _jobs(request).store.file(video_id, FILE_NAMES[variant])
+    if path is None:
         raise NotFound(f"video '{video_id}' has no {variant} (its files are gone)", param="video_id")
     return FileResponse(path, media_type=MEDIA_TYPES[variant], filename=f"{video_id}.{path.suffix[1:]}")
 

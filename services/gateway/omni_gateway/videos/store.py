@@ -1,50 +1,20 @@
-"""The video job store of `omni serve`: SQLite under the state directory, so jobs outlive the
-gateway process (a restart lists them, serves their files and takes unfinished ones up again).
+"""What a video job store is: the job as it is kept, and what every store does with it
+(sqlite_store.py for `omni serve`, jetstream_store.py for Distributed mode and Kubernetes).
 
-A running job is leased: its gateway renews the lease while it lives; a job whose lease has
-lapsed (its gateway died) is claimed by the next gateway that looks, and one claim wins, as
-each is one UPDATE in SQLite's own transaction. Every job belongs to the API key that made it
-(`owner`, a digest of the key; one owner for all when keys are off): no key sees another's.
-
-Calls block on the disk: the job runner and the routes make them through `asyncio.to_thread`.
+A store keeps the jobs and their files. A running job is leased: its gateway renews the lease
+while it lives; a job whose lease has lapsed (its gateway died) is claimed by the next gateway
+that looks, and one claim wins. Every job belongs to the API key that made it (`owner`, a
+digest of the key; one owner for all when keys are off): no key sees another's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import sqlite3
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 import msgspec
 
 RUNNABLE: Final = ("queued", "in_progress")
-_SCHEMA: Final = """
-CREATE TABLE IF NOT EXISTS jobs (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    id TEXT NOT NULL UNIQUE,
-    owner TEXT NOT NULL,
-    status TEXT NOT NULL,
-    progress INTEGER NOT NULL DEFAULT 0,
-    created_at INTEGER NOT NULL,
-    completed_at INTEGER,
-    expires_at INTEGER,
-    model TEXT NOT NULL,
-    prompt TEXT NOT NULL,
-    size TEXT NOT NULL,
-    seconds TEXT NOT NULL,
-    request TEXT NOT NULL,
-    error TEXT,
-    remixed_from TEXT,
-    holder TEXT,
-    lease_until REAL
-);
-CREATE INDEX IF NOT EXISTS jobs_runnable ON jobs (status, lease_until);
-CREATE INDEX IF NOT EXISTS jobs_expiry ON jobs (expires_at);
-"""
 
 
 class VideoJob(msgspec.Struct, frozen=True, kw_only=True):
@@ -92,156 +62,49 @@ class StoreFull(Exception):
         self.scope, self.limit = scope, limit
 
 
-_COLUMNS: Final = tuple(VideoJob.__struct_fields__)
+class JobStore(Protocol):
+    async def add(self, job: VideoJob, max_queued: int, max_per_owner: int) -> None:
+        """Store a new job, unless the owner's or everyone's unfinished jobs are at their limit
+        (StoreFull)."""
 
-
-def _row(row: sqlite3.Row) -> VideoJob:
-    values = {k: row[k] for k in _COLUMNS}
-    values["request"] = json.loads(values["request"])
-    values["error"] = json.loads(values["error"]) if values["error"] else None
-    return VideoJob(**values)
-
-
-class SqliteJobStore:
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-        self._db.row_factory = sqlite3.Row
-        self._lock = threading.Lock()
-        with self._locked() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute(
-                "PRAGMA synchronous=NORMAL"
-            )  # WAL: a process crash loses nothing, a power cut the last writes
-            db.executescript(_SCHEMA)
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            yield self._db
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, taken at once (BEGIN IMMEDIATE): a count and the insert it
-        allows are not split by another gateway's insert."""
-        with self._locked() as db:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                yield db
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
-
-    def close(self) -> None:
-        with self._locked() as db:
-            db.close()
-
-    def add(self, job: VideoJob, max_queued: int, max_per_owner: int) -> None:
-        """Store a new job, unless the owner's or everyone's unfinished jobs are at their limit."""
-        marks = ",".join("?" * len(RUNNABLE))
-        with self._transaction() as db:
-            (total,) = db.execute(f"SELECT count(*) FROM jobs WHERE status IN ({marks})", RUNNABLE).fetchone()
-            if total >= max_queued:
-                raise StoreFull("all", max_queued)
-            (own,) = db.execute(
-                f"SELECT count(*) FROM jobs WHERE owner = ? AND status IN ({marks})", (job.owner, *RUNNABLE)
-            ).fetchone()
-            if own >= max_per_owner:
-                raise StoreFull("key", max_per_owner)
-            values = msgspec.structs.asdict(job)
-            values["request"] = json.dumps(values["request"])
-            values["error"] = json.dumps(values["error"]) if values["error"] else None
-            db.execute(
-                f"INSERT INTO jobs ({', '.join(_COLUMNS)}) VALUES ({', '.join('?' * len(_COLUMNS))})",
-                tuple(values[k] for k in _COLUMNS),
-            )
-
-    def get(self, job_id: str, owner: str | None) -> VideoJob | None:
+    async def get(self, job_id: str, owner: str | None) -> VideoJob | None:
         """The job, if it exists and is `owner`'s (None: anyone's)."""
-        with self._locked() as db:
-            row = db.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-        if row is None or (owner is not None and row["owner"] != owner):
-            return None
-        return _row(row)
 
-    def page(self, owner: str, after: str | None, limit: int, ascending: bool) -> tuple[list[VideoJob], bool]:
+    async def page(
+        self, owner: str, after: str | None, limit: int, ascending: bool
+    ) -> tuple[list[VideoJob], bool]:
         """Up to `limit` of the owner's jobs in creation order (or its reverse), from the one
-        after `after`; and whether more follow."""
-        op, order = (">", "ASC") if ascending else ("<", "DESC")
-        with self._locked() as db:
-            start = None
-            if after is not None:
-                row = db.execute("SELECT seq FROM jobs WHERE id = ? AND owner = ?", (after, owner)).fetchone()
-                if row is None:
-                    raise KeyError(after)
-                start = row["seq"]
-            rows = db.execute(
-                f"SELECT * FROM jobs WHERE owner = ? AND (? IS NULL OR seq {op} ?) "
-                f"ORDER BY seq {order} LIMIT ?",
-                (owner, start, start, limit + 1),
-            ).fetchall()
-        return [_row(r) for r in rows[:limit]], len(rows) > limit
+        after `after` (KeyError: no such job of the owner's); and whether more follow."""
 
-    def delete(self, job_id: str, owner: str) -> bool:
-        with self._locked() as db:
-            return db.execute("DELETE FROM jobs WHERE id = ? AND owner = ?", (job_id, owner)).rowcount > 0
+    async def delete(self, job_id: str, owner: str) -> bool: ...
 
-    def claim(self, holder: str, now: float, lease_s: float, limit: int) -> list[VideoJob]:
+    async def claim(self, holder: str, now: float, lease_s: float, limit: int) -> list[VideoJob]:
         """Lease up to `limit` unfinished jobs no live gateway holds (oldest first) to `holder`."""
-        marks = ",".join("?" * len(RUNNABLE))
-        with self._locked() as db:
-            rows = db.execute(
-                f"UPDATE jobs SET holder = ?, lease_until = ? WHERE id IN ("
-                f" SELECT id FROM jobs WHERE status IN ({marks}) AND (lease_until IS NULL OR lease_until < ?)"
-                f" ORDER BY seq LIMIT ?) RETURNING *",
-                (holder, now + lease_s, *RUNNABLE, now, limit),
-            ).fetchall()
-        return sorted((_row(r) for r in rows), key=lambda j: j.created_at)
 
-    def renew(self, holder: str, ids: list[str], until: float) -> set[str]:
+    async def renew(self, holder: str, ids: list[str], until: float) -> set[str]:
         """Extend the holder's leases on `ids`; the ids it still holds (a deleted job's is gone)."""
-        if not ids:
-            return set()
-        marks = ",".join("?" * len(ids))
-        with self._locked() as db:
-            rows = db.execute(
-                f"UPDATE jobs SET lease_until = ? WHERE holder = ? AND id IN ({marks}) RETURNING id",
-                (until, holder, *ids),
-            ).fetchall()
-        return {r["id"] for r in rows}
 
-    def update(self, job_id: str, holder: str, **values: Any) -> bool:
-        """Set a held job's columns (status, progress, size, ...); False if the holder lost it."""
-        if "error" in values:
-            values["error"] = json.dumps(values["error"]) if values["error"] else None
-        sets = ", ".join(f"{k} = ?" for k in values)
-        with self._locked() as db:
-            cur = db.execute(
-                f"UPDATE jobs SET {sets} WHERE id = ? AND holder = ?", (*values.values(), job_id, holder)
-            )
-            return cur.rowcount > 0
+    async def update(self, job_id: str, by: str, **values: Any) -> bool:
+        """Set a job's fields (status, progress, size, ..., `lease_until`, `holder`) if `by`
+        holds it; False if it does not (lost, or deleted)."""
 
-    def release(self, holder: str, ids: list[str]) -> None:
-        """Give unfinished jobs back, queued, for the next gateway to take at once (a graceful stop)."""
-        if not ids:
-            return
-        marks = ",".join("?" * len(ids))
-        with self._locked() as db:
-            db.execute(
-                f"UPDATE jobs SET status = 'queued', progress = 0, holder = NULL, lease_until = NULL "
-                f"WHERE holder = ? AND id IN ({marks}) AND status IN ('queued', 'in_progress')",
-                (holder, *ids),
-            )
+    async def release(self, holder: str, ids: list[str]) -> None:
+        """Give unfinished jobs back, queued, for the next gateway to take at once."""
 
-    def expired(self, now: float) -> list[str]:
+    async def expired(self, now: float) -> list[str]:
         """Delete the finished jobs past their expiry; their ids (whose files go next)."""
-        with self._locked() as db:
-            rows = db.execute(
-                "DELETE FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ? RETURNING id", (now,)
-            ).fetchall()
-        return [r["id"] for r in rows]
 
-    def ids(self) -> set[str]:
-        with self._locked() as db:
-            return {r["id"] for r in db.execute("SELECT id FROM jobs").fetchall()}
+    async def ids(self) -> set[str]: ...
+
+    async def put_files(self, job_id: str, files: dict[str, bytes]) -> None:
+        """A finished job's files, by name, all of them or none visible."""
+
+    async def file(self, job_id: str, name: str) -> Path | None:
+        """A local file of the job's to serve (range requests too); None if there is none."""
+
+    async def remove_files(self, job_ids: list[str]) -> None: ...
+
+    async def file_ids(self) -> set[str]:
+        """The jobs that have files (a job deleted without them leaves them stray)."""
+
+    async def close(self) -> None: ...

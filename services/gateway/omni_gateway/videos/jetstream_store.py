@@ -1,0 +1,262 @@
+"""The video job store of Distributed mode and Kubernetes: NATS JetStream, which the pipeline
+already runs on. Jobs in a key-value bucket (`omni-videos-<pipeline>`), one key per job;
+their files in an object store (`omni-videos-<pipeline>-files`), `<id>/<variant>`.
+
+Every gateway keeps a mirror of the bucket, fed by a watch of it, so reading, listing and
+counting are local. Every write is a compare-and-set on the key's revision (`update(last=)`):
+a claim, a renewal or a change of state made on a stale copy fails instead of overwriting
+another gateway's, so one claim wins. The mirror takes a gateway's own writes at once and
+ignores what the watch brings of revisions it already has.
+
+Limits are counted on the mirror: two gateways taking jobs at the same moment may each let
+one job past a limit. A file is served from a local copy, fetched whole from the object store
+on its first read (range requests are answered from that copy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Final
+
+import msgspec
+import nats.js
+import nats.js.errors
+from nats.aio.client import Client as NatsClient
+
+from omni_gateway.videos.store import RUNNABLE, StoreFull, VideoJob
+
+log = logging.getLogger("omni.gateway.videos")
+
+_DELETE_OPS: Final = ("DEL", "PURGE")
+
+
+class JetStreamJobStore:
+    def __init__(self, kv: Any, files: Any, cache: Path) -> None:
+        self._kv, self._files, self._cache = kv, files, cache
+        self._jobs: dict[str, tuple[dict[str, Any] | None, int]] = {}
+        """id -> (record, revision); a deleted job's record is None (so a late older revision
+        does not bring it back)."""
+        self._watch: asyncio.Task[None] | None = None
+        self._watcher: Any = None
+
+    @classmethod
+    async def open(cls, nc: NatsClient, pipeline: str, cache: Path) -> JetStreamJobStore:
+        js = nc.jetstream()
+        bucket = f"omni-videos-{pipeline}"
+        try:
+            kv = await js.key_value(bucket)
+        except nats.js.errors.BucketNotFoundError:
+            kv = await js.create_key_value(bucket=bucket, history=1)
+        try:
+            files = await js.object_store(f"{bucket}-files")
+        except nats.js.errors.BucketNotFoundError:
+            files = await js.create_object_store(f"{bucket}-files")
+        store = cls(kv, files, cache)
+        await store._follow()
+        return store
+
+    async def _follow(self) -> None:
+        """Load the bucket, then keep following it."""
+        self._watcher = await self._kv.watchall()
+        while (entry := await self._watcher.updates(timeout=30)) is not None:
+            self._seen(entry)
+        self._watch = asyncio.create_task(self._following(), name="video-jobs-watch")
+
+    async def _following(self) -> None:
+        async for entry in self._watcher:
+            if entry is not None:
+                self._seen(entry)
+
+    def _seen(self, entry: Any) -> None:
+        job_id = entry.key
+        if (held := self._jobs.get(job_id)) is not None and held[1] >= entry.revision:
+            return  # our own write, already taken, or older
+        if entry.operation in _DELETE_OPS or not entry.value:
+            self._jobs[job_id] = (None, entry.revision)
+        else:
+            self._jobs[job_id] = (json.loads(entry.value), entry.revision)
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        with contextlib.suppress(Exception):  # the connection may be closing already
+            await self._watcher.stop()
+
+    def _records(self) -> list[tuple[str, dict[str, Any], int]]:
+        return [(i, r, rev) for i, (r, rev) in self._jobs.items() if r is not None]
+
+    async def _write(self, job_id: str, record: dict[str, Any], revision: int) -> bool:
+        """Compare-and-set: False where another write came first."""
+        try:
+            new = await self._kv.update(job_id, json.dumps(record).encode(), last=revision)
+        except nats.js.errors.KeyWrongLastSequenceError:
+            return False
+        self._jobs[job_id] = (record, new)
+        return True
+
+    async def add(self, job: VideoJob, max_queued: int, max_per_owner: int) -> None:
+        runnable = [r for _, r, _ in self._records() if r["status"] in RUNNABLE]
+        if len(runnable) >= max_queued:
+            raise StoreFull("all", max_queued)
+        if sum(r["owner"] == job.owner for r in runnable) >= max_per_owner:
+            raise StoreFull("key", max_per_owner)
+        record = {
+            **msgspec.structs.asdict(job),
+            "holder": None,
+            "lease_until": None,
+            "created_ns": time.time_ns(),
+        }
+        revision = await self._kv.create(job.id, json.dumps(record).encode())
+        self._jobs[job.id] = (record, revision)
+
+    async def get(self, job_id: str, owner: str | None) -> VideoJob | None:
+        record = self._jobs.get(job_id, (None, 0))[0]
+        if record is None or (owner is not None and record["owner"] != owner):
+            return None
+        return _job(record)
+
+    async def page(
+        self, owner: str, after: str | None, limit: int, ascending: bool
+    ) -> tuple[list[VideoJob], bool]:
+        mine = sorted(
+            (r for _, r, _ in self._records() if r["owner"] == owner),
+            key=lambda r: r["created_ns"],
+            reverse=not ascending,
+        )
+        if after is not None:
+            at = next((k for k, r in enumerate(mine) if r["id"] == after), None)
+            if at is None:
+                raise KeyError(after)
+            mine = mine[at + 1 :]
+        return [_job(r) for r in mine[:limit]], len(mine) > limit
+
+    async def delete(self, job_id: str, owner: str) -> bool:
+        record, revision = self._jobs.get(job_id, (None, 0))
+        if record is None or record["owner"] != owner:
+            return False
+        try:
+            new = await self._kv.delete(job_id)
+        except nats.js.errors.KeyNotFoundError:
+            return False
+        self._jobs[job_id] = (None, max(revision, int(new or revision)))
+        return True
+
+    async def claim(self, holder: str, now: float, lease_s: float, limit: int) -> list[VideoJob]:
+        free = sorted(
+            (
+                (r, rev)
+                for _, r, rev in self._records()
+                if r["status"] in RUNNABLE and (r["lease_until"] is None or r["lease_until"] < now)
+            ),
+            key=lambda x: x[0]["created_ns"],
+        )
+        claimed: list[VideoJob] = []
+        for record, revision in free:
+            if len(claimed) >= limit:
+                break
+            mine = {**record, "holder": holder, "lease_until": now + lease_s}
+            if await self._write(record["id"], mine, revision):
+                claimed.append(_job(mine))
+        return claimed
+
+    async def renew(self, holder: str, ids: list[str], until: float) -> set[str]:
+        held: set[str] = set()
+        for job_id in ids:
+            record, revision = self._jobs.get(job_id, (None, 0))
+            if record is None or record["holder"] != holder:
+                continue
+            if await self._write(job_id, {**record, "lease_until": until}, revision):
+                held.add(job_id)
+        return held
+
+    async def update(self, job_id: str, by: str, **values: Any) -> bool:
+        for _ in range(3):  # a stale copy (another's write not yet seen) is read again
+            record, revision = self._jobs.get(job_id, (None, 0))
+            if record is None or record["holder"] != by:
+                return False
+            if await self._write(job_id, {**record, **values}, revision):
+                return True
+            await self._reload(job_id)
+        return False
+
+    async def _reload(self, job_id: str) -> None:
+        try:
+            entry = await self._kv.get(job_id)
+        except nats.js.errors.KeyNotFoundError:
+            self._jobs[job_id] = (None, self._jobs.get(job_id, (None, 0))[1])
+            return
+        self._seen(entry)
+
+    async def release(self, holder: str, ids: list[str]) -> None:
+        for job_id in ids:
+            record = self._jobs.get(job_id, (None, 0))[0]
+            if record is not None and record["status"] in RUNNABLE:
+                await self.update(job_id, holder, status="queued", progress=0, lease_until=None, holder=None)
+
+    async def expired(self, now: float) -> list[str]:
+        gone: list[str] = []
+        for job_id, record, revision in self._records():
+            if record["expires_at"] is not None and record["expires_at"] <= now:
+                try:
+                    await self._kv.delete(job_id, last=revision)
+                except nats.js.errors.KeyWrongLastSequenceError:
+                    continue  # changed meanwhile (or another gateway deleted it): look next time
+                self._jobs[job_id] = (None, revision)
+                gone.append(job_id)
+        return gone
+
+    async def ids(self) -> set[str]:
+        return {i for i, _, _ in self._records()}
+
+    async def put_files(self, job_id: str, files: dict[str, bytes]) -> None:
+        """All of them before the job says it has completed, which is what makes them visible."""
+        for name, data in files.items():
+            await self._files.put(f"{job_id}/{name}", data)
+
+    async def file(self, job_id: str, name: str) -> Path | None:
+        """A local copy of the file (fetched whole on its first read), or None if there is none."""
+        path = self._cache / job_id / name
+        if path.is_file():
+            return path
+        try:
+            got = await self._files.get(f"{job_id}/{name}")
+        except nats.js.errors.ObjectNotFoundError:
+            return None
+
+        def write() -> None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            partial = path.with_name(f".{name}.{time.monotonic_ns()}")
+            partial.write_bytes(got.data or b"")
+            partial.rename(path)
+
+        await asyncio.to_thread(write)
+        return path
+
+    async def remove_files(self, job_ids: list[str]) -> None:
+        names = {o.name for o in await self._object_list()}
+        for job_id in job_ids:
+            for name in [n for n in names if n.startswith(f"{job_id}/")]:
+                with contextlib.suppress(nats.js.errors.NotFoundError):
+                    await self._files.delete(name)
+            await asyncio.to_thread(shutil.rmtree, self._cache / job_id, True)
+
+    async def file_ids(self) -> set[str]:
+        return {o.name.split("/", 1)[0] for o in await self._object_list()}
+
+    async def _object_list(self) -> list[Any]:
+        try:
+            return list(await self._files.list(ignore_deletes=True))
+        except nats.js.errors.NotFoundError:  # an empty store
+            return []
+
+
+def _job(record: dict[str, Any]) -> VideoJob:
+    return VideoJob(**{k: record[k] for k in VideoJob.__struct_fields__})
