@@ -176,3 +176,16 @@ async def test_a_job_reads_back_as_it_was_stored_and_its_files_as_written(store:
     assert await store.file_ids() == {"video_1"}
     await store.remove_files(["video_1"])
     assert await store.file("video_1", "video.mp4") is None and await store.file_ids() == set()
+
+
+async def test_a_job_deleted_elsewhere_is_lost_to_its_holder(opener: Opener) -> None:
+    """Deleted through another gateway while it runs: its holder's next write says it has lost
+    it (so the runner ends the run), and its files can go."""
+    holder, other = await opener(), await opener()
+    await holder.add(job(1), 10, 10)
+    await seen_by_all([holder, other], {"video_1"})
+    [j] = await holder.claim("g", 0, 60, 1)
+    assert await other.delete(j.id, "")
+    assert not await holder.update(j.id, "g", progress=50)
+    assert await holder.renew("g", [j.id], 100.0) == set()
+    assert await holder.get(j.id, None) is None

@@ -34,7 +34,8 @@ from omni_gateway.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from omni_gateway.protocol.videos import read_video_request
 from omni_gateway.sleep import sleep, stage_names, wake
 from omni_gateway.speech import audio_stream, sse_stream
-from omni_gateway.videos.jobs import checked, encoded_files
+from omni_gateway.videos.jobs import checked
+from omni_gateway.videos.media import encode_mp4
 from omni_pipeline.control import DetokenizeMsg, TokenizeMsg
 from omni_pipeline.resource_metrics import COUNT_WAIT_S
 from omni_pipeline.spec import OutputKind
@@ -206,7 +207,7 @@ async def videos_sync(request: Request) -> Response:
         )
         if final is None or not final.videos:
             raise StageFailed("the pipeline ended without a video")
-        mp4 = (await asyncio.to_thread(encoded_files, final))["video"]
+        mp4 = await asyncio.to_thread(encode_mp4, final.videos[0], final.fps)
         headers = {
             "X-Model": _pipeline(request).spec.served_model_name,
             "X-Inference-Time-S": f"{time.monotonic() - t0:.3f}",

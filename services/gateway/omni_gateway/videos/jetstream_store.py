@@ -142,11 +142,8 @@ class JetStreamJobStore:
         record, revision = self._jobs.get(job_id, (None, 0))
         if record is None or record["owner"] != owner:
             return False
-        try:
-            new = await self._kv.delete(job_id)
-        except nats.js.errors.KeyNotFoundError:
-            return False
-        self._jobs[job_id] = (None, max(revision, int(new or revision)))
+        await self._kv.delete(job_id)
+        self._jobs[job_id] = (None, revision)  # the watch brings the marker's own revision
         return True
 
     async def claim(self, holder: str, now: float, lease_s: float, limit: int) -> list[VideoJob]:
@@ -190,7 +187,7 @@ class JetStreamJobStore:
     async def _reload(self, job_id: str) -> None:
         try:
             entry = await self._kv.get(job_id)
-        except nats.js.errors.KeyNotFoundError:
+        except nats.js.errors.NotFoundError:  # deleted, or never there
             self._jobs[job_id] = (None, self._jobs.get(job_id, (None, 0))[1])
             return
         self._seen(entry)
@@ -207,7 +204,7 @@ class JetStreamJobStore:
             if record["expires_at"] is not None and record["expires_at"] <= now:
                 try:
                     await self._kv.delete(job_id, last=revision)
-                except nats.js.errors.KeyWrongLastSequenceError:
+                except nats.js.errors.BadRequestError:  # the wrong last revision
                     continue  # changed meanwhile (or another gateway deleted it): look next time
                 self._jobs[job_id] = (None, revision)
                 gone.append(job_id)
