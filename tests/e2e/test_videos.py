@@ -23,7 +23,7 @@ import yaml
 from PIL import Image
 
 from omni_cli.natsd import EmbeddedNats
-from tests.deployment import deployed
+from tests.deployment import deployed, metric_values
 from tests.helpers import (
     ROOT,
     OmniProcess,
@@ -84,6 +84,8 @@ def test_a_job_runs_shows_its_progress_and_serves_its_video(video_demo: str) -> 
     # It moves with the steps: 400 steps of about 10 ms, reported at most every 0.2 s.
     assert progress == sorted(progress) and len(set(progress) - {0}) >= 2, seen
     assert done.completed_at is not None and done.expires_at == done.completed_at + 86400
+    counted = metric_values(f"{video_demo}/metrics", ("omni_gateway_video_jobs_total",))
+    assert counted["omni_gateway_video_jobs_total"] >= 1
 
     mp4 = client.videos.download_content(job.id).read()
     frames, fps = frames_of(mp4)

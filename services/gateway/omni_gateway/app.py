@@ -196,7 +196,7 @@ def run_gateway(
                         await service.bus.covered.wait()
             jobs = None
             if OutputKind.VIDEO in pipeline.spec.output_kinds():
-                jobs = await VideoJobs.open(service, pipeline.name)
+                jobs = await VideoJobs.open(service, pipeline.name, app.state.metrics)
                 await jobs.start()
                 app.state.video_jobs = jobs
             ready({"port": sock.getsockname()[1], "gateway_id": service.gateway_id})

@@ -78,6 +78,22 @@ class GatewayMetrics:
             "Full-duplex sessions resumed on a new socket after theirs dropped (session.resume)",
             registry=r,
         )
+        self.video_jobs_running = Gauge(
+            "omni_gateway_video_jobs_running", "Video jobs this gateway runs now (/v1/videos)", registry=r
+        )
+        self.video_jobs = Counter(
+            "omni_gateway_video_jobs",
+            "Video job runs this gateway ended, by outcome: completed, failed, requeued (the pipeline "
+            "could not take it yet), given_back (the gateway stopped), lost (deleted, or taken over)",
+            ["outcome"],
+            registry=r,
+        )
+        self.video_job_seconds = Histogram(
+            "omni_gateway_video_job_seconds",
+            "A completed video job's run, from its claim to its files written",
+            buckets=(*_BUCKETS, 600.0, 1800.0, 3600.0),
+            registry=r,
+        )
         self.speech_to_audio = Histogram(
             "omni_gateway_realtime_speech_end_to_audio_seconds",
             "End of a user's turn (its commit, or VAD's speech_stopped) to its response's first audio",

@@ -23,6 +23,7 @@ from typing import Final
 
 from omni_gateway.errors import OmniError, Overloaded, StageFailed, Unavailable
 from omni_gateway.events import VideoProgress
+from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline, PipelineRequest
 from omni_gateway.protocol.videos import VideoCreateRequest, video_inputs, video_sampling
 from omni_gateway.videos.jetstream_store import JetStreamJobStore
@@ -72,15 +73,18 @@ def encoded_files(video: VideoProgress) -> dict[str, bytes]:
 
 
 class VideoJobs:
-    def __init__(self, pipeline: Pipeline, spec: VideoJobsSpec, store: JobStore) -> None:
-        self.pipeline, self.spec, self.store = pipeline, spec, store
+    def __init__(
+        self, pipeline: Pipeline, spec: VideoJobsSpec, store: JobStore, metrics: GatewayMetrics
+    ) -> None:
+        self.pipeline, self.spec, self.store, self.metrics = pipeline, spec, store, metrics
         self.holder = f"{pipeline.gateway_id}-{secrets.token_hex(4)}"
         self._running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
+        self._stopping = False
 
     @classmethod
-    async def open(cls, pipeline: Pipeline, name: str) -> VideoJobs:
+    async def open(cls, pipeline: Pipeline, name: str, metrics: GatewayMetrics) -> VideoJobs:
         """The jobs of pipeline `name`, in the store its mode keeps them in (`store: auto`:
         SQLite in SingleNode, JetStream otherwise)."""
         spec = pipeline.spec.gateway.videos
@@ -94,7 +98,7 @@ class VideoJobs:
         else:
             store = await JetStreamJobStore.open(pipeline.bus.nc, name, root / "cache")
         log.info("video jobs: kept in %s", "SQLite under " + str(root) if kind == "sqlite" else "JetStream")
-        return cls(pipeline, spec, store)
+        return cls(pipeline, spec, store, metrics)
 
     async def start(self) -> None:
         """Take jobs up from now on; first delete the files of jobs no longer in the store (a
@@ -105,6 +109,7 @@ class VideoJobs:
 
     async def stop(self) -> None:
         """Stop taking jobs, end those running here and give them back, queued."""
+        self._stopping = True
         if self._loop is not None:
             self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -151,6 +156,9 @@ class VideoJobs:
         async def update(**values: object) -> bool:
             return await self.store.update(job.id, self.holder, **values)
 
+        t0 = time.monotonic()
+        outcome = "lost"
+        self.metrics.video_jobs_running.inc()
         try:
             await update(status="in_progress", progress=0)
             req = VideoCreateRequest.model_validate(job.request)
@@ -190,16 +198,21 @@ class VideoJobs:
             ):  # deleted meanwhile: its files go too
                 await self.store.remove_files([job.id])
                 return
+            outcome = "completed"
+            self.metrics.video_job_seconds.observe(time.monotonic() - t0)
             log.info("video job %s completed (%s, %s s)", job.id, size, seconds)
         except asyncio.CancelledError:
+            outcome = "given_back" if self._stopping else "lost"
             raise
         except (Overloaded, Unavailable) as exc:  # the pipeline is busy or restarting: wait
             log.info("video job %s waits: %s", job.id, exc.message)
+            outcome = "requeued"
             await update(status="queued", progress=0, lease_until=time.time() + RETRY_S)
         except Exception as exc:
             err = exc if isinstance(exc, OmniError) else None
             if err is None:
                 log.exception("video job %s failed", job.id)
+            outcome = "failed"
             done = int(time.time())
             await update(
                 status="failed",
@@ -211,5 +224,7 @@ class VideoJobs:
                 },
             )
         finally:
+            self.metrics.video_jobs_running.dec()
+            self.metrics.video_jobs.labels(outcome=outcome).inc()
             self._running.pop(job.id, None)
             self._wake.set()
