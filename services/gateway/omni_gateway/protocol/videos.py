@@ -47,6 +47,12 @@ class VideoCreateRequest(BaseModel):
         if v is not None:
             raise ValueError("this model makes video from text only (it has no image-to-video)")
 
+    @field_validator("seconds", mode="before")
+    @classmethod
+    def _seconds_as_text(cls, v: Any) -> Any:
+        """OpenAI's schema has it a string ("4"); a JSON client's number means the same."""
+        return f"{v:g}" if isinstance(v, int | float) and not isinstance(v, bool) else v
+
     @field_validator("seconds")
     @classmethod
     def _seconds(cls, v: str | None) -> str | None:
