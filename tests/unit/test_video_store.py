@@ -189,3 +189,20 @@ async def test_a_job_deleted_elsewhere_is_lost_to_its_holder(opener: Opener) -> 
     assert not await holder.update(j.id, "g", progress=50)
     assert await holder.renew("g", [j.id], 100.0) == set()
     assert await holder.get(j.id, None) is None
+
+
+async def test_every_gateway_drops_its_copies_of_a_deleted_jobs_files(opener: Opener) -> None:
+    """A file served by two gateways (JetStream: each keeps a local copy) and then deleted
+    through one: neither keeps it."""
+    first, second = await opener(), await opener()
+    await first.add(job(1), 10, 10)
+    await first.put_files("video_1", {"video.mp4": b"mp4"})
+    await seen_by_all([second], {"video_1"})
+    copies = [await g.file("video_1", "video.mp4") for g in (first, second)]
+    assert all(c is not None and c.read_bytes() == b"mp4" for c in copies)
+    assert await second.delete("video_1", "")
+    await first.remove_files(["video_1"])  # what the route does after a delete
+    async with asyncio.timeout(10):
+        while any(c is not None and c.exists() for c in copies):
+            await asyncio.sleep(0.01)
+    assert await first.file("video_1", "video.mp4") is None

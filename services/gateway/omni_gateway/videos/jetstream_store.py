@@ -10,7 +10,8 @@ ignores what the watch brings of revisions it already has.
 
 Limits are counted on the mirror: two gateways taking jobs at the same moment may each let
 one job past a limit. A file is served from a local copy, fetched whole from the object store
-on its first read (range requests are answered from that copy).
+on its first read (range requests are answered from that copy); every gateway drops its copies
+of a job's files when the watch tells it the job is gone.
 """
 
 from __future__ import annotations
@@ -69,9 +70,13 @@ class JetStreamJobStore:
         self._watch = asyncio.create_task(self._following(), name="video-jobs-watch")
 
     async def _following(self) -> None:
+        """Follow the bucket; a job deleted anywhere (by a client, or at its expiry) takes this
+        gateway's local copies of its files with it."""
         async for entry in self._watcher:
             if entry is not None:
                 self._seen(entry)
+                if entry.operation in _DELETE_OPS:
+                    await asyncio.to_thread(shutil.rmtree, self._cache / entry.key, True)
 
     def _seen(self, entry: Any) -> None:
         job_id = entry.key
