@@ -169,6 +169,16 @@ def test_structured_outputs_regex_choice_and_grammar(thinker: Engine) -> None:
         reply(thinker, structured_outputs={"regex": "(unclosed"})
 
 
+def test_constraints_that_leave_no_next_token_are_the_clients_error(thinker: Engine) -> None:
+    """A choice that can only end at once (the empty string) with min_tokens holding the end
+    back: no token may come next, a 400, not a pick the grammar then refuses (a 500). Found by
+    tests/integration/test_gateway_schema.py's fuzzing."""
+    with pytest.raises(InvalidRequest, match="leave no token that may come next"):
+        reply(thinker, structured_outputs={"choice": [""]}, min_tokens=2)
+    with pytest.raises(InvalidRequest, match="leave no token that may come next"):
+        reply(thinker, allowed_token_ids=[EOS], min_tokens=1)
+
+
 def test_prompt_logprobs_are_the_models_over_the_prompt(thinker: Engine, models: Path) -> None:
     """vLLM's `prompt_logprobs`: at each prompt position after the first, the prompt token's log
     probability under transformers' own forward of the prompt, its rank, and the k likeliest."""

@@ -180,6 +180,11 @@ class TokenSampler:
         """`logits` [vocab], float32: the model's scores for the next token."""
         logits = logits.float()
         adjusted = self._masked(logits)
+        if adjusted is not logits and bool(torch.isneginf(adjusted).all()):
+            raise InvalidRequest(
+                "the request's constraints leave no token that may come next (its structured output, "
+                "min_tokens, allowed_token_ids and bad_words together)"
+            )
         if self.bias or (self.counts and (self.frequency_penalty or self.presence_penalty)):
             adjusted = adjusted.clone() if adjusted is logits else adjusted
             for token, bias in self.bias.items():
