@@ -56,7 +56,7 @@ MAX_IMAGES: Final = 10
 MAX_STEPS: Final = 1000
 
 
-class _DiffusersPart(ComputeEngine):
+class DiffusersPart(ComputeEngine):
     """Loading by `model_index.json`."""
 
     def __init__(self, stage: StageSpec) -> None:
@@ -146,7 +146,7 @@ class _DiffusersPart(ComputeEngine):
 
 
 @dataclass
-class _Sampling:
+class SamplingState:
     """One request's state in the sampling loop (D0's plan, advanced by D1's steps)."""
 
     scheduler: Any
@@ -164,7 +164,7 @@ class _Sampling:
         return self.guidance > 1.0
 
 
-class DenoiseEngine(_DiffusersPart):
+class DenoiseEngine(DiffusersPart):
     weights = ("denoiser",)
     request_keys = frozenset(
         {
@@ -210,12 +210,12 @@ class DenoiseEngine(_DiffusersPart):
         self.multiple = self.vae_scale * int(cells)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        embeds = _inputs(call, "prompt_embeds")
+        embeds = inputs_of(call, "prompt_embeds")
         if embeds is None:
             raise EngineError(
                 f"stage '{self.stage.name}': no prompt_embeds in its inputs (a text stage with mode: encode?)"
             )
-        negative = _inputs(call, "negative_prompt_embeds")
+        negative = inputs_of(call, "negative_prompt_embeds")
         plan = await self._run(
             self._plan, embeds[-1], None if negative is None else negative[-1], call.sampling
         )
@@ -262,7 +262,7 @@ class DenoiseEngine(_DiffusersPart):
     @torch.inference_mode()
     def _plan(
         self, embeds: torch.Tensor, negative: torch.Tensor | None, sampling: dict[str, Any]
-    ) -> _Sampling:
+    ) -> SamplingState:
         n, width, height, steps, guidance = self._params(sampling)
         width_in = embeds.shape[-1]
         c = self.denoiser.config
@@ -279,8 +279,8 @@ class DenoiseEngine(_DiffusersPart):
         shape = (n, c.in_channels, height // self.vae_scale, width // self.vae_scale)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32)
         latents = (latents * scheduler.init_noise_sigma).to(self.device, self.dtype)
-        cond, mask = _conditioning(embeds, negative, n, guidance > 1.0)
-        return _Sampling(
+        cond, mask = conditioning(embeds, negative, n, guidance > 1.0)
+        return SamplingState(
             scheduler,
             latents,
             cond.to(self.device, self.dtype),
@@ -292,7 +292,7 @@ class DenoiseEngine(_DiffusersPart):
         )
 
     @torch.inference_mode()
-    def _steps_together(self, steps: list[tuple[_Sampling, torch.Tensor]]) -> list[None]:
+    def _steps_together(self, steps: list[tuple[SamplingState, torch.Tensor]]) -> list[None]:
         """One scheduler step for each request: one denoiser forward over all their rows (with
         guidance, a request's rows are its negative's and its prompt's), then each request's
         scheduler on its own rows."""
@@ -352,7 +352,7 @@ class DenoiseEngine(_DiffusersPart):
         )[0]
 
 
-class DecodeEngine(_DiffusersPart):
+class DecodeEngine(DiffusersPart):
     weights = ("vae",)
 
     def __init__(self, stage: StageSpec) -> None:
@@ -406,12 +406,12 @@ class DecodeEngine(_DiffusersPart):
         return rgb.permute(0, 2, 3, 1).cpu().contiguous()
 
 
-def _inputs(call: EngineCall, key: str) -> torch.Tensor | None:
+def inputs_of(call: EngineCall, key: str) -> torch.Tensor | None:
     found = [p[key] for p in call.inputs.values() if isinstance(p.get(key), torch.Tensor)]
     return torch.cat(found) if found else None
 
 
-def _conditioning(
+def conditioning(
     embeds: torch.Tensor, negative: torch.Tensor | None, n: int, cfg: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Cross-attention inputs for a batch of n: with guidance, the negative (or a null embedding)

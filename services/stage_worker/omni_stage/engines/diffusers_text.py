@@ -21,7 +21,7 @@ import torch
 
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
-from omni_stage.engines.diffusers import _DiffusersPart
+from omni_stage.engines.diffusers import DiffusersPart
 from omni_stage.segments import EngineOutput
 
 TEXT_LENGTH: Final = 512
@@ -35,7 +35,7 @@ def clean_prompt(prompt: str) -> str:
     return str(prompt_clean(prompt))
 
 
-class TextEncodeEngine(_DiffusersPart):
+class TextEncodeEngine(DiffusersPart):
     weights = ("text_encoder",)
 
     def __init__(self, stage: StageSpec) -> None:

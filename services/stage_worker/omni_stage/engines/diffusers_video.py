@@ -35,9 +35,10 @@ from typing import Any, Final
 import torch
 
 from omni_pipeline.clips import ClipError, ClipLimits, clip_frames
+from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.diffusers import DenoiseEngine, _conditioning, _DiffusersPart, _inputs, _Sampling
+from omni_stage.engines.diffusers import DenoiseEngine, DiffusersPart, SamplingState, conditioning, inputs_of
 from omni_stage.engines.diffusers_text import TEXT_LENGTH
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
@@ -60,7 +61,7 @@ def is_video_pipeline(path: Path) -> bool:
 class VideoDenoiseEngine(DenoiseEngine):
     request_keys = DenoiseEngine.request_keys | {"num_frames", "seconds", "fps", "progress"}
 
-    def __init__(self, stage: Any) -> None:
+    def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.text_length = int(self.args.get("textLength", TEXT_LENGTH))
         self.fps = int(self.args.get("fps", 16))
@@ -98,8 +99,8 @@ class VideoDenoiseEngine(DenoiseEngine):
             raise InvalidRequest(str(exc)) from None
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        embeds = _inputs(call, "prompt_embeds")
-        negative = _inputs(call, "negative_prompt_embeds")
+        embeds = inputs_of(call, "prompt_embeds")
+        negative = inputs_of(call, "negative_prompt_embeds")
         if embeds is None:
             raise EngineError(f"stage '{self.stage.name}': no prompt_embeds in its inputs (an encode stage?)")
         frames, fps = self._frames(call.sampling)
@@ -124,7 +125,7 @@ class VideoDenoiseEngine(DenoiseEngine):
     @torch.inference_mode()
     def _plan_video(
         self, embeds: torch.Tensor, negative: torch.Tensor | None, sampling: dict[str, Any], frames: int
-    ) -> _Sampling:
+    ) -> SamplingState:
         n, width, height, steps, guidance = self._params(sampling)
         c = self.denoiser.config
         if embeds.shape[-1] != c.text_dim:
@@ -140,8 +141,8 @@ class VideoDenoiseEngine(DenoiseEngine):
         latent_frames = (frames - 1) // self.vae_frames + 1
         shape = (n, c.in_channels, latent_frames, height // self.vae_scale, width // self.vae_scale)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
-        cond, mask = _conditioning(self._padded(embeds), self._padded(negative), n, guidance > 1.0)
-        return _Sampling(
+        cond, mask = conditioning(self._padded(embeds), self._padded(negative), n, guidance > 1.0)
+        return SamplingState(
             scheduler,
             latents,
             cond.to(self.device, self.dtype),
@@ -174,10 +175,10 @@ class VideoDenoiseEngine(DenoiseEngine):
         return out.float()
 
 
-class VideoDecodeEngine(_DiffusersPart):
+class VideoDecodeEngine(DiffusersPart):
     weights = ("vae",)
 
-    def __init__(self, stage: Any) -> None:
+    def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.vae: Any = None
         self.batcher = StepBatcher(self._decode_together, self._compute, self.max_batch)
