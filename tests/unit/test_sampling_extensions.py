@@ -179,6 +179,18 @@ def test_constraints_that_leave_no_next_token_are_the_clients_error(thinker: Eng
         reply(thinker, allowed_token_ids=[EOS], min_tokens=1)
 
 
+def test_a_vanishing_repetition_penalty_still_draws_what_the_grammar_allows(thinker: Engine) -> None:
+    """repetition_penalty 1e-40 (tiny, but not 0 in float32) divides a seen token's positive
+    logit to +inf: the draw is among those tokens (the limit), never a NaN's token 0 that the
+    grammar refuses; 5e-324, which float32 makes 0, is refused. (A 500 before, found by
+    tests/integration/test_gateway_schema.py's fuzzing.)"""
+    choice = {"choice": ["yes", "no"]}
+    out = reply(thinker, structured_outputs=choice, repetition_penalty=1e-40)
+    assert text(out) in {"yes", "no"}
+    with pytest.raises(InvalidRequest, match="repetition_penalty: 5e-324 must be above 0"):
+        reply(thinker, structured_outputs=choice, repetition_penalty=5e-324)
+
+
 def test_prompt_logprobs_are_the_models_over_the_prompt(thinker: Engine, models: Path) -> None:
     """vLLM's `prompt_logprobs`: at each prompt position after the first, the prompt token's log
     probability under transformers' own forward of the prompt, its rank, and the k likeliest."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import shutil
 import time
 from pathlib import Path
@@ -31,8 +30,6 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
 from omni_gateway.videos.store import RUNNABLE, StoreFull, VideoJob
-
-log = logging.getLogger("omni.gateway.videos")
 
 _DELETE_OPS: Final = ("DEL", "PURGE")
 

@@ -180,11 +180,6 @@ class TokenSampler:
         """`logits` [vocab], float32: the model's scores for the next token."""
         logits = logits.float()
         adjusted = self._masked(logits)
-        if adjusted is not logits and bool(torch.isneginf(adjusted).all()):
-            raise InvalidRequest(
-                "the request's constraints leave no token that may come next (its structured output, "
-                "min_tokens, allowed_token_ids and bad_words together)"
-            )
         if self.bias or (self.counts and (self.frequency_penalty or self.presence_penalty)):
             adjusted = adjusted.clone() if adjusted is logits else adjusted
             for token, bias in self.bias.items():
@@ -195,6 +190,12 @@ class TokenSampler:
                 adjusted[ids] -= self.frequency_penalty * n + self.presence_penalty
         if self.repetition is not None and self.seen:
             adjusted = self.repetition(self.seen_ids, adjusted.unsqueeze(0))[0]
+        adjusted = _at_the_limit(adjusted)
+        if bool(torch.isneginf(adjusted).all()):
+            raise InvalidRequest(
+                "the request's constraints leave no token that may come next (its structured output, "
+                "min_tokens, allowed_token_ids and bad_words together)"
+            )
         token = _pick_token(adjusted, self.temperature, self.top_p, self.generator, self.warpers)
         self.counts[token] += 1
         if token not in self.seen:  # a step's work stays that of the distinct tokens, not the reply's length
@@ -239,8 +240,8 @@ def _repetition(sampling: dict[str, Any]) -> Warper | None:
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
     penalty = float(sampling.get("repetition_penalty") or 1.0)
-    if penalty <= 0.0:
-        raise InvalidRequest(f"repetition_penalty: {penalty} must be above 0")
+    if not torch.tensor(penalty, dtype=torch.float32) > 0:  # 5e-324 is 0 in the logits' float32
+        raise InvalidRequest(f"repetition_penalty: {penalty} must be above 0 (in float32)")
     return None if penalty == 1.0 else RepetitionPenaltyLogitsProcessor(penalty)
 
 
@@ -256,6 +257,19 @@ def _bad_word_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
             if ids and ids not in out:
                 out.append(ids)
     return out
+
+
+def _at_the_limit(logits: torch.Tensor) -> torch.Tensor:
+    """Logits the adjustments pushed past float's range, as their limit: tokens at +inf (a
+    vanishing repetition_penalty divides a positive logit) are the only ones that may come, all
+    alike; a NaN may not come. Otherwise softmax makes NaNs of them all, and the draw a token
+    the mask had forbidden. A token at -inf (masked) stays there."""
+    if bool(torch.isfinite(logits[~torch.isneginf(logits)]).all()):
+        return logits
+    top = torch.isposinf(logits)
+    if bool(top.any()):
+        return torch.where(top, 0.0, -torch.inf)
+    return torch.nan_to_num(logits, nan=-torch.inf)
 
 
 def _pick_token(
