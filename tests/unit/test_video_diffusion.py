@@ -140,3 +140,18 @@ def test_concurrent_requests_step_together_with_the_same_frames(wan: Path) -> No
     assert max(batches) == 2, batches
     for a, b in zip(together, alone, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_engines_that_start_together_load_whole(wan: Path) -> None:
+    """Four engines of one process loading at once, each on its own compute thread, as a
+    replica's tests and a stage's wake-ups can: each loads whole. (transformers builds a model
+    on the meta device through module-global state: two loads side by side left parameters on
+    meta, "Cannot copy out of meta tensor", until engines took turns to load.)"""
+
+    async def go() -> list[Any]:
+        engines = [stage("encode", wan) for _ in range(4)]
+        await asyncio.gather(*(e.start() for e in engines))
+        return engines
+
+    for engine in asyncio.run(go()):
+        assert not any(p.is_meta for p in engine.text_encoder.parameters())  # type: ignore[attr-defined]

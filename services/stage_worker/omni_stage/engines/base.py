@@ -16,6 +16,7 @@ import ctypes.util
 import functools
 import gc
 import importlib
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncGenerator, Callable, Iterator
@@ -218,6 +219,10 @@ class ComputeThread(ThreadPoolExecutor):
             self.busy_seconds += time.monotonic() - t
 
 
+LOADING = threading.Lock()
+"""Held while an engine of this process loads weights (ComputeEngine._load_alone)."""
+
+
 class ComputeEngine(Engine):
     """An engine whose forwards all run on one compute thread of its own.
 
@@ -291,6 +296,18 @@ class ComputeEngine(Engine):
         """Load the weights (on the compute thread): at start, and on waking from level 2."""
         raise NotImplementedError
 
+    async def _load_alone(self, load: Callable[[], None] | None = None) -> None:
+        """`load` (default: `_load`) on the compute thread, while no other engine of this
+        process loads: transformers' and diffusers' loading builds models on the meta device
+        through module-global state, so a load beside another one on another thread leaves
+        parameters on meta."""
+
+        def alone() -> None:
+            with LOADING:
+                (load or self._load)()
+
+        await self._run(alone)
+
     async def sleep(self, level: int) -> None:
         for held in (self.prompt_caches, self.audio_ahead):
             if held is not None:
@@ -306,7 +323,7 @@ class ComputeEngine(Engine):
 
     async def wake_up(self, level: int) -> None:
         if level >= 2:
-            await self._run(self._load)
+            await self._load_alone()
         elif level == 1:
             await self._run(self._restore_weights)
 

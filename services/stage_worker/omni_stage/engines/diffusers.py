@@ -74,7 +74,7 @@ class DiffusersPart(ComputeEngine):
         """Video frames per latent frame after the first (a video VAE's temporal compression)."""
 
     async def start(self) -> None:
-        await self._run(self._start)
+        await self._load_alone(self._start)
 
     def _start(self) -> None:
         from diffusers.utils import logging as diffusers_logging

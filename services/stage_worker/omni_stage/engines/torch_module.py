@@ -62,7 +62,7 @@ class TorchModuleEngine(ComputeEngine):
         self.batcher = StepBatcher(self._calls, self._compute, self.max_batch)
 
     async def start(self) -> None:
-        await self._run(self._load)
+        await self._load_alone()
 
     def _load(self) -> None:
         if threads := self.args.get("threads"):

@@ -113,7 +113,7 @@ class TransformersEngine(ComputeEngine):
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
 
     async def start(self) -> None:
-        await self._run(self._load)
+        await self._load_alone()
 
     def _load(self) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer

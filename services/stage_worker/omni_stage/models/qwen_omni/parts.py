@@ -100,7 +100,7 @@ class Part(ComputeEngine):
         """Each voice's conditioning, from the checkpoint's speaker file."""
 
     async def start(self) -> None:
-        await self._run(self._load)
+        await self._load_alone()
 
     def _load(self) -> None:
         self._read_config()
