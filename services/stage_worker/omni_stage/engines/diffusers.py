@@ -83,9 +83,7 @@ class DiffusersPart(ComputeEngine):
         if threads := self.args.get("threads"):
             torch.set_num_threads(int(threads))
         config = self._part_class("vae").load_config(self.path, subfolder="vae")
-        self.vae_scale = int(
-            config.get("scale_factor_spatial") or 2 ** (len(config["block_out_channels"]) - 1)
-        )
+        self.vae_scale = int(config.get("scale_factor_spatial") or _spatial_scale(config))
         self.vae_frames = int(config.get("scale_factor_temporal") or 1)
         self._load()
 
@@ -225,8 +223,8 @@ class DenoiseEngine(DiffusersPart):
             for i in range(len(timesteps)):
                 await self.batcher.submit(tuple(plan.latents.shape[1:]), (plan, timesteps[i]))
                 if i + 1 in plan.previews:
-                    yield EngineOutput(units=1, data=_latents_unit(plan.latents, i + 1, final=False))
-            yield EngineOutput(units=1, data=_latents_unit(plan.latents, len(timesteps), final=True))
+                    yield EngineOutput(units=1, data=latents_unit(plan.latents, i + 1, final=False))
+            yield EngineOutput(units=1, data=latents_unit(plan.latents, len(timesteps), final=True))
         finally:
             self._active.discard(call.request_id)
 
@@ -391,19 +389,48 @@ class DecodeEngine(DiffusersPart):
 
     @torch.inference_mode()
     def _decode(self, latents: torch.Tensor, preview: bool) -> torch.Tensor:
-        c = self.vae.config
-        lat = latents.to(self.device, self.dtype) / c.scaling_factor + (
-            getattr(c, "shift_factor", None) or 0.0
-        )
+        lat = denormalized(latents.to(self.device, self.dtype), self.vae)
         size = (lat.shape[-2] * self.vae_scale, lat.shape[-1] * self.vae_scale)
         if preview and min(lat.shape[-2:]) >= 2:
             lat = F.avg_pool2d(lat, 2)
-        image = self.vae.decode(lat, return_dict=False)[0]
+        if is_wan_vae(self.vae):  # a video VAE (Qwen-Image's): one frame
+            image = self.vae.decode(lat[:, :, None], return_dict=False)[0][:, :, 0]
+        else:
+            image = self.vae.decode(lat, return_dict=False)[0]
         if tuple(image.shape[-2:]) != size:
             image = F.interpolate(image.float(), size=size, mode="bilinear", align_corners=False)
         self._steps += 1
         rgb = ((image.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         return rgb.permute(0, 2, 3, 1).cpu().contiguous()
+
+
+def is_wan_vae(vae: Any) -> bool:
+    """Wan's causal 3D VAE or one of its kind (Qwen-Image's): latents [n, C, frames, h, w],
+    normalized per channel."""
+    return (
+        getattr(vae.config, "z_dim", None) is not None
+        and getattr(vae.config, "latents_mean", None) is not None
+    )
+
+
+def denormalized(latents: torch.Tensor, vae: Any) -> torch.Tensor:
+    """Latents [n, C, ...] as the VAE decodes them: by its per-channel mean and std (Wan's and
+    Qwen-Image's VAEs), else by its scaling and shift factors."""
+    c = vae.config
+    if is_wan_vae(vae):
+        shape = (1, c.z_dim) + (1,) * (latents.dim() - 2)
+        mean = torch.tensor(c.latents_mean).view(shape).to(latents.device, latents.dtype)
+        std = 1.0 / torch.tensor(c.latents_std).view(shape).to(latents.device, latents.dtype)
+        return latents / std + mean
+    return latents / c.scaling_factor + (getattr(c, "shift_factor", None) or 0.0)
+
+
+def _spatial_scale(vae: dict[str, Any]) -> int:
+    """Pixels per latent cell of a VAE's config: one halving per down block after the first, or
+    (Wan's and Qwen-Image's VAEs) per entry of its `temperal_downsample`."""
+    if "temperal_downsample" in vae:
+        return 2 ** len(vae["temperal_downsample"])
+    return 2 ** (len(vae["block_out_channels"]) - 1)
 
 
 def inputs_of(call: EngineCall, key: str) -> torch.Tensor | None:
@@ -433,7 +460,7 @@ def conditioning(
     return cond, mask
 
 
-def _latents_unit(latents: torch.Tensor, step: int, final: bool) -> dict[str, torch.Tensor]:
+def latents_unit(latents: torch.Tensor, step: int, final: bool) -> dict[str, torch.Tensor]:
     return {
         "latents": latents.float().cpu().clone()[None],
         "step": torch.tensor([step], dtype=torch.int64),

@@ -25,11 +25,9 @@ progressIntervalS (0.2).
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any, Final
 
 import torch
@@ -38,7 +36,14 @@ from omni_pipeline.clips import ClipError, ClipLimits, clip_frames
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.diffusers import DenoiseEngine, DiffusersPart, SamplingState, conditioning, inputs_of
+from omni_stage.engines.diffusers import (
+    DenoiseEngine,
+    DiffusersPart,
+    SamplingState,
+    conditioning,
+    denormalized,
+    inputs_of,
+)
 from omni_stage.engines.diffusers_text import TEXT_LENGTH
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
@@ -47,15 +52,6 @@ VIDEO_DENOISERS: Final = ("WanTransformer3DModel",)
 PROGRESS_INTERVAL_S: Final = 0.2
 """Progress goes out after a step at most this often: a real model's step takes longer (every
 step reported), a small one's steps would cost more in messages than in compute."""
-
-
-def is_video_pipeline(path: Path) -> bool:
-    """Whether a pipeline directory holds a video family (its transformer is a video one)."""
-    try:
-        entry = json.loads((path / "model_index.json").read_text()).get("transformer")
-    except (OSError, ValueError, AttributeError):
-        return False  # the engine's own loading says what is wrong with the directory
-    return isinstance(entry, list) and len(entry) == 2 and entry[1] in VIDEO_DENOISERS
 
 
 class VideoDenoiseEngine(DenoiseEngine):
@@ -216,11 +212,7 @@ class VideoDecodeEngine(DiffusersPart):
     def _decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Un-normalized as Wan's pipeline does (per-channel mean and std), decoded, and turned
         into uint8 frames [n, F, H, W, 3]."""
-        c = self.vae.config
-        shape = (1, c.z_dim, 1, 1, 1)
-        mean = torch.tensor(c.latents_mean).view(shape).to(self.device, self.dtype)
-        std = 1.0 / torch.tensor(c.latents_std).view(shape).to(self.device, self.dtype)
-        lat = latents.to(self.device, self.dtype) / std + mean
+        lat = denormalized(latents.to(self.device, self.dtype), self.vae)
         video = self.vae.decode(lat, return_dict=False)[0]
         self._steps += 1
         rgb = ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)

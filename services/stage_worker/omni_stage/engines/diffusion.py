@@ -1,29 +1,47 @@
 """Which diffusers engine a stage runs: by its `role`, and by the model family its pipeline
 directory holds (diffusers.py's image stages, diffusers_video.py's video ones,
-diffusers_text.py's text encoder)."""
+diffusers_edit.py's image editing ones, diffusers_text.py's text encoder)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Literal
 
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineError
 from omni_stage.engines.diffusers import DecodeEngine, DenoiseEngine
+from omni_stage.engines.diffusers_edit import EDIT_DENOISERS, EditDenoiseEngine, EditEncodeEngine
 from omni_stage.engines.diffusers_text import TextEncodeEngine
-from omni_stage.engines.diffusers_video import VideoDecodeEngine, VideoDenoiseEngine, is_video_pipeline
+from omni_stage.engines.diffusers_video import VIDEO_DENOISERS, VideoDecodeEngine, VideoDenoiseEngine
+
+Family = Literal["image", "video", "edit"]
+
+
+def family_of(path: Path) -> Family:
+    """The model family of a pipeline directory, by its transformer's class."""
+    try:
+        entry = json.loads((path / "model_index.json").read_text()).get("transformer")
+    except (OSError, ValueError, AttributeError):
+        return "image"  # the engine's own loading says what is wrong with the directory
+    cls = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+    if cls in VIDEO_DENOISERS:
+        return "video"
+    if cls in EDIT_DENOISERS:
+        return "edit"
+    return "image"
 
 
 def build_diffusers_engine(stage: StageSpec) -> Engine:
-    """The engine of the stage's `role`, for the model family its pipeline directory holds (a
-    video family's denoiser and VAE differ from an image family's)."""
+    """The engine of the stage's `role`, for the model family its pipeline directory holds."""
     role = stage.engine.args.get("role")
-    video = is_video_pipeline(Path(str(stage.engine.model)))
+    family = family_of(Path(str(stage.engine.model)))
     if role == "encode":
-        return TextEncodeEngine(stage)
+        return EditEncodeEngine(stage) if family == "edit" else TextEncodeEngine(stage)
     if role == "denoise":
-        return VideoDenoiseEngine(stage) if video else DenoiseEngine(stage)
+        return {"video": VideoDenoiseEngine, "edit": EditDenoiseEngine}.get(family, DenoiseEngine)(stage)
     if role == "decode":
-        return VideoDecodeEngine(stage) if video else DecodeEngine(stage)
+        return VideoDecodeEngine(stage) if family == "video" else DecodeEngine(stage)
     raise EngineError(
         f"stage '{stage.name}': engine.args.role must be 'encode', 'denoise' or 'decode', got {role!r}"
     )
