@@ -140,6 +140,8 @@ class RequestInputs(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
     prompt: str | None = None
     """Text to speak, or an image's prompt (no chat template)."""
     negative_prompt: str | None = None
+    images: list[str] | None = None
+    """Images to edit, as references to `RequestPayload.media` (an image edit's)."""
     voice: str | None = None
     tools: list[dict[str, Any]] | None = None
     """The tools a chat offers, for the chat template (whether or not the model may call them)."""

@@ -112,6 +112,12 @@ class MediaSpec(SpecModel):
     max_image_pixels: int = Field(
         default=4096 * 4096, ge=1, description="Largest image part, width x height, checked before decoding."
     )
+    max_image_bytes: int = Field(
+        default=16 << 20,
+        ge=1,
+        description="Largest image file uploaded to /v1/images/edits (each image and the mask); the body as "
+        "a whole is within maxRequestBytes.",
+    )
     video_fps: float = Field(
         default=2.0,
         gt=0,

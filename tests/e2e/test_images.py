@@ -191,6 +191,15 @@ def test_an_image_pipeline_refuses_text_and_speech(image_demo: str) -> None:
     assert model.id == "tiny-image" and (model.model_extra or {})["modalities"] == ["image"]
 
 
+def test_an_image_pipeline_refuses_to_edit(image_demo: str) -> None:
+    """tiny-image makes images from a prompt alone: an edit is a 400 naming `image`."""
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32)).save(buf, format="PNG")
+    with pytest.raises(openai.BadRequestError, match="does not edit images") as err:
+        openai_client(image_demo).images.edit(image=("a.png", buf.getvalue(), "image/png"), prompt="edit")
+    assert err.value.param == "image"
+
+
 def test_every_response_conforms_to_openais_schema(image_demo: str) -> None:
     """A whole response, every stream event and an error body, validated against OpenAI's own
     OpenAPI description (with our sizes allowed, as its README says); usage counts the

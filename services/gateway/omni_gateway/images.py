@@ -17,7 +17,7 @@ from PIL import Image
 
 from omni_gateway.errors import StageFailed, error_from
 from omni_gateway.events import Event, Finished, ImageProgress
-from omni_gateway.protocol.images import ImageGenerationRequest
+from omni_gateway.protocol.images import ImageEditRequest, ImageGenerationRequest
 
 _PIL_FORMATS: Final = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 
@@ -88,7 +88,9 @@ async def image_stream(
 ) -> AsyncIterator[str]:
     """OpenAI's image stream: `image_generation.partial_image` per preview and image, then
     `image_generation.completed` per image (`index` says which of n), held until the request's
-    end brings the usage they carry. A failure mid-stream becomes an `error` event."""
+    end brings the usage they carry; an edit's are `image_edit.*`. A failure mid-stream becomes
+    an `error` event."""
+    what = "image_edit" if isinstance(req, ImageEditRequest) else "image_generation"
     partial = 0
     completed: list[dict[str, Any]] = []
     try:
@@ -98,7 +100,7 @@ async def image_stream(
                 for body in completed:
                     yield _sse(body["type"], {**body, "usage": image_usage(ev)})
             elif isinstance(ev, ImageProgress):
-                kind = "image_generation.completed" if ev.is_last else "image_generation.partial_image"
+                kind = f"{what}.completed" if ev.is_last else f"{what}.partial_image"
                 for i, b64 in enumerate(await encoded(req, ev)):
                     body: dict[str, Any] = {
                         "type": kind,

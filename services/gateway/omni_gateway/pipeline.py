@@ -23,6 +23,7 @@ from typing import Final, Literal
 
 import msgspec
 import nats.errors
+import torch
 
 from omni_gateway.attempt import Attempts, Prepared
 from omni_gateway.bus import RETRY_AFTER, Bus
@@ -95,6 +96,9 @@ class PipelineRequest:
     per_stage: dict[str, dict[str, object]] = field(default_factory=dict)
     """Sampling asked of one stage alone (vLLM-Omni's `sampling_params_list`), by stage: each
     field one the stage declares it honours."""
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Media decoded by the front end (an edit's images), by the keys `inputs` refers to them
+    with; a chat's come inside its messages and are decoded here."""
 
 
 class Pipeline:
@@ -168,12 +172,25 @@ class Pipeline:
             raise BadRequest(f"the request's parameters cannot be sent on: {exc}") from None
         if OutputKind.AUDIO in req.outputs and req.voice_param is not None:
             self._refuse_unknown_voice(req.sampling.get("voice"), req.voice_param)  # type: ignore[arg-type]
-        inputs, media = req.inputs, {}
+        inputs, media = req.inputs, dict(req.media)
+        if inputs.images:
+            self._refuse_unless_editing(req.outputs)
         if inputs.messages is not None:
             accepts = self._sources_declare(req.outputs, "accepts")
             messages, decoded = await decode_media(inputs.messages, self.spec.gateway.media, accepts)
             inputs, media = msgspec.structs.replace(inputs, messages=messages), decoded.tensors
         return Prepared(inputs, dict(req.sampling), req.outputs, media, dict(req.per_stage))
+
+    def _refuse_unless_editing(self, outputs: frozenset[OutputKind]) -> None:
+        """A 400 naming `image` for a pipeline whose source stages read no image (one that makes
+        images from a prompt alone); the stage refuses it itself while they have not said."""
+        accepts = self._sources_declare(outputs, "accepts")
+        if accepts is not None and "image" not in accepts:
+            raise BadRequest(
+                f"image: model '{self.spec.served_model_name}' does not edit images; "
+                f"it makes them from a prompt alone",
+                param="image",
+            )
 
     def _check_model(self, model: str | None, wanted: frozenset[OutputKind], param: str) -> None:
         """404 for another model's name; 400 for an output this pipeline does not make."""

@@ -15,6 +15,7 @@ from prometheus_client.exposition import choose_encoder
 from starlette.types import Receive, Scope, Send
 
 from omni_gateway.chat import ChatResult, completion_body, index_of, now, sse_chunks
+from omni_gateway.edits import EditInputs, read_edit_request
 from omni_gateway.errors import BadRequest, ModelNotFound, OmniError, StageFailed, Unavailable
 from omni_gateway.events import AudioChunk, Event, ImageProgress, OfChoice, TextDelta, VideoProgress
 from omni_gateway.images import final_images, image_stream, images_body
@@ -184,14 +185,39 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
 
 @router.post("/v1/images/generations", response_model=None)
 async def images_generations(req: ImageGenerationRequest, request: Request) -> Response:
+    asked = PipelineRequest(req.model, frozenset({OutputKind.IMAGE}), image_inputs(req), image_sampling(req))
+    return await _respond(request, asked, _images_respond(req), whole=not req.stream)
+
+
+@router.post("/v1/images/edits", response_model=None)
+async def images_edits(request: Request) -> Response:
+    """OpenAI's image edit (a multipart form: the images, a mask, the fields of a generation),
+    answered as a generation is; see omni_gateway.edits."""
+    req, edit = await read_edit_request(request, _pipeline(request).spec.gateway.media)
+    asked = PipelineRequest(
+        req.model,
+        frozenset({OutputKind.IMAGE}),
+        image_inputs(req, edit.references),
+        image_sampling(req),
+        media=edit.media.tensors,
+    )
+    return await _respond(request, asked, _images_respond(req, edit), whole=not req.stream)
+
+
+def _images_respond(
+    req: ImageGenerationRequest, edit: EditInputs | None = None
+) -> Callable[[str, Event, AsyncIterator[Event]], Awaitable[Response | Streamed]]:
+    """An images response, whole or streamed; an edit's images kept to its mask."""
+
     async def respond(_: str, first: Event, events: AsyncIterator[Event]) -> Response | Streamed:
+        if edit is not None:
+            first, events = await edit.kept(first), edit.all_kept(events)
         if req.stream:
             return Streamed(image_stream(req, now(), first, events), "text/event-stream")
         final, finished = final_images(await _rest(first, events))
         return JSONResponse(await images_body(req, now(), final, finished))
 
-    asked = PipelineRequest(req.model, frozenset({OutputKind.IMAGE}), image_inputs(req), image_sampling(req))
-    return await _respond(request, asked, respond, whole=not req.stream)
+    return respond
 
 
 @router.post("/v1/videos/sync", response_model=None)

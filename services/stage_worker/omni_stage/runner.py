@@ -175,6 +175,8 @@ class RequestRunner:
             request = msgspec.convert(payload, RequestPayload)
         except msgspec.ValidationError as exc:
             raise ConnectorError(f"the request's payload is not a request: {exc}") from None
+        if request.inputs.images and "image" not in self.engine.accepts:
+            raise InvalidRequest("image: this model does not edit images; it makes them from a prompt alone")
         return {**request.inputs.as_dict(), **({"media": request.media} if request.media else {})}
 
     async def _return_credit(self, st: RequestState, trig: Trigger[Inbound]) -> None:

@@ -1,4 +1,5 @@
-"""POST /v1/images/generations: its request model, and what the pipeline gets of it."""
+"""POST /v1/images/generations and /v1/images/edits: their request models, and what the
+pipeline gets of them."""
 
 from __future__ import annotations
 
@@ -74,9 +75,38 @@ class ImageGenerationRequest(BaseModel):
         return int(w), int(h)
 
 
-def image_inputs(req: ImageGenerationRequest) -> RequestInputs:
+_EDIT_OFF: Final[dict[str, tuple[Any, ...]]] = {"input_fidelity": ("low",)}
+"""An edit's switches a diffusion model does not have (it keeps to the input as it does)."""
+
+
+class ImageEditRequest(ImageGenerationRequest):
+    """POST /v1/images/edits, the form's fields but its files (`image`, `mask`): those of a
+    generation, and OpenAI's `input_fidelity` (refused unless `low`) and vLLM-Omni's
+    `true_cfg_scale` (Qwen-Image-Edit's name for `guidance_scale`: one or the other)."""
+
+    input_fidelity: str | None = None
+    true_cfg_scale: float | None = Field(default=None, ge=0, le=100)
+
+    @field_validator(*_EDIT_OFF, mode="before")
+    @classmethod
+    def _not_served_in_edits(cls, v: Any, info: ValidationInfo) -> None:
+        refuse_unless_off(v, info, _EDIT_OFF)
+
+    @field_validator("true_cfg_scale")
+    @classmethod
+    def _one_scale(cls, v: float | None, info: ValidationInfo) -> float | None:
+        if v is not None and info.data.get("guidance_scale") not in (None, v):
+            raise ValueError("the same as guidance_scale; send one of them")
+        return v
+
+
+def image_inputs(req: ImageGenerationRequest, images: list[str] | None = None) -> RequestInputs:
+    """`images`: for an edit, the references to its decoded images in the request's media."""
     return RequestInputs(
-        modalities=[OutputKind.IMAGE.value], prompt=req.prompt, negative_prompt=req.negative_prompt or None
+        modalities=[OutputKind.IMAGE.value],
+        prompt=req.prompt,
+        negative_prompt=req.negative_prompt or None,
+        images=images,
     )
 
 
@@ -89,7 +119,9 @@ def image_sampling(req: ImageGenerationRequest) -> dict[str, Any]:
         "height": wh[1] if wh else None,
         "seed": req.seed,
         "num_inference_steps": req.num_inference_steps,
-        "guidance_scale": req.guidance_scale,
+        "guidance_scale": req.guidance_scale
+        if not isinstance(req, ImageEditRequest) or req.true_cfg_scale is None
+        else req.true_cfg_scale,
         "previews": req.stream or None,
         "partial_images": req.partial_images if req.stream else None,
     }
