@@ -18,8 +18,8 @@ from typing import Any, Final
 
 import numpy as np
 from fastapi import Request
-from starlette.datastructures import UploadFile
 from PIL import Image
+from starlette.datastructures import UploadFile
 
 from omni_gateway.errors import BadRequest
 from omni_gateway.events import Event, ImageProgress
