@@ -103,7 +103,7 @@ test: setup $(VOMNI_STAMP)
 	$(PY) -m pytest -n 3 --dist loadfile --durations=20
 
 # Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
-BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep
+BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep video image
 bench: setup demo-models
 	for b in $(BENCHES); do $(OMNI) bench $$b --out docs/benchmarks || exit 1; done
 

@@ -33,6 +33,7 @@ RATIOS = {
     "realtime": {"first_audio_10s_vs_2s", "first_audio_turn5_vs_turn1"},
     "sleep": {"tiny-omni_rss_asleep_vs_awake_min", "tiny-omni_rss_asleep_vs_awake_max"},
     "video": {"sync_vs_diffusers", "job_c1_vs_diffusers", "jobs_c2_vs_c1"},
+    "image": {"edit_c1_vs_diffusers", "edits_c4_vs_c1", "generations_c4_vs_c1"},
     "vllm-omni": {f"{m}_c{c}" for m in ("ttft", "tpot", "ttfp", "rtf") for c in (1, 4)},
 }
 

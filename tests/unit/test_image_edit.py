@@ -52,20 +52,33 @@ def edit(
     return latents, images
 
 
-@pytest.mark.parametrize("negative", [None, "blurry, dark"])
-def test_qwen_image_edit_matches_the_diffusers_pipeline(qwen_edit: Path, negative: str | None) -> None:
-    """Exactly: the pipeline's own conditioning code on the stage's parts, the same float32
-    loop; with a negative, the pipeline's true guidance (the prompt's and the negative's rows
-    in one forward here, the shorter one padded and masked; two forwards there)."""
+@pytest.mark.parametrize(
+    ("negative", "dtype"), [(None, "float32"), ("blurry, dark", "float32"), (None, "bfloat16")]
+)
+def test_qwen_image_edit_matches_the_diffusers_pipeline(
+    qwen_edit: Path, negative: str | None, dtype: str
+) -> None:
+    """Exactly: the pipeline's own conditioning code on the stage's parts, the same loop; with
+    a negative, the pipeline's true guidance (the prompt's and the negative's rows in one
+    forward here, the shorter one padded and masked; two forwards there). In bfloat16 too: the
+    noise drawn and the latents stepped in it, as the pipeline's are (the last level apart: the
+    pipeline rounds the decoded image in bfloat16, the stage in float32)."""
     from diffusers import QwenImageEditPipeline
     from PIL import Image
 
     rgb = picture(48, 64)
     sampling = {"num_inference_steps": 4, "guidance_scale": 4.0, "seed": 3}
-    _, images = edit(qwen_edit, request(rgb, negative), sampling)
+    [cond] = outputs(
+        started(stage("encode", qwen_edit, dtype=dtype)), {"request": request(rgb, negative)}, {}
+    )
+    latents = outputs(started(stage("denoise", qwen_edit, dtype=dtype)), {"encoder": cond.data}, sampling)
+    images = outputs(
+        started(stage("decode", qwen_edit, dtype=dtype)), {"dit": concat([o.data for o in latents])}, {}
+    )
     ours = images[-1].data["images"][0].numpy()
 
-    ref = QwenImageEditPipeline.from_pretrained(qwen_edit)(
+    torch_dtype = getattr(torch, dtype)
+    ref = QwenImageEditPipeline.from_pretrained(qwen_edit, torch_dtype=torch_dtype)(
         Image.fromarray(rgb),
         PROMPT,
         negative_prompt=negative,

@@ -208,7 +208,9 @@ class EditDenoiseEngine(DenoiseEngine):
         seed = sampling.get("seed")
         generator = torch.Generator().manual_seed(int(seed) if seed is not None else secrets.randbits(63))
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
-        noise = torch.randn((n, 1, channels, h, w), generator=generator, dtype=torch.float32)
+        # In the stage's dtype, drawn and stepped, as the pipeline's latents are (its prompt
+        # embeddings' dtype): bfloat16 noise is not float32 noise rounded.
+        noise = torch.randn((n, 1, channels, h, w), generator=generator, dtype=self.dtype)
         latents = pack(noise, n, channels, h, w).to(self.device)
         ih, iw = image.shape[-2:]
         packed = pack(image.float().expand(n, -1, -1, -1, -1), n, channels, ih, iw).to(
@@ -265,12 +267,12 @@ class EditDenoiseEngine(DenoiseEngine):
         mask = torch.cat([F.pad(s.mask, (0, length - s.mask.shape[1])) for s in states])
         out = self.denoiser(
             hidden_states=x,
-            timestep=(t / 1000).to(self.dtype),
+            timestep=t.to(self.dtype) / 1000,  # rounded to the dtype first, as the pipeline does
             encoder_hidden_states=cond,
             encoder_hidden_states_mask=None if bool(mask.all()) else mask,
             img_shapes=[list(states[0].shapes)] * x.shape[0],
             return_dict=False,
-        )[0].float()
+        )[0]
         for s, (_, tt), o in zip(states, steps, out.split(rows), strict=True):
             o = o[:, : s.latents.shape[1]]
             if s.cfg:
