@@ -116,10 +116,10 @@ def _editable(data: bytes, size: tuple[int, ...], max_pixels: int) -> np.ndarray
     """Where the mask's alpha is 0, bool [H, W]; a 400 for a mask that is not a PNG with an
     alpha channel the first image's size."""
     try:
-        decode_image(data, max_pixels)  # the same checks as an image: format, size, corruption
+        decode_image(data, max_pixels)  # an image's checks first: format, size, corruption
         img = Image.open(io.BytesIO(data))
         if img.format != "PNG":
-            raise ValueError(f"a PNG with an alpha channel, not {img.format}")
+            raise ValueError(f"must be a PNG with an alpha channel, not {img.format}")
         rgba = img.convert("RGBA") if "A" in img.getbands() or "transparency" in img.info else None
     except ValueError as exc:
         raise BadRequest(f"mask: {exc}", param="mask") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from omni_gateway.protocol.common import refuse_unless_off
 from omni_pipeline.control import RequestInputs
@@ -99,6 +99,12 @@ class ImageEditRequest(ImageGenerationRequest):
             raise ValueError("the same as guidance_scale; send one of them")
         return v
 
+    @model_validator(mode="after")
+    def _guidance_by_either_name(self) -> ImageEditRequest:
+        if self.true_cfg_scale is not None:
+            self.guidance_scale = self.true_cfg_scale
+        return self
+
 
 def image_inputs(req: ImageGenerationRequest, images: list[str] | None = None) -> RequestInputs:
     """`images`: for an edit, the references to its decoded images in the request's media."""
@@ -119,9 +125,7 @@ def image_sampling(req: ImageGenerationRequest) -> dict[str, Any]:
         "height": wh[1] if wh else None,
         "seed": req.seed,
         "num_inference_steps": req.num_inference_steps,
-        "guidance_scale": req.guidance_scale
-        if not isinstance(req, ImageEditRequest) or req.true_cfg_scale is None
-        else req.true_cfg_scale,
+        "guidance_scale": req.guidance_scale,
         "previews": req.stream or None,
         "partial_images": req.partial_images if req.stream else None,
     }

@@ -32,7 +32,7 @@ import math
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import numpy as np
 import torch
@@ -249,11 +249,11 @@ class EditDenoiseEngine(DenoiseEngine):
         )
 
     @torch.inference_mode()
-    def _steps_together(self, steps: list[tuple[SamplingState, torch.Tensor]]) -> list[None]:  # type: ignore[override]
+    def _steps_together(self, steps: list[tuple[SamplingState, torch.Tensor]]) -> list[None]:
         """One scheduler step for each request: their rows in one transformer forward (prompts
         padded to the longest and masked; unmasked where none is padded, as the pipeline
         calls it), then the pipeline's guidance and each request's scheduler on its rows."""
-        states = [s for s, _ in steps if isinstance(s, EditState)]
+        states = [cast(EditState, s) for s, _ in steps]  # this engine plans only EditStates
         rows = [s.cond.shape[0] for s in states]
         x = torch.cat(
             [
