@@ -836,6 +836,14 @@ def test_compiled_code2wav_decodes_what_eager_decodes(model: Path, reference: di
     torch.testing.assert_close(torch.cat(compiled), torch.cat(eager), rtol=0, atol=1e-6)
 
 
+def test_compile_is_a_switch_or_one_of_torch_compiles_modes(model: Path) -> None:
+    """`reduce-overhead` (CUDA graphs on a GPU) and the other modes are taken; anything else is
+    refused when the stage is built, naming the argument."""
+    engine("code2wav", model, compile="reduce-overhead")
+    with pytest.raises(EngineError, match="compile must be true, false or one of default, reduce-overhead"):
+        engine("code2wav", model, compile="fast")
+
+
 @pytest.mark.parametrize("level", [1, 2])
 def test_code2wav_asleep_holds_no_weights_and_woken_decodes_the_same(
     model: Path, reference: dict[str, Any], level: int

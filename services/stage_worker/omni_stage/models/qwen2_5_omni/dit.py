@@ -22,6 +22,7 @@ one it is within 1e-6 (tests/unit/test_qwen_omni.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -89,10 +90,10 @@ class CachedDiT:
     """The DiT of a loaded `Qwen2_5OmniToken2WavModel`, stepping the solves of several requests
     at once (of one length and left context length, each at its own step)."""
 
-    def __init__(self, dit: Any, compiled: bool = False) -> None:
+    def __init__(self, dit: Any, compiled: Callable[[Any], Any] = lambda module: module) -> None:
         self.dit = dit
-        self.layers = [torch.compile(b, dynamic=True) if compiled else b for b in dit.transformer_blocks]
-        """The DiT's layers, compiled by `torch.compile` where asked (`compile: true`)."""
+        self.layers = [compiled(b) for b in dit.transformer_blocks]
+        """The DiT's layers, compiled by `torch.compile` where asked (`compile`)."""
         self.block = int(dit.block_size)
         self.back = {
             i: int(layer.look_backward_block) * self.block

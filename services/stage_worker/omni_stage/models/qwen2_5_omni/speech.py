@@ -20,6 +20,7 @@ from omni_stage.models.qwen_omni.parts import (
     Part,
     Vocoding,
     chunk_args,
+    compiler,
     penalise_repeats,
     thinker_embedding_table,
 )
@@ -268,7 +269,8 @@ class Token2Wav(Part):
 
     `compile: true` runs the DiT's layers and BigVGAN through `torch.compile` (off by default:
     it compiles at start, again on waking from a level-2 sleep, and for new shapes; on this CPU
-    it halves their time, within 1e-6 of not compiling)."""
+    it halves their time, within 1e-6 of not compiling); `compile: reduce-overhead` also
+    replays them as CUDA graphs on a GPU (parts.compiler)."""
 
     part = "token2wav"
     request_keys = frozenset({"voice", "seed"})
@@ -280,6 +282,7 @@ class Token2Wav(Part):
         super().__init__(stage)
         self.chunk, self.left, self.right = chunk_args(stage, 0, 10, 12, least_chunk=0)  # 0: whole
         self.max_chunk = int(self.args.get("maxChunkCodes", self.chunk))
+        self.compiled = compiler(stage)
         if self.chunk > 0 and self.max_chunk < self.chunk:
             raise EngineError(f"stage '{stage.name}': maxChunkCodes must be at least chunkCodes")
         self.batcher = StepBatcher(self._synthesize, self._compute, self.max_batch)
@@ -292,10 +295,8 @@ class Token2Wav(Part):
     def _load(self) -> None:
         super()._load()
         self.model.float()  # the reference runs token2wav in float32 whatever the rest is
-        compiled = bool(self.args.get("compile", False))
-        self.dit = CachedDiT(self.model.code2wav_dit_model, compiled)
-        bigvgan = self.model.code2wav_bigvgan_model
-        self.vocoder = torch.compile(bigvgan, dynamic=True) if compiled else bigvgan
+        self.dit = CachedDiT(self.model.code2wav_dit_model, self.compiled)
+        self.vocoder = self.compiled(self.model.code2wav_bigvgan_model)
         self.repeats, self.mel_dim = self.dit.dit.repeats, self.dit.dit.mel_dim
         for name, n in (("chunkCodes", self.chunk), ("maxChunkCodes", self.max_chunk)):
             if self.chunk > 0 and n * self.repeats % self.dit.block:

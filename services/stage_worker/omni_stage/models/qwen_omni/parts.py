@@ -82,6 +82,42 @@ def chunk_args(stage: StageSpec, chunk: int, left: int, right: int, least_chunk:
     return c, lc, rc
 
 
+COMPILE_MODES: Final = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+"""torch.compile's modes: `reduce-overhead` replays CUDA graphs on a GPU (inductor alone on a CPU)."""
+
+
+def compiler(stage: StageSpec) -> Callable[[Any], Any]:
+    """A vocoder part's `compile` argument as what wraps a module: nothing (false, the default),
+    `torch.compile` with dynamic shapes (true), or in one of its modes (a mode's name)."""
+    asked = stage.engine.args.get("compile", False)
+    if asked is False or asked is None:
+        return lambda module: module
+    if asked is not True and asked not in COMPILE_MODES:
+        raise EngineError(
+            f"stage '{stage.name}': compile must be true, false or one of {', '.join(COMPILE_MODES)}; "
+            f"got {asked!r}"
+        )
+    mode = None if asked is True else str(asked)
+    if mode in ("reduce-overhead", "max-autotune"):  # the modes that replay CUDA graphs
+        return lambda module: StepPerCall(torch.compile(module, dynamic=True, mode=mode))
+    return lambda module: torch.compile(module, dynamic=True, mode=mode)
+
+
+class StepPerCall(torch.nn.Module):
+    """A module compiled to replay CUDA graphs, each call a step of its own whose output is a
+    copy: a graph's outputs are overwritten when it replays, and the vocoders call one layer
+    several times a chunk (the DiT's four evaluations a solver step) and keep what it gave."""
+
+    def __init__(self, compiled: torch.nn.Module) -> None:
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        out = self.compiled(*args, **kwargs)
+        return out.clone() if isinstance(out, torch.Tensor) else out
+
+
 class Part(ComputeEngine):
     """Loading one part of the checkpoint, and the voices."""
 
