@@ -24,8 +24,8 @@ from starlette.datastructures import UploadFile
 from omni_gateway.errors import BadRequest
 from omni_gateway.events import Event, ImageProgress
 from omni_gateway.media import Media, decode_image
+from omni_gateway.protocol.common import parse
 from omni_gateway.protocol.images import ImageEditRequest
-from omni_gateway.protocol.videos import parse
 from omni_pipeline.settings import MediaSpec
 
 IMAGE_FIELDS: Final = ("image", "image[]")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import ValidationInfo
+from pydantic import BaseModel, ValidationError, ValidationInfo
+
+from omni_gateway.errors import BadRequest
 
 
 def refuse_unless_off(value: Any, info: ValidationInfo, off: dict[str, tuple[Any, ...]]) -> None:
@@ -14,3 +16,21 @@ def refuse_unless_off(value: Any, info: ValidationInfo, off: dict[str, tuple[Any
     if value is not None and value not in allowed:
         say = " or ".join(repr(v) for v in allowed) if allowed else "null"
         raise ValueError(f"not served by this server; leave it out (or send {say})")
+
+
+def parse(model: type[BaseModel], fields: dict[str, Any]) -> Any:
+    """`model` from `fields` (a form's, or JSON a route read itself), a ValidationError as the
+    400 the gateway sends for any body: naming the field, or the field a check across fields
+    names first (`size: ...`)."""
+    try:
+        return model.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
+        if first.get("type") == "extra_forbidden":
+            msg = "unrecognized request argument"
+        named, sep, rest = msg.partition(": ")
+        if param is None and sep and named in model.model_fields:
+            param, msg = named, rest
+        raise BadRequest(f"{param}: {msg}" if param else msg, param=param) from None

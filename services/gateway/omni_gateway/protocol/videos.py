@@ -7,11 +7,12 @@ from __future__ import annotations
 import secrets
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from omni_gateway.errors import BadRequest
+from omni_gateway.protocol.common import parse
 from omni_pipeline.control import RequestInputs
 from omni_pipeline.spec import OutputKind
 
@@ -115,21 +116,6 @@ async def read_video_request(request: Request) -> VideoCreateRequest:
         if not isinstance(fields, dict):
             raise BadRequest("the body must be a JSON object")
     return parse(VideoCreateRequest, fields)
-
-
-def parse(model: type[BaseModel], fields: dict[str, Any]) -> Any:
-    """`model` from `fields`, a ValidationError as the 400 the gateway sends for any body."""
-    try:
-        return model.model_validate(fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())) or None
-        msg = str(first.get("msg", "invalid")).removeprefix("Value error, ")
-        if first.get("type") == "extra_forbidden":
-            msg = "unrecognized request argument"
-        if msg.startswith(("size: ", "seconds: ")):  # a check across fields names its own
-            param, msg = msg.split(": ", 1)
-        raise BadRequest(f"{param}: {msg}" if param else msg, param=param) from None
 
 
 def video_inputs(req: VideoCreateRequest) -> RequestInputs:

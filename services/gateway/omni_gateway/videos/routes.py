@@ -12,11 +12,11 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 
 from omni_gateway.errors import BadRequest, NotFound, NotReady, NotServed, Overloaded
+from omni_gateway.protocol.common import parse
 from omni_gateway.protocol.videos import (
     ListOrder,
     VideoCreateRequest,
     VideoRemixRequest,
-    parse,
     read_video_request,
 )
 from omni_gateway.videos.jobs import VideoJobs, checked
