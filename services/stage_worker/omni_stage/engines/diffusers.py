@@ -194,18 +194,23 @@ class DenoiseEngine(DiffusersPart):
 
     def _load(self) -> None:
         part = "transformer" if self._has_part("transformer") else "unet"
-        cls = self._part_class(part).__name__
-        if cls not in _DENOISERS:
-            raise EngineError(
-                f"stage '{self.stage.name}': denoiser {cls} is not supported; "
-                f"supported: {', '.join(_DENOISERS)}"
-            )
-        self.denoiser = self._load_part(part)
-        self.scheduler = self._load_part("scheduler")
+        cls = self._load_denoiser(part, _DENOISERS, "denoiser")
         self._takes_generator = "generator" in inspect.signature(self.scheduler.step).parameters
         c = self.denoiser.config
         cells = c.patch_size if cls == "PixArtTransformer2DModel" else 2 ** (len(c.block_out_channels) - 1)
         self.multiple = self.vae_scale * int(cells)
+
+    def _load_denoiser(self, part: str, supported: tuple[str, ...], kind: str) -> str:
+        """Loads the denoiser (`part`, of a class this engine knows) and the scheduler; the
+        denoiser's class name."""
+        cls = str(self._part_class(part).__name__)
+        if cls not in supported:
+            raise EngineError(
+                f"stage '{self.stage.name}': {kind} {cls} is not supported; supported: {', '.join(supported)}"
+            )
+        self.denoiser = self._load_part(part)
+        self.scheduler = self._load_part("scheduler")
+        return cls
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         embeds = inputs_of(call, "prompt_embeds")

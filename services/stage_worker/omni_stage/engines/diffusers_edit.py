@@ -139,16 +139,9 @@ class EditDenoiseEngine(DenoiseEngine):
         self.guidance = float(self.args.get("guidanceScale", 4.0))
 
     def _load(self) -> None:
-        cls = self._part_class("transformer").__name__
-        if cls not in EDIT_DENOISERS:
-            raise EngineError(
-                f"stage '{self.stage.name}': editing denoiser {cls} is not supported; "
-                f"supported: {', '.join(EDIT_DENOISERS)}"
-            )
-        self.denoiser = self._load_part("transformer")
+        self._load_denoiser("transformer", EDIT_DENOISERS, "editing denoiser")
         if self.denoiser.config.guidance_embeds:
             raise EngineError(f"stage '{self.stage.name}': guidance-distilled transformers are not supported")
-        self.scheduler = self._load_part("scheduler")
         self.multiple = self.vae_scale * int(self.denoiser.config.patch_size)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:

@@ -66,14 +66,7 @@ class VideoDenoiseEngine(DenoiseEngine):
         self.progress_s = float(self.args.get("progressIntervalS", PROGRESS_INTERVAL_S))
 
     def _load(self) -> None:
-        cls = self._part_class("transformer").__name__
-        if cls not in VIDEO_DENOISERS:
-            raise EngineError(
-                f"stage '{self.stage.name}': video denoiser {cls} is not supported; "
-                f"supported: {', '.join(VIDEO_DENOISERS)}"
-            )
-        self.denoiser = self._load_part("transformer")
-        self.scheduler = self._load_part("scheduler")
+        self._load_denoiser("transformer", VIDEO_DENOISERS, "video denoiser")
         self._takes_generator = False  # flow-matching schedulers draw no noise while stepping
         self.multiple = self.vae_scale * int(self.denoiser.config.patch_size[1])
         self.clip_limits = ClipLimits(
