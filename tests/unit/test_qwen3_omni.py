@@ -240,21 +240,27 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
     assert together == alone
 
 
-def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Path) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Path, compiled: bool) -> None:
     """Three requests of different prompt lengths (one with audio and an image) on one talker
     replica at once: their talker steps run as batches (caches stacked, left-padded, masked,
     each at its own M-RoPE position), so do the code predictor's residuals of their codes, and
-    each request gets exactly the codes, every codebook, it gets alone."""
+    each request gets exactly the codes, every codebook, it gets alone. `compile: true`
+    (torch.compile of the talker's and the code predictor's decoder layers, here inductor on
+    this CPU) speaks the same codes, together and alone, as the talker not compiled."""
     requests = [
         {"role": "user", "content": QUESTION},
         media_message(*media_clips()),
         {"role": "user", "content": "A much longer question, to make the prompts differ in length: why?"},
     ]
 
-    async def go() -> tuple[list[list[list[int]]], list[list[list[int]]], Any]:
-        thinker, talker = engine("thinker", model), engine("talker", model)
+    async def go() -> tuple[list[list[list[int]]], list[list[list[int]]], Any, list[list[list[int]]]]:
+        thinker, talker, eager = engine("thinker", model), engine("talker", model, compile=compiled), None
         await thinker.start()
         await talker.start()
+        if compiled:
+            eager = engine("talker", model)
+            await eager.start()
         thoughts = []
         for m in requests:
             messages, media = await decode_media([m], MediaSpec())
@@ -263,19 +269,22 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
             )
             thoughts.append(concat([o.data async for o in thinker.generate(call)]))
 
-        async def talk(thought: dict[str, Any]) -> list[list[int]]:
+        async def talk(thought: dict[str, Any], on: Engine = talker) -> list[list[int]]:
             call = EngineCall("r", {"thinker": thought}, True, {"max_tokens": TALKER_CODES, "voice": "Ethan"})
-            return concat([o.data async for o in talker.generate(call)])["codes"].tolist()
+            return concat([o.data async for o in on.generate(call)])["codes"].tolist()
 
         together = await asyncio.gather(*(talk(t) for t in thoughts))
         sizes = talker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
         alone = [await talk(t) for t in thoughts]
-        return list(together), alone, sizes
+        not_compiled = alone if eager is None else [await talk(t, eager) for t in thoughts]
+        for layers in (talker.model.model, talker.model.code_predictor.model):  # type: ignore[attr-defined]
+            assert hasattr(layers, "_orig_mod") == compiled  # the decoder layers compiled, or not
+        return list(together), alone, sizes, not_compiled
 
-    together, alone, sizes = asyncio.run(go())
+    together, alone, sizes, not_compiled = asyncio.run(go())
     assert max(sizes) == 3, sizes
     assert all(len(codes) > 4 for codes in alone)
-    assert together == alone
+    assert together == alone == not_compiled
 
 
 @pytest.mark.parametrize("media", ["audio and image", "video"])

@@ -391,23 +391,32 @@ def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
-def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_output(model: Path) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_output(
+    model: Path, compiled: bool
+) -> None:
     """Three requests of different prompt lengths (one with audio and an image) on one thinker
     and one talker replica at once: their decode steps run as batches (each request's KV cache
     stacked, left-padded, masked), and each request's tokens and codes are exactly those it
-    gets alone."""
+    gets alone. A talker with `compile: true` (torch.compile of its decoder layers, here
+    inductor on this CPU) speaks the same codes, together and alone, as one not compiled."""
     requests = [
         MESSAGES,
         [media_message(*media_clips())],
         [{"role": "user", "content": "A much longer question, to make the prompts differ in length: why?"}],
     ]
 
-    async def go() -> tuple[list[tuple[list[int], list[int]]], list[tuple[list[int], list[int]]], Any, Any]:
-        thinker, talker = engine("thinker", model), engine("talker", model)
+    Spoken = list[tuple[list[int], list[int]]]
+
+    async def go() -> tuple[Spoken, Spoken, Spoken, Any, Any]:
+        thinker, talker, eager = engine("thinker", model), engine("talker", model, compile=compiled), None
         await thinker.start()
         await talker.start()
+        if compiled:
+            eager = engine("talker", model)
+            await eager.start()
 
-        async def speak(messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        async def speak(messages: list[dict[str, Any]], on: Engine = talker) -> tuple[list[int], list[int]]:
             messages, media = await decode_media(messages, MediaSpec())
             request = {"messages": messages, "media": media.tensors, "modalities": ["audio", "text"]}
             call = EngineCall(
@@ -416,17 +425,19 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
             thought = [o async for o in thinker.generate(call)]
             data = concat([o.data for o in thought])
             talk = EngineCall("r", {"thinker": data}, True, {"max_tokens": TALKER_CODES, "voice": "Ethan"})
-            codes = [o async for o in talker.generate(talk)]
+            codes = [o async for o in on.generate(talk)]
             return data["token_ids"].tolist(), concat([o.data for o in codes])["codes"].tolist()
 
         together = await asyncio.gather(*(speak(m) for m in requests))
         sizes = (thinker.batcher.batch_sizes.copy(), talker.batcher.batch_sizes.copy())  # type: ignore[attr-defined]
         alone = [await speak(m) for m in requests]
-        return together, alone, *sizes
+        not_compiled = alone if eager is None else [await speak(m, eager) for m in requests]
+        assert hasattr(talker.model.model, "_orig_mod") == compiled  # type: ignore[attr-defined]
+        return together, alone, not_compiled, *sizes
 
-    together, alone, thinker_batches, talker_batches = asyncio.run(go())
+    together, alone, not_compiled, thinker_batches, talker_batches = asyncio.run(go())
     assert max(thinker_batches) == 3 and max(talker_batches) >= 2, (thinker_batches, talker_batches)
-    assert together == alone
+    assert together == alone == not_compiled
 
 
 async def started(*engines: Engine) -> tuple[Engine, ...]:
@@ -838,10 +849,15 @@ def test_compiled_code2wav_decodes_what_eager_decodes(model: Path, reference: di
 
 def test_compile_is_a_switch_or_one_of_torch_compiles_modes(model: Path) -> None:
     """`reduce-overhead` (CUDA graphs on a GPU) and the other modes are taken; anything else is
-    refused when the stage is built, naming the argument."""
+    refused when the stage is built, naming the argument. The talker takes the modes without
+    CUDA graphs only: its KV cache grows at each step, and a graph is recorded per shape."""
     engine("code2wav", model, compile="reduce-overhead")
     with pytest.raises(EngineError, match="compile must be true, false or one of default, reduce-overhead"):
         engine("code2wav", model, compile="fast")
+    engine("talker", model, compile="max-autotune-no-cudagraphs")
+    refused = r"one of default, max-autotune-no-cudagraphs; got 'reduce-overhead' \(its KV cache grows"
+    with pytest.raises(EngineError, match=refused):
+        engine("talker", model, compile="reduce-overhead")
 
 
 @pytest.mark.parametrize("level", [1, 2])

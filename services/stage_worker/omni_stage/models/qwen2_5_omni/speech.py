@@ -64,6 +64,7 @@ class Talker(Part):
         # Decode steps of concurrent requests run together; a prefill runs on its own.
         self.batcher = StepBatcher(self._decodes, self._compute, self.max_batch)
         self.prompt_caches = self._kept_conversations()
+        self.compiled = compiler(stage, graphs=False)
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniTalkerForConditionalGeneration
@@ -72,6 +73,7 @@ class Talker(Part):
 
     def _load(self) -> None:
         super()._load()
+        self.model.model = self.compiled(self.model.model)  # its decoder layers (`compile`)
         # The talker's text-side tokens (voice bos, text eos and pad) are rows of the thinker's
         # input embedding table: only that tensor is read, not the thinker.
         c = self.config.talker_config

@@ -19,6 +19,7 @@ from omni_stage.models.qwen_omni.parts import (
     Part,
     Vocoding,
     chunk_args,
+    compiler,
     penalise_repeats,
     thinker_embedding_table,
 )
@@ -88,6 +89,7 @@ class Qwen3Talker(Part):
         # codes as one batch, their next talker steps as another; a prefill runs on its own.
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
         self.prompt_caches = self._kept_conversations()
+        self.compiled = compiler(stage, graphs=False)
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
@@ -97,6 +99,9 @@ class Qwen3Talker(Part):
     def _load(self) -> None:
         _register_talker_moe_conversion()
         super()._load()
+        # The decoder layers of the talker and of its code predictor (`compile`).
+        self.model.model = self.compiled(self.model.model)
+        self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
         c, t = self.config, self.config.talker_config
         # The talker's M-RoPE positions count an audio's tokens with the audio encoder's window,
         # read from `config.audio_config`, which the talker's config does not carry (transformers

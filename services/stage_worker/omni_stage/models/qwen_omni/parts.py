@@ -86,19 +86,28 @@ COMPILE_MODES: Final = ("default", "reduce-overhead", "max-autotune", "max-autot
 """torch.compile's modes: `reduce-overhead` replays CUDA graphs on a GPU (inductor alone on a CPU)."""
 
 
-def compiler(stage: StageSpec) -> Callable[[Any], Any]:
-    """A vocoder part's `compile` argument as what wraps a module: nothing (false, the default),
-    `torch.compile` with dynamic shapes (true), or in one of its modes (a mode's name)."""
+GRAPH_MODES: Final = ("reduce-overhead", "max-autotune")
+"""The modes that replay CUDA graphs."""
+
+
+def compiler(stage: StageSpec, graphs: bool = True) -> Callable[[Any], Any]:
+    """A part's `compile` argument as what wraps a module: nothing (false, the default),
+    `torch.compile` with dynamic shapes (true), or in one of its modes (a mode's name).
+    `graphs=False`: the part's modules see a KV cache that grows at each step, and a CUDA
+    graph is recorded for fixed shapes (one per length: no saving), so the modes that replay
+    them are refused."""
     asked = stage.engine.args.get("compile", False)
     if asked is False or asked is None:
         return lambda module: module
-    if asked is not True and asked not in COMPILE_MODES:
+    modes = COMPILE_MODES if graphs else tuple(m for m in COMPILE_MODES if m not in GRAPH_MODES)
+    if asked is not True and asked not in modes:
+        why = "" if graphs or asked not in GRAPH_MODES else " (its KV cache grows each step: no CUDA graphs)"
         raise EngineError(
-            f"stage '{stage.name}': compile must be true, false or one of {', '.join(COMPILE_MODES)}; "
-            f"got {asked!r}"
+            f"stage '{stage.name}': compile must be true, false or one of {', '.join(modes)}; "
+            f"got {asked!r}{why}"
         )
     mode = None if asked is True else str(asked)
-    if mode in ("reduce-overhead", "max-autotune"):  # the modes that replay CUDA graphs
+    if mode in GRAPH_MODES:
         return lambda module: StepPerCall(torch.compile(module, dynamic=True, mode=mode))
     return lambda module: torch.compile(module, dynamic=True, mode=mode)
 
