@@ -15,6 +15,7 @@ import pytest
 import soundfile
 import torch
 from PIL import Image
+from torch._dynamo.utils import counters
 
 from omni_gateway.media import decode_media
 from omni_pipeline.settings import MediaSpec
@@ -261,6 +262,7 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
         if compiled:
             eager = engine("talker", model)
             await eager.start()
+        graphs = counters["stats"]["unique_graphs"]  # what torch.compile has compiled so far
         thoughts = []
         for m in requests:
             messages, media = await decode_media([m], MediaSpec())
@@ -279,6 +281,7 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
         not_compiled = alone if eager is None else [await talk(t, eager) for t in thoughts]
         for layers in (talker.model.model, talker.model.code_predictor.model):  # type: ignore[attr-defined]
             assert hasattr(layers, "_orig_mod") == compiled  # the decoder layers compiled, or not
+        assert counters["stats"]["unique_graphs"] == graphs  # compiled at start: none since
         return list(together), alone, sizes, not_compiled
 
     together, alone, sizes, not_compiled = asyncio.run(go())

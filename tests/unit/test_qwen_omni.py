@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import soundfile
 import torch
+from torch._dynamo.utils import counters
 
 from omni_gateway.media import decode_media
 from omni_pipeline.settings import MediaSpec
@@ -157,9 +158,11 @@ async def decode_in_chunks(
     model: Path, codes: torch.Tensor, window: int, **args: Any
 ) -> tuple[list[torch.Tensor], int]:
     """code2wav fed `window` codes a call, as the talker's edge feeds it; its audio chunks, and
-    the frames its DiT solved."""
+    the frames its DiT solved. Nothing is compiled once it has started (`compile` compiles
+    at start)."""
     code2wav = engine("code2wav", model, **args)
     await code2wav.start()
+    graphs = counters["stats"]["unique_graphs"]
     state = CallState()
     chunks = []
     for i in range(0, len(codes), window):
@@ -168,6 +171,7 @@ async def decode_in_chunks(
             "r", {"talker": {"codes": codes[i : i + window]}}, last, {"voice": "Ethan", "seed": SEED}, state
         )
         chunks += [o.data["audio"] async for o in code2wav.generate(call)]
+    assert counters["stats"]["unique_graphs"] == graphs
     return chunks, code2wav.dit.frames_solved  # type: ignore[attr-defined]
 
 
@@ -415,6 +419,7 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
         if compiled:
             eager = engine("talker", model)
             await eager.start()
+        graphs = counters["stats"]["unique_graphs"]  # what torch.compile has compiled so far
 
         async def speak(messages: list[dict[str, Any]], on: Engine = talker) -> tuple[list[int], list[int]]:
             messages, media = await decode_media(messages, MediaSpec())
@@ -433,6 +438,7 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
         alone = [await speak(m) for m in requests]
         not_compiled = alone if eager is None else [await speak(m, eager) for m in requests]
         assert hasattr(talker.model.model, "_orig_mod") == compiled  # type: ignore[attr-defined]
+        assert counters["stats"]["unique_graphs"] == graphs  # compiled at start: none since
         return together, alone, not_compiled, *sizes
 
     together, alone, not_compiled, thinker_batches, talker_batches = asyncio.run(go())
@@ -839,7 +845,7 @@ def test_compiled_code2wav_decodes_what_eager_decodes(model: Path, reference: di
     """`compile: true` (torch.compile of the DiT's layers and BigVGAN, here on the CPU's
     inductor backend, which builds its kernels with g++): a first, a middle and a last chunk,
     streamed with kept context, are what the stage decodes without it, within 1e-6 (fused
-    kernels may sum in another order)."""
+    kernels may sum in another order); all compiled at start (decode_in_chunks)."""
     codes = reference["codes"][:36]
     eager, _ = asyncio.run(decode_in_chunks(model, codes, 12, chunkCodes=12))
     compiled, _ = asyncio.run(decode_in_chunks(model, codes, 12, chunkCodes=12, compile=True))

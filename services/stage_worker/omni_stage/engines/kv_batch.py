@@ -10,6 +10,7 @@ belong on vLLM, whose paged cache needs no copy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,3 +65,38 @@ def decode_together(
         for row, n in enumerate(lengths)
     ]
     return out, split
+
+
+def warm_up(model: Any, width: int, positions: Callable[[int, int], torch.Tensor], **inputs: Any) -> None:
+    """Run `model` (a decoder taking `inputs_embeds` of `width`) on zeros through a request's
+    life as a decoding stage runs it, with `inputs` besides: a prefill, a step on the prefill's
+    cache, a step on a step's, a step together with another request (`decode_together`), a
+    step on what that left, a prefill on a kept cache (a conversation's next turn). What
+    `torch.compile` wraps in it compiles now, at start, not at the first requests: each form
+    passes the model tensors of its own strides and a mask or none, which a compile is guarded
+    on; with dynamic shapes one compile of each form serves every length and batch.
+    `positions(at, n)` gives the position ids of n positions from `at`."""
+    p = next(model.parameters())
+    x = torch.zeros(1, 4, width, dtype=p.dtype, device=p.device)
+
+    def forward(n: int, past: Any) -> Any:
+        at = 0 if past is None else past.get_seq_length()
+        out = model(
+            inputs_embeds=x[:, :n],
+            position_ids=positions(at, n),
+            past_key_values=past,
+            use_cache=True,
+            **inputs,
+        )
+        return out.past_key_values
+
+    one = forward(1, forward(1, forward(4, None)))
+    caches = [one, forward(3, None)]
+    _, caches = decode_together(
+        model,
+        caches,
+        [positions(c.get_seq_length(), 1) for c in caches],
+        inputs_embeds=torch.cat([x[:, :1], x[:, :1]]),
+        **inputs,
+    )
+    forward(2, forward(1, caches[0]))

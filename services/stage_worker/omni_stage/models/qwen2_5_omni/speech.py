@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import torch
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.kv_batch import decode_together, warm_up
 from omni_stage.engines.prompt_cache import Sequence, same_rows
 from omni_stage.models.qwen2_5_omni.dit import CachedDiT, LeftContext, Solve, Window
 from omni_stage.models.qwen_omni.parts import (
@@ -73,7 +74,6 @@ class Talker(Part):
 
     def _load(self) -> None:
         super()._load()
-        self.model.model = self.compiled(self.model.model)  # its decoder layers (`compile`)
         # The talker's text-side tokens (voice bos, text eos and pad) are rows of the thinker's
         # input embedding table: only that tensor is read, not the thinker.
         c = self.config.talker_config
@@ -86,6 +86,10 @@ class Talker(Part):
             "mask": c.tts_codec_mask_token_id,
         }
         self.stop_codes = {self.codec["pad"], self.codec["end"]}
+        self.model.model = self.compiled(self.model.model)  # its decoder layers (`compile`)
+        if self.args.get("compile"):
+            with torch.inference_mode():  # as requests run it: a compile is guarded on the mode
+                warm_up(self.model, self.text_embeds.shape[-1], self._span)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.kept(_Speaking)
@@ -196,7 +200,10 @@ class Talker(Part):
         return codes
 
     def _positions(self, st: _Speaking, n: int) -> torch.Tensor:
-        at = 0 if st.past is None else st.past.get_seq_length()
+        return self._span(0 if st.past is None else st.past.get_seq_length(), n)
+
+    def _span(self, at: int, n: int) -> torch.Tensor:
+        """[3, 1, n]: the M-RoPE position ids of n positions from `at` (text: every row alike)."""
         return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(3, 1, -1)
 
     def _forward(self, st: _Speaking, inputs: torch.Tensor) -> int:
@@ -309,6 +316,31 @@ class Token2Wav(Part):
                 )
         rates = self.config.token2wav_config.bigvgan_config.upsample_rates
         self.samples_per_frame = int(torch.tensor(rates).prod())
+
+    async def start(self) -> None:
+        await super().start()
+        await self._warm_up()
+
+    async def wake_up(self, level: int) -> None:
+        await super().wake_up(level)
+        if level >= 2:  # loaded again: compiled again
+            await self._warm_up()
+
+    async def _warm_up(self) -> None:
+        """With `compile`: silence decoded as requests are, alone and two together (a first
+        chunk, growing ones, a short last one), so that what a request runs compiles now,
+        before the replica is ready, not at the first requests."""
+        if not self.args.get("compile"):
+            return
+        n = self.chunk + 2 * self.max_chunk + self.right + 1  # every chunk size, and a last one
+        silence = {"talker": {"codes": torch.zeros(n, dtype=torch.long)}}
+
+        async def decode() -> None:
+            async for _ in self.generate(EngineCall("warm-up", silence, True, {})):
+                pass
+
+        await decode()
+        await asyncio.gather(decode(), decode())
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.kept(_Token2WavState)

@@ -11,7 +11,7 @@ import torch
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.kv_batch import decode_together, warm_up
 from omni_stage.engines.prompt_cache import Sequence, same_rows
 from omni_stage.models.qwen3_omni.thinker import LAYOUT_KEYS
 from omni_stage.models.qwen_omni.parts import (
@@ -99,9 +99,6 @@ class Qwen3Talker(Part):
     def _load(self) -> None:
         _register_talker_moe_conversion()
         super()._load()
-        # The decoder layers of the talker and of its code predictor (`compile`).
-        self.model.model = self.compiled(self.model.model)
-        self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
         c, t = self.config, self.config.talker_config
         # The talker's M-RoPE positions count an audio's tokens with the audio encoder's window,
         # read from `config.audio_config`, which the talker's config does not carry (transformers
@@ -131,6 +128,25 @@ class Qwen3Talker(Part):
         self.groups = int(t.num_code_groups)
         vocab = int(t.text_config.vocab_size)
         self.suppressed = [i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != self.codec_eos]
+        # The decoder layers of the talker and of its code predictor (`compile`).
+        self.model.model = self.compiled(self.model.model)
+        self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
+        if self.args.get("compile"):
+            self._warm_up()
+
+    @torch.inference_mode()  # as requests run them: a compile is guarded on the mode
+    def _warm_up(self) -> None:
+        """Both models, compiled, run in every form requests run them, so that they compile
+        now, at start: the talker's prefill and steps (kv_batch.warm_up), and the code
+        predictor's residuals for one request and for two together."""
+        width = self.model.config.text_config.hidden_size
+
+        def span(at: int, n: int) -> torch.Tensor:
+            return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(4, 1, -1)
+
+        warm_up(self.model, width, span, output_hidden_states=True, generation_step=0)
+        for batch in (1, 2):
+            self._predict(torch.zeros(batch, 2, width, device=self.device, dtype=self.dtype))
 
     def speaker(self, sampling: dict[str, Any]) -> dict[str, Any]:
         return {"code": self.speaker_codes[self.voice(sampling)]}
@@ -283,15 +299,18 @@ class Qwen3Talker(Part):
         assert all(st.last_hidden is not None for st in sts)
         code0 = torch.tensor([[st.code0] for st in sts], device=self.device)
         hidden = torch.cat([st.last_hidden for st in sts])  # type: ignore[misc]
-        drawn = m.code_predictor.generate(
-            inputs_embeds=torch.cat([hidden, m.get_input_embeddings()(code0)], dim=1),
-            max_new_tokens=self.groups - 1,
-            do_sample=False,
-        )
+        drawn = self._predict(torch.cat([hidden, m.get_input_embeddings()(code0)], dim=1))
         return [
             _Step(st, residuals=row[-(self.groups - 1) :].tolist())
             for st, row in zip(sts, drawn, strict=True)
         ]
+
+    def _predict(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The code predictor's greedy residual codes after `inputs` ([B, 2, H]: a code's
+        hidden state and its embedding), as the reference draws them."""
+        return self.model.code_predictor.generate(
+            inputs_embeds=inputs, max_new_tokens=self.groups - 1, do_sample=False
+        )
 
     def _decodes(self, steps: list[_Step]) -> list[_Step]:
         """Each request's next code 0 and the hidden state that drew it: its codes' embeddings
