@@ -24,6 +24,9 @@ Ratios, each against a baseline measured in the same run:
   off in every stage (`maxBatch: 1`): the baseline batching is measured against.
 - c8_vllm_thinker_vs_transformers (not with --quick): requests/s at concurrency 8 with the
   thinker on vLLM (examples/qwen2.5-omni-vllm.yaml) over the transformers thinker.
+- c1_compiled_vs_eager, c8_compiled_vs_eager, ttfp_c8_vs_c1_compiled (not with --quick):
+  requests/s with `compile: true` on the talker and code2wav over the same without, at
+  concurrency 1 and 8, and ttfp_c8_vs_c1 with it.
 
 Each run also says where the time went, stage by stage (bench.profile: busy share, mean
 batch, queue wait, engine call, connector and (de)serialising time per request).
@@ -53,7 +56,9 @@ THINKER_TOKENS = 200
 TALKER_CODES = 400  # up to 8 s of audio: streaming matters for long answers
 
 
-def pipeline(chunked: bool, codes: int, batched: bool = True, vllm: bool = False) -> dict[str, Any]:
+def pipeline(
+    chunked: bool, codes: int, batched: bool = True, vllm: bool = False, compiled: bool = False
+) -> dict[str, Any]:
     example = "qwen2.5-omni-vllm.yaml" if vllm else "qwen2.5-omni.yaml"
     spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / example).read_text())["spec"])
     spec["servedModelName"] = "bench"
@@ -63,6 +68,8 @@ def pipeline(chunked: bool, codes: int, batched: bool = True, vllm: bool = False
         stage["maxInflight"] = 8
         if not batched and stage["engine"]["kind"] != "vllm":  # vLLM's batching is its own
             stage["engine"]["args"]["maxBatch"] = 1
+        if compiled and stage["name"] in ("talker", "code2wav"):
+            stage["engine"]["args"]["compile"] = True
     if not chunked:
         code2wav = spec["stages"][2]
         code2wav["engine"]["args"]["chunkCodes"] = 0
@@ -111,11 +118,24 @@ async def load(base: str, concurrency: int, requests: int, tokens: int) -> dict[
 def plot(result: dict[str, Any], path: Any) -> None:
     fig, (a, b, c) = figure(3)
     runs = result["runs"]
-    ttfp = [k for k in ("chunked_c1", "chunked_c8", "full_c1", "vllm_thinker_c1") if k in runs]
+    ttfp = [
+        k
+        for k in ("chunked_c1", "chunked_c8", "compiled_c1", "compiled_c8", "full_c1", "vllm_thinker_c1")
+        if k in runs
+    ]
     bars(a, ["TTFP"], {k: [runs[k]["ttfp_ms"]] for k in ttfp}, "TTFP, ms", "streamed vs whole, c1 vs c8")
     rate = [
         k
-        for k in ("chunked_c1", "full_c1", "unbatched_c8", "chunked_c8", "chunked_c16", "vllm_thinker_c8")
+        for k in (
+            "chunked_c1",
+            "full_c1",
+            "compiled_c1",
+            "unbatched_c8",
+            "chunked_c8",
+            "compiled_c8",
+            "chunked_c16",
+            "vllm_thinker_c8",
+        )
         if k in runs
     ]
     bars(b, ["req/s"], {k: [runs[k]["req_per_s"]] for k in rate}, "requests/s", "c1, c8 and c16")
@@ -146,6 +166,9 @@ def main(argv: list[str] | None = None) -> None:
             with served("bench", pipeline(True, codes, vllm=True), cwd=cwd) as base:
                 runs["vllm_thinker_c1"] = asyncio.run(load(base, 1, n, tokens))
                 runs["vllm_thinker_c8"] = asyncio.run(load(base, 8, 8 * n, tokens))
+            with served("bench", pipeline(True, codes, compiled=True), cwd=cwd) as base:
+                runs["compiled_c1"] = asyncio.run(load(base, 1, n, tokens))
+                runs["compiled_c8"] = asyncio.run(load(base, 8, 8 * n, tokens))
     result = {
         "benchmark": "qwen-omni",
         "machine": machine(),
@@ -173,6 +196,14 @@ def main(argv: list[str] | None = None) -> None:
     if "vllm_thinker_c8" in runs:
         result["ratios"]["c8_vllm_thinker_vs_transformers"] = round(
             runs["vllm_thinker_c8"]["req_per_s"] / runs["chunked_c8"]["req_per_s"], 3
+        )
+    if "compiled_c8" in runs:
+        for c in (1, 8):
+            result["ratios"][f"c{c}_compiled_vs_eager"] = round(
+                runs[f"compiled_c{c}"]["req_per_s"] / runs[f"chunked_c{c}"]["req_per_s"], 3
+            )
+        result["ratios"]["ttfp_c8_vs_c1_compiled"] = round(
+            runs["compiled_c8"]["ttfp_ms"] / runs["compiled_c1"]["ttfp_ms"], 3
         )
     rows = [(name, "  ".join(f"{k} {v}" for k, v in r.items() if k != "stages")) for name, r in runs.items()]
     rows += [
