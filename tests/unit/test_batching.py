@@ -63,6 +63,23 @@ def test_a_first_piece_runs_before_older_ones_with_its_key() -> None:
     asyncio.run(go())
 
 
+def test_a_key_may_run_fewer_at_once_than_the_others() -> None:
+    """`max_of`: a key's pieces go at most that many a call (the rest next, oldest first);
+    other keys' still up to max_batch."""
+
+    async def go() -> None:
+        run = Doubler()
+        b = StepBatcher(run, ThreadPoolExecutor(1), max_batch=8, max_of=lambda key: 2 if key == "few" else 8)
+        running = b.submit("many", 1)
+        waiting = [b.submit("few", x) for x in (2, 3, 4)] + [b.submit("many", x) for x in (5, 6, 7)]
+        run.go.set()
+        assert await running == 2
+        assert await asyncio.gather(*waiting) == [4, 6, 8, 10, 12, 14]
+        assert run.calls == [[1], [2, 3], [4], [5, 6, 7]]
+
+    asyncio.run(go())
+
+
 def test_a_cancelled_piece_leaves_its_batch() -> None:
     async def go() -> None:
         run = Doubler()

@@ -356,16 +356,20 @@ def test_with_a_video_the_stages_compute_what_the_reference_computes(
     torch.testing.assert_close(ours["audio"], theirs["audio"], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocode", [None, 1])
 def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
-    model: Path, reference: dict[str, Any], media_reference: dict[str, Any]
+    model: Path, reference: dict[str, Any], media_reference: dict[str, Any], vocode: int | None
 ) -> None:
     """Four requests (two code sequences, three seeds) fed to one code2wav replica at once,
     in chunks: the chunks of the same length and voice are decoded together (all four, once
     the first, which ran at once, is done), and every request's audio is what it is decoded
-    alone (within 1e-6: a batched matmul may sum in another order)."""
+    alone (within 1e-6: a batched matmul may sum in another order). With `maxVocodeBatch: 1`
+    the solver's steps still go four at once, BigVGAN takes each chunk alone, and the audio
+    is the same."""
 
     async def go() -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
-        code2wav = engine("code2wav", model, chunkCodes=12)
+        args = {} if vocode is None else {"maxVocodeBatch": vocode}
+        code2wav = engine("code2wav", model, chunkCodes=12, **args)
         await code2wav.start()
         jobs = [
             (reference["codes"], 1),
@@ -381,12 +385,14 @@ def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
                 True,
                 {"voice": "Ethan", "seed": seed},
             )
-            return torch.cat([o.data["audio"] async for o in code2wav.generate(call)])
+            return [o.data["audio"] async for o in code2wav.generate(call)]
 
         together = await asyncio.gather(*(decode(c, s) for c, s in jobs))
         batched = code2wav.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
-        alone = [await decode(c, s) for c, s in jobs]
-        return together, alone, batched
+        alone = [torch.cat(await decode(c, s)) for c, s in jobs]
+        if vocode == 1:  # every chunk vocoded alone
+            assert batched[1] >= sum(len(chunks) for chunks in together), batched
+        return [torch.cat(chunks) for chunks in together], alone, batched
 
     together, alone, batched = asyncio.run(go())
     assert max(batched) == 4, batched

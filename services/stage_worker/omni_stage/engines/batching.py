@@ -36,12 +36,21 @@ class _Waiting(Generic[I, O]):
 
 
 class StepBatcher(Generic[I, O]):
-    def __init__(self, run: Callable[[list[I]], list[O]], executor: Executor, max_batch: int) -> None:
+    def __init__(
+        self,
+        run: Callable[[list[I]], list[O]],
+        executor: Executor,
+        max_batch: int,
+        max_of: Callable[[Hashable], int] | None = None,
+    ) -> None:
+        """`max_of(key)`: the most pieces of that key in one call, where less than `max_batch`
+        (a long call holds up a newcomer's first piece, which can only go after it)."""
         if max_batch < 1:
             raise ValueError("max_batch must be at least 1")
         self.run = run
         self.executor = executor
         self.max_batch = max_batch
+        self.max_of = max_of
         self._waiting: list[_Waiting[I, O]] = []
         self._busy = False
         self.batch_sizes: Counter[int] = Counter()
@@ -60,7 +69,8 @@ class StepBatcher(Generic[I, O]):
         if self._busy or not self._waiting:
             return
         key = next((w for w in self._waiting if w.first), self._waiting[0]).key
-        batch = [w for w in self._waiting if w.key == key][: self.max_batch]
+        most = self.max_batch if self.max_of is None else max(1, min(self.max_batch, self.max_of(key)))
+        batch = [w for w in self._waiting if w.key == key][:most]
         self._waiting = [w for w in self._waiting if w not in batch]
         self._busy = True
         self.batch_sizes[len(batch)] += 1

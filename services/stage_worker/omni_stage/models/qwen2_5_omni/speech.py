@@ -238,8 +238,8 @@ class _Piece:
     solve: Solve | None = None
 
     def key(self) -> Hashable:
-        """What pieces must share to go as one batch: solving (at any step) or vocoding, the
-        shapes and the voice."""
+        """What pieces must share to go as one batch: solving (at any step) or vocoding (first:
+        `maxVocodeBatch` reads it), the shapes and the voice."""
         w = self.window
         left = w.left.frames if w.left is not None else 0
         vocoding = self.solve is not None and self.solve.solved
@@ -279,7 +279,12 @@ class Token2Wav(Part):
     `compile: true` runs the DiT's layers and BigVGAN through `torch.compile` (off by default:
     it compiles at start, again on waking from a level-2 sleep, and for new shapes; on this CPU
     it halves their time, within 1e-6 of not compiling); `compile: reduce-overhead` also
-    replays them as CUDA graphs on a GPU (parts.compiler)."""
+    replays them as CUDA graphs on a GPU (parts.compiler).
+
+    `maxVocodeBatch` (default `maxBatch`): the most chunks BigVGAN vocodes in one call. A
+    newcomer's first chunk goes before others' pieces, but only once the call running ends,
+    and BigVGAN on a batch of long chunks is the longest call there is; fewer a call shortens
+    that wait (TTFP under load) for less batching (throughput)."""
 
     part = "token2wav"
     request_keys = frozenset({"voice", "seed"})
@@ -294,7 +299,15 @@ class Token2Wav(Part):
         self.compiled = compiler(stage)
         if self.chunk > 0 and self.max_chunk < self.chunk:
             raise EngineError(f"stage '{stage.name}': maxChunkCodes must be at least chunkCodes")
-        self.batcher = StepBatcher(self._synthesize, self._compute, self.max_batch)
+        self.max_vocode = int(self.args.get("maxVocodeBatch", self.max_batch))
+        if self.max_vocode < 1:
+            raise EngineError(f"stage '{stage.name}': maxVocodeBatch must be at least 1")
+        self.batcher = StepBatcher(
+            self._synthesize,
+            self._compute,
+            self.max_batch,
+            lambda key: self.max_vocode if key[0] else self.max_batch,
+        )
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniToken2WavModel
