@@ -277,8 +277,8 @@ class Token2Wav(Part):
     request's seed, sliced, so the whole decode's frames get the reference's noise.
 
     `compile: true` runs the DiT's layers and BigVGAN through `torch.compile` (off by default:
-    it compiles at start, again on waking from a level-2 sleep, and for new shapes; on this CPU
-    it halves their time, within 1e-6 of not compiling); `compile: reduce-overhead` also
+    it compiles at start, every form a request runs (`_warm_up`), and again on waking from a
+    level-2 sleep; on this CPU it halves their time, within 1e-6 of not compiling); `compile: reduce-overhead` also
     replays them as CUDA graphs on a GPU (parts.compiler).
 
     `maxVocodeBatch` (default `maxBatch`): the most chunks BigVGAN vocodes in one call. A
