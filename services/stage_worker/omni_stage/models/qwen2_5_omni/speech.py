@@ -278,8 +278,8 @@ class Token2Wav(Part):
 
     `compile: true` runs the DiT's layers and BigVGAN through `torch.compile` (off by default:
     it compiles at start, every form a request runs (`_warm_up`), and again on waking from a
-    level-2 sleep; on this CPU it halves their time, within 1e-6 of not compiling); `compile: reduce-overhead` also
-    replays them as CUDA graphs on a GPU (parts.compiler).
+    level-2 sleep; on this CPU it halves their time, within 1e-6 of not compiling);
+    `compile: reduce-overhead` also replays them as CUDA graphs on a GPU (parts.compiler).
 
     `maxVocodeBatch` (default `maxBatch`): the most chunks BigVGAN vocodes in one call. A
     newcomer's first chunk goes before others' pieces, but only once the call running ends,
