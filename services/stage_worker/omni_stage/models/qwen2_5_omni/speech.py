@@ -22,6 +22,7 @@ from omni_stage.models.qwen_omni.parts import (
     Vocoding,
     chunk_args,
     compiler,
+    compiles,
     penalise_repeats,
     thinker_embedding_table,
 )
@@ -87,7 +88,7 @@ class Talker(Part):
         }
         self.stop_codes = {self.codec["pad"], self.codec["end"]}
         self.model.model = self.compiled(self.model.model)  # its decoder layers (`compile`)
-        if self.args.get("compile"):
+        if compiles(self.stage):
             with torch.inference_mode():  # as requests run it: a compile is guarded on the mode
                 warm_up(self.model, self.text_embeds.shape[-1], self._span)
 
@@ -343,7 +344,7 @@ class Token2Wav(Part):
         """With `compile`: silence decoded as requests are, alone and two together (a first
         chunk, growing ones, a short last one), so that what a request runs compiles now,
         before the replica is ready, not at the first requests."""
-        if not self.args.get("compile"):
+        if not compiles(self.stage):
             return
         n = self.chunk + 2 * self.max_chunk + self.right + 1  # every chunk size, and a last one
         silence = {"talker": {"codes": torch.zeros(n, dtype=torch.long)}}

@@ -20,6 +20,7 @@ from omni_stage.models.qwen_omni.parts import (
     Vocoding,
     chunk_args,
     compiler,
+    compiles,
     penalise_repeats,
     thinker_embedding_table,
 )
@@ -131,7 +132,7 @@ class Qwen3Talker(Part):
         # The decoder layers of the talker and of its code predictor (`compile`).
         self.model.model = self.compiled(self.model.model)
         self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
-        if self.args.get("compile"):
+        if compiles(self.stage):
             self._warm_up()
 
     @torch.inference_mode()  # as requests run them: a compile is guarded on the mode

@@ -90,15 +90,21 @@ GRAPH_MODES: Final = ("reduce-overhead", "max-autotune")
 """The modes that replay CUDA graphs."""
 
 
+def compiles(stage: StageSpec) -> bool:
+    """Whether a part's `compile` argument asks for `torch.compile` (anything but false or
+    absent): then the part also runs what requests run at start (its warm-up), to compile it."""
+    return stage.engine.args.get("compile") not in (False, None)
+
+
 def compiler(stage: StageSpec, graphs: bool = True) -> Callable[[Any], Any]:
     """A part's `compile` argument as what wraps a module: nothing (false, the default),
     `torch.compile` with dynamic shapes (true), or in one of its modes (a mode's name).
     `graphs=False`: the part's modules see a KV cache that grows at each step, and a CUDA
     graph is recorded for fixed shapes (one per length: no saving), so the modes that replay
     them are refused."""
-    asked = stage.engine.args.get("compile", False)
-    if asked is False or asked is None:
+    if not compiles(stage):
         return lambda module: module
+    asked = stage.engine.args["compile"]
     modes = COMPILE_MODES if graphs else tuple(m for m in COMPILE_MODES if m not in GRAPH_MODES)
     if asked is not True and asked not in modes:
         why = "" if graphs or asked not in GRAPH_MODES else " (its KV cache grows each step: no CUDA graphs)"
