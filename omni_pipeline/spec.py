@@ -212,6 +212,14 @@ class StageSpec(_Model):
         "gpu_memory_utilization; torch engines cap their allocator); required on a shared device, at most 1 "
         "in all there.",
     )
+    nice: int = Field(
+        default=0,
+        ge=0,
+        le=19,
+        description="The niceness its processes run at (os.nice): where stages share a host's cores "
+        "(SingleNode on CPU), a stage that runs far ahead of the ones after it (a thinker) gives them the "
+        "cores first when they compete.",
+    )
     sampling: dict[str, Any] = Field(default_factory=dict, description="Default sampling parameters.")
     node_selector: dict[str, str] = Field(default_factory=dict, description="Pod nodeSelector (Kubernetes).")
     tolerations: list[dict[str, Any]] = Field(

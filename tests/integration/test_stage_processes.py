@@ -17,7 +17,9 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
+import yaml
 
 from omni_cli.natsd import EmbeddedNats, nats_server_binary
 from tests.helpers import (
@@ -48,14 +50,14 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def started(nats_url: str, logs: Path, prefix: str = PREFIX) -> Iterator[Cluster]:
+def started(nats_url: str, logs: Path, prefix: str = PREFIX, pipeline: Path = PIPELINE) -> Iterator[Cluster]:
     """A replica per stage and a gateway, each its own process; every one exits 0 at the end,
     and no segment is left."""
     env = {"OMNI_SHM_PREFIX": prefix}
     procs = [
-        start_stage(PIPELINE, s, "0", nats_url, ROOT, logs, env) for s in ("thinker", "talker", "vocoder")
+        start_stage(pipeline, s, "0", nats_url, ROOT, logs, env) for s in ("thinker", "talker", "vocoder")
     ]
-    gw, base = start_gateway(PIPELINE, nats_url, ROOT, logs, env=env)
+    gw, base = start_gateway(pipeline, nats_url, ROOT, logs, env=env)
     try:
         wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "every stage registered")
         yield Cluster(base, dict(zip(("thinker", "talker", "vocoder"), procs, strict=True)))
@@ -262,3 +264,26 @@ def test_sigterm_drains_in_flight_work_then_exits_0(cluster_procs: Cluster) -> N
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "x"}])
     assert info.value.status_code == 503 and "stage 'thinker' has no live replica" in str(info.value)
+
+
+def test_a_stage_runs_at_its_niceness_and_so_does_every_thread_it_starts(
+    nats_url: str, tmp_path: Path
+) -> None:
+    """`nice` on a stage: Linux keeps a niceness per thread, and a thread takes its starter's, so
+    every thread of the process runs at it, those it had before it read its spec and those it
+    starts serving requests; the other stages keep theirs."""
+    doc = yaml.safe_load(PIPELINE.read_text())
+    doc["spec"]["stages"][0]["nice"] = 3
+    path = tmp_path / "nice.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with started(nats_url, tmp_path, pipeline=path) as c:
+        r = openai_client(c.base).chat.completions.create(
+            model="synth",
+            messages=[{"role": "user", "content": "hello"}],
+            modalities=["text", "audio"],
+            audio={"voice": "alloy", "format": "wav"},
+        )
+        assert r.choices[0].message.audio is not None
+        for name, want in (("thinker", 3), ("talker", 0)):
+            threads = psutil.Process(c.stages[name].proc.pid).threads()
+            assert {psutil.Process(t.id).nice() for t in threads} == {want}, name

@@ -68,6 +68,15 @@ def test_bad_window(window: int) -> None:
     assert "stage 'vocoder'" in msg and "inputs[0].window" in msg
 
 
+@pytest.mark.parametrize("nice", [-1, 20])
+def test_a_niceness_outside_nice_1s_range_is_refused(nice: int) -> None:
+    """0-19 only: a negative one needs privileges a stage does not have."""
+    d = base()
+    d["spec"]["stages"][0]["nice"] = nice
+    msg = refused(d)
+    assert "stage 'thinker'" in msg and "nice" in msg
+
+
 def test_unknown_engine_kind() -> None:
     d = base()
     d["spec"]["stages"][0]["engine"]["kind"] = "tensorrt"

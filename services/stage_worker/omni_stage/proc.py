@@ -308,6 +308,15 @@ class EngineDead(EngineError):
     """The replica's engine died or wedged while serving; the replica stopped for a restart."""
 
 
+def run_at_niceness(nice: int) -> None:
+    """Every thread of this process at (at least) `nice`, before the engine starts more: Linux
+    keeps a niceness per thread, which a new thread or process takes from the one starting it."""
+    threads = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    for tid in map(int, threads):
+        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+
+
 def run_stage(
     ready: Callable[[dict[str, Any]], None],
     pipeline: PipelineFile,
@@ -321,6 +330,7 @@ def run_stage(
     """Process entry point (used by `omni stage` and by `omni serve` through the lifecycle)."""
     configure_logging()
     setproctitle(f"omni: stage {stage} replica {replica}")
+    run_at_niceness(pipeline.spec.stage(stage).nice)
     configure_tracing(
         f"omni-stage-{stage}",
         pipeline.spec.observability.otlp_endpoint,
