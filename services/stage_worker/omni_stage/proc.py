@@ -313,8 +313,9 @@ def run_at_niceness(nice: int) -> None:
     keeps a niceness per thread, which a new thread or process takes from the one starting it."""
     threads = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
     for tid in map(int, threads):
-        if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
 
 
 def run_stage(
