@@ -22,6 +22,7 @@ from omni_pipeline.control import (
     pack,
     unpack,
 )
+from omni_pipeline.sampling import Sampling
 
 
 class DirectClient:
@@ -54,7 +55,7 @@ class DirectClient:
 
     async def admit(self, stage: str, ctx: RequestContext, inputs: RequestInputs | None) -> None:
         subject = self.subjects.stage_inbox(stage, ctx.route[stage])
-        reply = await self.nc.request(subject, pack(StageRequest(ctx, inputs, {})), timeout=30)
+        reply = await self.nc.request(subject, pack(StageRequest(ctx, inputs, Sampling())), timeout=30)
         if not (admitted := unpack(reply.data, Admitted)).ok:
             raise RuntimeError(f"{stage} refused: {admitted.message}")
 

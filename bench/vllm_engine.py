@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import machine, median, parser, report
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import EngineKind, EngineSpec, OutputKind, StageSpec
 from omni_stage.engines.base import EngineCall
 from omni_stage.engines.prompts import prompt_token_ids
@@ -41,7 +42,7 @@ async def adapter_round(engine: VllmEngine, n: int, concurrency: int) -> float:
     async def one(i: int) -> None:
         nonlocal tokens
         async with sem:
-            call = EngineCall(f"a{next(_ids)}", {"request": messages(i)}, True, {"max_tokens": TOKENS})
+            call = EngineCall(f"a{next(_ids)}", {"request": messages(i)}, True, Sampling(max_tokens=TOKENS))
             async for out in engine.generate(call):
                 tokens += out.units
 

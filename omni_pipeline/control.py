@@ -19,6 +19,7 @@ import msgspec
 from omni_pipeline import wire
 from omni_pipeline.clips import ClipLimits
 from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, PayloadGone
+from omni_pipeline.sampling import Sampling
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +174,9 @@ class StageRequest(msgspec.Struct, tag="request", frozen=True, omit_defaults=Tru
 
     ctx: RequestContext
     inputs: RequestInputs | None
-    sampling: dict[str, Any]
+    sampling: Sampling
     payload: ConnectorHandle | None = None
-    own: dict[str, Any] = {}
+    own: Sampling = msgspec.field(default_factory=Sampling)
     """This stage's own sampling (vLLM-Omni's `sampling_params_list`), taken whole, over
     `sampling`, whether or not the stage is a source."""
 

@@ -17,6 +17,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from omni_pipeline.placement import place
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.settings import (
     ConnectorSpec,
     GatewaySpec,
@@ -251,6 +252,12 @@ class StageSpec(_Model):
         "engine's memory as deeply as it can: POST /v1/omni/sleep's level 2) until set false again. Running "
         "replicas follow it without a restart; new ones start asleep.",
     )
+
+    @field_validator("sampling")
+    @classmethod
+    def _sampling_fields(cls, v: dict[str, Any]) -> dict[str, Any]:
+        Sampling.of(v)  # a misspelt or mistyped default fails here, not as a silent None later
+        return v
 
 
 class PipelineSpec(_Model):

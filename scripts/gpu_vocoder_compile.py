@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall
 from omni_stage.engines.registry import build_engine
@@ -38,7 +39,9 @@ async def decode(vocoder: Engine, codes: torch.Tensor, sampling: dict[str, Any])
     state, audio = CallState(), []
     for i in range(0, len(codes), WINDOW):
         last = i + WINDOW >= len(codes)
-        call = EngineCall("r", {"talker": {"codes": codes[i : i + WINDOW]}}, last, sampling, state)
+        call = EngineCall(
+            "r", {"talker": {"codes": codes[i : i + WINDOW]}}, last, Sampling.of(sampling), state
+        )
         audio += [o.data["audio"] async for o in vocoder.generate(call)]
     return torch.cat(audio)
 

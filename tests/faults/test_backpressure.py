@@ -35,6 +35,7 @@ from omni_pipeline.control import (
     pack,
     unpack,
 )
+from omni_pipeline.sampling import Sampling
 from tests.deployment import Deployment, deployed, metric_values
 from tests.helpers import ROOT, replicas, shm_prefix, shm_segments_in_use, wait_for
 
@@ -151,7 +152,7 @@ async def _opposite_orders(nats_url: str) -> dict[str, str]:
         order = [("req-b", "consumer"), ("req-a", "consumer"), ("req-a", "producer"), ("req-b", "producer")]
         for rid, stage in order:
             inputs = prompt if stage == "producer" else None
-            request = StageRequest(ctx[rid], inputs, {"max_tokens": 10 * CREDIT})
+            request = StageRequest(ctx[rid], inputs, Sampling(max_tokens=10 * CREDIT))
             reply = await nc.request(subjects.stage_inbox(stage, "a"), pack(request), timeout=5)
             assert unpack(reply.data, Admitted).ok, (rid, stage)
         await asyncio.wait_for(both.wait(), 60)

@@ -36,6 +36,7 @@ from omni_pipeline.control import (
     pack,
     unpack,
 )
+from omni_pipeline.sampling import Sampling
 from tests.helpers import ROOT, OmniProcess, shm_prefix, start_stage, wait_for
 
 PIPELINE = ROOT / "tests" / "data" / "synthetic.yaml"
@@ -122,7 +123,7 @@ def test_a_pickle_or_unknown_extension_on_nats_is_refused(stages: Stages, tmp_pa
         # The replica still serves: a real request after the garbage is answered in full.
         ctx = _ctx("after-garbage", {"thinker": "0"})
         req = StageRequest(
-            ctx, RequestInputs(messages=[{"role": "user", "content": "hi"}]), {"max_tokens": 3}
+            ctx, RequestInputs(messages=[{"role": "user", "content": "hi"}]), Sampling(max_tokens=3)
         )
         admitted: Admitted = unpack((await nc.request(inbox, pack(req), timeout=10)).data, Admitted)
         assert admitted.ok, admitted
@@ -154,7 +155,8 @@ def test_garbage_in_a_segment_fails_only_its_request(stages: Stages, tmp_path: P
         for rid, handle in evil.items():
             ctx = _ctx(rid, route)
             admitted: Admitted = unpack(
-                (await nc.request(inbox, pack(StageRequest(ctx, None, {})), timeout=10)).data, Admitted
+                (await nc.request(inbox, pack(StageRequest(ctx, None, Sampling())), timeout=10)).data,
+                Admitted,
             )
             assert admitted.ok, admitted
             await nc.publish(inbox, pack(SegmentMsg(ctx, "thinker", 0, True, 1, handle)))
@@ -182,7 +184,7 @@ def test_a_route_that_feeds_a_stage_nothing_is_refused_at_once(stages: Stages) -
     inbox = Subjects("synth").stage_inbox("talker", "0")
 
     async def steps(nc: nats.NATS, _: asyncio.Queue[object]) -> list[object]:
-        req = StageRequest(_ctx("no-producer", {"talker": "0"}), None, {})
+        req = StageRequest(_ctx("no-producer", {"talker": "0"}), None, Sampling())
         return [unpack((await nc.request(inbox, pack(req), timeout=10)).data, Admitted)]
 
     [answer] = asyncio.run(_exchange(stages.nats_url, steps))

@@ -31,12 +31,13 @@ from omni_pipeline.control import (
     pack,
     unpack,
 )
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind, load_pipeline
 from tests.helpers import ROOT, wait_until
 
 PIPELINE = load_pipeline(ROOT / "tests" / "data" / "synthetic.yaml")
 SUBJECTS = Subjects(PIPELINE.name)
-TEXT = Prepared(RequestInputs(["text"]), {}, frozenset({OutputKind.TEXT}), {})
+TEXT = Prepared(RequestInputs(["text"]), Sampling(), frozenset({OutputKind.TEXT}), {})
 """A request for text, past the pre-flight checks."""
 
 

@@ -21,6 +21,7 @@ import psutil
 import pytest
 import torch
 
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import EngineKind, EngineSpec, load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidRequest
 from omni_stage.engines.prompts import prompt_token_ids
@@ -95,10 +96,12 @@ def test_greedy_output_equals_the_transformers_engine(
     vllm_engine: VllmEngine, loop: LoopThread, demo_dir: Path
 ) -> None:
     call = {"request": {"messages": MESSAGES}}
-    ours = loop.run(collect(vllm_engine, EngineCall("r1", call, True, {"max_tokens": 16, "temperature": 0})))
+    ours = loop.run(
+        collect(vllm_engine, EngineCall("r1", call, True, Sampling(max_tokens=16, temperature=0)))
+    )
     hf = thinker(demo_dir / "models", EngineKind.TRANSFORMERS)
     ref = asyncio.run(
-        _start_and_collect(hf, EngineCall("r1", call, True, {"max_tokens": 16, "temperature": 0}))
+        _start_and_collect(hf, EngineCall("r1", call, True, Sampling(max_tokens=16, temperature=0)))
     )
     assert token_ids(ours) == token_ids(ref) and len(token_ids(ours)) == 16
     assert "".join(o.text for o in ours) == "".join(o.text for o in ref)
@@ -112,7 +115,7 @@ def test_penalties_bias_and_logprobs_mean_what_they_mean_in_vllm(
     the same checkpoint: greedy under frequency and presence penalties and a logit bias picks
     the same tokens, and reports the same log probabilities and top alternatives."""
     call = {"request": {"messages": MESSAGES}}
-    plain = token_ids(loop.run(collect(vllm_engine, EngineCall("p", call, True, {"max_tokens": 24}))))
+    plain = token_ids(loop.run(collect(vllm_engine, EngineCall("p", call, True, Sampling(max_tokens=24)))))
     assert len(set(plain)) < len(plain), "the tiny model repeats itself unpenalised"
     sampling = {
         "max_tokens": 24,
@@ -122,9 +125,9 @@ def test_penalties_bias_and_logprobs_mean_what_they_mean_in_vllm(
         "logprobs": True,
         "top_logprobs": 3,
     }
-    ours = loop.run(collect(vllm_engine, EngineCall("b", call, True, sampling)))
+    ours = loop.run(collect(vllm_engine, EngineCall("b", call, True, Sampling.of(sampling))))
     hf = thinker(demo_dir / "models", EngineKind.TRANSFORMERS)
-    ref = asyncio.run(_start_and_collect(hf, EngineCall("b", call, True, sampling)))
+    ref = asyncio.run(_start_and_collect(hf, EngineCall("b", call, True, Sampling.of(sampling))))
     assert token_ids(ours) == token_ids(ref) != plain[:24]
     vllm_lp = [t for o in ours for t in o.logprobs]
     step_lp = [t for o in ref for t in o.logprobs]
@@ -151,8 +154,8 @@ def test_json_mode_and_tool_choice_are_the_same_grammar_as_vllms(
     hf = thinker(demo_dir / "models", EngineKind.TRANSFORMERS)
     for response_format in ({"type": "json_object"}, {"type": "json_schema", "schema": schema}):
         sampling = {"max_tokens": 64, "response_format": response_format}
-        ours = loop.run(collect(vllm_engine, EngineCall("j", call, True, sampling)))
-        ref = asyncio.run(_start_and_collect(hf, EngineCall("j", call, True, sampling)))
+        ours = loop.run(collect(vllm_engine, EngineCall("j", call, True, Sampling.of(sampling))))
+        ref = asyncio.run(_start_and_collect(hf, EngineCall("j", call, True, Sampling.of(sampling))))
         assert token_ids(ours) == token_ids(ref)
         assert json.loads("".join(o.text for o in ours)) == json.loads("".join(o.text for o in ref))
     assert json.loads("".join(o.text for o in ours))["answer"] in ("yes", "no")
@@ -164,8 +167,8 @@ def test_json_mode_and_tool_choice_are_the_same_grammar_as_vllms(
         "tools": [tool],
         "tool_choice": {"type": "function", "function": {"name": "verdict"}},
     }
-    ours = loop.run(collect(vllm_engine, EngineCall("t", call, True, sampling)))
-    ref = asyncio.run(_start_and_collect(hf, EngineCall("t", call, True, sampling)))
+    ours = loop.run(collect(vllm_engine, EngineCall("t", call, True, Sampling.of(sampling))))
+    ref = asyncio.run(_start_and_collect(hf, EngineCall("t", call, True, Sampling.of(sampling))))
     assert token_ids(ours) == token_ids(ref)
     vllm_call, step_call = (
         [(c.name, c.arguments) for o in outs for c in o.tool_calls] for outs in (ours, ref)
@@ -202,9 +205,9 @@ def test_vllms_sampling_extensions_mean_the_same_in_both_engines(
     stage to call `length`)."""
     call = {"request": {"messages": MESSAGES}}
     sampling = {"max_tokens": 16, **extension}
-    ours = loop.run(collect(vllm_engine, EngineCall("x", call, True, sampling)))
+    ours = loop.run(collect(vllm_engine, EngineCall("x", call, True, Sampling.of(sampling))))
     hf = thinker(demo_dir / "models", EngineKind.TRANSFORMERS)
-    ref = asyncio.run(_start_and_collect(hf, EngineCall("x", call, True, sampling)))
+    ref = asyncio.run(_start_and_collect(hf, EngineCall("x", call, True, Sampling.of(sampling))))
     assert token_ids(ours) == token_ids(ref)
     assert "".join(o.text for o in ours) == "".join(o.text for o in ref)
     assert (ours[-1].finish_reason == "stop") == (ref[-1].finish_reason == "stop")
@@ -217,9 +220,9 @@ def test_prompt_logprobs_are_vllms_own(vllm_engine: VllmEngine, loop: LoopThread
     call = {"request": {"messages": MESSAGES}}
     theirs, ours = CallState(), CallState()
     sampling = {"max_tokens": 2, "prompt_logprobs": 3}
-    loop.run(collect(vllm_engine, EngineCall("p", call, True, sampling, theirs)))
+    loop.run(collect(vllm_engine, EngineCall("p", call, True, Sampling.of(sampling), theirs)))
     hf = thinker(demo_dir / "models", EngineKind.TRANSFORMERS)
-    asyncio.run(_start_and_collect(hf, EngineCall("p", call, True, sampling, ours)))
+    asyncio.run(_start_and_collect(hf, EngineCall("p", call, True, Sampling.of(sampling), ours)))
     assert theirs.prompt_logprobs is not None and ours.prompt_logprobs is not None
     assert len(theirs.prompt_logprobs) == len(ours.prompt_logprobs) == ours.prompt_tokens
     for v, h in zip(theirs.prompt_logprobs, ours.prompt_logprobs, strict=True):
@@ -250,7 +253,11 @@ def test_vllms_own_n_is_n_requests_seeded_seed_plus_index(vllm_engine: VllmEngin
     sampled = {"max_tokens": 8, "temperature": 1.0}
     call = {"request": {"messages": MESSAGES}}
     ours = [
-        token_ids(loop.run(collect(vllm_engine, EngineCall(f"s{i}", call, True, {**sampled, "seed": 7 + i}))))
+        token_ids(
+            loop.run(
+                collect(vllm_engine, EngineCall(f"s{i}", call, True, Sampling.of({**sampled, "seed": 7 + i})))
+            )
+        )
         for i in range(3)
     ]
     assert ours == loop.run(own_n()) and len({tuple(t) for t in ours}) == 3
@@ -265,12 +272,12 @@ def test_concurrent_streams_are_batched_and_complete(vllm_engine: VllmEngine, lo
     prompts = [{"request": {"messages": [{"role": "user", "content": f"question {i}"}]}} for i in range(2)]
 
     async def both() -> list[list[EngineOutput]]:
-        calls = [EngineCall(f"c{i}", p, True, {"max_tokens": 24}) for i, p in enumerate(prompts)]
+        calls = [EngineCall(f"c{i}", p, True, Sampling(max_tokens=24)) for i, p in enumerate(prompts)]
         return list(await asyncio.gather(*(collect(vllm_engine, c) for c in calls)))
 
     together = loop.run(both())
     alone = [
-        loop.run(collect(vllm_engine, EngineCall(f"s{i}", p, True, {"max_tokens": 24})))
+        loop.run(collect(vllm_engine, EngineCall(f"s{i}", p, True, Sampling(max_tokens=24))))
         for i, p in enumerate(prompts)
     ]
     assert [len(token_ids(o)) for o in together] == [24, 24]
@@ -282,7 +289,7 @@ def test_abort_mid_stream_frees_the_request_in_vllm(vllm_engine: VllmEngine, loo
     first = threading.Event()
 
     async def long_request() -> None:
-        call = EngineCall("long", {"request": {"messages": MESSAGES}}, True, {"max_tokens": 400})
+        call = EngineCall("long", {"request": {"messages": MESSAGES}}, True, Sampling(max_tokens=400))
         async for _ in vllm_engine.generate(call):
             first.set()
 
@@ -297,7 +304,7 @@ def test_a_prompt_over_the_context_is_the_clients_error(vllm_engine: VllmEngine,
     """vLLM's own validation error (a client error in its hierarchy) is a 400, not a stage's
     failure: the prompt is longer than max_model_len (512)."""
     long = [{"role": "user", "content": "word " * 600}]
-    call = EngineCall("toolong", {"request": {"messages": long}}, True, {"max_tokens": 8})
+    call = EngineCall("toolong", {"request": {"messages": long}}, True, Sampling(max_tokens=8))
     with pytest.raises(InvalidRequest, match="maximum context length is 512 tokens"):
         loop.run(collect(vllm_engine, call))
     assert vllm_engine.active_requests() == 0
@@ -314,11 +321,12 @@ def test_prompt_embeds_give_what_the_tokens_give(
         embeds = model.get_input_embeddings()(torch.tensor(ids))
     by_ids = loop.run(
         collect(
-            vllm_engine, EngineCall("t", {"up": {"token_ids": torch.tensor(ids)}}, True, {"max_tokens": 8})
+            vllm_engine,
+            EngineCall("t", {"up": {"token_ids": torch.tensor(ids)}}, True, Sampling(max_tokens=8)),
         )
     )
     by_embeds = loop.run(
-        collect(vllm_engine, EngineCall("e", {"up": {"inputs_embeds": embeds}}, True, {"max_tokens": 8}))
+        collect(vllm_engine, EngineCall("e", {"up": {"inputs_embeds": embeds}}, True, Sampling(max_tokens=8)))
     )
     assert token_ids(by_embeds) == token_ids(by_ids) and len(token_ids(by_ids)) == 8
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import EngineSpec, load_pipeline
 from omni_stage.engines.base import EngineCall
 from omni_stage.engines.registry import build_engine
@@ -34,7 +35,7 @@ def test_vllm_loads_the_thinker_and_answers_as_the_transformers_thinker(demo_dir
     loop = LoopThread()
     try:
         loop.run(vllm.start(), timeout=300)
-        ours = loop.run(collect(vllm, EngineCall("v", call, True, sampling)))
+        ours = loop.run(collect(vllm, EngineCall("v", call, True, Sampling.of(sampling))))
         loop.run(vllm.close())
     finally:
         loop.stop()
@@ -44,7 +45,7 @@ def test_vllm_loads_the_thinker_and_answers_as_the_transformers_thinker(demo_dir
 
     async def reference() -> list[int]:
         await hf.start()
-        return token_ids(await collect(hf, EngineCall("t", call, True, sampling)))
+        return token_ids(await collect(hf, EngineCall("t", call, True, Sampling.of(sampling))))
 
     assert token_ids(ours) == asyncio.run(reference())
     assert len(token_ids(ours)) == 12

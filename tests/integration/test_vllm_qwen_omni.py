@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import EngineSpec, load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, EngineError
 from omni_stage.engines.registry import build_engine
@@ -173,7 +174,7 @@ def test_an_answer_ending_at_eos_is_the_same_units_as_the_transformers_thinkers(
     sampling = {"max_tokens": 8, "logit_bias": {str(eos): 100.0}}
 
     async def answer(one: Engine) -> list[tuple[int, list[int], list[str], str | None]]:
-        call = EngineCall("e", {"request": {"messages": MESSAGES}}, True, dict(sampling))
+        call = EngineCall("e", {"request": {"messages": MESSAGES}}, True, Sampling.of(dict(sampling)))
         outs = [o async for o in one.generate(call)]
         return [(o.units, o.data["token_ids"].tolist(), sorted(o.data), o.finish_reason) for o in outs]
 
@@ -193,7 +194,7 @@ def test_an_aborted_request_leaves_nothing_in_vllm_or_the_hidden_state_store(
     first = threading.Event()
 
     async def long_request() -> None:
-        call = EngineCall("long", {"request": {"messages": MESSAGES}}, True, {"max_tokens": 1000})
+        call = EngineCall("long", {"request": {"messages": MESSAGES}}, True, Sampling(max_tokens=1000))
         async for _ in thinker.generate(call):
             first.set()
 

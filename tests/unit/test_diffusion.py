@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import EngineKind, EngineSpec, InputSpec, StageSpec
 from omni_stage.engines.base import Engine, EngineCall, InvalidRequest
 from omni_stage.engines.diffusers import DenoiseEngine
@@ -37,7 +38,7 @@ def started(engine: Engine) -> Engine:
 
 def outputs(engine: Engine, inputs: dict[str, Any], sampling: dict[str, Any]) -> list[EngineOutput]:
     async def go() -> list[EngineOutput]:
-        return [o async for o in engine.generate(EngineCall("r", inputs, True, sampling))]
+        return [o async for o in engine.generate(EngineCall("r", inputs, True, Sampling.of(sampling)))]
 
     return asyncio.run(go())
 
@@ -201,12 +202,14 @@ def test_concurrent_requests_denoise_and_decode_in_batches_with_the_same_images(
             cond = {"prompt_embeds": embeds[None]}
             if negative is not None:
                 cond["negative_prompt_embeds"] = negative[None]
-            call = EngineCall("r", {"encoder": cond}, True, {"seed": 2, **sampling})
+            call = EngineCall("r", {"encoder": cond}, True, Sampling.of({"seed": 2, **sampling}))
             [final] = [o.data async for o in denoise.generate(call)]
             return final
 
         async def decoded(final: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-            [image] = [o.data async for o in decode.generate(EngineCall("r", {"dit": final}, True, {}))]
+            [image] = [
+                o.data async for o in decode.generate(EngineCall("r", {"dit": final}, True, Sampling()))
+            ]
             return final["latents"], image["images"]
 
         finals = await asyncio.gather(*(denoised(*job) for job in jobs))
@@ -227,7 +230,7 @@ def test_uneven_prompts_are_padded_and_masked(pixart: Path) -> None:
     """A negative prompt longer than the prompt: padding masked out changes nothing."""
     engine = started(stage("denoise", pixart, width=16, height=16))
     assert isinstance(engine, DenoiseEngine)
-    plan = engine._plan(torch.randn(3, 64), torch.randn(6, 64), {"n": 2, "guidance_scale": 2.0, "seed": 0})
+    plan = engine._plan(torch.randn(3, 64), torch.randn(6, 64), Sampling(n=2, guidance_scale=2.0, seed=0))
     assert (
         plan.cond.shape == (4, 6, 64) and plan.mask.tolist() == [[1.0] * 6] * 2 + [[1.0] * 3 + [0.0] * 3] * 2
     )

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from omni_pipeline.sampling import Sampling
 from omni_stage.engines.base import EngineCall, InvalidRequest
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
@@ -143,7 +144,7 @@ def test_concurrent_edits_step_together(qwen_edit: Path) -> None:
         await denoise.start()
 
         async def final(inputs: dict[str, Any], sampling: dict[str, Any]) -> torch.Tensor:
-            call = EngineCall("r", {"encoder": inputs}, True, sampling)
+            call = EngineCall("r", {"encoder": inputs}, True, Sampling.of(sampling))
             outs = [o.data async for o in denoise.generate(call)]
             return outs[-1]["latents"]  # type: ignore[no-any-return]
 

@@ -16,6 +16,7 @@ import torch
 from omni_gateway.errors import BadRequest, ModelNotFound, Unavailable
 from omni_gateway.pipeline import Pipeline, PipelineRequest
 from omni_pipeline.control import Heartbeat, RequestInputs
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind, load_pipeline
 from tests.helpers import ROOT
 
@@ -45,7 +46,7 @@ def chat(text: str = "hi", **fields: object) -> PipelineRequest:
         fields.pop("model", "synth"),  # type: ignore[arg-type]
         fields.pop("outputs", TEXT),  # type: ignore[arg-type]
         RequestInputs(["text"], messages=messages),  # type: ignore[arg-type]
-        dict(fields.pop("sampling", {"max_tokens": 4})),  # type: ignore[call-overload]
+        Sampling.of(fields.pop("sampling", {"max_tokens": 4})),  # type: ignore[arg-type]
         outputs_param="modalities",
         voice_param="audio.voice",
         declared=frozenset({"max_tokens", "voice"}),
@@ -69,13 +70,13 @@ async def test_max_tokens_over_the_limit_names_the_clients_field(pipeline: Pipel
 
 async def test_parameters_are_refused_only_once_the_source_stages_declared_theirs(pipeline: Pipeline) -> None:
     asked = chat(sampling={"max_tokens": 4, "temperature": 0.5})
-    assert (await pipeline.prepare(asked)).sampling["temperature"] == 0.5  # nothing declared yet
+    assert (await pipeline.prepare(asked)).sampling.temperature == 0.5  # nothing declared yet
     announce(pipeline, "thinker", honours=["seed"], accepts=["text"])
     with pytest.raises(BadRequest) as exc:
         await pipeline.prepare(asked)
     assert exc.value.param == "temperature"
     announce(pipeline, "thinker", honours=["seed", "temperature"], accepts=["text"])
-    assert (await pipeline.prepare(asked)).sampling == {"max_tokens": 4, "temperature": 0.5}
+    assert (await pipeline.prepare(asked)).sampling == Sampling(max_tokens=4, temperature=0.5)
 
 
 async def test_an_unknown_voice_is_refused_listing_the_voices(pipeline: Pipeline) -> None:

@@ -18,6 +18,7 @@ from PIL import Image
 from torch._dynamo.utils import counters
 
 from omni_gateway.media import decode_media
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.settings import MediaSpec
 from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall
@@ -75,14 +76,19 @@ async def run_pipeline(
     if split:
         encoder = engine("encoder", model)
         await encoder.start()
-        encoded = [o async for o in encoder.generate(EngineCall("r", {"request": request}, True, sampling))]
+        encoded = [
+            o
+            async for o in encoder.generate(
+                EngineCall("r", {"request": request}, True, Sampling.of(sampling))
+            )
+        ]
         inputs = {"request": request | {"media": {}}, "encoder": concat([o.data for o in encoded])}
-    thought = [o async for o in thinker.generate(EngineCall("r", inputs, True, sampling))]
+    thought = [o async for o in thinker.generate(EngineCall("r", inputs, True, Sampling.of(sampling)))]
     state = CallState()
     codes = []
     for payload, last in windows(thought, thinker_window):
         call = EngineCall(
-            "r", {"thinker": payload}, last, {"max_tokens": TALKER_CODES, "voice": voice}, state
+            "r", {"thinker": payload}, last, Sampling(max_tokens=TALKER_CODES, voice=voice), state
         )
         codes += [o async for o in talker.generate(call)]
     code_data = concat([o.data for o in codes])
@@ -90,7 +96,10 @@ async def run_pipeline(
     audio = []
     for payload, last in windows(codes, 12):  # as the example's window feeds it
         audio += [
-            o async for o in decoder.generate(EngineCall("r", {"talker": payload}, last, {}, audio_state))
+            o
+            async for o in decoder.generate(
+                EngineCall("r", {"talker": payload}, last, Sampling(), audio_state)
+            )
         ]
     return {
         "tokens": torch.cat([o.data["token_ids"] for o in thought]),
@@ -226,7 +235,7 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
             outs = [
                 o
                 async for o in thinker.generate(
-                    EngineCall("r", {"request": request}, True, {"max_tokens": 8})
+                    EngineCall("r", {"request": request}, True, Sampling(max_tokens=8))
                 )
             ]
             return [t for o in outs for t in o.data["token_ids"].tolist()]
@@ -267,12 +276,14 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
         for m in requests:
             messages, media = await decode_media([m], MediaSpec())
             call = EngineCall(
-                "r", {"request": {"messages": messages, "media": media.tensors}}, True, {"max_tokens": 8}
+                "r", {"request": {"messages": messages, "media": media.tensors}}, True, Sampling(max_tokens=8)
             )
             thoughts.append(concat([o.data async for o in thinker.generate(call)]))
 
         async def talk(thought: dict[str, Any], on: Engine = talker) -> list[list[int]]:
-            call = EngineCall("r", {"thinker": thought}, True, {"max_tokens": TALKER_CODES, "voice": "Ethan"})
+            call = EngineCall(
+                "r", {"thinker": thought}, True, Sampling(max_tokens=TALKER_CODES, voice="Ethan")
+            )
             return concat([o.data async for o in on.generate(call)])["codes"].tolist()
 
         together = await asyncio.gather(*(talk(t) for t in thoughts))
@@ -330,10 +341,13 @@ def test_a_conversation_kept_by_its_prompt_cache_key_thinks_as_a_whole_prefill(
             inputs: dict[str, Any] = {"request": request}
             if encoder is not None:
                 encoded = [
-                    o async for o in encoder.generate(EngineCall("e", {"request": request}, True, sampling))
+                    o
+                    async for o in encoder.generate(
+                        EngineCall("e", {"request": request}, True, Sampling.of(sampling))
+                    )
                 ]
                 inputs = {"request": request | {"media": {}}, "encoder": concat([o.data for o in encoded])}
-            call = EngineCall("r", inputs, True, sampling)
+            call = EngineCall("r", inputs, True, Sampling.of(sampling))
             return [o async for o in thinker.generate(call)], call.state.cached_tokens
 
         first = media_message(wav, png)
@@ -371,13 +385,13 @@ def test_the_talker_keeps_a_conversations_user_turns_and_speaks_as_a_whole_prefi
             thought = [
                 o
                 async for o in thinker.generate(
-                    EngineCall("r", request, True, {"max_tokens": THINKER_TOKENS} | keyed)
+                    EngineCall("r", request, True, Sampling.of({"max_tokens": THINKER_TOKENS} | keyed))
                 )
             ]
             state, codes = CallState(), []
             for payload, last in windows(thought, 4):
                 call = EngineCall(
-                    "r", {"thinker": payload}, last, {"max_tokens": TALKER_CODES} | keyed, state
+                    "r", {"thinker": payload}, last, Sampling.of({"max_tokens": TALKER_CODES} | keyed), state
                 )
                 codes += [o.data["codes"][0].tolist() async for o in talker.generate(call)]
             return "".join(o.text for o in thought), codes
@@ -418,7 +432,7 @@ def test_a_sessions_audio_encoded_as_it_arrives_in_8_s_windows_thinks_as_the_who
             messages, media = await decode_media([_spoken(pcm)], MediaSpec())
             sampling = {"max_tokens": THINKER_TOKENS} | ({"prompt_cache_key": key} if key else {})
             call = EngineCall(
-                "r", {"request": {"messages": messages, "media": media.tensors}}, True, sampling
+                "r", {"request": {"messages": messages, "media": media.tensors}}, True, Sampling.of(sampling)
             )
             return [o async for o in thinker.generate(call)]
 

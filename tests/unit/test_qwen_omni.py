@@ -21,6 +21,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from omni_gateway.media import decode_media
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.settings import MediaSpec
 from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, InvalidRequest
@@ -82,19 +83,24 @@ async def run_pipeline(
     sampling = {"max_tokens": THINKER_TOKENS, "voice": voice, "seed": SEED, **(extra or {})}
     inputs: dict[str, Payload] = {"request": request}
     if encoder is not None:  # which reads the media; the thinker gets the messages alone (media: false)
-        encoded = [o async for o in encoder.generate(EngineCall("r", {"request": request}, True, sampling))]
+        encoded = [
+            o
+            async for o in encoder.generate(
+                EngineCall("r", {"request": request}, True, Sampling.of(sampling))
+            )
+        ]
         inputs = {"request": request | {"media": {}}, "encoder": concat([o.data for o in encoded])}
-    thinking = EngineCall("r", inputs, True, sampling)
+    thinking = EngineCall("r", inputs, True, Sampling.of(sampling))
     thought = [o async for o in thinker.generate(thinking)]
     state = CallState()
     codes: list[EngineOutput] = []
     for payload, last in windows(thought, thinker_window):
         talking = {"max_tokens": TALKER_CODES, "voice": voice}
         talking |= {k: v for k, v in (extra or {}).items() if k == "prompt_cache_key"}
-        talk = EngineCall("r", {"thinker": payload}, last, talking, state)
+        talk = EngineCall("r", {"thinker": payload}, last, Sampling.of(talking), state)
         codes += [o async for o in talker.generate(talk)]
     code_data = concat([o.data for o in codes])
-    wav_call = EngineCall("r", {"talker": code_data}, True, {"voice": voice, "seed": SEED})
+    wav_call = EngineCall("r", {"talker": code_data}, True, Sampling(voice=voice, seed=SEED))
     audio = [o async for o in code2wav.generate(wav_call)]
     return {
         "tokens": torch.cat([o.data["token_ids"] for o in thought]),
@@ -168,7 +174,7 @@ async def decode_in_chunks(
     for i in range(0, len(codes), window):
         last = i + window >= len(codes)
         call = EngineCall(
-            "r", {"talker": {"codes": codes[i : i + window]}}, last, {"voice": "Ethan", "seed": SEED}, state
+            "r", {"talker": {"codes": codes[i : i + window]}}, last, Sampling(voice="Ethan", seed=SEED), state
         )
         chunks += [o.data["audio"] async for o in code2wav.generate(call)]
     assert counters["stats"]["unique_graphs"] == graphs
@@ -218,10 +224,10 @@ def test_what_the_thinker_cannot_read_is_the_clients_error_and_a_one_token_reply
         for why, content in refused.items():
             request = {"messages": [{"role": "user", "content": content}], "media": {}}
             with pytest.raises(InvalidRequest, match=why):
-                [o async for o in thinker.generate(EngineCall("a", {"request": request}, True, {}))]
-        call = EngineCall("b", {"request": {"messages": MESSAGES}}, True, {"max_tokens": 1})
+                [o async for o in thinker.generate(EngineCall("a", {"request": request}, True, Sampling()))]
+        call = EngineCall("b", {"request": {"messages": MESSAGES}}, True, Sampling(max_tokens=1))
         one = [o async for o in thinker.generate(call)]
-        talk = EngineCall("b", {"thinker": concat([o.data for o in one])}, True, {"voice": "Ethan"})
+        talk = EngineCall("b", {"thinker": concat([o.data for o in one])}, True, Sampling(voice="Ethan"))
         assert [o async for o in talker.generate(talk)] == []
 
     asyncio.run(go())
@@ -237,7 +243,7 @@ def test_a_stop_string_ends_the_reply_before_it(model: Path, reference: dict[str
         thinker = engine("thinker", model)
         await thinker.start()
         sampling = {"max_tokens": THINKER_TOKENS, "stop": ["never", stop]}
-        call = EngineCall("s", {"request": {"messages": MESSAGES}}, True, sampling)
+        call = EngineCall("s", {"request": {"messages": MESSAGES}}, True, Sampling.of(sampling))
         return [o async for o in thinker.generate(call)]
 
     out = asyncio.run(go())
@@ -263,7 +269,7 @@ def test_the_thinker_honours_logit_bias_and_logprobs_as_its_reference(
     async def go() -> list[EngineOutput]:
         thinker = engine("thinker", model)
         await thinker.start()
-        call = EngineCall("b", {"request": {"messages": MESSAGES}}, True, sampling)
+        call = EngineCall("b", {"request": {"messages": MESSAGES}}, True, Sampling.of(sampling))
         return [o async for o in thinker.generate(call)]
 
     out = asyncio.run(go())
@@ -383,7 +389,7 @@ def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
                 f"r{seed}{len(codes)}",
                 {"talker": {"codes": codes}},
                 True,
-                {"voice": "Ethan", "seed": seed},
+                Sampling(voice="Ethan", seed=seed),
             )
             return [o.data["audio"] async for o in code2wav.generate(call)]
 
@@ -431,11 +437,11 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
             messages, media = await decode_media(messages, MediaSpec())
             request = {"messages": messages, "media": media.tensors, "modalities": ["audio", "text"]}
             call = EngineCall(
-                "r", {"request": request}, True, {"max_tokens": THINKER_TOKENS, "voice": "Ethan"}
+                "r", {"request": request}, True, Sampling(max_tokens=THINKER_TOKENS, voice="Ethan")
             )
             thought = [o async for o in thinker.generate(call)]
             data = concat([o.data for o in thought])
-            talk = EngineCall("r", {"thinker": data}, True, {"max_tokens": TALKER_CODES, "voice": "Ethan"})
+            talk = EngineCall("r", {"thinker": data}, True, Sampling(max_tokens=TALKER_CODES, voice="Ethan"))
             codes = [o async for o in on.generate(talk)]
             return data["token_ids"].tolist(), concat([o.data for o in codes])["codes"].tolist()
 
@@ -476,12 +482,17 @@ def test_with_an_encoder_stage_the_pipeline_computes_the_same(
         request = {"messages": messages, "media": decoded.tensors}
         sampling = {"max_tokens": THINKER_TOKENS}
         encoded = concat(
-            [o.data async for o in encoder.generate(EngineCall("e", {"request": request}, True, sampling))]
+            [
+                o.data
+                async for o in encoder.generate(
+                    EngineCall("e", {"request": request}, True, Sampling.of(sampling))
+                )
+            ]
         )
         zeroed = {k: torch.zeros_like(v) if k.endswith("_embeds") else v for k, v in encoded.items()}
-        call = EngineCall("z", {"request": request, "encoder": zeroed}, True, sampling)
+        call = EngineCall("z", {"request": request, "encoder": zeroed}, True, Sampling.of(sampling))
         blind = torch.cat([o.data["token_ids"] async for o in thinker.generate(call)]).tolist()
-        bare = EngineCall("b", {"request": request | {"media": {}}}, True, sampling)
+        bare = EngineCall("b", {"request": request | {"media": {}}}, True, Sampling.of(sampling))
         with pytest.raises(EngineError, match="came without its data"):
             [o async for o in thinker.generate(bare)]
         return split, whole, blind, encoded
@@ -571,7 +582,7 @@ def test_a_response_cut_short_leaves_its_sequence_for_the_next_turn(model: Path)
             "r",
             {"request": {"messages": messages, "media": media.tensors}},
             True,
-            {"max_tokens": 50, "prompt_cache_key": "c"},
+            Sampling(max_tokens=50, prompt_cache_key="c"),
         )
         said: list[str] = []
         three = asyncio.Event()
@@ -638,7 +649,7 @@ def test_the_encoder_stage_encodes_requests_together_as_each_alone(model: Path) 
         assert encoder.weight_bytes() == {}
         await encoder.wake_up(2)
         alone = [encoder._encode([i])[0].to_payload() for i in inputs]  # type: ignore[attr-defined]
-        text = EngineCall("t", {"request": {"messages": MESSAGES, "media": {}}}, True, {})
+        text = EngineCall("t", {"request": {"messages": MESSAGES, "media": {}}}, True, Sampling())
         return together, alone, [o async for o in encoder.generate(text)]
 
     together, alone, nothing = asyncio.run(go())
@@ -819,7 +830,7 @@ def test_audio_ahead_is_bounded_and_freed(model: Path) -> None:
         assert len(a) == 0
         await _speak_ahead(thinker, "e", pcm)
         text = {"request": {"messages": MESSAGES, "media": {}}}
-        call = EngineCall("t", text, True, {"max_tokens": 1, "prompt_cache_key": "e"})
+        call = EngineCall("t", text, True, Sampling(max_tokens=1, prompt_cache_key="e"))
         assert [o async for o in thinker.generate(call)]
         assert len(a) == 1  # a text turn of the session leaves the audio coming to its own turn
         await thinker.sleep(1)
@@ -886,7 +897,7 @@ def test_code2wav_asleep_holds_no_weights_and_woken_decodes_the_same(
         await code2wav.start()
 
         async def decode() -> list[torch.Tensor]:
-            call = EngineCall("r", {"talker": {"codes": codes}}, True, {"voice": "Ethan", "seed": SEED})
+            call = EngineCall("r", {"talker": {"codes": codes}}, True, Sampling(voice="Ethan", seed=SEED))
             return [o.data["audio"] async for o in code2wav.generate(call)]
 
         before = await decode()

@@ -20,6 +20,7 @@ from omni_pipeline.control import (
     SegmentMsg,
     StageRequest,
 )
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import REQUEST_SOURCE, load_pipeline
 from omni_stage.assembly import AssemblyError
 from omni_stage.requests import OutEdge, RequestBook, RequestState
@@ -105,13 +106,13 @@ def test_unread_output_over_max_unread_bytes_refuses_new_requests() -> None:
 
 def test_a_source_takes_all_sampling_others_only_what_their_engine_reads() -> None:
     thinker, talker = book("thinker"), book("talker")
-    asked = {"max_tokens": 5, "speed": 1.5}
+    asked = Sampling(max_tokens=5, speed=1.5)
     st = admitted(thinker, "a")
     assert thinker.take_request(st, StageRequest(ctx("a"), None, asked), frozenset())
     assert st.sampling == asked
     st = admitted(talker, "a")
     assert not talker.take_request(st, StageRequest(ctx("a"), None, asked), frozenset({"speed"}))
-    assert st.sampling == {"speed": 1.5}
+    assert st.sampling == Sampling(speed=1.5)
 
 
 def test_inputs_become_triggers_in_sequence_order() -> None:
@@ -134,7 +135,7 @@ def test_inputs_become_triggers_in_sequence_order() -> None:
 def test_a_request_as_input_is_one_last_trigger() -> None:
     b = book("thinker")
     st = admitted(b, "a")
-    m = StageRequest(ctx("a"), RequestInputs(messages=[]), {})
+    m = StageRequest(ctx("a"), RequestInputs(messages=[]), Sampling())
     b.add_input(st, REQUEST_SOURCE, 0, m, 0, True)
     trig = st.triggers.get_nowait()
     assert trig.is_last and trig.inputs == {REQUEST_SOURCE: m}

@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from omni_pipeline.sampling import Sampling
 from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidRequest
 from omni_stage.segments import EngineOutput
 from tests.unit.test_engines import engine_for, run
@@ -36,7 +37,10 @@ def reply(
     engine: Engine, messages: list[dict[str, Any]] | None = None, **sampling: Any
 ) -> list[EngineOutput]:
     call = EngineCall(
-        "r", {"request": {"messages": messages or MESSAGES}}, True, {"max_tokens": 12, **sampling}
+        "r",
+        {"request": {"messages": messages or MESSAGES}},
+        True,
+        Sampling.of({"max_tokens": 12, **sampling}),
     )
     return run(engine, call)
 
@@ -128,7 +132,7 @@ def test_chat_template_arguments_and_truncation(thinker: Engine, models: Path) -
     def prompt_tokens(messages: list[dict[str, Any]], **sampling: Any) -> int:
         state = CallState()
         call = EngineCall(
-            "r", {"request": {"messages": messages}}, True, {"max_tokens": 1, **sampling}, state
+            "r", {"request": {"messages": messages}}, True, Sampling.of({"max_tokens": 1, **sampling}), state
         )
         run(thinker, call)
         return state.prompt_tokens
@@ -198,7 +202,7 @@ def test_prompt_logprobs_are_the_models_over_the_prompt(thinker: Engine, models:
     run(
         thinker,
         EngineCall(
-            "r", {"request": {"messages": MESSAGES}}, True, {"max_tokens": 2, "prompt_logprobs": 2}, state
+            "r", {"request": {"messages": MESSAGES}}, True, Sampling(max_tokens=2, prompt_logprobs=2), state
         ),
     )
     got = state.prompt_logprobs

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from omni_pipeline.clips import ClipLimits
+from omni_pipeline.sampling import Sampling
 from omni_stage.engines.base import EngineCall, InvalidRequest
 from omni_stage.engines.diffusers_video import VideoDenoiseEngine
 from omni_stage.payload import concat
@@ -87,10 +88,10 @@ def test_seconds_at_the_frame_rate_make_the_clip(wan: Path) -> None:
     engine = started(stage("denoise", wan, width=32, height=32, fps=8, frames=17, maxFrames=33))
     assert isinstance(engine, VideoDenoiseEngine)
     assert engine.clip_limits == ClipLimits(16, 1024, 8, 17, 33, 4)
-    assert engine._frames({"seconds": 1.0}) == (9, 8)
-    assert engine._frames({"seconds": 2.0, "fps": 4}) == (9, 4)
-    assert engine._frames({}) == (17, 8)
-    assert engine._frames({"num_frames": 5}) == (5, 8)
+    assert engine._frames(Sampling(seconds=1.0)) == (9, 8)
+    assert engine._frames(Sampling(seconds=2.0, fps=4)) == (9, 4)
+    assert engine._frames(Sampling()) == (17, 8)
+    assert engine._frames(Sampling(num_frames=5)) == (5, 8)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +129,9 @@ def test_concurrent_requests_step_together_with_the_same_frames(wan: Path) -> No
 
         async def final(embeds: dict[str, torch.Tensor], sampling: dict[str, Any]) -> torch.Tensor:
             inputs = {"encoder": {**embeds, "negative_prompt_embeds": negative}}
-            outs = [o.data async for o in denoise.generate(EngineCall("r", inputs, True, sampling))]
+            outs = [
+                o.data async for o in denoise.generate(EngineCall("r", inputs, True, Sampling.of(sampling)))
+            ]
             return outs[-1]["latents"][0]  # type: ignore[no-any-return]
 
         together = await asyncio.gather(*(final(*job) for job in jobs))

@@ -48,6 +48,7 @@ from omni_pipeline.control import (
     connector_error_code,
     pack,
 )
+from omni_pipeline.sampling import EMPTY, Sampling
 from omni_pipeline.spec import REQUEST_SOURCE, OutputKind, PipelineSpec
 from omni_pipeline.tracing import TRACER
 
@@ -62,11 +63,11 @@ class Prepared:
     """A request past every pre-flight check, as each attempt sends it."""
 
     inputs: RequestInputs
-    sampling: dict[str, Any]
+    sampling: Sampling
     outputs: frozenset[OutputKind]
     media: dict[str, torch.Tensor]
     """Decoded media, by the keys the messages refer to them with."""
-    per_stage: dict[str, dict[str, Any]] = field(default_factory=dict)
+    per_stage: dict[str, Sampling] = field(default_factory=dict)
     """Sampling the client asked of one stage alone, by stage (StageRequest.own)."""
 
 
@@ -96,7 +97,7 @@ class Attempts:
         try:
             needed = self.spec.needed_stages(set(req.outputs), media=bool(req.media))
             picked: dict[str, Replica] = {}
-            key = req.sampling.get("prompt_cache_key")
+            key = req.sampling.prompt_cache_key
             pinned = self.pinned.get(key, {}) if isinstance(key, str) else {}
             try:
                 for s in needed:
@@ -127,7 +128,7 @@ class Attempts:
                 await self.bus.reserve(
                     t,
                     {
-                        s: pack(StageRequest(ctx, None, req.sampling, own=req.per_stage.get(s, {})))
+                        s: pack(StageRequest(ctx, None, req.sampling, own=req.per_stage.get(s, EMPTY)))
                         for s in needed
                         if s not in self.sources
                     },
@@ -179,7 +180,7 @@ class Attempts:
             raise BadRequest(f"the request cannot be sent on: {exc}") from None
         except ConnectorError as exc:
             raise StageFailed(f"gateway -> stage '{stage}': {exc}", code=ErrorCode.CONNECTOR_ERROR) from None
-        request = pack(StageRequest(ctx, None, req.sampling, handle, own=req.per_stage.get(stage, {})))
+        request = pack(StageRequest(ctx, None, req.sampling, handle, own=req.per_stage.get(stage, EMPTY)))
         nc = self.bus.nc
         if nc is not None and len(request) > nc.max_payload:
             raise PayloadTooLarge(

@@ -18,7 +18,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
 import msgspec
@@ -56,6 +56,7 @@ from omni_pipeline.control import (
     pack,
     unpack,
 )
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind, PipelineFile
 
 log = logging.getLogger("omni.gateway")
@@ -84,16 +85,16 @@ class PipelineRequest:
     model: str | None
     outputs: frozenset[OutputKind]
     inputs: RequestInputs
-    sampling: dict[str, object]
+    sampling: Sampling
     outputs_param: str = "model"
     """The client's field that asked for the outputs (a 400 names it)."""
     voice_param: str | None = None
-    """The client's field the voice came in (`sampling['voice']`), to name in a 400."""
+    """The client's field the voice came in (`sampling.voice`), to name in a 400."""
     max_tokens_param: str = "max_tokens"
     declared: frozenset[str] | None = None
     """The sampling parameters every source stage takes; any other must be one the source stages
     declare they honour. None: the endpoint's parameters are for stages downstream to take."""
-    per_stage: dict[str, dict[str, object]] = field(default_factory=dict)
+    per_stage: dict[str, Sampling] = field(default_factory=dict)
     """Sampling asked of one stage alone (vLLM-Omni's `sampling_params_list`), by stage: each
     field one the stage declares it honours."""
     media: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -160,18 +161,18 @@ class Pipeline:
         names the field at fault."""
         self._check_model(req.model, req.outputs, req.outputs_param)
         limit = self.spec.gateway.max_tokens
-        if isinstance(asked := req.sampling.get("max_tokens"), int) and asked > limit:
+        if (asked := req.sampling.max_tokens) is not None and asked > limit:
             param = req.max_tokens_param
             raise BadRequest(f"{param}: {asked} is more than this model's limit of {limit}", param=param)
         if req.declared is not None:
-            self._refuse_unhonoured(req.outputs, req.sampling.keys(), req.declared)
+            self._refuse_unhonoured(req.outputs, req.sampling.asked().keys(), req.declared)
         self._refuse_unhonoured_per_stage(req.outputs, req.per_stage)
         try:  # what the stages get must travel (a number past 64 bits, in a template's variables)
             wire.encode([req.sampling, req.per_stage])
         except wire.WireError as exc:
             raise BadRequest(f"the request's parameters cannot be sent on: {exc}") from None
         if OutputKind.AUDIO in req.outputs and req.voice_param is not None:
-            self._refuse_unknown_voice(req.sampling.get("voice"), req.voice_param)  # type: ignore[arg-type]
+            self._refuse_unknown_voice(req.sampling.voice, req.voice_param)
         inputs, media = req.inputs, dict(req.media)
         if inputs.images:
             self._refuse_unless_editing(req.outputs)
@@ -179,7 +180,7 @@ class Pipeline:
             accepts = self._sources_declare(req.outputs, "accepts")
             messages, decoded = await decode_media(inputs.messages, self.spec.gateway.media, accepts)
             inputs, media = msgspec.structs.replace(inputs, messages=messages), decoded.tensors
-        return Prepared(inputs, dict(req.sampling), req.outputs, media, dict(req.per_stage))
+        return Prepared(inputs, req.sampling, req.outputs, media, dict(req.per_stage))
 
     def _refuse_unless_editing(self, outputs: frozenset[OutputKind]) -> None:
         """A 400 naming `image` for a pipeline whose source stages read no image (one that makes
@@ -235,7 +236,7 @@ class Pipeline:
         return ", ".join(sorted({self.spec.stage(s).engine.kind for s in stages}))
 
     def _refuse_unhonoured_per_stage(
-        self, outputs: frozenset[OutputKind], per_stage: dict[str, dict[str, object]]
+        self, outputs: frozenset[OutputKind], per_stage: dict[str, Sampling]
     ) -> None:
         """A 400 for sampling asked of a stage this request does not run, or that the stage
         does not declare it honours (max_tokens every stage takes)."""
@@ -250,7 +251,7 @@ class Pipeline:
             honoured = self.bus.table.declared(stage, "honours")
             if honoured is None:
                 continue
-            for name in sorted(set(params) - {"max_tokens", "top_logprobs"} - honoured):
+            for name in sorted(set(params.asked()) - {"max_tokens", "top_logprobs"} - honoured):
                 engine = self._engine_kinds([stage])
                 raise BadRequest(
                     f"{param}.{name}: not honoured by stage '{stage}' ({engine}); leave it out",
@@ -416,9 +417,11 @@ class Pipeline:
         events: asyncio.Queue[tuple[int, Event | Exception | None]] = asyncio.Queue(EVENT_QUEUE)
 
         async def child(i: int) -> None:
-            seed = req.sampling.get("seed")
-            sampling = {**req.sampling, "seed": seed + i} if isinstance(seed, int) else req.sampling
-            run = self.run(f"{rid}.{i}", Prepared(req.inputs, sampling, req.outputs, req.media), whole=whole)
+            seed = req.sampling.seed
+            seeded = msgspec.structs.replace(req.sampling, seed=seed + i) if seed is not None else None
+            run = self.run(
+                f"{rid}.{i}", req if seeded is None else replace(req, sampling=seeded), whole=whole
+            )
             try:
                 async for ev in run:
                     await events.put((i, ev))

@@ -22,7 +22,6 @@ from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline, PipelineRequest
 from omni_gateway.protocol.chat import (
-    SAMPLING_EVERY_ENGINE,
     ChatCompletionRequest,
     sampling_params,
     stage_inputs,
@@ -39,6 +38,7 @@ from omni_gateway.videos.jobs import checked
 from omni_gateway.videos.media import encode_mp4
 from omni_pipeline.control import DetokenizeMsg, TokenizeMsg
 from omni_pipeline.resource_metrics import COUNT_WAIT_S
+from omni_pipeline.sampling import EVERY_ENGINE
 from omni_pipeline.spec import OutputKind
 
 router = APIRouter()
@@ -177,7 +177,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         outputs_param="modalities",
         voice_param="audio.voice",
         max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
-        declared=SAMPLING_EVERY_ENGINE,
+        declared=EVERY_ENGINE,
         per_stage=per_stage,
     )
     return await _respond(request, asked, respond, req.n, not req.stream)

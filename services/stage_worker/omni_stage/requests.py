@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from opentelemetry.trace import INVALID_SPAN, Span
 
 from omni_pipeline.connectors import OmniConnector
 from omni_pipeline.control import Admitted, ErrorCode, RequestContext, SegmentMsg, StageRequest
+from omni_pipeline.sampling import EMPTY, Sampling
 from omni_pipeline.spec import REQUEST_SOURCE, StageSpec
 from omni_stage.assembly import InputAssembler, Trigger
 from omni_stage.core import Admission, StageCore
@@ -53,7 +54,7 @@ class RequestState:
     span: Span = INVALID_SPAN
     """The request's span on this replica, from admission to its end (set by the process)."""
     admitted_ns: int = field(default_factory=time.time_ns)
-    sampling: dict[str, Any] = field(default_factory=dict)
+    sampling: Sampling = EMPTY
     task: asyncio.Task[str] | None = None
     """The task that runs it: None while it is queued."""
     credit_returned: asyncio.Event = field(default_factory=asyncio.Event)
@@ -88,6 +89,8 @@ class RequestBook:
         self.out_edges = out_edges
         self.in_windows = {e.from_: e.window for e in spec.inputs}
         self.is_source = REQUEST_SOURCE in self.in_windows
+        self.defaults = Sampling.of(spec.sampling)
+        """The pipeline file's sampling for this stage, under what a request asks."""
         self.core = StageCore(spec.max_inflight, spec.max_queued)
         self.ledger = CreditLedger({e.consumer: e.credit for e in out_edges})
         # Every chunk in flight to us is one credit: with the client request and an empty last
@@ -152,8 +155,8 @@ class RequestBook:
         `honoured` keys, so a talker never takes the thinker's max_tokens), then what the
         client asked of this stage alone. True if the request
         itself is an input (a source stage); otherwise it only reserved a slot."""
-        asked = m.sampling if self.is_source else {k: v for k, v in m.sampling.items() if k in honoured}
-        st.sampling = {**self.spec.sampling, **asked, **m.own}
+        asked = m.sampling if self.is_source else m.sampling.only(honoured)
+        st.sampling = m.own.over(asked.over(self.defaults))
         return self.is_source
 
     def add_input(

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from omni_gateway.protocol.common import refuse_unless_off
 from omni_gateway.protocol.vllm import GUIDED, Count, StageSampling, StructuredOutputs, TokenId
 from omni_pipeline.control import RequestInputs
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind
 
 
@@ -404,13 +405,7 @@ def _dump(value: Any) -> Any:
     return value.model_dump() if isinstance(value, BaseModel) else value
 
 
-SAMPLING_EVERY_ENGINE: Final = frozenset({"max_tokens", "voice", "prompt_cache_key"})
-"""What every source stage takes: its budget, the voice (refused, if unknown, by the stage that
-speaks), and the conversation's name (a hint: an engine that keeps no sequence computes the
-same without it). Any other parameter the source stages must declare they honour (`honours`)."""
-
-
-def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
+def sampling_params(req: ChatCompletionRequest) -> Sampling:
     """The request's sampling parameters that are set, each away from its "off" value."""
     params: dict[str, Any] = {
         "max_tokens": req.max_completion_tokens or req.max_tokens,
@@ -451,10 +446,10 @@ def sampling_params(req: ChatCompletionRequest) -> dict[str, Any]:
         "structured_outputs": req.structured(),
         "prompt_cache_key": req.prompt_cache_key,
     }
-    return {k: v for k, v in params.items() if v is not None}
+    return Sampling(**{k: v for k, v in params.items() if v is not None})
 
 
-def stage_sampling(req: ChatCompletionRequest, stages: list[str]) -> dict[str, dict[str, Any]]:
+def stage_sampling(req: ChatCompletionRequest, stages: list[str]) -> dict[str, Sampling]:
     """vLLM-Omni's `sampling_params_list`, by stage name: entry i is the pipeline's stage i
     (`stages`, in order); a null entry leaves that stage as it is. ValueError for more entries
     than stages."""

@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 
 from omni_gateway.protocol.common import refuse_unless_off
 from omni_pipeline.control import RequestInputs
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind
 
 MAX_IMAGE_SIDE = 4096
@@ -116,7 +117,7 @@ def image_inputs(req: ImageGenerationRequest, images: list[str] | None = None) -
     )
 
 
-def image_sampling(req: ImageGenerationRequest) -> dict[str, Any]:
+def image_sampling(req: ImageGenerationRequest) -> Sampling:
     """Previews are asked for only by a stream: a whole response would throw them away."""
     wh = req.width_height()
     params: dict[str, Any] = {
@@ -129,4 +130,4 @@ def image_sampling(req: ImageGenerationRequest) -> dict[str, Any]:
         "previews": req.stream or None,
         "partial_images": req.partial_images if req.stream else None,
     }
-    return {k: v for k, v in params.items() if v is not None}
+    return Sampling(**{k: v for k, v in params.items() if v is not None})

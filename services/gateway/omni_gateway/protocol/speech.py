@@ -7,6 +7,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from omni_pipeline.control import RequestInputs
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind
 
 SPEECH_MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
@@ -57,8 +58,5 @@ def speech_inputs(req: SpeechRequest) -> RequestInputs:
     return RequestInputs(modalities=[OutputKind.AUDIO.value], prompt=req.input, voice=req.voice)
 
 
-def speech_sampling(req: SpeechRequest) -> dict[str, Any]:
-    return {
-        **({"voice": req.voice} if req.voice is not None else {}),
-        **({"speed": req.speed} if req.speed != 1.0 else {}),
-    }
+def speech_sampling(req: SpeechRequest) -> Sampling:
+    return Sampling(voice=req.voice, speed=req.speed if req.speed != 1.0 else None)

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from omni_gateway.errors import BadRequest
 from omni_gateway.protocol.common import parse
 from omni_pipeline.control import RequestInputs
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind
 
 MAX_VIDEO_SIDE: Final = 4096
@@ -124,7 +125,7 @@ def video_inputs(req: VideoCreateRequest) -> RequestInputs:
     )
 
 
-def video_sampling(req: VideoCreateRequest, progress: bool) -> dict[str, Any]:
+def video_sampling(req: VideoCreateRequest, progress: bool) -> Sampling:
     """What the stages get; `progress`: the denoiser reports every step (a job shows it)."""
     width, height = req.width_height()
     params: dict[str, Any] = {
@@ -138,4 +139,4 @@ def video_sampling(req: VideoCreateRequest, progress: bool) -> dict[str, Any]:
         "guidance_scale": req.guidance_scale,
         "progress": progress or None,
     }
-    return {k: v for k, v in params.items() if v is not None}
+    return Sampling(**{k: v for k, v in params.items() if v is not None})

@@ -7,6 +7,8 @@ from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from omni_pipeline.sampling import Sampling
+
 
 class StructuredOutputs(BaseModel):
     """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a choice of strings,
@@ -70,11 +72,11 @@ class StageSampling(BaseModel):
     allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
 
-    def sampling(self) -> dict[str, Any]:
+    def sampling(self) -> Sampling:
         """As the engines take it: the fields set, `stop` a list, `logprobs` OpenAI's pair."""
         own = self.model_dump(exclude_none=True)
         if isinstance(own.get("stop"), str):
             own["stop"] = [own["stop"]]
         if "logprobs" in own:
             own["top_logprobs"], own["logprobs"] = own["logprobs"], True
-        return own
+        return Sampling(**own)

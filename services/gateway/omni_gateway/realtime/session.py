@@ -19,7 +19,6 @@ import msgspec
 
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline, PipelineRequest
-from omni_gateway.protocol.chat import SAMPLING_EVERY_ENGINE
 from omni_gateway.realtime.conversation import (
     AudioBuffer,
     Conversation,
@@ -54,6 +53,7 @@ from omni_gateway.realtime.protocol import (
 from omni_gateway.realtime.response import Response, Responses
 from omni_gateway.realtime.vad import SpeechStarted, TurnDetector
 from omni_pipeline.control import RequestInputs
+from omni_pipeline.sampling import EVERY_ENGINE, Sampling
 from omni_pipeline.spec import OutputKind
 
 log = logging.getLogger("omni.gateway")
@@ -398,24 +398,17 @@ class RealtimeSession:
                 messages=messages(instructions, items, self.pipeline.spec.gateway.media.max_parts),
                 voice=voice,
             ),
-            {
-                k: v
-                for k, v in (
-                    ("max_tokens", max_tokens),
-                    ("voice", voice),
-                    ("temperature", s.temperature),
-                    # The conversation's own turns: each begins with the last, kept by the thinker.
-                    (
-                        "prompt_cache_key",
-                        self.id if params.input is None and response.in_conversation else None,
-                    ),
-                )
-                if v is not None
-            },
+            Sampling(
+                max_tokens=max_tokens,
+                voice=voice,
+                temperature=s.temperature,
+                # The conversation's own turns: each begins with the last, kept by the thinker.
+                prompt_cache_key=self.id if params.input is None and response.in_conversation else None,
+            ),
             outputs_param="response.output_modalities",
             voice_param="response.audio.output.voice",
             max_tokens_param="response.max_output_tokens",
-            declared=SAMPLING_EVERY_ENGINE,
+            declared=EVERY_ENGINE,
         )
         await self.responses.start(response, asked)
         self._turn_ended = None

@@ -16,6 +16,7 @@ import ctypes.util
 import functools
 import gc
 import importlib
+import secrets
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -28,6 +29,7 @@ import torch
 
 from omni_pipeline.clips import ClipLimits
 from omni_pipeline.control import PromptLogprobs
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.audio_ahead import DEFAULT_SECONDS as AHEAD_SECONDS
 from omni_stage.engines.audio_ahead import DEFAULT_STREAMS as AHEAD_STREAMS
@@ -39,6 +41,12 @@ from omni_stage.segments import EngineOutput
 
 T = TypeVar("T")
 S = TypeVar("S")
+
+
+def seeded(seed: int | None) -> torch.Generator:
+    """A request's own generator: from its `seed`, else a draw of its own (as vLLM samples an
+    unseeded request)."""
+    return torch.Generator().manual_seed(seed if seed is not None else secrets.randbits(63))
 
 
 class EngineError(RuntimeError):
@@ -73,7 +81,7 @@ class EngineCall:
     inputs: dict[str, Payload]
     """Per producer (or `request` for the client input), the processed payload."""
     is_last: bool
-    sampling: dict[str, Any]
+    sampling: Sampling
     state: CallState = field(default_factory=CallState)
 
     def kept(self, kind: type[S]) -> S:
@@ -89,7 +97,7 @@ class Engine(ABC):
     """Computes one stage. Heavy work runs off the event loop (threads), so I/O stays live."""
 
     request_keys: frozenset[str] = frozenset()
-    """Request parameters this engine reads when its stage is not a source (a diffusion stage's
+    """Sampling fields (`params(...)`) this engine reads when its stage is not a source (a diffusion stage's
     steps and size, a vocoder's speed). A source stage reads them all; others get only these,
     so a talker never takes the client's max_tokens meant for the thinker."""
     accepts: frozenset[str] = frozenset({"text"})
@@ -97,7 +105,7 @@ class Engine(ABC):
     `image`, `audio`, `video`), announced in the replica's heartbeat: a gateway refuses a
     request with any other kind (a 400 naming the part) before anything runs."""
     honours: frozenset[str] = frozenset()
-    """OpenAI's optional sampling fields this engine honours as a source stage (`temperature`,
+    """The optional Sampling fields (`params(...)`) this engine honours as a source stage (`temperature`,
     `logprobs`, ...; max_tokens every engine does), announced in the replica's heartbeat: a
     gateway refuses a request that sets any other (a 400 naming it) before anything runs."""
     voices: tuple[str, ...] = ()
@@ -186,12 +194,12 @@ class Engine(ABC):
     async def close(self) -> None:
         """Free what `start` took."""
 
-    def voice(self, sampling: dict[str, Any]) -> str:
+    def voice(self, sampling: Sampling) -> str:
         """The request's voice (its default when it names none); one this engine does not speak
         in is refused, naming those it does."""
         if not self.voices:
             raise EngineError(f"stage '{self.stage.name}': this engine takes no voice")
-        name = str(sampling.get("voice") or self.voices[0])
+        name = sampling.voice or self.voices[0]
         if name not in self.voices:
             voices = ", ".join(self.voices)
             raise InvalidRequest(f"voice '{name}' is not one of this model's voices: {voices}")

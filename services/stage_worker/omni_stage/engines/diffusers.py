@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,8 +42,9 @@ import torch
 import torch.nn.functional as F
 
 from omni_pipeline.clips import ClipError, check_size
+from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError, InvalidRequest, seeded
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
@@ -164,17 +164,8 @@ class SamplingState:
 
 class DenoiseEngine(DiffusersPart):
     weights = ("denoiser",)
-    request_keys = frozenset(
-        {
-            "n",
-            "width",
-            "height",
-            "num_inference_steps",
-            "guidance_scale",
-            "seed",
-            "previews",
-            "partial_images",
-        }
+    request_keys = params(
+        "n", "width", "height", "num_inference_steps", "guidance_scale", "seed", "previews", "partial_images"
     )
 
     def __init__(self, stage: StageSpec) -> None:
@@ -233,13 +224,12 @@ class DenoiseEngine(DiffusersPart):
         finally:
             self._active.discard(call.request_id)
 
-    def _params(self, sampling: dict[str, Any]) -> tuple[int, int, int, int, float]:
-        n = int(sampling.get("n") or 1)
-        width = int(sampling.get("width") or self.width)
-        height = int(sampling.get("height") or self.height)
-        steps = int(sampling.get("num_inference_steps") or self.steps)
-        guidance = sampling.get("guidance_scale")
-        guidance = self.guidance if guidance is None else float(guidance)
+    def _params(self, sampling: Sampling) -> tuple[int, int, int, int, float]:
+        n = sampling.n or 1
+        width = sampling.width or self.width
+        height = sampling.height or self.height
+        steps = sampling.num_inference_steps or self.steps
+        guidance = self.guidance if sampling.guidance_scale is None else sampling.guidance_scale
         try:
             check_size(width, height, self.multiple, self.max_size)
         except ClipError as exc:
@@ -252,20 +242,18 @@ class DenoiseEngine(DiffusersPart):
             raise InvalidRequest(f"guidance_scale: {guidance}; must not be negative")
         return n, width, height, steps, guidance
 
-    def _preview_steps(self, steps: int, sampling: dict[str, Any]) -> set[int]:
+    def _preview_steps(self, steps: int, sampling: Sampling) -> set[int]:
         """After which steps a preview goes out: every k steps, or `partial_images` spread evenly."""
-        if not sampling.get("previews"):
+        if not sampling.previews:
             return set()
-        partial = sampling.get("partial_images")
+        partial = sampling.partial_images
         if partial is None:
             return set(range(self.preview_every, steps, self.preview_every))
-        every = steps / (int(partial) + 1)
-        return {s for i in range(int(partial)) if 0 < (s := round(every * (i + 1))) < steps}
+        every = steps / (partial + 1)
+        return {s for i in range(partial) if 0 < (s := round(every * (i + 1))) < steps}
 
     @torch.inference_mode()
-    def _plan(
-        self, embeds: torch.Tensor, negative: torch.Tensor | None, sampling: dict[str, Any]
-    ) -> SamplingState:
+    def _plan(self, embeds: torch.Tensor, negative: torch.Tensor | None, sampling: Sampling) -> SamplingState:
         n, width, height, steps, guidance = self._params(sampling)
         width_in = embeds.shape[-1]
         c = self.denoiser.config
@@ -275,8 +263,7 @@ class DenoiseEngine(DiffusersPart):
                 f"stage '{self.stage.name}': prompt embeddings are {width_in} wide, "
                 f"the denoiser takes {wants}"
             )
-        seed = sampling.get("seed")
-        generator = torch.Generator().manual_seed(int(seed) if seed is not None else secrets.randbits(63))
+        generator = seeded(sampling.seed)
         scheduler = type(self.scheduler).from_config(self.scheduler.config)  # its state is per request
         scheduler.set_timesteps(steps, device=self.device)
         shape = (n, c.in_channels, height // self.vae_scale, width // self.vae_scale)

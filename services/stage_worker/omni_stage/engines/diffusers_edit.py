@@ -29,7 +29,6 @@ previewEvery, maxBatch.
 from __future__ import annotations
 
 import math
-import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final, cast
@@ -38,8 +37,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest, seeded
 from omni_stage.engines.diffusers import DenoiseEngine, DiffusersPart, SamplingState, inputs_of, latents_unit
 from omni_stage.segments import EngineOutput
 
@@ -154,7 +154,7 @@ class EditDenoiseEngine(DenoiseEngine):
                 f"(an encode stage of an editing pipeline?)"
             )
         negative = inputs_of(call, "negative_prompt_embeds")
-        sampling = {**self._default_size(int(size[-2]), int(size[-1])), **call.sampling}
+        sampling = call.sampling.over(self._default_size(int(size[-2]), int(size[-1])))
         plan = await self._run(
             self._plan_edit, embeds[-1], None if negative is None else negative[-1], image[-1:], sampling
         )
@@ -170,14 +170,14 @@ class EditDenoiseEngine(DenoiseEngine):
         finally:
             self._active.discard(call.request_id)
 
-    def _default_size(self, height: int, width: int) -> dict[str, int]:
+    def _default_size(self, height: int, width: int) -> Sampling:
         """The input's size, scaled down into maxSize and rounded down to the model's multiple."""
         scale = min(1.0, self.max_size / max(height, width))
         m = self.multiple
-        return {
-            "width": max(m, math.floor(width * scale) // m * m),
-            "height": max(m, math.floor(height * scale) // m * m),
-        }
+        return Sampling(
+            width=max(m, math.floor(width * scale) // m * m),
+            height=max(m, math.floor(height * scale) // m * m),
+        )
 
     @torch.inference_mode()
     def _plan_edit(
@@ -185,7 +185,7 @@ class EditDenoiseEngine(DenoiseEngine):
         embeds: torch.Tensor,
         negative: torch.Tensor | None,
         image: torch.Tensor,
-        sampling: dict[str, Any],
+        sampling: Sampling,
     ) -> EditState:
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_shift, retrieve_timesteps
 
@@ -198,8 +198,7 @@ class EditDenoiseEngine(DenoiseEngine):
             )
         pack = _pipeline_class()._pack_latents
         channels = self.denoiser.config.in_channels // 4
-        seed = sampling.get("seed")
-        generator = torch.Generator().manual_seed(int(seed) if seed is not None else secrets.randbits(63))
+        generator = seeded(sampling.seed)
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
         # In the stage's dtype, drawn and stepped, as the pipeline's latents are (its prompt
         # embeddings' dtype): bfloat16 noise is not float32 noise rounded.

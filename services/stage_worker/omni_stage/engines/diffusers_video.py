@@ -25,7 +25,6 @@ progressIntervalS (0.2).
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Final
@@ -33,8 +32,9 @@ from typing import Any, Final
 import torch
 
 from omni_pipeline.clips import ClipError, ClipLimits, clip_frames
+from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest, seeded
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.diffusers import (
     DenoiseEngine,
@@ -55,7 +55,7 @@ step reported), a small one's steps would cost more in messages than in compute.
 
 
 class VideoDenoiseEngine(DenoiseEngine):
-    request_keys = DenoiseEngine.request_keys | {"num_frames", "seconds", "fps", "progress"}
+    request_keys = DenoiseEngine.request_keys | params("num_frames", "seconds", "fps", "progress")
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -73,17 +73,11 @@ class VideoDenoiseEngine(DenoiseEngine):
             self.multiple, self.max_size, self.fps, self.frames, self.max_frames, self.vae_frames
         )
 
-    def _frames(self, sampling: dict[str, Any]) -> tuple[int, int]:
+    def _frames(self, sampling: Sampling) -> tuple[int, int]:
         """The clip's frames and frame rate (omni_pipeline.clips)."""
         assert self.clip_limits is not None
-        seconds = sampling.get("seconds")
         try:
-            return clip_frames(
-                self.clip_limits,
-                None if seconds is None else float(seconds),
-                sampling.get("fps"),
-                sampling.get("num_frames"),
-            )
+            return clip_frames(self.clip_limits, sampling.seconds, sampling.fps, sampling.num_frames)
         except ClipError as exc:
             raise InvalidRequest(str(exc)) from None
 
@@ -96,7 +90,7 @@ class VideoDenoiseEngine(DenoiseEngine):
         plan = await self._run(
             self._plan_video, embeds[-1], None if negative is None else negative[-1], call.sampling, frames
         )
-        progress = bool(call.sampling.get("progress"))
+        progress = bool(call.sampling.progress)
         reported = time.monotonic()
         self._active.add(call.request_id)
         try:
@@ -113,7 +107,7 @@ class VideoDenoiseEngine(DenoiseEngine):
 
     @torch.inference_mode()
     def _plan_video(
-        self, embeds: torch.Tensor, negative: torch.Tensor | None, sampling: dict[str, Any], frames: int
+        self, embeds: torch.Tensor, negative: torch.Tensor | None, sampling: Sampling, frames: int
     ) -> SamplingState:
         n, width, height, steps, guidance = self._params(sampling)
         c = self.denoiser.config
@@ -122,8 +116,7 @@ class VideoDenoiseEngine(DenoiseEngine):
                 f"stage '{self.stage.name}': prompt embeddings are {embeds.shape[-1]} wide, "
                 f"the denoiser takes {c.text_dim}"
             )
-        seed = sampling.get("seed")
-        generator = torch.Generator().manual_seed(int(seed) if seed is not None else secrets.randbits(63))
+        generator = seeded(sampling.seed)
         scheduler = type(self.scheduler).from_config(self.scheduler.config)  # its state is per request
         scheduler.set_timesteps(steps, device=self.device)
         scheduler.set_begin_index(0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from omni_pipeline.sampling import EMPTY, Sampling
 from omni_stage.engines.base import InvalidRequest
 
 
@@ -61,29 +62,26 @@ def check_context(prompt_tokens: int, max_tokens: int, context: int) -> None:
         )
 
 
-def chat_template_args(sampling: dict[str, Any]) -> dict[str, Any]:
+def chat_template_args(sampling: Sampling) -> dict[str, Any]:
     """The chat template's arguments a request sets (vLLM's fields): `add_generation_prompt`
     (default true), `continue_final_message` (the reply goes on from the last message, so no
     new turn is opened), and `chat_template_kwargs`, the template's own variables."""
-    continue_final = bool(sampling.get("continue_final_message"))
-    add_generation = sampling.get("add_generation_prompt", True) is not False
-    if continue_final and add_generation and "add_generation_prompt" in sampling:
+    continue_final = bool(sampling.continue_final_message)
+    add_generation = sampling.add_generation_prompt is not False
+    if continue_final and sampling.add_generation_prompt:
         raise InvalidRequest(
             "continue_final_message: cannot go with add_generation_prompt: true (it opens a new turn)"
         )
-    args: dict[str, Any] = dict(sampling.get("chat_template_kwargs") or {})
+    args: dict[str, Any] = dict(sampling.chat_template_kwargs or {})
     args["add_generation_prompt"] = add_generation and not continue_final
     if continue_final:
         args["continue_final_message"] = True
     return args
 
 
-def prompt_token_ids(
-    tokenizer: Any, request: dict[str, Any], sampling: dict[str, Any] | None = None
-) -> list[int]:
+def prompt_token_ids(tokenizer: Any, request: dict[str, Any], sampling: Sampling = EMPTY) -> list[int]:
     """The request's `messages` through the tokenizer's chat template, or its raw `prompt`; with
     vLLM's `truncate_prompt_tokens`, only the last that many."""
-    sampling = sampling or {}
     if "messages" in request:
         try:
             text = tokenizer.apply_chat_template(
@@ -97,8 +95,8 @@ def prompt_token_ids(
     else:
         text = str(request.get("prompt", ""))
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    if (keep := sampling.get("truncate_prompt_tokens")) is not None and int(keep) >= 0:
-        ids = ids[len(ids) - int(keep) :] if int(keep) < len(ids) else ids
+    if (keep := sampling.truncate_prompt_tokens) is not None and keep >= 0:
+        ids = ids[len(ids) - keep :] if keep < len(ids) else ids
     if not ids:  # text the tokenizer drops whole (control characters): nothing to go on from
         raise InvalidRequest("the prompt is empty once tokenized: there is nothing to continue from")
     return ids

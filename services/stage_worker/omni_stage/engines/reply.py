@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from omni_pipeline.control import PromptLogprob, PromptLogprobs, TokenLogprob
+from omni_pipeline.sampling import Sampling
 from omni_stage.engines.sampling import Choice
 
 
@@ -36,13 +37,13 @@ class ReplyText:
         self.sent = 0
 
     @classmethod
-    def for_request(cls, tokenizer: Any, sampling: dict[str, Any]) -> ReplyText:
+    def for_request(cls, tokenizer: Any, sampling: Sampling) -> ReplyText:
         return cls(
             tokenizer,
-            [str(x) for x in sampling.get("stop") or [] if x],
-            include_stop=bool(sampling.get("include_stop_str_in_output")),
-            skip_special=sampling.get("skip_special_tokens", True) is not False,
-            spaced_special=sampling.get("spaces_between_special_tokens", True) is not False,
+            [x for x in sampling.stop or [] if x],
+            include_stop=bool(sampling.include_stop_str_in_output),
+            skip_special=sampling.skip_special_tokens is not False,
+            spaced_special=sampling.spaces_between_special_tokens is not False,
         )
 
     def add(self, token: int | None, last: bool) -> tuple[str, bool]:

@@ -18,7 +18,6 @@ A reply ends at an end-of-sequence token (unless `ignore_eos`) or at one of `sto
 
 from __future__ import annotations
 
-import secrets
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,48 +25,40 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.sampling import Sampling, params
 from omni_stage.engines import structured
-from omni_stage.engines.base import InvalidRequest
+from omni_stage.engines.base import InvalidRequest, seeded
 from omni_stage.engines.structured import JsonConstraint, JsonGrammars
 
 GREEDY_BELOW: Final = 1e-5
 """A temperature below this is greedy (as vLLM's sampler does): dividing logits by a tiny one
 overflows them to inf, and a softmax of infs is NaN."""
 
-_SAMPLING: Final = ("temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty")
-SAMPLER_EXTENSIONS: Final = frozenset(
-    {
-        "prompt_logprobs",
-        "top_k",
-        "min_p",
-        "repetition_penalty",
-        "min_tokens",
-        "ignore_eos",
-        "stop_token_ids",
-        "allowed_token_ids",
-        "bad_words",
-    }
+SAMPLER_EXTENSIONS: Final = params(
+    "prompt_logprobs",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "allowed_token_ids",
+    "bad_words",
 )
 """vLLM's sampling extensions this sampler applies."""
-REPLY_EXTENSIONS: Final = frozenset(
-    {"include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"}
+REPLY_EXTENSIONS: Final = params(
+    "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens"
 )
 """vLLM's fields for how a reply's tokens become its text (reply.py)."""
-PROMPT_EXTENSIONS: Final = frozenset(
-    {"add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
-)
+PROMPT_EXTENSIONS: Final = params("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
 """vLLM's fields for how chat messages become the prompt (the chat template's own arguments)."""
-HONOURED: Final = frozenset(
-    (
-        *_SAMPLING,
-        "logit_bias",
-        "logprobs",
-        "top_logprobs",
-        *SAMPLER_EXTENSIONS,
-        *REPLY_EXTENSIONS,
-        *PROMPT_EXTENSIONS,
-        *(("response_format", "structured_outputs") if structured.AVAILABLE else ()),
-    )
+HONOURED: Final = params(
+    ("temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty"),
+    ("logit_bias", "logprobs", "top_logprobs"),
+    SAMPLER_EXTENSIONS,
+    REPLY_EXTENSIONS,
+    PROMPT_EXTENSIONS,
+    ("response_format", "structured_outputs") if structured.AVAILABLE else (),
 )
 """What a step-loop engine with a tokenizer honours of a request (`Engine.honours`): grammars
 where xgrammar is installed. An engine that reads text prompts adds `truncate_prompt_tokens`."""
@@ -89,7 +80,7 @@ class TokenSampler:
 
     def __init__(
         self,
-        sampling: dict[str, Any],
+        sampling: Sampling,
         vocab_size: int,
         grammars: JsonGrammars | None = None,
         schema: str | None = None,
@@ -103,32 +94,25 @@ class TokenSampler:
         ids, which `repetition_penalty` counts as seen (an embeddings-only prompt: none).
         `tokenizer`: what turns `bad_words` into tokens."""
         self.vocab_size = vocab_size
-        self.temperature = float(sampling.get("temperature", 0.0) or 0.0)
-        self.top_p = float(sampling.get("top_p", 1.0) or 1.0)
-        seed = sampling.get("seed")  # unseeded: a draw of its own, as vLLM samples it
-        self.generator = torch.Generator().manual_seed(
-            int(seed) if seed is not None else secrets.randbits(63)
-        )
-        self.frequency_penalty = float(sampling.get("frequency_penalty", 0.0) or 0.0)
-        self.presence_penalty = float(sampling.get("presence_penalty", 0.0) or 0.0)
-        self.logprobs: int | None = (
-            int(sampling.get("top_logprobs") or 0) if sampling.get("logprobs") else None
-        )
-        self.prompt_logprobs: int | None = sampling.get("prompt_logprobs")
+        self.temperature = sampling.temperature or 0.0
+        self.top_p = sampling.top_p or 1.0
+        self.generator = seeded(sampling.seed)
+        self.frequency_penalty = sampling.frequency_penalty or 0.0
+        self.presence_penalty = sampling.presence_penalty or 0.0
+        self.logprobs: int | None = (sampling.top_logprobs or 0) if sampling.logprobs else None
+        self.prompt_logprobs: int | None = sampling.prompt_logprobs
         """vLLM's: the prompt's log probabilities, with this many likeliest others (reply.py)."""
         self.bias: dict[int, float] = {
-            self._token(int(k), "logit_bias"): float(v) for k, v in (sampling.get("logit_bias") or {}).items()
+            self._token(int(k), "logit_bias"): v for k, v in (sampling.logit_bias or {}).items()
         }
-        self.stop_ids = frozenset(
-            self._token(int(t), "stop_token_ids") for t in sampling.get("stop_token_ids") or []
-        )
-        self.ignore_eos = bool(sampling.get("ignore_eos"))
+        self.stop_ids = frozenset(self._token(t, "stop_token_ids") for t in sampling.stop_token_ids or [])
+        self.ignore_eos = bool(sampling.ignore_eos)
         self.eos = eos
-        self.min_tokens = int(sampling.get("min_tokens") or 0)
+        self.min_tokens = sampling.min_tokens or 0
         self.allowed: torch.Tensor | None = None
-        if (allowed := sampling.get("allowed_token_ids")) is not None:
-            self.allowed = torch.tensor([self._token(int(t), "allowed_token_ids") for t in allowed])
-        self.bad_words = _bad_word_ids(tokenizer, sampling.get("bad_words") or [])
+        if (allowed := sampling.allowed_token_ids) is not None:
+            self.allowed = torch.tensor([self._token(t, "allowed_token_ids") for t in allowed])
+        self.bad_words = _bad_word_ids(tokenizer, sampling.bad_words or [])
         self.warpers = _warpers(sampling)
         self.repetition = _repetition(sampling)
         self.seen: dict[int, None] = dict.fromkeys(prompt or [])
@@ -218,17 +202,17 @@ class TokenSampler:
 Warper = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _warpers(sampling: dict[str, Any]) -> list[Warper]:
+def _warpers(sampling: Sampling) -> list[Warper]:
     """min-p, then top-k, on temperature-scaled logits (vLLM's order): transformers' own."""
     from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper
 
     out: list[Warper] = []
-    min_p = float(sampling.get("min_p") or 0.0)
+    min_p = sampling.min_p or 0.0
     if not 0.0 <= min_p <= 1.0:
         raise InvalidRequest(f"min_p: {min_p} is not between 0 and 1")
     if min_p > 0.0:
         out.append(MinPLogitsWarper(min_p))
-    top_k = int(sampling.get("top_k") or 0)
+    top_k = sampling.top_k or 0
     if top_k < -1:
         raise InvalidRequest(f"top_k: {top_k} must be -1 or 0 (all tokens), or positive")
     if top_k > 0:
@@ -236,10 +220,10 @@ def _warpers(sampling: dict[str, Any]) -> list[Warper]:
     return out
 
 
-def _repetition(sampling: dict[str, Any]) -> Warper | None:
+def _repetition(sampling: Sampling) -> Warper | None:
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-    penalty = float(sampling.get("repetition_penalty") or 1.0)
+    penalty = sampling.repetition_penalty or 1.0
     if not torch.tensor(penalty, dtype=torch.float32) > 0:  # 5e-324 is 0 in the logits' float32
         raise InvalidRequest(f"repetition_penalty: {penalty} must be above 0 (in float32)")
     return None if penalty == 1.0 else RepetitionPenaltyLogitsProcessor(penalty)

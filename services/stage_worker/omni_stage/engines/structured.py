@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from omni_pipeline.sampling import Sampling
 from omni_stage.engines.base import InvalidRequest
 
 AVAILABLE = importlib.util.find_spec("xgrammar") is not None
@@ -36,14 +37,14 @@ STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The keys of `structured_outputs`, as the gateway passes it on (exactly one set)."""
 
 
-def grammar_of(sampling: dict[str, Any], schema: str | None = None) -> Grammar | None:
+def grammar_of(sampling: Sampling, schema: str | None = None) -> Grammar | None:
     """The grammar a request's sampling asks for: `schema` (a tool choice's) first, then its
     `response_format`, then its `structured_outputs`; None if none."""
     if schema is not None:
         return Grammar("tool_choice", "json", schema)
-    if response_format := sampling.get("response_format"):
+    if response_format := sampling.response_format:
         return Grammar("response_format", "json", schema_of(response_format))
-    if structured := sampling.get("structured_outputs"):
+    if structured := sampling.structured_outputs:
         (kind, source), *_ = structured.items()
         if kind == "json_object":
             return Grammar("structured_outputs", "json", '{"type": "object"}')

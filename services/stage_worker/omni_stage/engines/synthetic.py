@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from omni_pipeline.sampling import params
 from omni_pipeline.spec import OutputKind, StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError
 from omni_stage.segments import EngineOutput
@@ -68,7 +69,7 @@ class SyntheticEngine(Engine):
         self.accepts = frozenset(a.get("accepts", ("text", "image", "audio", "video")))
         if self.audio:
             self.voices = tuple(a.get("voices", ("alloy", "echo")))
-            self.request_keys = frozenset({"voice"})
+            self.request_keys = params("voice")
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         text = _request_text(call.inputs)
@@ -77,7 +78,7 @@ class SyntheticEngine(Engine):
         if self.hang_on and self.hang_on in text:
             await self._step(asyncio.Event().wait())  # never set
         if "request" in call.inputs:
-            n = int(self.units_per_call or call.sampling.get("max_tokens") or 16)
+            n = int(self.units_per_call or call.sampling.max_tokens or 16)
         else:
             n_in = sum(_units(p) for p in call.inputs.values())
             n = math.ceil(n_in * self.ratio)

@@ -19,6 +19,7 @@ import uuid
 from typing import Any
 
 from omni_pipeline.control import ToolCall
+from omni_pipeline.sampling import Sampling, params
 from omni_stage.engines import structured
 from omni_stage.engines.base import InvalidRequest
 from omni_stage.segments import EngineOutput
@@ -33,7 +34,7 @@ def engine_honours(honours: frozenset[str]) -> frozenset[str]:
     is then refused by the engine, before any output.)"""
     if not (AVAILABLE and structured.AVAILABLE and "response_format" in honours):
         return honours
-    return honours | {"tools", "tool_choice", "parallel_tool_calls"}
+    return honours | params("tools", "tool_choice", "parallel_tool_calls")
 
 
 def _call_id() -> str:
@@ -44,7 +45,7 @@ class ToolPlan:
     """One request's tools: the schema its reply must follow (None for `auto`), and how the
     finished reply becomes calls. Built on the compute thread (vLLM imports slowly)."""
 
-    def __init__(self, sampling: dict[str, Any], tokenizer: Any, parser: str | None) -> None:
+    def __init__(self, sampling: Sampling, tokenizer: Any, parser: str | None) -> None:
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.tool_parsers import ToolParserManager
@@ -54,9 +55,9 @@ class ToolPlan:
             self.request = ChatCompletionRequest(
                 model="omni",
                 messages=[],
-                tools=sampling["tools"],
-                tool_choice=sampling.get("tool_choice", "auto"),
-                parallel_tool_calls=sampling.get("parallel_tool_calls"),
+                tools=sampling.tools,
+                tool_choice=sampling.tool_choice if sampling.tool_choice is not None else "auto",
+                parallel_tool_calls=sampling.parallel_tool_calls,
             )
             schema = get_json_schema_from_tools(
                 self.request.tool_choice, self.request.tools, self.request.parallel_tool_calls

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from omni_pipeline.sampling import params
 from omni_pipeline.spec import OutputKind, StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError, InvalidRequest, import_object
 from omni_stage.engines.batching import StepBatcher
@@ -49,7 +50,7 @@ class _Call:
 
 
 class TorchModuleEngine(ComputeEngine):
-    request_keys = frozenset({"speed", "voice"})
+    request_keys = params("speed", "voice")
     weights = ("module",)
 
     def __init__(self, stage: StageSpec) -> None:
@@ -86,7 +87,7 @@ class TorchModuleEngine(ComputeEngine):
         if not tensors:
             raise EngineError(f"stage '{self.stage.name}': no tensor inputs")
         options: dict[str, Any] = {}
-        if (speed := call.sampling.get("speed")) is not None and float(speed) != 1.0:
+        if (speed := call.sampling.speed) is not None and speed != 1.0:
             if not self.takes_speed:
                 raise InvalidRequest("speed: this pipeline's audio cannot be made faster or slower")
             options["speed"] = float(speed)

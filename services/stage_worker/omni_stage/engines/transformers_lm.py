@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from omni_pipeline.control import PromptLogprobs
+from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
@@ -94,7 +95,7 @@ class TransformersEngine(ComputeEngine):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.tool_parser: str | None = self.args.get("toolCallParser")
-        self.honours = engine_honours(HONOURED | {"truncate_prompt_tokens"})
+        self.honours = engine_honours(HONOURED | params("truncate_prompt_tokens"))
         self.dtype = _DTYPES[self.args.get("dtype", "float32")]
         self.return_hidden = bool(self.args.get("returnHiddenStates", False))
         self.tokens_per_input_unit = float(self.args.get("tokensPerInputUnit", 1.0))
@@ -156,20 +157,20 @@ class TransformersEngine(ComputeEngine):
         # with it the replica's heartbeats).
         ids, embeds, n_units = await self._run(self._inputs, call)
         prompt = ids[0].tolist() if ids is not None and st.sampler is None else None
-        max_tokens = call.sampling.get("max_tokens")
-        key = call.sampling.get("prompt_cache_key")
+        max_tokens = call.sampling.max_tokens
+        key = call.sampling.prompt_cache_key
         if "request" in call.inputs:
-            budget = int(max_tokens or 64)
+            budget = max_tokens or 64
             check_context(n_units, budget, self.model.config.max_position_embeddings)
             call.state.prompt_tokens += n_units
             assert ids is not None
             st.tokens = ids[0].tolist()
-            if key is not None and "prompt_logprobs" not in call.sampling:
+            if key is not None and call.sampling.prompt_logprobs is None:
                 ids = self._reuse(call, st, key, ids)
         else:
             budget = math.ceil(n_units * self.tokens_per_input_unit)
             if max_tokens:
-                budget = min(budget, int(max_tokens))
+                budget = min(budget, max_tokens)
         if st.sampler is None:
             # Off the event loop, and off the compute thread, whose forwards other requests wait
             # for: vLLM's tool code imports slowly the first time, a grammar compiles against
@@ -191,7 +192,7 @@ class TransformersEngine(ComputeEngine):
         feed_ids, feed_embeds = self._with_pending(st, ids, embeds)
         reply, tools, sampler = st.reply, st.tools, st.sampler
         assert sampler is not None  # set on the first call, above
-        st.key = str(key) if key is not None and "request" in call.inputs else None
+        st.key = key if "request" in call.inputs else None
         with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             for i in range(budget):
                 step = _Step(st, feed_ids, feed_embeds, sampler)
@@ -247,8 +248,8 @@ class TransformersEngine(ComputeEngine):
         # The last token sampled is not fed: not held.
         self.prompt_caches.keep(st.key, Sequence.left(st.tokens, st.past, [], {}))
 
-    def _tool_plan(self, sampling: dict[str, Any]) -> ToolPlan | None:
-        return ToolPlan(sampling, self.tokenizer, self.tool_parser) if sampling.get("tools") else None
+    def _tool_plan(self, sampling: Sampling) -> ToolPlan | None:
+        return ToolPlan(sampling, self.tokenizer, self.tool_parser) if sampling.tools else None
 
     async def _encode(self, call: EngineCall) -> EngineOutput:
         request = call.inputs.get("request")

@@ -27,11 +27,12 @@ import itertools
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 from omni_pipeline.control import PromptLogprob, PromptLogprobs, TokenLogprob
+from omni_pipeline.sampling import params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.prompts import prompt_token_ids
@@ -40,15 +41,10 @@ from omni_stage.engines.structured import grammar_of
 from omni_stage.engines.tools import ToolPlan, engine_honours
 from omni_stage.segments import EngineOutput
 
-_SAMPLING_KEYS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "seed",
-    "stop",
-    "frequency_penalty",
-    "presence_penalty",
-    *sorted(SAMPLER_EXTENSIONS | REPLY_EXTENSIONS),
+_SAMPLING_KEYS: Final = params(
+    ("max_tokens", "temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty"),
+    SAMPLER_EXTENSIONS,
+    REPLY_EXTENSIONS,
 )
 """The request's fields that are vLLM's SamplingParams' own, under the same names."""
 
@@ -68,7 +64,7 @@ class VllmEngine(Engine):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.tool_parser: str | None = self.args.get("toolCallParser")
-        self.honours = engine_honours(HONOURED | {"truncate_prompt_tokens"})
+        self.honours = engine_honours(HONOURED | params("truncate_prompt_tokens"))
         self.llm: Any = None
         self.tokenizer: Any = None
         self._ids = itertools.count()
@@ -148,17 +144,18 @@ class VllmEngine(Engine):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
-        params = {k: call.sampling[k] for k in _SAMPLING_KEYS if call.sampling.get(k) is not None}
-        params.setdefault("temperature", 0.0)
-        params.setdefault("max_tokens", 64)
-        if bias := call.sampling.get("logit_bias"):
-            params["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
-        if call.sampling.get("logprobs"):
-            params["logprobs"] = int(call.sampling.get("top_logprobs") or 0)
-        if grammar := grammar_of(call.sampling, tools.schema if tools is not None else None):
-            params["structured_outputs"] = StructuredOutputsParams(**{grammar.kind: grammar.source})
+        sampling = call.sampling
+        kwargs = {k: v for k, v in sampling.asked().items() if k in _SAMPLING_KEYS}
+        kwargs.setdefault("temperature", 0.0)
+        kwargs.setdefault("max_tokens", 64)
+        if bias := sampling.logit_bias:
+            kwargs["logit_bias"] = {int(k): float(v) for k, v in bias.items()}
+        if sampling.logprobs:
+            kwargs["logprobs"] = sampling.top_logprobs or 0
+        if grammar := grammar_of(sampling, tools.schema if tools is not None else None):
+            kwargs["structured_outputs"] = StructuredOutputsParams(**{grammar.kind: grammar.source})
         try:
-            return SamplingParams(output_kind=RequestOutputKind.DELTA, **params)
+            return SamplingParams(output_kind=RequestOutputKind.DELTA, **kwargs)
         except (TypeError, ValueError) as exc:
             raise EngineError(f"stage '{self.stage.name}': bad sampling parameters: {exc}") from None
 
@@ -167,7 +164,7 @@ class VllmEngine(Engine):
 
         prompt, n_in = await asyncio.to_thread(self._prompt, call)  # a long prompt's tokenizing
         tools = None
-        if call.sampling.get("tools"):  # vLLM's tool code imports slowly the first time
+        if call.sampling.tools:  # vLLM's tool code imports slowly the first time
             tools = await asyncio.to_thread(ToolPlan, call.sampling, self.tokenizer, self.tool_parser)
         if "request" in call.inputs:
             call.state.prompt_tokens += n_in
@@ -189,7 +186,7 @@ class VllmEngine(Engine):
                         text=c.text,
                         data={"token_ids": torch.tensor(ids, dtype=torch.int64)} if ids else {},
                         finish_reason=finish,
-                        logprobs=vllm_logprobs(ids, c.logprobs, int(call.sampling.get("top_logprobs") or 0)),
+                        logprobs=vllm_logprobs(ids, c.logprobs, call.sampling.top_logprobs or 0),
                     )
                     yield output if tools is None else tools.settle(output, finished)
         except VLLMClientError as exc:  # vLLM's own word that the request is at fault (a 400)

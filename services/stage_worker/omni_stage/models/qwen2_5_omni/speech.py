@@ -10,6 +10,7 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.sampling import params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
@@ -57,7 +58,7 @@ class Talker(Part):
     ones), so its prefill computes the rest only (prompt_cache.py)."""
 
     part = "talker"
-    request_keys = frozenset({"voice", "prompt_cache_key"})
+    request_keys = params("voice", "prompt_cache_key")
     needs_last_call = True  # past the reply it speaks on the thinker's text eos, then its pad
     weights = ("model", "text_embeds")
 
@@ -96,7 +97,7 @@ class Talker(Part):
         st = call.kept(_Speaking)
         with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             self._take(st, call.inputs)
-            budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
+            budget = call.sampling.max_tokens or TALKER_MAX_CODES
             if st.past is None:
                 if st.prompt_embeds is None or not st.reply:
                     # The prefill needs token 0's reply state, which comes with token 1: the next
@@ -105,7 +106,7 @@ class Talker(Part):
                     return
                 voice = self.speaker(call.sampling)
                 kept = None
-                if (key := call.sampling.get("prompt_cache_key")) is not None and self.prompt_caches.capacity:
+                if (key := call.sampling.prompt_cache_key) is not None and self.prompt_caches.capacity:
                     st.key = str(key)
                     kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
                 code = await self._run(self._prefill, st, voice, kept)
@@ -288,7 +289,7 @@ class Token2Wav(Part):
     that wait (TTFP under load) for less batching (throughput)."""
 
     part = "token2wav"
-    request_keys = frozenset({"voice", "seed"})
+    request_keys = params("voice", "seed")
     weights = ("model", "dit", "vocoder")  # the last two hold the model's own modules
     needs_last_call = True  # the last chunk waits for right context until the codes end
     sample_rate: Final = 24000
@@ -391,7 +392,7 @@ class Token2Wav(Part):
             # The reference draws randn([1, frames, mel]) after manual_seed(seed); a longer draw
             # from the same seed begins with the shorter one, so slices of it are the same noise.
             # Twice as long as asked each time: a long request draws O(log n) times, not per chunk.
-            seed = int(call.sampling.get("seed", 0) or 0)
+            seed = call.sampling.seed or 0
             longer = frames if st.noise is None or self.chunk <= 0 else max(frames, 2 * st.noise.shape[1])
             st.noise = torch.randn([1, longer, self.mel_dim], generator=torch.Generator().manual_seed(seed))
         voice = self.speaker(call.sampling)

@@ -24,6 +24,7 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import REQUEST_SOURCE, StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.sampling import HONOURED
@@ -49,7 +50,7 @@ class VllmThinker(VllmEngine):
         super().__init__(stage)
         # What the transformers Qwen thinker honours: no tools (a reply that is a call has no
         # speech), so the gateway refuses them rather than this engine dropping them.
-        self.honours = HONOURED | {"mm_processor_kwargs"}
+        self.honours = HONOURED | params("mm_processor_kwargs")
         if self.args.get("enable_prefix_caching"):
             raise EngineError(
                 f"stage '{stage.name}': enable_prefix_caching: a cached prefix's hidden states are not "
@@ -101,7 +102,7 @@ class VllmThinker(VllmEngine):
         self.accepts = self.prompts.accepts
         self.embeds = (await asyncio.to_thread(thinker_embedding_table, self.stage.name, path)).float()
 
-    def _vllm_prompt(self, request: dict[str, Any], sampling: dict[str, Any]) -> dict[str, Any]:
+    def _vllm_prompt(self, request: dict[str, Any], sampling: Sampling) -> dict[str, Any]:
         """The chat template's text and the media, for vLLM's own processor of this model."""
         assert self.prompts is not None
         if "messages" not in request:  # a bare prompt (speech's input), as the transformers thinker
@@ -145,7 +146,7 @@ class VllmThinker(VllmEngine):
             raise EngineError(f"stage '{self.stage.name}': the thinker reads the client request")
         prompt = await asyncio.to_thread(self._vllm_prompt, request, call.sampling)
         vllm_id = f"{call.request_id}-{next(self._ids)}"
-        top = int(call.sampling.get("top_logprobs") or 0)
+        top = call.sampling.top_logprobs or 0
         self.hidden.expect(vllm_id)
         finished = False
         try:

@@ -8,6 +8,7 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall
 from omni_stage.engines.batching import StepBatcher
@@ -79,7 +80,7 @@ class Qwen3Talker(Part):
     part = "talker"
     config_class = "Qwen3OmniMoeConfig"
     model_name = "Qwen3-Omni"
-    request_keys = frozenset({"voice", "prompt_cache_key"})
+    request_keys = params("voice", "prompt_cache_key")
     needs_last_call = True  # past the reply it speaks on the TTS eos, then its pad
     weights = ("model", "text_embeds")
 
@@ -149,19 +150,19 @@ class Qwen3Talker(Part):
         for batch in (1, 2):
             self._predict(torch.zeros(batch, 2, width, device=self.device, dtype=self.dtype))
 
-    def speaker(self, sampling: dict[str, Any]) -> dict[str, Any]:
+    def speaker(self, sampling: Sampling) -> dict[str, Any]:
         return {"code": self.speaker_codes[self.voice(sampling)]}
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.kept(_Speaking)
         self._take(st, call.inputs)
-        budget = int(call.sampling.get("max_tokens") or TALKER_MAX_CODES)
+        budget = call.sampling.max_tokens or TALKER_MAX_CODES
         with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             if st.past is None:
                 if st.prompt_ids is None or not st.reply:
                     return  # the prefill needs the first reply token's embedding, which comes with the second
                 kept = None
-                if (key := call.sampling.get("prompt_cache_key")) is not None and self.prompt_caches.capacity:
+                if (key := call.sampling.prompt_cache_key) is not None and self.prompt_caches.capacity:
                     st.key = str(key)
                     kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
                 speaker = self.speaker(call.sampling)["code"]

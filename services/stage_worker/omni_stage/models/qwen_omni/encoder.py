@@ -72,7 +72,7 @@ class Encoder(Part):
         inputs = await self._run(lambda: self.prompts.process(self.prompts.read(request), call.sampling))
         if not inputs.features:
             return  # no media in the messages: nothing to encode (the route normally skips us)
-        key = call.sampling.get("prompt_cache_key")
+        key = call.sampling.prompt_cache_key
         ahead = {}
         if key is not None and self.audio_ahead is not None and "input_features" in inputs.features:
             ahead = await self.audio_ahead.take(str(key))

@@ -10,6 +10,7 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineError
 from omni_stage.models.qwen_omni.audio_windows import AudioWindows
@@ -203,7 +204,7 @@ class Part(ComputeEngine):
         else:
             self.audio_ahead.encoder = windows
 
-    def speaker(self, sampling: dict[str, Any]) -> dict[str, Any]:
+    def speaker(self, sampling: Sampling) -> dict[str, Any]:
         """The conditioning of the request's voice."""
         if not self.voices:
             raise EngineError(f"stage '{self.stage.name}': {self.path} has no speaker file (spk_dict.pt)")

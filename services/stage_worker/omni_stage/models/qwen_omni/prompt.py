@@ -39,6 +39,7 @@ import numpy as np
 import soxr
 import torch
 
+from omni_pipeline.sampling import EMPTY, Sampling
 from omni_stage.engines.base import EngineError, InvalidRequest
 from omni_stage.engines.prompt_cache import MediaSpan, digest
 from omni_stage.engines.prompts import chat_template_args
@@ -52,9 +53,9 @@ or a video frame is resized within (the omni processor hands them to both, as he
 _PIXELS = (28 * 28, 1 << 26)
 
 
-def processor_kwargs(sampling: dict[str, Any]) -> dict[str, int]:
+def processor_kwargs(sampling: Sampling) -> dict[str, int]:
     """A request's `mm_processor_kwargs`, checked: a 400 for any other key or a bad bound."""
-    asked = dict(sampling.get("mm_processor_kwargs") or {})
+    asked = dict(sampling.mm_processor_kwargs or {})
     if unknown := sorted(set(asked) - PROCESSOR_KWARGS):
         raise InvalidRequest(
             f"mm_processor_kwargs.{unknown[0]}: not taken by this model's processors here "
@@ -214,9 +215,7 @@ class Prompts:
         """The content part kinds this prompt reads."""
         return frozenset({"text", "image", "audio"} | ({"video"} if self.videos is not None else set()))
 
-    def read(
-        self, request: dict[str, Any], decode: bool = True, sampling: dict[str, Any] | None = None
-    ) -> Chat:
+    def read(self, request: dict[str, Any], decode: bool = True, sampling: Sampling = EMPTY) -> Chat:
         """The chat template's text (placeholders not yet expanded) and the media, in order:
         audio at the feature extractor's rate, images, videos and the rates of their frames.
         `decode=False`: the text only, with no media (an encoder stage has read them).
@@ -260,7 +259,7 @@ class Prompts:
             chat.append({"role": str(m.get("role", "user")), "content": content or ""})
         try:
             out.text = self.tokenizer.apply_chat_template(
-                chat, tokenize=False, **chat_template_args(sampling or {})
+                chat, tokenize=False, **chat_template_args(sampling)
             )
         except ValueError as exc:  # continue_final_message without a final message to continue
             raise InvalidRequest(f"the chat template cannot apply: {exc}") from None
@@ -270,7 +269,7 @@ class Prompts:
         self,
         request: dict[str, Any],
         embeds: MediaEmbeds | None = None,
-        sampling: dict[str, Any] | None = None,
+        sampling: Sampling = EMPTY,
     ) -> Prompt:
         """The prompt, with the media's features for the thinker's encoders, or with `embeds`,
         their outputs from an encoder stage, in their place."""
@@ -382,10 +381,10 @@ class Prompts:
         mask = None if prompt.media_mask is None else prompt.media_mask[:, start:]
         return Prompt(prompt.ids[:, start:], lay.after(a, i, v), features, embeds, mask)
 
-    def process(self, chat: Chat, sampling: dict[str, Any] | None = None) -> EncoderInputs:
+    def process(self, chat: Chat, sampling: Sampling = EMPTY) -> EncoderInputs:
         """The model's processors on the chat's media: the encoders' inputs, on the CPU, with
         the request's `mm_processor_kwargs` (processor_kwargs)."""
-        extra = processor_kwargs(sampling or {})
+        extra = processor_kwargs(sampling)
         features: dict[str, torch.Tensor] = {}
         lengths = per_grid = None
         if chat.audios:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from omni_pipeline.control import PromptLogprobs
+from omni_pipeline.sampling import params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
@@ -37,7 +38,7 @@ class Thinker(Part):
 
     part = "thinker"
     accepts = frozenset({"text", "image", "audio"})
-    honours = HONOURED | {"mm_processor_kwargs"}
+    honours = HONOURED | params("mm_processor_kwargs")
     prompts_class = Prompts
     talker_layer = -1
     """The layer whose hidden states the talker reads (-1: the last, normed)."""
@@ -92,17 +93,17 @@ class Thinker(Part):
         st = call.kept(_Cache)
         call.state.prompt_tokens = int(ids.shape[1])
         st.tokens = ids[0].tolist()
-        key = call.sampling.get("prompt_cache_key")
+        key = call.sampling.prompt_cache_key
         if key is not None and self.audio_ahead is not None and "input_features" in prompt.features:
             st.ahead = await self.audio_ahead.take(str(key))  # (a text turn leaves the audio coming)
         keeping = (
-            key is not None and self.prompt_caches.capacity > 0 and "prompt_logprobs" not in call.sampling
+            key is not None and self.prompt_caches.capacity > 0 and call.sampling.prompt_logprobs is None
         )
         if keeping:
             st.key = str(key)
             kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
             await self._run(self._reuse, call, st, kept, prompt)
-        budget = int(call.sampling.get("max_tokens") or 64)
+        budget = call.sampling.max_tokens or 64
         check_context(
             int(ids.shape[1]), budget, self.config.thinker_config.text_config.max_position_embeddings
         )
