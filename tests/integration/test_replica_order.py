@@ -18,9 +18,9 @@ import nats
 import pytest
 from nats.aio.msg import Msg
 
-from omni_gateway.attempt import Prepared
 from omni_gateway.events import Finished, TextDelta
 from omni_gateway.pipeline import Pipeline
+from omni_gateway.request import Prepared
 from omni_pipeline.control import (
     Admitted,
     FinalMsg,
@@ -98,7 +98,7 @@ async def gateway(nats_url: str) -> AsyncIterator[tuple[Pipeline, PlayedThinker]
 
 
 def instances(client: Pipeline) -> list[str]:
-    return [r["instance"] for r in client.bus.table.snapshot()]
+    return [r["instance"] for r in client.replicas()]
 
 
 async def test_output_read_after_the_stop_and_the_successor_still_completes(
@@ -124,7 +124,7 @@ async def test_output_read_after_the_stop_and_the_successor_still_completes(
     assert await first == TextDelta("hello")
     assert isinstance(await anext(events), Finished)
     assert instances(client) == ["new"]
-    assert client.bus.table.pick("thinker").hb.instance == "new"
+    assert client.announced.table.pick("thinker").hb.instance == "new"
 
 
 async def test_a_successor_without_a_drain_means_the_old_instance_died(

@@ -14,7 +14,8 @@ import soundfile
 import torch
 
 from omni_gateway.errors import BadRequest, ModelNotFound, Unavailable
-from omni_gateway.pipeline import Pipeline, PipelineRequest
+from omni_gateway.pipeline import Pipeline
+from omni_gateway.request import PipelineRequest
 from omni_pipeline.control import Heartbeat, RequestInputs
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind, load_pipeline
@@ -37,7 +38,7 @@ async def pipeline() -> AsyncIterator[Pipeline]:
 def announce(p: Pipeline, stage: str, **declared: list[str]) -> None:
     """A replica's heartbeat, as the bus would hand it to the table."""
     hb = Heartbeat(stage, "0", f"{stage}-i", 1, "host", 0, 0, 4, 4, False, 1.0, **declared)  # type: ignore[arg-type]
-    p.bus.table.update(hb, time.monotonic())
+    p.announced.table.update(hb, time.monotonic())
 
 
 def chat(text: str = "hi", **fields: object) -> PipelineRequest:
@@ -114,4 +115,4 @@ async def test_without_a_replica_to_route_to_a_request_waits_then_is_a_503(pipel
     with pytest.raises(Unavailable) as exc:
         await anext(pipeline.run("r1", req))
     assert "not connected to NATS" in exc.value.message and exc.value.headers == {"Retry-After": "1"}
-    assert len(pipeline.bus.inflight) == 0  # nothing was tracked for it
+    assert pipeline.requests_in_flight() == 0  # nothing was tracked for it

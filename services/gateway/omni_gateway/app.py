@@ -193,7 +193,7 @@ def run_gateway(
             if wait_for_stages:
                 with contextlib.suppress(TimeoutError):
                     async with asyncio.timeout(READY_WAIT_S):
-                        await service.bus.covered.wait()
+                        await service.covered()
             jobs = None
             if OutputKind.VIDEO in pipeline.spec.output_kinds():
                 jobs = await VideoJobs.open(service, pipeline.name, app.state.metrics)

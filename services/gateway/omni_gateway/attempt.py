@@ -12,9 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
@@ -33,7 +31,9 @@ from omni_gateway.events import (
     VideoProgress,
 )
 from omni_gateway.inflight import Tracked
+from omni_gateway.pins import ConversationPins
 from omni_gateway.replicas import Replica
+from omni_gateway.request import Prepared
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.connectors.offload import OffLoop
@@ -42,49 +42,32 @@ from omni_pipeline.control import (
     ErrorMsg,
     FinalMsg,
     RequestContext,
-    RequestInputs,
     RequestPayload,
     StageRequest,
     connector_error_code,
     pack,
 )
-from omni_pipeline.sampling import EMPTY, Sampling
+from omni_pipeline.sampling import EMPTY
 from omni_pipeline.spec import REQUEST_SOURCE, OutputKind, PipelineSpec
 from omni_pipeline.tracing import TRACER
 
-CONVERSATIONS_PINNED: Final = 4096
-"""Conversations (`prompt_cache_key`) whose replicas a gateway remembers; the oldest forgotten."""
 ROOT_CAUSE_WAIT_S: Final = 2.0
 """How long a request that met a vanished payload waits for the error that explains it."""
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A request past every pre-flight check, as each attempt sends it."""
-
-    inputs: RequestInputs
-    sampling: Sampling
-    outputs: frozenset[OutputKind]
-    media: dict[str, torch.Tensor]
-    """Decoded media, by the keys the messages refer to them with."""
-    per_stage: dict[str, Sampling] = field(default_factory=dict)
-    """Sampling the client asked of one stage alone, by stage (StageRequest.own)."""
 
 
 class Attempts:
     """Runs attempts of requests through the pipeline."""
 
-    def __init__(self, spec: PipelineSpec, bus: Bus, payloads: OffLoop) -> None:
+    def __init__(self, spec: PipelineSpec, bus: Bus, payloads: OffLoop, *, pins: ConversationPins) -> None:
         self.spec = spec
         self.bus = bus
         self.payloads = payloads
+        self.pins = pins
+        """Where each conversation's requests last ran (they go back there while it has room)."""
         self.sources = {s.name: e.connector for s, e in spec.consumers(REQUEST_SOURCE)}
         """The stages that read the client's request, and the connector their copy goes on."""
         self.without_media = {s.name for s, e in spec.consumers(REQUEST_SOURCE) if not e.media}
         """Those whose request edge says `media: false`: they get the messages alone."""
-        self.pinned: OrderedDict[str, dict[str, str]] = OrderedDict()
-        """By `prompt_cache_key`, the instance of each stage its last request ran on (which
-        keeps its sequence): the key's next request goes there while it has room."""
 
     async def run(self, rid: str, deadline: float, req: Prepared) -> AsyncIterator[Event]:
         """One attempt; its events as they come. Closing it aborts the attempt."""
@@ -98,7 +81,7 @@ class Attempts:
             needed = self.spec.needed_stages(set(req.outputs), media=bool(req.media))
             picked: dict[str, Replica] = {}
             key = req.sampling.prompt_cache_key
-            pinned = self.pinned.get(key, {}) if isinstance(key, str) else {}
+            pinned = self.pins.route(key)
             try:
                 for s in needed:
                     picked[s] = await self.bus.pick(s, deadline, pinned.get(s))
@@ -107,8 +90,8 @@ class Attempts:
                     self.bus.table.release(stage, r.hb.instance)
                 reason = exc.message
                 raise
-            if isinstance(key, str):
-                self._pin(key, {s: r.hb.instance for s, r in picked.items()})
+            if key is not None:
+                self.pins.remember(key, {s: r.hb.instance for s, r in picked.items()})
             t = Tracked(
                 rid,
                 {s: (r.hb.replica, r.hb.instance) for s, r in picked.items()},
@@ -154,19 +137,9 @@ class Attempts:
                 span.set_status(StatusCode.ERROR, reason)
             span.end()
 
-    def pin(self, key: str, stage: str, instance: str) -> None:
-        """The key's next request runs its `stage` on `instance` (where it has room)."""
-        self._pin(key, self.pinned.get(key, {}) | {stage: instance})
-
-    def _pin(self, key: str, route: dict[str, str]) -> None:
-        self.pinned.pop(key, None)
-        self.pinned[key] = route
-        while len(self.pinned) > CONVERSATIONS_PINNED:
-            self.pinned.popitem(last=False)
-
-    def forget(self, key: str) -> None:
-        """A conversation ended: its pin goes."""
-        self.pinned.pop(key, None)
+    def with_media(self) -> list[str]:
+        """The stages that read the client's request with its media."""
+        return [s for s in self.sources if s not in self.without_media]
 
     async def _for_source(self, stage: str, ctx: RequestContext, req: Prepared) -> bytes:
         """A source stage's StageRequest, the client's request put on its request edge's

@@ -18,30 +18,23 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
-from typing import Final, Literal
+from typing import Any, Final
 
 import msgspec
 import nats.errors
-import torch
+from nats.aio.client import Client as NatsClient
 
-from omni_gateway.attempt import Attempts, Prepared
+from omni_gateway.attempt import Attempts
 from omni_gateway.bus import RETRY_AFTER, Bus
-from omni_gateway.errors import (
-    BadRequest,
-    ModelNotFound,
-    NotServed,
-    OmniError,
-    Overloaded,
-    StageFailed,
-    Unavailable,
-)
+from omni_gateway.choices import run_choices
+from omni_gateway.errors import BadRequest, NotServed, OmniError, Overloaded, StageFailed, Unavailable
 from omni_gateway.events import Event, OfChoice
-from omni_gateway.inflight import EVENT_QUEUE
 from omni_gateway.media import decode_media
+from omni_gateway.pins import ConversationPins
+from omni_gateway.preflight import Announced, check_clip, check_request
 from omni_gateway.replay import Delivered, Diverged
-from omni_pipeline import wire
-from omni_pipeline.clips import ClipError, check_size, clip_frames
+from omni_gateway.request import PipelineRequest, Prepared
+from omni_gateway.sleep import sleep, wake
 from omni_pipeline.connectors import build_connectors
 from omni_pipeline.connectors.offload import OffLoop
 from omni_pipeline.control import (
@@ -49,15 +42,13 @@ from omni_pipeline.control import (
     DetokenizeMsg,
     ErrorCode,
     ForgetPromptMsg,
-    RequestInputs,
     Subjects,
     TokenizeMsg,
     TokenizeReply,
     pack,
     unpack,
 )
-from omni_pipeline.sampling import Sampling
-from omni_pipeline.spec import OutputKind, PipelineFile
+from omni_pipeline.spec import PipelineFile
 
 log = logging.getLogger("omni.gateway")
 
@@ -78,30 +69,6 @@ MIGRATABLE: Final = frozenset(
 a NATS outage, the re-run waits for the server)."""
 
 
-@dataclass(frozen=True)
-class PipelineRequest:
-    """A request as a front end hands it over, before any check."""
-
-    model: str | None
-    outputs: frozenset[OutputKind]
-    inputs: RequestInputs
-    sampling: Sampling
-    outputs_param: str = "model"
-    """The client's field that asked for the outputs (a 400 names it)."""
-    voice_param: str | None = None
-    """The client's field the voice came in (`sampling.voice`), to name in a 400."""
-    max_tokens_param: str = "max_tokens"
-    declared: frozenset[str] | None = None
-    """The sampling parameters every source stage takes; any other must be one the source stages
-    declare they honour. None: the endpoint's parameters are for stages downstream to take."""
-    per_stage: dict[str, Sampling] = field(default_factory=dict)
-    """Sampling asked of one stage alone (vLLM-Omni's `sampling_params_list`), by stage: each
-    field one the stage declares it honours."""
-    media: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Media decoded by the front end (an edit's images), by the keys `inputs` refers to them
-    with; a chat's come inside its messages and are decoded here."""
-
-
 class Pipeline:
     """This gateway's way into the pipeline."""
 
@@ -110,177 +77,97 @@ class Pipeline:
         self.gateway_id = gateway_id or uuid.uuid4().hex[:12]
         self.started_at = int(time.time())
         self.payloads = OffLoop("gateway", build_connectors(self.spec, pipeline.name))
-        self.bus = Bus(self.spec, Subjects(pipeline.name), self.gateway_id, nats_url, self.payloads)
-        self.attempts = Attempts(self.spec, self.bus, self.payloads)
+        self._bus = Bus(self.spec, Subjects(pipeline.name), self.gateway_id, nats_url, self.payloads)
+        self._pins = ConversationPins()
+        self._attempts = Attempts(self.spec, self._bus, self.payloads, pins=self._pins)
+        self.announced = Announced(self.spec, self._bus.table)
+        """What the replicas announced, as the pre-flight checks read it."""
         self.migrations: collections.Counter[str] = collections.Counter()
         """Re-runs on a fresh route: `moved` (nothing sent yet), `spliced` (a stream continued),
         `diverged` (a stream's re-run did not repeat it: failed)."""
 
     async def start(self, stop: asyncio.Event | None = None) -> bool:
-        return await self.bus.start(stop)
+        return await self._bus.start(stop)
 
     async def stop(self) -> None:
-        await self.bus.stop()
+        await self._bus.stop()
         self.payloads.close()
+
+    # --- what the front ends ask of the pipeline as a whole -----------------------------------
+
+    def ready(self) -> bool:
+        """Connected, and every stage has a replica serving (or asleep, as it was told)."""
+        return self._bus.ready()
+
+    async def covered(self) -> None:
+        """Returns once every stage has a replica serving."""
+        await self._bus.covered.wait()
+
+    def requests_in_flight(self) -> int:
+        return len(self._bus.inflight)
+
+    @property
+    def nats(self) -> NatsClient | None:
+        """This gateway's NATS connection (a JetStream store's, the resource metrics'); None
+        before it first connected."""
+        return self._bus.nc
+
+    def replicas(self) -> list[dict[str, Any]]:
+        """The live replica table this gateway routes by."""
+        return self._bus.table.snapshot()
+
+    async def sleep(self, stages: list[str], level: int, mode: str) -> dict[str, Any]:
+        return await sleep(self._bus, stages, level, mode)
+
+    async def wake(self, stages: list[str]) -> dict[str, Any]:
+        return await wake(self._bus, stages)
+
+    # --- conversations ------------------------------------------------------------------------
 
     async def forget_conversation(self, key: str) -> None:
         """A conversation ended (its live session closed): its pin goes, and every replica gives
         up the sequence it kept for it (one that misses the word gives it up when it idles out)."""
-        self.attempts.forget(key)
-        if self.bus.nc is not None and self.bus.connected:
+        self._pins.forget(key)
+        if self._bus.nc is not None and self._bus.connected:
             with contextlib.suppress(nats.errors.Error):
-                await self.bus.nc.publish(self.bus.subjects.control, pack(ForgetPromptMsg(key)))
+                await self._bus.nc.publish(self._bus.subjects.control, pack(ForgetPromptMsg(key)))
 
     async def audio_in(self, key: str, start: int, pcm: bytes, rate: int) -> None:
         """A piece of a live session's audio, sent ahead to the replica of the stage that reads
         the request's media and encodes audio as it arrives, to which the session is pinned
         for its response (docs/realtime.md); nothing where no stage does. From sample `start`
         of the turn: 0 begins one. Best effort: a piece not sent is encoded at the response."""
+        table = self._bus.table
         stage = next(
-            (
-                s
-                for s in self.attempts.sources
-                if s not in self.attempts.without_media and self.bus.table.encodes_audio_ahead(s)
-            ),
+            (s for s in self._attempts.with_media() if table.encodes_audio_ahead(s)),
             None,
         )
-        if stage is None or self.bus.nc is None or not self.bus.connected:
+        if stage is None or self._bus.nc is None or not self._bus.connected:
             return
-        replica = self.bus.table.choose(stage, self.attempts.pinned.get(key, {}).get(stage))
+        replica = table.choose(stage, self._pins.route(key).get(stage))
         if replica is None:
             return
-        self.attempts.pin(key, stage, replica.hb.instance)
-        subject = self.bus.subjects.stage_inbox(stage, replica.hb.replica)
+        self._pins.pin(key, stage, replica.hb.instance)
+        subject = self._bus.subjects.stage_inbox(stage, replica.hb.replica)
         with contextlib.suppress(nats.errors.Error):
-            await self.bus.nc.publish(subject, pack(AudioInMsg(key, start, pcm, rate)))
+            await self._bus.nc.publish(subject, pack(AudioInMsg(key, start, pcm, rate)))
 
-    # --- pre-flight --------------------------------------------------------------------------
+    # --- pre-flight ---------------------------------------------------------------------------
 
     async def prepare(self, req: PipelineRequest) -> Prepared:
-        """Every check a request passes before it runs, and its media decoded; a 400 (or 404)
-        names the field at fault."""
-        self._check_model(req.model, req.outputs, req.outputs_param)
-        limit = self.spec.gateway.max_tokens
-        if (asked := req.sampling.max_tokens) is not None and asked > limit:
-            param = req.max_tokens_param
-            raise BadRequest(f"{param}: {asked} is more than this model's limit of {limit}", param=param)
-        if req.declared is not None:
-            self._refuse_unhonoured(req.outputs, req.sampling.asked().keys(), req.declared)
-        self._refuse_unhonoured_per_stage(req.outputs, req.per_stage)
-        try:  # what the stages get must travel (a number past 64 bits, in a template's variables)
-            wire.encode([req.sampling, req.per_stage])
-        except wire.WireError as exc:
-            raise BadRequest(f"the request's parameters cannot be sent on: {exc}") from None
-        if OutputKind.AUDIO in req.outputs and req.voice_param is not None:
-            self._refuse_unknown_voice(req.sampling.voice, req.voice_param)
+        """Every check a request passes before it runs (omni_gateway.preflight), and its media
+        decoded; a 400 (or 404) names the field at fault."""
+        check_request(self.announced, req)
         inputs, media = req.inputs, dict(req.media)
-        if inputs.images:
-            self._refuse_unless_editing(req.outputs)
         if inputs.messages is not None:
-            accepts = self._sources_declare(req.outputs, "accepts")
+            accepts = self.announced.by_sources(req.outputs, "accepts")
             messages, decoded = await decode_media(inputs.messages, self.spec.gateway.media, accepts)
             inputs, media = msgspec.structs.replace(inputs, messages=messages), decoded.tensors
         return Prepared(inputs, req.sampling, req.outputs, media, dict(req.per_stage))
 
-    def _refuse_unless_editing(self, outputs: frozenset[OutputKind]) -> None:
-        """A 400 naming `image` for a pipeline whose source stages read no image (one that makes
-        images from a prompt alone); the stage refuses it itself while they have not said."""
-        accepts = self._sources_declare(outputs, "accepts")
-        if accepts is not None and "image" not in accepts:
-            raise BadRequest(
-                f"image: model '{self.spec.served_model_name}' does not edit images; "
-                f"it makes them from a prompt alone",
-                param="image",
-            )
-
-    def _check_model(self, model: str | None, wanted: frozenset[OutputKind], param: str) -> None:
-        """404 for another model's name; 400 for an output this pipeline does not make."""
-        name = self.spec.served_model_name
-        if model is not None and model != name:
-            raise ModelNotFound(f"model '{model}' does not exist", param="model")
-        offered = self.spec.output_kinds()
-        if missing := wanted - offered:
-            raise BadRequest(
-                f"model '{name}' cannot output {', '.join(sorted(m.value for m in missing))}; "
-                f"it outputs {', '.join(sorted(k.value for k in offered))}",
-                param=param,
-            )
-
-    def _refuse_unhonoured(
-        self, outputs: frozenset[OutputKind], params: collections.abc.KeysView[str], always: frozenset[str]
-    ) -> None:
-        """A 400 naming the first parameter (beyond the `always` ones) that a source stage on
-        these outputs' route does not declare it honours; none while one has not declared."""
-        honoured = self._sources_declare(outputs, "honours")
-        if honoured is None:
-            return
-        for name in sorted(set(params) - always - honoured):
-            stages = [s for s in self._sources(outputs) if name not in self._honours(s)]
-            where = f"stage {', '.join(repr(s) for s in stages)} ({self._engine_kinds(stages)})"
-            raise BadRequest(f"{name}: not honoured by {where}; leave it out", param=name)
-
-    def _sources(self, outputs: frozenset[OutputKind]) -> list[str]:
-        """The source stages on these outputs' route that decide what a request may ask (an
-        encoder that runs only on media does not)."""
-        return [
-            s
-            for s in self.spec.needed_stages(set(outputs))
-            if s in self.attempts.sources and not self.spec.stage(s).skip_without_media
-        ]
-
-    def _honours(self, stage: str) -> frozenset[str]:
-        declared = self.bus.table.declared(stage, "honours")
-        return frozenset() if declared is None else declared
-
-    def _engine_kinds(self, stages: list[str]) -> str:
-        return ", ".join(sorted({self.spec.stage(s).engine.kind for s in stages}))
-
-    def _refuse_unhonoured_per_stage(
-        self, outputs: frozenset[OutputKind], per_stage: dict[str, Sampling]
-    ) -> None:
-        """A 400 for sampling asked of a stage this request does not run, or that the stage
-        does not declare it honours (max_tokens every stage takes)."""
-        order = [s.name for s in self.spec.stages]
-        needed = self.spec.needed_stages(set(outputs))
-        for stage, params in per_stage.items():
-            param = f"sampling_params_list.{order.index(stage)}"
-            if stage not in needed:
-                raise BadRequest(
-                    f"{param}: stage '{stage}' does not run for this request's outputs", param=param
-                )
-            honoured = self.bus.table.declared(stage, "honours")
-            if honoured is None:
-                continue
-            for name in sorted(set(params.asked()) - {"max_tokens", "top_logprobs"} - honoured):
-                engine = self._engine_kinds([stage])
-                raise BadRequest(
-                    f"{param}.{name}: not honoured by stage '{stage}' ({engine}); leave it out",
-                    param=f"{param}.{name}",
-                )
-
-    def _refuse_unknown_voice(self, voice: str | None, param: str) -> None:
-        """A 400 listing the voices, for a voice this pipeline does not speak in; none while
-        they are not all declared (the stages refuse it themselves then)."""
-        if voice is None or (voices := self.voices()) is None:
-            return
-        if not voices:
-            raise BadRequest(f"{param}: this model's audio takes no voice; leave it out", param=param)
-        if voice not in voices:
-            raise BadRequest(
-                f"{param}: voice '{voice}' is not one of this model's voices: {', '.join(sorted(voices))}",
-                param=param,
-            )
-
     def voices(self) -> frozenset[str] | None:
-        """The voices this pipeline speaks in: those every stage on the audio route that takes
-        a voice speaks in (none: it takes no voice); None while one has not declared its own."""
-        spoken: frozenset[str] | None = None
-        for stage in self.spec.needed_stages({OutputKind.AUDIO}):
-            if (own := self.bus.table.declared(stage, "voices")) is None:
-                return None
-            if own:
-                spoken = own if spoken is None else spoken & own
-        return spoken or frozenset()
+        """The voices this pipeline speaks in; None while a stage that speaks has not said."""
+        return self.announced.voices()
 
     def check_clip(
         self,
@@ -290,37 +177,8 @@ class Pipeline:
         fps: int | None,
         num_frames: int | None,
     ) -> None:
-        """A 400 naming the field, for a video the stages that make it have said they cannot
-        (omni_pipeline.clips); nothing while none has said (the stage refuses it then)."""
-        for stage in self.spec.needed_stages({OutputKind.VIDEO}):
-            if (limits := self.bus.table.clip_limits(stage)) is None:
-                continue
-            try:
-                if width is not None or height is not None:
-                    check_size(
-                        width or limits.multiple, height or limits.multiple, limits.multiple, limits.max_size
-                    )
-                clip_frames(limits, seconds, fps, num_frames)
-            except ClipError as exc:
-                raise BadRequest(str(exc), param=exc.param) from None
-
-    def _sources_declare(
-        self, outputs: frozenset[OutputKind], what: Literal["accepts", "honours"]
-    ) -> frozenset[str] | None:
-        """What every source stage on these outputs' route declares it reads (`accepts`) or
-        honours; None while one of them has not declared its own."""
-        declared: frozenset[str] | None = None
-        for stage in self.spec.needed_stages(set(outputs)):
-            if stage not in self.attempts.sources:
-                continue
-            if what == "honours" and self.spec.stage(stage).skip_without_media:
-                # Not its to decide: a request without media never reaches it (an encoder), and
-                # the same field must not be honoured or refused by whether media came along.
-                continue
-            if (own := self.bus.table.declared(stage, what)) is None:
-                return None
-            declared = own if declared is None else declared & own
-        return declared
+        """A 400 naming the field, for a video the stages that make it have said they cannot."""
+        check_clip(self.announced, width, height, seconds, fps, num_frames)
 
     # --- tokens ------------------------------------------------------------------------------
 
@@ -331,12 +189,12 @@ class Pipeline:
             (
                 s.name
                 for s in self.spec.stages
-                if s.name in self.attempts.sources and not s.skip_without_media
+                if s.name in self.announced.reading and not s.skip_without_media
             ),
             None,
         )
-        nc = self.bus.nc
-        if stage is None or self.bus.table.tokenizes(stage) is False:
+        nc = self._bus.nc
+        if stage is None or self._bus.table.tokenizes(stage) is False:
             raise NotServed(
                 f"model '{self.spec.served_model_name}' has no tokenizer to count with "
                 f"(no source stage's engine reads text)"
@@ -344,7 +202,9 @@ class Pipeline:
         if nc is None:
             raise Unavailable("the gateway is not connected to NATS")
         try:
-            reply = await nc.request(self.bus.subjects.tokenize(stage), pack(msg), timeout=TOKENIZE_TIMEOUT_S)
+            reply = await nc.request(
+                self._bus.subjects.tokenize(stage), pack(msg), timeout=TOKENIZE_TIMEOUT_S
+            )
         except nats.errors.NoRespondersError:
             raise Unavailable(
                 f"stage '{stage}' has no replica that tokenizes (none live, or its engine reads no text)"
@@ -380,7 +240,7 @@ class Pipeline:
             try:
                 splice = delivered.splice() if delivered.anything else None
                 arid = rid if attempt == 0 else f"{rid}-{attempt}"
-                async with contextlib.aclosing(self.attempts.run(arid, deadline, req)) as events:
+                async with contextlib.aclosing(self._attempts.run(arid, deadline, req)) as events:
                     async for ev in events:
                         if splice is not None and (ev := splice(ev)) is None:
                             continue
@@ -407,44 +267,7 @@ class Pipeline:
                 yield ev
             return
 
-    async def run_choices(
-        self, rid: str, n: int, req: Prepared, *, whole: bool = False
-    ) -> AsyncIterator[OfChoice]:
-        """`n` replies to one request, as `n` requests side by side, their events interleaved as
-        they come: vLLM's own parallel sampling is `n` child requests too, child `i` seeded
-        with the request's seed plus `i` (unseeded children sample independently). Closing
-        the iterator aborts them all; one failing fails the whole."""
-        events: asyncio.Queue[tuple[int, Event | Exception | None]] = asyncio.Queue(EVENT_QUEUE)
-
-        async def child(i: int) -> None:
-            seed = req.sampling.seed
-            seeded = msgspec.structs.replace(req.sampling, seed=seed + i) if seed is not None else None
-            run = self.run(
-                f"{rid}.{i}", req if seeded is None else replace(req, sampling=seeded), whole=whole
-            )
-            try:
-                async for ev in run:
-                    await events.put((i, ev))
-                await events.put((i, None))
-            except Exception as exc:
-                await events.put((i, exc))
-            finally:
-                await run.aclose()  # aborts it, if it had not ended
-
-        children = [
-            asyncio.get_running_loop().create_task(child(i), name=f"choice-{rid}.{i}") for i in range(n)
-        ]
-        try:
-            running = n
-            while running:
-                i, ev = await events.get()
-                if ev is None:
-                    running -= 1
-                elif isinstance(ev, Exception):
-                    raise ev
-                else:
-                    yield OfChoice(i, ev)
-        finally:
-            for task in children:
-                task.cancel()
-            await asyncio.gather(*children, return_exceptions=True)
+    def run_choices(self, rid: str, n: int, req: Prepared, *, whole: bool = False) -> AsyncIterator[OfChoice]:
+        """`n` replies to one request, side by side (omni_gateway.choices); closing the iterator
+        aborts them all."""
+        return run_choices(lambda child_rid, child: self.run(child_rid, child, whole=whole), rid, n, req)

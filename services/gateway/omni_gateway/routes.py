@@ -20,7 +20,7 @@ from omni_gateway.errors import BadRequest, ModelNotFound, OmniError, StageFaile
 from omni_gateway.events import AudioChunk, Event, ImageProgress, OfChoice, TextDelta, VideoProgress
 from omni_gateway.images import final_images, image_stream, images_body
 from omni_gateway.metrics import GatewayMetrics
-from omni_gateway.pipeline import Pipeline, PipelineRequest
+from omni_gateway.pipeline import Pipeline
 from omni_gateway.protocol.chat import (
     ChatCompletionRequest,
     sampling_params,
@@ -32,7 +32,8 @@ from omni_gateway.protocol.omni import OmniSleepRequest, OmniWakeupRequest
 from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_inputs, speech_sampling
 from omni_gateway.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from omni_gateway.protocol.videos import read_video_request
-from omni_gateway.sleep import sleep, stage_names, wake
+from omni_gateway.request import PipelineRequest
+from omni_gateway.sleep import stage_names
 from omni_gateway.speech import audio_stream, sse_stream
 from omni_gateway.videos.jobs import checked
 from omni_gateway.videos.media import encode_mp4
@@ -85,15 +86,15 @@ async def live() -> dict[str, str]:
 @router.get("/health")
 async def health(request: Request) -> JSONResponse:
     svc = _pipeline(request)
-    ok = svc.bus.ready()
+    ok = svc.ready()
     return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503)
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     m, svc = _metrics(request), _pipeline(request)
-    m.tracked.set(len(svc.bus.inflight))
-    m.resources.refresh(svc.bus.nc)
+    m.tracked.set(svc.requests_in_flight())
+    m.resources.refresh(svc.nats)
     connectors = list(svc.payloads.connectors.values())
     await svc.payloads.within(COUNT_WAIT_S, m.resources.count_connectors, connectors)  # or the last count
     encode, content_type = choose_encoder(request.headers.get("accept", ""))  # OpenMetrics: exemplars
@@ -103,7 +104,7 @@ async def metrics(request: Request) -> Response:
 @router.get("/replicas")
 async def replicas(request: Request) -> dict[str, Any]:
     """The live replica table this gateway routes by (for operators)."""
-    return {"replicas": _pipeline(request).bus.table.snapshot()}
+    return {"replicas": _pipeline(request).replicas()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,13 +305,13 @@ async def audio_voices(request: Request) -> dict[str, Any]:
 async def omni_sleep(req: OmniSleepRequest, request: Request) -> dict[str, Any]:
     """Put stages to sleep (see omni_gateway.sleep); the answer comes once they all are."""
     svc = _pipeline(request)
-    return await sleep(svc.bus, stage_names(svc.spec, req.stage_ids), req.level, req.pause_mode())
+    return await svc.sleep(stage_names(svc.spec, req.stage_ids), req.level, req.pause_mode())
 
 
 @router.post("/v1/omni/wakeup")
 async def omni_wakeup(req: OmniWakeupRequest, request: Request) -> dict[str, Any]:
     svc = _pipeline(request)
-    return await wake(svc.bus, stage_names(svc.spec, req.stage_ids))
+    return await svc.wake(stage_names(svc.spec, req.stage_ids))
 
 
 async def _observed(

@@ -24,9 +24,10 @@ from omni_gateway.audio import to_pcm16
 from omni_gateway.errors import OmniError
 from omni_gateway.events import AudioChunk, Finished, TextDelta
 from omni_gateway.metrics import GatewayMetrics
-from omni_gateway.pipeline import Pipeline, PipelineRequest
+from omni_gateway.pipeline import Pipeline
 from omni_gateway.realtime.conversation import Conversation, ConversationItem, Part
 from omni_gateway.realtime.protocol import PCM_FORMAT, PCM_RATE, RealtimeError
+from omni_gateway.request import PipelineRequest
 from omni_pipeline import tracing
 
 log = logging.getLogger("omni.gateway")

@@ -18,7 +18,7 @@ from typing import Any
 import msgspec
 
 from omni_gateway.metrics import GatewayMetrics
-from omni_gateway.pipeline import Pipeline, PipelineRequest
+from omni_gateway.pipeline import Pipeline
 from omni_gateway.realtime.conversation import (
     AudioBuffer,
     Conversation,
@@ -52,6 +52,7 @@ from omni_gateway.realtime.protocol import (
 )
 from omni_gateway.realtime.response import Response, Responses
 from omni_gateway.realtime.vad import SpeechStarted, TurnDetector
+from omni_gateway.request import PipelineRequest
 from omni_pipeline.control import RequestInputs
 from omni_pipeline.sampling import EVERY_ENGINE, Sampling
 from omni_pipeline.spec import OutputKind

@@ -26,9 +26,10 @@ from pydantic import ValidationError
 from omni_gateway.audio import to_pcm16, wav_bytes
 from omni_gateway.errors import OmniError
 from omni_gateway.events import AudioChunk
-from omni_gateway.pipeline import Pipeline, PipelineRequest
+from omni_gateway.pipeline import Pipeline
 from omni_gateway.protocol.speech import SpeechRequest, speech_inputs, speech_sampling
 from omni_gateway.realtime.protocol import PCM_RATE, new_id
+from omni_gateway.request import PipelineRequest
 from omni_pipeline.spec import OutputKind
 
 router = APIRouter()

@@ -24,8 +24,9 @@ from typing import Final
 from omni_gateway.errors import OmniError, Overloaded, StageFailed, Unavailable
 from omni_gateway.events import VideoProgress
 from omni_gateway.metrics import GatewayMetrics
-from omni_gateway.pipeline import Pipeline, PipelineRequest
+from omni_gateway.pipeline import Pipeline
 from omni_gateway.protocol.videos import VideoCreateRequest, video_inputs, video_sampling
+from omni_gateway.request import PipelineRequest
 from omni_gateway.videos.jetstream_store import JetStreamJobStore
 from omni_gateway.videos.media import FILE_NAMES, encode_mp4, encode_spritesheet, encode_thumbnail
 from omni_gateway.videos.sqlite_store import SqliteJobStore
@@ -96,7 +97,7 @@ class VideoJobs:
         if kind == "sqlite":
             store = await asyncio.to_thread(SqliteJobStore, root)
         else:
-            store = await JetStreamJobStore.open(pipeline.bus.nc, name, root / "cache")
+            store = await JetStreamJobStore.open(pipeline.nats, name, root / "cache")
         log.info("video jobs: kept in %s", "SQLite under " + str(root) if kind == "sqlite" else "JetStream")
         return cls(pipeline, spec, store, metrics)
 

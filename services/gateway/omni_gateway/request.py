@@ -1,0 +1,49 @@
+"""A request as the pipeline API takes it: as a front end hands it over (`PipelineRequest`), and
+past every pre-flight check, as each attempt sends it (`Prepared`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from omni_pipeline.control import RequestInputs
+from omni_pipeline.sampling import Sampling
+from omni_pipeline.spec import OutputKind
+
+
+@dataclass(frozen=True)
+class PipelineRequest:
+    """A request as a front end hands it over, before any check."""
+
+    model: str | None
+    outputs: frozenset[OutputKind]
+    inputs: RequestInputs
+    sampling: Sampling
+    outputs_param: str = "model"
+    """The client's field that asked for the outputs (a 400 names it)."""
+    voice_param: str | None = None
+    """The client's field the voice came in (`sampling.voice`), to name in a 400."""
+    max_tokens_param: str = "max_tokens"
+    declared: frozenset[str] | None = None
+    """The sampling fields every source stage takes; any other must be one the source stages
+    declare they honour. None: the endpoint's fields are for stages downstream to take."""
+    per_stage: dict[str, Sampling] = field(default_factory=dict)
+    """Sampling asked of one stage alone (vLLM-Omni's `sampling_params_list`), by stage: each
+    field one the stage declares it honours."""
+    media: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Media decoded by the front end (an edit's images), by the keys `inputs` refers to them
+    with; a chat's come inside its messages and are decoded by `Pipeline.prepare`."""
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request past every pre-flight check, as each attempt sends it."""
+
+    inputs: RequestInputs
+    sampling: Sampling
+    outputs: frozenset[OutputKind]
+    media: dict[str, torch.Tensor]
+    """Decoded media, by the keys the messages refer to them with."""
+    per_stage: dict[str, Sampling] = field(default_factory=dict)
+    """Sampling the client asked of one stage alone, by stage (StageRequest.own)."""
