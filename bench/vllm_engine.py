@@ -24,7 +24,7 @@ from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import EngineKind, EngineSpec, OutputKind, StageSpec
 from omni_stage.engines.base import EngineCall
 from omni_stage.engines.prompts import prompt_token_ids
-from omni_stage.engines.vllm import VllmEngine
+from omni_stage.engines.vllm.engine import VllmEngine
 
 TOKENS = 128
 ROUNDS = 5

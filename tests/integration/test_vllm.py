@@ -26,7 +26,7 @@ from omni_pipeline.spec import EngineKind, EngineSpec, load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidRequest
 from omni_stage.engines.prompts import prompt_token_ids
 from omni_stage.engines.registry import build_engine
-from omni_stage.engines.vllm import VllmEngine
+from omni_stage.engines.vllm.engine import VllmEngine
 from omni_stage.segments import EngineOutput
 from tests.helpers import (
     REFUSED_CHAT,

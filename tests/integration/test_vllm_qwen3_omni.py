@@ -11,7 +11,7 @@ from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import EngineSpec, load_pipeline
 from omni_stage.engines.base import EngineCall
 from omni_stage.engines.registry import build_engine
-from omni_stage.engines.vllm import VllmEngine
+from omni_stage.engines.vllm.engine import VllmEngine
 from tests.helpers import ROOT
 from tests.integration.test_vllm import LoopThread, collect, token_ids
 

@@ -2,7 +2,7 @@
 thinker}}`), feeding the transformers talker and code2wav as the pipeline does: text, codec
 codes and waveform equal transformers' own `generate(..., return_audio=True)`, with audio and
 an image in the message too. The hidden states the talker reads come from vLLM's workers
-(omni_stage/engines/vllm_worker.py); nothing here stands in for vLLM."""
+(omni_stage/engines/vllm/worker.py); nothing here stands in for vLLM."""
 
 from __future__ import annotations
 

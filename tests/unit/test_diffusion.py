@@ -16,7 +16,7 @@ import torch
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import EngineKind, EngineSpec, InputSpec, StageSpec
 from omni_stage.engines.base import Engine, EngineCall, InvalidRequest
-from omni_stage.engines.diffusers import DenoiseEngine
+from omni_stage.engines.diffusers.image import DenoiseEngine
 from omni_stage.engines.registry import build_engine
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput

@@ -16,7 +16,7 @@ import torch
 from omni_pipeline.clips import ClipLimits
 from omni_pipeline.sampling import Sampling
 from omni_stage.engines.base import EngineCall, InvalidRequest
-from omni_stage.engines.diffusers_video import VideoDenoiseEngine
+from omni_stage.engines.diffusers.video import VideoDenoiseEngine
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
 from tests.unit.test_diffusion import outputs, stage, started

@@ -34,8 +34,8 @@ GENERIC: Final[dict[EngineKind, str]] = {
     EngineKind.SYNTHETIC: "omni_stage.engines.synthetic:SyntheticEngine",
     EngineKind.TRANSFORMERS: "omni_stage.engines.transformers_lm:TransformersEngine",
     EngineKind.TORCH: "omni_stage.engines.torch_module:TorchModuleEngine",
-    EngineKind.VLLM: "omni_stage.engines.vllm:VllmEngine",
-    EngineKind.DIFFUSERS: "omni_stage.engines.diffusion:build_diffusers_engine",
+    EngineKind.VLLM: "omni_stage.engines.vllm.engine:VllmEngine",
+    EngineKind.DIFFUSERS: "omni_stage.engines.diffusers.build:build_diffusers_engine",
 }
 """The engines of stages that name no part."""
 

@@ -4,7 +4,7 @@ vLLM decodes (continuous batching, its paged KV cache, its own multimodal proces
 audio, images and videos the gateway decoded), and the stage sends the talker what the
 transformers thinker sends (qwen_omni.py): per token, the input embedding and last hidden state
 of the position that consumed the token before it, and with the first the prompt's. The hidden
-states come from vLLM's workers (vllm_hidden.py: our `worker_cls` pushes each step's rows); the
+states come from vLLM's workers (engines/vllm/hidden.py: our `worker_cls` pushes each step's rows); the
 input embeddings are rows of the thinker's embedding table, read alone from the checkpoint,
 zeros where the prompt holds audio, image or video features (as the reference hands them to
 its talker).
@@ -28,8 +28,8 @@ from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import REQUEST_SOURCE, StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.sampling import HONOURED
-from omni_stage.engines.vllm import VllmEngine, vllm_logprobs, vllm_prompt_logprobs
-from omni_stage.engines.vllm_hidden import ADDRESS_ENV, HiddenStates
+from omni_stage.engines.vllm.engine import VllmEngine, vllm_logprobs, vllm_prompt_logprobs
+from omni_stage.engines.vllm.hidden import ADDRESS_ENV, HiddenStates
 from omni_stage.models.qwen_omni.parts import thinker_embedding_table
 from omni_stage.models.qwen_omni.prompt import Prompts, processor_kwargs
 from omni_stage.segments import EngineOutput
@@ -38,8 +38,8 @@ HIDDEN_WAIT_S: Final = 60.0
 """How long a token's hidden state may lag its token (it is sent before the token is sampled)."""
 V2_RUNNER_ENV: Final = "VLLM_USE_V2_MODEL_RUNNER"
 _WORKERS: Final = {
-    "cpu": "omni_stage.engines.vllm_worker.CPUHiddenStatesWorker",
-    "cuda": "omni_stage.engines.vllm_worker.GPUHiddenStatesWorker",
+    "cpu": "omni_stage.engines.vllm.worker.CPUHiddenStatesWorker",
+    "cuda": "omni_stage.engines.vllm.worker.GPUHiddenStatesWorker",
 }
 
 
@@ -190,7 +190,7 @@ class VllmThinker(VllmEngine):
         except TimeoutError:
             raise EngineError(
                 f"stage '{self.stage.name}': vLLM sent no hidden states for {vllm_id} in {HIDDEN_WAIT_S:g} s "
-                "(is engine.args.worker_cls one of omni_stage.engines.vllm_worker's?)"
+                "(is engine.args.worker_cls one of omni_stage.engines.vllm.worker.s?)"
             ) from None
         except VLLMClientError as exc:  # vLLM's own word that the request is at fault (a 400)
             raise InvalidRequest(str(exc)) from None

@@ -1,4 +1,4 @@
-"""vLLM workers that also send each step's last hidden states to the stage (vllm_hidden.py).
+"""vLLM workers that also send each step's last hidden states to the stage (hidden.py).
 
 vLLM imports this module inside its own worker processes (`worker_cls`): one class per
 platform, each vLLM's own worker with one change: after `init_device` builds its model runner,
@@ -22,7 +22,7 @@ from vllm.v1.worker.cpu_worker import CPUWorker
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
-from omni_stage.engines.vllm_hidden import ADDRESS_ENV, HiddenRows
+from omni_stage.engines.vllm.hidden import ADDRESS_ENV, HiddenRows
 
 
 class _Sender:

@@ -1,11 +1,11 @@
 """Video diffusion stages: Wan 2.1's 3D transformer as the denoiser, its causal 3D VAE as the
-decoder (the image stages of diffusers.py, with time as one more latent axis).
+decoder (the image stages of image.py, with time as one more latent axis).
 
 role `denoise` (`WanTransformer3DModel`). Reads `prompt_embeds` and `negative_prompt_embeds`
 (the `encode` stage's), pads them with zeros to `textLength` tokens as Wan's pipeline feeds its
 transformer, and samples latents [n, C, 1 + (frames - 1) / 4, h / 8, w / 8] in float32, the
 transformer running in the stage's dtype. The prompt's and the negative's rows go in one
-forward, and concurrent requests' steps with latents of one shape share it (diffusers.py's
+forward, and concurrent requests' steps with latents of one shape share it (image.py's
 batching). A clip's length is `num_frames`, or `seconds` at the stage's `fps`, rounded to
 the frames the VAE can make (4k + 1); the stage's `maxFrames` bounds it.
 role `decode` (`AutoencoderKLWan`). Final latents in, frames out: uint8 [n, F, H, W, 3].
@@ -18,7 +18,7 @@ in one segment stay aligned, so the latents ride in a per-unit list (`None` in a
 passes the newest progress on and decodes the final unit: `frames` [tensor | None] per unit.
 
 Request parameters: n, width, height, num_frames, seconds, fps, num_inference_steps,
-guidance_scale, seed, progress. Arguments (`engine.args`): those of diffusers.py's stages, and
+guidance_scale, seed, progress. Arguments (`engine.args`): those of image.py's stages, and
 textLength, fps (the clip's frame rate, default 16, Wan's), frames (default length), maxFrames,
 progressIntervalS (0.2).
 """
@@ -35,16 +35,16 @@ from omni_pipeline.clips import ClipError, ClipLimits, clip_frames
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest, seeded
-from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.diffusers import (
-    DenoiseEngine,
-    DiffusersPart,
+from omni_stage.engines.diffusers.image import DenoiseEngine
+from omni_stage.engines.diffusers.parts import (
     SamplingState,
+    VaeDecoder,
     conditioning,
     denormalized,
     inputs_of,
+    pixels,
 )
-from omni_stage.engines.diffusers_text import TEXT_LENGTH
+from omni_stage.engines.diffusers.text import TEXT_LENGTH
 from omni_stage.payload import concat
 from omni_stage.segments import EngineOutput
 
@@ -157,16 +157,8 @@ class VideoDenoiseEngine(DenoiseEngine):
         return out.float()
 
 
-class VideoDecodeEngine(DiffusersPart):
-    weights = ("vae",)
-
-    def __init__(self, stage: StageSpec) -> None:
-        super().__init__(stage)
-        self.vae: Any = None
-        self.batcher = StepBatcher(self._decode_together, self._compute, self.max_batch)
-
-    def _load(self) -> None:
-        self.vae = self._load_part("vae")
+class VideoDecodeEngine(VaeDecoder):
+    """Videos: the final latents decoded into frames; progress alone passed on (the newest)."""
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         parts = [p for p in call.inputs.values() if "latents" in p]
@@ -185,24 +177,17 @@ class VideoDecodeEngine(DiffusersPart):
             for i in done:
                 if not isinstance(latents[i], torch.Tensor):
                     raise EngineError(f"stage '{self.stage.name}': a final unit came without latents")
-                video = await self.batcher.submit(tuple(latents[i].shape[1:]), latents[i])
+                video = await self.decoded(latents[i])
                 yield EngineOutput(units=1, data=_frames_unit(video, int(step[i]), int(steps[i]), True, fps))
         finally:
             self._active.discard(call.request_id)
 
-    def _decode_together(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Latents [n, C, f, h, w] of one shape from several requests, in one VAE decode."""
-        return list(self._decode(torch.cat(items)).split([x.shape[0] for x in items]))
-
     @torch.inference_mode()
-    def _decode(self, latents: torch.Tensor) -> torch.Tensor:
+    def _decode(self, latents: torch.Tensor, preview: bool) -> torch.Tensor:
         """Un-normalized as Wan's pipeline does (per-channel mean and std), decoded, and turned
         into uint8 frames [n, F, H, W, 3]."""
         lat = denormalized(latents.to(self.device, self.dtype), self.vae)
-        video = self.vae.decode(lat, return_dict=False)[0]
-        self._steps += 1
-        rgb = ((video.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        return rgb.permute(0, 2, 3, 4, 1).cpu().contiguous()
+        return pixels(self.vae.decode(lat, return_dict=False)[0])
 
 
 def _unit(latents: torch.Tensor | None, step: int, steps: int, fps: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Which diffusers engine a stage runs: by its `role`, and by the model family its pipeline
-directory holds (diffusers.py's image stages, diffusers_video.py's video ones,
-diffusers_edit.py's image editing ones, diffusers_text.py's text encoder)."""
+directory holds (image.py's stages, video.py's, edit.py's image editing ones, text.py's text
+encoder; what they share is in parts.py)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from typing import Literal
 
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineError
-from omni_stage.engines.diffusers import DecodeEngine, DenoiseEngine
-from omni_stage.engines.diffusers_edit import EDIT_DENOISERS, EditDenoiseEngine, EditEncodeEngine
-from omni_stage.engines.diffusers_text import TextEncodeEngine
-from omni_stage.engines.diffusers_video import VIDEO_DENOISERS, VideoDecodeEngine, VideoDenoiseEngine
+from omni_stage.engines.diffusers.edit import EDIT_DENOISERS, EditDenoiseEngine, EditEncodeEngine
+from omni_stage.engines.diffusers.image import DecodeEngine, DenoiseEngine
+from omni_stage.engines.diffusers.text import TextEncodeEngine
+from omni_stage.engines.diffusers.video import VIDEO_DENOISERS, VideoDecodeEngine, VideoDenoiseEngine
 
 Family = Literal["image", "video", "edit"]
 

@@ -3,7 +3,7 @@
 Qwen2.5-Omni's talker reads, per token, the thinker's last (normed) hidden state of the
 position that consumed it; vLLM returns tokens, never hidden states. vLLM's model runner holds
 them between its forward and its sampling (`execute_model_state`), one row per scheduled
-token, requests in its input batch's order. Our worker class (`vllm_worker.py`, vLLM's
+token, requests in its input batch's order. Our worker class (`worker.py`, vLLM's
 `worker_cls`) reads them there on each step and pushes each request's rows, with the position
 of the first, over a ZeroMQ socket to the stage process, which waits on them here
 (`HiddenStates`). Only the first tensor-parallel rank of the last pipeline stage sends.

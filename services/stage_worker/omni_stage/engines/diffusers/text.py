@@ -21,7 +21,7 @@ import torch
 
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
-from omni_stage.engines.diffusers import DiffusersPart
+from omni_stage.engines.diffusers.parts import DiffusersPart
 from omni_stage.segments import EngineOutput
 
 TEXT_LENGTH: Final = 512

@@ -1,5 +1,5 @@
 """Image editing stages: Qwen-Image-Edit as diffusers' `QwenImageEditPipeline` computes it, cut
-at its two seams (the conditioning, the sampling loop); the VAE decode is diffusers.py's.
+at its two seams (the conditioning, the sampling loop); the VAE decode is image.py's.
 
 role `encode` (`Qwen2_5_VLForConditionalGeneration` with its processor, and the VAE's encoder).
 Reads the client's prompt, its negative and the one image to edit (`images`: references into
@@ -14,14 +14,14 @@ and the packed image latents go into the transformer as one sequence, the predic
 noise's part kept; with a negative and `guidance_scale` > 1, the pipeline's true guidance with
 its norm rescaling. The output is the input's size (scaled down into `maxSize`, rounded down
 to the model's multiple) unless the request sets one. Latents go out unpacked, [1, n, C, h, w],
-for diffusers.py's decoder, which also makes the previews of a stream.
+for image.py's decoder, which also makes the previews of a stream.
 
 The pipeline's own code does what it can: its prompt encoder, its VAE encoder, its resizing and
 latent packing are called on a pipeline object holding only the stage's parts, so the
 conditioning is diffusers' by construction; the loop is ours (steps of concurrent requests in
 one forward, a cancelled request stopping after the step in progress).
 
-Request parameters: those of diffusers.py's denoiser. Arguments (`engine.args`): role, device,
+Request parameters: those of image.py's denoiser. Arguments (`engine.args`): role, device,
 dtype, threads, maxSize, steps, guidanceScale (4.0, the pipeline's `true_cfg_scale`),
 previewEvery, maxBatch.
 """
@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest, seeded
-from omni_stage.engines.diffusers import DenoiseEngine, DiffusersPart, SamplingState, inputs_of, latents_unit
+from omni_stage.engines.diffusers.image import DenoiseEngine
+from omni_stage.engines.diffusers.parts import DiffusersPart, SamplingState, inputs_of, latents_unit
 from omni_stage.segments import EngineOutput
 
 EDIT_DENOISERS: Final = ("QwenImageTransformer2DModel",)
