@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from omni_stage.core import ABORTED_MEMORY, Admission, StageCore
+from omni_stage.state import Change, ReplicaState
 
 
 def test_admission_order_and_limits() -> None:
@@ -30,19 +31,23 @@ def test_abort_queued_and_running() -> None:
 
 
 def test_draining_refuses_new_work() -> None:
-    core = StageCore(1, 1)
-    core.draining = True
+    state = ReplicaState()
+    core = StageCore(1, 1, state)
+    state.change(Change.SERVE)
+    state.change(Change.DRAIN)
     assert core.admit("a") is Admission.REJECT_DRAINING
 
 
 def test_a_sleeping_core_refuses_new_work_and_keeps_what_it_holds() -> None:
-    core = StageCore(1, 1)
+    state = ReplicaState()
+    core = StageCore(1, 1, state)
+    state.change(Change.SERVE)
     assert core.admit("a") is Admission.RUN
-    core.sleeping = True
+    state.change(Change.SLEEP, level=1)
     assert core.admit("b") is Admission.REJECT_SLEEPING and core.is_aborted("b")
     assert core.known("a") and core.has_work()  # the replica decides to finish or abort it
     assert core.release("a") == [] and not core.has_work()
-    core.sleeping = False
+    state.change(Change.WAKE)
     assert core.admit("c") is Admission.RUN
 
 

@@ -25,6 +25,7 @@ from omni_pipeline.spec import REQUEST_SOURCE, load_pipeline
 from omni_stage.assembly import AssemblyError
 from omni_stage.requests import OutEdge, RequestBook, RequestState
 from omni_stage.segments import Segment
+from omni_stage.state import Change, Phase, ReplicaState
 from tests.helpers import ROOT
 
 PIPELINE = load_pipeline(ROOT / "tests" / "data" / "synthetic.yaml")
@@ -38,7 +39,7 @@ def book(stage: str, **changes: object) -> RequestBook:
         OutEdge(s.name, e.window, connectors[e.connector], e.credit)
         for s, e in PIPELINE.spec.consumers(stage)
     ]
-    return RequestBook(spec, edges, f"stage '{stage}' replica 0")
+    return RequestBook(spec, edges, f"stage '{stage}' replica 0", ReplicaState(Phase.READY))
 
 
 def ctx(rid: str, route: dict[str, str] = ROUTE) -> RequestContext:
@@ -74,9 +75,9 @@ def test_admission_runs_then_queues_then_refuses_full() -> None:
 @pytest.mark.parametrize(
     ("setup", "code"),
     [
-        (lambda b: setattr(b, "unhealthy", "connector 'default' (shm): down"), ErrorCode.UNHEALTHY),
-        (lambda b: setattr(b.core, "draining", True), ErrorCode.DRAINING),
-        (lambda b: setattr(b, "asleep", 1), ErrorCode.SLEEPING),
+        (lambda b: setattr(b.state, "unhealthy", "connector 'default' (shm): down"), ErrorCode.UNHEALTHY),
+        (lambda b: b.state.change(Change.DRAIN), ErrorCode.DRAINING),
+        (lambda b: b.state.change(Change.SLEEP, level=1), ErrorCode.SLEEPING),
         (lambda b: admitted(b, "r"), ErrorCode.DUPLICATE_REQUEST),
     ],
     ids=["unhealthy", "draining", "asleep", "duplicate"],

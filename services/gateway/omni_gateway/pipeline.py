@@ -31,7 +31,7 @@ from omni_gateway.errors import BadRequest, NotServed, OmniError, Overloaded, St
 from omni_gateway.events import Event, OfChoice
 from omni_gateway.media import decode_media
 from omni_gateway.pins import ConversationPins
-from omni_gateway.preflight import Announced, check_clip, check_request
+from omni_gateway.preflight import Announced, check_request
 from omni_gateway.replay import Delivered, Diverged
 from omni_gateway.request import PipelineRequest, Prepared
 from omni_gateway.sleep import sleep, wake
@@ -168,17 +168,6 @@ class Pipeline:
     def voices(self) -> frozenset[str] | None:
         """The voices this pipeline speaks in; None while a stage that speaks has not said."""
         return self.announced.voices()
-
-    def check_clip(
-        self,
-        width: int | None,
-        height: int | None,
-        seconds: float | None,
-        fps: int | None,
-        num_frames: int | None,
-    ) -> None:
-        """A 400 naming the field, for a video the stages that make it have said they cannot."""
-        check_clip(self.announced, width, height, seconds, fps, num_frames)
 
     # --- tokens ------------------------------------------------------------------------------
 

@@ -35,6 +35,7 @@ class Beats:
 
     def __init__(
         self,
+        *,
         book: RequestBook,
         engine: Engine,
         outbox: Outbox,
@@ -55,9 +56,6 @@ class Beats:
         self.used = used
         """The connectors this stage reads or writes through (every process builds them all)."""
         self.pipeline = pipeline
-        self.ready = False
-        self.engine_dead: str | None = None
-        """Why the engine can serve nothing more: the replica fails what it holds and exits."""
         self.metrics_port = 0
 
     @property
@@ -65,26 +63,13 @@ class Beats:
         return f"{self.book.spec.name}/{self.outbox.replica}"
 
     def readiness(self) -> tuple[bool, str, str]:
-        """Ready or not, the status word and why. A sleeping replica is ready (Kubernetes must
-        not hold a rollout or restart for it; it is up and doing as told): `sleeping`."""
-        if self.engine_dead is not None:
-            return False, "not ready", f"engine dead: {self.engine_dead}"
-        if not self.ready:
-            return False, "not ready", "starting"
-        if self.book.unhealthy:
-            return False, "not ready", self.book.unhealthy
-        if self.book.draining:
-            return False, "not ready", "draining"
-        if not self.outbox.connected:
-            return False, "not ready", "NATS disconnected"
-        if self.book.asleep is not None:
-            return True, "sleeping", f"asleep at level {self.book.asleep}"
-        return True, "ready", "ok"
+        """Ready or not, the status word and why (ReplicaState.readiness)."""
+        return self.book.state.readiness(self.outbox.connected)
 
     async def beat(self, stopping: bool = False) -> None:
         # No gauge refresh here (/metrics does its own): counting a connector's objects may wait
         # on its backend (Mooncake's master, when it is gone), and a beat must never wait.
-        load = self.book.core.load()
+        load, state = self.book.core.load(), self.book.state
         hb = Heartbeat(
             stage=self.book.spec.name,
             replica=self.outbox.replica,
@@ -95,9 +80,9 @@ class Beats:
             inflight=load.inflight,
             capacity=load.capacity,
             max_queued=load.max_queued,
-            draining=self.book.draining,
+            draining=state.draining,
             interval_s=HEARTBEAT_INTERVAL_S,
-            unhealthy=self.book.unhealthy,
+            unhealthy=state.unhealthy,
             metrics_port=self.metrics_port,
             stopping=stopping,
             by_gateway=dict(collections.Counter(st.ctx.reply_to for st in self.book.requests.values())),
@@ -105,7 +90,7 @@ class Beats:
             honours=sorted(self.engine.honours),
             voices=list(self.engine.voices),
             tokenizes=self.book.is_source and self.engine.prompt_tokenizer() is not None,
-            asleep=self.book.asleep,
+            asleep=state.asleep,
             max_sleep_level=self.engine.max_sleep_level,
             audio_ahead=self.book.is_source and self.engine.audio_ahead is not None,
             clip_limits=self.engine.clip_limits,
@@ -155,9 +140,9 @@ class Beats:
             for c, h in sorted(health, key=lambda ch: ch[0].name)
             if not h.get("ok", False)
         )
-        if unhealthy != self.book.unhealthy:
+        if unhealthy != self.book.state.unhealthy:
             log.warning("stage %s: %s", self.name, unhealthy or "connectors healthy again")
-        self.book.unhealthy = unhealthy
+        self.book.state.unhealthy = unhealthy
 
     async def refresh_gauges(self) -> None:
         """Before a /metrics scrape (the connectors' counts off the loop, or the last ones)."""
@@ -177,7 +162,7 @@ class Beats:
         if (steps := self.engine.steps_run()) is not None:
             m.engine_steps_reached(steps)
         m.time_spent(self.engine.compute_seconds(), self.engine.batch_sizes(), wire.CLOCK.seconds)
-        m.sleep_level.set(-1 if self.book.asleep is None else self.book.asleep)
+        m.sleep_level.set(-1 if (level := self.book.state.asleep) is None else level)
         if (weights := self.engine.weight_bytes()) is not None:
             m.weights_held(weights)
         if (caches := self.engine.prompt_caches) is not None:

@@ -20,6 +20,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Final
 
+from omni_stage.state import Phase, ReplicaState
+
 ABORTED_MEMORY: Final = 10_000
 """How many aborted request ids a replica remembers (to drop their late messages)."""
 
@@ -43,15 +45,14 @@ class Load:
 
 
 class StageCore:
-    def __init__(self, max_inflight: int, max_queued: int) -> None:
+    def __init__(self, max_inflight: int, max_queued: int, state: ReplicaState | None = None) -> None:
         self.max_inflight = max_inflight
         self.max_queued = max_queued
+        self.state = state if state is not None else ReplicaState()
+        """The replica's phase: draining or asleep, it admits nothing (what it holds runs on)."""
         self.running: set[str] = set()
         self.paused: set[str] = set()
         self.waiting: deque[str] = deque()
-        self.draining = False
-        self.sleeping = False
-        """Put to sleep: it admits nothing until woken (what it holds runs on or was aborted)."""
         self._aborted: OrderedDict[str, None] = OrderedDict()
 
     def known(self, request_id: str) -> bool:
@@ -63,10 +64,10 @@ class StageCore:
     def admit(self, request_id: str) -> Admission:
         """A new request: run it now, queue it, or refuse it (and then it counts as aborted)."""
         assert not self.known(request_id), request_id
-        if self.draining:
+        if self.state.phase in (Phase.DRAINING, Phase.DEAD):
             self._forget(request_id)
             return Admission.REJECT_DRAINING
-        if self.sleeping:
+        if self.state.phase is Phase.SLEEPING:
             self._forget(request_id)
             return Admission.REJECT_SLEEPING
         held = len(self.running) + len(self.paused) + len(self.waiting)

@@ -55,9 +55,10 @@ from omni_stage.engines.registry import build_engine
 from omni_stage.health import health_app
 from omni_stage.metrics import StageMetrics
 from omni_stage.outbox import Outbox
-from omni_stage.requests import Inbound, OutEdge, RequestBook
+from omni_stage.requests import Inbound, OutEdge, RequestBook, RequestState
 from omni_stage.runner import RequestRunner
 from omni_stage.sleep import SleepControl
+from omni_stage.state import Change, Phase, ReplicaState
 from omni_stage.tasks import RequestTasks
 from omni_stage.tokenize import serve_tokenize
 from omni_stage.transfer import Transfers
@@ -91,25 +92,55 @@ class StageWorker:
             OutEdge(s.name, e.window, self.connectors[e.connector], e.credit)
             for s, e in pipeline.spec.consumers(stage)
         ]
-        self.book = RequestBook(spec, out_edges, f"stage '{stage}' replica {replica}")
+        self.state = ReplicaState()
+        """Its phase and health (omni_stage.state): changed here, by the sleep control and by
+        the health checks; admission, readiness and the heartbeat read it."""
+        self.book = RequestBook(spec, out_edges, f"stage '{stage}' replica {replica}", self.state)
         self.engine = build_engine(spec)
         self.outbox = Outbox(self.subjects, stage, replica)
         self.transfers = Transfers(stage, self.connectors, self.metrics)
-        self.tasks = RequestTasks(self.book, self.transfers, self.outbox, self.metrics, self._idle)
-        processors = {e.from_: import_object(e.processor) for e in spec.inputs if e.processor}
         self.runner = RequestRunner(
-            spec, self.book, self.engine, self.connectors, processors, self.transfers, self.outbox,
-            self.metrics, self.tasks.start,
-        )  # fmt: skip
-        self.tasks.run = self.runner.run
+            spec=spec,
+            book=self.book,
+            engine=self.engine,
+            connectors=self.connectors,
+            processors={e.from_: import_object(e.processor) for e in spec.inputs if e.processor},
+            transfers=self.transfers,
+            outbox=self.outbox,
+            metrics=self.metrics,
+            start=self._start_request,
+        )
+        self.tasks = RequestTasks(
+            book=self.book,
+            transfers=self.transfers,
+            outbox=self.outbox,
+            metrics=self.metrics,
+            run=self.runner.run,
+            on_idle=self._idle,
+        )
         self.beats = Beats(
-            self.book, self.engine, self.outbox, self.transfers, self.metrics, self.subjects, instance,
-            self.runner.used_connectors(), pipeline.spec,
-        )  # fmt: skip
+            book=self.book,
+            engine=self.engine,
+            outbox=self.outbox,
+            transfers=self.transfers,
+            metrics=self.metrics,
+            subjects=self.subjects,
+            instance=instance,
+            used=self.runner.used_connectors(),
+            pipeline=pipeline.spec,
+        )
         self.sleep = SleepControl(
-            self.book, self.engine, self.outbox, self.metrics, instance, pipeline_path, spec.paused,
-            self.beats.beat, self.tasks.abort, self._engine_failed,
-        )  # fmt: skip
+            book=self.book,
+            engine=self.engine,
+            outbox=self.outbox,
+            metrics=self.metrics,
+            instance=instance,
+            pipeline_path=pipeline_path,
+            paused=spec.paused,
+            announce=self.beats.beat,
+            abort=self.tasks.abort,
+            engine_failed=self._engine_failed,
+        )
         self._stop = asyncio.Event()
         self._drained = asyncio.Event()
 
@@ -152,7 +183,7 @@ class StageWorker:
                 await serve_tokenize(nc, self.subjects, self.spec.name, self.engine)
             if self.sleep.paused:  # before it is ready: a paused stage's new replica starts asleep
                 await self.sleep.sleep(self.engine.max_sleep_level, "wait")
-            self.beats.ready = True
+            self.state.change(Change.SERVE)
             beating = asyncio.create_task(self.beats.beating(), name="heartbeat")
             checks = asyncio.create_task(self.beats.checking(self.sleep.follow_paused, self._engine_failed))
             await self.beats.beat()
@@ -160,12 +191,12 @@ class StageWorker:
             on_ready({"stage": self.spec.name, "replica": self.replica, "metrics_port": port})
             log.info("stage %s ready (inbox %s, metrics :%d)", self.name, self.inbox, port)
             await self._stop.wait()
-            if self.beats.engine_dead is None:
+            if self.state.phase is not Phase.DEAD:
                 await self._finish_drain()
             beating.cancel()
             checks.cancel()
             self.sleep.cancel()
-            dead = self.beats.engine_dead
+            dead = self.state.dead
             await self._fail_held(
                 "stopped before finishing this request" if dead is None else f"lost its engine ({dead})"
             )
@@ -179,18 +210,18 @@ class StageWorker:
             await http
             await self.engine.close()
             self.transfers.close()
-        if self.beats.engine_dead is not None:  # a non-zero exit: the supervisor (or kubelet) restarts us
-            raise EngineDead(f"stage {self.name}: {self.beats.engine_dead}")
+        if self.state.phase is Phase.DEAD:  # a non-zero exit: the supervisor (or kubelet) restarts us
+            raise EngineDead(f"stage {self.name}: {self.state.dead}")
 
     def begin_drain(self) -> None:
         """SIGTERM: take no new requests, finish the ones we have, then stop. Twice: stop now."""
-        if self.book.draining:
+        if self.state.phase in (Phase.DRAINING, Phase.DEAD):
             log.warning("stage %s: second signal, stopping now", self.name)
             self._drained.set()
             self._stop.set()
             return
         log.info("stage %s: draining %d requests", self.name, len(self.book.requests))
-        self.book.core.draining = True
+        self.state.change(Change.DRAIN)
         self._stop.set()
         if self.outbox.nc is not None:
             asyncio.get_running_loop().create_task(self.beats.beat())
@@ -204,7 +235,7 @@ class StageWorker:
     def _engine_failed(self, why: str) -> None:
         """The engine is in no known state: fail what is held and exit, to be started afresh."""
         log.error("stage %s: %s; restarting", self.name, why)
-        self.beats.engine_dead = why
+        self.state.change(Change.DIE, why=why)
         self._drained.set()
         self._stop.set()
 
@@ -297,10 +328,15 @@ class StageWorker:
             log.info("stage %s: abort %s (%s)", self.spec.name, m.request_id, m.reason)
         self.tasks.abort(m.request_id)
 
+    def _start_request(self, st: RequestState) -> None:
+        """A queued request's turn came (a running one paused for credit): its task starts. The
+        runner and the tasks need each other; the worker that owns both introduces them."""
+        self.tasks.start(st)
+
     def _idle(self) -> None:
         """The replica holds nothing any more: wake a sleep or a drain waiting for that."""
         self.sleep.idle()
-        if self.book.draining:
+        if self.state.draining:
             self._drained.set()
 
 

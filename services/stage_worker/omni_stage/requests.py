@@ -25,6 +25,7 @@ from omni_stage.assembly import InputAssembler, Trigger
 from omni_stage.core import Admission, StageCore
 from omni_stage.credit import CreditLedger
 from omni_stage.segments import Segment
+from omni_stage.state import ReplicaState
 from omni_stage.windows import Chunk, WindowState, is_read
 
 Inbound = StageRequest | SegmentMsg
@@ -82,7 +83,7 @@ class Send:
 class RequestBook:
     """Every request one replica holds, and the replica's state that decides admission."""
 
-    def __init__(self, spec: StageSpec, out_edges: list[OutEdge], where: str) -> None:
+    def __init__(self, spec: StageSpec, out_edges: list[OutEdge], where: str, state: ReplicaState) -> None:
         self.spec = spec
         self.where = where
         """How refusals name this replica: `stage 'talker' replica 0`."""
@@ -91,25 +92,14 @@ class RequestBook:
         self.is_source = REQUEST_SOURCE in self.in_windows
         self.defaults = Sampling.of(spec.sampling)
         """The pipeline file's sampling for this stage, under what a request asks."""
-        self.core = StageCore(spec.max_inflight, spec.max_queued)
+        self.state = state
+        """The replica's phase and health, which admission refuses by."""
+        self.core = StageCore(spec.max_inflight, spec.max_queued, state)
         self.ledger = CreditLedger({e.consumer: e.credit for e in out_edges})
         # Every chunk in flight to us is one credit: with the client request and an empty last
         # chunk, a request's triggers can never outgrow this.
         self.max_triggers: Final = sum(e.credit for e in spec.inputs) + 2
         self.requests: dict[str, RequestState] = {}
-        self.unhealthy = ""
-        """Why the replica takes nothing new for now (a connector's backend is down)."""
-        self._asleep: int | None = None
-
-    @property
-    def asleep(self) -> int | None:
-        """The sleep level the replica is at (or going to); None while awake: it admits nothing."""
-        return self._asleep
-
-    @asleep.setter
-    def asleep(self, level: int | None) -> None:
-        self._asleep = level
-        self.core.sleeping = level is not None
 
     # --- admission ---------------------------------------------------------------------------
 
@@ -123,9 +113,9 @@ class RequestBook:
             inputs = ", ".join(self.in_windows)
             why = f"{where}: none of its inputs ({inputs}) is on the route of request {rid}"
             return Admitted(False, ErrorCode.BAD_ROUTE, why)
-        if self.unhealthy:
-            why = f"{where} is unhealthy: {self.unhealthy}"
-            return Admitted(False, ErrorCode.UNHEALTHY, why, unhealthy=self.unhealthy)
+        if unhealthy := self.state.unhealthy:
+            why = f"{where} is unhealthy: {unhealthy}"
+            return Admitted(False, ErrorCode.UNHEALTHY, why, unhealthy=unhealthy)
         if (unread := self.ledger.unread_bytes) >= self.spec.max_unread_bytes:
             why = (
                 f"{where} is full: {unread} bytes of its output wait unread by its consumers "
@@ -138,7 +128,7 @@ class RequestBook:
         if admission is Admission.REJECT_DRAINING:
             return Admitted(False, ErrorCode.DRAINING, f"{where} is draining")
         if admission is Admission.REJECT_SLEEPING:
-            return Admitted(False, ErrorCode.SLEEPING, f"{where} is asleep (level {self.asleep})")
+            return Admitted(False, ErrorCode.SLEEPING, f"{where} is asleep (level {self.state.level})")
         if admission is Admission.REJECT_FULL:
             return Admitted(False, ErrorCode.FULL, f"{where} is full")
         out = {e.consumer: WindowState(e.window) for e in self.out_edges if e.consumer in ctx.route}
@@ -237,10 +227,6 @@ class RequestBook:
 
     def has_work(self) -> bool:
         return self.core.has_work()
-
-    @property
-    def draining(self) -> bool:
-        return self.core.draining
 
     def _states(self, rids: list[str]) -> list[RequestState]:
         return [st for rid in rids if (st := self.requests.get(rid)) is not None]

@@ -52,6 +52,7 @@ class RequestRunner:
 
     def __init__(
         self,
+        *,
         spec: StageSpec,
         book: RequestBook,
         engine: Engine,

@@ -23,6 +23,7 @@ from omni_stage.engines.base import Engine
 from omni_stage.metrics import StageMetrics
 from omni_stage.outbox import Outbox
 from omni_stage.requests import RequestBook
+from omni_stage.state import Change, Phase
 
 log = logging.getLogger("omni.stage")
 
@@ -41,6 +42,7 @@ class SleepControl:
 
     def __init__(
         self,
+        *,
         book: RequestBook,
         engine: Engine,
         outbox: Outbox,
@@ -101,10 +103,13 @@ class SleepControl:
             if level > self.engine.max_sleep_level:
                 why = f"its engine can sleep at most at level {self.engine.max_sleep_level}"
                 return self._ack(False, before, why)
-            if self.book.asleep is not None and self.book.asleep >= level:
+            state = self.book.state
+            if state.phase not in (Phase.STARTING, Phase.READY, Phase.SLEEPING):
+                return self._ack(False, before, f"the replica is {state.phase}")
+            if state.asleep is not None and state.asleep >= level:
                 return self._ack(True, before)
             log.info("stage %s: going to sleep (level %d, %s)", self.name, level, mode)
-            self.book.asleep = level
+            state.change(Change.SLEEP, level=level)
             await self.announce()  # gateways stop routing here now, not at the next beat
             if mode == "abort":
                 why = f"stage '{self.book.spec.name}' replica {self.outbox.replica} was put to sleep"
@@ -126,13 +131,13 @@ class SleepControl:
         """Restore what the sleep freed and admit again. Awake already: done."""
         async with self._lock:
             before = self._held_now()
-            if (level := self.book.asleep) is not None:
+            if (level := self.book.state.asleep) is not None:
                 try:
                     await self.engine.wake_up(level)
                 except Exception as exc:
                     self.engine_failed(f"waking from level {level} failed: {type(exc).__name__}: {exc}")
                     return self._ack(False, before, str(exc))
-                self.book.asleep = None
+                self.book.state.change(Change.WAKE)
                 log.info("stage %s: awake", self.name)
                 await self.announce()
             return self._ack(True, before)
@@ -166,7 +171,7 @@ class SleepControl:
             replica=self.outbox.replica,
             instance=self.instance,
             ok=ok,
-            asleep=self.book.asleep,
+            asleep=self.book.state.asleep,
             seconds=time.monotonic() - before.at,
             freed_bytes=freed,
             rss_bytes_before=before.rss,

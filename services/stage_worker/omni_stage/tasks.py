@@ -31,10 +31,12 @@ class RequestTasks:
 
     def __init__(
         self,
+        *,
         book: RequestBook,
         transfers: Transfers,
         outbox: Outbox,
         metrics: StageMetrics,
+        run: Callable[[RequestState], Coroutine[Any, Any, str]],
         on_idle: Callable[[], None],
     ) -> None:
         self.book = book
@@ -44,8 +46,8 @@ class RequestTasks:
         self.replica = outbox.replica
         self.on_idle = on_idle
         """Called when a request ended and the replica holds nothing (a sleep, a drain wait)."""
-        self.run: Callable[[RequestState], Coroutine[Any, Any, str]] | None = None
-        """What runs a request to its end (the runner's, which starts queued requests through us)."""
+        self.run = run
+        """What runs a request to its end (the runner's)."""
         self._notices: set[asyncio.Task[None]] = set()  # error notices waiting for NATS to return
         self._ended_by_outage: set[str] = set()  # freed again when NATS is back
 
@@ -68,7 +70,6 @@ class RequestTasks:
         return admitted
 
     def start(self, st: RequestState) -> None:
-        assert self.run is not None
         st.task = asyncio.get_running_loop().create_task(self.run(st), name=f"req-{st.request_id}")
         st.task.add_done_callback(lambda task: self._finished(st, task))
 

@@ -25,6 +25,7 @@ from omni_gateway.errors import OmniError, Overloaded, StageFailed, Unavailable
 from omni_gateway.events import VideoProgress
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline
+from omni_gateway.preflight import check_clip
 from omni_gateway.protocol.videos import VideoCreateRequest, video_inputs, video_sampling
 from omni_gateway.request import PipelineRequest
 from omni_gateway.videos.jetstream_store import JetStreamJobStore
@@ -53,7 +54,7 @@ async def checked(pipeline: Pipeline, req: VideoCreateRequest, progress: bool) -
     await pipeline.prepare(asked)
     width, height = req.width_height()
     seconds = float(req.seconds) if req.seconds is not None else None
-    pipeline.check_clip(width, height, seconds, req.fps, req.num_frames)
+    check_clip(pipeline.announced, width, height, seconds, req.fps, req.num_frames)
     return asked
 
 
