@@ -269,10 +269,11 @@ class Attempts:
             # A copy: the payload is a view on a shm segment, which a slow client must not pin.
             samples = audio.reshape(-1).float().numpy().copy()
             return [AudioChunk(samples, int(payload.get("sample_rate", 24000)))]
+        # Images and videos are copied out of the payload (megabytes of frames): off the loop.
         if m.kind == OutputKind.IMAGE:
-            return _image_events(m.stage, payload)
+            return await asyncio.to_thread(_image_events, m.stage, payload)
         if m.kind == OutputKind.VIDEO:
-            return _video_events(m.stage, payload)
+            return await asyncio.to_thread(_video_events, m.stage, payload)
         raise StageFailed(f"stage '{m.stage}': output kind '{m.kind}' is not served by this endpoint")
 
 

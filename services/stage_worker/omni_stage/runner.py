@@ -161,8 +161,8 @@ class RequestRunner:
             payload = await self.transfers.receive(
                 self.in_connectors[producer], producer, st.request_id, m.handle
             )
-            if (proc := self.processors.get(producer)) is not None:
-                payload = proc(payload)
+            if (proc := self.processors.get(producer)) is not None:  # model glue: tensor work, off the loop
+                payload = await asyncio.to_thread(proc, payload)
             inputs[producer] = payload
         return inputs
 

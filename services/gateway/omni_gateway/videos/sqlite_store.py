@@ -260,7 +260,7 @@ class SqliteJobStore:
 
     async def file(self, job_id: str, name: str) -> Path | None:
         path = self._files / job_id / name
-        return path if path.is_file() else None
+        return path if await asyncio.to_thread(path.is_file) else None
 
     async def remove_files(self, job_ids: list[str]) -> None:
         def remove() -> None:
@@ -270,7 +270,10 @@ class SqliteJobStore:
         await asyncio.to_thread(remove)
 
     async def file_ids(self) -> set[str]:
-        return {p.name for p in self._files.iterdir() if not p.name.startswith(".")}
+        def listed() -> set[str]:
+            return {p.name for p in self._files.iterdir() if not p.name.startswith(".")}
+
+        return await asyncio.to_thread(listed)
 
     async def close(self) -> None:
         self._rows.close()

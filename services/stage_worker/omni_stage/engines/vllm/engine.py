@@ -91,10 +91,21 @@ class VllmEngine(Engine):
             engine_args = AsyncEngineArgs(model=self.stage.engine.model, **args)
         except TypeError as exc:
             raise EngineError(f"stage '{self.stage.name}': bad vLLM engine argument: {exc}") from None
-        self.llm = AsyncLLM.from_engine_args(engine_args)
+        # Off the event loop: building it starts vLLM's engine core and waits for it to load the
+        # model (minutes for a real one), and the replica's /health/live answers meanwhile. Built
+        # where no loop runs, vLLM starts its output handler at the first request; an engine
+        # core that dies before then is seen by its process monitor (`errored`, `dead`).
+        self.llm, self.tokenizer = await asyncio.to_thread(self._build, AsyncLLM, engine_args)
+
+    def _build(self, engine: Any, engine_args: Any) -> tuple[Any, Any]:
         from transformers import AutoTokenizer
 
-        self.tokenizer = AutoTokenizer.from_pretrained(self.stage.engine.model)
+        llm = engine.from_engine_args(engine_args)
+        try:
+            return llm, AutoTokenizer.from_pretrained(self.stage.engine.model)
+        except Exception:
+            llm.shutdown()
+            raise
 
     def prompt_tokenizer(self) -> tuple[Any, int] | None:
         if self.tokenizer is None or self.llm is None:  # not started, or closed
