@@ -410,11 +410,14 @@ class SleepAck(msgspec.Struct, tag="sleep_ack", frozen=True):
 
 class TokenizeMsg(msgspec.Struct, tag="tokenize", frozen=True, omit_defaults=True):
     """POST /tokenize, asked of a source stage (by request/reply): the prompt or messages as its
-    engine would read them, with vLLM's options (add_special_tokens, add_generation_prompt,
-    continue_final_message, chat_template_kwargs)."""
+    engine would read them, with vLLM's options."""
 
     inputs: RequestInputs
-    options: dict[str, Any] = {}
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+    template: Sampling = msgspec.field(default_factory=Sampling)
+    """The chat template's arguments, as a request's sampling carries them
+    (`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs`)."""
 
 
 class DetokenizeMsg(msgspec.Struct, tag="detokenize", frozen=True):

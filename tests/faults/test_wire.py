@@ -77,10 +77,10 @@ def _ctx(rid: str, route: dict[str, str]) -> RequestContext:
 
 
 def _unknown_extension_frame() -> bytes:
-    """A well-formed StageRequest whose sampling (a map of anything) holds a msgpack extension
-    value we never define."""
+    """A well-formed StageRequest whose sampling holds, where a value may be anything (a chat
+    template's variables), a msgpack extension value we never define."""
     ctx = msgspec.to_builtins(_ctx("unknown-ext", {"thinker": "0"}))
-    sampling = {"x": msgspec.msgpack.Ext(99, b"\x00" * 18)}
+    sampling = {"chat_template_kwargs": {"x": msgspec.msgpack.Ext(99, b"\x00" * 18)}}
     header = msgspec.msgpack.encode({"type": "request", "ctx": ctx, "inputs": None, "sampling": sampling})
     frame = wire.MAGIC + bytes(4) + len(header).to_bytes(8, "little") + bytes(8) + header
     return frame.ljust(-(-len(frame) // wire.ALIGN) * wire.ALIGN, b"\x00")

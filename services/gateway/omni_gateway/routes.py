@@ -37,7 +37,7 @@ from omni_gateway.sleep import stage_names
 from omni_gateway.speech import audio_stream, sse_stream
 from omni_gateway.videos.jobs import checked
 from omni_gateway.videos.media import encode_mp4
-from omni_pipeline.control import DetokenizeMsg, TokenizeMsg
+from omni_pipeline.control import DetokenizeMsg
 from omni_pipeline.resource_metrics import COUNT_WAIT_S
 from omni_pipeline.sampling import EVERY_ENGINE
 from omni_pipeline.spec import OutputKind
@@ -265,8 +265,7 @@ async def tokenize(req: TokenizeRequest, request: Request) -> dict[str, Any]:
     """vLLM's /tokenize: the ids the source stage reads for a prompt or for chat messages."""
     svc = _pipeline(request)
     _check_model_name(svc, req.model)
-    inputs, options = req.inputs()
-    got = await svc.tokenize(TokenizeMsg(inputs, options))
+    got = await svc.tokenize(req.message())
     return {
         "count": len(got.tokens),
         "max_model_len": got.max_model_len,

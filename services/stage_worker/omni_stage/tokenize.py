@@ -62,7 +62,7 @@ def answer(engine: Engine, m: TokenizeMsg | DetokenizeMsg) -> TokenizeReply:
                 raise InvalidRequest(f"tokens: {bad[0]} is not in the vocabulary (0 to {vocab - 1})")
             return TokenizeReply(True, prompt=tokenizer.decode(m.tokens))
         ids = tokenize(tokenizer, m)
-        strs = tokenizer.convert_ids_to_tokens(ids) if m.options.get("return_token_strs") else []
+        strs = tokenizer.convert_ids_to_tokens(ids) if m.return_token_strs else []
         return TokenizeReply(True, tokens=ids, token_strs=strs, max_model_len=context)
     except InvalidRequest as exc:
         return TokenizeReply(False, code=ErrorCode.INVALID_REQUEST, message=str(exc))
@@ -74,19 +74,17 @@ def answer(engine: Engine, m: TokenizeMsg | DetokenizeMsg) -> TokenizeReply:
 def tokenize(tokenizer: Any, m: TokenizeMsg) -> list[int]:
     """As vLLM's /tokenize: a prompt with the tokenizer's special tokens (unless asked not to),
     messages through the chat template without them (unless asked to)."""
-    opts, inputs = m.options, m.inputs
+    inputs = m.inputs
     if inputs.messages is not None:
         try:
             text = tokenizer.apply_chat_template(
                 messages_to_chat(inputs.messages),
                 tools=inputs.tools or None,
                 tokenize=False,
-                **chat_template_args(opts),
+                **chat_template_args(m.template),
             )
         except ValueError as exc:
             raise InvalidRequest(f"the chat template cannot apply: {exc}") from None
-        special = bool(opts.get("add_special_tokens", False))
     else:
         text = inputs.prompt or ""
-        special = bool(opts.get("add_special_tokens", True))
-    return list(tokenizer(text, add_special_tokens=special)["input_ids"])
+    return list(tokenizer(text, add_special_tokens=m.add_special_tokens)["input_ids"])

@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from omni_gateway.protocol.chat import ChatMessage, TextPart, Tool
 from omni_gateway.protocol.vllm import TokenId
-from omni_pipeline.control import RequestInputs
+from omni_pipeline.control import RequestInputs, TokenizeMsg
+from omni_pipeline.sampling import Sampling
 
 
 class TokenizeRequest(BaseModel):
@@ -45,27 +46,24 @@ class TokenizeRequest(BaseModel):
                     raise ValueError(f"messages[{i}].content[{j}]: /tokenize counts text parts only")
         return self
 
-    def inputs(self) -> tuple[RequestInputs, dict[str, Any]]:
+    def message(self) -> TokenizeMsg:
         """What the source stage tokenizes, and how (omni_stage.tokenize)."""
-        options: dict[str, Any] = {
-            "add_special_tokens": self.add_special_tokens
-            if self.add_special_tokens is not None
-            else self.prompt is not None,
-            "return_token_strs": self.return_token_strs,
-        }
+        special = self.add_special_tokens if self.add_special_tokens is not None else self.prompt is not None
         if self.messages is None:
-            return RequestInputs(prompt=self.prompt), options
+            return TokenizeMsg(RequestInputs(prompt=self.prompt), special, self.return_token_strs)
         messages = [
             m.model_dump(exclude_none=True, include={"role", "content", "name", "tool_calls", "tool_call_id"})
             for m in self.messages
         ]
         tools = [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
-        options["chat_template_kwargs"] = self.chat_template_kwargs or {}
-        if not self.add_generation_prompt:
-            options["add_generation_prompt"] = False
-        if self.continue_final_message:
-            options["continue_final_message"] = True
-        return RequestInputs(messages=messages, tools=tools), options
+        template = Sampling(
+            chat_template_kwargs=self.chat_template_kwargs or None,
+            add_generation_prompt=False if not self.add_generation_prompt else None,
+            continue_final_message=True if self.continue_final_message else None,
+        )
+        return TokenizeMsg(
+            RequestInputs(messages=messages, tools=tools), special, self.return_token_strs, template
+        )
 
 
 class DetokenizeRequest(BaseModel):

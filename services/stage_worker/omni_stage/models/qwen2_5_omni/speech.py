@@ -10,7 +10,7 @@ from typing import Any, Final
 
 import torch
 
-from omni_pipeline.sampling import params
+from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
@@ -351,7 +351,7 @@ class Token2Wav(Part):
         silence = {"talker": {"codes": torch.zeros(n, dtype=torch.long)}}
 
         async def decode() -> None:
-            async for _ in self.generate(EngineCall("warm-up", silence, True, {})):
+            async for _ in self.generate(EngineCall("warm-up", silence, True, Sampling())):
                 pass
 
         await decode()
