@@ -95,12 +95,13 @@ demo-models: $(MODELS)/tiny-image/model_index.json
 serve: $(SERVE_STAMP) demo-models
 	$(OMNI) serve examples/tiny-omni.yaml --port $(PORT)
 
-# Three workers, one module each at a time (a module's shared fixtures stay in one process): on
-# two cores, a third keeps them busy while the others wait on processes, heartbeats and drains
-# (15.5 min against 16.8 with two, 29 with one). One module alone: `$(PY) -m pytest PATH`.
-# The slowest tests are listed at the end of every run, to keep the suite's time in view.
+# Three workers, one group each at a time: a module (its shared fixtures stay in one process),
+# or a benchmark of its own (tests/conftest.py groups them, and orders them: the order kept). On two cores, a third
+# keeps them busy while the others wait on processes, heartbeats and drains. One module alone:
+# `$(PY) -m pytest PATH`. The slowest tests are listed at the end of every run, to keep the
+# suite's time in view.
 test: setup $(VOMNI_STAMP)
-	$(PY) -m pytest -n 3 --dist loadfile --durations=20
+	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=20
 
 # Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
 BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep video image

@@ -53,21 +53,23 @@ def pipeline(split: bool, encoders: int = 1) -> dict[str, Any]:
     return spec
 
 
-def body() -> dict[str, Any]:
-    """One chat completion with a clip and an image (a tone in noise, random pixels: a seed)."""
+def body(quick: bool = False) -> dict[str, Any]:
+    """One chat completion with a clip and an image (a tone in noise, random pixels: a seed);
+    with --quick, a second of audio and a small image (it checks that the benchmark runs)."""
     rng = np.random.default_rng(0)
-    t = np.arange(10 * 16000) / 16000
+    seconds, (height, width), tokens = (1, (180, 320), 8) if quick else (10, (720, 1280), TOKENS)
+    t = np.arange(seconds * 16000) / 16000
     clip = (0.3 * np.sin(2 * np.pi * 440 * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
     wav, png = io.BytesIO(), io.BytesIO()
     soundfile.write(wav, clip, 16000, format="WAV", subtype="FLOAT")
-    Image.fromarray(rng.integers(0, 256, (720, 1280, 3), dtype=np.uint8)).save(png, format="PNG")
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(png, format="PNG")
     b64 = lambda buf: base64.b64encode(buf.getvalue()).decode()  # noqa: E731
     content = [
         {"type": "input_audio", "input_audio": {"data": b64(wav), "format": "wav"}},
         {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(png)}"}},
         {"type": "text", "text": "What do you hear and see?"},
     ]
-    return {"model": "bench", "messages": [{"role": "user", "content": content}], "max_tokens": TOKENS}
+    return {"model": "bench", "messages": [{"role": "user", "content": content}], "max_tokens": tokens}
 
 
 def thinker_process() -> psutil.Process:
@@ -80,11 +82,12 @@ def thinker_process() -> psutil.Process:
     raise LookupError("no thinker stage process")
 
 
-def measure(base: str, requests: int) -> dict[str, float]:
-    asyncio.run(closed_loop(base, body(), CONCURRENCY, CONCURRENCY))  # warm-up
+def measure(base: str, requests: int, quick: bool) -> dict[str, float]:
+    asked = body(quick)
+    asyncio.run(closed_loop(base, asked, CONCURRENCY, CONCURRENCY))  # warm-up
     thinker = thinker_process()
     before = sum(thinker.cpu_times()[:2])
-    load = asyncio.run(closed_loop(base, body(), requests, CONCURRENCY))
+    load = asyncio.run(closed_loop(base, asked, requests, CONCURRENCY))
     busy = sum(thinker.cpu_times()[:2]) - before
     return {
         "req_per_s": round(load.per_s, 3),
@@ -106,7 +109,7 @@ def plot(result: dict[str, Any], path: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
-    requests = CONCURRENCY * rounds(ROUNDS, args)
+    requests = CONCURRENCY * rounds(ROUNDS, args) // (2 if args.quick else 1)
     runs: dict[str, dict[str, float]] = {}
     with demo_models() as cwd:
         for name, spec in (
@@ -115,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
             ("split_2_encoders", pipeline(True, 2)),
         ):
             with served("bench", spec, cwd=cwd) as base:
-                runs[name] = measure(base, requests)
+                runs[name] = measure(base, requests, args.quick)
     rate = {k: v["req_per_s"] for k, v in runs.items()}
     thinker = {k: v["thinker_cpu_ms_per_request"] for k, v in runs.items()}
     result = {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Final
 
 import pytest
 from filelock import FileLock
@@ -18,11 +19,43 @@ from tests.helpers import ROOT
 DONE = ".built"
 
 
+BENCH_MODULE: Final = "tests/e2e/test_bench.py"
+MODELS_IN_UNIT: Final = frozenset(
+    {"test_qwen_omni.py", "test_qwen3_omni.py", "test_image_edit.py", "test_diffusion.py", "test_engines.py"}
+)
+"""Unit modules that run real models against their references (minutes each, compiled forms
+among them)."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The unit tests last. Under pytest-xdist each worker takes whole modules in this order:
-    the slow modules that start processes begin early, and the many short unit modules fill the
-    end of the run, where a slow one would keep one worker busy while the others idle."""
-    items.sort(key=lambda item: item.nodeid.startswith("tests/unit/"))
+    """Under pytest-xdist each worker takes whole groups (`ModulesAndBenchmarks`) in this order:
+    the benchmarks, the modules that start processes, the unit modules that run models, then the
+    many short unit modules that fill the end of the run, where a slow one would keep one worker
+    busy while the others idle (`make test` keeps this order: --no-loadscope-reorder)."""
+
+    def order(item: pytest.Item) -> tuple[int, str]:
+        path = item.nodeid.split("::", 1)[0]
+        if path == BENCH_MODULE:
+            return 0, path
+        if not path.startswith("tests/unit/"):
+            return 1, path
+        return (2 if Path(path).name in MODELS_IN_UNIT else 3), path
+
+    items.sort(key=order)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Whole modules to a worker (a module's shared fixtures stay in one process), except the
+    benchmarks, each a group of its own: together they would hold one worker for a quarter of
+    an hour."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndBenchmarks(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return nodeid if module == BENCH_MODULE else module
+
+    return ModulesAndBenchmarks(config, log)  # type: ignore[arg-type]
 
 
 @pytest.fixture

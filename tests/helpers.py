@@ -30,6 +30,13 @@ from prometheus_client.parser import text_string_to_metric_families
 T = TypeVar("T")
 ROOT = Path(__file__).parents[1]
 OMNI = [sys.executable, "-m", "omni_cli.main"]
+VLLM_TIMEOUT_S = 450
+"""The timeout of a test that starts vLLM's engine on the CPU (its engine core process, the
+model loaded and profiled: a minute alone, two under a full suite's load)."""
+COMPILE_TIMEOUT_S = 900
+"""The timeout of a test that torch.compiles a model on the CPU: inductor builds each kernel
+with g++, every form the stage runs compiled at start (three minutes alone for token2wav on two
+cores with a cold cache; up to five under a full suite's load)."""
 
 SHM_SESSION = os.environ["OMNI_SHM_PREFIX"] = f"omni-run{uuid.uuid4().hex[:8]}"
 """This test process's shared memory: set before any process starts, so everything it makes

@@ -23,6 +23,7 @@ from tests.deployment import gauges, settle
 from tests.e2e.test_serve import audio_delta
 from tests.helpers import (
     ROOT,
+    VLLM_TIMEOUT_S,
     decode_wav,
     replica_metric,
     served,
@@ -353,6 +354,7 @@ def vllm_base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
         yield url
 
 
+@pytest.mark.timeout(VLLM_TIMEOUT_S)  # the first of the module's tests on vLLM starts it
 def test_on_vllm_text_audio_and_an_image_in_stream_text_and_speech_out(
     vllm_base: str, media_reference: dict[str, Any]
 ) -> None:
@@ -368,6 +370,7 @@ def test_on_vllm_text_audio_and_an_image_in_stream_text_and_speech_out(
     assert isinstance(err.value.body, dict) and err.value.body["param"] == "tools", err.value.body
 
 
+@pytest.mark.timeout(VLLM_TIMEOUT_S)
 def test_vllm_omni_cli_runs_against_the_vllm_thinker_pipeline(
     vllm_base: str, demo_dir: Path, tmp_path: Path
 ) -> None:

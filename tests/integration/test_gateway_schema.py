@@ -30,6 +30,9 @@ PIPELINE = ROOT / "tests" / "data" / "echo.yaml"
 REAL_PIPELINE = ROOT / "tests" / "data" / "tiny-omni-api.yaml"
 EXAMPLES = {"echo": 120, "real": 60}
 """Per operation and mode; fewer behind real models, whose answers take a forward pass each."""
+PARTS = 3
+"""The operations are fuzzed in this many tests, each taking every third (each a minute or
+more under load, were they one)."""
 SERVED = {"echo": "echo", "real": "tiny-omni"}
 STAGES = {"echo": ["echo"], "real": ["thinker", "talker", "vocoder"]}
 
@@ -69,13 +72,14 @@ def test_the_schema_covers_the_api(gateway: str) -> None:
     assert {"GET /v1/models", "GET /health"} <= ops
 
 
+@pytest.mark.parametrize("part", range(PARTS), ids=lambda p: f"part{p}")
 @pytest.mark.parametrize("behind", ["echo", "real"])
 @pytest.mark.parametrize("mode", list(schemathesis.GenerationMode), ids=lambda m: m.value)
 def test_no_input_makes_a_server_error(
-    request: pytest.FixtureRequest, behind: str, mode: schemathesis.GenerationMode
+    request: pytest.FixtureRequest, behind: str, mode: schemathesis.GenerationMode, part: int
 ) -> None:
     gateway: str = request.getfixturevalue("gateway" if behind == "echo" else "real_gateway")
-    for name, op in _operations(gateway).items():
+    for name, op in sorted(_operations(gateway).items())[part::PARTS]:
 
         @given(case=op.as_strategy(generation_mode=mode))
         @settings(

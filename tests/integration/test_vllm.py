@@ -31,6 +31,7 @@ from omni_stage.segments import EngineOutput
 from tests.helpers import (
     REFUSED_CHAT,
     ROOT,
+    VLLM_TIMEOUT_S,
     OmniProcess,
     decode_wav,
     group_alive,
@@ -39,6 +40,8 @@ from tests.helpers import (
     wait_for,
 )
 from tests.openai_schema import violations
+
+pytestmark = pytest.mark.timeout(VLLM_TIMEOUT_S)
 
 T = TypeVar("T")
 MESSAGES = [{"role": "user", "content": "What is omni?"}]

@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import EngineSpec, load_pipeline
 from omni_stage.engines.base import EngineCall
 from omni_stage.engines.registry import build_engine
 from omni_stage.engines.vllm.engine import VllmEngine
-from tests.helpers import ROOT
+from tests.helpers import ROOT, VLLM_TIMEOUT_S
 from tests.integration.test_vllm import LoopThread, collect, token_ids
+
+pytestmark = pytest.mark.timeout(VLLM_TIMEOUT_S)
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 

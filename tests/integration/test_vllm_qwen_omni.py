@@ -20,7 +20,7 @@ from omni_pipeline.spec import EngineSpec, load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, EngineError
 from omni_stage.engines.registry import build_engine
 from omni_stage.models.qwen2_5_omni.vllm_thinker import VllmThinker
-from tests.helpers import wait_for
+from tests.helpers import VLLM_TIMEOUT_S, wait_for
 from tests.integration.test_vllm import LoopThread
 from tests.qwen_reference import (
     media_clips,
@@ -40,6 +40,8 @@ from tests.unit.test_qwen_omni import (
     engine,
     run_pipeline,
 )
+
+pytestmark = pytest.mark.timeout(VLLM_TIMEOUT_S)
 
 
 def vllm_thinker(model: Path, **args: Any) -> VllmThinker:

@@ -24,7 +24,7 @@ from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall
 from omni_stage.engines.registry import build_engine
 from omni_stage.payload import concat
-from tests.helpers import ROOT
+from tests.helpers import COMPILE_TIMEOUT_S, ROOT
 from tests.qwen_reference import (
     MEDIA_QUESTION,
     VIDEO_QUESTION,
@@ -250,6 +250,7 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
     assert together == alone
 
 
+@pytest.mark.timeout(COMPILE_TIMEOUT_S)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Path, compiled: bool) -> None:
     """Three requests of different prompt lengths (one with audio and an image) on one talker

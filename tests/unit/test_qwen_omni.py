@@ -28,7 +28,7 @@ from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, 
 from omni_stage.engines.registry import build_engine
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
-from tests.helpers import ROOT
+from tests.helpers import COMPILE_TIMEOUT_S, ROOT
 from tests.qwen_reference import (
     media_clips,
     media_message,
@@ -407,6 +407,7 @@ def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.timeout(COMPILE_TIMEOUT_S)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_output(
     model: Path, compiled: bool
@@ -858,6 +859,7 @@ def test_chunks_that_split_a_dit_block_are_refused_at_start(
         asyncio.run(engine("code2wav", model, **args).start())
 
 
+@pytest.mark.timeout(COMPILE_TIMEOUT_S)
 def test_compiled_code2wav_decodes_what_eager_decodes(model: Path, reference: dict[str, Any]) -> None:
     """`compile: true` (torch.compile of the DiT's layers and BigVGAN, here on the CPU's
     inductor backend, which builds its kernels with g++): a first, a middle and a last chunk,
