@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from omni_stage.demo_tokenizer import byte_level_tokenizer
 from omni_stage.engines.base import import_object
-from omni_stage.engines.registry import FAMILIES
+from omni_stage.engines.registry import DIFFUSERS_FAMILIES, FAMILIES
 
 HIDDEN: Final = 64
 CODEC_VOCAB: Final = 256
@@ -109,219 +109,14 @@ def _qwen2(vocab: int, eos: int | None, seed: int):  # type: ignore[no-untyped-d
     return model
 
 
-def _image_pipeline(path: Path, caption_channels: int) -> None:
-    """A diffusers pipeline directory: model_index.json naming each part, each part saved by
-    its own save_pretrained. The text encoder is the separate text stage, so it has none."""
-    import diffusers
-    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
-
-    torch.manual_seed(3)
-    transformer = PixArtTransformer2DModel(
-        num_attention_heads=2,
-        attention_head_dim=16,
-        in_channels=4,
-        out_channels=8,  # PixArt learns the variance too; the sampler drops that half
-        num_layers=2,
-        cross_attention_dim=32,
-        caption_channels=caption_channels,
-        sample_size=16,
-        patch_size=2,
-        norm_type="ada_norm_single",
-        use_additional_conditions=False,
-    )
-    vae = AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        down_block_types=("DownEncoderBlock2D",) * 3,
-        up_block_types=("UpDecoderBlock2D",) * 3,
-        block_out_channels=(16, 32, 32),
-        layers_per_block=1,
-        latent_channels=4,
-        norm_num_groups=8,
-        sample_size=64,
-    )
-    transformer.save_pretrained(path / "transformer")
-    vae.save_pretrained(path / "vae")
-    DPMSolverMultistepScheduler().save_pretrained(path / "scheduler")
-    index = {
-        "_class_name": "PixArtAlphaPipeline",
-        "_diffusers_version": diffusers.__version__,
-        "transformer": ["diffusers", "PixArtTransformer2DModel"],
-        "scheduler": ["diffusers", "DPMSolverMultistepScheduler"],
-        "vae": ["diffusers", "AutoencoderKL"],
-        "text_encoder": [None, None],
-        "tokenizer": [None, None],
-    }
-    (path / "model_index.json").write_text(json.dumps(index, indent=2))
-
-
-def _video_pipeline(path: Path) -> None:
-    """A Wan 2.1 text-to-video pipeline directory as diffusers' `WanPipeline` loads it: a UMT5
-    text encoder (with the demo tokenizer), the 3D transformer, the causal 3D VAE (4x in time,
-    8x in space) and the flow-matching UniPC scheduler Wan ships with."""
-    import diffusers
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    tok = byte_level_tokenizer("", [])
-    torch.manual_seed(5)
-    UMT5EncoderModel(
-        UMT5Config(
-            vocab_size=len(tok),
-            d_model=32,
-            d_kv=8,
-            d_ff=64,
-            num_layers=2,
-            num_heads=4,
-            relative_attention_num_buckets=8,
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-        )
-    ).save_pretrained(path / "text_encoder")
-    tok.save_pretrained(path / "tokenizer")
-    WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=2,
-        attention_head_dim=12,
-        in_channels=16,
-        out_channels=16,
-        text_dim=32,
-        freq_dim=256,
-        ffn_dim=32,
-        num_layers=2,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
-    ).save_pretrained(path / "transformer")
-    AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    ).save_pretrained(path / "vae")
-    UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
-    ).save_pretrained(path / "scheduler")
-    index = {
-        "_class_name": "WanPipeline",
-        "_diffusers_version": diffusers.__version__,
-        "text_encoder": ["transformers", "UMT5EncoderModel"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "transformer": ["diffusers", "WanTransformer3DModel"],
-        "transformer_2": [None, None],
-        "vae": ["diffusers", "AutoencoderKLWan"],
-        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
-    }
-    (path / "model_index.json").write_text(json.dumps(index, indent=2))
-
-
-def _edit_pipeline(path: Path) -> None:
-    """A Qwen-Image-Edit pipeline directory as diffusers' `QwenImageEditPipeline` loads it: the
-    Qwen2.5-VL model that reads the instruction with the image (the demo tokenizer with
-    Qwen's vision tokens; its processor reads at most 112x112 pixels), the Qwen-Image MMDiT,
-    the Qwen-Image VAE (8x in space) and the scheduler with Qwen-Image's shift settings."""
-    import diffusers
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
-    from transformers import (
-        Qwen2_5_VLConfig,
-        Qwen2_5_VLForConditionalGeneration,
-        Qwen2VLImageProcessor,
-        Qwen2VLProcessor,
-        Qwen2VLVideoProcessor,
-    )
-
-    roles = {
-        "image_token": "<|image_pad|>",
-        "video_token": "<|video_pad|>",
-        "vision_bos_token": "<|vision_start|>",
-        "vision_eos_token": "<|vision_end|>",
-    }
-    tok = byte_level_tokenizer("", ["<|im_start|>", *roles.values()], roles)
-    ids = {t: tok.convert_tokens_to_ids(t) for t in roles.values()}
-    torch.manual_seed(7)
-    text = {
-        "vocab_size": len(tok),
-        "hidden_size": HIDDEN,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "max_position_embeddings": 4096,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
-        "initializer_range": 0.5,
-        "bos_token_id": None,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id,
-    }
-    vision = {
-        "depth": 2,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_heads": 2,
-        "out_hidden_size": HIDDEN,
-        "patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "window_size": 112,
-        "fullatt_block_indexes": [1],
-    }
-    config = Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        tie_word_embeddings=False,
-    )
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path / "text_encoder")
-    tok.save_pretrained(path / "tokenizer")
-    pixels = {"min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "temporal_patch_size": 2}
-    Qwen2VLProcessor(
-        image_processor=Qwen2VLImageProcessor(**pixels, merge_size=2),
-        tokenizer=tok,
-        video_processor=Qwen2VLVideoProcessor(**pixels, merge_size=2),
-    ).save_pretrained(path / "processor")
-    torch.manual_seed(8)
-    QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=64,
-        out_channels=16,
-        num_layers=2,
-        attention_head_dim=16,
-        num_attention_heads=2,
-        joint_attention_dim=HIDDEN,
-        axes_dims_rope=(4, 6, 6),
-    ).save_pretrained(path / "transformer")
-    AutoencoderKLQwenImage(
-        base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    ).save_pretrained(path / "vae")
-    FlowMatchEulerDiscreteScheduler(
-        base_image_seq_len=256,
-        base_shift=0.5,
-        max_image_seq_len=8192,
-        max_shift=0.9,
-        shift=1.0,
-        shift_terminal=0.02,
-        time_shift_type="exponential",
-        use_dynamic_shifting=True,
-    ).save_pretrained(path / "scheduler")
-    index = {
-        "_class_name": "QwenImageEditPipeline",
-        "_diffusers_version": diffusers.__version__,
-        "text_encoder": ["transformers", "Qwen2_5_VLForConditionalGeneration"],
-        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
-        "processor": ["transformers", "Qwen2VLProcessor"],
-        "transformer": ["diffusers", "QwenImageTransformer2DModel"],
-        "vae": ["diffusers", "AutoencoderKLQwenImage"],
-        "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
-    }
-    (path / "model_index.json").write_text(json.dumps(index, indent=2))
-
-
 def init_demo(out_dir: str | Path) -> dict[str, Path]:
-    """Write tiny-thinker, tiny-talker, tiny-vocoder, each model family's tiny checkpoint
-    (tiny-qwen2.5-omni, tiny-qwen3-omni: the registry's FAMILIES) and tiny-image (last: its index
-    means all are there) under `out_dir`; returns their paths, by name without `tiny-`."""
+    """Write tiny-thinker, tiny-talker, tiny-vocoder and each model family's tiny checkpoint (the
+    registry's FAMILIES and DIFFUSERS_FAMILIES: tiny-qwen2.5-omni, tiny-qwen3-omni, tiny-video,
+    tiny-image-edit, and tiny-image last: its index means all are there) under `out_dir`;
+    returns their paths, by name without `tiny-`."""
     out = Path(out_dir)
-    families = (f.demo for f in FAMILIES.values())
-    names = ("thinker", "talker", "vocoder", *families, "video", "image-edit", "image")
+    families = (f.demo for f in (*FAMILIES.values(), *DIFFUSERS_FAMILIES.values()))
+    names = ("thinker", "talker", "vocoder", *families)
     paths = {name: out / f"tiny-{name}" for name in names}
 
     tok = byte_level_tokenizer(CHAT_TEMPLATE, ["<|im_start|>"])
@@ -342,9 +137,6 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
     )
     save_file(voc.state_dict(), str(paths["vocoder"] / "model.safetensors"))
 
-    for family in FAMILIES.values():
+    for family in (*FAMILIES.values(), *DIFFUSERS_FAMILIES.values()):  # tiny-image last
         import_object(family.checkpoint)(paths[family.demo])
-    _video_pipeline(paths["video"])
-    _edit_pipeline(paths["image-edit"])
-    _image_pipeline(paths["image"], caption_channels=HIDDEN)
     return paths

@@ -2,13 +2,16 @@
 
 Entries name a module and an attribute, so a stage imports only its own engine's stack (vLLM,
 diffusers, one model family) and no engine imports another through here. A model family
-(`engine.args.part`) is picked by its checkpoint's `model_type`; adding one is one entry in
-FAMILIES pointing at its parts.
+(`engine.args.part`) is picked by its checkpoint's `model_type`; a diffusion family (a diffusers
+stage's `role`) by its pipeline directory's denoiser class. Adding one is one entry in FAMILIES
+or DIFFUSERS_FAMILIES pointing at its parts and its tiny checkpoint's writer.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final
 
 from omni_pipeline.spec import EngineKind, StageSpec
@@ -35,7 +38,6 @@ GENERIC: Final[dict[EngineKind, str]] = {
     EngineKind.TRANSFORMERS: "omni_stage.engines.transformers_lm:TransformersEngine",
     EngineKind.TORCH: "omni_stage.engines.torch_module:TorchModuleEngine",
     EngineKind.VLLM: "omni_stage.engines.vllm.engine:VllmEngine",
-    EngineKind.DIFFUSERS: "omni_stage.engines.diffusers.build:build_diffusers_engine",
 }
 """The engines of stages that name no part."""
 
@@ -75,10 +77,58 @@ FAMILIES: Final[dict[str, Family]] = {
 DEFAULT_FAMILY: Final = "qwen2_5_omni"
 """For a checkpoint whose config cannot be read (its part then says what is missing as it loads)."""
 
+_DIFFUSERS = "omni_stage.engines.diffusers"
+_TEXT = f"{_DIFFUSERS}.text:TextEncodeEngine"
+DIFFUSERS_FAMILIES: Final[dict[str, Family]] = {
+    "WanTransformer3DModel": Family(
+        "Wan 2.1",
+        {
+            EngineKind.DIFFUSERS: {
+                "encode": _TEXT,
+                "denoise": f"{_DIFFUSERS}.video:VideoDenoiseEngine",
+                "decode": f"{_DIFFUSERS}.video:VideoDecodeEngine",
+            }
+        },
+        checkpoint="omni_stage.models.wan.checkpoint:write_tiny_checkpoint",
+        demo="video",
+    ),
+    "QwenImageTransformer2DModel": Family(
+        "Qwen-Image-Edit",
+        {
+            EngineKind.DIFFUSERS: {
+                "encode": f"{_DIFFUSERS}.edit:EditEncodeEngine",
+                "denoise": f"{_DIFFUSERS}.edit:EditDenoiseEngine",
+                "decode": f"{_DIFFUSERS}.image:DecodeEngine",
+            }
+        },
+        checkpoint="omni_stage.models.qwen_image_edit.checkpoint:write_tiny_checkpoint",
+        demo="image-edit",
+    ),
+    "PixArtTransformer2DModel": Family(
+        "PixArt-Alpha",
+        {
+            EngineKind.DIFFUSERS: {
+                "encode": _TEXT,
+                "denoise": f"{_DIFFUSERS}.image:DenoiseEngine",
+                "decode": f"{_DIFFUSERS}.image:DecodeEngine",
+            }
+        },
+        checkpoint="omni_stage.models.pixart.checkpoint:write_tiny_checkpoint",
+        demo="image",
+    ),
+}
+"""Diffusion families by their pipeline directories' denoiser class, the part a stage runs by its
+`role`. The demo's last is written last: its index means every demo model is there."""
+DEFAULT_DIFFUSERS_FAMILY: Final = "PixArtTransformer2DModel"
+"""For any other denoiser (a UNet's: the image stages take one too), or an index that cannot be
+read (the stage's loading then says what is wrong with it)."""
+
 
 def build_engine(stage: StageSpec) -> Engine:
     """The engine of `stage`, as its pipeline file says."""
     kind = stage.engine.kind
+    if kind is EngineKind.DIFFUSERS:
+        return _diffusers_engine(stage)
     part = stage.engine.args.get("part")
     if part is None:
         if kind not in GENERIC:
@@ -103,3 +153,25 @@ def _model_type(stage: StageSpec) -> str | None:
     except OSError:
         return None
     return model_type if model_type in FAMILIES else None
+
+
+def _diffusers_engine(stage: StageSpec) -> Engine:
+    """The engine of the stage's `role`, in the diffusion family its pipeline directory holds."""
+    role = stage.engine.args.get("role")
+    family = DIFFUSERS_FAMILIES[_denoiser_class(Path(str(stage.engine.model))) or DEFAULT_DIFFUSERS_FAMILY]
+    parts = family.parts[EngineKind.DIFFUSERS]
+    if role not in parts:
+        raise EngineError(
+            f"stage '{stage.name}': engine.args.role must be 'encode', 'denoise' or 'decode', got {role!r}"
+        )
+    return import_object(parts[role])(stage)
+
+
+def _denoiser_class(path: Path) -> str | None:
+    """The pipeline directory's transformer class, if it is one of DIFFUSERS_FAMILIES'."""
+    try:
+        entry = json.loads((path / "model_index.json").read_text()).get("transformer")
+    except (OSError, ValueError, AttributeError):
+        return None
+    cls = entry[1] if isinstance(entry, list) and len(entry) == 2 else None
+    return cls if cls in DIFFUSERS_FAMILIES else None

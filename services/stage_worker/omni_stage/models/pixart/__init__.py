@@ -1,0 +1,1 @@
+"""PixArt-Alpha (text to image): its tiny checkpoint; its stages are the diffusers engine's image ones."""

@@ -1,0 +1,1 @@
+"""Wan 2.1 (text to video): its tiny checkpoint; its stages are the diffusers engine's video ones."""
