@@ -100,47 +100,24 @@ class StageWorker:
         self.outbox = Outbox(self.subjects, stage, replica)
         self.transfers = Transfers(stage, self.connectors, self.metrics)
         self.runner = RequestRunner(
-            spec=spec,
-            book=self.book,
-            engine=self.engine,
-            connectors=self.connectors,
+            spec=spec, book=self.book, engine=self.engine, connectors=self.connectors,
             processors={e.from_: import_object(e.processor) for e in spec.inputs if e.processor},
-            transfers=self.transfers,
-            outbox=self.outbox,
-            metrics=self.metrics,
-            start=self._start_request,
-        )
+            transfers=self.transfers, outbox=self.outbox, metrics=self.metrics, start=self._start_request,
+        )  # fmt: skip
         self.tasks = RequestTasks(
-            book=self.book,
-            transfers=self.transfers,
-            outbox=self.outbox,
-            metrics=self.metrics,
-            run=self.runner.run,
-            on_idle=self._idle,
-        )
+            book=self.book, transfers=self.transfers, outbox=self.outbox, metrics=self.metrics,
+            run=self.runner.run, on_idle=self._idle,
+        )  # fmt: skip
         self.beats = Beats(
-            book=self.book,
-            engine=self.engine,
-            outbox=self.outbox,
-            transfers=self.transfers,
-            metrics=self.metrics,
-            subjects=self.subjects,
-            instance=instance,
-            used=self.runner.used_connectors(),
-            pipeline=pipeline.spec,
-        )
+            book=self.book, engine=self.engine, outbox=self.outbox, transfers=self.transfers,
+            metrics=self.metrics, subjects=self.subjects, instance=instance,
+            used=self.runner.used_connectors(), pipeline=pipeline.spec,
+        )  # fmt: skip
         self.sleep = SleepControl(
-            book=self.book,
-            engine=self.engine,
-            outbox=self.outbox,
-            metrics=self.metrics,
-            instance=instance,
-            pipeline_path=pipeline_path,
-            paused=spec.paused,
-            announce=self.beats.beat,
-            abort=self.tasks.abort,
-            engine_failed=self._engine_failed,
-        )
+            book=self.book, engine=self.engine, outbox=self.outbox, metrics=self.metrics,
+            instance=instance, pipeline_path=pipeline_path, paused=spec.paused,
+            announce=self.beats.beat, abort=self.tasks.abort, engine_failed=self._engine_failed,
+        )  # fmt: skip
         self._stop = asyncio.Event()
         self._drained = asyncio.Event()
 
