@@ -59,7 +59,7 @@ def refusal(b: RequestBook, rid: str, route: dict[str, str] = ROUTE) -> Admitted
 
 
 def segment(units: int, is_last: bool = False, seq: int = 0) -> Segment:
-    return Segment(seq, units, "", {"hidden": torch.zeros(units, 4)}, is_last)
+    return Segment(seq, units, "", ({"hidden": torch.zeros(units, 4)},), is_last)
 
 
 def test_admission_runs_then_queues_then_refuses_full() -> None:

@@ -38,7 +38,7 @@ from omni_stage.assembly import Trigger
 from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidRequest
 from omni_stage.metrics import StageMetrics
 from omni_stage.outbox import Outbox
-from omni_stage.requests import Inbound, RequestBook, RequestState
+from omni_stage.requests import Inbound, RequestBook, RequestState, Send
 from omni_stage.segments import Segment, Segmenter
 from omni_stage.transfer import Transfers
 
@@ -205,7 +205,7 @@ class RequestRunner:
             self.metrics.time_per_segment.observe(now - st.last_emit_at)
         st.last_emit_at = now
         ctx = st.ctx
-        for send in self.book.plan(st, seg):
+        for send in await self._plan(st, seg):
             if send.charged:
                 await self._wait_for_credit(st, send.edge.consumer)
             conn = send.edge.connector
@@ -234,6 +234,19 @@ class RequestRunner:
         finally:
             self.book.resume(st)
             self.metrics.credit_wait(consumer, time.monotonic() - t)
+
+    async def _plan(self, st: RequestState, seg: Segment) -> list[Send]:
+        """The segment's sends on each out-edge (RequestBook.plan), its payload joined for them
+        and for the gateway: off the loop where that copies tensors (outputs joined, an edge's
+        window of them cut)."""
+
+        def joined_and_planned() -> list[Send]:
+            _ = seg.data
+            return self.book.plan(st, seg)
+
+        if seg.parts and (len(seg.parts) > 1 or st.windows):
+            return await asyncio.to_thread(joined_and_planned)
+        return joined_and_planned()
 
     async def _final(
         self,

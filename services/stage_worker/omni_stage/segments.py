@@ -6,6 +6,7 @@ since the last flush, and at the end of the request (`is_last`).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,16 +29,22 @@ class EngineOutput:
     """The function calls the reply ended with (on its last output)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Segment:
     sequence: int
     units: int
     text: str
-    data: Payload
+    parts: tuple[Payload, ...]
+    """The engine's outputs' payloads, joined into `data` where that is first read (the runner
+    reads it off the event loop: joining copies every tensor)."""
     is_last: bool
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)
     tool_calls: list[ToolCall] = field(default_factory=list)
+
+    @functools.cached_property
+    def data(self) -> Payload:
+        return concat(list(self.parts)) if self.parts else {}
 
 
 class Segmenter:
@@ -79,7 +86,7 @@ class Segmenter:
             sequence=self.sequence,
             units=self._units,
             text="".join(self._text),
-            data=concat(self._parts) if self._parts else {},
+            parts=tuple(self._parts),
             is_last=is_last,
             finish_reason=self._finish if is_last else None,
             logprobs=self._logprobs,
