@@ -92,6 +92,47 @@ class _Mapping:
     mm: mmap.mmap
 
 
+class _ReaderMappings:
+    """A reader's mappings of other processes' segments, kept (the most recent, a bounded
+    number) so that a segment read again is not mapped again; the caller holds the lock."""
+
+    def __init__(self) -> None:
+        self._by_segment: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()
+
+    def get(self, held: str, owner: int, n: int) -> mmap.mmap:
+        """The mapping of segment `n` of `owner`, by its held name: the kept one while it is
+        the same file, else a new one."""
+        st = os.stat(held)
+        cached = self._by_segment.get((owner, n))
+        if cached is not None and cached.ino == st.st_ino:
+            self._by_segment.move_to_end((owner, n))
+            return cached.mm
+        self._drop_stale()
+        fd = os.open(held, os.O_RDWR)
+        try:
+            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._by_segment[(owner, n)] = _Mapping(st.st_ino, fd, mm)
+        while len(self._by_segment) > _READER_MAPPINGS:
+            _, old = self._by_segment.popitem(last=False)
+            os.close(old.fd)
+        return mm
+
+    def _drop_stale(self) -> None:
+        """Unmapped segments their owner unlinked: our mapping alone would keep their memory."""
+        for key, mp in list(self._by_segment.items()):
+            if os.fstat(mp.fd).st_nlink == 0:
+                del self._by_segment[key]
+                os.close(mp.fd)
+
+    def close(self) -> None:
+        for mp in self._by_segment.values():
+            os.close(mp.fd)
+        self._by_segment.clear()
+
+
 class ShmConnector(OmniConnector):
     """Shared memory between processes of one deployment, identified by its segment prefix."""
 
@@ -103,7 +144,7 @@ class ShmConnector(OmniConnector):
         self._lock = threading.Lock()
         self._segments: dict[int, _Segment] = {}
         self._uses = 0
-        self._mappings: OrderedDict[tuple[int, int], _Mapping] = OrderedDict()
+        self._readers = _ReaderMappings()
 
     # --- names ---------------------------------------------------------------------------------
 
@@ -238,30 +279,7 @@ class ShmConnector(OmniConnector):
         with self._lock:
             if owner == self._pid and (own := self._segments.get(n)) is not None:
                 return own.mm
-            st = os.stat(held)
-            cached = self._mappings.get((owner, n))
-            if cached is not None and cached.ino == st.st_ino:
-                self._mappings.move_to_end((owner, n))
-                return cached.mm
-            self._drop_stale_mappings()
-            fd = os.open(held, os.O_RDWR)
-            try:
-                mm = mmap.mmap(fd, os.fstat(fd).st_size)
-            except BaseException:
-                os.close(fd)
-                raise
-            self._mappings[(owner, n)] = _Mapping(st.st_ino, fd, mm)
-            while len(self._mappings) > _READER_MAPPINGS:
-                _, old = self._mappings.popitem(last=False)
-                os.close(old.fd)
-            return mm
-
-    def _drop_stale_mappings(self) -> None:
-        """Unmapped segments their owner unlinked: our mapping alone would keep their memory."""
-        for key, mp in list(self._mappings.items()):
-            if os.fstat(mp.fd).st_nlink == 0:
-                del self._mappings[key]
-                os.close(mp.fd)
+            return self._readers.get(held, owner, n)
 
     # --- requests and the deployment -----------------------------------------------------------
 
@@ -356,9 +374,7 @@ class ShmConnector(OmniConnector):
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(self._state(state, self._pid, seg.n))
                 self._forget(seg)
-            for mp in self._mappings.values():
-                os.close(mp.fd)
-            self._mappings.clear()
+            self._readers.close()
 
 
 def _release(held: str, free: str, owner: int) -> None:
