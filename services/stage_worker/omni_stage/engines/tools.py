@@ -41,6 +41,12 @@ def _call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def tool_plan(sampling: Sampling, tokenizer: Any, parser: str | None) -> ToolPlan | None:
+    """The request's ToolPlan, where it offers tools; None where it offers none. Slow the first
+    time (vLLM's tool code imports): call it off the loop."""
+    return ToolPlan(sampling, tokenizer, parser) if sampling.tools else None
+
+
 class ToolPlan:
     """One request's tools: the schema its reply must follow (None for `auto`), and how the
     finished reply becomes calls. Built on the compute thread (vLLM imports slowly)."""

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from omni_pipeline.control import PromptLogprobs
-from omni_pipeline.sampling import Sampling, params
+from omni_pipeline.sampling import params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
@@ -48,7 +48,7 @@ from omni_stage.engines.prompts import check_context, prompt_token_ids
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
 from omni_stage.engines.structured import JsonGrammars
-from omni_stage.engines.tools import ToolPlan, engine_honours
+from omni_stage.engines.tools import ToolPlan, engine_honours, tool_plan
 from omni_stage.segments import EngineOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -175,7 +175,7 @@ class TransformersEngine(ComputeEngine):
             # Off the event loop, and off the compute thread, whose forwards other requests wait
             # for: vLLM's tool code imports slowly the first time, a grammar compiles against
             # the whole vocabulary.
-            st.tools = await asyncio.to_thread(self._tool_plan, call.sampling)
+            st.tools = await asyncio.to_thread(tool_plan, call.sampling, self.tokenizer, self.tool_parser)
             schema = st.tools.schema if st.tools else None
             st.sampler = await asyncio.to_thread(
                 lambda: TokenSampler(
@@ -247,9 +247,6 @@ class TransformersEngine(ComputeEngine):
         st.kept = True
         # The last token sampled is not fed: not held.
         self.prompt_caches.keep(st.key, Sequence.left(st.tokens, st.past, [], {}))
-
-    def _tool_plan(self, sampling: Sampling) -> ToolPlan | None:
-        return ToolPlan(sampling, self.tokenizer, self.tool_parser) if sampling.tools else None
 
     async def _encode(self, call: EngineCall) -> EngineOutput:
         request = call.inputs.get("request")

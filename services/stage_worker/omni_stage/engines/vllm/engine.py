@@ -38,7 +38,7 @@ from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequ
 from omni_stage.engines.prompts import prompt_token_ids
 from omni_stage.engines.sampling import HONOURED, REPLY_EXTENSIONS, SAMPLER_EXTENSIONS
 from omni_stage.engines.structured import grammar_of
-from omni_stage.engines.tools import ToolPlan, engine_honours
+from omni_stage.engines.tools import ToolPlan, engine_honours, tool_plan
 from omni_stage.segments import EngineOutput
 
 _SAMPLING_KEYS: Final = params(
@@ -175,8 +175,8 @@ class VllmEngine(Engine):
 
         prompt, n_in = await asyncio.to_thread(self._prompt, call)  # a long prompt's tokenizing
         tools = None
-        if call.sampling.tools:  # vLLM's tool code imports slowly the first time
-            tools = await asyncio.to_thread(ToolPlan, call.sampling, self.tokenizer, self.tool_parser)
+        if call.sampling.tools:  # off the loop: vLLM's tool code imports slowly the first time
+            tools = await asyncio.to_thread(tool_plan, call.sampling, self.tokenizer, self.tool_parser)
         if "request" in call.inputs:
             call.state.prompt_tokens += n_in
         vllm_id = f"{call.request_id}-{next(self._ids)}"
