@@ -687,7 +687,7 @@ def test_audio_features_equal_the_processors_on_every_frame_the_encoder_reads(mo
     rng = np.random.default_rng(1)
     clips = [(0.3 * rng.standard_normal(n)).astype(np.float32) for n in (16037, 80000, 160, 1)]
     clips.append(np.zeros(24000, dtype=np.float32))
-    ours, kept = prompts.audio_features(clips)
+    ours, kept = prompts.audio.of(clips)
     out = reference_processor(model)(text="<|AUDIO|>" * len(clips), audio=clips, return_tensors="pt")
     theirs, their_kept = out["input_features"], out["feature_attention_mask"]
     assert kept.sum(-1).tolist() == their_kept.sum(-1).tolist() == [101, 500, 1, 1, 150]
@@ -725,7 +725,7 @@ def windowed_and_whole(
     prompts, m = thinker.prompts, thinker.model  # type: ignore[attr-defined]
     rng = np.random.default_rng(2)
     clips = [(0.3 * rng.standard_normal(int(16000 * s))).astype(np.float32) for s in seconds]
-    feats, mask = prompts.audio_features(clips)
+    feats, mask = prompts.audio.of(clips)
     with torch.inference_mode():
         whole = m.get_audio_features(feats, mask).last_hidden_state
     w = AudioWindows(prompts, lambda: m.audio_tower, m.config.audio_config)

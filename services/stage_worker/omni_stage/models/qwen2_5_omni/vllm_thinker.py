@@ -111,7 +111,7 @@ class VllmThinker(VllmEngine):
         chat = self.prompts.read(request, sampling=sampling)
         media: dict[str, Any] = {}
         if chat.audios:
-            rate = int(self.prompts.features.sampling_rate)
+            rate = self.prompts.audio.rate
             media["audio"] = [(a, rate) for a in chat.audios]
         if chat.images:
             media["image"] = chat.images

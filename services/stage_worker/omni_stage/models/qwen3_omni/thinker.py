@@ -8,6 +8,7 @@ from typing import Any, Final
 import torch
 
 from omni_stage.engines.base import EngineError
+from omni_stage.models.qwen_omni.audio_features import AudioFeatures
 from omni_stage.models.qwen_omni.encoder import Encoder
 from omni_stage.models.qwen_omni.prompt import MediaEmbeds, Prompt, Prompts
 from omni_stage.models.qwen_omni.thinker import Thinker
@@ -15,8 +16,27 @@ from omni_stage.models.qwen_omni.thinker import Thinker
 LAYOUT_KEYS: Final = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
 
 
+class Qwen3AudioFeatures(AudioFeatures):
+    """Qwen3-Omni's processor pads its clips to the longest, not to a 300 s window."""
+
+    def of(self, audios: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the processor calls the feature extractor: padded to the longest clip, whole."""
+        fe = self.extractor
+        out = fe(
+            audios,
+            sampling_rate=fe.sampling_rate,
+            padding=True,
+            truncation=False,
+            return_attention_mask=True,
+            return_tensors="pt",
+        )
+        return out["input_features"], out["attention_mask"]
+
+
 class Qwen3Prompts(Prompts):
     """The prompt as `Qwen3OmniMoeProcessor` builds it."""
+
+    audio_class = Qwen3AudioFeatures
 
     def __init__(
         self, path: str, tokenizer: Any, thinker_config: Any, device: torch.device, dtype: torch.dtype
@@ -36,19 +56,6 @@ class Qwen3Prompts(Prompts):
         )
 
         return _get_feat_extract_output_lengths(lengths, self.n_window).tolist()
-
-    def audio_features(self, audios: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """As the processor calls the feature extractor: padded to the longest clip, whole."""
-        fe = self.features
-        out = fe(
-            audios,
-            sampling_rate=fe.sampling_rate,
-            padding=True,
-            truncation=False,
-            return_attention_mask=True,
-            return_tensors="pt",
-        )
-        return out["input_features"], out["attention_mask"]
 
 
 class Qwen3Thinker(Thinker):

@@ -31,15 +31,15 @@ class AudioWindows:
         self.prompts = prompts
         self.tower = tower
         """The loaded model's tower, looked up at each use (a sleep may drop the model)."""
-        fe = prompts.features
-        self.rate = int(fe.sampling_rate)
+        fe = prompts.audio.extractor
+        self.rate = prompts.audio.rate
         self.window = tower_window(audio_config)
         self._hop = int(fe.hop_length)
         self._reach = int(fe.n_fft) // 2
         """Samples a frame reads past its centre (the STFT's window is centred on it)."""
 
     def features(self, samples: np.ndarray) -> torch.Tensor:
-        feats, mask = self.prompts.audio_features([samples])
+        feats, mask = self.prompts.audio.of([samples])
         return feats[0, :, : int(mask.sum())].to(self.prompts.dtype)
 
     def final_frames(self, samples: int) -> int:

@@ -36,13 +36,13 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Final
 
 import numpy as np
-import soxr
 import torch
 
 from omni_pipeline.sampling import EMPTY, Sampling
 from omni_stage.engines.base import EngineError, InvalidRequest
 from omni_stage.engines.prompt_cache import MediaSpan, digest
 from omni_stage.engines.prompts import chat_template_args
+from omni_stage.models.qwen_omni.audio_features import AudioFeatures
 
 KINDS: Final = ("audio", "image", "video")
 """The media kinds, in the order of their placeholder tokens, layouts and masks here."""
@@ -174,10 +174,13 @@ class Chat:
 
 
 class Prompts:
+    audio_class: ClassVar[type[AudioFeatures]] = AudioFeatures
+    """What the model hears, as its processor computes it (Qwen3-Omni's pads differently)."""
+
     def __init__(
         self, path: str, tokenizer: Any, thinker_config: Any, device: torch.device, dtype: torch.dtype
     ) -> None:
-        from transformers import AutoFeatureExtractor, AutoImageProcessor, AutoVideoProcessor
+        from transformers import AutoImageProcessor, AutoVideoProcessor
         from transformers.utils import is_torchvision_available
 
         self.tokenizer = tokenizer
@@ -187,7 +190,7 @@ class Prompts:
         self.video_token: str = tokenizer.video_token
         placeholders = (self.audio_token, self.image_token, self.video_token)
         self.media_ids = torch.tensor([int(tokenizer.convert_tokens_to_ids(t)) for t in placeholders])
-        self.features = AutoFeatureExtractor.from_pretrained(path)
+        self.audio = self.audio_class(path)
         self.images = AutoImageProcessor.from_pretrained(path)
         self.videos = AutoVideoProcessor.from_pretrained(path) if is_torchvision_available() else None
         # The omni processor resizes video frames to its own bounds, not its video processor's.
@@ -242,7 +245,7 @@ class Prompts:
                         parts.append({"type": "text", "text": str(p.get("text", ""))})
                     elif kind == "audio":
                         if decode:
-                            out.audios.append(self._audio(data(p), int(p["sample_rate"])))
+                            out.audios.append(self.audio.resampled(data(p), int(p["sample_rate"])))
                         parts.append({"type": "audio"})
                     elif kind == "image":
                         if decode:
@@ -388,7 +391,7 @@ class Prompts:
         features: dict[str, torch.Tensor] = {}
         lengths = per_grid = None
         if chat.audios:
-            features["input_features"], features["feature_attention_mask"] = self.audio_features(chat.audios)
+            features["input_features"], features["feature_attention_mask"] = self.audio.of(chat.audios)
             lengths = features["feature_attention_mask"].sum(-1)
         if chat.images:
             out = self.images(images=chat.images, return_tensors="pt", **extra)
@@ -402,25 +405,6 @@ class Prompts:
             per_grid = torch.tensor([patch / fps for fps in chat.video_fps])
         layout = Layout(lengths, features.get("image_grid_thw"), features.get("video_grid_thw"), per_grid)
         return EncoderInputs(features, layout)
-
-    def audio_features(self, audios: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The log-mel features and their frame mask, equal on every frame the mask keeps to what
-        the model's processor computes (`padding="max_length"`: each clip padded with zeros to
-        the extractor's 300 s window, ~180 ms of work a clip here whatever its length), but
-        from the clips padded with zeros only as far as their last kept frame's window reaches
-        (~2 ms for 5 s). A frame's values depend only on the samples in its window, and the
-        floor the extractor sets from the loudest frame is the same: the frames of zeros it
-        leaves out are its floor's floor (log10 of 1e-10). tests/unit/test_qwen_omni.py
-        compares the two bit for bit."""
-        fe = self.features
-        clips = [a[: fe.n_samples] for a in audios]  # the processor truncates to its window too
-        kept = torch.tensor([-(-len(a) // fe.hop_length) for a in clips])
-        span = int(kept.max()) * fe.hop_length + fe.n_fft
-        padded = [np.pad(a, (0, span - len(a))) for a in clips]
-        out = fe(padded, sampling_rate=fe.sampling_rate, padding="longest", return_tensors="pt")
-        frames = int(kept.max())
-        mask = (torch.arange(frames)[None] < kept[:, None]).to(torch.int32)
-        return out["input_features"][:, :, :frames], mask
 
     def _expand(self, text: str, layout: Layout) -> str:
         """Each placeholder repeated once per position its item takes."""
@@ -438,10 +422,3 @@ class Prompts:
         if ids.shape[1] == 0:
             raise InvalidRequest("empty prompt")
         return ids.to(self.device)
-
-    def _audio(self, pcm: torch.Tensor, rate: int) -> np.ndarray:
-        samples = pcm.numpy().astype(np.float32, copy=False)
-        target = int(self.features.sampling_rate)
-        if rate == target:
-            return samples
-        return soxr.resample(samples, rate, target, quality="HQ").astype(np.float32, copy=False)
