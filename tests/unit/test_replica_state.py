@@ -15,8 +15,8 @@ EXPECTED: dict[Phase, dict[Change, Phase | None]] = {
     S: dict(zip(Change, (R, Z, None, D, X), strict=True)),
     R: dict(zip(Change, (None, Z, None, D, X), strict=True)),
     Z: dict(zip(Change, (Z, Z, R, D, X), strict=True)),
-    D: dict(zip(Change, (None, None, None, D, X), strict=True)),
-    X: dict(zip(Change, (None, None, None, X, X), strict=True)),
+    D: dict(zip(Change, (D, None, None, D, X), strict=True)),
+    X: dict(zip(Change, (X, None, None, X, X), strict=True)),
 }
 """From each phase (rows), by each change (columns), the phase it moves to; None: refused."""
 

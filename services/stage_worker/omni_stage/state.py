@@ -49,7 +49,9 @@ TRANSITIONS: Final[dict[tuple[Phase, Change], Phase]] = {
     (Phase.READY, Change.DRAIN): Phase.DRAINING,
     (Phase.SLEEPING, Change.DRAIN): Phase.DRAINING,
     (Phase.DRAINING, Change.DRAIN): Phase.DRAINING,  # a second signal: it stops at once
+    (Phase.DRAINING, Change.SERVE): Phase.DRAINING,  # told to stop while it loaded: it stops
     (Phase.DEAD, Change.DRAIN): Phase.DEAD,  # told to stop while failing: it is stopping already
+    (Phase.DEAD, Change.SERVE): Phase.DEAD,  # its engine failed as it started (a first sleep)
     **{(phase, Change.DIE): Phase.DEAD for phase in Phase},
 }
 """Every move a replica makes; any other is a bug (`InvalidChange`)."""
