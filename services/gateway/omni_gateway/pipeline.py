@@ -27,7 +27,7 @@ from nats.aio.client import Client as NatsClient
 from omni_gateway.attempt import Attempts
 from omni_gateway.bus import RETRY_AFTER, Bus
 from omni_gateway.choices import run_choices
-from omni_gateway.errors import BadRequest, NotServed, OmniError, Overloaded, StageFailed, Unavailable
+from omni_gateway.errors import OmniError, Overloaded
 from omni_gateway.events import Event, OfChoice
 from omni_gateway.media import decode_media
 from omni_gateway.pins import ConversationPins
@@ -35,6 +35,7 @@ from omni_gateway.preflight import Announced, check_request
 from omni_gateway.replay import Delivered, Diverged
 from omni_gateway.request import PipelineRequest, Prepared
 from omni_gateway.sleep import sleep, wake
+from omni_gateway.tokens import tokenize
 from omni_pipeline.connectors import build_connectors
 from omni_pipeline.connectors.offload import OffLoop
 from omni_pipeline.control import (
@@ -46,14 +47,10 @@ from omni_pipeline.control import (
     TokenizeMsg,
     TokenizeReply,
     pack,
-    unpack,
 )
 from omni_pipeline.spec import PipelineFile
 
 log = logging.getLogger("omni.gateway")
-
-TOKENIZE_TIMEOUT_S: Final = 10.0
-"""How long /tokenize waits for a stage (a long prompt through a chat template)."""
 
 MIGRATABLE: Final = frozenset(
     {
@@ -172,40 +169,8 @@ class Pipeline:
     # --- tokens ------------------------------------------------------------------------------
 
     async def tokenize(self, msg: TokenizeMsg | DetokenizeMsg) -> TokenizeReply:
-        """Ask the first source stage's replicas (one answers) to tokenize or detokenize, with
-        the tokenizer and chat template its engine reads the client's prompt with."""
-        stage = next(
-            (
-                s.name
-                for s in self.spec.stages
-                if s.name in self.announced.reading and not s.skip_without_media
-            ),
-            None,
-        )
-        nc = self._bus.nc
-        if stage is None or self._bus.table.tokenizes(stage) is False:
-            raise NotServed(
-                f"model '{self.spec.served_model_name}' has no tokenizer to count with "
-                f"(no source stage's engine reads text)"
-            )
-        if nc is None:
-            raise Unavailable("the gateway is not connected to NATS")
-        try:
-            reply = await nc.request(
-                self._bus.subjects.tokenize(stage), pack(msg), timeout=TOKENIZE_TIMEOUT_S
-            )
-        except nats.errors.NoRespondersError:
-            raise Unavailable(
-                f"stage '{stage}' has no replica that tokenizes (none live, or its engine reads no text)"
-            ) from None
-        except (TimeoutError, nats.errors.TimeoutError):
-            raise Unavailable(f"stage '{stage}' did not answer in {TOKENIZE_TIMEOUT_S:g}s") from None
-        answer: TokenizeReply = unpack(reply.data, TokenizeReply)
-        if not answer.ok:
-            if answer.code == ErrorCode.INVALID_REQUEST:
-                raise BadRequest(f"stage '{stage}': {answer.message}")
-            raise StageFailed(f"stage '{stage}': {answer.message}")
-        return answer
+        """Tokenize or detokenize as the first source stage reads a prompt (omni_gateway.tokens)."""
+        return await tokenize(self._bus, self.announced, msg)
 
     # --- running -----------------------------------------------------------------------------
 
