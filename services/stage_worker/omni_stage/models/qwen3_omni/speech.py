@@ -14,6 +14,7 @@ from omni_stage.engines.base import EngineCall
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together, warm_up
 from omni_stage.engines.prompt_cache import Sequence, same_rows
+from omni_stage.models.qwen3_omni.code_predictor import frame_embedding, predict, residual_codes
 from omni_stage.models.qwen3_omni.thinker import LAYOUT_KEYS
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
@@ -148,7 +149,9 @@ class Qwen3Talker(Part):
 
         warm_up(self.model, width, span, output_hidden_states=True, generation_step=0)
         for batch in (1, 2):
-            self._predict(torch.zeros(batch, 2, width, device=self.device, dtype=self.dtype))
+            predict(
+                self.model, torch.zeros(batch, 2, width, device=self.device, dtype=self.dtype), self.groups
+            )
 
     def speaker(self, sampling: Sampling) -> dict[str, Any]:
         return {"code": self.speaker_codes[self.voice(sampling)]}
@@ -293,26 +296,12 @@ class Qwen3Talker(Part):
         return self._decodes(steps)
 
     def _residuals(self, steps: list[_Step]) -> list[_Step]:
-        """The code predictor's residual codebooks for each request's last code, as the
-        reference draws them: its generate on a batch of equal-length prompts (the hidden
-        state that drew the code and the code's embedding)."""
-        m = self.model
+        """The code predictor's residual codebooks for each request's last code."""
         sts = [s.st for s in steps]
         assert all(st.last_hidden is not None for st in sts)
-        code0 = torch.tensor([[st.code0] for st in sts], device=self.device)
         hidden = torch.cat([st.last_hidden for st in sts])  # type: ignore[misc]
-        drawn = self._predict(torch.cat([hidden, m.get_input_embeddings()(code0)], dim=1))
-        return [
-            _Step(st, residuals=row[-(self.groups - 1) :].tolist())
-            for st, row in zip(sts, drawn, strict=True)
-        ]
-
-    def _predict(self, inputs: torch.Tensor) -> torch.Tensor:
-        """The code predictor's greedy residual codes after `inputs` ([B, 2, H]: a code's
-        hidden state and its embedding), as the reference draws them."""
-        return self.model.code_predictor.generate(
-            inputs_embeds=inputs, max_new_tokens=self.groups - 1, do_sample=False
-        )
+        drawn = residual_codes(self.model, hidden, [st.code0 for st in sts], self.groups)
+        return [_Step(st, residuals=row) for st, row in zip(sts, drawn, strict=True)]
 
     def _decodes(self, steps: list[_Step]) -> list[_Step]:
         """Each request's next code 0 and the hidden state that drew it: its codes' embeddings
@@ -338,12 +327,8 @@ class Qwen3Talker(Part):
         return drawn
 
     def _step_input(self, st: _Speaking, trailing: torch.Tensor) -> torch.Tensor:
-        m = self.model
         assert st.residuals is not None
-        codes = [st.code0, *st.residuals]
-        tables = [m.get_input_embeddings(), *m.code_predictor.get_input_embeddings()]
-        each = [t(torch.tensor([[c]], device=self.device)) for t, c in zip(tables, codes, strict=True)]
-        return torch.cat(each, dim=1).sum(1, keepdim=True) + trailing[None, None]
+        return frame_embedding(self.model, [st.code0, *st.residuals]) + trailing[None, None]
 
     def _step_positions(self, st: _Speaking) -> torch.Tensor:
         """[4, 1, 1]: the step's text position, and its M-RoPE ones (offset by the prompt's media)."""
