@@ -313,7 +313,9 @@ def _max_buffer(pipeline: Pipeline) -> int:
     return int(pipeline.spec.gateway.media.max_audio_seconds * 1000) * BYTES_PER_MS
 
 
-async def _serve(ws: WebSocket, session: RealtimeSession, idle_s: Callable[[], float], end: float) -> str:
+async def _serve(
+    ws: WebSocket, session: RealtimeSession | DuplexSession, idle_s: Callable[[], float], end: float
+) -> str:
     """Take the client's events until the socket closes, the client ends the session, or a time
     limit (`idle_s()` without an event, or `end`, monotonic) ends it; returns why."""
     while session.ended is None:
