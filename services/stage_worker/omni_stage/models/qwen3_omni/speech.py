@@ -15,6 +15,7 @@ from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together, warm_up
 from omni_stage.engines.prompt_cache import Sequence, same_rows
 from omni_stage.models.qwen3_omni.code_predictor import frame_embedding, predict, residual_codes
+from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, talker_prompt
 from omni_stage.models.qwen3_omni.thinker import LAYOUT_KEYS
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
@@ -111,23 +112,8 @@ class Qwen3Talker(Part):
         self.voices = tuple(sorted(self.speaker_codes, key=lambda v: v != DEFAULT_VOICE))
         # The TTS tokens are rows of the thinker's input embedding table: only that tensor is read.
         self.text_embeds = thinker_embedding_table(self.stage.name, self.path).to(self.device, self.dtype)
-        self.ids = {
-            "im_start": c.im_start_token_id,
-            "assistant": c.assistant_token_id,
-            "user": c.user_token_id,
-            "tts_pad": c.tts_pad_token_id,
-            "tts_bos": c.tts_bos_token_id,
-            "tts_eos": c.tts_eos_token_id,
-        }
-        self.media_ids = torch.tensor(
-            [
-                c.thinker_config.audio_token_id,
-                c.thinker_config.image_token_id,
-                c.thinker_config.video_token_id,
-            ]
-        )
-        self.codec = [t.codec_nothink_id, t.codec_think_bos_id, t.codec_think_eos_id]
-        self.codec_pad, self.codec_bos, self.codec_eos = t.codec_pad_id, t.codec_bos_id, t.codec_eos_token_id
+        self.ids = TalkerIds.of(c)
+        self.codec_eos = t.codec_eos_token_id
         self.groups = int(t.num_code_groups)
         vocab = int(t.text_config.vocab_size)
         self.suppressed = [i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != self.codec_eos]
@@ -209,7 +195,7 @@ class Qwen3Talker(Part):
 
     def _tts(self, name: str) -> torch.Tensor:
         assert self.text_embeds is not None
-        return self._text(self.text_embeds[self.ids[name]][None])[0]
+        return self._text(self.text_embeds[getattr(self.ids, name)][None])[0]
 
     def _trailing(self, st: _Speaking, j: int, ended: bool) -> torch.Tensor | None:
         """What step j + 1 is fed beside the codes: reply token j + 1's projected embedding (the
@@ -223,70 +209,24 @@ class Qwen3Talker(Part):
 
     @torch.inference_mode()
     def _prefill(self, st: _Speaking, speaker: int, seq: Sequence | None) -> tuple[int, torch.Tensor]:
-        """The user turns, the assistant's start and the first reply token; on `seq`, the
-        conversation's kept sequence, as far as these user turns' rows are the ones it was fed."""
+        """The talker's prompt (talker_prompt.py); on `seq`, the conversation's kept sequence,
+        as far as these user turns' rows are the ones it was fed."""
         assert st.prompt_ids is not None and st.prompt_embeds is not None and st.prompt_hidden is not None
-        ids = st.prompt_ids.to(self.device)
-        embeds = st.prompt_embeds.to(self.device, self.dtype)
-        hidden = st.prompt_hidden.to(self.device, self.dtype)
-        n = len(ids)
-        # The user turns: from each <|im_start|> whose role is the user's, to the next turn.
-        starts = torch.where(ids == self.ids["im_start"], torch.arange(n, device=ids.device), -1)
-        turn = torch.cummax(starts, 0).values.clamp_min(0)
-        user = ids[(turn + 1).clamp_max(n - 1)] == self.ids["user"]
-        media = torch.isin(ids, self.media_ids.to(ids.device))
-        m = self.model
-        # As the reference: each projection on its own rows of the whole prompt, then the user's.
-        width = m.config.text_config.hidden_size
-        projected = torch.empty(n, width, device=self.device, dtype=self.dtype)
-        if media.any():
-            projected[media] = m.hidden_projection(hidden[media])
-        projected[~media] = m.text_projection(embeds[~media])
-        user_part = projected[user]
-        # The assistant's start: its 3 tokens, 4 TTS pads, the TTS bos and the first reply token,
-        # on the codec's control codes and the voice.
-        at = int(torch.nonzero((ids[:-1] == self.ids["im_start"]) & (ids[1:] == self.ids["assistant"]))[-1])
-        head = self._text(torch.cat([embeds[at:], st.reply[0][None]]))
-        text = torch.cat(
-            [head[:3], self._tts("tts_pad")[None].expand(4, -1), self._tts("tts_bos")[None], head[3:4]]
+        thinker = (
+            st.prompt_ids.to(self.device),
+            st.prompt_embeds.to(self.device, self.dtype),
+            st.prompt_hidden.to(self.device, self.dtype),
         )
-        control = torch.tensor([*self.codec, speaker, self.codec_pad, self.codec_bos], device=self.device)
-        codec = torch.cat(
-            [
-                torch.zeros(3, text.shape[-1], device=self.device, dtype=text.dtype),
-                m.get_input_embeddings()(control),
-            ]
-        )
-        inputs = torch.cat([user_part, text + codec])[None]
-        talker_ids = torch.cat([ids[user], torch.full((9,), self.ids["tts_pad"], device=self.device)])[None]
-        positions = self._prefill_positions(st, talker_ids)
+        tts = {name: self._tts(name) for name in ("tts_pad", "tts_bos")}
+        p = talker_prompt(self.model, self.ids, tts, thinker, st.reply[0], speaker, st.layout)
+        inputs, positions, st.rope_delta = p.inputs, p.positions, p.rope_delta
         if st.key is not None:
-            st.user_rows = user_part
-        if seq is not None and (n := same_rows(seq.rows["fed"], user_part)):
+            st.user_rows = p.user_rows
+        if seq is not None and (n := same_rows(seq.rows["fed"], p.user_rows)):
             seq.cut(n)
             st.past, inputs, positions = seq.past, inputs[:, n:], positions[..., n:]
             self.prompt_caches.reused_tokens += n
         return self._forward(st, inputs, positions)
-
-    def _prefill_positions(self, st: _Speaking, talker_ids: torch.Tensor) -> torch.Tensor:
-        """[4, 1, L]: text positions, then the M-RoPE ones (from the media's layout, if any)."""
-        n = talker_ids.shape[1]
-        text = torch.arange(n, device=self.device)[None]
-        lay = st.layout
-        if lay:
-            rope, deltas = self.model.get_rope_index(
-                talker_ids,
-                lay.get("image_grid_thw"),
-                lay.get("video_grid_thw"),
-                torch.ones_like(talker_ids),
-                False,
-                lay.get("audio_lengths"),
-                lay.get("video_second_per_grid"),
-            )
-            st.rope_delta = int(deltas.reshape(-1)[0])
-        else:
-            rope, st.rope_delta = text[None].expand(3, -1, -1), 0
-        return torch.cat([text[None], rope.to(self.device)])
 
     @torch.inference_mode()
     def _steps(self, steps: list[_Step]) -> list[_Step]:

@@ -158,30 +158,17 @@ class Thinker(Part):
         call.state.finish_reason = "length"
 
     def _reuse(self, call: EngineCall, st: _Cache, seq: Sequence | None, prompt: Prompt) -> None:
-        """Start the request on its conversation's kept sequence, as far as its prompt shares
-        it: that cache, cut to the shared positions, and what the talker reads of them. (On the
-        compute thread: the media's digests read every feature.)"""
-        assert self.prompts is not None and self.prompt_caches is not None
+        """(On the compute thread: the media's digests read every feature.)"""
+        assert self.prompts is not None
         st.media = self.prompts.media_spans(prompt)
-        if seq is None or not (n := seq.shared(st.tokens, st.media)):
-            return
-        seq.cut(n)
-        st.past, st.start = seq.past, n
-        st.embeds, st.hidden = [seq.rows["embeds"].float()], [seq.rows["hidden"].float()]
-        call.state.cached_tokens = n
-        self.prompt_caches.reused_tokens += n
+        if seq is not None and (n := st.resume(seq)):
+            call.state.cached_tokens = n
+            self.prompt_caches.reused_tokens += n
 
     def _keep(self, st: _Cache) -> None:
-        # Cut short before its prefill's rows came back, it has nothing to keep.
-        if st.key is None or st.kept or st.past is None or not st.embeds or self.prompt_caches is None:
-            return
-        st.kept = True
-        rows = {  # in the model's dtype: what they were computed in, half the memory in bf16
-            "embeds": torch.cat(st.embeds).to(self.dtype),
-            "hidden": torch.cat(st.hidden).to(self.dtype),
-        }
-        # The last token sampled is not fed: not held.
-        self.prompt_caches.keep(st.key, Sequence.left(st.tokens, st.past, st.media, rows))
+        if (left := st.left(self.dtype)) is not None:
+            assert st.key is not None
+            self.prompt_caches.keep(st.key, left)
 
     def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
         """What else of the prompt the talker reads, with the first token."""
@@ -198,7 +185,7 @@ class Thinker(Part):
         out, caches = decode_together(
             self.model,
             [s.st.past for s in steps],
-            [self._decode_positions(s.st) for s in steps],
+            [s.st.next_positions(self.device) for s in steps],
             input_ids=torch.cat([s.ids for s in steps]),
             output_hidden_states=True,
         )
@@ -212,11 +199,6 @@ class Thinker(Part):
             )
             results.append((choice, first.float().cpu(), last.float().cpu()))
         return results
-
-    def _decode_positions(self, st: _Cache) -> torch.Tensor:
-        """The next position's 3-D ids: the same on all three axes, offset as the prompt's were."""
-        at = st.past.get_seq_length() + st.rope_deltas
-        return (torch.arange(1, device=self.device) + at).view(1, 1, -1).expand(3, 1, -1)
 
     @torch.inference_mode()
     def _step(
@@ -254,7 +236,7 @@ class Thinker(Part):
             else:
                 inputs |= prompt.features
         else:
-            positions = self._decode_positions(st)
+            positions = st.next_positions(self.device)
         out = m(
             position_ids=positions,
             past_key_values=past,
@@ -323,6 +305,35 @@ class _Cache:
     """What the talker reads of each position: its input embedding (zeros at media), [n, H]..."""
     hidden: list[torch.Tensor] = field(default_factory=list)
     """...and its hidden state at the talker's layer, [n, H] (kept only with a key)."""
+
+    def next_positions(self, device: torch.device) -> torch.Tensor:
+        """The next position's 3-D ids: the same on all three axes, offset as the prompt's were."""
+        at = self.past.get_seq_length() + self.rope_deltas
+        return (torch.arange(1, device=device) + at).view(1, 1, -1).expand(3, 1, -1)
+
+    def resume(self, seq: Sequence) -> int:
+        """Start on the conversation's kept sequence, as far as this prompt shares it: that
+        cache, cut to the shared positions, and what the talker reads of them. Returns how many
+        positions it holds (0: none shared, nothing taken)."""
+        if not (n := seq.shared(self.tokens, self.media)):
+            return 0
+        seq.cut(n)
+        self.past, self.start = seq.past, n
+        self.embeds, self.hidden = [seq.rows["embeds"].float()], [seq.rows["hidden"].float()]
+        return n
+
+    def left(self, dtype: torch.dtype) -> Sequence | None:
+        """The sequence to keep for the conversation's next turn, once (None: no key, kept
+        already, or cut short before its prefill's rows came back). The last token sampled is
+        not fed: not held."""
+        if self.key is None or self.kept or self.past is None or not self.embeds:
+            return None
+        self.kept = True
+        rows = {  # in the model's dtype: what they were computed in, half the memory in bf16
+            "embeds": torch.cat(self.embeds).to(dtype),
+            "hidden": torch.cat(self.hidden).to(dtype),
+        }
+        return Sequence.left(self.tokens, self.past, self.media, rows)
 
 
 @dataclass(frozen=True, slots=True)
