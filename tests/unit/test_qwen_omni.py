@@ -135,7 +135,7 @@ def test_the_stages_compute_what_the_reference_computes(
     operations in the same order on the same noise: any difference is summation order)."""
     ours = asyncio.run(run_pipeline(model, "Ethan", thinker_window))
     assert ours["tokens"].tolist() == reference["tokens"].tolist()
-    assert ours["text"] == reference["text"] and len(ours["text"]) == THINKER_TOKENS
+    assert ours["text"] == reference["text"] and len(ours["tokens"]) == THINKER_TOKENS
     assert ours["codes"].tolist() == reference["codes"].tolist()
     assert len(ours["codes"]) > 8
     assert ours["audio"].shape == reference["audio"].shape == (len(ours["codes"]) * 480,)

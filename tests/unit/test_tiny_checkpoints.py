@@ -69,3 +69,29 @@ def test_different_audio_gives_different_replies(thinker: tuple[Any, Any]) -> No
     clips = [0.5 * np.sin(2 * np.pi * 440 * t), 0.5 * np.sin(2 * np.pi * 1000 * t), noise]
     replies = [reply(thinker, "What is this?", audio=[clip]) for clip in clips]
     assert len(set(replies)) == len(clips), replies
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_no_code_the_talker_emits_reads_as_a_special_token(family: str, demo_dir: Path) -> None:
+    """As in the real checkpoints (special tokens at ~151k, codes below 8448 or 3072): every id
+    the thinker's config names, and every special token, lies past the talker's codes, so a
+    consumer that scans codes for media placeholders (vLLM-Omni's code2wav does) finds none."""
+    import transformers
+
+    path = demo_dir / "models" / f"tiny-{family}"
+    config = transformers.AutoConfig.from_pretrained(path)
+    codes = (
+        config.talker_config.text_config.vocab_size
+        if family == "qwen3-omni"
+        else config.talker_config.vocab_size
+    )
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    special = set(tok.all_special_ids) | set(tok.added_tokens_decoder)
+    named = {
+        v
+        for k, v in config.thinker_config.to_dict().items()
+        if k.endswith(("_token_id", "_token_index")) and isinstance(v, int)
+    }
+    assert named and named <= special, (named, special)
+    assert min(special) >= codes, (min(special), codes)
+    assert tok.decode(tok("Hello, world!")["input_ids"]) == "Hello, world!"  # printable pairs round-trip

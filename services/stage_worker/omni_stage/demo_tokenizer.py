@@ -7,18 +7,29 @@ from typing import Any
 
 
 def byte_level_tokenizer(
-    chat_template: str, special_tokens: list[str], roles: dict[str, str] | None = None
+    chat_template: str,
+    special_tokens: list[str],
+    roles: dict[str, str] | None = None,
+    ordinary: int = 0,
 ) -> Any:
     """A byte-level BPE tokenizer over printable ASCII (whatever a random model says is
     readable), `<|im_end|>` its eos and `<|endoftext|>` its pad, with `special_tokens` and the
-    named `roles` (`image_token: <|IMAGE|>`, as a processor looks them up)."""
+    named `roles` (`image_token: <|IMAGE|>`, as a processor looks them up).
+
+    `ordinary`: how many ids the ordinary tokens take (the characters, then two-character
+    merges), `<unk>` and the special tokens coming after them as in the real vocabularies
+    (Qwen's at ~151k). A
+    model whose talker emits codes below that count never sees a code that reads as one of its
+    special tokens (a media placeholder, say)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_to_char = dict(zip(_printable_bytes(), _byte_level_chars(), strict=True))
     vocab = {c: i for i, c in enumerate(byte_to_char.values())}
+    merges = _pair_merges(list(byte_to_char.values()), ordinary - len(vocab))
+    vocab |= {a + b: len(vocab) + i for i, (a, b) in enumerate(merges)}
     vocab["<unk>"] = len(vocab)
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     fast = PreTrainedTokenizerFast(
@@ -35,6 +46,13 @@ def byte_level_tokenizer(
     fast.add_tokens(missing, special_tokens=True)
     fast.chat_template = chat_template
     return fast
+
+
+def _pair_merges(chars: list[str], n: int) -> list[tuple[str, str]]:
+    """The first `n` merges of two characters (every pair is one token: printable still)."""
+    if n > len(chars) ** 2:
+        raise ValueError(f"at most {len(chars) ** 2} two-character merges; asked {n}")
+    return [(a, b) for a in chars for b in chars][: max(n, 0)]
 
 
 def _printable_bytes() -> list[int]:

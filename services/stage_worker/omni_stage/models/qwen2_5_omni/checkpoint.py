@@ -6,8 +6,10 @@ has: config and generation config, safetensors, a tokenizer with Qwen's special 
 image and video pads with their bos/eos, the TTS text tokens, one bos token per voice), the chat
 template, the audio feature extractor's and image/video processors' settings in
 `preprocessor_config.json` and `video_preprocessor_config.json`, and `spk_dict.pt` with the
-voices Chelsie and Ethan. The real model's token ids are ~151k; here they follow the byte-level
-vocabulary, and every config that names one says which.
+voices Chelsie and Ethan. The ordinary tokens are the printable characters and their pairs, as
+many as the codec has codes, and the special tokens come after them, as in the real vocabulary
+(~151k ids): no code the talker emits reads as a media placeholder. Every config that names a
+token id says which.
 
 Sizes: hidden 64 with head_dim 32 (the smallest vLLM's CPU attention takes), two layers per
 transformer, the real codec vocabulary (8448) so the talker's special codes keep their real ids;
@@ -196,7 +198,8 @@ def write_tiny_checkpoint(path: Path, seed: int = 5) -> Path:
     """Write tiny-qwen2.5-omni into `path` (a directory); returns it."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
-    tok = byte_level_tokenizer(CHAT_TEMPLATE, SPECIAL_TOKENS, TOKEN_ROLES)
+    # The special tokens after the codec's codes, as in the real vocabulary (151k ids).
+    tok = byte_level_tokenizer(CHAT_TEMPLATE, SPECIAL_TOKENS, TOKEN_ROLES, ordinary=CODEC_VOCAB)
     ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}
     torch.manual_seed(seed)
     model = new_model(Qwen2_5OmniForConditionalGeneration, _config(ids, len(tok)))

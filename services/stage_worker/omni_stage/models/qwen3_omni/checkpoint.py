@@ -6,8 +6,10 @@ files a real checkpoint has: config, generation config, safetensors, a tokenizer
 Omni's special tokens (`<|audio_pad|>`, `<|image_pad|>`, `<|video_pad|>` and their start/end,
 the TTS pad/bos/eos) and its role words `system`, `user`, `assistant` as single tokens (the
 talker finds the turns by them, as by the real vocabulary's), the chat template, and the
-feature extractor's, image and video processors' settings. Token ids follow the byte-level
-vocabulary; every config that names one says which.
+feature extractor's, image and video processors' settings. The ordinary tokens are the
+printable characters and their pairs, as many as the codec has codes, and the special tokens
+come after them, as in the real vocabulary: no code the talker emits reads as a media
+placeholder. Every config that names a token id says which.
 
 Sizes: hidden 64 with head_dim 32, two layers per transformer, 4 experts (2 a token) in the
 thinker's and the talker's MoE layers, 4 codebooks (the real model has 16), the real codec
@@ -82,7 +84,8 @@ CHAT_TEMPLATE: Final = (
 
 
 def tokenizer() -> Any:
-    tok = byte_level_tokenizer(CHAT_TEMPLATE, SPECIAL_TOKENS, TOKEN_ROLES)
+    # The special tokens after the codec's codes, as in the real vocabulary (151k ids).
+    tok = byte_level_tokenizer(CHAT_TEMPLATE, SPECIAL_TOKENS, TOKEN_ROLES, ordinary=CODEC_VOCAB)
     tok.add_tokens(ROLE_WORDS)
     return tok
 
