@@ -864,10 +864,13 @@ def test_compiled_code2wav_decodes_what_eager_decodes(model: Path, reference: di
     """`compile: true` (torch.compile of the DiT's layers and BigVGAN, here on the CPU's
     inductor backend, which builds its kernels with g++): a first, a middle and a last chunk,
     streamed with kept context, are what the stage decodes without it, within 1e-6 (fused
-    kernels may sum in another order); all compiled at start (decode_in_chunks)."""
+    kernels may sum in another order); all compiled at start (decode_in_chunks). Chunks of 12
+    codes, one request at a time: the warm-up compiles those forms only (four graphs, a
+    minute and a half of g++ on this CPU; every chunk size and batches of two take twice that)."""
     codes = reference["codes"][:36]
-    eager, _ = asyncio.run(decode_in_chunks(model, codes, 12, chunkCodes=12))
-    compiled, _ = asyncio.run(decode_in_chunks(model, codes, 12, chunkCodes=12, compile=True))
+    forms = {"chunkCodes": 12, "maxChunkCodes": 12, "maxBatch": 1}
+    eager, _ = asyncio.run(decode_in_chunks(model, codes, 12, **forms))
+    compiled, _ = asyncio.run(decode_in_chunks(model, codes, 12, compile=True, **forms))
     assert [len(c) for c in compiled] == [len(c) for c in eager] and len(eager) == 3
     torch.testing.assert_close(torch.cat(compiled), torch.cat(eager), rtol=0, atol=1e-6)
 

@@ -157,10 +157,15 @@ class CachedDiT:
         starts = torch.tensor([s.window.start - left for s in solves], device=device)
         positions = (starts[:, None] + torch.arange(left + frames, device=device)).repeat(2, 1)
         rope = dit.rotary_embed(fixed, positions)  # (cos, sin) over the left context and the window
-        own_rope = tuple(r[:, left:] for r in rope)
+        own_rope = tuple(r[:, left:].contiguous() for r in rope)  # (strides: see block_diff)
         blocks = torch.arange(left + frames, device=device) // self.block
-        diff = (blocks[None, :] - blocks[:, None]).expand(2 * b, dit.num_attention_heads, -1, -1)
-        own_diff = diff[:, :, left:, left:]
+
+        def block_diff(blocks: torch.Tensor) -> torch.Tensor:
+            # Each its own expand, not a slice of the other's: a compiled layer is guarded on
+            # the strides of its inputs (one compile, not one per stride).
+            return (blocks[None, :] - blocks[:, None]).expand(2 * b, dit.num_attention_heads, -1, -1)
+
+        diff, own_diff = block_diff(blocks), block_diff(blocks[left:])
         keep_at = first.keep_at
         kept: list[dict[int, torch.Tensor]] = []
 
@@ -173,7 +178,8 @@ class CachedDiT:
                 if i in self.back and left:
                     before = self._rows([s.window.left.inputs[4 * s.step + j][i] for s in solves])  # type: ignore[union-attr]
                     whole = torch.cat([before, h], dim=1)
-                    h = layer(whole, time, position_embeddings=rope, block_diff=diff)[:, left:]
+                    # Contiguous, as the next layer's input is without left context (strides).
+                    h = layer(whole, time, position_embeddings=rope, block_diff=diff)[:, left:].contiguous()
                 else:
                     whole = h
                     h = layer(h, time, position_embeddings=own_rope, block_diff=own_diff)
