@@ -5,10 +5,13 @@ documentation runs it."""
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
+import inspect
 import io
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +34,51 @@ def reference_processor(path: Path) -> Any:
     return Qwen2_5OmniProcessor.from_pretrained(path)
 
 
+def kept_beside_the_checkpoint(generate: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    """`generate` once per checkpoint and inputs: the same call again (another module, another
+    worker of the run) reads the same tensors from what the first wrote beside the checkpoint,
+    named by a digest of the inputs (arrays and images by their bytes) and of the checkpoint's
+    weights file (its size and time: a checkpoint written again is another). A reference costs
+    about 16 s of CPU, and the suite asks for each several times."""
+    signature = inspect.signature(generate)
+
+    @functools.wraps(generate)
+    def kept(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        call = signature.bind(*args, **kwargs)
+        call.apply_defaults()
+        path: Path = call.arguments["path"]
+        weights = (path / "model.safetensors").stat()
+        digest = hashlib.sha256(f"{weights.st_size} {weights.st_mtime_ns}".encode())
+        _digest(digest, [v for k, v in call.arguments.items() if k != "path"])
+        file = path.parent / ".references" / f"{path.name}-{digest.hexdigest()[:32]}.safetensors"
+        if file.exists():
+            with safe_open(str(file), "pt") as f:
+                return {"text": f.metadata()["text"]} | {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        ref = generate(*args, **kwargs)
+        file.parent.mkdir(exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        save_file({k: v.contiguous() for k, v in ref.items() if k != "text"}, str(tmp), {"text": ref["text"]})
+        os.replace(tmp, file)  # whole or not at all, whichever of the run's workers writes it
+        return ref
+
+    return kept
+
+
+def _digest(digest: Any, value: Any) -> None:
+    if isinstance(value, np.ndarray):
+        digest.update(f"{value.dtype} {value.shape}".encode() + np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, Image.Image):
+        digest.update(f"{value.mode} {value.size}".encode() + value.tobytes())
+    elif isinstance(value, list | tuple):
+        digest.update(b"[")
+        for v in value:
+            _digest(digest, v)
+        digest.update(b"]")
+    else:
+        digest.update(json.dumps(value, sort_keys=True).encode())
+
+
+@kept_beside_the_checkpoint
 def reference_generate(
     path: Path,
     messages: list[dict[str, Any]],
@@ -50,74 +98,7 @@ def reference_generate(
     `images` and `videos` (frames [T, H, W, 3], taken at `fps`) fill the messages' audio,
     image and video parts, in order, through the model's processor, as its documentation
     runs it; `processor_kwargs` go to that processor call (as vLLM passes mm_processor_kwargs).
-
-    Generated once per checkpoint and inputs: the same call again (another module, another
-    worker of the run) reads what the first wrote beside the checkpoint (`_kept`), the same
-    tensors (about 16 s of CPU each time otherwise, and the suite asks for each several times)."""
-    args = (
-        path,
-        messages,
-        thinker_tokens,
-        talker_codes,
-        seed,
-        voice,
-        audio,
-        images,
-        videos,
-        fps,
-        processor_kwargs,
-    )
-    kept = _kept(*args)
-    if kept.exists():
-        with safe_open(str(kept), "pt") as f:
-            return {"text": f.metadata()["text"]} | {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
-    ref = _generate(*args)
-    tmp = kept.with_suffix(f".{os.getpid()}.tmp")
-    save_file({k: v.contiguous() for k, v in ref.items() if k != "text"}, str(tmp), {"text": ref["text"]})
-    os.replace(tmp, kept)  # whole or not at all, whoever of the run's workers writes it
-    return ref
-
-
-def _kept(path: Path, *inputs: Any) -> Path:
-    """Where a reference on `path` with these inputs is kept: named by a digest of the inputs
-    (arrays and images by their bytes) and of the checkpoint's weights file (its size and
-    time: a checkpoint written again is another)."""
-    digest = hashlib.sha256()
-    weights = (path / "model.safetensors").stat()
-    digest.update(f"{weights.st_size} {weights.st_mtime_ns}".encode())
-
-    def feed(value: Any) -> None:
-        if isinstance(value, np.ndarray):
-            digest.update(f"{value.dtype} {value.shape}".encode() + np.ascontiguousarray(value).tobytes())
-        elif isinstance(value, Image.Image):
-            digest.update(f"{value.mode} {value.size}".encode() + value.tobytes())
-        elif isinstance(value, list | tuple):
-            digest.update(b"[")
-            for v in value:
-                feed(v)
-            digest.update(b"]")
-        else:
-            digest.update(json.dumps(value, sort_keys=True).encode())
-
-    feed(list(inputs))
-    folder = path.parent / ".references"
-    folder.mkdir(exist_ok=True)
-    return folder / f"{path.name}-{digest.hexdigest()[:32]}.safetensors"
-
-
-def _generate(
-    path: Path,
-    messages: list[dict[str, Any]],
-    thinker_tokens: int,
-    talker_codes: int,
-    seed: int,
-    voice: str,
-    audio: list[np.ndarray] | None,
-    images: list[Image.Image] | None,
-    videos: list[np.ndarray] | None,
-    fps: float | None,
-    processor_kwargs: dict[str, Any] | None,
-) -> dict[str, Any]:
+    Generated once per run (kept_beside_the_checkpoint)."""
     from transformers import Qwen2_5OmniForConditionalGeneration
 
     ref = Qwen2_5OmniForConditionalGeneration.from_pretrained(path).eval()
