@@ -20,43 +20,26 @@ DONE = ".built"
 
 
 BENCH_MODULE: Final = "tests/e2e/test_bench.py"
-LONGEST: Final = {
-    "tests/e2e/test_qwen_omni.py": 380,
-    "tests/e2e/test_serve.py": 265,
-    "tests/unit/test_qwen_omni.py": 250,
-    "tests/integration/test_vllm.py": 195,
-    "tests/integration/test_gateway_schema.py": 190,
-    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[image]": 185,
-    "tests/unit/test_qwen3_omni.py": 180,
-    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[epd]": 155,
-    "tests/e2e/test_videos.py": 150,
-    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[qwen-omni]": 145,
-    "tests/integration/test_distributed.py": 130,
-    "tests/integration/test_vllm_qwen_omni.py": 120,
-    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[video]": 110,
-    "tests/e2e/test_kubernetes.py": 105,
-    "tests/faults/test_migration.py": 105,
-    "tests/e2e/test_image_edits.py": 100,
-    "tests/e2e/test_realtime.py": 100,
-    "tests/faults/test_connector_failures.py": 100,
-    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[vllm-omni]": 100,
-}
-"""The groups that take longest (seconds of a full run on this 2-core machine, 2026-11-27):
-they start first, the longest first, so that the run does not end with one of them on one
-worker while the others idle (the scheduling that keeps a run's end shortest, given the
-times). A group missing here starts after them; a stale figure only changes the order."""
+MODELS_IN_UNIT: Final = frozenset(
+    {"test_qwen_omni.py", "test_qwen3_omni.py", "test_image_edit.py", "test_diffusion.py", "test_engines.py"}
+)
+"""Unit modules that run real models against their references (minutes each, compiled forms
+among them)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist each worker takes whole groups (`ModulesAndBenchmarks`) in this order:
-    the longest groups (`LONGEST`), then the other modules that start processes, then the unit
-    modules, many and short, which fill the end of the run (`make test` keeps this order:
-    --no-loadscope-reorder)."""
+    the benchmarks, the modules that start processes, the unit modules that run models, then the
+    many short unit modules that fill the end of the run, where a slow one would keep one worker
+    busy while the others idle (`make test` keeps this order: --no-loadscope-reorder)."""
 
-    def order(item: pytest.Item) -> tuple[int, int, str]:
+    def order(item: pytest.Item) -> tuple[int, str]:
         path = item.nodeid.split("::", 1)[0]
-        group = item.nodeid if path == BENCH_MODULE else path
-        return -LONGEST.get(group, 0), int(path.startswith("tests/unit/")), group
+        if path == BENCH_MODULE:
+            return 0, path
+        if not path.startswith("tests/unit/"):
+            return 1, path
+        return (2 if Path(path).name in MODELS_IN_UNIT else 3), path
 
     items.sort(key=order)
 
