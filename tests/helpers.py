@@ -33,6 +33,9 @@ OMNI = [sys.executable, "-m", "omni_cli.main"]
 VLLM_TIMEOUT_S = 600
 """The timeout of a test that starts vLLM's engine on the CPU (its engine core process, the
 model loaded and profiled: a minute alone, up to three under a full suite's load)."""
+SERVES_QWEN_TIMEOUT_S = 450
+"""The timeout of the test that a module's Qwen pipeline starts for (its stages loaded, warmed
+up, and the reference generated beside it): a minute and a half under a full suite's load."""
 COMPILE_TIMEOUT_S = 900
 """The timeout of a test that torch.compiles a model on the CPU: inductor builds each kernel
 with g++, every form the stage runs compiled at start (three minutes alone for token2wav on two

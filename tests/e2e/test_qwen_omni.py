@@ -23,6 +23,7 @@ from tests.deployment import gauges, settle
 from tests.e2e.test_serve import audio_delta
 from tests.helpers import (
     ROOT,
+    SERVES_QWEN_TIMEOUT_S,
     VLLM_TIMEOUT_S,
     decode_wav,
     replica_metric,
@@ -114,6 +115,7 @@ def assert_audio_starts_before_the_text_ends(events: list[str]) -> None:
     assert events.index("audio") < last_text, events
 
 
+@pytest.mark.timeout(SERVES_QWEN_TIMEOUT_S)  # the module's first: its pipeline starts for it
 def test_text_and_speech_equal_the_reference(base: str, reference: dict[str, Any]) -> None:
     """Text exactly; the waveform, decoded in chunks as it streams, to within one step of
     16-bit PCM (in float32 it is within 1e-5 of the reference's, tests/unit/test_qwen_omni.py)."""
