@@ -198,7 +198,7 @@ class AudioBuffer:
         self.take()
 
     def unsent(self) -> tuple[int, bytes]:
-        """The audio not yet sent ahead to be encoded (RealtimeSession._send_ahead), and where
+        """The audio not yet sent ahead to be encoded (UserInput.settle), and where
         in the buffer it begins (bytes), now marked sent. Once the buffer's start moves (a
         commit, a clear, VAD's trim), all of it is unsent again: its turn begins anew."""
         if self._sent_from != self._start:
