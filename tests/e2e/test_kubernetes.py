@@ -25,8 +25,9 @@ import pytest
 import yaml
 
 from omni_cli.mooncaked import LocalMooncake
+from omni_cli.ports import free_port
 from tests.e2e.kubelet import Kubelet
-from tests.helpers import ROOT, OmniProcess, decode_wav, free_port, metric, wait_for
+from tests.helpers import ROOT, OmniProcess, decode_wav, metric, wait_for
 from tests.kube_api import PIPELINE_API, ApiServerThread, Kube
 from tests.qwen_reference import media_clips, media_message, reference_with_media
 

@@ -23,12 +23,12 @@ import yaml
 from PIL import Image
 
 from omni_cli.natsd import EmbeddedNats
+from omni_cli.ports import free_port
 from tests.deployment import deployed, metric_values
 from tests.helpers import (
     ROOT,
     OmniProcess,
     assert_all_gone,
-    free_port,
     openai_client,
     served_example,
     wait_for,

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 from kopf.testing import KopfRunner
 
+from omni_cli.ports import free_port
 from omni_operator.cluster import FIELD_MANAGER
 from omni_operator.handlers import IMAGE_ENV, METRICS_PORT_ENV, RESYNC_ENV
 from omni_operator.render import CONFIG_HASH_ANNOTATION
-from tests.helpers import ROOT, free_port, metric, metric_families, wait_for
+from tests.helpers import ROOT, metric, metric_families, wait_for
 from tests.kube_api import PIPELINE_API, ApiServerThread, Kube, pipeline_body
 
 IMAGE = "registry.example/omni:test"

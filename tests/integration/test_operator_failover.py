@@ -11,8 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omni_cli.ports import free_port
 from omni_operator.handlers import IMAGE_ENV, LEASE_NAME, RESYNC_ENV
-from tests.helpers import ROOT, OmniProcess, free_port, wait_for
+from tests.helpers import ROOT, OmniProcess, wait_for
 from tests.kube_api import ApiServerThread, Kube, pipeline_body
 
 LEASE_NS = "omni-system"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ import pytest
 import yaml
 
 from omni_cli.natsd import EmbeddedNats, nats_server_binary
+from omni_cli.ports import free_port
 from tests.helpers import (
     ROOT,
     OmniProcess,
@@ -204,9 +204,7 @@ def test_non_streaming_client_that_leaves_aborts_its_request(cluster: str) -> No
 
 
 def test_stage_started_before_nats_waits_and_says_so(tmp_path: Path) -> None:
-    with socket.socket() as s:  # a free port for a NATS server that is not there yet
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # for a NATS server that is not there yet
     url = f"nats://127.0.0.1:{port}"
     stage = OmniProcess(
         [

@@ -5,7 +5,6 @@ connector on one machine. The binaries ship in the mooncake wheel."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Final
 
+from omni_cli.ports import free_port
 from omni_pipeline.connectors.mooncake import BIND_ENV, MASTER_ENV, METADATA_ENV
 from omni_pipeline.lifecycle import die_with_parent
 
@@ -23,17 +23,11 @@ INCOMPLETE_PUT_FREED_S: Final = 3 * INCOMPLETE_PUT_RELEASE_S
 """A kill's unfinished put is gone from the store this soon after the kill (twice, and a margin)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class LocalMooncake:
     """mooncake_master and a store server of `store_bytes`, both on 127.0.0.1; logs in `log_dir`."""
 
     def __init__(self, log_dir: Path, store_bytes: int = 256 << 20, start_timeout_s: float = 30.0) -> None:
-        rpc, meta, metrics, store = _free_port(), _free_port(), _free_port(), _free_port()
+        rpc, meta, metrics, store = free_port(), free_port(), free_port(), free_port()
         self.master = f"127.0.0.1:{rpc}"
         self.metadata = f"http://127.0.0.1:{meta}/metadata"
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
