@@ -6,7 +6,8 @@ without importing torch again; each gets its environment from its caller, not th
 They report their state over a one-way pipe as wire-encoded structs (bytes, never pickled
 objects). A monitor thread per child waits on the pipe and the
 process sentinel together, so a death is noticed at once, without polling. Readiness comes
-only from the child's READY event. Shutdown is terminate, wait up to 5 s, kill the tree.
+only from the child's READY event. Shutdown is terminate, wait up to 5 s, kill the tree;
+what the child started and left behind is killed with it, and the fork server last.
 
 A serving process (a child here, or `omni stage` / `omni gateway` as a pod's main process) ends
 the same way in both: once it has stopped serving it has `STOP_DEADLINE_S` to close (`exit_if_stuck`),
@@ -28,6 +29,7 @@ import threading
 import traceback
 import weakref
 from collections.abc import Callable
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from typing import Any, Final, NoReturn
 
@@ -171,9 +173,20 @@ def _exited(proc: mp.process.BaseProcess, timeout_s: float) -> bool:
     return bool(wait([proc.sentinel], timeout_s))
 
 
+def _descendants(pid: int) -> list[psutil.Process]:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
 def _shutdown(proc: mp.process.BaseProcess, grace_s: float, terminated: list[bool]) -> None:
     if _exited(proc, 0) or proc.pid is None:
         return
+    # What the child started (vLLM's engine core and its workers): whatever of it outlives the
+    # child is killed below. Orphans are no longer under the child by then; psutil's handles
+    # still know them, and refuse to kill a pid reused since.
+    started = _descendants(proc.pid)
     if not terminated[0]:  # a second SIGTERM means "stop now"; send one only
         terminated[0] = True
         with contextlib.suppress(ProcessLookupError):
@@ -181,6 +194,25 @@ def _shutdown(proc: mp.process.BaseProcess, grace_s: float, terminated: list[boo
     if not _exited(proc, grace_s):
         kill_tree(proc.pid, reap_root=False)
         _exited(proc, 2.0)
+    for p in started:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
+    psutil.wait_procs(started, timeout=SHUTDOWN_GRACE_S)
+
+
+def stop_fork_server() -> None:
+    """Kill the fork server once every child is down. Left to notice the supervisor's exit, it
+    would run its interpreter's teardown (the stages' modules, torch's among them: seconds, far
+    more on a busy machine) after the supervisor is gone, a process of the tree still alive.
+    It holds nothing to save. CPython keeps its one fork server, and how to stop and reap it
+    (`_stop`, which its own tests use), in `multiprocessing.forkserver._forkserver`."""
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if server is None or pid is None:
+        return  # never started (or an interpreter that keeps it elsewhere: it ends on its own)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    server._stop()
 
 
 class ManagedProcess:

@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Any, TypeVar
 import httpx
 import numpy as np
 import openai
+import psutil
 import soundfile as sf
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -263,16 +263,23 @@ def group_alive(pgid: int) -> bool:
         return False
 
 
+def wait_group_gone(pgid: int, timeout_s: float = 30) -> None:
+    """Wait until no process of the group is left; else fail naming the ones that are."""
+    try:
+        wait_for(lambda: not group_alive(pgid), timeout_s, "every process of the tree to exit")
+    except AssertionError as exc:
+        left = []
+        for p in psutil.process_iter(["pid", "status", "cmdline"]):
+            with contextlib.suppress(psutil.Error):
+                if os.getpgid(p.pid) == pgid:
+                    command = " ".join(p.info["cmdline"] or [])[:120]
+                    left.append(f"{p.info['pid']} {p.info['status']} {command}")
+        raise AssertionError(f"{exc}; left: {left}") from None
+
+
 def openai_client(base: str) -> openai.OpenAI:
     """The official client against a gateway at `base`, which must answer at once: no retries."""
     return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
-
-
-def free_port() -> int:
-    """A port free on 127.0.0.1 now, for a server that must be told its port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def get_json(url: str) -> Any:
@@ -388,7 +395,7 @@ def start_serve(pipeline: Path, cwd: Path, log: Path) -> tuple[OmniProcess, str]
 def assert_all_gone(serve: OmniProcess, exit_code: int = 0) -> None:
     wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
     assert serve.proc.returncode == exit_code, serve.output()[-3000:]
-    wait_for(lambda: not group_alive(serve.proc.pid), 30, "every process of the tree to exit")
+    wait_group_gone(serve.proc.pid)
     prefix = re.search(r"shared memory: /dev/shm/(\S+)-\*", serve.output()).group(1)  # type: ignore[union-attr]
     assert our_shm_segments(f"{prefix}-") == [], "shared-memory segments left behind"
 

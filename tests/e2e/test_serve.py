@@ -32,7 +32,6 @@ from tests.helpers import (
     assert_all_gone,
     decode_wav,
     get_json,
-    group_alive,
     openai_client,
     replica_metric,
     replicas,
@@ -42,6 +41,7 @@ from tests.helpers import (
     vllm_bench_serve,
     vllm_omni_client,
     wait_for,
+    wait_group_gone,
 )
 from tests.openai_schema import violations
 
@@ -892,7 +892,7 @@ def test_a_stage_that_cannot_start_fails_serve_cleanly(demo_dir: Path, tmp_path:
     assert serve.proc.returncode == 1
     expected = "talker-0 failed to start: EngineError: stage 'talker': model directory './models/missing'"
     assert expected in serve.output()
-    wait_for(lambda: not group_alive(serve.proc.pid), 30, "every process of the tree to exit")
+    wait_group_gone(serve.proc.pid)
 
 
 def test_bad_pipeline_file_is_refused_before_anything_starts(tmp_path: Path) -> None:

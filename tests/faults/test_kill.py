@@ -20,11 +20,11 @@ from tests.helpers import (
     ROOT,
     OmniProcess,
     get_json,
-    group_alive,
     our_shm_segments,
     replica_metric,
     replicas,
     wait_for,
+    wait_group_gone,
 )
 
 SERVES_AGAIN_S = 10.0
@@ -65,7 +65,7 @@ def test_single_node_supervisor_restarts_a_killed_stage(tmp_path: Path) -> None:
         serve.interrupt_group()
         wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
     assert serve.proc.returncode == 0, serve.output()[-3000:]
-    wait_for(lambda: not group_alive(serve.proc.pid), 30, "every process of the tree to exit")
+    wait_group_gone(serve.proc.pid)
     assert our_shm_segments(f"{prefix}-") == []
 
 

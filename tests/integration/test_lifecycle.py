@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,7 @@ import psutil
 import pytest
 from setproctitle import getproctitle, setproctitle
 
-from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState
+from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState, stop_fork_server
 
 
 def ready_then_wait(ready: Callable[[dict[str, Any]], None], tag: str) -> None:
@@ -24,6 +25,14 @@ def ready_then_wait(ready: Callable[[dict[str, Any]], None], tag: str) -> None:
 def report_environment(ready: Callable[[dict[str, Any]], None], names: list[str]) -> None:
     setproctitle("omni: test child")
     ready({"env": {n: os.environ.get(n) for n in names}, "title": getproctitle()})
+    threading.Event().wait()
+
+
+def leave_a_grandchild(ready: Callable[[dict[str, Any]], None]) -> None:
+    """Starts a process of its own and dies at SIGTERM without stopping it, as a library's
+    engine process outlives a stage that ended without closing it."""
+    grandchild = subprocess.Popen(["sleep", "600"])
+    ready({"grandchild": grandchild.pid})
     threading.Event().wait()
 
 
@@ -74,6 +83,29 @@ def test_shutdown_kills_what_ignores_sigterm() -> None:
     p.shutdown(grace_s=0.5)  # terminate, wait the grace, then kill
     assert not p.alive and p.exitcode == -signal.SIGKILL
     assert not psutil.pid_exists(p.pid)
+
+
+def test_what_a_child_started_and_left_behind_is_killed_with_it() -> None:
+    p = ManagedProcess("parent", leave_a_grandchild)
+    grandchild = psutil.Process(p.wait_ready(60)["grandchild"])
+    p.shutdown()
+    assert not p.alive and p.exitcode == -signal.SIGTERM  # it died of the SIGTERM, leaving `sleep`
+    assert not grandchild.is_running()
+
+
+def test_the_fork_server_is_stopped_at_once_and_starts_again_when_needed() -> None:
+    first = ManagedProcess("first", ready_then_wait, ("a",))
+    first.wait_ready(60)
+    server = psutil.Process(first.pid).parent()
+    first.shutdown()
+    stop_fork_server()
+    assert not server.is_running()
+    second = ManagedProcess("second", ready_then_wait, ("b",))  # a new fork server serves it
+    try:
+        assert second.wait_ready(60)["tag"] == "b"
+        assert psutil.Process(second.pid).parent().pid != server.pid
+    finally:
+        second.shutdown()
 
 
 def test_a_child_has_its_callers_environment_of_now_and_names_itself(monkeypatch: pytest.MonkeyPatch) -> None:

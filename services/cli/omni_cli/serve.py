@@ -30,7 +30,14 @@ from setproctitle import setproctitle
 from omni_cli.children import gateway_child, stage_child
 from omni_cli.natsd import EmbeddedNats
 from omni_pipeline.connectors.shm import DEFAULT_PREFIX, SHM_PREFIX_ENV, ShmConnector
-from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState, preload
+from omni_pipeline.lifecycle import (
+    ChildFailed,
+    LifecycleEvent,
+    ManagedProcess,
+    ProcState,
+    preload,
+    stop_fork_server,
+)
 from omni_pipeline.placement import VISIBLE_DEVICES_ENV, PlacementError, place, uses_gpus, visible_gpus
 from omni_pipeline.settings import ConnectorSpec
 from omni_pipeline.spec import PipelineFile
@@ -275,6 +282,7 @@ class Supervisor:
             p.request_stop()
         for p in procs:
             p.shutdown()
+        stop_fork_server()
         if self.nats:
             self.nats.stop()
         self.shm.sweep()
