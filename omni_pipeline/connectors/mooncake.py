@@ -6,6 +6,8 @@ views on it; it goes back to the pool when they are freed) and removes the key a
 that was just read carries a read lease in the store, so removal is forced: the consumer is its
 only reader.
 `cleanup(request_id)` removes whatever a request still holds, by key prefix, from any process.
+A put that no store server can take (none registered, or none with room) waits `PUT_WAIT_S` for
+one; what a store server held when the master expired it is gone, and its gets are PayloadGone.
 
 Stage processes are pure clients by default (`globalSegmentSizeBytes: 0`): the store places
 an object in any mounted segment, and a segment leaves with its process, so payloads belong in
@@ -26,6 +28,7 @@ import os
 import re
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -40,6 +43,12 @@ log = logging.getLogger(__name__)
 
 BIND_ENV: Final = "MC_TCP_BIND_ADDRESS"
 _NOT_FOUND: Final = -704
+_NO_AVAILABLE_HANDLE: Final = -200
+PUT_WAIT_S: Final = 10.0
+"""How long a put waits for a store server to take it (NO_AVAILABLE_HANDLE). A store server whose
+heartbeats the master missed for its client TTL (10 s; a stalled host) has its segment unmounted
+and mounts it again at its next heartbeat, a second after it is back; a full one has room again
+once consumers read. Waiting holds the process's connector thread, so it is bounded."""
 HEALTH_TIMEOUT_S: Final = 1.0
 """How long a health check waits for the master to accept a connection."""
 _HEALTH: Final = {0: "healthy", 1: "not initialised or closed", 2: "master unreachable"}
@@ -171,7 +180,7 @@ class MooncakeConnector(OmniConnector):
         buf = self._buffers.take(frame.size)  # put_from has copied it out when it returns
         try:
             frame.write_into(memoryview(buf))
-            rc = self._store.store.put_from(key, buf.ctypes.data, frame.size)
+            rc = self._put_waiting_for_room(key, buf.ctypes.data, frame.size)
         finally:
             self._buffers.give(buf)
         if rc != 0:
@@ -179,6 +188,18 @@ class MooncakeConnector(OmniConnector):
         with self._written_lock:
             self._written.add(key)
         return key
+
+    def _put_waiting_for_room(self, key: str, address: int, size: int) -> int:
+        """put_from, tried again for up to `PUT_WAIT_S` while no store server can take it."""
+        deadline = time.monotonic() + PUT_WAIT_S
+        pause = 0.05
+        while True:
+            rc = int(self._store.store.put_from(key, address, size))
+            if rc != _NO_AVAILABLE_HANDLE or time.monotonic() + pause > deadline:
+                return rc
+            log.info("Mooncake put of %s: no store server can take it yet; trying again", key)
+            time.sleep(pause)  # a backoff: the store server's return is seen by no event of ours
+            pause = min(2 * pause, 1.0)
 
     def _get_frame(self, request_id: str, handle: ConnectorHandle) -> Any:
         key = handle.key

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 
 import pytest
@@ -15,7 +16,7 @@ from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.connectors.mooncake import MooncakeConfig, MooncakeConnector
 from omni_pipeline.settings import ConnectorSpec
-from tests.helpers import OMNI, ROOT, read_handles
+from tests.helpers import OMNI, ROOT, read_handles, wait_for
 
 SPEC = ConnectorSpec(kind="mooncake", inline_threshold_bytes=1024)
 
@@ -66,6 +67,38 @@ def test_a_key_of_another_request_is_refused(mooncake: LocalMooncake) -> None:
         with pytest.raises(ConnectorError, match="does not belong"):
             conn.get("a", "b", "r2", h)
         assert conn.cleanup("r1") == 1
+    finally:
+        conn.close()
+
+
+def test_a_put_waits_for_a_store_server_the_master_expired(mooncake: LocalMooncake) -> None:
+    """The store server stalls past the master's client TTL (SIGSTOP: a host that stopped
+    running it, as a loaded CI machine once did): the master unmounts its memory, and a put
+    finds no store server (NO_AVAILABLE_HANDLE). A put made then waits, and lands once the
+    store server is back and has mounted its memory again at its next heartbeat."""
+    conn = MooncakeConnector("tensors", SPEC, "tiny", MooncakeConfig.resolve(None))
+    payload = {"x": torch.arange(1000.0)}
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            mooncake.pause_store_server()
+            try:
+                wait_for(
+                    lambda: mooncake.metric("master_total_capacity_bytes") == 0,
+                    30,
+                    "the master to expire the store server",
+                )
+                refused = mooncake.metric("master_put_start_failures_total")
+                put = pool.submit(conn.put, "a", "b", "r1", payload)
+                wait_for(
+                    lambda: mooncake.metric("master_put_start_failures_total") > refused,
+                    10,
+                    "the put to find no store server",
+                )
+            finally:
+                mooncake.resume_store_server()
+            _, _, handle = put.result()  # within PUT_WAIT_S, or it raises
+        data, _ = conn.get("a", "b", "r1", handle)
+        assert torch.equal(data["x"], payload["x"])
     finally:
         conn.close()
 

@@ -5,6 +5,7 @@ connector on one machine. The binaries ship in the mooncake wheel."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -90,6 +91,15 @@ class LocalMooncake:
         self._logs[0] = Path(self._logs[0].name).with_suffix(".restarted.log").open("w")
         self._procs[0] = self._spawn(self._logs[0], *self._master_cmd)
         self._wait(lambda: self.key_count() == 0, start_timeout_s, "mooncake_master to serve again")
+
+    def pause_store_server(self) -> None:
+        """SIGSTOP the store server (a fault, for tests: a stalled host). Its heartbeats stop;
+        after the master's client TTL the master unmounts its memory, and puts find no room."""
+        self._procs[1].send_signal(signal.SIGSTOP)
+
+    def resume_store_server(self) -> None:
+        """SIGCONT the store server: at its next heartbeat it mounts its memory again."""
+        self._procs[1].send_signal(signal.SIGCONT)
 
     def _start(self, log: Path, binary: Path, *args: str) -> None:
         self._logs.append(fh := log.open("w"))
