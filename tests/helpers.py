@@ -36,10 +36,17 @@ model loaded and profiled: a minute alone, up to three under a full suite's load
 SERVES_QWEN_TIMEOUT_S = 450
 """The timeout of the test that a module's Qwen pipeline starts for (its stages loaded, warmed
 up, and the reference generated beside it): a minute and a half under a full suite's load."""
-COMPILE_TIMEOUT_S = 900
+COMPILE_TIMEOUT_S = 1200
 """The timeout of a test that torch.compiles a model on the CPU: inductor builds each kernel
-with g++, every form the stage runs compiled at start (three minutes alone for token2wav on two
-cores with a cold cache; up to five under a full suite's load)."""
+with g++, every form the stage runs compiled at start (a minute and a half alone for token2wav
+on two cores with a cold cache; up to five under a full suite's load, and a third of the
+timeout kept free)."""
+SOAK_TIMEOUT_S = 600
+"""The timeout of a test that sends a pipeline a thousand requests or more (70 s alone; up to
+three minutes under a full suite's load)."""
+PIPELINE_RESTARTS_TIMEOUT_S = 450
+"""The timeout of a test that starts `omni serve` two or three times over (its gateway or the
+whole tree stopped and started again): up to two and a half minutes under a full suite's load."""
 
 SHM_SESSION = os.environ["OMNI_SHM_PREFIX"] = f"omni-run{uuid.uuid4().hex[:8]}"
 """This test process's shared memory: set before any process starts, so everything it makes

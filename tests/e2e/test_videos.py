@@ -26,6 +26,7 @@ from omni_cli.natsd import EmbeddedNats
 from omni_cli.ports import free_port
 from tests.deployment import deployed, metric_values
 from tests.helpers import (
+    PIPELINE_RESTARTS_TIMEOUT_S,
     ROOT,
     OmniProcess,
     assert_all_gone,
@@ -206,6 +207,7 @@ def start(pipeline: Path, cwd: Path, log: Path, port: int) -> tuple[OmniProcess,
     return serve, openai_client(f"http://127.0.0.1:{port}")
 
 
+@pytest.mark.timeout(PIPELINE_RESTARTS_TIMEOUT_S)
 def test_jobs_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
     """A job running when the gateway is killed completes once the supervisor has started it
     again (the new gateway takes it up when the dead one's lease lapses); one running when

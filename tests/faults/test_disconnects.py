@@ -13,11 +13,12 @@ import collections
 import random
 
 import httpx
+import pytest
 
 from omni_cli.mooncaked import LocalMooncake
 from tests.deployment import Deployment
 from tests.faults.conftest import SHM_PREFIX
-from tests.helpers import shm_segments_in_use
+from tests.helpers import SOAK_TIMEOUT_S, shm_segments_in_use
 
 REQUESTS = 1000
 WARM_UP = 200
@@ -57,6 +58,7 @@ async def _storm(base: str, n: int, seed: int) -> collections.Counter[str]:
         return collections.Counter(await asyncio.gather(*(one(client, *p) for p in plans)))
 
 
+@pytest.mark.timeout(SOAK_TIMEOUT_S)
 def test_a_thousand_clients_that_walk_away(faults: Deployment, mooncake: LocalMooncake) -> None:
     idle = faults.gauges()
     warm = asyncio.run(_storm(faults.base, WARM_UP, seed=1))

@@ -34,10 +34,10 @@ from tests.helpers import (
     VLLM_TIMEOUT_S,
     OmniProcess,
     decode_wav,
-    group_alive,
     sse_data,
     vllm_omni_client,
     wait_for,
+    wait_group_gone,
 )
 from tests.openai_schema import violations
 
@@ -334,74 +334,84 @@ def test_prompt_embeds_give_what_the_tokens_give(
     assert token_ids(by_embeds) == token_ids(by_ids) and len(token_ids(by_ids)) == 8
 
 
-def test_example_pipeline_answers_the_openai_client(demo_dir: Path, tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def tiny_voice_vllm(
+    demo_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[OmniProcess, str]]:
+    """examples/tiny-voice-vllm.yaml served (`omni serve`), for the module's last two tests;
+    then Ctrl-C, and the whole tree exits, vLLM's engine process with it."""
     pipeline = demo_dir / "tiny-voice-vllm.yaml"
     shutil.copy(ROOT / "examples" / "tiny-voice-vllm.yaml", pipeline)
-    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], demo_dir, tmp_path / "serve.log")
+    log = tmp_path_factory.mktemp("logs") / "serve.log"
+    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], demo_dir, log)
     try:
         serve.wait_output("ready at", 300)
         port = re.search(r"ready at http://127.0.0.1:(\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
-        r = client.chat.completions.create(
-            model="tiny-voice-vllm",
-            messages=MESSAGES,
-            modalities=["text", "audio"],
-            audio={"voice": "alloy", "format": "wav"},
-        )
-        assert r.choices[0].message.content and r.usage is not None and r.usage.completion_tokens == 24
-        samples, sr = decode_wav(r.choices[0].message.audio.data)
-        assert sr == 24000 and len(samples) == 24 * 4 * 480
-        # What vLLM's thinker answers is valid by OpenAI's own schema, whole and streamed.
-        body = {"model": "tiny-voice-vllm", "messages": MESSAGES, "max_tokens": 4}
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
-        whole = httpx.post(url, json=body, timeout=60).json()
-        stream = httpx.post(
-            url, json={**body, "stream": True, "stream_options": {"include_usage": True}}, timeout=60
-        )
-        logprobs = {**body, "logprobs": True, "top_logprobs": 2}
-        with_logprobs = httpx.post(url, json=logprobs, timeout=60).json()
-        tokens = with_logprobs["choices"][0]["logprobs"]["content"]
-        assert "".join(t["token"] for t in tokens) == with_logprobs["choices"][0]["message"]["content"]
-        streamed = httpx.post(url, json={**logprobs, "stream": True}, timeout=60)
-        checked = [
-            (whole, "CreateChatCompletionResponse"),
-            *[(c, "CreateChatCompletionStreamResponse") for c in sse_data(stream.text)],
-            (with_logprobs, "CreateChatCompletionResponse"),
-            *[(c, "CreateChatCompletionStreamResponse") for c in sse_data(streamed.text)],
-        ]
-        assert [v for b, schema in checked if (v := violations(b, schema))] == []
-        for extra, param, says in REFUSED_CHAT:  # what no engine here serves, on vLLM's too
-            r = httpx.post(url, json={**body, **extra}, timeout=60)
-            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
-            assert says in r.json()["error"]["message"]
-        # vLLM-Omni's own benchmark client measures the vLLM thinker's pipeline as it would its own.
-        bench = vllm_omni_client(f"http://127.0.0.1:{port}", "tiny-voice-vllm", 2, 8)
-        assert bench["warnings"] == [], bench["warnings"]
-        for got in bench["requests"]:
-            assert got["success"] and got["ttft"] > 0 and got["audio_ttfp"] > 0 and got["audio_rtf"] > 0, got
-            assert got["audio_duration"] == 8 * 4 * 480 / 24000, got
-
-        # vLLM's engine core process dies (as on a GPU fault): the thinker's replica sees it at
-        # its next heartbeat, fails what it holds, and exits; the supervisor starts it afresh.
-        # No request waits on the dead engine: one sent now waits for the restarted thinker
-        # (gateway.replicaWaitS, 30 s) and is served, or is a 503 after that wait, well inside
-        # the 600 s deadline.
-        core = engine_core(serve.proc.pid)
-        core.kill()
-        serve.wait_output("engine dead: vLLM's engine core is dead", 60)
-        fast = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
-        )
-        with contextlib.suppress(openai.InternalServerError, openai.APIStatusError):
-            fast.chat.completions.create(model="tiny-voice-vllm", messages=MESSAGES)
-        serve.wait_output("restarting thinker", 60)
-        wait_for(lambda: answers(fast), 300, "the restarted thinker to answer")
-        assert engine_core(serve.proc.pid).pid != core.pid
+        yield serve, f"http://127.0.0.1:{port}"
     finally:
         serve.interrupt_group()
         wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
-        wait_for(lambda: not group_alive(serve.proc.pid), 30, "vLLM's engine process to exit too")
+        wait_group_gone(serve.proc.pid)
     assert serve.proc.returncode == 0
+
+
+def test_example_pipeline_answers_the_openai_client(tiny_voice_vllm: tuple[OmniProcess, str]) -> None:
+    _, base = tiny_voice_vllm
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+    r = client.chat.completions.create(
+        model="tiny-voice-vllm",
+        messages=MESSAGES,
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"},
+    )
+    assert r.choices[0].message.content and r.usage is not None and r.usage.completion_tokens == 24
+    samples, sr = decode_wav(r.choices[0].message.audio.data)
+    assert sr == 24000 and len(samples) == 24 * 4 * 480
+    # What vLLM's thinker answers is valid by OpenAI's own schema, whole and streamed.
+    body = {"model": "tiny-voice-vllm", "messages": MESSAGES, "max_tokens": 4}
+    url = f"{base}/v1/chat/completions"
+    whole = httpx.post(url, json=body, timeout=60).json()
+    streaming = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    stream = httpx.post(url, json=streaming, timeout=60)
+    logprobs = {**body, "logprobs": True, "top_logprobs": 2}
+    with_logprobs = httpx.post(url, json=logprobs, timeout=60).json()
+    tokens = with_logprobs["choices"][0]["logprobs"]["content"]
+    assert "".join(t["token"] for t in tokens) == with_logprobs["choices"][0]["message"]["content"]
+    streamed = httpx.post(url, json={**logprobs, "stream": True}, timeout=60)
+    checked = [
+        (whole, "CreateChatCompletionResponse"),
+        *[(c, "CreateChatCompletionStreamResponse") for c in sse_data(stream.text)],
+        (with_logprobs, "CreateChatCompletionResponse"),
+        *[(c, "CreateChatCompletionStreamResponse") for c in sse_data(streamed.text)],
+    ]
+    assert [v for b, schema in checked if (v := violations(b, schema))] == []
+    for extra, param, says in REFUSED_CHAT:  # what no engine here serves, on vLLM's too
+        r = httpx.post(url, json={**body, **extra}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+        assert says in r.json()["error"]["message"]
+    # vLLM-Omni's own benchmark client measures the vLLM thinker's pipeline as it would its own.
+    bench = vllm_omni_client(base, "tiny-voice-vllm", 2, 8)
+    assert bench["warnings"] == [], bench["warnings"]
+    for got in bench["requests"]:
+        assert got["success"] and got["ttft"] > 0 and got["audio_ttfp"] > 0 and got["audio_rtf"] > 0, got
+        assert got["audio_duration"] == 8 * 4 * 480 / 24000, got
+
+
+def test_a_dead_engine_core_restarts_its_replica(tiny_voice_vllm: tuple[OmniProcess, str]) -> None:
+    """vLLM's engine core process dies (as on a GPU fault): the thinker's replica sees it at its
+    next heartbeat, fails what it holds, and exits; the supervisor starts it afresh. No request
+    waits on the dead engine: one sent now waits for the restarted thinker (gateway.replicaWaitS,
+    30 s) and is served, or is a 503 after that wait, well inside the 600 s deadline."""
+    serve, base = tiny_voice_vllm
+    core = engine_core(serve.proc.pid)
+    core.kill()
+    serve.wait_output("engine dead: vLLM's engine core is dead", 60)
+    fast = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=120)
+    with contextlib.suppress(openai.InternalServerError, openai.APIStatusError):
+        fast.chat.completions.create(model="tiny-voice-vllm", messages=MESSAGES)
+    serve.wait_output("restarting thinker", 60)
+    wait_for(lambda: answers(fast), 300, "the restarted thinker to answer")
+    assert engine_core(serve.proc.pid).pid != core.pid
 
 
 def engine_core(root: int) -> psutil.Process:
