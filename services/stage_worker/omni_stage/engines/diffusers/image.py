@@ -53,7 +53,7 @@ from omni_stage.engines.diffusers.parts import (
     latents_unit,
     pixels,
 )
-from omni_stage.payload import concat
+from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
 
 _DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -247,23 +247,15 @@ class DecodeEngine(VaeDecoder):
     """Images: the final one decoded whole; of previews waiting, only the newest, from 2x
     downsampled latents scaled back to the full size."""
 
-    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        parts = [p for p in call.inputs.values() if "latents" in p]
-        if not parts:
-            return
-        payload = concat(parts)
-        latents, steps, final = payload["latents"], payload["step"], payload["final"]
+    async def _outputs(self, latents: Payload) -> AsyncIterator[EngineOutput]:
+        steps, final = latents["step"], latents["final"]
         finals = [i for i in range(len(final)) if bool(final[i])]
-        self._active.add(call.request_id)
-        try:
-            for i in finals or [len(final) - 1]:  # the final image, else only the newest preview
-                images = await self.decoded(latents[i], preview=not bool(final[i]))
-                yield EngineOutput(
-                    units=1,
-                    data={"images": images[None], "step": steps[i : i + 1], "final": final[i : i + 1]},
-                )
-        finally:
-            self._active.discard(call.request_id)
+        for i in finals or [len(final) - 1]:  # the final image, else only the newest preview
+            images = await self.decoded(latents["latents"][i], preview=not bool(final[i]))
+            yield EngineOutput(
+                units=1,
+                data={"images": images[None], "step": steps[i : i + 1], "final": final[i : i + 1]},
+            )
 
     @torch.inference_mode()
     def _decode(self, latents: torch.Tensor, preview: bool) -> torch.Tensor:

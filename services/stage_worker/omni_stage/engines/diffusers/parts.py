@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 from abc import abstractmethod
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
+from omni_stage.payload import Payload, concat
+from omni_stage.segments import EngineOutput
 
 _DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -146,6 +149,22 @@ class VaeDecoder(DiffusersPart):
 
     def _load(self) -> None:
         self.vae = self._load_part("vae")
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        parts = [p for p in call.inputs.values() if "latents" in p]
+        if not parts:
+            return
+        self._active.add(call.request_id)
+        try:
+            async for out in self._outputs(concat(parts)):
+                yield out
+        finally:
+            self._active.discard(call.request_id)
+
+    @abstractmethod
+    def _outputs(self, latents: Payload) -> AsyncIterator[EngineOutput]:
+        """What the stage passes on for the units of latents that came: `latents`, `step`,
+        `final` per unit (and what the denoiser adds)."""
 
     async def decoded(self, latents: torch.Tensor, preview: bool = False) -> torch.Tensor:
         """One request's latents [n, C, ...] decoded, batched with other requests' alike."""

@@ -45,7 +45,7 @@ from omni_stage.engines.diffusers.parts import (
     pixels,
 )
 from omni_stage.engines.diffusers.text import TEXT_LENGTH
-from omni_stage.payload import concat
+from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
 
 VIDEO_DENOISERS: Final = ("WanTransformer3DModel",)
@@ -160,27 +160,19 @@ class VideoDenoiseEngine(DenoiseEngine):
 class VideoDecodeEngine(VaeDecoder):
     """Videos: the final latents decoded into frames; progress alone passed on (the newest)."""
 
-    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        parts = [p for p in call.inputs.values() if "latents" in p]
-        if not parts:
+    async def _outputs(self, latents: Payload) -> AsyncIterator[EngineOutput]:
+        step, steps, final = latents["step"], latents["steps"], latents["final"]
+        fps = int(latents.get("fps") or 16)
+        done = [i for i in range(len(final)) if bool(final[i])]
+        if not done:  # only progress: pass the newest on
+            i = len(final) - 1
+            yield EngineOutput(units=1, data=_frames_unit(None, int(step[i]), int(steps[i]), False, fps))
             return
-        payload = concat(parts)
-        latents, step, steps, final = payload["latents"], payload["step"], payload["steps"], payload["final"]
-        fps = int(payload.get("fps") or 16)
-        self._active.add(call.request_id)
-        try:
-            done = [i for i in range(len(final)) if bool(final[i])]
-            if not done:  # only progress: pass the newest on
-                i = len(final) - 1
-                yield EngineOutput(units=1, data=_frames_unit(None, int(step[i]), int(steps[i]), False, fps))
-                return
-            for i in done:
-                if not isinstance(latents[i], torch.Tensor):
-                    raise EngineError(f"stage '{self.stage.name}': a final unit came without latents")
-                video = await self.decoded(latents[i])
-                yield EngineOutput(units=1, data=_frames_unit(video, int(step[i]), int(steps[i]), True, fps))
-        finally:
-            self._active.discard(call.request_id)
+        for i in done:
+            if not isinstance(unit := latents["latents"][i], torch.Tensor):
+                raise EngineError(f"stage '{self.stage.name}': a final unit came without latents")
+            video = await self.decoded(unit)
+            yield EngineOutput(units=1, data=_frames_unit(video, int(step[i]), int(steps[i]), True, fps))
 
     @torch.inference_mode()
     def _decode(self, latents: torch.Tensor, preview: bool) -> torch.Tensor:
