@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Final
+from typing import Final
 
 import torch
 from opentelemetry import trace
@@ -47,6 +47,7 @@ from omni_pipeline.control import (
     connector_error_code,
     pack,
 )
+from omni_pipeline.payloads import Audio, Images, VideoFrames
 from omni_pipeline.sampling import EMPTY
 from omni_pipeline.spec import REQUEST_SOURCE, OutputKind, PipelineSpec
 from omni_pipeline.tracing import TRACER
@@ -263,12 +264,7 @@ class Attempts:
         if not isinstance(payload, dict):
             raise StageFailed(f"stage '{m.stage}' sent a {type(payload).__name__}, not a payload")
         if m.kind == OutputKind.AUDIO:
-            audio = payload.get("audio")
-            if not isinstance(audio, torch.Tensor):
-                raise StageFailed(f"stage '{m.stage}' sent audio without samples")
-            # A copy: the payload is a view on a shm segment, which a slow client must not pin.
-            samples = audio.reshape(-1).float().numpy().copy()
-            return [AudioChunk(samples, int(payload.get("sample_rate", 24000)))]
+            return _audio_events(m.stage, payload)
         # Images and videos are copied out of the payload (megabytes of frames): off the loop.
         if m.kind == OutputKind.IMAGE:
             return await asyncio.to_thread(_image_events, m.stage, payload)
@@ -277,7 +273,16 @@ class Attempts:
         raise StageFailed(f"stage '{m.stage}': output kind '{m.kind}' is not served by this endpoint")
 
 
-def _image_events(stage: str, payload: dict[str, Any]) -> list[Event]:
+def _audio_events(stage: str, payload: Audio) -> list[Event]:
+    audio = payload.get("audio")
+    if not isinstance(audio, torch.Tensor):
+        raise StageFailed(f"stage '{stage}' sent audio without samples")
+    # A copy: the payload is a view on a shm segment, which a slow client must not pin.
+    samples = audio.reshape(-1).float().numpy().copy()
+    return [AudioChunk(samples, int(payload.get("sample_rate", 24000)))]
+
+
+def _image_events(stage: str, payload: Images) -> list[Event]:
     """One event per unit: images [units, n, H, W, 3] uint8, with `step` and `final` per unit."""
     images, steps, final = payload.get("images"), payload.get("step"), payload.get("final")
     if not (
@@ -295,10 +300,15 @@ def _image_events(stage: str, payload: dict[str, Any]) -> list[Event]:
     ]
 
 
-def _video_events(stage: str, payload: dict[str, Any]) -> list[Event]:
+def _video_events(stage: str, payload: VideoFrames) -> list[Event]:
     """One event per unit: `frames` [units] of uint8 [n, F, H, W, 3] in the final unit (None in
     a progress unit), with `step`, `steps` and `final` per unit and the clip's `fps`."""
-    frames, step, steps, final = (payload.get(k) for k in ("frames", "step", "steps", "final"))
+    frames, step, steps, final = (
+        payload.get("frames"),
+        payload.get("step"),
+        payload.get("steps"),
+        payload.get("final"),
+    )
     if not (
         isinstance(frames, list)
         and all(isinstance(t, torch.Tensor) for t in (step, steps, final))

@@ -1,4 +1,5 @@
-"""Payloads between stages: dicts whose tensors and lists run along units (dim 0).
+"""Payloads between stages: dicts whose tensors and lists run along units (dim 0); the keys
+each kind of edge carries are `omni_pipeline.payloads`.
 
 A unit is what a window counts: a token, a codec frame, an audio sample block. Values that
 are not per-unit (ints, floats, strings, 0-d tensors) are metadata and pass through whole.

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from omni_pipeline.payloads import InputsEmbeds, Tokens
 
-def thinker_to_talker(payload: dict[str, Any]) -> dict[str, Any]:
+
+def thinker_to_talker(payload: Tokens) -> InputsEmbeds:
     """Thinker hidden states [n, hidden] -> talker input embeddings, as Qwen2.5-Omni feeds its
     talker from the thinker's last hidden layer (here normalised; the demo talker shares the
     thinker's hidden size, so no projection is needed)."""
     hidden = payload["hidden_states"].float()
-    return {"inputs_embeds": torch.nn.functional.layer_norm(hidden, hidden.shape[-1:])}
+    return InputsEmbeds(inputs_embeds=torch.nn.functional.layer_norm(hidden, hidden.shape[-1:]))

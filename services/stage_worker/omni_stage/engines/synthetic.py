@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from omni_pipeline.payloads import Audio, Tokens
 from omni_pipeline.sampling import params
 from omni_pipeline.spec import OutputKind, StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError
@@ -94,17 +95,17 @@ class SyntheticEngine(Engine):
             if self.s_per_unit:
                 await self._step(asyncio.sleep(self.s_per_unit))
             tok = (seed + i) % 1000
-            data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
+            if self.audio:  # for audio, a unit is one sample
+                audio = Audio(
+                    audio=torch.full((self.samples,), ((tok + 37 * voice) % 100) / 100.0),
+                    sample_rate=self.sample_rate,
+                )
+                yield EngineOutput(units=self.samples, data=audio)
+                continue
+            data = Tokens(token_ids=torch.tensor([tok], dtype=torch.int64))
             if self.hidden:
                 data["hidden_states"] = torch.full((1, self.hidden), float(tok % 7), dtype=torch.float32)
-            if self.audio:  # for audio, a unit is one sample
-                data = {
-                    "audio": torch.full((self.samples,), ((tok + 37 * voice) % 100) / 100.0),
-                    "sample_rate": self.sample_rate,
-                }
-                yield EngineOutput(units=self.samples, data=data)
-            else:
-                yield EngineOutput(units=1, text=f"tok{i} ", data=data)
+            yield EngineOutput(units=1, text=f"tok{i} ", data=data)
         st.units = start + n
 
     async def _step(self, work: Awaitable[object]) -> None:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from omni_pipeline.control import PromptLogprobs
+from omni_pipeline.payloads import PromptEmbeds, Tokens, gather
 from omni_pipeline.sampling import params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
@@ -211,7 +212,7 @@ class TransformersEngine(ComputeEngine):
                     )
                 )
                 done = ended or stopped
-                data: dict[str, Any] = {"token_ids": torch.tensor([tok], dtype=torch.int64)}
+                data = Tokens(token_ids=torch.tensor([tok], dtype=torch.int64))
                 if self.return_hidden:
                     data["hidden_states"] = hidden
                 logprobs = token_logprobs(self.tokenizer, choice) if reply is not None and not ended else []
@@ -255,7 +256,7 @@ class TransformersEngine(ComputeEngine):
                 f"stage '{self.stage.name}': mode encode reads the client request with a tokenizer"
             )
         ids = await self._run(prompt_token_ids, self.tokenizer, request)
-        data = {"prompt_embeds": await self._run(self._last_hidden, ids)}
+        data = PromptEmbeds(prompt_embeds=await self._run(self._last_hidden, ids))
         if negative := request.get("negative_prompt"):
             negative_ids = prompt_token_ids(self.tokenizer, {"prompt": str(negative)})
             data["negative_prompt_embeds"] = await self._run(self._last_hidden, negative_ids)
@@ -288,12 +289,10 @@ class TransformersEngine(ComputeEngine):
                 raise EngineError(f"stage '{self.stage.name}' has no tokenizer to read a request")
             ids = prompt_token_ids(self.tokenizer, st_req, call.sampling)
             return torch.tensor([ids], device=self.device), None, len(ids)
-        embeds = [p["inputs_embeds"] for p in call.inputs.values() if "inputs_embeds" in p]
-        if embeds:
+        if embeds := gather(call.inputs, "inputs_embeds"):
             e = torch.cat(embeds, dim=0).to(self.device, self.dtype)
             return None, e.unsqueeze(0), int(e.shape[0])
-        toks = [p["token_ids"] for p in call.inputs.values() if "token_ids" in p]
-        if toks:
+        if toks := gather(call.inputs, "token_ids"):
             t = torch.cat(toks, dim=0).to(self.device)
             return t.unsqueeze(0), None, int(t.shape[0])
         raise EngineError(f"stage '{self.stage.name}': inputs carry neither inputs_embeds nor token_ids")

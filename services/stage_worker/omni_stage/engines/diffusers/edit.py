@@ -37,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from omni_pipeline.payloads import PromptEmbeds
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest, seeded
@@ -112,11 +113,11 @@ class EditEncodeEngine(DiffusersPart):
         pixels = self.pipe.image_processor.preprocess(shown, height, width).unsqueeze(2)
         latents = self.pipe._encode_vae_image(pixels.to(self.device, self.dtype), generator=None)
         embeds, mask = self.pipe._get_qwen_prompt_embeds(prompt, shown, self.device, self.dtype)
-        data: dict[str, Any] = {
-            "prompt_embeds": embeds.float().cpu(),
-            "image_latents": latents.float().cpu(),
-            "image_size": torch.tensor([rgb.shape[0], rgb.shape[1]], dtype=torch.int64),
-        }
+        data = PromptEmbeds(
+            prompt_embeds=embeds.float().cpu(),
+            image_latents=latents.float().cpu(),
+            image_size=torch.tensor([rgb.shape[0], rgb.shape[1]], dtype=torch.int64),
+        )
         if negative is not None:
             neg, _ = self.pipe._get_qwen_prompt_embeds(negative, shown, self.device, self.dtype)
             data["negative_prompt_embeds"] = neg.float().cpu()

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from omni_pipeline.clips import ClipError, check_size
+from omni_pipeline.payloads import Images
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest, seeded
@@ -254,7 +255,7 @@ class DecodeEngine(VaeDecoder):
             images = await self.decoded(latents["latents"][i], preview=not bool(final[i]))
             yield EngineOutput(
                 units=1,
-                data={"images": images[None], "step": steps[i : i + 1], "final": final[i : i + 1]},
+                data=Images(images=images[None], step=steps[i : i + 1], final=final[i : i + 1]),
             )
 
     @torch.inference_mode()

@@ -20,6 +20,7 @@ from typing import Any, Final
 import torch
 import torch.nn.functional as F
 
+from omni_pipeline.payloads import Latents, gather
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
@@ -151,7 +152,7 @@ class VaeDecoder(DiffusersPart):
         self.vae = self._load_part("vae")
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        parts = [p for p in call.inputs.values() if "latents" in p]
+        parts = [p for p in call.inputs.values() if "latents" in p]  # a Latents payload each
         if not parts:
             return
         self._active.add(call.request_id)
@@ -217,7 +218,8 @@ def _spatial_scale(vae: dict[str, Any]) -> int:
 
 
 def inputs_of(call: EngineCall, key: str) -> torch.Tensor | None:
-    found = [p[key] for p in call.inputs.values() if isinstance(p.get(key), torch.Tensor)]
+    """The tensors of `key` (a key of `PromptEmbeds`) the producers sent, joined."""
+    found = [v for v in gather(call.inputs, key) if isinstance(v, torch.Tensor)]
     return torch.cat(found) if found else None
 
 
@@ -243,9 +245,9 @@ def conditioning(
     return cond, mask
 
 
-def latents_unit(latents: torch.Tensor, step: int, final: bool) -> dict[str, torch.Tensor]:
-    return {
-        "latents": latents.float().cpu().clone()[None],
-        "step": torch.tensor([step], dtype=torch.int64),
-        "final": torch.tensor([final], dtype=torch.bool),
-    }
+def latents_unit(latents: torch.Tensor, step: int, final: bool) -> Latents:
+    return Latents(
+        latents=latents.float().cpu().clone()[None],
+        step=torch.tensor([step], dtype=torch.int64),
+        final=torch.tensor([final], dtype=torch.bool),
+    )

@@ -19,6 +19,7 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.payloads import PromptEmbeds
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.diffusers.parts import DiffusersPart
@@ -64,7 +65,7 @@ class TextEncodeEngine(DiffusersPart):
         finally:
             self._active.discard(call.request_id)
         call.state.prompt_tokens = tokens
-        yield EngineOutput(units=1, data={"prompt_embeds": embeds, "negative_prompt_embeds": negative})
+        yield EngineOutput(units=1, data=PromptEmbeds(prompt_embeds=embeds, negative_prompt_embeds=negative))
 
     @torch.inference_mode()
     def _encode(self, prompt: str) -> tuple[torch.Tensor, int]:

@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any, Final
+from typing import Final
 
 import torch
 
 from omni_pipeline.clips import ClipError, ClipLimits, clip_frames
+from omni_pipeline.payloads import Latents, VideoFrames
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest, seeded
@@ -182,21 +183,21 @@ class VideoDecodeEngine(VaeDecoder):
         return pixels(self.vae.decode(lat, return_dict=False)[0])
 
 
-def _unit(latents: torch.Tensor | None, step: int, steps: int, fps: int) -> dict[str, Any]:
-    return {
-        "latents": [latents],
-        "step": torch.tensor([step], dtype=torch.int64),
-        "steps": torch.tensor([steps], dtype=torch.int64),
-        "final": torch.tensor([latents is not None], dtype=torch.bool),
-        "fps": fps,
-    }
+def _unit(latents: torch.Tensor | None, step: int, steps: int, fps: int) -> Latents:
+    return Latents(
+        latents=[latents],
+        step=torch.tensor([step], dtype=torch.int64),
+        steps=torch.tensor([steps], dtype=torch.int64),
+        final=torch.tensor([latents is not None], dtype=torch.bool),
+        fps=fps,
+    )
 
 
-def _frames_unit(frames: torch.Tensor | None, step: int, steps: int, final: bool, fps: int) -> dict[str, Any]:
-    return {
-        "frames": [frames],
-        "step": torch.tensor([step], dtype=torch.int64),
-        "steps": torch.tensor([steps], dtype=torch.int64),
-        "final": torch.tensor([final], dtype=torch.bool),
-        "fps": fps,
-    }
+def _frames_unit(frames: torch.Tensor | None, step: int, steps: int, final: bool, fps: int) -> VideoFrames:
+    return VideoFrames(
+        frames=[frames],
+        step=torch.tensor([step], dtype=torch.int64),
+        steps=torch.tensor([steps], dtype=torch.int64),
+        final=torch.tensor([final], dtype=torch.bool),
+        fps=fps,
+    )

@@ -32,6 +32,7 @@ from typing import Any, Final
 import torch
 
 from omni_pipeline.control import PromptLogprob, PromptLogprobs, TokenLogprob
+from omni_pipeline.payloads import Tokens, gather
 from omni_pipeline.sampling import params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
@@ -140,13 +141,11 @@ class VllmEngine(Engine):
             ids = prompt_token_ids(self.tokenizer, req, call.sampling)
             return {"prompt_token_ids": ids}, len(ids)
         st = call.kept(_Fed)
-        embeds = [p["inputs_embeds"] for p in call.inputs.values() if "inputs_embeds" in p]
-        if embeds:
+        if embeds := gather(call.inputs, "inputs_embeds"):
             prev = st.embeds
             st.embeds = torch.cat([prev, *embeds] if prev is not None else embeds, dim=0).float()
             return {"prompt_embeds": st.embeds}, int(sum(e.shape[0] for e in embeds))
-        toks = [p["token_ids"] for p in call.inputs.values() if "token_ids" in p]
-        if toks:
+        if toks := gather(call.inputs, "token_ids"):
             st.ids = [*st.ids, *torch.cat(toks).tolist()]
             return {"prompt_token_ids": list(st.ids)}, int(sum(t.shape[0] for t in toks))
         raise EngineError(f"stage '{self.stage.name}': inputs carry neither inputs_embeds nor token_ids")
@@ -195,7 +194,7 @@ class VllmEngine(Engine):
                     output = EngineOutput(
                         units=len(ids),
                         text=c.text,
-                        data={"token_ids": torch.tensor(ids, dtype=torch.int64)} if ids else {},
+                        data=Tokens(token_ids=torch.tensor(ids, dtype=torch.int64)) if ids else {},
                         finish_reason=finish,
                         logprobs=vllm_logprobs(ids, c.logprobs, call.sampling.top_logprobs or 0),
                     )

@@ -10,6 +10,7 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.payloads import Audio, Codes, ThinkerStep
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
@@ -129,7 +130,7 @@ class Talker(Part):
                     return
                 st.made += 1
                 st.last_code = code
-                yield EngineOutput(units=1, data={"codes": torch.tensor([code])})
+                yield EngineOutput(units=1, data=Codes(codes=torch.tensor([code])))
                 code = None
 
     def _keep(self, st: _Speaking) -> None:
@@ -145,7 +146,7 @@ class Talker(Part):
         st.kept = True
         self.prompt_caches.keep(st.key, Sequence.left([], st.past, [], {"fed": st.prompt_rows}))
 
-    def _take(self, st: _Speaking, inputs: dict[str, Any]) -> None:
+    def _take(self, st: _Speaking, inputs: dict[str, ThinkerStep]) -> None:
         """Gather this window's thinker states: the prompt once, and one reply state per token."""
         for p in inputs.values():
             if "prompt_embeds" in p and p["prompt_embeds"].shape[0] and st.prompt_embeds is None:
@@ -373,7 +374,7 @@ class Token2Wav(Part):
             while (out := await self.batcher.submit(piece.key(), piece, first=done == 0)) is None:
                 pass  # a step of its solve done; more to go
             st.left, st.mel = out.left, out.mel
-            yield EngineOutput(units=end - done, data={"audio": out.audio, "sample_rate": self.sample_rate})
+            yield EngineOutput(units=end - done, data=Audio(audio=out.audio, sample_rate=self.sample_rate))
             done = st.decoded = end
 
     def _chunk_after(self, done: int) -> int:

@@ -24,6 +24,7 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.payloads import ThinkerStep
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import REQUEST_SOURCE, StageSpec
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
@@ -167,17 +168,16 @@ class VllmThinker(VllmEngine):
                 if not ids and (c.text or finish):
                     yield EngineOutput(units=0, text=c.text, finish_reason=finish)
                 for j, tok in enumerate(ids):
-                    data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
+                    data = ThinkerStep(token_ids=torch.tensor([tok]))
                     if unit == 0:
                         rows = await self.hidden.rows(vllm_id, 0, n_prompt, HIDDEN_WAIT_S)
-                        data |= {
-                            "prompt_embeds": self._prompt_embeds(list(out.prompt_token_ids)),
-                            "prompt_hidden": rows[None],
-                        }
+                        data["prompt_embeds"] = self._prompt_embeds(list(out.prompt_token_ids))
+                        data["prompt_hidden"] = rows[None]
                     else:
                         at = n_prompt + unit - 1
                         rows = await self.hidden.rows(vllm_id, at, at + 1, HIDDEN_WAIT_S)
-                        data |= {"reply_embeds": self.embeds[previous][None], "reply_hidden": rows}
+                        data["reply_embeds"] = self.embeds[previous][None]
+                        data["reply_hidden"] = rows
                     last = j == len(ids) - 1
                     yield EngineOutput(
                         units=1,

@@ -8,6 +8,7 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.payloads import Audio, Codes, ThinkerStep
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall
@@ -164,7 +165,7 @@ class Qwen3Talker(Part):
                     return
                 if st.residuals is None:
                     st.residuals = (await self.batcher.submit("residuals", _Step(st))).residuals
-                    yield EngineOutput(units=1, data={"codes": torch.tensor([[st.code0, *st.residuals]])})
+                    yield EngineOutput(units=1, data=Codes(codes=torch.tensor([[st.code0, *st.residuals]])))
                 trailing = self._trailing(st, k - 1, call.is_last)
                 if trailing is None:
                     return  # waits for the thinker's next window
@@ -180,7 +181,7 @@ class Qwen3Talker(Part):
         st.kept = True
         self.prompt_caches.keep(st.key, Sequence.left([], st.past, [], {"fed": st.user_rows}))
 
-    def _take(self, st: _Speaking, inputs: dict[str, Any]) -> None:
+    def _take(self, st: _Speaking, inputs: dict[str, ThinkerStep]) -> None:
         """Gather this window's thinker outputs: the prompt once, and one embedding per token."""
         for p in inputs.values():
             if "prompt_ids" in p and p["prompt_ids"].shape[0] and st.prompt_ids is None:
@@ -364,7 +365,7 @@ class Qwen3Code2Wav(Part):
             keep = (end - lo) * self.upsample if hi > end else None  # the last chunk keeps what it has
             piece = _Chunk(codes[lo:hi].T, (done - lo) * self.upsample, keep)
             wav = await self.batcher.submit(piece.codes.shape, piece)
-            yield EngineOutput(units=end - done, data={"audio": wav, "sample_rate": self.sample_rate})
+            yield EngineOutput(units=end - done, data=Audio(audio=wav, sample_rate=self.sample_rate))
             done = st.decoded = end
 
     @torch.inference_mode()

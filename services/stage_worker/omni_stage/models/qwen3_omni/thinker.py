@@ -7,6 +7,7 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.payloads import ThinkerStep, declared
 from omni_stage.engines.base import EngineError
 from omni_stage.models.qwen_omni.audio_features import AudioFeatures
 from omni_stage.models.qwen_omni.encoder import Encoder
@@ -106,12 +107,12 @@ class Qwen3Thinker(Thinker):
                 )
         return {"input_ids": ids, "inputs_embeds": embeds, "mm_encoder_outputs": vision}
 
-    def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
+    def _prompt_extras(self, prompt: Prompt) -> ThinkerStep:
         """The prompt's ids and its media's layout, each as one unit ([1, ...])."""
-        out = {"prompt_ids": prompt.ids.cpu()}
+        out = ThinkerStep(prompt_ids=prompt.ids.cpu())
         for key in LAYOUT_KEYS:
             if (value := getattr(prompt.layout, key)) is not None:
-                out[f"prompt_{key}"] = value.cpu()[None]
+                out[declared(f"prompt_{key}")] = value.cpu()[None]
         return out
 
 

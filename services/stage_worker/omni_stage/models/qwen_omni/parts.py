@@ -10,6 +10,7 @@ from typing import Any, Final
 
 import torch
 
+from omni_pipeline.payloads import gather
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineError
@@ -52,7 +53,7 @@ class Vocoding:
 
     def gather(self, inputs: dict[str, Any]) -> torch.Tensor | None:
         """Every code received so far, these inputs' included; None before the first."""
-        new = [p["codes"].long() for p in inputs.values() if "codes" in p and p["codes"].numel()]
+        new = [c.long() for c in gather(inputs, "codes") if c.numel()]
         if new:
             self.codes = torch.cat(new if self.codes is None else [self.codes, *new])
         return self.codes

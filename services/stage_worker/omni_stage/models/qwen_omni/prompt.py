@@ -38,6 +38,7 @@ from typing import Any, ClassVar, Final
 import numpy as np
 import torch
 
+from omni_pipeline.payloads import EncodedMedia, declared
 from omni_pipeline.sampling import EMPTY, Sampling
 from omni_stage.engines.base import EngineError, InvalidRequest
 from omni_stage.engines.prompt_cache import MediaSpan, digest
@@ -133,14 +134,14 @@ class MediaEmbeds:
     _LAYOUT: ClassVar = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
     _DEEPSTACK: ClassVar = ("image_deepstack", "video_deepstack")
 
-    def to_payload(self) -> dict[str, torch.Tensor]:
+    def to_payload(self) -> EncodedMedia:
         out = {f"{k}_embeds": getattr(self, k) for k in self._KINDS}
         out |= {k: getattr(self.layout, k) for k in self._LAYOUT}
         out |= {k: getattr(self, k) for k in self._DEEPSTACK}
-        return {k: v for k, v in out.items() if v is not None}
+        return EncodedMedia(**{declared(k): v for k, v in out.items() if v is not None})
 
     @classmethod
-    def from_payload(cls, payload: dict[str, Any]) -> MediaEmbeds | None:
+    def from_payload(cls, payload: EncodedMedia) -> MediaEmbeds | None:
         """The embeddings a payload carries; None if it carries none."""
         if not any(f"{k}_embeds" in payload for k in cls._KINDS):
             return None

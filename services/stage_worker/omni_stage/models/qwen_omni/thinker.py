@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from omni_pipeline.control import PromptLogprobs
+from omni_pipeline.payloads import ThinkerStep
 from omni_pipeline.sampling import params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
@@ -134,11 +135,11 @@ class Thinker(Part):
                         embeds, hidden = torch.cat(st.embeds)[None], torch.cat(st.hidden)[None]
                 tok = choice.token
                 st.tokens.append(tok)
-                data: dict[str, Any] = {"token_ids": torch.tensor([tok])}
+                data = ThinkerStep(token_ids=torch.tensor([tok]))
                 if s == 0:  # [1, P, ...]: the prompt is one unit's worth
-                    data |= {"prompt_embeds": embeds, "prompt_hidden": hidden} | self._prompt_extras(prompt)
+                    data.update(self._prompt_extras(prompt), prompt_embeds=embeds, prompt_hidden=hidden)
                 else:  # [1, hidden]: the position that consumed token s - 1
-                    data |= {"reply_embeds": embeds[0]}
+                    data["reply_embeds"] = embeds[0]
                     if self.sends_reply_hidden:
                         data["reply_hidden"] = hidden[0]
                 ended = sampler.ends(tok)
@@ -172,9 +173,9 @@ class Thinker(Part):
             assert st.key is not None
             self.prompt_caches.keep(st.key, left)
 
-    def _prompt_extras(self, prompt: Prompt) -> dict[str, torch.Tensor]:
+    def _prompt_extras(self, prompt: Prompt) -> ThinkerStep:
         """What else of the prompt the talker reads, with the first token."""
-        return {}
+        return ThinkerStep()
 
     def _steps(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
         if len(steps) == 1:
