@@ -159,9 +159,8 @@ class Thinker(Part):
         call.state.finish_reason = "length"
 
     def _reuse(self, call: EngineCall, st: _Cache, seq: Sequence | None, prompt: Prompt) -> None:
-        """The request started on its conversation's kept sequence as far as its prompt shares
-        it (_Cache.resume), counted. On the compute thread: the media's digests read every
-        feature."""
+        """The request resumed from its conversation's kept sequence as far as its prompt
+        shares it (_Cache.resume), counted. On the compute thread (media digests read features)."""
         assert self.prompts is not None
         st.media = self.prompts.media_spans(prompt)
         if seq is not None and (n := st.resume(seq)):
