@@ -17,6 +17,8 @@ from typing import Any, Final
 
 import yaml
 
+from omni_pipeline.lifecycle import die_with_parent
+
 OMNI = [sys.executable, "-c", "import sys; from omni_cli.main import main; sys.exit(main())"]
 
 
@@ -94,6 +96,7 @@ def _omni(
                 stdout=fh,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent,  # a benchmark killed by a signal runs no `finally`
             )
             try:
                 yield _wait_output(proc, log, ready, timeout_s)
