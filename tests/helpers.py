@@ -392,9 +392,9 @@ def read_handles(reader: Any) -> list[Any]:
             return handles
 
 
-def start_serve(pipeline: Path, cwd: Path, log: Path) -> tuple[OmniProcess, str]:
+def start_serve(pipeline: Path, cwd: Path, log: Path, ready_s: float = 180) -> tuple[OmniProcess, str]:
     serve = OmniProcess(["serve", str(pipeline), "--port", "0"], cwd, log)
-    serve.wait_output("ready at", 180)
+    serve.wait_output("ready at", ready_s)
     port = re.search(r"ready at http://127.0.0.1:(\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
     return serve, f"http://127.0.0.1:{port}"
 
@@ -408,10 +408,10 @@ def assert_all_gone(serve: OmniProcess, exit_code: int = 0) -> None:
 
 
 @contextlib.contextmanager
-def served(pipeline: Path, cwd: Path, log: Path) -> Iterator[tuple[OmniProcess, str]]:
+def served(pipeline: Path, cwd: Path, log: Path, ready_s: float = 180) -> Iterator[tuple[OmniProcess, str]]:
     """`omni serve PIPELINE` until the block ends; then Ctrl-C, as a terminal sends it, and
     nothing of the tree may be left: no process, no shared-memory segment."""
-    serve, base = start_serve(pipeline, cwd, log)
+    serve, base = start_serve(pipeline, cwd, log, ready_s)
     try:
         yield serve, base
     finally:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -34,10 +33,10 @@ from tests.helpers import (
     VLLM_TIMEOUT_S,
     OmniProcess,
     decode_wav,
+    served,
     sse_data,
     vllm_omni_client,
     wait_for,
-    wait_group_gone,
 )
 from tests.openai_schema import violations
 
@@ -339,20 +338,11 @@ def tiny_voice_vllm(
     demo_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[OmniProcess, str]]:
     """examples/tiny-voice-vllm.yaml served (`omni serve`), for the module's last two tests;
-    then Ctrl-C, and the whole tree exits, vLLM's engine process with it."""
+    then Ctrl-C, and nothing of the tree is left, vLLM's engine process included."""
     pipeline = demo_dir / "tiny-voice-vllm.yaml"
     shutil.copy(ROOT / "examples" / "tiny-voice-vllm.yaml", pipeline)
-    log = tmp_path_factory.mktemp("logs") / "serve.log"
-    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], demo_dir, log)
-    try:
-        serve.wait_output("ready at", 300)
-        port = re.search(r"ready at http://127.0.0.1:(\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
-        yield serve, f"http://127.0.0.1:{port}"
-    finally:
-        serve.interrupt_group()
-        wait_for(lambda: serve.proc.poll() is not None, 60, "omni serve to exit")
-        wait_group_gone(serve.proc.pid)
-    assert serve.proc.returncode == 0
+    with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log", ready_s=300) as tree:
+        yield tree
 
 
 def test_example_pipeline_answers_the_openai_client(tiny_voice_vllm: tuple[OmniProcess, str]) -> None:
