@@ -10,7 +10,6 @@ from typing import Final
 import torch
 
 from omni_stage.demo import HIDDEN
-from omni_stage.models.pipeline_dir import write_index
 
 CAPTION_CHANNELS: Final = HIDDEN
 """The width of the text stage's states it reads: the demo thinker's hidden size."""
@@ -19,7 +18,12 @@ CAPTION_CHANNELS: Final = HIDDEN
 def write_tiny_checkpoint(path: Path) -> Path:
     """A diffusers pipeline directory: model_index.json naming each part, each part saved by
     its own save_pretrained. The text encoder is the separate text stage, so it has none."""
-    from diffusers import AutoencoderKL, DPMSolverMultistepScheduler, PixArtTransformer2DModel
+    from diffusers import (
+        AutoencoderKL,
+        DPMSolverMultistepScheduler,
+        PixArtAlphaPipeline,
+        PixArtTransformer2DModel,
+    )
 
     torch.manual_seed(3)
     transformer = PixArtTransformer2DModel(
@@ -46,17 +50,11 @@ def write_tiny_checkpoint(path: Path) -> Path:
         norm_num_groups=8,
         sample_size=64,
     )
-    transformer.save_pretrained(path / "transformer")
-    vae.save_pretrained(path / "vae")
-    DPMSolverMultistepScheduler().save_pretrained(path / "scheduler")
-    return write_index(
-        path,
-        "PixArtAlphaPipeline",
-        {
-            "transformer": ("diffusers", "PixArtTransformer2DModel"),
-            "scheduler": ("diffusers", "DPMSolverMultistepScheduler"),
-            "vae": ("diffusers", "AutoencoderKL"),
-            "text_encoder": (None, None),
-            "tokenizer": (None, None),
-        },
-    )
+    PixArtAlphaPipeline(
+        tokenizer=None,
+        text_encoder=None,
+        vae=vae,
+        transformer=transformer,
+        scheduler=DPMSolverMultistepScheduler(),
+    ).save_pretrained(path)
+    return path

@@ -8,7 +8,6 @@ from typing import Final
 import torch
 
 from omni_stage.demo_tokenizer import byte_level_tokenizer
-from omni_stage.models.pipeline_dir import write_index
 
 HIDDEN: Final = 64
 """The reading model's width, and so the MMDiT's joint attention's."""
@@ -19,7 +18,12 @@ def write_tiny_checkpoint(path: Path) -> Path:
     Qwen2.5-VL model that reads the instruction with the image (the demo tokenizer with
     Qwen's vision tokens; its processor reads at most 112x112 pixels), the Qwen-Image MMDiT,
     the Qwen-Image VAE (8x in space) and the scheduler with Qwen-Image's shift settings."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImageTransformer2DModel
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        QwenImageEditPipeline,
+        QwenImageTransformer2DModel,
+    )
     from transformers import (
         Qwen2_5_VLConfig,
         Qwen2_5_VLForConditionalGeneration,
@@ -71,16 +75,15 @@ def write_tiny_checkpoint(path: Path) -> Path:
         vision_start_token_id=ids["<|vision_start|>"],
         tie_word_embeddings=False,
     )
-    Qwen2_5_VLForConditionalGeneration(config).save_pretrained(path / "text_encoder")
-    tok.save_pretrained(path / "tokenizer")
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config)
     pixels = {"min_pixels": 56 * 56, "max_pixels": 112 * 112, "patch_size": 14, "temporal_patch_size": 2}
-    Qwen2VLProcessor(
+    processor = Qwen2VLProcessor(
         image_processor=Qwen2VLImageProcessor(**pixels, merge_size=2),
         tokenizer=tok,
         video_processor=Qwen2VLVideoProcessor(**pixels, merge_size=2),
-    ).save_pretrained(path / "processor")
+    )
     torch.manual_seed(8)
-    QwenImageTransformer2DModel(
+    transformer = QwenImageTransformer2DModel(
         patch_size=2,
         in_channels=64,
         out_channels=16,
@@ -89,11 +92,11 @@ def write_tiny_checkpoint(path: Path) -> Path:
         num_attention_heads=2,
         joint_attention_dim=HIDDEN,
         axes_dims_rope=(4, 6, 6),
-    ).save_pretrained(path / "transformer")
-    AutoencoderKLQwenImage(
+    )
+    vae = AutoencoderKLQwenImage(
         base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    ).save_pretrained(path / "vae")
-    FlowMatchEulerDiscreteScheduler(
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
         base_image_seq_len=256,
         base_shift=0.5,
         max_image_seq_len=8192,
@@ -102,16 +105,13 @@ def write_tiny_checkpoint(path: Path) -> Path:
         shift_terminal=0.02,
         time_shift_type="exponential",
         use_dynamic_shifting=True,
-    ).save_pretrained(path / "scheduler")
-    return write_index(
-        path,
-        "QwenImageEditPipeline",
-        {
-            "text_encoder": ("transformers", "Qwen2_5_VLForConditionalGeneration"),
-            "tokenizer": ("transformers", "PreTrainedTokenizerFast"),
-            "processor": ("transformers", "Qwen2VLProcessor"),
-            "transformer": ("diffusers", "QwenImageTransformer2DModel"),
-            "vae": ("diffusers", "AutoencoderKLQwenImage"),
-            "scheduler": ("diffusers", "FlowMatchEulerDiscreteScheduler"),
-        },
     )
+    QwenImageEditPipeline(
+        scheduler=scheduler,
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tok,
+        processor=processor,
+        transformer=transformer,
+    ).save_pretrained(path)
+    return path

@@ -7,19 +7,18 @@ from pathlib import Path
 import torch
 
 from omni_stage.demo_tokenizer import byte_level_tokenizer
-from omni_stage.models.pipeline_dir import write_index
 
 
 def write_tiny_checkpoint(path: Path) -> Path:
     """A Wan 2.1 text-to-video pipeline directory as diffusers' `WanPipeline` loads it: a UMT5
     text encoder (with the demo tokenizer), the 3D transformer, the causal 3D VAE (4x in time,
     8x in space) and the flow-matching UniPC scheduler Wan ships with."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
     from transformers import UMT5Config, UMT5EncoderModel
 
     tok = byte_level_tokenizer("", [])
     torch.manual_seed(5)
-    UMT5EncoderModel(
+    text_encoder = UMT5EncoderModel(
         UMT5Config(
             vocab_size=len(tok),
             d_model=32,
@@ -31,9 +30,8 @@ def write_tiny_checkpoint(path: Path) -> Path:
             pad_token_id=tok.pad_token_id,
             eos_token_id=tok.eos_token_id,
         )
-    ).save_pretrained(path / "text_encoder")
-    tok.save_pretrained(path / "tokenizer")
-    WanTransformer3DModel(
+    )
+    transformer = WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
@@ -46,22 +44,14 @@ def write_tiny_checkpoint(path: Path) -> Path:
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
         rope_max_seq_len=32,
-    ).save_pretrained(path / "transformer")
-    AutoencoderKLWan(
-        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
-    ).save_pretrained(path / "vae")
-    UniPCMultistepScheduler(
-        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
-    ).save_pretrained(path / "scheduler")
-    return write_index(
-        path,
-        "WanPipeline",
-        {
-            "text_encoder": ("transformers", "UMT5EncoderModel"),
-            "tokenizer": ("transformers", "PreTrainedTokenizerFast"),
-            "transformer": ("diffusers", "WanTransformer3DModel"),
-            "transformer_2": (None, None),
-            "vae": ("diffusers", "AutoencoderKLWan"),
-            "scheduler": ("diffusers", "UniPCMultistepScheduler"),
-        },
     )
+    vae = AutoencoderKLWan(
+        base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True]
+    )
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    )
+    WanPipeline(
+        tokenizer=tok, text_encoder=text_encoder, vae=vae, scheduler=scheduler, transformer=transformer
+    ).save_pretrained(path)
+    return path
