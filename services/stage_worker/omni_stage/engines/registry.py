@@ -78,43 +78,39 @@ DEFAULT_FAMILY: Final = "qwen2_5_omni"
 """For a checkpoint whose config cannot be read (its part then says what is missing as it loads)."""
 
 _DIFFUSERS = "omni_stage.engines.diffusers"
-_TEXT = f"{_DIFFUSERS}.text:TextEncodeEngine"
+
+
+def _diffusion(name: str, package: str, demo: str, engines: tuple[str, str, str]) -> Family:
+    """A diffusion family: its tiny checkpoint's writer (omni_stage.models.<package>.checkpoint),
+    its demo's name, and the engines (`module:attribute` under omni_stage.engines.diffusers) of
+    its roles: encode, denoise, decode."""
+    roles = dict(zip(("encode", "denoise", "decode"), engines, strict=True))
+    return Family(
+        name,
+        {EngineKind.DIFFUSERS: {role: f"{_DIFFUSERS}.{where}" for role, where in roles.items()}},
+        checkpoint=f"omni_stage.models.{package}.checkpoint:write_tiny_checkpoint",
+        demo=demo,
+    )
+
+
 DIFFUSERS_FAMILIES: Final[dict[str, Family]] = {
-    "WanTransformer3DModel": Family(
+    "WanTransformer3DModel": _diffusion(
         "Wan 2.1",
-        {
-            EngineKind.DIFFUSERS: {
-                "encode": _TEXT,
-                "denoise": f"{_DIFFUSERS}.video:VideoDenoiseEngine",
-                "decode": f"{_DIFFUSERS}.video:VideoDecodeEngine",
-            }
-        },
-        checkpoint="omni_stage.models.wan.checkpoint:write_tiny_checkpoint",
-        demo="video",
+        "wan",
+        "video",
+        ("text:TextEncodeEngine", "video:VideoDenoiseEngine", "video:VideoDecodeEngine"),
     ),
-    "QwenImageTransformer2DModel": Family(
+    "QwenImageTransformer2DModel": _diffusion(
         "Qwen-Image-Edit",
-        {
-            EngineKind.DIFFUSERS: {
-                "encode": f"{_DIFFUSERS}.edit:EditEncodeEngine",
-                "denoise": f"{_DIFFUSERS}.edit:EditDenoiseEngine",
-                "decode": f"{_DIFFUSERS}.image:DecodeEngine",
-            }
-        },
-        checkpoint="omni_stage.models.qwen_image_edit.checkpoint:write_tiny_checkpoint",
-        demo="image-edit",
+        "qwen_image_edit",
+        "image-edit",
+        ("edit:EditEncodeEngine", "edit:EditDenoiseEngine", "image:DecodeEngine"),
     ),
-    "PixArtTransformer2DModel": Family(
+    "PixArtTransformer2DModel": _diffusion(
         "PixArt-Alpha",
-        {
-            EngineKind.DIFFUSERS: {
-                "encode": _TEXT,
-                "denoise": f"{_DIFFUSERS}.image:DenoiseEngine",
-                "decode": f"{_DIFFUSERS}.image:DecodeEngine",
-            }
-        },
-        checkpoint="omni_stage.models.pixart.checkpoint:write_tiny_checkpoint",
-        demo="image",
+        "pixart",
+        "image",
+        ("text:TextEncodeEngine", "image:DenoiseEngine", "image:DecodeEngine"),
     ),
 }
 """Diffusion families by their pipeline directories' denoiser class, the part a stage runs by its
