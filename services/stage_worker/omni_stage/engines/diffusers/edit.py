@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from omni_pipeline.payloads import PromptEmbeds
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest, seeded
+from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.diffusers.image import DenoiseEngine
 from omni_stage.engines.diffusers.parts import DiffusersPart, SamplingState, inputs_of, latents_unit
 from omni_stage.segments import EngineOutput
@@ -192,15 +192,9 @@ class EditDenoiseEngine(DenoiseEngine):
         from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_shift, retrieve_timesteps
 
         n, width, height, steps, guidance = self._params(sampling)
-        hidden = self.denoiser.config.joint_attention_dim
-        if embeds.shape[-1] != hidden:
-            raise EngineError(
-                f"stage '{self.stage.name}': prompt embeddings are {embeds.shape[-1]} wide, "
-                f"the denoiser takes {hidden}"
-            )
+        generator, scheduler = self._begin(embeds, self.denoiser.config.joint_attention_dim, sampling)
         pack = _pipeline_class()._pack_latents
         channels = self.denoiser.config.in_channels // 4
-        generator = seeded(sampling.seed)
         h, w = 2 * (height // self.multiple), 2 * (width // self.multiple)
         # In the stage's dtype, drawn and stepped, as the pipeline's latents are (its prompt
         # embeddings' dtype): bfloat16 noise is not float32 noise rounded.
@@ -211,7 +205,6 @@ class EditDenoiseEngine(DenoiseEngine):
             self.device, self.dtype
         )
 
-        scheduler = type(self.scheduler).from_config(self.scheduler.config)  # its state is per request
         c = scheduler.config
         mu = calculate_shift(
             latents.shape[1],

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import AsyncIterator
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,18 @@ _DENOISERS: Final = ("PixArtTransformer2DModel", "UNet2DConditionModel")
 """Denoiser classes whose call this engine knows (text-conditioned, cross-attention)."""
 MAX_IMAGES: Final = 10
 MAX_STEPS: Final = 1000
+
+
+class DenoiserRows(NamedTuple):
+    """One denoiser forward's inputs, over the rows of several requests: latents `x` at
+    timesteps `t` (one per row), the text states `cond` and their `mask`, each row's (height,
+    width)."""
+
+    x: torch.Tensor
+    t: torch.Tensor
+    cond: torch.Tensor
+    mask: torch.Tensor
+    sizes: list[tuple[int, int]]
 
 
 class DenoiseEngine(DiffusersPart):
@@ -154,34 +166,37 @@ class DenoiseEngine(DiffusersPart):
         every = steps / (partial + 1)
         return {s for i in range(partial) if 0 < (s := round(every * (i + 1))) < steps}
 
+    def _begin(self, embeds: torch.Tensor, wants: int, sampling: Sampling) -> tuple[torch.Generator, Any]:
+        """How every plan of a request starts: its prompt embeddings' width checked against what
+        the denoiser takes (`wants`), its generator (its seed's), and a scheduler of its own (a
+        scheduler's state is per request), its timesteps not yet set."""
+        if embeds.shape[-1] != wants:
+            raise EngineError(
+                f"stage '{self.stage.name}': prompt embeddings are {embeds.shape[-1]} wide, "
+                f"the denoiser takes {wants}"
+            )
+        return seeded(sampling.seed), type(self.scheduler).from_config(self.scheduler.config)
+
+    def _conditioning(
+        self, embeds: torch.Tensor, negative: torch.Tensor | None, n: int, cfg: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`conditioning`'s states and mask, on the stage's device in its dtype."""
+        cond, mask = conditioning(embeds, negative, n, cfg)
+        return cond.to(self.device, self.dtype), mask.to(self.device, self.dtype)
+
     @torch.inference_mode()
     def _plan(self, embeds: torch.Tensor, negative: torch.Tensor | None, sampling: Sampling) -> SamplingState:
         n, width, height, steps, guidance = self._params(sampling)
-        width_in = embeds.shape[-1]
         c = self.denoiser.config
         wants = c.caption_channels if hasattr(c, "caption_channels") else c.cross_attention_dim
-        if width_in != wants:
-            raise EngineError(
-                f"stage '{self.stage.name}': prompt embeddings are {width_in} wide, "
-                f"the denoiser takes {wants}"
-            )
-        generator = seeded(sampling.seed)
-        scheduler = type(self.scheduler).from_config(self.scheduler.config)  # its state is per request
+        generator, scheduler = self._begin(embeds, wants, sampling)
         scheduler.set_timesteps(steps, device=self.device)
         shape = (n, c.in_channels, height // self.vae_scale, width // self.vae_scale)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32)
         latents = (latents * scheduler.init_noise_sigma).to(self.device, self.dtype)
-        cond, mask = conditioning(embeds, negative, n, guidance > 1.0)
-        return SamplingState(
-            scheduler,
-            latents,
-            cond.to(self.device, self.dtype),
-            mask.to(self.device, self.dtype),
-            guidance,
-            generator,
-            self._preview_steps(steps, sampling),
-            (height, width),
-        )
+        cond, mask = self._conditioning(embeds, negative, n, guidance > 1.0)
+        previews = self._preview_steps(steps, sampling)
+        return SamplingState(scheduler, latents, cond, mask, guidance, generator, previews, (height, width))
 
     @torch.inference_mode()
     def _steps_together(self, steps: list[tuple[SamplingState, torch.Tensor]]) -> list[None]:
@@ -195,11 +210,13 @@ class DenoiseEngine(DiffusersPart):
         rows = [x.shape[0] for x in xs]
         length = max(s.cond.shape[1] for s, _ in steps)
         out = self._denoise(
-            torch.cat(xs),
-            torch.cat([t.reshape(1).expand(n) for (_, t), n in zip(steps, rows, strict=True)]),
-            torch.cat([F.pad(s.cond, (0, 0, 0, length - s.cond.shape[1])) for s, _ in steps]),
-            torch.cat([F.pad(s.mask, (0, length - s.mask.shape[1])) for s, _ in steps]),
-            [s.size for (s, _), n in zip(steps, rows, strict=True) for _ in range(n)],
+            DenoiserRows(
+                torch.cat(xs),
+                torch.cat([t.reshape(1).expand(n) for (_, t), n in zip(steps, rows, strict=True)]),
+                torch.cat([F.pad(s.cond, (0, 0, 0, length - s.cond.shape[1])) for s, _ in steps]),
+                torch.cat([F.pad(s.mask, (0, length - s.mask.shape[1])) for s, _ in steps]),
+                [s.size for (s, _), n in zip(steps, rows, strict=True) for _ in range(n)],
+            )
         )
         for (s, t), o in zip(steps, out.split(rows), strict=True):
             if o.shape[1] == 2 * s.latents.shape[1]:  # a learned variance rides along; drop it
@@ -212,16 +229,9 @@ class DenoiseEngine(DiffusersPart):
             self._steps += 1
         return [None] * len(steps)
 
-    def _denoise(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        cond: torch.Tensor,
-        mask: torch.Tensor,
-        sizes: list[tuple[int, int]],
-    ) -> torch.Tensor:
-        """The denoiser on rows `x` at timesteps `t` (one per row), each row's (height, width)
-        in `sizes`."""
+    def _denoise(self, rows: DenoiserRows) -> torch.Tensor:
+        """The denoiser on `rows`."""
+        x, t, cond, mask, sizes = rows
         if type(self.denoiser).__name__ == "UNet2DConditionModel":
             return self.denoiser(
                 x, t, encoder_hidden_states=cond, encoder_attention_mask=mask, return_dict=False

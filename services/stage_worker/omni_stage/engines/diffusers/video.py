@@ -35,12 +35,11 @@ from omni_pipeline.clips import ClipError, ClipLimits, clip_frames
 from omni_pipeline.payloads import Latents, VideoFrames
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest, seeded
-from omni_stage.engines.diffusers.image import DenoiseEngine
+from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.diffusers.image import DenoiseEngine, DenoiserRows
 from omni_stage.engines.diffusers.parts import (
     SamplingState,
     VaeDecoder,
-    conditioning,
     denormalized,
     inputs_of,
     pixels,
@@ -112,29 +111,14 @@ class VideoDenoiseEngine(DenoiseEngine):
     ) -> SamplingState:
         n, width, height, steps, guidance = self._params(sampling)
         c = self.denoiser.config
-        if embeds.shape[-1] != c.text_dim:
-            raise EngineError(
-                f"stage '{self.stage.name}': prompt embeddings are {embeds.shape[-1]} wide, "
-                f"the denoiser takes {c.text_dim}"
-            )
-        generator = seeded(sampling.seed)
-        scheduler = type(self.scheduler).from_config(self.scheduler.config)  # its state is per request
+        generator, scheduler = self._begin(embeds, c.text_dim, sampling)
         scheduler.set_timesteps(steps, device=self.device)
         scheduler.set_begin_index(0)
         latent_frames = (frames - 1) // self.vae_frames + 1
         shape = (n, c.in_channels, latent_frames, height // self.vae_scale, width // self.vae_scale)
         latents = torch.randn(shape, generator=generator, dtype=torch.float32).to(self.device)
-        cond, mask = conditioning(self._padded(embeds), self._padded(negative), n, guidance > 1.0)
-        return SamplingState(
-            scheduler,
-            latents,
-            cond.to(self.device, self.dtype),
-            mask.to(self.device, self.dtype),
-            guidance,
-            generator,
-            set(),
-            (height, width),
-        )
+        cond, mask = self._conditioning(self._padded(embeds), self._padded(negative), n, guidance > 1.0)
+        return SamplingState(scheduler, latents, cond, mask, guidance, generator, set(), (height, width))
 
     def _padded(self, embeds: torch.Tensor | None) -> torch.Tensor | None:
         """[tokens, hidden] -> [textLength, hidden], zeros after the prompt (Wan's pipeline)."""
@@ -143,17 +127,13 @@ class VideoDenoiseEngine(DenoiseEngine):
         e = embeds[: self.text_length].float()
         return torch.cat([e, e.new_zeros(self.text_length - e.shape[0], e.shape[1])])
 
-    def _denoise(
-        self,
-        x: torch.Tensor,
-        t: torch.Tensor,
-        cond: torch.Tensor,
-        mask: torch.Tensor,
-        sizes: list[tuple[int, int]],
-    ) -> torch.Tensor:
+    def _denoise(self, rows: DenoiserRows) -> torch.Tensor:
         """Wan attends to every text position (the zeros too), so the mask goes unused."""
         out = self.denoiser(
-            hidden_states=x.to(self.dtype), timestep=t, encoder_hidden_states=cond, return_dict=False
+            hidden_states=rows.x.to(self.dtype),
+            timestep=rows.t,
+            encoder_hidden_states=rows.cond,
+            return_dict=False,
         )[0]
         return out.float()
 
