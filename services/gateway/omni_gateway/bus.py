@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Final
 
 import nats
@@ -56,27 +57,30 @@ ERRORS: Final = {
 """Stage error codes that are not a stage's failure: the client's request, or our connection."""
 
 
+@dataclass(eq=False)
 class Bus:
     """One gateway's NATS connection and what it hears."""
 
-    def __init__(
-        self, spec: PipelineSpec, subjects: Subjects, gateway_id: str, nats_url: str, payloads: OffLoop
-    ) -> None:
-        self.spec = spec
-        self.subjects = subjects
-        self.gateway_id = gateway_id
-        self.nats_url = nats_url
-        self.payloads = payloads
-        self.inbox = subjects.gateway_inbox(gateway_id)
+    spec: PipelineSpec
+    subjects: Subjects
+    gateway_id: str
+    nats_url: str
+    payloads: OffLoop
+    nc: NatsClient | None = field(default=None, init=False)
+    covered: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    """Every stage that should have replicas has one up (the gateway can serve)."""
+    inbox: str = field(init=False)
+    table: ReplicaTable = field(init=False)
+    inflight: Inflight = field(init=False)
+    _sweeper: asyncio.Task[None] | None = field(default=None, init=False)
+    _changed: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _waiting: int = field(default=0, init=False)
+    """Requests waiting for a replica or for NATS (at most maxWaitingRequests)."""
+
+    def __post_init__(self) -> None:
+        self.inbox = self.subjects.gateway_inbox(self.gateway_id)
         self.table = ReplicaTable(self.inbox)
-        self.inflight = Inflight(gateway_id, self.table, payloads, self.abort)
-        self.nc: NatsClient | None = None
-        self.covered = asyncio.Event()
-        """Every stage that should have replicas has one up (the gateway can serve)."""
-        self._sweeper: asyncio.Task[None] | None = None
-        self._changed = asyncio.Event()
-        self._waiting = 0
-        """Requests waiting for a replica or for NATS (at most maxWaitingRequests)."""
+        self.inflight = Inflight(self.gateway_id, self.table, self.payloads, self.abort)
 
     async def start(self, stop: asyncio.Event | None = None) -> bool:
         """Connect and subscribe; False if `stop` was set before NATS could be reached."""

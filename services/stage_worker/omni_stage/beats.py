@@ -15,6 +15,7 @@ import os
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from omni_pipeline import wire
 from omni_pipeline.connectors import OmniConnector, reclaim_unread
@@ -30,33 +31,22 @@ from omni_stage.transfer import Transfers
 log = logging.getLogger("omni.stage")
 
 
+@dataclass(kw_only=True, eq=False)
 class Beats:
     """One replica's heartbeats, health and readiness."""
 
-    def __init__(
-        self,
-        *,
-        book: RequestBook,
-        engine: Engine,
-        outbox: Outbox,
-        transfers: Transfers,
-        metrics: StageMetrics,
-        subjects: Subjects,
-        instance: str,
-        used: set[OmniConnector],
-        pipeline: PipelineSpec,
-    ) -> None:
-        self.book = book
-        self.engine = engine
-        self.outbox = outbox
-        self.transfers = transfers
-        self.metrics = metrics
-        self.subjects = subjects
-        self.instance = instance
-        self.used = used
-        """The connectors this stage reads or writes through (every process builds them all)."""
-        self.pipeline = pipeline
-        self.metrics_port = 0
+    book: RequestBook
+    engine: Engine
+    outbox: Outbox
+    transfers: Transfers
+    metrics: StageMetrics
+    subjects: Subjects
+    instance: str
+    used: set[OmniConnector]
+    """The connectors this stage reads or writes through (every process builds them all)."""
+    pipeline: PipelineSpec
+    metrics_port: int = 0
+    """Where its /metrics listens, once bound (the heartbeat tells it)."""
 
     @property
     def name(self) -> str:

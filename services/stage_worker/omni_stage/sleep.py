@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from omni_pipeline.control import ErrorCode, SleepAck
@@ -37,40 +37,32 @@ class _Held:
     weights: dict[str, int] | None
 
 
+@dataclass(kw_only=True, eq=False)
 class SleepControl:
     """One replica's sleeps and wakes."""
 
-    def __init__(
-        self,
-        *,
-        book: RequestBook,
-        engine: Engine,
-        outbox: Outbox,
-        metrics: StageMetrics,
-        instance: str,
-        pipeline_path: str | None,
-        paused: bool,
-        announce: Callable[[], Awaitable[None]],
-        abort: Callable[[str], None],
-        engine_failed: Callable[[str], None],
-    ) -> None:
-        self.book = book
-        self.engine = engine
-        self.outbox = outbox
-        self.metrics = metrics
-        self.instance = instance
-        self.pipeline_path = pipeline_path
-        """The file the pipeline was read from, reread for the stage's `paused` while we run."""
-        self.paused = paused
-        self._stamp = file_stamp(pipeline_path)
-        self._lock = asyncio.Lock()  # one sleep or wake at a time, in the order asked
-        self._idle = asyncio.Event()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.announce = announce
-        """Beat now: gateways learn of a sleep or wake at once, not at the next beat."""
-        self.abort = abort
-        self.engine_failed = engine_failed
-        """The engine is in no known state: the replica fails what it holds and exits."""
+    book: RequestBook
+    engine: Engine
+    outbox: Outbox
+    metrics: StageMetrics
+    instance: str
+    pipeline_path: str | None
+    """The file the pipeline was read from, reread for the stage's `paused` while we run."""
+    paused: bool
+    announce: Callable[[], Awaitable[None]]
+    """Beat now: gateways learn of a sleep or wake at once, not at the next beat."""
+    abort: Callable[[str], None]
+    engine_failed: Callable[[str], None]
+    """The engine is in no known state: the replica fails what it holds and exits."""
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock, init=False)
+    """One sleep or wake at a time, in the order asked."""
+    _idle: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+    _tasks: set[asyncio.Task[None]] = field(default_factory=set, init=False)
+    _stamp: tuple[int, int, int] | None = field(init=False)
+    """The pipeline file's stamp when last read."""
+
+    def __post_init__(self) -> None:
+        self._stamp = file_stamp(self.pipeline_path)
 
     @property
     def name(self) -> str:

@@ -63,24 +63,17 @@ class Response:
         return "audio" in self.modalities
 
 
+@dataclass(eq=False)
 class Responses:
     """One session's responses: at most one in progress (`active`)."""
 
-    def __init__(
-        self,
-        pipeline: Pipeline,
-        emit: Emit,
-        conversation: Conversation,
-        metrics: GatewayMetrics,
-        session_id: str,
-    ) -> None:
-        self.pipeline = pipeline
-        self.emit = emit
-        self.conversation = conversation
-        self.metrics = metrics
-        self.session_id = session_id
-        self.active: Response | None = None
-        self.count = 0
+    pipeline: Pipeline
+    emit: Emit
+    conversation: Conversation
+    metrics: GatewayMetrics
+    session_id: str
+    active: Response | None = None
+    count: int = 0
 
     async def start(self, response: Response, asked: PipelineRequest) -> None:
         """Check it as the chat API would, then run it in a task of its own; a request the
