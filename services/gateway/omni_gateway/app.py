@@ -42,6 +42,9 @@ _CLIENT_ID_OK: Final = re.compile(r"^[A-Za-z0-9_.-]{1,96}$")
 """A client's X-Request-Id the pipeline can carry: its ids go into NATS messages, segment names
 and store keys (see `check_request_id`), with room for the suffix."""
 READY_WAIT_S: Final = 60.0
+SESSIONS_CLOSE_S: Final = 10.0
+"""At shutdown, how long live sessions have to be closed (a duplex session ends its response
+first) before the server stops anyway."""
 
 
 def pipeline_request_id(client_id: str) -> str:
@@ -224,10 +227,22 @@ def run_gateway(
             app, timeout_graceful_shutdown=30, ws_max_size=pipeline.spec.gateway.max_request_bytes
         )
 
-        def stop() -> None:
+        closing: list[asyncio.Task[None]] = []
+
+        async def close_then_exit() -> None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(SESSIONS_CLOSE_S):
+                    await app.state.live_sessions.close_all("the gateway is shutting down")
             server.should_exit = True
+
+        def stop() -> None:
+            """Live sessions are closed (1001, a reason) before the server's shutdown begins:
+            it closes the sockets still open itself, with 1012. A second signal exits at once."""
             stopping.set()
-            app.state.live_sessions.close_all("the gateway is shutting down")
+            if closing:
+                server.should_exit = True
+                return
+            closing.append(asyncio.get_running_loop().create_task(close_then_exit(), name="close-sessions"))
 
         on_shutdown_signals(stop)
         await server.serve(sockets=[sock])

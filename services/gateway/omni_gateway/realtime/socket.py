@@ -58,7 +58,6 @@ class LiveSessions:
         self.open: dict[str, WebSocket] = {}
         self.duplex: dict[str, DuplexSession] = {}
         self._expiry: dict[str, asyncio.Task[None]] = {}
-        self._closing: asyncio.Task[None] | None = None
 
     def full(self) -> bool:
         return len(self.open) + len(self.duplex) >= self.limit
@@ -97,14 +96,9 @@ class LiveSessions:
         await session.close()
         log.info("realtime %s: ended (%s) after %d responses", session.id, reason, session.responses.count)
 
-    def close_all(self, reason: str) -> None:
-        """Close every session's socket (1001, `reason`), from a task: called from a signal's
-        handler, before the server closes its connections."""
-        self._closing = asyncio.get_running_loop().create_task(
-            self._close_all(reason), name="close-live-sessions"
-        )
-
-    async def _close_all(self, reason: str) -> None:
+    async def close_all(self, reason: str) -> None:
+        """Close every session's socket (1001, `reason`): at shutdown, before the server closes
+        the connections still open (uvicorn's own close says 1012, and no reason)."""
         for ws in list(self.open.values()):
             with contextlib.suppress(Exception):  # one that has just gone
                 await ws.close(GOING_AWAY, reason)
