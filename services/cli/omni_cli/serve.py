@@ -41,6 +41,7 @@ from omni_pipeline.lifecycle import (
 from omni_pipeline.placement import VISIBLE_DEVICES_ENV, PlacementError, place, uses_gpus, visible_gpus
 from omni_pipeline.settings import ConnectorSpec
 from omni_pipeline.spec import PipelineFile
+from omni_stage.preload import stage_modules
 
 log = logging.getLogger("omni.serve")
 
@@ -52,8 +53,9 @@ STABLE_AFTER_S: Final = 60.0
 MAX_QUICK_DEATHS: Final = 5
 """Deaths in a row, each sooner than STABLE_AFTER_S after its start, that end `omni serve`."""
 NATS: Final = "nats-server"
-CHILD_MODULES: Final = ["omni_stage.proc", "omni_gateway.app"]
-"""What every stage or gateway imports first (torch among it): the fork server imports it once."""
+GATEWAY_MODULES: Final = ["omni_gateway.app"]
+"""What every gateway imports first: the fork server imports it once, with what the pipeline's
+stages import (omni_stage.preload)."""
 NATS_BACKOFF_START_S: Final = 0.1
 """Every process of the tree waits on NATS: it comes back first, at once."""
 
@@ -112,7 +114,7 @@ class Supervisor:
 
     def run(self) -> int:
         setproctitle(f"omni: supervisor {self.pipeline.name}")
-        preload(CHILD_MODULES)
+        preload(stage_modules({s.engine.kind for s in self.pipeline.spec.stages}) + GATEWAY_MODULES)
 
         def on_signal(signum: int, _frame: object) -> None:
             # Only a word to the loop (or the startup wait), which stops everything in order.
