@@ -17,7 +17,6 @@ from omni_stage.engines.kv_batch import decode_together, warm_up
 from omni_stage.engines.prompt_cache import Sequence, same_rows
 from omni_stage.models.qwen3_omni.code_predictor import frame_embedding, predict, residual_codes
 from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, talker_prompt
-from omni_stage.models.qwen3_omni.thinker import LAYOUT_KEYS
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     Part,
@@ -28,6 +27,7 @@ from omni_stage.models.qwen_omni.parts import (
     penalise_repeats,
     thinker_embedding_table,
 )
+from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
 from omni_stage.segments import EngineOutput
 
 DEFAULT_VOICE: Final = "Ethan"

@@ -3,7 +3,7 @@ and what the talker reads of it (see the package's docstring)."""
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 import torch
 
@@ -11,10 +11,8 @@ from omni_pipeline.payloads import ThinkerStep, declared
 from omni_stage.engines.base import EngineError
 from omni_stage.models.qwen_omni.audio_features import AudioFeatures
 from omni_stage.models.qwen_omni.encoder import Encoder
-from omni_stage.models.qwen_omni.prompt import MediaEmbeds, Prompt, Prompts
+from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS, MediaEmbeds, Prompt, Prompts
 from omni_stage.models.qwen_omni.thinker import Thinker
-
-LAYOUT_KEYS: Final = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
 
 
 class Qwen3AudioFeatures(AudioFeatures):

@@ -108,6 +108,10 @@ class Layout:
         )
 
 
+LAYOUT_KEYS: Final = tuple(f.name for f in fields(Layout))
+"""A layout's keys, as payloads carry them (an encoder's as they are, a thinker's with `prompt_`)."""
+
+
 @dataclass(frozen=True)
 class EncoderInputs:
     """What the model's processors make of a request's media: the encoders' inputs (the
@@ -131,12 +135,11 @@ class MediaEmbeds:
     video_deepstack: torch.Tensor | None = None
 
     _KINDS: ClassVar = KINDS
-    _LAYOUT: ClassVar = ("audio_lengths", "image_grid_thw", "video_grid_thw", "video_second_per_grid")
     _DEEPSTACK: ClassVar = ("image_deepstack", "video_deepstack")
 
     def to_payload(self) -> EncodedMedia:
         out = {f"{k}_embeds": getattr(self, k) for k in self._KINDS}
-        out |= {k: getattr(self.layout, k) for k in self._LAYOUT}
+        out |= {k: getattr(self.layout, k) for k in LAYOUT_KEYS}
         out |= {k: getattr(self, k) for k in self._DEEPSTACK}
         return EncodedMedia(**{declared(k): v for k, v in out.items() if v is not None})
 
@@ -145,7 +148,7 @@ class MediaEmbeds:
         """The embeddings a payload carries; None if it carries none."""
         if not any(f"{k}_embeds" in payload for k in cls._KINDS):
             return None
-        layout = Layout(*(payload.get(k) for k in cls._LAYOUT))
+        layout = Layout(*(payload.get(k) for k in LAYOUT_KEYS))
         deepstack = {k: payload.get(k) for k in cls._DEEPSTACK}
         return cls(*(payload.get(f"{k}_embeds") for k in cls._KINDS), layout, **deepstack)
 
