@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import enum
 import faulthandler
 import logging
@@ -114,6 +115,10 @@ def preload(modules: list[str]) -> None:
 
 
 def _child_entry(target: ChildTarget, report: Connection, args: tuple[Any, ...], env: dict[str, str]) -> None:
+    # What the fork server imported (torch, transformers: some 400k objects) lives as long as
+    # this process: out of the collector's sight, or every full collection walks all of it
+    # again (0.2 s each, several while a stage loads) and writes to every page it shares.
+    gc.freeze()
     # setproctitle finds the memory a title goes in (argv, then the environment's block) on its
     # first call: before the environment changes, or it finds none and titles stay unset.
     setproctitle.getproctitle()

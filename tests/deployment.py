@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import (
+    HTTP,
     SHM_SESSION,
     OmniProcess,
     decode_wav,
@@ -41,7 +41,7 @@ HELD: Final = (
 
 
 def metric_values(url: str, names: tuple[str, ...]) -> dict[str, float]:
-    text = httpx.get(url, timeout=5).text
+    text = HTTP.get(url, timeout=5).text
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
@@ -166,9 +166,7 @@ def deployed(
                 d.add_stage(stage, chr(ord("a") + i))
         for _ in range(gateways):
             base = d.add_gateway()
-            wait_for(
-                lambda b=base: httpx.get(f"{b}/health").status_code == 200, 120, "every stage registered"
-            )
+            wait_for(lambda b=base: HTTP.get(f"{b}/health").status_code == 200, 120, "every stage registered")
         yield d
     finally:
         d.stop()
@@ -176,7 +174,9 @@ def deployed(
 
 def ask(base: str, content: str, timeout: float = 90, **extra: object) -> str:
     """One text+audio request; returns 'ok' or the error message."""
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    client = openai.OpenAI(
+        base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout, http_client=HTTP
+    )
     try:
         r = client.chat.completions.create(
             model=client.models.list().data[0].id,
@@ -202,7 +202,9 @@ class Streamed:
 
 
 def ask_streaming(base: str, content: str, timeout: float = 90, **extra: object) -> Streamed:
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout)
+    client = openai.OpenAI(
+        base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=timeout, http_client=HTTP
+    )
     text, pcm = [], 0
     try:
         for chunk in client.chat.completions.create(

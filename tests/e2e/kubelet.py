@@ -36,6 +36,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from kubernetes.dynamic import DynamicClient
 
+from tests.helpers import HTTP
+
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
 
@@ -287,7 +289,7 @@ class Kubelet:
         port = probe["port"]
         port = pod.ports[port] if isinstance(port, str) else port
         try:
-            pod.ready = httpx.get(f"http://{pod.ip}:{port}{probe['path']}", timeout=1).status_code < 400
+            pod.ready = HTTP.get(f"http://{pod.ip}:{port}{probe['path']}", timeout=1).status_code < 400
         except httpx.HTTPError:
             pod.ready = False
 

@@ -10,14 +10,13 @@ import io
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import pytest
 import yaml
 from PIL import Image
 
-from tests.helpers import ROOT, openai_client, served, sse_data
+from tests.helpers import HTTP, ROOT, openai_client, served, sse_data
 from tests.openai_schema import violations
 
 pytestmark = pytest.mark.slow
@@ -116,14 +115,14 @@ def test_a_stream_sends_edit_previews_then_the_image(edit_demo: str) -> None:
 def test_every_edit_response_conforms_to_openais_schema(edit_demo: str) -> None:
     files = {"image": ("in.png", png(picture(32, 32)), "image/png")}
     data = {"prompt": "brighter", "num_inference_steps": "2"}
-    whole = httpx.post(f"{edit_demo}/v1/images/edits", files=files, data=data, timeout=120)
+    whole = HTTP.post(f"{edit_demo}/v1/images/edits", files=files, data=data, timeout=120)
     assert whole.status_code == 200, whole.text
-    stream = httpx.post(
+    stream = HTTP.post(
         f"{edit_demo}/v1/images/edits", files=files, data={**data, "stream": "true"}, timeout=120
     )
     events = sse_data(stream.text)
     assert events[-1]["type"] == "image_edit.completed"
-    bad = httpx.post(f"{edit_demo}/v1/images/edits", files=files, data={**data, "n": "11"}, timeout=30)
+    bad = HTTP.post(f"{edit_demo}/v1/images/edits", files=files, data={**data, "n": "11"}, timeout=30)
     assert bad.status_code == 400
     checked = [
         (whole.json(), "ImagesResponse"),
@@ -203,7 +202,7 @@ def noise_png(side: int) -> bytes:
 def test_bad_input_is_a_400_naming_the_field(
     edit_demo: str, files: dict[str, object], fields: dict[str, str], param: str | None, says: str
 ) -> None:
-    r = httpx.post(
+    r = HTTP.post(
         f"{edit_demo}/v1/images/edits",
         files=files or {"n": (None, "1")},  # a form without files
         data={"prompt": "edit", "num_inference_steps": "1", **fields},

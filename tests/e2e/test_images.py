@@ -10,14 +10,13 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import numpy as np
 import openai
 import pytest
 from PIL import Image
 
 from tests.deployment import gauges, metric_values, metrics_urls, settle
-from tests.helpers import openai_client, served_example, sse_data, wait_for
+from tests.helpers import HTTP, openai_client, served_example, sse_data, wait_for
 from tests.openai_schema import violations
 
 pytestmark = pytest.mark.slow
@@ -173,7 +172,7 @@ def test_abort_mid_diffusion_stops_the_loop_and_frees(image_demo: str) -> None:
 def test_what_the_model_cannot_do_is_a_400(
     image_demo: str, body: dict[str, object], param: str, says: str
 ) -> None:
-    r = httpx.post(f"{image_demo}/v1/images/generations", json={"prompt": "x", **body}, timeout=30)
+    r = HTTP.post(f"{image_demo}/v1/images/generations", json={"prompt": "x", **body}, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and says in err["message"], err
@@ -205,14 +204,14 @@ def test_every_response_conforms_to_openais_schema(image_demo: str) -> None:
     OpenAPI description (with our sizes allowed, as its README says); usage counts the
     prompt's tokens as the text encoder read them."""
     body = {"model": "tiny-image", "prompt": "a city of glass", "size": "64x32", "num_inference_steps": 8}
-    whole = httpx.post(f"{image_demo}/v1/images/generations", json=body, timeout=120)
+    whole = HTTP.post(f"{image_demo}/v1/images/generations", json=body, timeout=120)
     assert whole.status_code == 200, whole.text
     usage = whole.json()["usage"]
     assert usage["input_tokens"] == usage["input_tokens_details"]["text_tokens"] > 0
-    stream = httpx.post(f"{image_demo}/v1/images/generations", json={**body, "stream": True}, timeout=120)
+    stream = HTTP.post(f"{image_demo}/v1/images/generations", json={**body, "stream": True}, timeout=120)
     events = sse_data(stream.text)
     assert events[-1]["type"] == "image_generation.completed" and events[-1]["usage"] == usage
-    bad = httpx.post(f"{image_demo}/v1/images/generations", json={**body, "n": 11}, timeout=30)
+    bad = HTTP.post(f"{image_demo}/v1/images/generations", json={**body, "n": 11}, timeout=30)
     assert bad.status_code == 400
     checked = [
         (whole.json(), "ImagesResponse"),

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import pytest
 from websockets.sync.client import connect
 
@@ -26,7 +25,7 @@ from bench.otlp import OtlpReceiver, ReceivedSpan
 from omni_cli.mooncaked import LocalMooncake
 from omni_cli.natsd import EmbeddedNats
 from tests.deployment import Deployment, deployed
-from tests.helpers import ROOT, metric, metric_families, openai_client, replicas, wait_for
+from tests.helpers import HTTP, ROOT, metric, metric_families, openai_client, replicas, wait_for
 
 DEMO = ROOT / "examples" / "tiny-omni-distributed.yaml"
 STAGES = ("thinker", "talker", "vocoder")
@@ -234,10 +233,10 @@ def test_the_gateway_times_each_output_kind_and_counts_failures_by_code(traced: 
     assert gateway_sample(base, first, output="audio") >= 1  # TTFA
     assert gateway_sample(base, first, output="image") == 0
     asleep = gateway_sample(base, "omni_gateway_errors_total", code="stage_asleep")
-    r = httpx.post(f"{base}/v1/omni/sleep", json={"stage_ids": ["vocoder"], "level": 0}, timeout=30)
+    r = HTTP.post(f"{base}/v1/omni/sleep", json={"stage_ids": ["vocoder"], "level": 0}, timeout=30)
     assert r.status_code == 200, r.text
     try:
-        r = httpx.post(
+        r = HTTP.post(
             f"{base}/v1/chat/completions",
             json={
                 "model": "tiny-omni",
@@ -250,7 +249,7 @@ def test_the_gateway_times_each_output_kind_and_counts_failures_by_code(traced: 
         assert r.status_code == 503 and r.json()["error"]["code"] == "stage_asleep"
     finally:
         assert (
-            httpx.post(f"{base}/v1/omni/wakeup", json={"stage_ids": ["vocoder"]}, timeout=30).status_code
+            HTTP.post(f"{base}/v1/omni/wakeup", json={"stage_ids": ["vocoder"]}, timeout=30).status_code
             == 200
         )
     assert gateway_sample(base, "omni_gateway_errors_total", code="stage_asleep") == asleep + 1

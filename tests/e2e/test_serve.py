@@ -25,6 +25,7 @@ import yaml
 
 from tests.deployment import gauges, metric_values, metrics_urls, settle
 from tests.helpers import (
+    HTTP,
     REFUSED_CHAT,
     ROOT,
     WEATHER,
@@ -134,7 +135,7 @@ def _stream(demo: str, **body: Any) -> list[dict[str, Any]]:
         "stream": True,
         **body,
     }
-    r = httpx.post(f"{demo}/v1/chat/completions", json=chat, timeout=120)
+    r = HTTP.post(f"{demo}/v1/chat/completions", json=chat, timeout=120)
     assert r.status_code == 200, r.text
     return sse_data(r.text)
 
@@ -304,18 +305,18 @@ def test_stage_metrics_and_sampling_per_stage_with_audio(demo: str) -> None:
         "return_stage_metrics": True,
     }
     url = f"{demo}/v1/chat/completions"
-    whole = httpx.post(url, json=body, timeout=60).json()
+    whole = HTTP.post(url, json=body, timeout=60).json()
     stages = whole["metrics"]["stage_metrics"]
     assert [stages[i]["stage"] for i in ("0", "1", "2")] == ["thinker", "talker", "vocoder"]
     assert stages["1"]["num_tokens_in"] == 0 and stages["1"]["num_tokens_out"] == 8 * 4
     assert stages["2"]["final_output_type"] == "audio" and stages["2"]["serving_time_to_first_output_ms"] > 0
-    streamed = sse_data(httpx.post(url, json={**body, "stream": True}, timeout=60).text)
+    streamed = sse_data(HTTP.post(url, json={**body, "stream": True}, timeout=60).text)
     finish = [c for c in streamed if c["choices"] and c["choices"][0]["finish_reason"]]
     assert len(finish) == 1 and set(finish[0]["metrics"]["stage_metrics"]) == {"0", "1", "2"}
 
-    plain = httpx.post(url, json=body, timeout=60).json()["choices"][0]["message"]["audio"]["data"]
+    plain = HTTP.post(url, json=body, timeout=60).json()["choices"][0]["message"]["audio"]["data"]
     talker_hot = {**body, "sampling_params_list": [None, {"temperature": 1.0, "seed": 5}]}
-    hot = httpx.post(url, json=talker_hot, timeout=60).json()["choices"][0]["message"]
+    hot = HTTP.post(url, json=talker_hot, timeout=60).json()["choices"][0]["message"]
     assert hot["content"] == whole["choices"][0]["message"]["content"] and hot["audio"]["data"] != plain
     for entries, param, says in (
         (
@@ -326,7 +327,7 @@ def test_stage_metrics_and_sampling_per_stage_with_audio(demo: str) -> None:
         ([{"best_of": 2}], "sampling_params_list.0.best_of", "unrecognized request argument"),
         ([None] * 4, "sampling_params_list", "4 entries for 3 stages"),
     ):
-        r = httpx.post(url, json={**body, "sampling_params_list": entries}, timeout=60)
+        r = HTTP.post(url, json={**body, "sampling_params_list": entries}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param and says in r.text, r.text
 
 
@@ -334,9 +335,7 @@ def test_tokenize_and_detokenize_as_vllms(demo: str) -> None:
     """vLLM's /tokenize and /detokenize, with the thinker's own tokenizer and chat template:
     the ids a chat request's prompt is, as its usage counts them."""
     messages = [{"role": "user", "content": "Tell me a story"}]
-    chat = httpx.post(
-        f"{demo}/tokenize", json={"model": "tiny-omni", "messages": messages}, timeout=30
-    ).json()
+    chat = HTTP.post(f"{demo}/tokenize", json={"model": "tiny-omni", "messages": messages}, timeout=30).json()
     r = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused").chat.completions.create(
         model="tiny-omni",
         messages=messages,
@@ -344,13 +343,11 @@ def test_tokenize_and_detokenize_as_vllms(demo: str) -> None:
     )
     assert set(chat) == {"count", "max_model_len", "tokens", "token_strs"} and chat["token_strs"] is None
     assert chat["count"] == len(chat["tokens"]) == r.usage.prompt_tokens and chat["max_model_len"] == 4096
-    plain = httpx.post(
+    plain = HTTP.post(
         f"{demo}/tokenize", json={"prompt": "Hello", "return_token_strs": True}, timeout=30
     ).json()
     assert plain["token_strs"] == ["H", "e", "l", "l", "o"]
-    back = httpx.post(
-        f"{demo}/detokenize", json={"model": "tiny-omni", "tokens": plain["tokens"]}, timeout=30
-    )
+    back = HTTP.post(f"{demo}/detokenize", json={"model": "tiny-omni", "tokens": plain["tokens"]}, timeout=30)
     assert back.json() == {"prompt": "Hello"}
     for path, payload, says in (
         ("/detokenize", {"tokens": [100]}, "100 is not in the vocabulary"),
@@ -361,7 +358,7 @@ def test_tokenize_and_detokenize_as_vllms(demo: str) -> None:
             "counts text parts only",
         ),
     ):
-        got = httpx.post(f"{demo}{path}", json=payload, timeout=30)
+        got = HTTP.post(f"{demo}{path}", json=payload, timeout=30)
         assert got.status_code in (400, 404) and says in got.text, got.text
 
 
@@ -410,12 +407,12 @@ def test_each_replica_says_where_its_time_goes(demo: str) -> None:
 
 
 def test_voices_are_listed_and_honoured(demo: str) -> None:
-    r = httpx.get(f"{demo}/v1/audio/voices")
+    r = HTTP.get(f"{demo}/v1/audio/voices")
     assert r.status_code == 200 and r.json() == {"voices": ["alloy", "echo"], "uploaded_voices": []}
     speech = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused").audio.speech
     alloy = speech.create(model="tiny-omni", input="Hello there", voice="alloy", response_format="pcm")
     echo = speech.create(model="tiny-omni", input="Hello there", voice="echo", response_format="pcm")
-    default = httpx.post(
+    default = HTTP.post(
         f"{demo}/v1/audio/speech",
         json={"model": "tiny-omni", "input": "Hello there", "response_format": "pcm"},
         timeout=60,
@@ -631,7 +628,7 @@ def test_speech_wav_pcm_and_speed(demo: str) -> None:
 
 def test_speech_as_sse_events(demo: str) -> None:
     body = {"model": "tiny-omni", "input": "Hi", "voice": "alloy", "stream_format": "sse"}
-    r = httpx.post(f"{demo}/v1/audio/speech", json=body, timeout=60)
+    r = HTTP.post(f"{demo}/v1/audio/speech", json=body, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     assert [e["type"] for e in events[-1:]] == ["speech.audio.done"] and len(events) > 2
@@ -643,7 +640,7 @@ def test_speech_as_sse_events(demo: str) -> None:
 @pytest.mark.parametrize(("body", "param", "says"), REFUSED_CHAT, ids=[p for _, p, _ in REFUSED_CHAT])
 def test_chat_refusals(demo: str, body: dict[str, object], param: str, says: str) -> None:
     chat = {"model": "tiny-omni", "messages": [{"role": "user", "content": "hi"}], **body}
-    r = httpx.post(f"{demo}/v1/chat/completions", json=chat, timeout=30)
+    r = HTTP.post(f"{demo}/v1/chat/completions", json=chat, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and says in err["message"], err
@@ -662,7 +659,7 @@ def test_chat_refusals(demo: str, body: dict[str, object], param: str, says: str
 )
 def test_speech_refusals(demo: str, body: dict[str, object], param: str, says: str) -> None:
     request = {"model": "tiny-omni", "input": "x", "voice": "alloy", **body}
-    r = httpx.post(f"{demo}/v1/audio/speech", json=request, timeout=30)
+    r = HTTP.post(f"{demo}/v1/audio/speech", json=request, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and says in err["message"], err
@@ -676,7 +673,7 @@ def test_an_unknown_voice_is_refused_naming_the_voices(demo: str) -> None:
         "modalities": ["text", "audio"],
         "audio": {"voice": "nobody", "format": "wav"},
     }
-    r = httpx.post(f"{demo}/v1/chat/completions", json=chat, timeout=30)
+    r = HTTP.post(f"{demo}/v1/chat/completions", json=chat, timeout=30)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "audio.voice", err
@@ -726,7 +723,7 @@ def test_the_clients_request_id_names_the_request_in_every_stage(demo: str, demo
         "modalities": ["text", "audio"],
     }
     body["audio"] = {"voice": "alloy", "format": "wav"}
-    r = httpx.post(
+    r = HTTP.post(
         f"{demo}/v1/chat/completions", json=body, headers={"X-Request-Id": "trace-7f3a"}, timeout=60
     )
     assert r.status_code == 200 and r.headers["x-request-id"] == "trace-7f3a"
@@ -739,7 +736,7 @@ def test_the_clients_request_id_names_the_request_in_every_stage(demo: str, demo
             f"the {stage}'s log line for the request",
         )
         rep = replicas(demo, stage)[0]
-        metrics = httpx.get(
+        metrics = HTTP.get(
             f"http://127.0.0.1:{rep['metrics_port']}/metrics",
             headers={"Accept": "application/openmetrics-text; version=1.0.0"},
             timeout=5,
@@ -748,7 +745,7 @@ def test_the_clients_request_id_names_the_request_in_every_stage(demo: str, demo
             r'omni_stage_request_seconds_bucket\{.*\} [\d.]+ # \{request_id="trace-7f3a-', metrics
         )
 
-    r = httpx.post(
+    r = HTTP.post(
         f"{demo}/v1/chat/completions", json=body, headers={"X-Request-Id": "no spaces/here"}, timeout=60
     )
     made = r.headers["x-request-id"]
@@ -810,7 +807,7 @@ def test_speech_streams_as_the_vocoder_produces(tmp_path: Path) -> None:
     ],
 )
 def test_errors_are_openai_shaped(demo: str, body: dict[str, object], status: int, param: str | None) -> None:
-    r = httpx.post(f"{demo}/v1/chat/completions", json=body, headers={"X-Request-Id": "my-req-1"})
+    r = HTTP.post(f"{demo}/v1/chat/completions", json=body, headers={"X-Request-Id": "my-req-1"})
     assert r.status_code == status
     err = r.json()["error"]
     assert err["message"] and err["type"] == "invalid_request_error" and err["param"] == param
@@ -818,14 +815,14 @@ def test_errors_are_openai_shaped(demo: str, body: dict[str, object], status: in
 
 
 def test_malformed_json_is_400(demo: str) -> None:
-    r = httpx.post(
+    r = HTTP.post(
         f"{demo}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert r.status_code == 400 and "error" in r.json()
 
 
 def test_request_id_is_made_when_absent(demo: str) -> None:
-    r = httpx.get(f"{demo}/v1/models")
+    r = HTTP.get(f"{demo}/v1/models")
     assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
 
 
@@ -957,8 +954,8 @@ def test_every_response_conforms_to_openais_schema(demo: str) -> None:
     chunks = sse_data(post(f"{demo}/v1/chat/completions", json={**tool_call, "stream": True}).text)
     checked += [(c, "CreateChatCompletionStreamResponse") for c in chunks]
 
-    checked.append((httpx.get(f"{demo}/v1/models").json(), "ListModelsResponse"))
-    one = httpx.get(f"{demo}/v1/models/tiny-omni")
+    checked.append((HTTP.get(f"{demo}/v1/models").json(), "ListModelsResponse"))
+    one = HTTP.get(f"{demo}/v1/models/tiny-omni")
     assert one.status_code == 200 and one.json()["id"] == "tiny-omni"
     checked.append((one.json(), "Model"))
 
@@ -973,7 +970,7 @@ def test_every_response_conforms_to_openais_schema(demo: str) -> None:
     assert done["usage"]["input_tokens"] > 0 and done["usage"]["output_tokens"] == 4 * 32
     checked += [(e, "CreateSpeechResponseStreamEvent") for e in events]
 
-    missing = httpx.get(f"{demo}/v1/models/nope")
+    missing = HTTP.get(f"{demo}/v1/models/nope")
     bad = post(f"{demo}/v1/chat/completions", json={**chat, "temperature": 3})
     assert (missing.status_code, bad.status_code) == (404, 400)
     checked += [(missing.json(), "ErrorResponse"), (bad.json(), "ErrorResponse")]

@@ -9,13 +9,21 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 import yaml
 
 from tests.deployment import Streamed, ask_streaming, gauges, metrics_urls, settle
-from tests.helpers import ROOT, openai_client, replica_metric, replicas, served, served_example, wait_for
+from tests.helpers import (
+    HTTP,
+    ROOT,
+    openai_client,
+    replica_metric,
+    replicas,
+    served,
+    served_example,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -39,7 +47,7 @@ def _chat(base: str, **extra: Any) -> Any:
 
 
 def _control(base: str, path: str, **body: Any) -> dict[str, Any]:
-    r = httpx.post(f"{base}/v1/omni/{path}", json=body, timeout=60)
+    r = HTTP.post(f"{base}/v1/omni/{path}", json=body, timeout=60)
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
@@ -62,9 +70,9 @@ def test_a_sleeping_talker_refuses_speech_frees_its_weights_and_wakes_to_the_sam
     assert replica_metric(demo, "talker", "omni_engine_weight_bytes", device="cpu") == 0
     assert replica_metric(demo, "talker", "omni_stage_sleep_level") == 2
     (talker,) = replicas(demo, "talker")
-    ready = httpx.get(f"http://127.0.0.1:{talker['metrics_port']}/health/ready")
+    ready = HTTP.get(f"http://127.0.0.1:{talker['metrics_port']}/health/ready")
     assert ready.status_code == 200 and ready.json()["status"] == "sleeping"
-    assert httpx.get(f"{demo}/health").status_code == 200  # the gateway still serves text
+    assert HTTP.get(f"{demo}/health").status_code == 200  # the gateway still serves text
 
     for refused in (lambda: _speak(demo), lambda: _chat(demo, modalities=["text", "audio"])):
         with pytest.raises(openai.APIStatusError) as info:
@@ -99,7 +107,7 @@ def test_a_sleeping_talker_refuses_speech_frees_its_weights_and_wakes_to_the_sam
 def test_bad_sleep_requests_are_400s_naming_the_field(
     demo: str, body: dict[str, Any], status: int, param: str
 ) -> None:
-    r = httpx.post(f"{demo}/v1/omni/sleep", json=body)
+    r = HTTP.post(f"{demo}/v1/omni/sleep", json=body)
     assert r.status_code == status and r.json()["error"]["param"] == param, r.text
     assert replicas(demo, "talker")[0]["asleep"] is None
 
@@ -118,7 +126,7 @@ def _stream_then(base: str, act: Callable[[], dict[str, Any]]) -> tuple[Streamed
 
 
 def _held(metrics_url: str) -> float:
-    text = httpx.get(metrics_url, timeout=5).text
+    text = HTTP.get(metrics_url, timeout=5).text
     return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("omni_stage_tracked"))
 
 

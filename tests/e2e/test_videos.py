@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import av
-import httpx
 import numpy as np
 import openai
 import psutil
@@ -26,6 +25,7 @@ from omni_cli.natsd import EmbeddedNats
 from omni_cli.ports import free_port
 from tests.deployment import deployed, metric_values
 from tests.helpers import (
+    HTTP,
     PIPELINE_RESTARTS_TIMEOUT_S,
     ROOT,
     OmniProcess,
@@ -97,7 +97,7 @@ def test_a_job_runs_shows_its_progress_and_serves_its_video(video_demo: str) -> 
     assert img.width == 8 * 64  # eight frames side by side
 
     # Range requests, as a player seeks.
-    r = httpx.get(f"{video_demo}/v1/videos/{job.id}/content", headers={"Range": "bytes=100-199"})
+    r = HTTP.get(f"{video_demo}/v1/videos/{job.id}/content", headers={"Range": "bytes=100-199"})
     assert r.status_code == 206 and r.content == mp4[100:200]
     assert r.headers["content-range"] == f"bytes 100-199/{len(mp4)}"
 
@@ -157,16 +157,16 @@ def test_what_the_model_cannot_make_is_a_400_before_a_job_exists(
 
 
 def test_json_bodies_and_refusals_of_the_other_calls(video_demo: str) -> None:
-    r = httpx.post(f"{video_demo}/v1/videos", json={"prompt": "rain", "size": "32x32", "seconds": 1})
+    r = HTTP.post(f"{video_demo}/v1/videos", json={"prompt": "rain", "size": "32x32", "seconds": 1})
     assert r.status_code == 200 and (r.json()["status"], r.json()["seconds"]) == ("queued", "1"), r.text
     client = openai_client(video_demo)
     queued = r.json()["id"]
     with pytest.raises(openai.ConflictError):  # no content yet, nor a remix of it
         client.videos.remix(queued, prompt="snow")
     finished(client, queued)
-    bad = httpx.get(f"{video_demo}/v1/videos/{queued}/content", params={"variant": "gif"})
+    bad = HTTP.get(f"{video_demo}/v1/videos/{queued}/content", params={"variant": "gif"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "variant"
-    assert httpx.get(f"{video_demo}/v1/videos", params={"after": "video_nope"}).status_code == 400
+    assert HTTP.get(f"{video_demo}/v1/videos", params={"after": "video_nope"}).status_code == 400
     with pytest.raises(openai.NotFoundError):
         client.videos.delete("video_nope")
     # A video pipeline makes no images.
@@ -178,12 +178,12 @@ def test_sync_answers_with_the_mp4(video_demo: str) -> None:
     """vLLM-Omni's /v1/videos/sync: the same form, the MP4 itself in the answer, no job."""
     before = [v.id for v in openai_client(video_demo).videos.list(limit=100)]
     form = {"prompt": "a lighthouse", "size": "48x32", "num_frames": "5", "num_inference_steps": "3"}
-    r = httpx.post(f"{video_demo}/v1/videos/sync", data=form, timeout=60)
+    r = HTTP.post(f"{video_demo}/v1/videos/sync", data=form, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"] == "video/mp4", r.text
     assert r.headers["x-model"] == "tiny-video" and float(r.headers["x-inference-time-s"]) > 0
     frames, _ = frames_of(r.content)
     assert len(frames) == 5 and frames[0].shape == (32, 48, 3)
-    refused = httpx.post(f"{video_demo}/v1/videos/sync", data={**form, "num_frames": "6"})
+    refused = HTTP.post(f"{video_demo}/v1/videos/sync", data={**form, "num_frames": "6"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "num_frames"
     assert [v.id for v in openai_client(video_demo).videos.list(limit=100)] == before
 

@@ -8,11 +8,9 @@ registers with the new master by itself, and later requests succeed; no key is l
 
 from __future__ import annotations
 
-import httpx
-
 from omni_cli.mooncaked import LocalMooncake
 from tests.deployment import Deployment, SteadyLoad, ask
-from tests.helpers import replicas, wait_for
+from tests.helpers import HTTP, replicas, wait_for
 
 
 def test_mooncake_master_restart_under_load(faults: Deployment, mooncake: LocalMooncake) -> None:
@@ -60,10 +58,10 @@ def test_a_replica_whose_connector_is_down_takes_nothing_until_it_is_back(
             10,
             "the gateway to hear it",
         )
-        r = httpx.post(f"{base}/v1/chat/completions", json=speech, timeout=30)
+        r = HTTP.post(f"{base}/v1/chat/completions", json=speech, timeout=30)
         assert r.status_code == 503, r.text
         assert "unhealthy: connector 'remote' (mooncake)" in r.json()["error"]["message"]
-        assert httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30).status_code == 200
+        assert HTTP.post(f"{base}/v1/chat/completions", json=body, timeout=30).status_code == 200
     finally:
         mooncake.start_master()
     for stage in ("talker", "vocoder"):
@@ -73,5 +71,5 @@ def test_a_replica_whose_connector_is_down_takes_nothing_until_it_is_back(
 
 def readiness(base: str, stage: str) -> tuple[int, str]:
     rep = replicas(base, stage)[0]
-    r = httpx.get(f"http://127.0.0.1:{rep['metrics_port']}/health/ready", timeout=5)
+    r = HTTP.get(f"http://127.0.0.1:{rep['metrics_port']}/health/ready", timeout=5)
     return r.status_code, r.json()["reason"]

@@ -12,7 +12,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import psutil
 
 from omni_cli.mooncaked import LocalMooncake
@@ -20,7 +19,7 @@ from omni_cli.natsd import EmbeddedNats
 from omni_cli.serve import MAX_QUICK_DEATHS
 from tests.deployment import Deployment, SteadyLoad, ask
 from tests.faults.conftest import SHM_PREFIX
-from tests.helpers import ROOT, OmniProcess, assert_all_gone, served, shm_segments_in_use, wait_for
+from tests.helpers import HTTP, ROOT, OmniProcess, assert_all_gone, served, shm_segments_in_use, wait_for
 
 BACK_WITHIN_S = 5.0
 
@@ -36,7 +35,7 @@ def test_nats_restart_under_load(faults: Deployment, nats: EmbeddedNats, mooncak
             long = pool.submit(ask, base, "a long one", max_tokens=3000)
             load.flowing()
             nats.stop()
-            wait_for(lambda: httpx.get(f"{base}/health").status_code == 503, 10, "the gateway to notice")
+            wait_for(lambda: HTTP.get(f"{base}/health").status_code == 503, 10, "the gateway to notice")
             restarted = EmbeddedNats(port=nats.port, monitor=True)
             back = time.monotonic()
             wait_for(lambda: ask(base, "probe", timeout=BACK_WITHIN_S) == "ok", BACK_WITHIN_S, "a request")

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import yaml
 
-from tests.helpers import ROOT, start_gateway, start_stage, wait_for
+from tests.helpers import HTTP, ROOT, start_gateway, start_stage, wait_for
 
 
 def wedging_pipeline(tmp_path: Path) -> Path:
@@ -34,9 +33,9 @@ def test_a_wedged_engine_fails_its_requests_and_exits(nats_url: str, tmp_path: P
     }
     gateway, base = start_gateway(pipeline, nats_url, ROOT, tmp_path)
     try:
-        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "the pipeline to be ready")
+        wait_for(lambda: HTTP.get(f"{base}/health").status_code == 200, 60, "the pipeline to be ready")
         body = {"model": "synth", "messages": [{"role": "user", "content": "WEDGE now"}]}
-        r = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=30)
+        r = HTTP.post(f"{base}/v1/chat/completions", json=body, timeout=30)
         assert r.status_code == 500, r.text
         message = r.json()["error"]["message"]
         assert "stage 'thinker' replica a lost its engine (wedged: a forward has run for" in message

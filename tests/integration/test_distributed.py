@@ -13,7 +13,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -21,6 +20,7 @@ from PIL import Image
 from omni_cli.mooncaked import LocalMooncake
 from tests.deployment import Deployment, SteadyLoad, ask, deployed
 from tests.helpers import (
+    HTTP,
     OMNI,
     ROOT,
     OmniProcess,
@@ -57,7 +57,7 @@ def test_demo_n_to_m_replicas_two_gateways(demo: Deployment, mooncake: LocalMoon
     # This thinker reads text only, as its replica declares: an image is refused by the
     # gateway before anything runs (the thinker reads nothing).
     got = replica_metric(bases[0], "thinker", "omni_connector_bytes_total", connector="default", op="get")
-    r = httpx.post(f"{bases[0]}/v1/chat/completions", json=image_request("tiny-omni"), timeout=30)
+    r = HTTP.post(f"{bases[0]}/v1/chat/completions", json=image_request("tiny-omni"), timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "messages[0].content[0]"
@@ -87,7 +87,7 @@ def test_media_reach_the_thinker_through_mooncake(
     connector), never on NATS; its read frees them."""
     base = synth_distributed.base
     got = replica_metric(base, "thinker", "omni_connector_bytes_total", connector="default", op="get")
-    r = httpx.post(f"{base}/v1/chat/completions", json=image_request("synthd"), timeout=30)
+    r = HTTP.post(f"{base}/v1/chat/completions", json=image_request("synthd"), timeout=30)
     assert r.status_code == 200, r.text
     read = replica_metric(base, "thinker", "omni_connector_bytes_total", connector="default", op="get") - got
     assert read > 64 * 64 * 3  # the pixels came through Mooncake

@@ -7,12 +7,11 @@ import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from tests.deployment import deployed
-from tests.helpers import OMNI, ROOT
+from tests.helpers import HTTP, OMNI, ROOT
 
 PIPELINE = ROOT / "tests" / "data" / "echo.yaml"
 KEYS = ("k-first", "k-second")
@@ -36,25 +35,25 @@ def test_api_keys(gateway: str) -> None:
     with pytest.raises(openai.AuthenticationError) as info:
         bad.models.list()
     assert info.value.status_code == 401 and info.value.code == "invalid_api_key"
-    r = httpx.get(f"{gateway}/replicas")
+    r = HTTP.get(f"{gateway}/replicas")
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert r.headers["x-request-id"]
-    assert httpx.get(f"{gateway}/health").status_code == 200  # probes need no key
+    assert HTTP.get(f"{gateway}/health").status_code == 200  # probes need no key
     for path in ("sleep", "wakeup"):  # the control endpoints too, whatever the body
-        r = httpx.post(f"{gateway}/v1/omni/{path}", json={"stage_ids": ["echo"]})
+        r = HTTP.post(f"{gateway}/v1/omni/{path}", json={"stage_ids": ["echo"]})
         assert r.status_code == 401, r.text
     keyed = {"Authorization": f"Bearer {KEYS[1]}"}
     for path in ("sleep", "wakeup"):
-        r = httpx.post(f"{gateway}/v1/omni/{path}", json={"stage_ids": ["echo"]}, headers=keyed, timeout=30)
+        r = HTTP.post(f"{gateway}/v1/omni/{path}", json={"stage_ids": ["echo"]}, headers=keyed, timeout=30)
         assert r.status_code == 200 and r.json()["status"] == "SUCCESS", r.text
-    assert "omni_gateway_requests_total" in httpx.get(f"{gateway}/metrics").text
-    assert 'status="401"' in httpx.get(f"{gateway}/metrics").text
+    assert "omni_gateway_requests_total" in HTTP.get(f"{gateway}/metrics").text
+    assert 'status="401"' in HTTP.get(f"{gateway}/metrics").text
 
 
 def test_oversized_bodies_get_413(gateway: str) -> None:
     headers = {"Authorization": f"Bearer {KEYS[0]}"}
     big = {"model": "echo", "messages": [{"role": "user", "content": "x" * 70_000}]}
-    r = httpx.post(f"{gateway}/v1/chat/completions", json=big, headers=headers)
+    r = HTTP.post(f"{gateway}/v1/chat/completions", json=big, headers=headers)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
     def chunked() -> Iterator[bytes]:  # no Content-Length: the gateway counts as it reads
@@ -63,10 +62,10 @@ def test_oversized_bodies_get_413(gateway: str) -> None:
             yield b"y" * 10_000
         yield b'"}]}'
 
-    r = httpx.post(f"{gateway}/v1/chat/completions", content=chunked(), headers=headers)
+    r = HTTP.post(f"{gateway}/v1/chat/completions", content=chunked(), headers=headers)
     assert r.status_code == 413
     small = {"model": "echo", "messages": [{"role": "user", "content": "x" * 1000}]}
-    assert httpx.post(f"{gateway}/v1/chat/completions", json=small, headers=headers).status_code == 200
+    assert HTTP.post(f"{gateway}/v1/chat/completions", json=small, headers=headers).status_code == 200
 
 
 def test_an_unreadable_key_file_stops_the_gateway(nats_url: str, tmp_path: Path) -> None:

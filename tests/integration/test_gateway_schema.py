@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -24,7 +23,7 @@ from schemathesis.checks import not_a_server_error
 
 from omni_cli.natsd import EmbeddedNats
 from tests.deployment import deployed
-from tests.helpers import ROOT
+from tests.helpers import HTTP, ROOT
 
 PIPELINE = ROOT / "tests" / "data" / "echo.yaml"
 REAL_PIPELINE = ROOT / "tests" / "data" / "tiny-omni-api.yaml"
@@ -93,7 +92,7 @@ def test_no_input_makes_a_server_error(
                 case.body["model"] = SERVED[behind]  # else most valid requests stop at a 404
             response = case.call(base_url=gateway, timeout=30)
             if case.path.startswith("/v1/omni/"):  # a sleep it made must not change what follows
-                wake = httpx.post(f"{gateway}/v1/omni/wakeup", json={"stage_ids": STAGES[behind]}, timeout=60)
+                wake = HTTP.post(f"{gateway}/v1/omni/wakeup", json={"stage_ids": STAGES[behind]}, timeout=60)
                 assert wake.status_code == 200, wake.text
             case.validate_response(response, checks=[not_a_server_error])
 
@@ -199,7 +198,7 @@ USER = [{"role": "user", "content": "x"}]
 def test_edge_values_are_client_errors(
     gateway: str, body: dict[str, object], param: str | None, says: str
 ) -> None:
-    r = httpx.post(f"{gateway}/v1/chat/completions", json={"model": "echo", "messages": USER, **body})
+    r = HTTP.post(f"{gateway}/v1/chat/completions", json={"model": "echo", "messages": USER, **body})
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and says in err["message"], err
@@ -207,7 +206,7 @@ def test_edge_values_are_client_errors(
 
 def test_non_json_numbers_are_client_errors(gateway: str) -> None:
     body = b'{"model": "echo", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}'
-    r = httpx.post(
+    r = HTTP.post(
         f"{gateway}/v1/chat/completions", content=body, headers={"content-type": "application/json"}
     )
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
@@ -232,5 +231,5 @@ def test_platform_fields_and_fields_at_off_are_accepted(gateway: str) -> None:
         "response_format": {"type": "text"},
         "parallel_tool_calls": True,
     }
-    r = httpx.post(f"{gateway}/v1/chat/completions", json=body)
+    r = HTTP.post(f"{gateway}/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text

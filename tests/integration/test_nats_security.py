@@ -17,7 +17,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 import nkeys
 import openai
 import pytest
@@ -29,7 +28,7 @@ from cryptography.x509.oid import NameOID
 from omni_cli.natsd import EmbeddedNats
 from omni_pipeline.connection import connect_nats
 from omni_pipeline.control import ControlError
-from tests.helpers import OMNI, ROOT, start_gateway, start_stage, wait_for
+from tests.helpers import HTTP, OMNI, ROOT, start_gateway, start_stage, wait_for
 
 PIPELINE = ROOT / "tests" / "data" / "echo.yaml"
 
@@ -195,7 +194,7 @@ def test_a_pipeline_serves_over_mutual_tls_with_a_password(pki: dict[str, Path],
     stage = start_stage(PIPELINE, "echo", "0", url, ROOT, tmp_path, env)
     gw, base = start_gateway(PIPELINE, url, ROOT, tmp_path, env=env)
     try:
-        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "the stage registered")
+        wait_for(lambda: HTTP.get(f"{base}/health").status_code == 200, 60, "the stage registered")
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
         r = client.chat.completions.create(model="echo", messages=[{"role": "user", "content": "hi"}])
         assert r.choices[0].message.content == "tok0 tok1 tok2 "

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from omni_cli.ports import free_port
 from omni_operator.handlers import IMAGE_ENV, LEASE_NAME, RESYNC_ENV
-from tests.helpers import ROOT, OmniProcess, wait_for
+from tests.helpers import HTTP, ROOT, OmniProcess, wait_for
 from tests.kube_api import ApiServerThread, Kube, pipeline_body
 
 LEASE_NS = "omni-system"
@@ -52,7 +51,7 @@ def test_one_replica_leads_and_the_other_takes_over_when_it_dies(tmp_path: Path)
             kube.create(pipeline_body("first"), "ml")
             wait_for(lambda: reconciled(kube, "ml", "first"), 30, "the leader to reconcile")
             # The standby: alive, not leading, and nothing of kopf running in it.
-            assert httpx.get(b.liveness, timeout=5).status_code == 200
+            assert HTTP.get(b.liveness, timeout=5).status_code == 200
             assert "operator op-b" in b.process.output() and "leading\n" not in b.process.output()
             assert "kopf" not in b.process.output()
 
@@ -61,7 +60,7 @@ def test_one_replica_leads_and_the_other_takes_over_when_it_dies(tmp_path: Path)
             wait_for(lambda: holder(kube).startswith("op-b-"), 60, "the standby to take the lease")
             kube.create(pipeline_body("second"), "ml")
             wait_for(lambda: reconciled(kube, "ml", "second"), 30, "the new leader to reconcile")
-            assert httpx.get(b.liveness, timeout=5).status_code == 200  # now kopf's own
+            assert HTTP.get(b.liveness, timeout=5).status_code == 200  # now kopf's own
         finally:
             a.process.stop()
             if b is not None:

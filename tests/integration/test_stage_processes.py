@@ -24,6 +24,7 @@ import yaml
 from omni_cli.natsd import EmbeddedNats, nats_server_binary
 from omni_cli.ports import free_port
 from tests.helpers import (
+    HTTP,
     ROOT,
     OmniProcess,
     decode_wav,
@@ -60,7 +61,7 @@ def started(nats_url: str, logs: Path, prefix: str = PREFIX, pipeline: Path = PI
     ]
     gw, base = start_gateway(pipeline, nats_url, ROOT, logs, env=env)
     try:
-        wait_for(lambda: httpx.get(f"{base}/health").status_code == 200, 60, "every stage registered")
+        wait_for(lambda: HTTP.get(f"{base}/health").status_code == 200, 60, "every stage registered")
         yield Cluster(base, dict(zip(("thinker", "talker", "vocoder"), procs, strict=True)))
     finally:
         for p in [gw, *procs]:
@@ -150,7 +151,7 @@ def test_poisoned_input_fails_only_its_request(cluster: str) -> None:
     assert r.choices[0].message.content.startswith("tok0")
     gauge = [
         ln
-        for ln in httpx.get(f"{cluster}/metrics").text.splitlines()
+        for ln in HTTP.get(f"{cluster}/metrics").text.splitlines()
         if ln.startswith("omni_gateway_inflight")
     ]
     assert gauge == [
@@ -192,7 +193,7 @@ def test_non_streaming_client_that_leaves_aborts_its_request(cluster: str) -> No
     body = {"model": "synth", "messages": [{"role": "user", "content": "slow"}], "max_tokens": 3000}
     aborted = replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{cluster}/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=1.0))
+        HTTP.post(f"{cluster}/v1/chat/completions", json=body, timeout=httpx.Timeout(5, read=1.0))
     wait_for(
         lambda: (
             replica_metric(cluster, "thinker", "omni_stage_requests_total", outcome="aborted") == aborted + 1
@@ -239,8 +240,8 @@ def test_stage_started_before_nats_waits_and_says_so(tmp_path: Path) -> None:
 def test_replica_health_endpoints(cluster: str) -> None:
     for stage in ("thinker", "talker", "vocoder"):
         url = replica_url(cluster, stage)
-        assert httpx.get(f"{url}/health/live").json() == {"status": "live"}
-        ready = httpx.get(f"{url}/health/ready")
+        assert HTTP.get(f"{url}/health/live").json() == {"status": "live"}
+        ready = HTTP.get(f"{url}/health/ready")
         assert ready.status_code == 200 and ready.json()["status"] == "ready"
 
 
@@ -259,7 +260,7 @@ def test_sigterm_drains_in_flight_work_then_exits_0(cluster_procs: Cluster) -> N
     assert "".join(text) == "".join(f"tok{i} " for i in range(1500)), "the in-flight request was cut short"
     assert thinker.proc.wait(30) == 0
     assert "draining 1 requests" in thinker.output()
-    wait_for(lambda: httpx.get(f"{base}/health").status_code == 503, 10, "the gateway to drop the thinker")
+    wait_for(lambda: HTTP.get(f"{base}/health").status_code == 503, 10, "the gateway to drop the thinker")
     with pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(model="synth", messages=[{"role": "user", "content": "x"}])
     assert info.value.status_code == 503 and "stage 'thinker' has no live replica" in str(info.value)

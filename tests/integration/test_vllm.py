@@ -14,7 +14,6 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import httpx
 import openai
 import psutil
 import pytest
@@ -28,6 +27,7 @@ from omni_stage.engines.registry import build_engine
 from omni_stage.engines.vllm.engine import VllmEngine
 from omni_stage.segments import EngineOutput
 from tests.helpers import (
+    HTTP,
     REFUSED_CHAT,
     ROOT,
     VLLM_TIMEOUT_S,
@@ -360,14 +360,14 @@ def test_example_pipeline_answers_the_openai_client(tiny_voice_vllm: tuple[OmniP
     # What vLLM's thinker answers is valid by OpenAI's own schema, whole and streamed.
     body = {"model": "tiny-voice-vllm", "messages": MESSAGES, "max_tokens": 4}
     url = f"{base}/v1/chat/completions"
-    whole = httpx.post(url, json=body, timeout=60).json()
+    whole = HTTP.post(url, json=body, timeout=60).json()
     streaming = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    stream = httpx.post(url, json=streaming, timeout=60)
+    stream = HTTP.post(url, json=streaming, timeout=60)
     logprobs = {**body, "logprobs": True, "top_logprobs": 2}
-    with_logprobs = httpx.post(url, json=logprobs, timeout=60).json()
+    with_logprobs = HTTP.post(url, json=logprobs, timeout=60).json()
     tokens = with_logprobs["choices"][0]["logprobs"]["content"]
     assert "".join(t["token"] for t in tokens) == with_logprobs["choices"][0]["message"]["content"]
-    streamed = httpx.post(url, json={**logprobs, "stream": True}, timeout=60)
+    streamed = HTTP.post(url, json={**logprobs, "stream": True}, timeout=60)
     checked = [
         (whole, "CreateChatCompletionResponse"),
         *[(c, "CreateChatCompletionStreamResponse") for c in sse_data(stream.text)],
@@ -376,7 +376,7 @@ def test_example_pipeline_answers_the_openai_client(tiny_voice_vllm: tuple[OmniP
     ]
     assert [v for b, schema in checked if (v := violations(b, schema))] == []
     for extra, param, says in REFUSED_CHAT:  # what no engine here serves, on vLLM's too
-        r = httpx.post(url, json={**body, **extra}, timeout=60)
+        r = HTTP.post(url, json={**body, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert says in r.json()["error"]["message"]
     # vLLM-Omni's own benchmark client measures the vLLM thinker's pipeline as it would its own.
