@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import enum
 import faulthandler
+import gc
 import logging
 import multiprocessing as mp
 import os
