@@ -34,6 +34,7 @@ HTTP: Final = httpx.Client(timeout=5, limits=httpx.Limits(keepalive_expiry=1.0))
 context loaded with certifi's CAs, on every call: 25 ms of CPU, half a core for a wait that polls
 every 50 ms, taken from the processes it waits for. A connection idle for a second is not used
 again: uvicorn closes one idle for 5 s, and a request sent as it closes would be lost."""
+
 ROOT = Path(__file__).parents[1]
 OMNI = [sys.executable, "-m", "omni_cli.main"]
 VLLM_TIMEOUT_S = 600
