@@ -13,7 +13,7 @@ from filelock import FileLock
 from omni_cli.mooncaked import LocalMooncake
 from omni_cli.natsd import EmbeddedNats
 from omni_stage.demo import init_demo
-from tests.deployment import Deployment, deployed
+from tests.deployment import Deployment, deployed, gauges, settle
 from tests.helpers import ROOT
 
 DONE = ".built"
@@ -102,3 +102,19 @@ def synth_distributed(nats_url: str, mooncake: LocalMooncake, tmp_path: Path) ->
     pipeline = ROOT / "tests" / "data" / "synthetic-distributed.yaml"
     with deployed(pipeline, {"thinker": 1, "talker": 2, "vocoder": 1}, 1, nats_url, ROOT, tmp_path) as d:
         yield d
+
+
+@pytest.fixture
+def leaves_base_as_it_found_it(request: pytest.FixtureRequest) -> Iterator[None]:
+    """For a module whose tests share one served pipeline (its `base` fixture) and open sockets
+    to it: a test ends when every process behind `base` holds what it held before the test, so
+    the next test's idle gauges count nothing of this one. (A socket's client returns from its
+    close once the server has answered the close frame, before the server's handler and the
+    connection's tasks have ended: read at once, the gateway counted one task more 1 time in 15.)"""
+    if "base" not in request.fixturenames:
+        yield
+        return
+    base = request.getfixturevalue("base")
+    idle = gauges([base])
+    yield
+    settle([base], idle)

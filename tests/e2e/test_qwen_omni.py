@@ -43,7 +43,7 @@ from tests.qwen_reference import (
     video_message,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("leaves_base_as_it_found_it")]
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]
 THINKER_TOKENS, TALKER_CODES, SEED = 10, 48, 11  # TALKER_CODES: the example's talker max_tokens

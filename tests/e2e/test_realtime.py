@@ -26,7 +26,7 @@ from tests.deployment import gauges, metric_values, metrics_urls, settle
 from tests.e2e.test_serve import audio_delta
 from tests.helpers import ROOT, replicas, served, wait_for
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("leaves_base_as_it_found_it")]
 
 MODEL = "tiny-omni"
 ENDS = "response.done"
@@ -252,7 +252,6 @@ def test_a_model_that_does_not_hear_refuses_a_spoken_turn(base: str) -> None:
 
 
 def test_a_cancelled_response_ends_cancelled_and_frees_every_stage(base: str) -> None:
-    idle = gauges([base])
     with sdk(base).realtime.connect(model=MODEL) as conn:
         until(conn, "session.created")
         conn.send({"type": "conversation.item.create", "item": user_text("Hello there")})
@@ -269,7 +268,6 @@ def test_a_cancelled_response_ends_cancelled_and_frees_every_stage(base: str) ->
         assert again["status"] == "incomplete"
         # The cancelled response left its sequence, as far as it got: the next turn reuses it.
         assert again["usage"]["input_token_details"]["cached_tokens"] > 0
-    settle([base], idle)
 
 
 def answer_until_it_speaks(ws: Any, tokens: int = LONG) -> None:
@@ -336,7 +334,6 @@ def test_server_vad_hears_two_turns_in_speech_silence_speech(base: str, speech: 
 def test_speech_during_a_response_cancels_it(base: str, speech: bytes) -> None:
     """Barge-in: the user speaks while the answer is playing; the response ends `cancelled`
     (turn_detected) at once, its stages' work aborted, and the turn is heard as the next."""
-    idle = gauges([base])
     with connect(ws_url(base)) as ws:
         json.loads(ws.recv())
         answer_until_it_speaks(ws)
@@ -347,7 +344,6 @@ def test_speech_during_a_response_cancels_it(base: str, speech: bytes) -> None:
         assert "input_audio_buffer.speech_started" in seen
         assert event["response"]["status"] == "cancelled"
         assert event["response"]["status_details"]["reason"] == "turn_detected"
-    settle([base], idle)
 
 
 def stream_audio(ws: Any, pcm: bytes) -> None:
@@ -492,7 +488,6 @@ def test_a_stage_killed_mid_response_and_the_session_goes_on(base: str) -> None:
     route (the supervisor restarts the talker) or ends `failed` with the reason, never hangs;
     the session then answers its next turn, and nothing is left held. (Last in this module: it
     restarts a replica the others share.)"""
-    idle = gauges([base])
     [talker] = replicas(base, "talker")
     with connect(ws_url(base)) as ws:
         json.loads(ws.recv())
@@ -510,7 +505,6 @@ def test_a_stage_killed_mid_response_and_the_session_goes_on(base: str) -> None:
         ws.send(json.dumps({"type": "conversation.item.create", "item": user_text("Again")}))
         ws.send(json.dumps({"type": "response.create", "response": {"max_output_tokens": 4}}))
         assert until(_Plain(ws))[-1]["response"]["status"] == "incomplete"
-    settle([base], idle)
 
 
 def test_keys_idle_sessions_and_shutdown(
@@ -588,7 +582,6 @@ def test_a_duplex_session_resumes_on_a_new_socket_with_what_it_missed(base: str)
     then every event it missed, in order, each once; the old token is spent. A resume while a
     socket is attached takes the session over (the old socket is told, and closed); and
     session.close ends it (session.closed, the socket closed 1000), every stage letting go."""
-    idle = gauges([base])
     with connect(duplex_url(base), max_queue=None) as ws:
         created = open_duplex(ws, modalities=["text"], max_output_tokens=400)
         assert created["session"]["capabilities"]["implementation_level"] == "turn_based_duplex"
@@ -637,7 +630,6 @@ def test_a_duplex_session_resumes_on_a_new_socket_with_what_it_missed(base: str)
             with pytest.raises(ConnectionClosedOK) as ended:
                 taker.recv()
             assert ended.value.rcvd is not None and ended.value.rcvd.code == 1000
-    settle([base], idle)
 
 
 def live_sessions(base: str) -> float:
