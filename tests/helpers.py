@@ -27,6 +27,8 @@ import soundfile as sf
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.forked import FORKED_COMMANDS, ForkedProcess
+
 T = TypeVar("T")
 
 HTTP: Final = httpx.Client(timeout=5, limits=httpx.Limits(keepalive_expiry=1.0))
@@ -221,7 +223,9 @@ def shm_segments_in_use(prefix: str = SHM_SESSION) -> list[str]:
 
 
 class OmniProcess:
-    """An `omni ...` subprocess in its own process group, with its output in a log file."""
+    """An `omni ...` process in its own process group, with its output in a log file: `omni stage`
+    and `omni gateway` forked from a server that has imported them (tests.forked), the others
+    started afresh."""
 
     def __init__(self, args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> None:
         n = 1
@@ -230,14 +234,19 @@ class OmniProcess:
             n += 1
         self.log = log
         self._fh = log.open("w")
-        self.proc = subprocess.Popen(
-            [*OMNI, *args],
-            cwd=cwd,
-            stdout=self._fh,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen[bytes] | ForkedProcess
+        if args[0] in FORKED_COMMANDS:
+            self.proc = ForkedProcess(args, cwd, full_env, log)
+        else:
+            self.proc = subprocess.Popen(
+                [*OMNI, *args],
+                cwd=cwd,
+                stdout=self._fh,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=full_env,
+            )
 
     def output(self) -> str:
         return self.log.read_text()

@@ -1,0 +1,125 @@
+"""`omni stage` and `omni gateway` for the tests, forked from a server that has imported them once,
+as `omni serve` forks its stages (omni_pipeline.lifecycle): a fresh interpreter spends 2-3 s of
+CPU importing torch, transformers and the service before its first line, and the suite starts
+well over a hundred of them. What runs is the command line's own `main` with the test's
+arguments, working directory, environment (nothing else of the test process's) and log file, in
+a process group of its own, as `subprocess.Popen(..., start_new_session=True)` would run it.
+Every module an omni process imports reads the environment when called, never at import: that
+is what lets `omni serve` fork its stages this way too."""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import io
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Final
+
+import setproctitle
+
+from omni_cli.serve import GATEWAY_MODULES
+from omni_pipeline.spec import EngineKind
+from omni_stage.preload import stage_modules
+
+FORKED_COMMANDS: Final = frozenset({"stage", "gateway"})
+"""What is forked: the commands whose imports are the cost. `omni serve` starts its own fork
+server, and the operator imports kopf and the kubernetes client, not this."""
+PRELOAD: Final = ["omni_cli.main", *stage_modules(EngineKind), *GATEWAY_MODULES]
+"""What the server imports before its first child: what `omni serve`'s fork server imports for
+a pipeline of every engine kind."""
+_CONTEXT: Final = mp.get_context("forkserver")
+_STARTED_S: Final = 30
+"""How long a child may take to stand in its own process group (milliseconds, idle)."""
+_LIVE: Final[set[ForkedProcess]] = set()
+
+
+def _run(argv: list[str], cwd: str, env: dict[str, str], log: str, started: Connection) -> None:
+    """The child: its own session, the caller's directory and environment, its output to `log`,
+    then `omni ARGV`'s main; its return is the exit status."""
+    gc.freeze()  # what the server imported lives as long as this process: out of the collector's sight
+    setproctitle.getproctitle()  # finds the memory titles go in, before the environment changes
+    os.setsid()
+    for k in os.environ.keys() - env.keys():
+        del os.environ[k]
+    os.environ.update(env)
+    os.chdir(cwd)
+    sys.path.insert(0, cwd)  # as `python -m omni_cli.main` run there has it
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+    started.send(os.getpid())
+    started.close()
+    sys.argv = ["omni", *argv]
+    from omni_cli.main import main
+
+    sys.exit(main(argv))
+
+
+class ForkedProcess:
+    """What the tests use of `subprocess.Popen`, for an `omni` command forked from the server."""
+
+    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> None:
+        self.args = argv
+        _CONTEXT.set_forkserver_preload(PRELOAD)  # read when the server starts: the first child
+        reader, writer = _CONTEXT.Pipe(duplex=False)
+        self._process = _CONTEXT.Process(
+            target=_run, args=(argv, str(cwd), env, str(log), writer), name=f"omni {argv[0]}"
+        )
+        self._process.start()
+        writer.close()
+        self.pid: int = self._process.pid  # type: ignore[assignment]
+        _LIVE.add(self)
+        try:
+            if not reader.poll(_STARTED_S):
+                raise RuntimeError(f"omni {argv[0]}: not started in {_STARTED_S} s")
+            reader.recv()  # in its own session now: its pid is its process group
+        except EOFError:
+            pass  # it exited before: poll() says how
+        finally:
+            reader.close()
+
+    @property
+    def returncode(self) -> int | None:
+        code = self._process.exitcode
+        if code is not None:
+            _LIVE.discard(self)
+        return code
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        code = self.returncode
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout or 0)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+@atexit.register
+def _kill_left_behind() -> None:
+    """A test that failed before stopping its processes leaves none behind (and multiprocessing's
+    own exit would otherwise wait for them)."""
+    for p in list(_LIVE):
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            p.wait(10)
