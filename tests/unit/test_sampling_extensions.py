@@ -183,6 +183,17 @@ def test_constraints_that_leave_no_next_token_are_the_clients_error(thinker: Eng
         reply(thinker, allowed_token_ids=[EOS], min_tokens=1)
 
 
+def test_a_reply_that_goes_past_its_grammars_end_runs_on_unconstrained(thinker: Engine) -> None:
+    """`ignore_eos` and a choice: the reply is the choice, the end of sequence the grammar then
+    takes (its stop token), and on to max_tokens unconstrained, as vLLM runs it, not a 500 from
+    a grammar asked for a token after its end. Found by tests/integration/test_gateway_schema.py's
+    fuzzing (a choice of "" under ignore_eos)."""
+    for choice in ("yes", ""):
+        out = reply(thinker, structured_outputs={"choice": [choice]}, ignore_eos=True, max_tokens=6)
+        assert len(out) == 6 and out[-1].finish_reason is None
+        assert text(out).startswith(choice) and EOS in ids(out)
+
+
 def test_a_vanishing_repetition_penalty_still_draws_what_the_grammar_allows(thinker: Engine) -> None:
     """repetition_penalty 1e-40 (tiny, but not 0 in float32) divides a seen token's positive
     logit to +inf: the draw is among those tokens (the limit), never a NaN's token 0 that the

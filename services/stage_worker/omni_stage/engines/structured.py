@@ -95,7 +95,9 @@ class JsonGrammars:
 
 
 class JsonConstraint:
-    """One request's place in its grammar: which tokens may come next."""
+    """One request's place in its grammar: which tokens may come next. A grammar that has
+    accepted its end (a stop token the reply went past, under `ignore_eos`) constrains nothing
+    further, as in vLLM, which masks and advances a grammar only until it has terminated."""
 
     def __init__(self, matcher: Any, vocab_size: int) -> None:
         import xgrammar as xgr
@@ -107,11 +109,15 @@ class JsonConstraint:
         """Every token the grammar forbids next to -inf, in place (`logits` [vocab], float32)."""
         import xgrammar as xgr
 
+        if self.matcher.is_terminated():
+            return
         self.matcher.fill_next_token_bitmask(self.bitmask)
         xgr.apply_token_bitmask_inplace(
             logits.unsqueeze(0), self.bitmask.to(logits.device, non_blocking=True)
         )
 
     def accept(self, token: int) -> None:
+        if self.matcher.is_terminated():
+            return
         if not self.matcher.accept_token(token):
             raise RuntimeError(f"the grammar refused token {token} it had allowed")
