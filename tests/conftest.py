@@ -20,35 +20,26 @@ DONE = ".built"
 
 
 BENCH_MODULE: Final = "tests/e2e/test_bench.py"
-LONGEST: Final = (
-    "tests/unit/test_qwen_omni.py",
-    "tests/e2e/test_qwen_omni.py",
-    "tests/integration/test_vllm.py",
-    "tests/unit/test_qwen3_omni.py",
-    "tests/e2e/test_serve.py",
-    "tests/integration/test_vllm_qwen_omni.py",
-    "tests/integration/test_gateway_schema.py",
-    "tests/unit/test_image_edit.py",
+MODELS_IN_UNIT: Final = frozenset(
+    {"test_qwen_omni.py", "test_qwen3_omni.py", "test_image_edit.py", "test_diffusion.py", "test_engines.py"}
 )
-"""The modules that hold a worker longest (1.5 to 3.5 minutes each in a full run, `--durations`),
-longest first."""
+"""Unit modules that run real models against their references (minutes each, compiled forms
+among them)."""
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist each worker takes whole groups (`ModulesAndBenchmarks`) in this order:
-    the benchmarks, the longest modules, the other modules that start processes, then the many
-    short unit modules that fill the end of the run. A long module started late kept one worker
-    busy for minutes while the others had nothing left (the unit Qwen2.5-Omni module, last to
-    start, ended a run 156 s after the first worker idled). `make test` keeps this order:
-    --no-loadscope-reorder."""
+    the benchmarks, the modules that start processes, the unit modules that run models, then the
+    many short unit modules that fill the end of the run, where a slow one would keep one worker
+    busy while the others idle (`make test` keeps this order: --no-loadscope-reorder)."""
 
-    def order(item: pytest.Item) -> tuple[int, int, str]:
+    def order(item: pytest.Item) -> tuple[int, str]:
         path = item.nodeid.split("::", 1)[0]
         if path == BENCH_MODULE:
-            return 0, 0, path
-        if path in LONGEST:
-            return 1, LONGEST.index(path), path
-        return (3 if path.startswith("tests/unit/") else 2), 0, path
+            return 0, path
+        if not path.startswith("tests/unit/"):
+            return 1, path
+        return (2 if Path(path).name in MODELS_IN_UNIT else 3), path
 
     items.sort(key=order)
 
