@@ -2,8 +2,8 @@
 as `omni serve` forks its stages (omni_pipeline.lifecycle): a fresh interpreter spends 2-3 s of
 CPU importing torch, transformers and the service before its first line, and the suite starts
 well over a hundred of them. What runs is the command line's own `main` with the test's
-arguments, working directory, environment (nothing else of the test process's) and log file, in
-a process group of its own, as `subprocess.Popen(..., start_new_session=True)` would run it.
+arguments, working directory, environment (the test's, none of the server's) and log file, in a
+process group of its own, as `subprocess.Popen(..., start_new_session=True)` would run it.
 Every module an omni process imports reads the environment when called, never at import: that
 is what lets `omni serve` fork its stages this way too."""
 
@@ -35,7 +35,7 @@ PRELOAD: Final = ["omni_cli.main", *stage_modules(EngineKind), *GATEWAY_MODULES]
 a pipeline of every engine kind."""
 _CONTEXT: Final = mp.get_context("forkserver")
 _STARTED_S: Final = 30
-"""How long a child may take to stand in its own process group (milliseconds, idle)."""
+"""How long a child may take to stand in its own process group: milliseconds on an idle machine."""
 _LIVE: Final[set[ForkedProcess]] = set()
 
 
