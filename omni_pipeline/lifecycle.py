@@ -114,7 +114,10 @@ def preload(modules: list[str]) -> None:
     _CONTEXT.set_forkserver_preload(modules)
 
 
-def _child_entry(target: ChildTarget, report: Connection, args: tuple[Any, ...], env: dict[str, str]) -> None:
+def settle_forked_child(env: dict[str, str]) -> None:
+    """What a process forked from a fork server does first, to run as the same program started
+    on its own with `env` as its environment (this module's children; the tests' `omni stage`
+    and `omni gateway`, tests/forked.py)."""
     # What the fork server imported (torch, transformers: some 400k objects) lives as long as
     # this process: out of the collector's sight, or every full collection walks all of it
     # again (0.2 s each, several while a stage loads) and writes to every page it shares.
@@ -126,11 +129,15 @@ def _child_entry(target: ChildTarget, report: Connection, args: tuple[Any, ...],
     for k in os.environ.keys() - env.keys():
         del os.environ[k]
     os.environ.update(env)
+    # Forkserver would otherwise become this process's default start method and keep
+    # libraries' semaphores named until exit.
+    mp.set_start_method(None, force=True)
+
+
+def _child_entry(target: ChildTarget, report: Connection, args: tuple[Any, ...], env: dict[str, str]) -> None:
+    settle_forked_child(env)
     # Its parent is the fork server, which exits when the supervisor does.
     die_with_parent()
-    # Behave as the same program started on its own (as in a pod): forkserver would otherwise
-    # become this process's default and keep libraries' semaphores named until exit.
-    mp.set_start_method(None, force=True)
     # Ctrl-C in a terminal reaches the whole process group; the supervisor alone decides
     # what it means and tells children with SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -10,7 +10,6 @@ is what lets `omni serve` fork its stages this way too."""
 from __future__ import annotations
 
 import atexit
-import gc
 import io
 import multiprocessing as mp
 import os
@@ -21,9 +20,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Final
 
-import setproctitle
-
 from omni_cli.serve import GATEWAY_MODULES
+from omni_pipeline.lifecycle import settle_forked_child
 from omni_pipeline.spec import EngineKind
 from omni_stage.preload import stage_modules
 
@@ -42,12 +40,8 @@ _LIVE: Final[set[ForkedProcess]] = set()
 def _run(argv: list[str], cwd: str, env: dict[str, str], log: str, started: Connection) -> None:
     """The child: its own session, the caller's directory and environment, its output to `log`,
     then `omni ARGV`'s main; its return is the exit status."""
-    gc.freeze()  # what the server imported lives as long as this process: out of the collector's sight
-    setproctitle.getproctitle()  # finds the memory titles go in, before the environment changes
+    settle_forked_child(env)
     os.setsid()
-    for k in os.environ.keys() - env.keys():
-        del os.environ[k]
-    os.environ.update(env)
     os.chdir(cwd)
     sys.path.insert(0, cwd)  # as `python -m omni_cli.main` run there has it
     fd = os.open(log, os.O_WRONLY | os.O_APPEND)
