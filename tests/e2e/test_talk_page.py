@@ -5,7 +5,7 @@ against `omni serve` of Qwen2.5-Omni (the tiny checkpoint), which hears."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,12 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """examples/qwen2.5-omni.yaml, its thinker writing 1000 tokens at least (vLLM's `min_tokens`):
-    an answer of the tiny checkpoint is still being made when the looped speech comes back."""
+    """examples/qwen2.5-omni.yaml, its thinker writing 4000 tokens (vLLM's `min_tokens`): an
+    answer of the tiny checkpoint is still being made when the looped speech comes back (here
+    its thinker writes ~280 a second), and a cut-off answer and the next still fit the
+    checkpoint's context of 8192."""
     example = yaml.safe_load((ROOT / "examples" / "qwen2.5-omni.yaml").read_text())
-    example["spec"]["stages"][0]["sampling"] = {"max_tokens": 2000, "min_tokens": 1000}
+    example["spec"]["stages"][0]["sampling"] = {"max_tokens": 4000, "min_tokens": 4000}
     pipeline = demo_dir / "qwen2.5-omni-talk.yaml"
     pipeline.write_text(yaml.safe_dump(example))
     with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, url):
@@ -32,9 +34,13 @@ def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[s
 
 
 def test_the_talk_page_in_a_browser(base: str, tmp_path: Path) -> None:
-    """The microphone is espeak-ng's speech and 1.5 s of silence, looped: the page streams it,
+    """The microphone is espeak-ng's speech and 4 s of silence, looped: the page streams it,
     server VAD ends the turn, the answer's transcript shows and its audio plays; the speech
-    coming round again cuts the answer off (barge-in: `turn_detected`), and is the next turn."""
+    coming round again cuts the answer off (barge-in: `turn_detected`), and is the next turn.
+
+    The silence is what the answer has to be heard in: 3.5 s after VAD's 500 ms. Here its first
+    audio comes 0.4 s after the turn ends and the tiny talker's whole audio is 0.48 s; with 1.5 s
+    of silence that left 0.3 s to spare, and a loaded CI machine missed it on every turn."""
     from selenium import webdriver
     from selenium.webdriver.chrome.options import Options
     from selenium.webdriver.chrome.service import Service
@@ -45,7 +51,7 @@ def test_the_talk_page_in_a_browser(base: str, tmp_path: Path) -> None:
     samples, rate = soundfile.read(speech, dtype="float32")
     mic = tmp_path / "mic.wav"
     soundfile.write(
-        mic, np.concatenate([samples, np.zeros(int(rate * 1.5), np.float32)]), rate, subtype="PCM_16"
+        mic, np.concatenate([samples, np.zeros(int(rate * 4), np.float32)]), rate, subtype="PCM_16"
     )
     options = Options()
     options.binary_location = "/usr/bin/chromium"
@@ -67,9 +73,17 @@ def test_the_talk_page_in_a_browser(base: str, tmp_path: Path) -> None:
         def page() -> dict[str, Any]:
             return browser.execute_script("return window.omniTalk")
 
-        wait_for(lambda: page()["transcript"] and page()["heardSamples"] > 0, 120, "an answer heard")
-        wait_for(lambda: "turn_detected" in page()["cancelled"], 120, "speech to cut an answer off")
-        wait_for(lambda: page()["turns"] >= 2, 60, "the speech that cut it off to be the next turn")
+        def until(cond: Callable[[dict[str, Any]], bool], timeout: float, what: str) -> None:
+            """wait_for on the page's state; a timeout says what the page had (less its events)."""
+            try:
+                wait_for(lambda: cond(page()), timeout, what)
+            except AssertionError as exc:
+                state = page()
+                raise AssertionError(f"{exc}; the page: {dict(state, events=len(state['events']))}") from None
+
+        until(lambda p: bool(p["transcript"]) and p["heardSamples"] > 0, 120, "an answer heard")
+        until(lambda p: "turn_detected" in p["cancelled"], 120, "speech to cut an answer off")
+        until(lambda p: p["turns"] >= 2, 60, "the speech that cut it off to be the next turn")
         # In one script, so that no delta lands between the two: every answer's transcript, as
         # the page keeps it and as its log shows it, one line an answer (an answer cut off
         # early is a few characters: the transcript runs across answers, the log does not).
