@@ -106,12 +106,14 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 
 _CONTEXT: Final = mp.get_context("forkserver")
+COLLECTOR_OFF: Final = "omni_pipeline.collector_off"
 
 
 def preload(modules: list[str]) -> None:
     """Modules the fork server imports once, before the first child: what every child would
-    import anyway. Only modules that start no thread and touch no accelerator on import."""
-    _CONTEXT.set_forkserver_preload(modules)
+    import anyway. Only modules that start no thread and touch no accelerator on import. They
+    are imported with the collector off (`omni_pipeline.collector_off`)."""
+    _CONTEXT.set_forkserver_preload([COLLECTOR_OFF, *modules])
 
 
 def settle_forked_child(env: dict[str, str]) -> None:
@@ -120,8 +122,10 @@ def settle_forked_child(env: dict[str, str]) -> None:
     and `omni gateway`, tests/forked.py)."""
     # What the fork server imported (torch, transformers: some 400k objects) lives as long as
     # this process: out of the collector's sight, or every full collection walks all of it
-    # again (0.2 s each, several while a stage loads) and writes to every page it shares.
+    # again (0.2 s each, several while a stage loads) and writes to every page it shares. The
+    # server imported it with the collector off: on again for what this process makes.
     gc.freeze()
+    gc.enable()
     # setproctitle finds the memory a title goes in (argv, then the environment's block) on its
     # first call: before the environment changes, or it finds none and titles stay unset.
     setproctitle.getproctitle()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,6 +26,21 @@ MODELS_IN_UNIT: Final = frozenset(
 )
 """Unit modules that run real models against their references (minutes each, compiled forms
 among them)."""
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_finish() -> None:
+    """The collector back on once the tests are collected (pyproject.toml loads
+    `omni_pipeline.collector_off` first): what collection imported (torch, transformers, some
+    400k objects; with the collector on, a fifth of collection's CPU) frozen out of its sight,
+    or every full collection of the models the tests build walks all of it again."""
+    gc.freeze()
+    gc.enable()
+
+
+def pytest_xdist_setupnodes() -> None:
+    """pytest-xdist's controller collects nothing: the collector back on before its workers start."""
+    gc.enable()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

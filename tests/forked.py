@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Final
 
 from omni_cli.serve import GATEWAY_MODULES
-from omni_pipeline.lifecycle import settle_forked_child
+from omni_pipeline.lifecycle import preload, settle_forked_child
 from omni_pipeline.spec import EngineKind
 from omni_stage.preload import stage_modules
 
@@ -63,7 +63,7 @@ class ForkedProcess:
 
     def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> None:
         self.args = argv
-        _CONTEXT.set_forkserver_preload(PRELOAD)  # read when the server starts: the first child
+        preload(PRELOAD)  # read when the server starts: the first child
         reader, writer = _CONTEXT.Pipe(duplex=False)
         self._process = _CONTEXT.Process(
             target=_run, args=(argv, str(cwd), env, str(log), writer), name=f"omni {argv[0]}"

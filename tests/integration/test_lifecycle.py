@@ -3,6 +3,7 @@ death, shutdown, and the environment and title each child has."""
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import subprocess
@@ -14,7 +15,14 @@ import psutil
 import pytest
 from setproctitle import getproctitle, setproctitle
 
-from omni_pipeline.lifecycle import ChildFailed, LifecycleEvent, ManagedProcess, ProcState, stop_fork_server
+from omni_pipeline.lifecycle import (
+    ChildFailed,
+    LifecycleEvent,
+    ManagedProcess,
+    ProcState,
+    preload,
+    stop_fork_server,
+)
 
 
 def ready_then_wait(ready: Callable[[dict[str, Any]], None], tag: str) -> None:
@@ -33,6 +41,11 @@ def leave_a_grandchild(ready: Callable[[dict[str, Any]], None]) -> None:
     engine process outlives a stage that ended without closing it."""
     grandchild = subprocess.Popen(["sleep", "600"])
     ready({"grandchild": grandchild.pid})
+    threading.Event().wait()
+
+
+def report_collector(ready: Callable[[dict[str, Any]], None]) -> None:
+    ready({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()})
     threading.Event().wait()
 
 
@@ -125,3 +138,15 @@ def test_a_child_has_its_callers_environment_of_now_and_names_itself(monkeypatch
         first.shutdown()
     assert info["env"] == {"OMNI_TEST_LATER": "set after the fork server started", "OMNI_TEST_OWN": "its own"}
     assert info["title"] == "omni: test child"
+
+
+def test_a_child_collects_its_garbage_with_what_it_inherited_frozen() -> None:
+    """The fork server imports with the collector off (`omni_pipeline.collector_off`); a child
+    turns it on again, what it inherited frozen out of its sight."""
+    preload(["json"])  # read if this starts the server; one already running was given the same
+    p = ManagedProcess("gc", report_collector)
+    try:
+        info = p.wait_ready(60)
+    finally:
+        p.shutdown()
+    assert info["enabled"] and info["frozen"] > 0, info
