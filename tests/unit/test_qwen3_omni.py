@@ -293,7 +293,9 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
         not_compiled = alone if eager is None else [await talk(t, eager) for t in thoughts]
         for layers in (talker.model.model, talker.model.code_predictor.model):  # type: ignore[attr-defined]
             assert hasattr(layers, "_orig_mod") == compiled  # the decoder layers compiled, or not
-        assert counters["stats"]["unique_graphs"] == graphs  # compiled at start: none since
+        # Compiled at start: none since. (So far only because Dynamo's recompile limit stops it
+        # during the warm-up: the forms past it run uncompiled. docs/models.md, "Known gap".)
+        assert counters["stats"]["unique_graphs"] == graphs
         return list(together), alone, sizes, not_compiled
 
     together, alone, sizes, not_compiled = asyncio.run(go())
