@@ -250,6 +250,7 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
     assert together == alone
 
 
+@pytest.mark.usefixtures("one_compile_at_a_time")
 @pytest.mark.timeout(COMPILE_TIMEOUT_S)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Path, compiled: bool) -> None:

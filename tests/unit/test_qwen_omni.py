@@ -407,6 +407,7 @@ def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
 
 
+@pytest.mark.usefixtures("one_compile_at_a_time")
 @pytest.mark.timeout(COMPILE_TIMEOUT_S)
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_output(
@@ -859,6 +860,7 @@ def test_chunks_that_split_a_dit_block_are_refused_at_start(
         asyncio.run(engine("code2wav", model, **args).start())
 
 
+@pytest.mark.usefixtures("one_compile_at_a_time")
 @pytest.mark.timeout(COMPILE_TIMEOUT_S)
 def test_compiled_code2wav_decodes_what_eager_decodes(model: Path, reference: dict[str, Any]) -> None:
     """`compile: true` (torch.compile of the DiT's layers and BigVGAN, here on the CPU's
