@@ -12,6 +12,7 @@ driven through hypothesis directly; the cases and the check are schemathesis's o
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -233,3 +234,30 @@ def test_platform_fields_and_fields_at_off_are_accepted(gateway: str) -> None:
     }
     r = HTTP.post(f"{gateway}/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"n": 2**70}, {"s": "\ud800"}],
+    ids=["number-past-64-bits", "lone-surrogate"],
+)
+def test_tokenize_template_variables_that_cannot_travel_are_400s(
+    real_gateway: str, kwargs: dict[str, object]
+) -> None:
+    """/tokenize's `chat_template_kwargs` go to the stage as they are: what cannot be sent on
+    (found by the fuzzing above as a 500) is the client's error."""
+    body = json.dumps(
+        {"model": "tiny-omni", "messages": USER, "chat_template_kwargs": kwargs}, ensure_ascii=True
+    )
+    r = HTTP.post(f"{real_gateway}/tokenize", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and "cannot be sent on" in err["message"], err
+
+
+def test_a_tokenize_request_past_a_nats_message_is_a_413(real_gateway: str) -> None:
+    """/tokenize asks the stage in one NATS message: a prompt past NATS's 1 MiB is refused by
+    name, not a 500."""
+    r = HTTP.post(f"{real_gateway}/tokenize", json={"model": "tiny-omni", "prompt": "word " * 300_000})
+    assert r.status_code == 413, r.text
+    assert "over the server's limit" in r.json()["error"]["message"]
