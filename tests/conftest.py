@@ -24,11 +24,8 @@ BENCH_MODULE: Final = "tests/e2e/test_bench.py"
 MODELS_IN_UNIT: Final = frozenset(
     {"test_qwen_omni.py", "test_qwen3_omni.py", "test_image_edit.py", "test_diffusion.py", "test_engines.py"}
 )
-"""Unit modules that run real models against their references (minutes each)."""
-COMPILING_IN_UNIT: Final = frozenset({"test_qwen_omni.py", "test_qwen3_omni.py"})
-"""Those among them with compile tests, which take turns (`one_compile_at_a_time`): started
-right after the benchmarks, so that their turns run beside the process tests, not alone at the
-end (last, the three ran one after another for the run's last minutes, one core busy)."""
+"""Unit modules that run real models against their references (minutes each, compiled forms
+among them)."""
 
 
 @pytest.hookimpl(trylast=True)
@@ -48,21 +45,17 @@ def pytest_xdist_setupnodes() -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist each worker takes whole groups (`ModulesAndBenchmarks`) in this order:
-    the benchmarks, the unit modules with compile tests, the modules that start processes, the
-    other unit modules that run models, then the many short unit modules that fill the end of
-    the run, where a slow one would keep one worker busy while the others idle (`make test`
-    keeps this order: --no-loadscope-reorder)."""
+    the benchmarks, the modules that start processes, the unit modules that run models, then the
+    many short unit modules that fill the end of the run, where a slow one would keep one worker
+    busy while the others idle (`make test` keeps this order: --no-loadscope-reorder)."""
 
     def order(item: pytest.Item) -> tuple[int, str]:
         path = item.nodeid.split("::", 1)[0]
-        name = Path(path).name
         if path == BENCH_MODULE:
             return 0, path
-        if path.startswith("tests/unit/") and name in COMPILING_IN_UNIT:
-            return 1, path
         if not path.startswith("tests/unit/"):
-            return 2, path
-        return (3 if name in MODELS_IN_UNIT else 4), path
+            return 1, path
+        return (2 if Path(path).name in MODELS_IN_UNIT else 3), path
 
     items.sort(key=order)
 
