@@ -32,8 +32,6 @@ from tests.deployment import (
 from tests.helpers import ROOT, replica_metric, replicas, wait_for
 
 PIPELINE: Final = ROOT / "tests" / "data" / "synthetic-distributed.yaml"
-DONE_WITHIN_S: Final = 10.0
-"""A request held by a stopped replica ends this soon after the stop (heartbeats: 3 s)."""
 
 
 @pytest.fixture
@@ -109,12 +107,17 @@ def test_a_stopped_replica_loses_no_request(two_of_each: Deployment, mooncake: L
                 wait_for(lambda s=stage: [r["replica"] for r in replicas(base, s)] == ["a"], 30, "b gone")
                 load.flowing(6)
             finally:
+                resumed_at = time.monotonic()
                 stuck.send_signal(signal.SIGCONT)  # it finds its requests aborted, and serves again
         check(load, ref, stage)
         assert migrations(base) > moved
-        late = [end - stopped_at for start, end, _ in load.spans if start < stopped_at < end]
-        assert all(t <= DONE_WITHIN_S for t in late), late
-        print(f"{stage}: requests held at the stop ended {max(late, default=0):.1f}s after it at most")
+        # The requests held at the stop ended while the replica was still stopped: they moved,
+        # none waited for it (an order, not a duration: 10 s as a bound failed at 11.2 s on a
+        # loaded machine; heartbeats make it ~6 s here).
+        held = [end for start, end, _ in load.spans if start < stopped_at < end]
+        assert all(end < resumed_at for end in held), [end - stopped_at for end in held]
+        late = max((end - stopped_at for end in held), default=0)
+        print(f"{stage}: requests held at the stop ended {late:.1f}s after it at most")
         wait_for(lambda s=stage: len(replicas(base, s)) == 2, 30, f"{stage} b back in the table")
     wait_for(
         lambda: mooncake.key_count() == 0, INCOMPLETE_PUT_FREED_S, "the lost attempts' payloads to be freed"
