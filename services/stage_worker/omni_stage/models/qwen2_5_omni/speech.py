@@ -26,7 +26,6 @@ from omni_stage.models.qwen_omni.parts import (
     compiler,
     compiles,
     penalise_repeats,
-    thinker_embedding_table,
 )
 from omni_stage.segments import EngineOutput
 
@@ -80,7 +79,7 @@ class Talker(Part):
         # The talker's text-side tokens (voice bos, text eos and pad) are rows of the thinker's
         # input embedding table: only that tensor is read, not the thinker.
         c = self.config.talker_config
-        self.text_embeds = thinker_embedding_table(self.stage.name, self.path).to(self.device, self.dtype)
+        self.text_embeds = self._thinker_embeddings()
         self.text_eos, self.text_pad = c.tts_text_end_token_id, c.tts_text_pad_token_id
         self.codec = {
             "bos": c.tts_codec_start_token_id,

@@ -19,6 +19,7 @@ samples a code at 24 kHz).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -32,6 +33,7 @@ from omni_stage.models.qwen_omni.checkpoint import (
     keep_specials_out_of_replies,
     keep_the_waveform,
     new_model,
+    processor_files,
     save_checkpoint,
 )
 from omni_stage.models.qwen_omni.checkpoint import VISION as QWEN2_5_VISION
@@ -90,12 +92,162 @@ def tokenizer() -> Any:
     return tok
 
 
-def _config(ids: dict[str, int], vocab: int) -> Any:
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """The dimensions of each part: tiny (the demo's) or Qwen3-Omni-30B-A3B's (FULL_SIZE)."""
+
+    thinker: dict[str, Any]
+    thinker_vocab: int | None
+    """The thinker's vocabulary: None for the tokenizer's own (the tiny model's)."""
+    audio: dict[str, Any]
+    vision: dict[str, Any]
+    talker: dict[str, Any]
+    code_predictor: dict[str, Any]
+    code2wav: dict[str, Any]
+    mrope_section: list[int]
+    groups: int
+    accept_hidden_layer: int
+    initializer_range: float | None
+
+
+TINY: Final = Sizes(
+    thinker={**LAYERS, "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2},
+    thinker_vocab=None,
+    audio={
+        **AUDIO_ENCODER,
+        "n_window": 50,
+        "n_window_infer": 800,
+        "conv_chunksize": 500,
+        "downsample_hidden_size": 32,
+    },
+    vision={
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": HIDDEN,
+        "num_position_embeddings": 2304,
+        # What vLLM reads of it, as the real config says it: sqrt(num_position_embeddings)
+        # patches a side, and an absolute position embedding (transformers always has one).
+        "image_size": 768,
+        "apply_vit_abs_pos_embed": True,
+        "deepstack_visual_indexes": [0],
+    },
+    talker={
+        **LAYERS,
+        "moe_intermediate_size": 32,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_local_experts": 4,
+        "shared_expert_intermediate_size": 32,
+    },
+    code_predictor={**LAYERS, "num_hidden_layers": 1},
+    code2wav={
+        "hidden_size": 32,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 1,
+        "intermediate_size": 64,
+        "decoder_dim": 32,
+    },
+    mrope_section=[4, 6, 6],
+    groups=GROUPS,
+    accept_hidden_layer=1,
+    initializer_range=0.5,
+)
+
+FULL_SIZE: Final = Sizes(  # Qwen3-Omni-30B-A3B-Instruct's config.json
+    thinker={
+        "hidden_size": 2048,
+        "intermediate_size": 768,
+        "num_hidden_layers": 48,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 65536,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+    },
+    thinker_vocab=152064,
+    audio={
+        "num_mel_bins": 128,
+        "encoder_layers": 32,
+        "encoder_attention_heads": 20,
+        "encoder_ffn_dim": 5120,
+        "d_model": 1280,
+        "output_dim": 2048,
+        "max_source_positions": 1500,
+        "n_window": 50,
+        "n_window_infer": 800,
+        "conv_chunksize": 500,
+        "downsample_hidden_size": 480,
+    },
+    vision={
+        "depth": 27,
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_heads": 16,
+        "hidden_act": "gelu_pytorch_tanh",
+        "patch_size": 16,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "out_hidden_size": 2048,
+        "num_position_embeddings": 2304,
+        "image_size": 768,
+        "apply_vit_abs_pos_embed": True,
+        "deepstack_visual_indexes": [8, 16, 24],
+    },
+    talker={
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 20,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 128,
+        "max_position_embeddings": 65536,
+        "moe_intermediate_size": 384,
+        "num_experts": 128,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 6,
+        "shared_expert_intermediate_size": 768,
+    },
+    code_predictor={
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 5,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+    },
+    code2wav={
+        "hidden_size": 1024,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_hidden_layers": 8,
+        "intermediate_size": 3072,
+        "decoder_dim": 1536,
+    },
+    mrope_section=[24, 20, 20],
+    groups=16,
+    accept_hidden_layer=24,
+    initializer_range=None,
+)
+
+
+def _config(ids: dict[str, int], vocab: int, sizes: Sizes = TINY) -> Any:
     from transformers import Qwen3OmniMoeConfig
 
-    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [4, 6, 6], "interleaved": True}
-    moe = {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2}
-    layers = LAYERS
+    rope = {
+        "rope_type": "default",
+        "rope_theta": 1000000.0,
+        "mrope_section": sizes.mrope_section,
+        "interleaved": True,
+    }
     media = {
         "audio_token_id": ids["<|audio_pad|>"],
         "image_token_id": ids["<|image_pad|>"],
@@ -103,36 +255,15 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
         "audio_start_token_id": ids["<|audio_start|>"],
         "vision_start_token_id": ids["<|vision_start|>"],
         "position_id_per_seconds": 13,
-        "initializer_range": 0.5,
     }
+    if sizes.initializer_range is not None:
+        media["initializer_range"] = sizes.initializer_range
     thinker = {
-        "audio_config": {
-            **AUDIO_ENCODER,
-            "n_window": 50,
-            "n_window_infer": 800,
-            "conv_chunksize": 500,
-            "downsample_hidden_size": 32,
-        },
-        "vision_config": {
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "out_hidden_size": HIDDEN,
-            "num_position_embeddings": 2304,
-            # What vLLM reads of it, as the real config says it: sqrt(num_position_embeddings)
-            # patches a side, and an absolute position embedding (transformers always has one).
-            "image_size": 768,
-            "apply_vit_abs_pos_embed": True,
-            "deepstack_visual_indexes": [0],
-        },
+        "audio_config": sizes.audio,
+        "vision_config": sizes.vision,
         "text_config": {
-            "vocab_size": vocab,
-            **layers,
-            **moe,
+            "vocab_size": sizes.thinker_vocab or vocab,
+            **sizes.thinker,
             "rope_parameters": rope,
             "tie_word_embeddings": False,
             "eos_token_id": ids["<|im_end|>"],
@@ -142,24 +273,16 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
         "user_token_id": ids["user"],
     }
     talker = {
-        "text_config": {
-            "vocab_size": CODEC_VOCAB,
-            **layers,
-            **moe,
-            "num_local_experts": 4,
-            "shared_expert_intermediate_size": 32,
-            "rope_parameters": rope,
-        },
+        "text_config": {"vocab_size": CODEC_VOCAB, **sizes.talker, "rope_parameters": rope},
         "code_predictor_config": {
             "vocab_size": 2048,
-            **layers,
-            "num_hidden_layers": 1,
-            "num_code_groups": GROUPS,
+            **sizes.code_predictor,
+            "num_code_groups": sizes.groups,
         },
         **media,
-        "num_code_groups": GROUPS,
-        "thinker_hidden_size": HIDDEN,
-        "accept_hidden_layer": 1,
+        "num_code_groups": sizes.groups,
+        "thinker_hidden_size": sizes.thinker["hidden_size"],
+        "accept_hidden_layer": sizes.accept_hidden_layer,
         "codec_eos_token_id": CODEC_EOS,
         "codec_nothink_id": NOTHINK,
         "codec_think_bos_id": THINK_BOS,
@@ -171,16 +294,11 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
     }
     code2wav = {
         "codebook_size": 2048,
-        "hidden_size": 32,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 1,
+        **sizes.code2wav,
         "sliding_window": 72,
-        "intermediate_size": 64,
-        "num_quantizers": GROUPS,
+        "num_quantizers": sizes.groups,
         "upsample_rates": [8, 5, 4, 3],
         "upsampling_ratios": [2, 2],
-        "decoder_dim": 32,
         "max_position_embeddings": 8000,
     }
     return Qwen3OmniMoeConfig(
@@ -236,4 +354,24 @@ def write_tiny_checkpoint(path: Path, seed: int = 5) -> Path:
                 module.gate_up_proj.normal_(0.0, std, generator=gen)
                 module.down_proj.normal_(0.0, std, generator=gen)
     save_checkpoint(path, model, tok, ids, VISION, "Qwen3OmniMoeProcessor", CHAT_TEMPLATE)
+    return path
+
+
+def write_config_only(path: Path, sizes: Sizes = FULL_SIZE) -> Path:
+    """Write a Qwen3-Omni checkpoint without its weights into `path` (a directory; returns it):
+    the config at `sizes` (by default Qwen3-Omni-30B-A3B's, whose weights take 70 GB), the
+    demo's tokenizer and processor files. Its stages serve with `loadFormat: dummy` (random
+    weights built on the device): what a speed measurement needs on a machine with no network
+    and a smaller disk. A reply is noise."""
+    from transformers import GenerationConfig
+
+    tok = tokenizer()
+    ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS + ROLE_WORDS}
+    path.mkdir(parents=True, exist_ok=True)
+    config = _config(ids, len(tok), sizes)
+    config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
+    config.save_pretrained(path)
+    GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]).save_pretrained(path)
+    tok.save_pretrained(path)
+    processor_files(path, VISION, "Qwen3OmniMoeProcessor", CHAT_TEMPLATE)
     return path

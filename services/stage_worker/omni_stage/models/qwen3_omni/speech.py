@@ -25,7 +25,6 @@ from omni_stage.models.qwen_omni.parts import (
     compiler,
     compiles,
     penalise_repeats,
-    thinker_embedding_table,
 )
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
 from omni_stage.segments import EngineOutput
@@ -112,7 +111,7 @@ class Qwen3Talker(Part):
         self.speaker_codes = {name.capitalize(): int(code) for name, code in (t.speaker_id or {}).items()}
         self.voices = tuple(sorted(self.speaker_codes, key=lambda v: v != DEFAULT_VOICE))
         # The TTS tokens are rows of the thinker's input embedding table: only that tensor is read.
-        self.text_embeds = thinker_embedding_table(self.stage.name, self.path).to(self.device, self.dtype)
+        self.text_embeds = self._thinker_embeddings()
         self.ids = TalkerIds.of(c)
         self.codec_eos = t.codec_eos_token_id
         self.groups = int(t.num_code_groups)

@@ -21,6 +21,12 @@ DEFAULT_VOICE: Final = "Chelsie"
 REPETITION_PENALTY: Final = 1.05  # Qwen2_5OmniForConditionalGeneration.generate's talker default
 TALKER_MAX_CODES: Final = 4096  # its talker_max_new_tokens
 _DTYPES: Final = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+LOAD_FORMATS: Final = ("auto", "dummy")
+"""`loadFormat`, vLLM's `load_format`: `auto` reads the checkpoint's weights; `dummy` builds each
+part at its config's sizes with random weights on the device and reads none (a real-sized
+pipeline measured where its weights cannot be fetched or do not fit the disk)."""
+DUMMY_RANGE: Final = 1e-3
+"""Dummy weights are drawn uniformly from +-this, as vLLM's dummy loader draws them."""
 
 
 def penalise_repeats(logits: torch.Tensor, seen: Iterable[int]) -> torch.Tensor:
@@ -30,6 +36,26 @@ def penalise_repeats(logits: torch.Tensor, seen: Iterable[int]) -> torch.Tensor:
 
     ids = torch.tensor([sorted(set(seen))], dtype=torch.long, device=logits.device)
     return RepetitionPenaltyLogitsProcessor(REPETITION_PENALTY)(ids, logits[None])[0]
+
+
+def dummy_model(cls: Any, config: Any, device: torch.device, dtype: torch.dtype) -> Any:
+    """transformers' `cls` at `config`'s sizes, built on `device` with dummy weights (LOAD_FORMATS),
+    seeded: every run of a pipeline computes the same."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        with torch.device(device):
+            model = cls._from_config(config, dtype=dtype)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    gen = torch.Generator(device).manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point():
+                p.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+    return model.eval()
 
 
 def thinker_embedding_table(stage: str, path: str) -> torch.Tensor:
@@ -146,6 +172,12 @@ class Part(ComputeEngine):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.dtype = _DTYPES[self.args.get("dtype", "float32")]
+        self.load_format = str(self.args.get("loadFormat", "auto"))
+        if self.load_format not in LOAD_FORMATS:
+            raise EngineError(
+                f"stage '{stage.name}': engine.args.loadFormat must be one of {', '.join(LOAD_FORMATS)}; "
+                f"got {self.load_format!r}"
+            )
         self.path = str(stage.engine.model)
         self.model: Any = None
         self.config: Any = None
@@ -183,6 +215,8 @@ class Part(ComputeEngine):
 
     def _from_checkpoint(self, cls: Any, config: Any, prefix: str) -> Any:
         """Transformers' class `cls` with the checkpoint's weights under `prefix` (a regex)."""
+        if self.load_format == "dummy":
+            return dummy_model(cls, config, self.device, self.dtype)
         return (
             cls.from_pretrained(self.path, config=config, key_mapping={prefix: ""}, dtype=self.dtype)
             .to(self.device)
@@ -192,6 +226,16 @@ class Part(ComputeEngine):
     def _part_class(self) -> tuple[Any, Any]:
         """The transformers class of this part and its sub-config (a part loaded whole)."""
         raise NotImplementedError
+
+    def _thinker_embeddings(self) -> torch.Tensor:
+        """The thinker's input embedding table on this part's device (a talker reads the TTS
+        tokens' rows of it): read alone from the checkpoint, or dummy weights of its size."""
+        if self.load_format == "dummy":
+            text = self.config.thinker_config.text_config
+            gen = torch.Generator(self.device).manual_seed(1)
+            table = torch.empty(text.vocab_size, text.hidden_size, device=self.device, dtype=self.dtype)
+            return table.uniform_(-DUMMY_RANGE, DUMMY_RANGE, generator=gen)
+        return thinker_embedding_table(self.stage.name, self.path).to(self.device, self.dtype)
 
     def _hear_ahead(self, prompts: Prompts, tower: Callable[[], Any]) -> None:
         """(At each load.) Live sessions' audio encoded as it arrives by the audio tower
