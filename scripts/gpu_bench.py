@@ -1,25 +1,25 @@
-"""Qwen3-Omni at its real sizes on a GPU: first audio packet, real-time factor, requests per
-second at concurrency 1, 8 and 16, and GPU memory per stage, as one prepared run of under 10
-minutes (docs/benchmarks.md, "GPU").
+"""Qwen3-Omni and Qwen2.5-Omni at their real sizes on a GPU: first audio packet, real-time
+factor, requests per second at concurrency 1, 8 and 16, and GPU memory per stage, as one
+prepared run of under 10 minutes (docs/benchmarks.md, "GPU").
 
 The machine it is written for has torch and transformers but no network, no NATS and a disk
-smaller than the checkpoint (70 GB): so the pipeline's three stages run here in one process,
-each its real engine (omni_stage's, built from examples/qwen3-omni.yaml as a stage builds it,
-with its own compute thread and step batcher), fed window by window as the pipeline feeds them
-(thinker -> talker on 4 tokens, talker -> code2wav on 12 codes), on a config-only checkpoint at
-Qwen3-Omni-30B-A3B's sizes with `loadFormat: dummy` (random weights built on the device). The
-gateway, NATS and the shared-memory connector are left out: on one node they add about a
-millisecond a hop (docs/benchmarks.md, "hop"), and the stages share one Python process here,
-where `omni serve` gives each its own (their host work contends for one interpreter here).
+smaller than Qwen3-Omni's checkpoint (70 GB): so a pipeline's three stages run here in one
+process, each its real engine (omni_stage's, built from examples/PIPELINE.yaml as a stage
+builds it, with its own compute thread and step batcher; bench.in_process), fed window by
+window as the pipeline feeds them (the example's windows: 4 thinker tokens, 12 codes), on a
+config-only checkpoint at the real model's sizes with `loadFormat: dummy` (random weights
+built on the device). The gateway, NATS and the shared-memory connector are left out: on one
+node they add about a millisecond a hop (docs/benchmarks.md, "hop"); and the stages share one
+Python interpreter here, where `omni serve` gives each its own process.
 
 Figures as vLLM-Omni defines them: TTFP from a request's start to its first audio chunk; RTF
 from its start to its last chunk over the seconds of audio; requests/s completed at a
-concurrency. Each request: the same prompt, THINKER_TOKENS tokens (min_tokens = max_tokens,
-random weights would end at random), up to TALKER_CODES codes (the talker may draw its end
-code sooner), greedy.
+concurrency. Each request: the same prompt, `--tokens` thinker tokens (min_tokens =
+max_tokens: random weights would end at random), up to `--codes` codes (the talker may draw
+its end code sooner), greedy.
 
 Not part of the suite (CI has no GPU). From the repository root, the project importable:
-    python scripts/gpu_bench.py OUT.json [--sizes full|tiny] [--device cuda]
+    python scripts/gpu_bench.py OUT.json [--pipeline qwen3-omni|qwen2.5-omni] [--sizes full|tiny]
 `--sizes tiny` runs the same on the demo's dimensions (a check of the script on a CPU).
 """
 
@@ -37,65 +37,21 @@ from typing import Any
 
 import torch
 
+from bench.in_process import calls, stage_engine, windows
 from omni_pipeline.sampling import Sampling
-from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import CallState, Engine, EngineCall
-from omni_stage.engines.registry import build_engine
-from omni_stage.models.qwen3_omni.checkpoint import FULL_SIZE, TINY, write_config_only
-from omni_stage.payload import Payload, concat
+from omni_stage.engines.base import Engine, EngineCall
+from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
+from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
+from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "qwen3-omni.yaml"
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+PIPELINES: dict[str, Any] = {"qwen3-omni": qwen3_omni, "qwen2.5-omni": qwen2_5_omni}
+"""Each pipeline's example (examples/NAME.yaml) and the module writing its config-only checkpoint."""
 STAGES = ("thinker", "talker", "code2wav")
 THINKER_WINDOW, TALKER_WINDOW = 4, 12  # the example's windows
 SAMPLE_RATE = 24000
 PROMPT = "Tell me about the sea."
-
-
-def engine(name: str, model: Path, device: str, max_batch: int) -> Engine:
-    """The example's stage `name` on `model`, on `device` in bfloat16 (float32 on a CPU), with
-    dummy weights and steps batched up to `max_batch` requests."""
-    spec = load_pipeline(EXAMPLE).spec.stage(name)
-    args = {k: v for k, v in spec.engine.args.items() if k != "threads"}
-    dtype = "bfloat16" if device == "cuda" else "float32"
-    args |= {"device": device, "dtype": dtype, "loadFormat": "dummy", "maxBatch": max_batch}
-    eng = spec.engine.model_copy(update={"model": str(model), "args": args})
-    return build_engine(spec.model_copy(update={"engine": eng, "max_inflight": max_batch}))
-
-
-async def windows(
-    outputs: AsyncIterator[EngineOutput], n: int, into: asyncio.Queue[tuple[Payload, bool]]
-) -> None:
-    """A producer's outputs as its consumer receives them on a window of `n` units."""
-    parts: list[Payload] = []
-    units = 0
-    async for out in outputs:
-        if out.data:
-            parts.append(out.data)
-        units += out.units
-        if units >= n:
-            await into.put((concat(parts), False))
-            parts, units = [], 0
-    await into.put((concat(parts) if parts else {}, True))
-
-
-async def calls(
-    consumer: Engine,
-    producer: str,
-    rid: str,
-    sampling: Sampling,
-    arriving: asyncio.Queue[tuple[Payload, bool]],
-) -> AsyncIterator[EngineOutput]:
-    """Every output of `consumer` for one request, called once per window that arrives."""
-    state = CallState()
-    while True:
-        payload, last = await arriving.get()
-        if payload or last:
-            inputs = {producer: payload} if payload else {}
-            async for out in consumer.generate(EngineCall(rid, inputs, last, sampling, state)):
-                yield out
-        if last:
-            return
 
 
 async def one(engines: dict[str, Engine], rid: str, tokens: int, codes: int) -> dict[str, float]:
@@ -172,12 +128,14 @@ async def gpu_utilization(into: list[int]) -> None:
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
-    sizes = (
-        FULL_SIZE if a.sizes == "full" else dataclasses.replace(TINY, thinker_vocab=FULL_SIZE.thinker_vocab)
-    )
-    model = write_config_only(Path(a.model_dir), sizes)
+    family = PIPELINES[a.pipeline]
+    # Tiny: the demo's dimensions with the real vocabulary (replies hold ids past the tokenizer's).
+    tiny = dataclasses.replace(family.TINY, thinker_vocab=family.FULL_SIZE.thinker_vocab)
+    sizes = family.FULL_SIZE if a.sizes == "full" else tiny
+    model = family.write_config_only(Path(a.model_dir) / a.pipeline, sizes)
     cuda = a.device == "cuda"
     result: dict[str, Any] = {
+        "pipeline": a.pipeline,
         "device": torch.cuda.get_device_name() if cuda else "cpu",
         "date": time.strftime("%Y-%m-%d"),
         "sizes": a.sizes,
@@ -192,7 +150,16 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     for name in STAGES:
         before = torch.cuda.memory_allocated() if cuda else 0
         t0 = time.perf_counter()
-        engines[name] = engine(name, model, a.device, max(a.concurrency))
+        dtype = "bfloat16" if cuda else "float32"
+        engines[name] = stage_engine(
+            EXAMPLES / f"{a.pipeline}.yaml",
+            name,
+            model,
+            max(a.concurrency),
+            device=a.device,
+            dtype=dtype,
+            loadFormat="dummy",
+        )
         await engines[name].start()
         result["load_s"][name] = round(time.perf_counter() - t0, 1)
         if cuda:
@@ -219,9 +186,10 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
+    p.add_argument("--pipeline", choices=sorted(PIPELINES), default="qwen3-omni")
     p.add_argument("--sizes", choices=("full", "tiny"), default="full")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--model-dir", default="/tmp/qwen3-omni-full-size")
+    p.add_argument("--model-dir", default="/tmp/omni-config-only", help="where the configs go")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16])
     p.add_argument("--min-requests", type=int, default=2, help="requests at least, at any concurrency")
     p.add_argument("--tokens", type=int, default=64, help="thinker tokens a request")

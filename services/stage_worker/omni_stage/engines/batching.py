@@ -17,6 +17,7 @@ piece, so only the piece that fails fails its request, never the batch the repli
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
@@ -55,6 +56,11 @@ class StepBatcher(Generic[I, O]):
         self._busy = False
         self.batch_sizes: Counter[int] = Counter()
         """How many batches of each size have run (for tests and metrics)."""
+        self.seconds: Counter[tuple[Hashable, int]] = Counter()
+        """Seconds the batched calls took, by key and batch size (`omni bench step` divides the
+        time of a kind of step by its forwards')."""
+        self.calls: Counter[tuple[Hashable, int]] = Counter()
+        """Batched calls run, by key and batch size."""
 
     def submit(self, key: Hashable, item: I, first: bool = False) -> asyncio.Future[O]:
         """Queue `item` now; the future is its result. Cancelling it drops the item. `first`:
@@ -75,14 +81,17 @@ class StepBatcher(Generic[I, O]):
         self._busy = True
         self.batch_sizes[len(batch)] += 1
         work = asyncio.get_running_loop().run_in_executor(
-            self.executor, self._run_batch, [w.item for w in batch]
+            self.executor, self._run_batch, key, [w.item for w in batch]
         )
         work.add_done_callback(lambda f: self._finished(batch, f))
 
-    def _run_batch(self, items: list[I]) -> list[O | BaseException]:
+    def _run_batch(self, key: Hashable, items: list[I]) -> list[O | BaseException]:
         """On the compute thread: the batch, or, if it fails, each item alone."""
+        t0 = time.perf_counter()
         try:
             out = self.run(items)
+            self.seconds[key, len(items)] += time.perf_counter() - t0
+            self.calls[key, len(items)] += 1
             if len(out) != len(items):
                 raise RuntimeError(f"a batch of {len(items)} gave {len(out)} results")
             return list(out)

@@ -18,6 +18,7 @@ the DiT embeds all 8448 codes (the real one only 8193 codec entries: random weig
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -34,6 +35,7 @@ from omni_stage.models.qwen_omni.checkpoint import (
     keep_the_waveform,
     new_model,
     save_checkpoint,
+    write_config_files,
 )
 
 MROPE_SECTION: Final = [4, 6, 6]  # sums to head_dim / 2, as [16, 24, 24] does for 128
@@ -97,10 +99,144 @@ CHAT_TEMPLATE: Final = (
 )
 
 
-def _config(ids: dict[str, int], vocab: int) -> Any:
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """The dimensions of each part: tiny (the demo's) or Qwen2.5-Omni-7B's (FULL_SIZE)."""
+
+    thinker: dict[str, Any]
+    thinker_vocab: int | None
+    """The thinker's vocabulary: None for the tokenizer's own (the tiny model's)."""
+    audio: dict[str, Any]
+    vision: dict[str, Any]
+    talker: dict[str, Any]
+    dit: dict[str, Any]
+    bigvgan: dict[str, Any]
+    mrope_section: list[int]
+    speaker_dim: int
+    """The DiT's ECAPA speaker embedding: a voice's `cond` in spk_dict.pt."""
+    tiny_init: bool
+    """Weights drawn wider than transformers' init (the tiny model's: see _config)."""
+
+
+TINY: Final = Sizes(
+    thinker={
+        "hidden_size": HIDDEN,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 1,
+        "max_position_embeddings": 8192,
+    },
+    thinker_vocab=None,
+    audio={**AUDIO_ENCODER, "n_window": 100},
+    vision={
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_heads": 2,
+        "out_hidden_size": HIDDEN,
+        "fullatt_block_indexes": [1],
+        "window_size": 112,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    talker={"embedding_size": HIDDEN, **LAYERS},
+    dit={
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "head_dim": 16,
+        "emb_dim": 32,
+        "look_ahead_layers": [1],
+        "look_backward_layers": [0],
+        "max_position_embeddings": 8192,
+        "enc_dim": 16,
+        "enc_channels": [32, 32, 32, 32, 96],
+        "enc_attention_channels": 16,
+        "enc_se_channels": 16,
+    },
+    bigvgan={
+        "upsample_initial_channel": 64,
+        "resblock_kernel_sizes": [3],
+        "resblock_dilation_sizes": [[1, 3, 5]],
+    },
+    mrope_section=MROPE_SECTION,
+    speaker_dim=SPEAKER_DIM,
+    tiny_init=True,
+)
+
+FULL_SIZE: Final = Sizes(  # Qwen2.5-Omni-7B's config.json
+    thinker={
+        "hidden_size": 3584,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 28,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 32768,
+    },
+    thinker_vocab=152064,
+    audio={
+        "num_mel_bins": 128,
+        "encoder_layers": 32,
+        "encoder_attention_heads": 20,
+        "encoder_ffn_dim": 5120,
+        "d_model": 1280,
+        "output_dim": 3584,
+        "max_source_positions": 1500,
+        "n_window": 100,
+    },
+    vision={
+        "depth": 32,
+        "hidden_size": 1280,
+        "intermediate_size": 3420,
+        "num_heads": 16,
+        "out_hidden_size": 3584,
+        "fullatt_block_indexes": [7, 15, 23, 31],
+        "window_size": 112,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    },
+    talker={
+        "embedding_size": 3584,
+        "hidden_size": 896,
+        "intermediate_size": 18944,
+        "num_hidden_layers": 24,
+        "num_attention_heads": 12,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 32768,
+    },
+    dit={
+        "hidden_size": 1024,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 16,
+        "head_dim": 64,
+        "emb_dim": 512,
+        "look_ahead_layers": [10],
+        "look_backward_layers": [0, 20],
+        "max_position_embeddings": 32768,
+        "enc_dim": 128,
+        "enc_channels": [256, 256, 256, 256, 768],
+        "enc_attention_channels": 64,
+        "enc_se_channels": 64,
+    },
+    bigvgan={
+        "upsample_initial_channel": 1536,
+        "resblock_kernel_sizes": [3, 7, 11],
+        "resblock_dilation_sizes": [[1, 3, 5], [1, 3, 5], [1, 3, 5]],
+    },
+    mrope_section=[16, 24, 24],
+    speaker_dim=192,
+    tiny_init=False,
+)
+
+
+def _config(ids: dict[str, int], vocab: int, sizes: Sizes = TINY) -> Any:
     from transformers import Qwen2_5OmniConfig
 
-    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": MROPE_SECTION}
+    rope = {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": sizes.mrope_section}
     media = {  # where the thinker and the talker find media placeholders and their bounds
         "audio_token_index": ids["<|AUDIO|>"],
         "image_token_index": ids["<|IMAGE|>"],
@@ -110,44 +246,28 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
         "vision_start_token_id": ids["<|vision_bos|>"],
         "vision_end_token_id": ids["<|vision_eos|>"],
     }
+    # transformers' 0.02 makes a tiny reply that barely depends on the prompt: every prompt and
+    # image began with the same seven tokens (tests/unit/test_tiny_checkpoints.py).
+    wide = {"initializer_range": 0.5} if sizes.tiny_init else {}
     thinker = {
-        "audio_config": {**AUDIO_ENCODER, "n_window": 100},
-        "vision_config": {
-            "depth": 2,
-            "hidden_size": 32,
-            "intermediate_size": 64,
-            "num_heads": 2,
-            "out_hidden_size": HIDDEN,
-            "fullatt_block_indexes": [1],
-            "window_size": 112,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-        },
+        "audio_config": sizes.audio,
+        "vision_config": sizes.vision,
         "text_config": {
-            "vocab_size": vocab,
-            "hidden_size": HIDDEN,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": HEADS,
-            "num_key_value_heads": 1,
-            "max_position_embeddings": 8192,
+            "vocab_size": sizes.thinker_vocab or vocab,
+            **sizes.thinker,
             "rope_parameters": rope,
             "tie_word_embeddings": False,
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
-            # transformers' 0.02 makes a reply that barely depends on the prompt: every prompt
-            # and image began with the same seven tokens (tests/unit/test_tiny_checkpoints.py).
-            "initializer_range": 0.3,
+            **({"initializer_range": 0.3} if sizes.tiny_init else {}),
         },
         **media,
         "user_token_id": ids["<|im_start|>"],
-        "initializer_range": 0.5,
+        **wide,
     }
     talker = {
         "vocab_size": CODEC_VOCAB,
-        "embedding_size": HIDDEN,
-        **LAYERS,
+        **sizes.talker,
         "rope_parameters": rope,
         **media,
         "tts_text_start_token_id": ids["<|tts_text_bos|>"],
@@ -157,34 +277,22 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
         "tts_codec_end_token_id": CODEC_END,
         "tts_codec_pad_token_id": CODEC_PAD,
         "tts_codec_mask_token_id": CODEC_MASK,
-        "initializer_range": 0.5,
+        **wide,
     }
     token2wav = {
         "dit_config": {
-            "hidden_size": 32,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "head_dim": 16,
+            **sizes.dit,
             "ff_mult": 2,
-            "emb_dim": 32,
+            # Every code the talker has (the real DiT embeds 8193): random weights may pick any.
             "num_embeds": CODEC_VOCAB,
             "mel_dim": MEL_DIM,
             "repeats": 2,
             "block_size": 24,
-            "look_ahead_layers": [1],
-            "look_backward_layers": [0],
-            "max_position_embeddings": 8192,
-            "enc_emb_dim": SPEAKER_DIM,
-            "enc_dim": 16,
-            "enc_channels": [32, 32, 32, 32, 96],
-            "enc_attention_channels": 16,
-            "enc_se_channels": 16,
+            "enc_emb_dim": sizes.speaker_dim,
         },
         "bigvgan_config": {
             "mel_dim": MEL_DIM,
-            "upsample_initial_channel": 64,
-            "resblock_kernel_sizes": [3],
-            "resblock_dilation_sizes": [[1, 3, 5]],
+            **sizes.bigvgan,
             "upsample_rates": [5, 3, 2, 2, 2, 2],  # 240 samples a mel frame, 2 frames a code: 24 kHz
             "upsample_kernel_sizes": [11, 7, 4, 4, 4, 4],
         },
@@ -194,28 +302,52 @@ def _config(ids: dict[str, int], vocab: int) -> Any:
     )
 
 
-def write_tiny_checkpoint(path: Path, seed: int = 5) -> Path:
-    """Write tiny-qwen2.5-omni into `path` (a directory); returns it."""
-    from transformers import Qwen2_5OmniForConditionalGeneration
-
+def _tokenizer() -> Any:
     # The special tokens after the codec's codes, as in the real vocabulary (151k ids).
-    tok = byte_level_tokenizer(CHAT_TEMPLATE, SPECIAL_TOKENS, TOKEN_ROLES, ordinary=CODEC_VOCAB)
-    ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}
-    torch.manual_seed(seed)
-    model = new_model(Qwen2_5OmniForConditionalGeneration, _config(ids, len(tok)))
-    keep_specials_out_of_replies(model.thinker.lm_head, ids.values())
-    keep_the_waveform(model.token2wav.code2wav_bigvgan_model)  # BigVGAN
-    save_checkpoint(path, model, tok, ids, VISION, "Qwen2_5OmniProcessor", CHAT_TEMPLATE)
+    return byte_level_tokenizer(CHAT_TEMPLATE, SPECIAL_TOKENS, TOKEN_ROLES, ordinary=CODEC_VOCAB)
+
+
+def _speakers(path: Path, ids: dict[str, int], dim: int, seed: int) -> None:
+    """spk_dict.pt: each voice's bos token and conditioning."""
     gen = torch.Generator().manual_seed(seed)
     speakers = {
         voice: {
             "bos_token": ids[f"<|spk_{voice.lower()}|>"],
             # A batch of one, as the real file holds them ([1, 192], [1, frames, 80]); drawn wide
             # enough that the voice changes the speech through random weights.
-            "cond": torch.randn(1, SPEAKER_DIM, generator=gen) * 4.0,
+            "cond": torch.randn(1, dim, generator=gen) * 4.0,
             "ref_mel": torch.randn(1, 40, MEL_DIM, generator=gen) * 4.0,
         }
         for voice in VOICES
     }
     torch.save(speakers, path / "spk_dict.pt")
+
+
+def write_tiny_checkpoint(path: Path, seed: int = 5) -> Path:
+    """Write tiny-qwen2.5-omni into `path` (a directory); returns it."""
+    from transformers import Qwen2_5OmniForConditionalGeneration
+
+    tok = _tokenizer()
+    ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}
+    torch.manual_seed(seed)
+    model = new_model(Qwen2_5OmniForConditionalGeneration, _config(ids, len(tok)))
+    keep_specials_out_of_replies(model.thinker.lm_head, ids.values())
+    keep_the_waveform(model.token2wav.code2wav_bigvgan_model)  # BigVGAN
+    save_checkpoint(path, model, tok, ids, VISION, "Qwen2_5OmniProcessor", CHAT_TEMPLATE)
+    _speakers(path, ids, SPEAKER_DIM, seed)
+    return path
+
+
+def write_config_only(path: Path, sizes: Sizes = FULL_SIZE) -> Path:
+    """Write a Qwen2.5-Omni checkpoint without its weights into `path` (a directory; returns it):
+    the config at `sizes` (by default Qwen2.5-Omni-7B's), the demo's tokenizer, processor files
+    and voices. Its stages serve with `loadFormat: dummy` (random weights built on the device),
+    for speed measurements where the weights cannot be fetched. A reply is noise."""
+    tok = _tokenizer()
+    ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS}
+    path.mkdir(parents=True, exist_ok=True)
+    write_config_files(
+        path, _config(ids, len(tok), sizes), tok, ids, VISION, "Qwen2_5OmniProcessor", CHAT_TEMPLATE
+    )
+    _speakers(path, ids, sizes.speaker_dim, 5)
     return path

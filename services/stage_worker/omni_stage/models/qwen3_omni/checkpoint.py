@@ -33,8 +33,8 @@ from omni_stage.models.qwen_omni.checkpoint import (
     keep_specials_out_of_replies,
     keep_the_waveform,
     new_model,
-    processor_files,
     save_checkpoint,
+    write_config_files,
 )
 from omni_stage.models.qwen_omni.checkpoint import VISION as QWEN2_5_VISION
 
@@ -363,15 +363,9 @@ def write_config_only(path: Path, sizes: Sizes = FULL_SIZE) -> Path:
     demo's tokenizer and processor files. Its stages serve with `loadFormat: dummy` (random
     weights built on the device): what a speed measurement needs on a machine with no network
     and a smaller disk. A reply is noise."""
-    from transformers import GenerationConfig
-
     tok = tokenizer()
     ids = {t: int(tok.convert_tokens_to_ids(t)) for t in SPECIAL_TOKENS + ROLE_WORDS}
-    path.mkdir(parents=True, exist_ok=True)
-    config = _config(ids, len(tok), sizes)
-    config.architectures = ["Qwen3OmniMoeForConditionalGeneration"]
-    config.save_pretrained(path)
-    GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]).save_pretrained(path)
-    tok.save_pretrained(path)
-    processor_files(path, VISION, "Qwen3OmniMoeProcessor", CHAT_TEMPLATE)
+    write_config_files(
+        path, _config(ids, len(tok), sizes), tok, ids, VISION, "Qwen3OmniMoeProcessor", CHAT_TEMPLATE
+    )
     return path

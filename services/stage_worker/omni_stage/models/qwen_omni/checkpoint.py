@@ -84,6 +84,27 @@ def save_checkpoint(
     processor_files(path, vision, processor, template)
 
 
+def write_config_files(
+    path: Path,
+    config: Any,
+    tok: Any,
+    ids: dict[str, int],
+    vision: dict[str, Any],
+    processor: str,
+    template: str,
+) -> None:
+    """A checkpoint's files but its weights (`loadFormat: dummy` builds those): the config, the
+    generation config's eos and pad, the tokenizer, and the processor's files."""
+    from transformers import GenerationConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    config.architectures = [type(config).__name__.removesuffix("Config") + "ForConditionalGeneration"]
+    config.save_pretrained(path)
+    GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]).save_pretrained(path)
+    tok.save_pretrained(path)
+    processor_files(path, vision, processor, template)
+
+
 def processor_files(path: Path, vision: dict[str, Any], processor: str, chat_template: str) -> None:
     """What a real Qwen-Omni checkpoint holds for its processor: the Whisper feature
     extractor's settings and the Qwen2-VL image processor's (`vision`) in one

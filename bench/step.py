@@ -1,0 +1,236 @@
+"""step: the host's work in a decode step of the speaking stages, as a share of the step.
+
+On a GPU, what decides a talker's speed is not its matrix work but everything the host does
+around it each step, during which the device waits: the engine's bookkeeping, sampling, the
+KV caches stacked into one batch and split back (engines/kv_batch.py), and for Qwen3-Omni's
+code predictor transformers' `generate` loop around its 15 sub-steps a frame. This measures
+that share on the real engines (bench.in_process: the example's stage, its own compute thread
+and step batcher), for Qwen2.5-Omni's talker and Qwen3-Omni's talker and code predictor: B
+requests (1 and 8) speak the same thinker reply together, so their steps run as batches of B.
+
+A step's time is its batched call on the compute thread (StepBatcher.seconds, by kind: `decode`
+the talker's next code, `residuals` the code predictor's codes of a frame); the model's own
+forwards in it are timed by forward hooks on the talker's model and on its code predictor (on
+a GPU synchronised at each forward's start and end, so a forward's time is its launches and
+its device time, and what comes before it is not counted in it). The rest is host work the
+device cannot hide: eager steps wait for it, and a step replayed as a CUDA graph would not
+remove it (issue 55: graph-shaped steps are not built yet, so only eager is measured).
+
+Ratios: `host_share_<model>_<kind>_b<B>`, the share of a step outside the forwards (lower is
+better). Also each step's milliseconds and its forwards'.
+
+`--sizes full --device cuda`: both at their real sizes (config-only checkpoints with
+`loadFormat: dummy`: random weights built on the device), for the GPU section of
+docs/benchmarks.md; the tiny demo checkpoints otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.common import machine, parser, report
+from bench.in_process import stage_engine
+from omni_pipeline.sampling import Sampling
+from omni_stage.engines.base import Engine, EngineCall, release_freed_memory
+from omni_stage.engines.batching import StepBatcher
+from omni_stage.payload import concat
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {  # model -> (example, demo checkpoint, {kind: the module whose forwards a step of that kind runs})
+    "qwen2.5-omni": ("qwen2.5-omni.yaml", "tiny-qwen2.5-omni", {"decode": "model"}),
+    "qwen3-omni": (
+        "qwen3-omni.yaml",
+        "tiny-qwen3-omni",
+        {"decode": "model", "residuals": "model.code_predictor"},
+    ),
+}
+THINKER_TOKENS = 24
+TALKER_CODES = 48
+BATCHES = (1, 8)
+
+
+class ForwardClock:
+    """Seconds spent in one module's forwards, by the batch size of the forward's input, counted
+    for single-position forwards (a decode step's) or for all (`steps_only=False`)."""
+
+    def __init__(self, module: torch.nn.Module, steps_only: bool, sync: Callable[[], None]) -> None:
+        self.seconds: Counter[int] = Counter()
+        self._sync = sync
+        self._steps_only = steps_only
+        self._started: tuple[float, int] | None = None
+        self._hooks = [
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post, with_kwargs=True),
+        ]
+
+    def _pre(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        x = kwargs.get("inputs_embeds")
+        if x is None:
+            x = kwargs.get("input_ids", args[0] if args else None)
+        if x is None or (self._steps_only and x.shape[1] != 1):
+            self._started = None
+            return
+        self._sync()
+        self._started = (time.perf_counter(), int(x.shape[0]))
+
+    def _post(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        if self._started is not None:
+            self._sync()
+            t0, batch = self._started
+            self.seconds[batch] += time.perf_counter() - t0
+            self._started = None
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def module_at(engine: Engine, path: str) -> torch.nn.Module:
+    obj: Any = engine
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def batcher_of(engine: Engine) -> StepBatcher[Any, Any]:
+    return next(b for b in vars(engine).values() if isinstance(b, StepBatcher))
+
+
+async def thought(thinker: Engine, tokens: int) -> dict[str, Any]:
+    """The thinker's whole reply to one prompt (its outputs joined): what each talker request speaks."""
+    request = {
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me about the sea."}]}]
+    }
+    sampling = Sampling(max_tokens=tokens, min_tokens=tokens)
+    outs = [
+        o
+        async for o in thinker.generate(
+            EngineCall("thought", {"request": request | {"media": {}}}, True, sampling)
+        )
+    ]
+    return concat([o.data for o in outs if o.data])
+
+
+@contextmanager
+def clocks(
+    talker: Engine, kinds: dict[str, str], sync: Callable[[], None]
+) -> Iterator[dict[str, ForwardClock]]:
+    made = {
+        kind: ForwardClock(module_at(talker, path), kind == "decode", sync) for kind, path in kinds.items()
+    }
+    try:
+        yield made
+    finally:
+        for clock in made.values():
+            clock.remove()
+
+
+async def speak_together(talker: Engine, reply: dict[str, Any], batch: int, codes: int) -> None:
+    """`batch` requests speaking `reply` at once, to their ends."""
+
+    async def one(i: int) -> None:
+        call = EngineCall(f"b{batch}-{i}", {"thinker": reply}, True, Sampling(max_tokens=codes))
+        async for _ in talker.generate(call):
+            pass
+
+    await asyncio.gather(*(one(i) for i in range(batch)))
+
+
+async def measure(name: str, model: Path, device: str, dtype: str, dummy: bool, codes: int) -> dict[str, Any]:
+    example, _, kinds = MODELS[name]
+    extra: dict[str, Any] = {"device": device, "dtype": dtype} | ({"loadFormat": "dummy"} if dummy else {})
+    thinker = stage_engine(ROOT / "examples" / example, "thinker", model, 1, **extra)
+    talker = stage_engine(ROOT / "examples" / example, "talker", model, max(BATCHES), **extra)
+    for e in (thinker, talker):
+        await e.start()
+    reply = await thought(thinker, THINKER_TOKENS)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    batcher = batcher_of(talker)
+    out: dict[str, Any] = {}
+    await speak_together(talker, reply, 1, 4)  # warm-up: the first forwards' one-off costs
+    for batch in BATCHES:
+        seconds, calls = Counter(batcher.seconds), Counter(batcher.calls)
+        with clocks(talker, kinds, sync) as clock:
+            await speak_together(talker, reply, batch, codes)
+        for kind in kinds:
+            n = batcher.calls[kind, batch] - calls[kind, batch]
+            step = batcher.seconds[kind, batch] - seconds[kind, batch]
+            forward = clock[kind].seconds[batch]
+            if n == 0:
+                continue
+            out[f"{kind}_b{batch}"] = {
+                "steps": n,
+                "step_ms": round(step / n * 1000, 3),
+                "forward_ms": round(forward / n * 1000, 3),
+                "host_share": round(1 - forward / step, 3),
+            }
+    for e in (thinker, talker):
+        await e.close()
+    return out
+
+
+async def run(args: Any) -> dict[str, Any]:
+    cuda = args.device == "cuda"
+    dtype = "bfloat16" if cuda else "float32"
+    codes = 12 if args.quick else TALKER_CODES
+    models: dict[str, dict[str, Any]] = {}
+    if args.sizes == "full":
+        from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
+        from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
+
+        for name, family in (("qwen3-omni", qwen3_omni), ("qwen2.5-omni", qwen2_5_omni)):
+            model = family.write_config_only(Path(args.model_dir) / name)
+            models[name] = await measure(name, model, args.device, dtype, True, codes)
+            release_freed_memory()
+    else:
+        from bench.procs import demo_models  # (not on a GPU machine: it has the core's imports only)
+
+        with demo_models() as demo:
+            for name, (_, checkpoint, _) in MODELS.items():
+                models[name] = await measure(
+                    name, demo / "models" / checkpoint, args.device, dtype, False, codes
+                )
+    return {
+        "benchmark": "step",
+        "machine": machine() | ({"gpu": torch.cuda.get_device_name()} if cuda else {}),
+        "sizes": args.sizes,
+        "talker_codes": codes,
+        "models": models,
+        "ratios": {
+            f"host_share_{name}_{kind}": m["host_share"]
+            for name, ms in models.items()
+            for kind, m in ms.items()
+        },
+    }
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--sizes", choices=("tiny", "full"), default="tiny")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument(
+        "--model-dir", default="/tmp/qwen3-omni-full-size", help="--sizes full: where its config goes"
+    )
+    args = ap.parse_args()
+    result = asyncio.run(run(args))
+    rows = [
+        (
+            f"{name} {kind}",
+            f"step {m['step_ms']} ms, forwards {m['forward_ms']} ms, host {m['host_share']:.0%}",
+        )
+        for name, ms in result["models"].items()
+        for kind, m in ms.items()
+    ]
+    report("step", rows, result, args)
+
+
+if __name__ == "__main__":
+    main()
