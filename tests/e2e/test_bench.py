@@ -34,6 +34,12 @@ RATIOS = {
         "ttfp_c8_vs_c1",
     },
     "realtime": {"first_audio_10s_vs_2s", "first_audio_turn5_vs_turn1"},
+    "step": {
+        f"host_share_{model}_{kind}_b{batch}"
+        for model, kinds in (("qwen2.5-omni", ("decode",)), ("qwen3-omni", ("decode", "residuals")))
+        for kind in kinds
+        for batch in (1, 8)
+    },
     "sleep": {"tiny-omni_rss_asleep_vs_awake_min", "tiny-omni_rss_asleep_vs_awake_max"},
     "video": {"sync_vs_diffusers", "job_c1_vs_diffusers", "jobs_c2_vs_c1"},
     "image": {"edit_c1_vs_diffusers", "edits_c4_vs_c1", "generations_c4_vs_c1"},

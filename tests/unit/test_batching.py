@@ -42,6 +42,10 @@ def test_pieces_that_wait_run_together_by_key_and_a_bad_one_fails_alone() -> Non
         # left, oldest first: b's [5], a's [6].
         assert run.calls == [[1], [2, 13, 4], [2], [13], [4], [5], [6]]
         assert b.batch_sizes == {1: 3, 3: 1}
+        # Timed by key and size: the calls that answered their batch whole (not the failed
+        # batch, nor its pieces run again alone).
+        assert b.calls == {("a", 1): 2, ("b", 1): 1}
+        assert b.seconds.keys() == b.calls.keys() and all(s > 0 for s in b.seconds.values())
 
     asyncio.run(go())
 

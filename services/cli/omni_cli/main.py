@@ -88,6 +88,15 @@ def cmd_init_demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_init_config_only(a: argparse.Namespace) -> int:
+    from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
+    from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
+
+    family = {"qwen3-omni": qwen3_omni, "qwen2.5-omni": qwen2_5_omni}[a.model]
+    print(f"{a.model}: {family.write_config_only(Path(a.dir))} (serve with engine.args.loadFormat: dummy)")
+    return 0
+
+
 def cmd_crd(a: argparse.Namespace) -> int:
     import yaml
 
@@ -186,6 +195,14 @@ def parser() -> argparse.ArgumentParser:
     m = msub.add_parser("init-demo", help="build the tiny random-weight demo models offline")
     m.add_argument("dir")
     m.set_defaults(fn=cmd_init_demo)
+    m = msub.add_parser(
+        "init-config-only",
+        help="a real-sized checkpoint without weights (Qwen3-Omni-30B-A3B's, Qwen2.5-Omni-7B's), "
+        "served with loadFormat: dummy",
+    )
+    m.add_argument("model", choices=("qwen3-omni", "qwen2.5-omni"))
+    m.add_argument("dir")
+    m.set_defaults(fn=cmd_init_config_only)
 
     s = sub.add_parser("crd", help="print the OmniPipeline CustomResourceDefinition (YAML)")
     s.set_defaults(fn=cmd_crd)

@@ -57,10 +57,10 @@ class StepBatcher(Generic[I, O]):
         self.batch_sizes: Counter[int] = Counter()
         """How many batches of each size have run (for tests and metrics)."""
         self.seconds: Counter[tuple[Hashable, int]] = Counter()
-        """Seconds the batched calls took, by key and batch size (`omni bench step` divides the
-        time of a kind of step by its forwards')."""
+        """Seconds the calls that answered their whole batch took, by key and batch size (`omni
+        bench step` sets a kind of step's time against its forwards')."""
         self.calls: Counter[tuple[Hashable, int]] = Counter()
-        """Batched calls run, by key and batch size."""
+        """Those calls, by key and batch size."""
 
     def submit(self, key: Hashable, item: I, first: bool = False) -> asyncio.Future[O]:
         """Queue `item` now; the future is its result. Cancelling it drops the item. `first`:

@@ -37,6 +37,7 @@ from omni_stage.models.qwen_omni.checkpoint import (
     save_checkpoint,
     write_config_files,
 )
+from omni_stage.models.qwen_omni.checkpoint import Sizes as FamilySizes
 
 MROPE_SECTION: Final = [4, 6, 6]  # sums to head_dim / 2, as [16, 24, 24] does for 128
 CODEC_VOCAB: Final = 8448
@@ -100,18 +101,11 @@ CHAT_TEMPLATE: Final = (
 
 
 @dataclass(frozen=True, slots=True)
-class Sizes:
-    """The dimensions of each part: tiny (the demo's) or Qwen2.5-Omni-7B's (FULL_SIZE)."""
+class Sizes(FamilySizes):
+    """Its dimensions, tiny (the demo's) or Qwen2.5-Omni-7B's (FULL_SIZE), with its speech parts'."""
 
-    thinker: dict[str, Any]
-    thinker_vocab: int | None
-    """The thinker's vocabulary: None for the tokenizer's own (the tiny model's)."""
-    audio: dict[str, Any]
-    vision: dict[str, Any]
-    talker: dict[str, Any]
     dit: dict[str, Any]
     bigvgan: dict[str, Any]
-    mrope_section: list[int]
     speaker_dim: int
     """The DiT's ECAPA speaker embedding: a voice's `cond` in spk_dict.pt."""
     tiny_init: bool

@@ -37,6 +37,7 @@ from omni_stage.models.qwen_omni.checkpoint import (
     write_config_files,
 )
 from omni_stage.models.qwen_omni.checkpoint import VISION as QWEN2_5_VISION
+from omni_stage.models.qwen_omni.checkpoint import Sizes as FamilySizes
 
 GROUPS: Final = 4
 CODEC_VOCAB: Final = 3072
@@ -93,18 +94,11 @@ def tokenizer() -> Any:
 
 
 @dataclass(frozen=True, slots=True)
-class Sizes:
-    """The dimensions of each part: tiny (the demo's) or Qwen3-Omni-30B-A3B's (FULL_SIZE)."""
+class Sizes(FamilySizes):
+    """Its dimensions, tiny (the demo's) or Qwen3-Omni-30B-A3B's (FULL_SIZE), with its speech parts'."""
 
-    thinker: dict[str, Any]
-    thinker_vocab: int | None
-    """The thinker's vocabulary: None for the tokenizer's own (the tiny model's)."""
-    audio: dict[str, Any]
-    vision: dict[str, Any]
-    talker: dict[str, Any]
     code_predictor: dict[str, Any]
     code2wav: dict[str, Any]
-    mrope_section: list[int]
     groups: int
     accept_hidden_layer: int
     initializer_range: float | None

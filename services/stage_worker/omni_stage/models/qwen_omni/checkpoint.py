@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -93,8 +94,7 @@ def write_config_files(
     processor: str,
     template: str,
 ) -> None:
-    """A checkpoint's files but its weights (`loadFormat: dummy` builds those): the config, the
-    generation config's eos and pad, the tokenizer, and the processor's files."""
+    """What `save_checkpoint` writes but the weights (`loadFormat: dummy` builds those)."""
     from transformers import GenerationConfig
 
     path.mkdir(parents=True, exist_ok=True)
@@ -103,6 +103,21 @@ def write_config_files(
     GenerationConfig(eos_token_id=ids["<|im_end|>"], pad_token_id=ids["<|endoftext|>"]).save_pretrained(path)
     tok.save_pretrained(path)
     processor_files(path, vision, processor, template)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """A family's dimensions, tiny (its demo's) or its real model's: what both families' have;
+    each adds its speech parts'."""
+
+    thinker: dict[str, Any]
+    """The thinker's decoder."""
+    thinker_vocab: int | None
+    """The thinker's vocabulary: None for the tokenizer's own (the tiny models')."""
+    audio: dict[str, Any]
+    vision: dict[str, Any]
+    talker: dict[str, Any]
+    mrope_section: list[int]
 
 
 def processor_files(path: Path, vision: dict[str, Any], processor: str, chat_template: str) -> None:

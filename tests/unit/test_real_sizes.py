@@ -1,0 +1,123 @@
+"""The real models' shapes without their weights: config-only checkpoints at Qwen3-Omni-30B-A3B's
+and Qwen2.5-Omni-7B's sizes (what a GPU run serves where the weights cannot be fetched or do
+not fit the disk), and `loadFormat: dummy`, which builds a part at its config's sizes with
+random weights on the device (vLLM's `load_format: dummy`)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import torch
+
+from bench.in_process import stage_engine
+from omni_pipeline.sampling import Sampling
+from omni_stage.engines.base import EngineCall, EngineError
+from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
+from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
+from omni_stage.models.qwen_omni.parts import DUMMY_RANGE
+from omni_stage.payload import concat
+from tests.helpers import OMNI, ROOT
+
+
+def _on_meta(config: Any, cls: Any) -> dict[str, float]:
+    """Billions of parameters of each part, the model built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = cls(config)
+    return {name: sum(p.numel() for p in part.parameters()) / 1e9 for name, part in model.named_children()}
+
+
+def test_qwen3_omni_config_only_is_30b_a3b(tmp_path: Path) -> None:
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    path = qwen3_omni.write_config_only(tmp_path)
+    assert not list(path.glob("*.safetensors")) and (path / "tokenizer.json").exists()
+    c = Qwen3OmniMoeConfig.from_pretrained(path)
+    text, talker = c.thinker_config.text_config, c.talker_config
+    assert (text.num_hidden_layers, text.num_experts, text.num_experts_per_tok, text.vocab_size) == (
+        48,
+        128,
+        8,
+        152064,
+    )
+    assert (talker.num_code_groups, talker.accept_hidden_layer, talker.text_config.num_hidden_layers) == (
+        16,
+        24,
+        20,
+    )
+    sizes = _on_meta(c, Qwen3OmniMoeForConditionalGeneration)
+    assert 31.5 < sizes["thinker"] < 32 and 3.2 < sizes["talker"] < 3.4 and 0.2 < sizes["code2wav"] < 0.25
+
+
+def test_qwen2_5_omni_config_only_is_7b(tmp_path: Path) -> None:
+    from transformers import Qwen2_5OmniConfig, Qwen2_5OmniForConditionalGeneration
+
+    path = qwen2_5_omni.write_config_only(tmp_path)
+    voices = torch.load(path / "spk_dict.pt", weights_only=True)
+    assert {v: s["cond"].shape for v, s in voices.items()} == {"Chelsie": (1, 192), "Ethan": (1, 192)}
+    c = Qwen2_5OmniConfig.from_pretrained(path)
+    assert (c.thinker_config.text_config.hidden_size, c.talker_config.num_hidden_layers) == (3584, 24)
+    sizes = _on_meta(c, Qwen2_5OmniForConditionalGeneration)
+    assert 8.8 < sizes["thinker"] < 9.1 and 1.3 < sizes["talker"] < 1.4 and 0.4 < sizes["token2wav"] < 0.5
+
+
+def _tiny(family: ModuleType, path: Path) -> Path:
+    """A config-only checkpoint at the demo's sizes, with the real vocabulary (152064 ids: a reply
+    then holds ids past the demo tokenizer's)."""
+    return family.write_config_only(path, dataclasses.replace(family.TINY, thinker_vocab=152064))
+
+
+@pytest.mark.parametrize(
+    ("family", "example"),
+    [(qwen3_omni, "qwen3-omni.yaml"), (qwen2_5_omni, "qwen2.5-omni.yaml")],
+    ids=["qwen3-omni", "qwen2.5-omni"],
+)
+def test_dummy_weights_are_small_seeded_and_speak(family: ModuleType, example: str, tmp_path: Path) -> None:
+    """Every weight drawn from +-DUMMY_RANGE, the same at every load (two replicas compute the
+    same); the thinker writes the tokens asked (min_tokens: none ends it early) and the talker
+    speaks them."""
+    model = _tiny(family, tmp_path)
+
+    async def go() -> tuple[list[torch.Tensor], list[int], Any]:
+        thinker, talker, again = (
+            stage_engine(ROOT / "examples" / example, name, model, 1, loadFormat="dummy")
+            for name in ("thinker", "talker", "talker")
+        )
+        for e in (thinker, talker, again):
+            await e.start()
+        request = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "media": {}}
+        sampling = Sampling(max_tokens=6, min_tokens=6)
+        thought = [o async for o in thinker.generate(EngineCall("r", {"request": request}, True, sampling))]
+        reply = concat([o.data for o in thought if o.data])
+        call = EngineCall("r", {"thinker": reply}, True, Sampling(max_tokens=8))
+        codes = concat([o.data async for o in talker.generate(call)])["codes"]
+        weights = [p.detach() for p in talker.model.parameters() if p.is_floating_point()]  # type: ignore[attr-defined]
+        same = all(torch.equal(a, b) for a, b in zip(weights, again.model.parameters(), strict=True))  # type: ignore[attr-defined]
+        return weights, [o.units for o in thought], (codes, same)
+
+    weights, units, (codes, same) = asyncio.run(go())
+    assert all(float(w.abs().max()) <= DUMMY_RANGE for w in weights) and same
+    assert sum(units) == 6 and codes.shape[0] > 0
+
+
+def test_an_unknown_load_format_is_refused_by_name(tmp_path: Path) -> None:
+    model = _tiny(qwen3_omni, tmp_path)
+    with pytest.raises(EngineError, match=r"loadFormat must be one of auto, dummy; got 'random'"):
+        stage_engine(ROOT / "examples" / "qwen3-omni.yaml", "talker", model, 1, loadFormat="random")
+
+
+def test_omni_models_writes_a_config_only_checkpoint(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [*OMNI, "models", "init-config-only", "qwen2.5-omni", str(tmp_path / "q")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "loadFormat: dummy" in out.stdout
+    assert (tmp_path / "q" / "config.json").exists() and (tmp_path / "q" / "spk_dict.pt").exists()
