@@ -4,8 +4,9 @@ Each request keeps its own `DynamicCache` (its length, its positions), so reques
 freely. For a step taken together, the caches are stacked into one batch, left-padded to the
 longest, with an attention mask that hides the padding and each row's own positions; after
 the forward each request gets its row back, padding cut off. This copies the caches once a
-step: right for the small models these engines run on CPU; on GPUs, autoregressive stages
-belong on vLLM, whose paged cache needs no copy.
+step (half of a batch-8 talker step on the CPU, a quarter on a GPU: `omni bench step`), and a
+cache that grows and moves cannot be replayed as a CUDA graph: a cache allocated once per
+replica replaces it (docs/architecture.md, Talkers on GPUs; not built yet).
 """
 
 from __future__ import annotations
