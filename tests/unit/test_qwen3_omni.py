@@ -305,6 +305,30 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
     assert together == alone == not_compiled
 
 
+def test_static_frames_draw_what_generate_draws(model: Path) -> None:
+    """The code predictor's graph-shaped frame (StaticFrames: a batch padded up to its bucket, a
+    cache allocated once, a fixed loop of sub-steps: what CUDA replays as a graph) draws the
+    codes transformers' `generate` draws for each frame, alone and in batches (3 rows padded to
+    4, 4 rows exactly), on random inputs of the talker's width. The graphs themselves need CUDA:
+    scripts/gpu_graphs.py holds them to the same codes where a GPU is lent."""
+    from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, residual_codes
+
+    talker = engine("talker", model)
+    asyncio.run(talker.start())
+    m, groups = talker.model, talker.groups  # type: ignore[attr-defined]
+    width = m.code_predictor.config.hidden_size
+    gen = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        frames = StaticFrames(m, groups, max_batch=4, capture=False)
+        assert frames.buckets == (1, 2, 4)
+        for n in (1, 3, 4, 1, 2):
+            hidden = torch.randn(n, 1, width, generator=gen)
+            code0 = torch.randint(0, 2048, (n,), generator=gen).tolist()
+            drawn = frames.residuals(hidden, code0)
+            assert drawn == residual_codes(m, hidden, code0, groups)
+            assert all(len(row) == groups - 1 for row in drawn)
+
+
 @pytest.mark.parametrize("media", ["audio and image", "video"])
 def test_with_an_encoder_stage_the_pipeline_computes_the_same(model: Path, media: str) -> None:
     """The encoder stage (Qwen3-Omni's audio and vision encoders alone, its vision encoder's

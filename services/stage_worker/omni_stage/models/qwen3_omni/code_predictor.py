@@ -6,7 +6,7 @@ shape (Qwen3-TTS's) reads the same code."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -33,3 +33,78 @@ def frame_embedding(talker: Any, codes: list[int]) -> torch.Tensor:
     tables = [talker.get_input_embeddings(), *talker.code_predictor.get_input_embeddings()]
     each = [t(torch.tensor([[c]], device=device)) for t, c in zip(tables, codes, strict=True)]
     return torch.cat(each, dim=1).sum(1, keepdim=True)
+
+
+BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64)
+"""Batch sizes a frame is padded up to: one fixed shape (and, on CUDA, one graph) each."""
+
+
+class StaticFrames:
+    """The code predictor's frames at fixed shapes: a batch padded up to its bucket, a cache of
+    the frame's length allocated once per bucket, the sub-steps a fixed loop, greedy, computing
+    what `residual_codes` (transformers' `generate`) computes without its per-call work. On
+    CUDA (`capture`) each bucket's whole frame, prefill and every sub-step, is captured as one
+    CUDA graph at start and replayed: one launch a frame instead of some thousand (eager, a
+    frame of the real model's 15 sub-steps took 99 ms of an H200's host time: docs/benchmarks.md,
+    GPU)."""
+
+    def __init__(self, talker: Any, groups: int, max_batch: int, capture: bool) -> None:
+        from transformers import StaticCache
+
+        self.talker = talker
+        self.groups = groups
+        self.buckets = tuple(sorted({b for b in BUCKETS if b < max_batch} | {max_batch}))
+        p = talker.get_input_embeddings().weight
+        width = int(talker.code_predictor.config.hidden_size)
+        config = talker.code_predictor.config
+        self._inputs = {b: torch.zeros(b, 2, width, device=p.device, dtype=p.dtype) for b in self.buckets}
+        # The frame's positions: its two prompt rows, then one a sub-step but the last's.
+        self._caches = {b: StaticCache(config=config, max_cache_len=groups) for b in self.buckets}
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if capture:
+            for b in self.buckets:
+                self._graphs[b] = self._capture(b)
+
+    def residuals(self, hidden: torch.Tensor, code0: list[int]) -> list[list[int]]:
+        """As `residual_codes`: each frame's codes after its first (`hidden` [n, 1, H])."""
+        n = len(code0)
+        b = next(b for b in self.buckets if b >= n)
+        first = torch.tensor([[c] for c in code0], device=hidden.device)
+        inputs = self._inputs[b]
+        inputs[:n] = torch.cat([hidden, self.talker.get_input_embeddings()(first)], dim=1)
+        inputs[n:] = 0  # rows past the batch: computed and dropped
+        if b in self._graphs:
+            graph, drawn = self._graphs[b]
+            graph.replay()
+        else:
+            drawn = self._frame(b)
+        return drawn[:n].tolist()
+
+    def _frame(self, b: int) -> torch.Tensor:
+        """[b, groups - 1]: the greedy codes after the bucket's inputs, on its cache."""
+        predictor = self.talker.code_predictor
+        cache = self._caches[b]
+        cache.reset()
+        out = predictor(inputs_embeds=self._inputs[b], past_key_values=cache, use_cache=True)
+        drawn = [out.logits[:, -1].argmax(-1)]
+        for step in range(1, self.groups - 1):
+            out = predictor(
+                input_ids=drawn[-1][:, None], past_key_values=cache, use_cache=True, generation_steps=step
+            )
+            drawn.append(out.logits[:, -1].argmax(-1))
+        return torch.stack(drawn, dim=1)
+
+    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """The bucket's frame as a CUDA graph, and the tensor its replays write the codes into.
+        Run twice first on a side stream, as CUDA graphs want (the cache allocates, kernels
+        choose their algorithms)."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._frame(b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            drawn = self._frame(b)
+        return graph, drawn

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -15,7 +16,7 @@ from omni_stage.engines.base import EngineCall
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together, warm_up
 from omni_stage.engines.prompt_cache import Sequence, same_rows
-from omni_stage.models.qwen3_omni.code_predictor import frame_embedding, predict, residual_codes
+from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding, predict, residual_codes
 from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, talker_prompt
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
@@ -29,6 +30,7 @@ from omni_stage.models.qwen_omni.parts import (
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
 from omni_stage.segments import EngineOutput
 
+LOG = logging.getLogger(__name__)
 DEFAULT_VOICE: Final = "Ethan"
 SUPPRESSED_TOP: Final = 1024
 """The reference suppresses the top 1024 ids of the talker's vocabulary (its control codes),
@@ -94,6 +96,8 @@ class Qwen3Talker(Part):
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
         self.prompt_caches = self._kept_conversations()
         self.compiled = compiler(stage, graphs=False)
+        self.frames: StaticFrames | None = None
+        """On CUDA, the code predictor's frames replayed as CUDA graphs (code_predictor.py)."""
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
@@ -122,6 +126,31 @@ class Qwen3Talker(Part):
         self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
         if compiles(self.stage):
             self._warm_up()
+        self._capture_frames()
+
+    @torch.inference_mode()  # as requests run them: the graphs' caches are inference tensors
+    def _capture_frames(self) -> None:
+        """On CUDA, at start and at each wake: the code predictor's frame as one CUDA graph per
+        batch bucket (its weights' addresses are the graphs', so they are captured again after
+        the weights move). Elsewhere `generate` draws the frames."""
+        self.frames = None
+        if self.device.type != "cuda":
+            return
+        try:
+            self.frames = StaticFrames(self.model, self.groups, self.max_batch, capture=True)
+        except RuntimeError as exc:  # a kernel the capture refuses: the same frames, launched
+            LOG.warning(
+                "stage %s: code predictor frames not captured as CUDA graphs: %s", self.stage.name, exc
+            )
+            self.frames = StaticFrames(self.model, self.groups, self.max_batch, capture=False)
+
+    def _release_weights(self, level: int) -> None:
+        self.frames = None  # (its graphs read the weights being moved or dropped)
+        super()._release_weights(level)
+
+    def _restore_weights(self) -> None:
+        super()._restore_weights()
+        self._capture_frames()
 
     @torch.inference_mode()  # as requests run them: a compile is guarded on the mode
     def _warm_up(self) -> None:
@@ -240,7 +269,11 @@ class Qwen3Talker(Part):
         sts = [s.st for s in steps]
         assert all(st.last_hidden is not None for st in sts)
         hidden = torch.cat([st.last_hidden for st in sts])  # type: ignore[misc]
-        drawn = residual_codes(self.model, hidden, [st.code0 for st in sts], self.groups)
+        code0 = [st.code0 for st in sts]
+        if self.frames is not None:
+            drawn = self.frames.residuals(hidden, code0)
+        else:
+            drawn = residual_codes(self.model, hidden, code0, self.groups)
         return [_Step(st, residuals=row) for st, row in zip(sts, drawn, strict=True)]
 
     def _decodes(self, steps: list[_Step]) -> list[_Step]:

@@ -1,0 +1,95 @@
+"""Qwen3-Omni's code predictor frames replayed as CUDA graphs, at the real model's size: the
+same codes as the same frame run eagerly, and the time of a frame graphed, eager at fixed
+shapes, and through transformers' `generate` (what the stage ran before), by batch size.
+
+The talker stage on CUDA captures its frames at start (omni_stage.models.qwen3_omni.
+code_predictor.StaticFrames); this builds it as a stage does, on a config-only checkpoint at
+Qwen3-Omni-30B-A3B's sizes with `loadFormat: dummy`, and compares its graphs' codes with the
+same StaticFrames run without graphs (identical kernels: equal to the bit), and, for the
+record only, with `generate`'s (bf16 on random weights of +-1e-3 puts many logits within a
+rounding of each other, so a different kernel order may pick another: that agreement is
+printed, not required; tests/unit/test_qwen3_omni.py holds the fixed-shape frame equal to
+`generate` in float32 on this CPU).
+
+Not part of the suite (CI has no GPU). From the repository root, the project importable:
+    python scripts/gpu_graphs.py OUT.json [--batches 1 8 16] [--frames 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.in_process import stage_engine
+from omni_stage.models.qwen3_omni.checkpoint import write_config_only
+from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, residual_codes
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "qwen3-omni.yaml"
+
+
+def timed(fn: Callable[[], Any], frames: int) -> float:
+    """Milliseconds a call, the device synchronised, over `frames` calls after one."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(frames):
+        fn()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t0) / frames * 1000, 3)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("out")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 16])
+    p.add_argument("--frames", type=int, default=20)
+    p.add_argument("--model-dir", default="/tmp/omni-config-only/qwen3-omni")
+    a = p.parse_args()
+    model = write_config_only(Path(a.model_dir))
+    talker = stage_engine(
+        EXAMPLE, "talker", model, max(a.batches), device="cuda", dtype="bfloat16", loadFormat="dummy"
+    )
+    t0 = time.perf_counter()
+    asyncio.run(talker.start())  # captures the frames' graphs
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(),
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "start_s": round(time.perf_counter() - t0, 1),
+        "captured": bool(talker.frames._graphs),  # type: ignore[attr-defined]
+        "batches": {},
+    }
+    graphed: StaticFrames = talker.frames  # type: ignore[attr-defined]
+    m, groups = talker.model, talker.groups  # type: ignore[attr-defined]
+    width = m.code_predictor.config.hidden_size
+    with torch.inference_mode():
+        eager = StaticFrames(m, groups, max(a.batches), capture=False)
+        for n in a.batches:
+            hidden = torch.randn(n, 1, width, device="cuda", dtype=torch.bfloat16)
+            code0 = torch.randint(0, 2048, (n,)).tolist()
+            ours = graphed.residuals(hidden, code0)
+            theirs = residual_codes(m, hidden, code0, groups)
+            result["batches"][n] = {
+                "graphed_equals_eager": ours == eager.residuals(hidden, code0),
+                "rows_equal_to_generate": sum(a == b for a, b in zip(ours, theirs, strict=True)),
+                "graphed_ms": timed(lambda h=hidden, c=code0: graphed.residuals(h, c), a.frames),
+                "eager_fixed_ms": timed(lambda h=hidden, c=code0: eager.residuals(h, c), a.frames),
+                "generate_ms": timed(lambda h=hidden, c=code0: residual_codes(m, h, c, groups), a.frames),
+            }
+            print(n, json.dumps(result["batches"][n]), flush=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(f"{'batch':>5} {'graphed ms':>10} {'eager fixed':>11} {'generate':>9} {'same':>5}")
+    for n, r in result["batches"].items():
+        row = (n, r["graphed_ms"], r["eager_fixed_ms"], r["generate_ms"], str(r["graphed_equals_eager"]))
+        print("{:>5} {:>10} {:>11} {:>9} {:>5}".format(*row))
+
+
+if __name__ == "__main__":
+    main()
