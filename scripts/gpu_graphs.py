@@ -2,8 +2,8 @@
 same codes as the same frame run eagerly, and the time of a frame graphed, eager at fixed
 shapes, and through transformers' `generate` (what the stage ran before), by batch size.
 
-The talker stage on CUDA captures its frames at start (omni_stage.models.qwen3_omni.
-code_predictor.StaticFrames); this builds it as a stage does, on a config-only checkpoint at
+The talker stage with `cudaGraphs: true` on CUDA captures its frames at start (omni_stage.models.
+qwen3_omni.code_predictor.StaticFrames); this builds it as a stage does, on a config-only checkpoint at
 Qwen3-Omni-30B-A3B's sizes with `loadFormat: dummy`, and compares its graphs' codes with the
 same StaticFrames run without graphs (identical kernels: equal to the bit), and, for the
 record only, with `generate`'s (bf16 on random weights of +-1e-3 puts many logits within a
@@ -54,7 +54,14 @@ def main() -> None:
     a = p.parse_args()
     model = write_config_only(Path(a.model_dir))
     talker = stage_engine(
-        EXAMPLE, "talker", model, max(a.batches), device="cuda", dtype="bfloat16", loadFormat="dummy"
+        EXAMPLE,
+        "talker",
+        model,
+        max(a.batches),
+        device="cuda",
+        dtype="bfloat16",
+        loadFormat="dummy",
+        cudaGraphs=True,
     )
     t0 = time.perf_counter()
     asyncio.run(talker.start())  # captures the frames' graphs

@@ -21,7 +21,7 @@ from omni_gateway.media import decode_media
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.settings import MediaSpec
 from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import CallState, Engine, EngineCall
+from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError
 from omni_stage.engines.registry import build_engine
 from omni_stage.payload import concat
 from tests.helpers import COMPILE_TIMEOUT_S, ROOT
@@ -327,6 +327,8 @@ def test_static_frames_draw_what_generate_draws(model: Path) -> None:
             drawn = frames.residuals(hidden, code0)
             assert drawn == residual_codes(m, hidden, code0, groups)
             assert all(len(row) == groups - 1 for row in drawn)
+    with pytest.raises(EngineError, match="cudaGraphs needs device: cuda"):
+        engine("talker", model, cudaGraphs=True)
 
 
 @pytest.mark.parametrize("media", ["audio and image", "video"])

@@ -105,6 +105,6 @@ class StaticFrames:
                 self._frame(b)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other engines' threads may run
             drawn = self._frame(b)
         return graph, drawn

@@ -12,7 +12,7 @@ import torch
 from omni_pipeline.payloads import Audio, Codes, ThinkerStep
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import EngineCall
+from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together, warm_up
 from omni_stage.engines.prompt_cache import Sequence, same_rows
@@ -97,7 +97,9 @@ class Qwen3Talker(Part):
         self.prompt_caches = self._kept_conversations()
         self.compiled = compiler(stage, graphs=False)
         self.frames: StaticFrames | None = None
-        """On CUDA, the code predictor's frames replayed as CUDA graphs (code_predictor.py)."""
+        """With `cudaGraphs`, the code predictor's frames replayed as CUDA graphs (code_predictor.py)."""
+        if self.args.get("cudaGraphs", False) and self.device.type != "cuda":
+            raise EngineError(f"stage '{stage.name}': engine.args.cudaGraphs needs device: cuda")
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
@@ -130,11 +132,12 @@ class Qwen3Talker(Part):
 
     @torch.inference_mode()  # as requests run them: the graphs' caches are inference tensors
     def _capture_frames(self) -> None:
-        """On CUDA, at start and at each wake: the code predictor's frame as one CUDA graph per
-        batch bucket (its weights' addresses are the graphs', so they are captured again after
-        the weights move). Elsewhere `generate` draws the frames."""
+        """With `cudaGraphs: true` on CUDA, at start and at each wake: the code predictor's frame
+        as one CUDA graph per batch bucket (its weights' addresses are the graphs', so they are
+        captured again after the weights move). Otherwise `generate` draws the frames. Off by
+        default until a GPU has run it (scripts/gpu_graphs.py: not yet, docs/models.md)."""
         self.frames = None
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" or not self.args.get("cudaGraphs", False):
             return
         try:
             self.frames = StaticFrames(self.model, self.groups, self.max_batch, capture=True)
