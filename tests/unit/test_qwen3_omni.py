@@ -307,11 +307,12 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
 
 def test_static_frames_draw_what_generate_draws(model: Path) -> None:
     """The code predictor's graph-shaped frame (StaticFrames: a batch padded up to its bucket, a
-    cache allocated once, a fixed loop of sub-steps: what CUDA replays as a graph) draws the
-    codes transformers' `generate` draws for each frame, alone and in batches (3 rows padded to
-    4, 4 rows exactly), on random inputs of the talker's width. The graphs themselves need CUDA:
+    cache allocated once, a fixed loop of sub-steps; what the talker draws its frames with, and
+    what CUDA replays as a graph) draws the codes transformers' `generate` draws for each frame,
+    as the reference's talker calls it, alone and in batches (3 rows padded to 4, 4 rows
+    exactly), on random inputs of the talker's width. The graphs themselves need CUDA:
     scripts/gpu_graphs.py holds them to the same codes where a GPU is lent."""
-    from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, residual_codes
+    from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
 
     talker = engine("talker", model)
     asyncio.run(talker.start())
@@ -325,7 +326,12 @@ def test_static_frames_draw_what_generate_draws(model: Path) -> None:
             hidden = torch.randn(n, 1, width, generator=gen)
             code0 = torch.randint(0, 2048, (n,), generator=gen).tolist()
             drawn = frames.residuals(hidden, code0)
-            assert drawn == residual_codes(m, hidden, code0, groups)
+            first = m.get_input_embeddings()(torch.tensor([[c] for c in code0]))
+            inputs = torch.cat([hidden, first], dim=1)  # as the reference's talker feeds it
+            codes = m.code_predictor.generate(
+                inputs_embeds=inputs, max_new_tokens=groups - 1, do_sample=False
+            )
+            assert drawn == codes[:, -(groups - 1) :].tolist()
             assert all(len(row) == groups - 1 for row in drawn)
     with pytest.raises(EngineError, match="cudaGraphs needs device: cuda"):
         engine("talker", model, cudaGraphs=True)

@@ -11,21 +11,6 @@ from typing import Any, Final
 import torch
 
 
-def residual_codes(talker: Any, hidden: torch.Tensor, code0: list[int], groups: int) -> list[list[int]]:
-    """Each frame's codes after its first, as the reference draws them: the code predictor's
-    greedy generate on a batch of equal-length prompts (`hidden` [B, 1, H], the state that drew
-    each first code, and that code's embedding)."""
-    first = torch.tensor([[c] for c in code0], device=hidden.device)
-    drawn = predict(talker, torch.cat([hidden, talker.get_input_embeddings()(first)], dim=1), groups)
-    return [row[-(groups - 1) :].tolist() for row in drawn]
-
-
-def predict(talker: Any, inputs: torch.Tensor, groups: int) -> torch.Tensor:
-    """The code predictor's greedy codes after `inputs` ([B, 2, H]: a code's hidden state and
-    its embedding)."""
-    return talker.code_predictor.generate(inputs_embeds=inputs, max_new_tokens=groups - 1, do_sample=False)
-
-
 def frame_embedding(talker: Any, codes: list[int]) -> torch.Tensor:
     """[1, 1, H]: a frame's codes (first, then the code predictor's), each through its own
     table, summed: the talker's input for the frame."""
@@ -42,7 +27,8 @@ BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64)
 class StaticFrames:
     """The code predictor's frames at fixed shapes: a batch padded up to its bucket, a cache of
     the frame's length allocated once per bucket, the sub-steps a fixed loop, greedy, computing
-    what `residual_codes` (transformers' `generate`) computes without its per-call work. On
+    what transformers' `generate` on the code predictor computes, without its per-call work
+    (1.6 times the frames a second on this CPU, tiny model). On
     CUDA (`capture`) each bucket's whole frame, prefill and every sub-step, is captured as one
     CUDA graph at start and replayed: one launch a frame instead of some thousand (eager, a
     frame of the real model's 15 sub-steps took 99 ms of an H200's host time: docs/benchmarks.md,
@@ -66,7 +52,9 @@ class StaticFrames:
                 self._graphs[b] = self._capture(b)
 
     def residuals(self, hidden: torch.Tensor, code0: list[int]) -> list[list[int]]:
-        """As `residual_codes`: each frame's codes after its first (`hidden` [n, 1, H])."""
+        """Each frame's codes after its first, as the reference draws them: the code predictor's
+        greedy codes after `hidden` ([n, 1, H], the state that drew each first code) and that
+        code's embedding."""
         n = len(code0)
         b = next(b for b in self.buckets if b >= n)
         first = torch.tensor([[c] for c in code0], device=hidden.device)

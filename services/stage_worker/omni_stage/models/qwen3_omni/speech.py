@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -16,7 +17,7 @@ from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.kv_batch import decode_together, warm_up
 from omni_stage.engines.prompt_cache import Sequence, same_rows
-from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding, predict, residual_codes
+from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding
 from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, talker_prompt
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
@@ -97,7 +98,8 @@ class Qwen3Talker(Part):
         self.prompt_caches = self._kept_conversations()
         self.compiled = compiler(stage, graphs=False)
         self.frames: StaticFrames | None = None
-        """With `cudaGraphs`, the code predictor's frames replayed as CUDA graphs (code_predictor.py)."""
+        """The code predictor's frames at fixed shapes (code_predictor.py), replayed as CUDA graphs
+        with `cudaGraphs`; None while the weights are away (asleep)."""
         if self.args.get("cudaGraphs", False) and self.device.type != "cuda":
             raise EngineError(f"stage '{stage.name}': engine.args.cudaGraphs needs device: cuda")
 
@@ -126,50 +128,51 @@ class Qwen3Talker(Part):
         # The decoder layers of the talker and of its code predictor (`compile`).
         self.model.model = self.compiled(self.model.model)
         self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
+        self._build_frames()
         if compiles(self.stage):
             self._warm_up()
-        self._capture_frames()
 
-    @torch.inference_mode()  # as requests run them: the graphs' caches are inference tensors
-    def _capture_frames(self) -> None:
-        """With `cudaGraphs: true` on CUDA, at start and at each wake: the code predictor's frame
-        as one CUDA graph per batch bucket (its weights' addresses are the graphs', so they are
-        captured again after the weights move). Otherwise `generate` draws the frames. Off by
-        default until a GPU has run it (scripts/gpu_graphs.py: not yet, docs/models.md)."""
-        self.frames = None
-        if self.device.type != "cuda" or not self.args.get("cudaGraphs", False):
+    @torch.inference_mode()  # as requests run them: the frames' caches are inference tensors
+    def _build_frames(self) -> None:
+        """At start and at each wake: the code predictor's frames at fixed shapes; with
+        `cudaGraphs: true` (CUDA only) captured as one CUDA graph per batch bucket, again after
+        a sleep moves the weights (the graphs read them where they were). Captures are off by
+        default until a GPU has run them (scripts/gpu_graphs.py: not yet, docs/models.md)."""
+        frames = functools.partial(StaticFrames, self.model, self.groups, self.max_batch)
+        if not self.args.get("cudaGraphs", False):
+            self.frames = frames(capture=False)
             return
         try:
-            self.frames = StaticFrames(self.model, self.groups, self.max_batch, capture=True)
+            self.frames = frames(capture=True)
         except RuntimeError as exc:  # a kernel the capture refuses: the same frames, launched
             LOG.warning(
                 "stage %s: code predictor frames not captured as CUDA graphs: %s", self.stage.name, exc
             )
-            self.frames = StaticFrames(self.model, self.groups, self.max_batch, capture=False)
+            self.frames = frames(capture=False)
 
     def _release_weights(self, level: int) -> None:
-        self.frames = None  # (its graphs read the weights being moved or dropped)
+        self.frames = None  # (its caches and graphs go with the weights)
         super()._release_weights(level)
 
     def _restore_weights(self) -> None:
         super()._restore_weights()
-        self._capture_frames()
+        self._build_frames()
 
     @torch.inference_mode()  # as requests run them: a compile is guarded on the mode
     def _warm_up(self) -> None:
         """Both models, compiled, run in every form requests run them, so that they compile
         now, at start: the talker's prefill and steps (kv_batch.warm_up), and the code
-        predictor's residuals for one request and for two together."""
+        predictor's frame at each batch bucket."""
         width = self.model.config.text_config.hidden_size
 
         def span(at: int, n: int) -> torch.Tensor:
             return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(4, 1, -1)
 
         warm_up(self.model, width, span, output_hidden_states=True, generation_step=0)
-        for batch in (1, 2):
-            predict(
-                self.model, torch.zeros(batch, 2, width, device=self.device, dtype=self.dtype), self.groups
-            )
+        assert self.frames is not None
+        for batch in self.frames.buckets:
+            hidden = torch.zeros(batch, 1, width, device=self.device, dtype=self.dtype)
+            self.frames.residuals(hidden, [0] * batch)
 
     def speaker(self, sampling: Sampling) -> dict[str, Any]:
         return {"code": self.speaker_codes[self.voice(sampling)]}
@@ -272,11 +275,8 @@ class Qwen3Talker(Part):
         sts = [s.st for s in steps]
         assert all(st.last_hidden is not None for st in sts)
         hidden = torch.cat([st.last_hidden for st in sts])  # type: ignore[misc]
-        code0 = [st.code0 for st in sts]
-        if self.frames is not None:
-            drawn = self.frames.residuals(hidden, code0)
-        else:
-            drawn = residual_codes(self.model, hidden, code0, self.groups)
+        assert self.frames is not None
+        drawn = self.frames.residuals(hidden, [st.code0 for st in sts])
         return [_Step(st, residuals=row) for st, row in zip(sts, drawn, strict=True)]
 
     def _decodes(self, steps: list[_Step]) -> list[_Step]:
