@@ -79,7 +79,7 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "start_s": round(time.perf_counter() - t0, 1),
-        "captured": bool(talker.frames._graphs),  # type: ignore[attr-defined]
+        "captured": talker.frames.captured,  # type: ignore[attr-defined]
         "batches": {},
     }
     graphed: StaticFrames = talker.frames  # type: ignore[attr-defined]

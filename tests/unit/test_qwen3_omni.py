@@ -321,7 +321,7 @@ def test_static_frames_draw_what_generate_draws(model: Path) -> None:
     gen = torch.Generator().manual_seed(11)
     with torch.inference_mode():
         frames = StaticFrames(m, groups, max_batch=4, capture=False)
-        assert frames.buckets == (1, 2, 4)
+        assert frames.buckets == (1, 2, 4) and not frames.captured
         for n in (1, 3, 4, 1, 2):
             hidden = torch.randn(n, 1, width, generator=gen)
             code0 = torch.randint(0, 2048, (n,), generator=gen).tolist()

@@ -51,6 +51,11 @@ class StaticFrames:
             for b in self.buckets:
                 self._graphs[b] = self._capture(b)
 
+    @property
+    def captured(self) -> bool:
+        """Whether its frames replay as CUDA graphs."""
+        return bool(self._graphs)
+
     def residuals(self, hidden: torch.Tensor, code0: list[int]) -> list[list[int]]:
         """Each frame's codes after its first, as the reference draws them: the code predictor's
         greedy codes after `hidden` ([n, 1, H], the state that drew each first code) and that
