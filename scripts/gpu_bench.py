@@ -20,7 +20,8 @@ its end code sooner), greedy.
 
 Not part of the suite (CI has no GPU). From the repository root, the project importable:
     python scripts/gpu_bench.py OUT.json [--pipeline qwen3-omni|qwen2.5-omni] [--sizes full|tiny]
-`--sizes tiny` runs the same on the demo's dimensions (a check of the script on a CPU).
+`--sizes tiny` runs the same on the demo's dimensions (a check of the script on a CPU);
+`--cuda-graphs` runs Qwen3-Omni's talker with `cudaGraphs: true` (its code predictor graphed).
 """
 
 from __future__ import annotations
@@ -142,6 +143,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         "torch": torch.__version__,
         "thinker_tokens": a.tokens,
         "talker_codes": a.codes,
+        "cuda_graphs": a.cuda_graphs,
         "memory_gib": {},
         "load_s": {},
         "runs": [],
@@ -151,6 +153,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         before = torch.cuda.memory_allocated() if cuda else 0
         t0 = time.perf_counter()
         dtype = "bfloat16" if cuda else "float32"
+        graphs = {"cudaGraphs": True} if a.cuda_graphs and name == "talker" else {}
         engines[name] = stage_engine(
             EXAMPLES / f"{a.pipeline}.yaml",
             name,
@@ -159,6 +162,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             device=a.device,
             dtype=dtype,
             loadFormat="dummy",
+            **graphs,
         )
         await engines[name].start()
         result["load_s"][name] = round(time.perf_counter() - t0, 1)
@@ -195,6 +199,11 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=64, help="thinker tokens a request")
     p.add_argument("--codes", type=int, default=100, help="talker codes a request at most (8 s)")
     p.add_argument("--budget-s", type=float, default=360, help="no concurrency starts after this")
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="Qwen3-Omni's talker with cudaGraphs: its code predictor graphed",
+    )
     a = p.parse_args()
     result = asyncio.run(run(a))
     Path(a.out).write_text(json.dumps(result, indent=2))
