@@ -79,10 +79,8 @@ def save_checkpoint(
     the processor's files."""
     model.generation_config.eos_token_id = ids["<|im_end|>"]
     model.generation_config.pad_token_id = ids["<|endoftext|>"]
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    processor_files(path, vision, processor, template)
+    write_config_files(path, model.config, tok, ids, vision, processor, template)
+    model.save_pretrained(path)  # its config and its whole generation config over those
 
 
 def write_config_files(
