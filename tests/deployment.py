@@ -240,23 +240,34 @@ class SteadyLoad:
         """(start, end, result) of each request, on time.monotonic()."""
         self.streamed: list[Streamed] = []
         """What each of the `streams` workers' streamed requests gave its client."""
+        self._running: dict[tuple[str, int, int], float] = {}
+        """The requests in flight: (kind, worker, number) -> start."""
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(w,)) for w in range(workers)]
-        self._threads += [threading.Thread(target=self._stream) for _ in range(streams)]
+        self._threads += [threading.Thread(target=self._stream, args=(w,)) for w in range(streams)]
 
     def _run(self, worker: int) -> None:
         i = 0
         while not self._stop.is_set():
-            t0 = time.monotonic()
+            t0 = self._running["ask", worker, i] = time.monotonic()
             result = ask(self.base, f"steady {worker}-{i}", timeout=self.timeout)
             self.spans.append((t0, time.monotonic(), result))
             self.results.append(result)
+            del self._running["ask", worker, i]
             i += 1
 
-    def _stream(self) -> None:
+    def _stream(self, worker: int) -> None:
         """The same request every time: its undisturbed answer is known (`ask_streaming`)."""
+        i = 0
         while not self._stop.is_set():
+            self._running["stream", worker, i] = time.monotonic()
             self.streamed.append(ask_streaming(self.base, STREAMED, timeout=self.timeout))
+            del self._running["stream", worker, i]
+            i += 1
+
+    def in_flight(self) -> set[tuple[str, int, int]]:
+        """The requests in flight now, whole and streamed."""
+        return set(self._running.copy())  # (a copy is atomic under the GIL: the workers add and remove)
 
     def __enter__(self) -> SteadyLoad:
         for t in self._threads:

@@ -32,6 +32,9 @@ from tests.deployment import (
 from tests.helpers import ROOT, replica_metric, replicas, wait_for
 
 PIPELINE: Final = ROOT / "tests" / "data" / "synthetic-distributed.yaml"
+HELD_END_S: Final = 60
+"""How long the requests held by a stopped replica may take to end elsewhere (~6 s here: the
+heartbeats that declare it gone, then their run again): a bound on a hang, not a speed."""
 
 
 @pytest.fixture
@@ -103,21 +106,23 @@ def test_a_stopped_replica_loses_no_request(two_of_each: Deployment, mooncake: L
             busy(base, stage)
             stuck.send_signal(signal.SIGSTOP)
             stopped_at = time.monotonic()
+            held = load.in_flight()
             try:
                 wait_for(lambda s=stage: [r["replica"] for r in replicas(base, s)] == ["a"], 30, "b gone")
+                # Every request in flight at the stop ends while the replica is still stopped:
+                # they moved, none waits for it (one that did would never end here). An order,
+                # not a duration: as a 10 s bound it failed at 11.2 s on a loaded machine, and
+                # as "ended before b resumed" it raced the 6 requests below.
+                wait_for(
+                    lambda h=held: not h & load.in_flight(), HELD_END_S, "the held requests to end, b stopped"
+                )
+                late = time.monotonic() - stopped_at
                 load.flowing(6)
             finally:
-                resumed_at = time.monotonic()
                 stuck.send_signal(signal.SIGCONT)  # it finds its requests aborted, and serves again
         check(load, ref, stage)
         assert migrations(base) > moved
-        # The requests held at the stop ended while the replica was still stopped: they moved,
-        # none waited for it (an order, not a duration: 10 s as a bound failed at 11.2 s on a
-        # loaded machine; heartbeats make it ~6 s here).
-        held = [end for start, end, _ in load.spans if start < stopped_at < end]
-        assert all(end < resumed_at for end in held), [end - stopped_at for end in held]
-        late = max((end - stopped_at for end in held), default=0)
-        print(f"{stage}: requests held at the stop ended {late:.1f}s after it at most")
+        print(f"{stage}: the {len(held)} requests in flight at the stop ended within {late:.1f}s of it")
         wait_for(lambda s=stage: len(replicas(base, s)) == 2, 30, f"{stage} b back in the table")
     wait_for(
         lambda: mooncake.key_count() == 0, INCOMPLETE_PUT_FREED_S, "the lost attempts' payloads to be freed"
