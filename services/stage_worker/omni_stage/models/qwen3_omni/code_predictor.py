@@ -28,11 +28,10 @@ class StaticFrames:
     """The code predictor's frames at fixed shapes: a batch padded up to its bucket, a cache of
     the frame's length allocated once per bucket, the sub-steps a fixed loop, greedy, computing
     what transformers' `generate` on the code predictor computes, without its per-call work
-    (1.6 times the frames a second on this CPU, tiny model). On
-    CUDA (`capture`) each bucket's whole frame, prefill and every sub-step, is captured as one
-    CUDA graph at start and replayed: one launch a frame instead of some thousand (eager, a
-    frame of the real model's 15 sub-steps took 99 ms of an H200's host time: docs/benchmarks.md,
-    GPU)."""
+    (1.6 times the frames a second on this CPU, tiny model). On CUDA (`capture`) each bucket's
+    whole frame, prefill and every sub-step, is captured as one CUDA graph at start and
+    replayed: one launch a frame instead of some thousand (eager, a frame of the real model's
+    15 sub-steps took 99 ms of an H200's host time: docs/benchmarks.md, GPU)."""
 
     def __init__(self, talker: Any, groups: int, max_batch: int, capture: bool) -> None:
         from transformers import StaticCache
