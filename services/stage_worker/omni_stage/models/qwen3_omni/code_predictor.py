@@ -6,9 +6,12 @@ shape (Qwen3-TTS's) reads the same code."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Final
 
 import torch
+
+LOG = logging.getLogger(__name__)
 
 
 def frame_embedding(talker: Any, codes: list[int]) -> torch.Tensor:
@@ -49,6 +52,27 @@ class StaticFrames:
         if capture:
             for b in self.buckets:
                 self._graphs[b] = self._capture(b)
+
+    @classmethod
+    @torch.inference_mode()  # as requests run them: the frames' caches are inference tensors
+    def built(cls, talker: Any, groups: int, max_batch: int, graphs: bool, stage: str) -> StaticFrames:
+        """A talker stage's frames; with `graphs` (its `cudaGraphs: true`, CUDA only) captured,
+        or, where the device refuses a capture, the same frames launched. Captures are off by
+        default until a GPU has run them (scripts/gpu_graphs.py: not yet, docs/models.md)."""
+        if graphs:
+            try:
+                return cls(talker, groups, max_batch, capture=True)
+            except RuntimeError as exc:  # a kernel the capture refuses
+                LOG.warning("stage %s: code predictor frames not captured as CUDA graphs: %s", stage, exc)
+        return cls(talker, groups, max_batch, capture=False)
+
+    def run_each_bucket(self) -> None:
+        """One frame at each bucket (what a compiled code predictor compiles at start)."""
+        p = self.talker.get_input_embeddings().weight
+        for b in self.buckets:
+            self.residuals(
+                torch.zeros(b, 1, self._inputs[b].shape[-1], device=p.device, dtype=p.dtype), [0] * b
+            )
 
     @property
     def captured(self) -> bool:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -31,7 +29,6 @@ from omni_stage.models.qwen_omni.parts import (
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
 from omni_stage.segments import EngineOutput
 
-LOG = logging.getLogger(__name__)
 DEFAULT_VOICE: Final = "Ethan"
 SUPPRESSED_TOP: Final = 1024
 """The reference suppresses the top 1024 ids of the talker's vocabulary (its control codes),
@@ -132,23 +129,10 @@ class Qwen3Talker(Part):
         if compiles(self.stage):
             self._warm_up()
 
-    @torch.inference_mode()  # as requests run them: the frames' caches are inference tensors
     def _build_frames(self) -> None:
-        """At start and at each wake: the code predictor's frames at fixed shapes; with
-        `cudaGraphs: true` (CUDA only) captured as one CUDA graph per batch bucket, again after
-        a sleep moves the weights (the graphs read them where they were). Captures are off by
-        default until a GPU has run them (scripts/gpu_graphs.py: not yet, docs/models.md)."""
-        frames = functools.partial(StaticFrames, self.model, self.groups, self.max_batch)
-        if not self.args.get("cudaGraphs", False):
-            self.frames = frames(capture=False)
-            return
-        try:
-            self.frames = frames(capture=True)
-        except RuntimeError as exc:  # a kernel the capture refuses: the same frames, launched
-            LOG.warning(
-                "stage %s: code predictor frames not captured as CUDA graphs: %s", self.stage.name, exc
-            )
-            self.frames = frames(capture=False)
+        """At start and at each wake (a sleep moves the weights the graphs read)."""
+        graphs = bool(self.args.get("cudaGraphs", False))
+        self.frames = StaticFrames.built(self.model, self.groups, self.max_batch, graphs, self.stage.name)
 
     def _release_weights(self, level: int) -> None:
         self.frames = None  # (its caches and graphs go with the weights)
@@ -170,9 +154,7 @@ class Qwen3Talker(Part):
 
         warm_up(self.model, width, span, output_hidden_states=True, generation_step=0)
         assert self.frames is not None
-        for batch in self.frames.buckets:
-            hidden = torch.zeros(batch, 1, width, device=self.device, dtype=self.dtype)
-            self.frames.residuals(hidden, [0] * batch)
+        self.frames.run_each_bucket()
 
     def speaker(self, sampling: Sampling) -> dict[str, Any]:
         return {"code": self.speaker_codes[self.voice(sampling)]}
