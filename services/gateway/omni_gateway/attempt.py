@@ -20,7 +20,7 @@ from opentelemetry import trace
 from opentelemetry.trace import StatusCode
 
 from omni_gateway.bus import ERRORS, Bus
-from omni_gateway.errors import BadRequest, OmniError, PayloadTooLarge, StageFailed, Timeout
+from omni_gateway.errors import BadRequest, OmniError, StageFailed, Timeout
 from omni_gateway.events import (
     AudioChunk,
     Event,
@@ -155,14 +155,11 @@ class Attempts:
         except ConnectorError as exc:
             raise StageFailed(f"gateway -> stage '{stage}': {exc}", code=ErrorCode.CONNECTOR_ERROR) from None
         request = pack(StageRequest(ctx, None, req.sampling, handle, own=req.per_stage.get(stage, EMPTY)))
-        nc = self.bus.nc
-        if nc is not None and len(request) > nc.max_payload:
-            raise PayloadTooLarge(
-                f"the request is {len(request)} bytes as a NATS message, over the server's limit of "
-                f"{nc.max_payload}: stage '{stage}' reads it through connector '{conn.name}' "
-                f"({conn.kind}), which sends everything inline; a shm or mooncake connector carries any size"
-            )
-        return request
+        return self.bus.sized(
+            request,
+            f": stage '{stage}' reads it through connector '{conn.name}' ({conn.kind}), which sends "
+            "everything inline; a shm or mooncake connector carries any size",
+        )
 
     async def _events(self, t: Tracked) -> AsyncIterator[Event]:
         pending = set(t.final_stages)

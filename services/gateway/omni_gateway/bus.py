@@ -23,7 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
 
-from omni_gateway.errors import BadRequest, StageFailed, Timeout, Unavailable
+from omni_gateway.errors import BadRequest, PayloadTooLarge, StageFailed, Timeout, Unavailable
 from omni_gateway.inflight import Inflight, Tracked
 from omni_gateway.replicas import Replica, ReplicaTable
 from omni_pipeline import tracing, wire
@@ -113,6 +113,16 @@ class Bus:
 
     def ready(self) -> bool:
         return self.connected and self.table.covers([s.name for s in self.spec.stages if s.replicas > 0])
+
+    def sized(self, data: bytes, advice: str = "") -> bytes:
+        """`data`, a request packed for one NATS message, if it fits the server's limit; else the
+        client's 413 naming the limit (and `advice`: what would carry it)."""
+        if self.nc is not None and len(data) > self.nc.max_payload:
+            raise PayloadTooLarge(
+                f"the request is {len(data)} bytes as a NATS message, over the server's limit of "
+                f"{self.nc.max_payload}{advice}"
+            )
+        return data
 
     # --- replicas ----------------------------------------------------------------------------
 

@@ -8,7 +8,7 @@ from typing import Final
 import nats.errors
 
 from omni_gateway.bus import Bus
-from omni_gateway.errors import BadRequest, NotServed, PayloadTooLarge, StageFailed, Unavailable
+from omni_gateway.errors import BadRequest, NotServed, StageFailed, Unavailable
 from omni_gateway.preflight import Announced
 from omni_pipeline.control import DetokenizeMsg, ErrorCode, TokenizeMsg, TokenizeReply, pack, unpack
 from omni_pipeline.wire import WireError
@@ -31,14 +31,9 @@ async def tokenize(bus: Bus, announced: Announced, msg: TokenizeMsg | Detokenize
     if bus.nc is None:
         raise Unavailable("the gateway is not connected to NATS")
     try:  # a template's variables go as they came: a number past 64 bits, a lone surrogate
-        data = pack(msg)
+        data = bus.sized(pack(msg))
     except WireError as exc:
         raise BadRequest(f"the request cannot be sent on to stage '{stage}': {exc}") from None
-    if len(data) > bus.nc.max_payload:
-        raise PayloadTooLarge(
-            f"the request is {len(data)} bytes as a NATS message, over the server's limit of "
-            f"{bus.nc.max_payload}"
-        )
     try:
         reply = await bus.nc.request(bus.subjects.tokenize(stage), data, timeout=TOKENIZE_TIMEOUT_S)
     except nats.errors.NoRespondersError:
