@@ -43,7 +43,7 @@ class StaticFrames:
         self.groups = groups
         self.buckets = tuple(sorted({b for b in BUCKETS if b < max_batch} | {max_batch}))
         p = talker.get_input_embeddings().weight
-        width = int(talker.code_predictor.config.hidden_size)
+        width = int(p.shape[1])  # a frame's rows are the talker's (a code predictor may project them)
         config = talker.code_predictor.config
         self._inputs = {b: torch.zeros(b, 2, width, device=p.device, dtype=p.dtype) for b in self.buckets}
         # The frame's positions: its two prompt rows, then one a sub-step but the last's.
