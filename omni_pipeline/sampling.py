@@ -85,6 +85,12 @@ class Sampling(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_f
     """A job's: the denoiser reports every step."""
     # Speech.
     speed: float | None = None
+    language: str | None = None
+    """The language to speak (a TTS model's name for it, or Auto)."""
+    instructions: str | None = None
+    """How to speak: a style (a named voice's), or the voice itself described (a designed one)."""
+    task_type: str | None = None
+    """vLLM-Omni's TTS task: CustomVoice, VoiceDesign or Base (a cloned voice)."""
 
     @classmethod
     def of(cls, fields: Mapping[str, Any]) -> Sampling:

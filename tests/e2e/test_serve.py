@@ -649,13 +649,14 @@ def test_chat_refusals(demo: str, body: dict[str, object], param: str, says: str
 @pytest.mark.parametrize(
     ("body", "param", "says"),
     [
-        ({"instructions": "whisper"}, "instructions", "no engine here steers a voice"),
+        ({"instructions": "whisper"}, "instructions", "instructions: not honoured by stage 'thinker'"),
+        ({"language": "English"}, "language", "language: not honoured by stage 'thinker'"),
         ({"response_format": "mp3"}, "response_format", "use wav or pcm"),
         ({"speed": 5}, "speed", "less than or equal to 4"),
         ({"input": ""}, "input", "at least 1 character"),
         ({"voice": "nobody"}, "voice", "voice 'nobody' is not one of this model's voices: alloy, echo"),
     ],
-    ids=["instructions", "mp3", "too-fast", "nothing-to-say", "unknown-voice"],
+    ids=["instructions", "language", "mp3", "too-fast", "nothing-to-say", "unknown-voice"],
 )
 def test_speech_refusals(demo: str, body: dict[str, object], param: str, says: str) -> None:
     request = {"model": "tiny-omni", "input": "x", "voice": "alloy", **body}

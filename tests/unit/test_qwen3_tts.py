@@ -1,5 +1,5 @@
 """Qwen3-TTS's talker and speech decoder equal the reference, the `qwen-tts` package's own code
-(scripts/qwen_tts_reference.py, in its own virtualenv: it pins transformers 4.57), on the tiny
+(tests/qwen_tts_reference.py), on the tiny
 CustomVoice checkpoint: the reference reads every tensor of it and no other, draws the same codes
 greedily (a named speaker, a dialect speaker, a style instruction, both prompt layouts) and its
 `generate_custom_voice` and tokenizer `decode` give the same waveforms."""
@@ -7,7 +7,6 @@ greedily (a named speaker, a dialect speaker, a style instruction, both prompt l
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +16,11 @@ import torch
 
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
 from omni_stage.models.qwen3_tts.checkpoint import write_checkpoint
+from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_config
 from omni_stage.models.qwen3_tts.prompt import TTSIds, tts_prompt
-from omni_stage.models.qwen3_tts.speech import TTSTalker, load_decoder, load_talker, read_config
+from omni_stage.models.qwen3_tts.steps import TTSSteps
+from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
-ROOT = Path(__file__).resolve().parents[2]
-QWEN_TTS_PYTHON = ROOT / ".venv-qwen-tts" / "bin" / "python"
 BUDGET = 24
 ITEMS = [  # both of the reference's prompt layouts (non-streaming: its default here)
     {"text": "Hello there, how are you?", "speaker": "Vivian", "language": "English", "non_streaming": True},
@@ -49,32 +48,18 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
-    if not QWEN_TTS_PYTHON.exists():
-        pytest.skip(f"{QWEN_TTS_PYTHON} is missing: `make qwen-tts-venv` (or `make test`) builds it")
     out = tmp_path_factory.mktemp("qwen-tts-reference")
-    request = out / "request.json"
-    request.write_text(
-        json.dumps(
-            {"checkpoint": str(checkpoint), "custom_voice": ITEMS, "decode": DECODE, "max_new_tokens": BUDGET}
-        )
-    )
-    run = subprocess.run(
-        [str(QWEN_TTS_PYTHON), str(ROOT / "scripts" / "qwen_tts_reference.py"), str(request), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert run.returncode == 0, run.stderr[-4000:]
-    return json.loads((out / "result.json").read_text()), out
+    asked = {"checkpoint": str(checkpoint), "custom_voice": ITEMS, "decode": DECODE, "max_new_tokens": BUDGET}
+    return qwen_tts_reference(asked, out), out
 
 
-def ours(checkpoint: Path) -> tuple[TTSTalker, Any, Any]:
+def ours(checkpoint: Path) -> tuple[TTSSteps, Any, Any]:
     from transformers import AutoTokenizer
 
     talker = load_talker(checkpoint, torch.device("cpu"), torch.float32)
     ids = TTSIds.of(read_config(checkpoint))
     frames = StaticFrames(talker, 16, 1, capture=False)
-    return TTSTalker(talker, ids, frames), AutoTokenizer.from_pretrained(checkpoint), ids
+    return TTSSteps(talker, ids, frames), AutoTokenizer.from_pretrained(checkpoint), ids
 
 
 def turn(tok: Any, text: str, role: str = "assistant", reply: bool = True) -> torch.Tensor:
@@ -110,7 +95,7 @@ def test_custom_voice_codes_and_audio_equal_the_reference(
         codes = speaker.speak(prompt, BUDGET)
         assert codes == result["custom_voice"][i], item
         wav = decoder(torch.tensor(codes).T[None])[0, 0]
-        np.testing.assert_allclose(wav.numpy(), np.load(out / f"custom_voice_{i}.npy"), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(wav.numpy(), waveform(out, f"custom_voice_{i}"), atol=1e-6, rtol=0)
         spoken.append(codes)
     # Not vacuous: each voice, text, layout and instruction speaks codes of its own.
     assert len({json.dumps(c) for c in spoken}) == len(ITEMS)
@@ -123,7 +108,7 @@ def test_the_decoder_equals_the_tokenizers_decode(
     _, out = reference
     decoder = load_decoder(checkpoint, torch.device("cpu"))
     wav = decoder(torch.tensor(DECODE[0]).T[None])[0, 0]
-    expected = np.load(out / "decode_0.npy")
+    expected = waveform(out, "decode_0")
     assert wav.shape[0] == len(DECODE[0]) * 1920 == expected.shape[0]
     np.testing.assert_allclose(wav.numpy(), expected, atol=1e-6, rtol=0)
     assert float(np.abs(expected).max()) > 1e-3  # a waveform, not silence

@@ -28,17 +28,17 @@ class SpeechRequest(BaseModel):
         description="A voice name, or OpenAI's {id: ...}; without it, the model's default voice.",
     )
     instructions: str | None = Field(
-        default=None, description="Not served (no engine here steers a voice by text): refused unless empty."
+        default=None,
+        max_length=4096,
+        description="How to speak (a named voice's style, or a voice described); "
+        "a 400 where the model follows none.",
     )
     response_format: str = "wav"
     speed: float = Field(default=1.0, ge=0.25, le=4.0)
     stream_format: Literal["audio", "sse"] = "audio"
-
-    @field_validator("instructions")
-    @classmethod
-    def _no_instructions(cls, v: str | None) -> None:
-        if v:
-            raise ValueError("not served: no engine here steers a voice by instructions; leave it out")
+    # vLLM-Omni's speech fields.
+    language: str | None = Field(default=None, min_length=1, max_length=64)
+    task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -59,4 +59,11 @@ def speech_inputs(req: SpeechRequest) -> RequestInputs:
 
 
 def speech_sampling(req: SpeechRequest) -> Sampling:
-    return Sampling(voice=req.voice, speed=req.speed if req.speed != 1.0 else None)
+    """What the stages get: an engine that does not honour one of these is a 400 naming it."""
+    return Sampling(
+        voice=req.voice,
+        speed=req.speed if req.speed != 1.0 else None,
+        instructions=req.instructions or None,
+        language=req.language,
+        task_type=req.task_type,
+    )

@@ -44,6 +44,7 @@ GENERIC: Final[dict[EngineKind, str]] = {
 _QWEN = "omni_stage.models.qwen_omni"
 _QWEN2_5 = "omni_stage.models.qwen2_5_omni"
 _QWEN3 = "omni_stage.models.qwen3_omni"
+_QWEN3_TTS = "omni_stage.models.qwen3_tts"
 FAMILIES: Final[dict[str, Family]] = {
     "qwen2_5_omni": Family(
         "Qwen2.5-Omni",
@@ -71,6 +72,17 @@ FAMILIES: Final[dict[str, Family]] = {
         },
         checkpoint=f"{_QWEN3}.checkpoint:write_tiny_checkpoint",
         demo="qwen3-omni",
+    ),
+    "qwen3_tts": Family(
+        "Qwen3-TTS",
+        {
+            EngineKind.TRANSFORMERS: {
+                "talker": f"{_QWEN3_TTS}.speech:Qwen3TTSTalker",
+                "code2wav": f"{_QWEN3_TTS}.speech:Qwen3TTSCode2Wav",
+            },
+        },
+        checkpoint=f"{_QWEN3_TTS}.checkpoint:write_tiny_checkpoint",
+        demo="qwen3-tts",
     ),
 }
 """Model families by their checkpoints' `model_type`."""

@@ -263,6 +263,11 @@ def write_checkpoint(path: Path, variant: str = "custom_voice", seed: int = 0) -
     return path
 
 
+def write_tiny_checkpoint(path: Path) -> Path:
+    """The demo's (`omni models init-demo`): the CustomVoice variant."""
+    return write_checkpoint(path, "custom_voice")
+
+
 def _name_the_tokenizer_class(path: Path) -> None:
     """tokenizer_config.json as Qwen's are written: the processor asks for a Qwen2 tokenizer by
     name (the same tokenizer.json, named so), and the special tokens' list under the key

@@ -1,111 +1,192 @@
-"""Qwen3-TTS's talker and speech decoder, loaded from a checkpoint directory, and the talker's
-greedy frames as the reference's `generate` draws them.
+"""Qwen3-TTS as two stages from one checkpoint directory: talker -> code2wav.
 
-Loading reads the real files: config.json, the `talker.` tensors of model.safetensors (a stage
-that speaks loads no speaker encoder), and speech_tokenizer/ (`decoder.` only: the encoder is
-for cloning). Strict: a tensor missing or left over is an error naming it."""
+- talker (the source stage): the client's text (`/v1/audio/speech`'s `input`) in the
+  reference's prompt, with the voice (a named speaker, `voice`), the `language` (Auto, or one the
+  checkpoint lists) and a style instruction (`instructions`); greedy frames of 16 codes as
+  steps.py draws them, each sent on as soon as it is drawn. Concurrent requests' code predictor
+  frames, and their next talker steps, run as one batch each.
+- code2wav: the speech tokenizer's decoder on chunks of codes with left context, as Qwen3-Omni's
+  Code2Wav stage decodes them (`chunkCodes` 300 and `leftContextCodes` 25 by default: the
+  reference's own `chunked_decode`, the same samples), 1920 samples a code at 24 kHz.
+
+Only the CustomVoice variant's task so far (`task_type` CustomVoice, or left out): VoiceDesign
+and Base (voices described, cloned) come next (docs/models.md).
+"""
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import torch
 
-from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding
-from omni_stage.models.qwen3_tts.modeling import SpeechDecoder, Talker
-from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt
-from omni_stage.models.qwen_omni.parts import penalise_repeats
+from omni_pipeline.payloads import Codes
+from omni_pipeline.sampling import Sampling, params
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.batching import StepBatcher
+from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
+from omni_stage.models.qwen3_omni.speech import Qwen3Code2Wav
+from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_config
+from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt, tts_prompt
+from omni_stage.models.qwen3_tts.steps import Speaking, TTSSteps
+from omni_stage.models.qwen_omni.parts import TALKER_MAX_CODES, Part
+from omni_stage.segments import EngineOutput
 
-SUPPRESSED_TOP: Final = 1024
-"""The top of the codec's vocabulary (its control codes), never drawn but its eos."""
-MIN_CODES: Final = 2
-"""The reference's `min_new_tokens`: the eos is not drawn before two codes."""
-
-
-def read_config(path: Path) -> dict[str, Any]:
-    settings: dict[str, Any] = json.loads((path / "config.json").read_text())
-    if settings.get("model_type") != "qwen3_tts":
-        raise ValueError(f"{path} is not a Qwen3-TTS checkpoint (model_type {settings.get('model_type')!r})")
-    return settings
-
-
-def _tensors(file: Path, prefix: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {k.removeprefix(prefix): v for k, v in load_file(file).items() if k.startswith(prefix)}
+TASKS: Final = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
+"""`tts_model_type` -> the `task_type` it serves, in vLLM-Omni's words."""
+SERVED_TASKS: Final = ("CustomVoice",)
+DEFAULT_VOICE: Final = "vivian"
+MODEL_NAME: Final = "Qwen3-TTS"
 
 
-def load_talker(path: Path, device: torch.device, dtype: torch.dtype) -> Talker:
-    talker = Talker(read_config(path)["talker_config"])
-    talker.load_state_dict(_tensors(path / "model.safetensors", "talker."), strict=True)
-    return talker.to(device, dtype).eval()
+def _checked_path(stage: StageSpec) -> Path:
+    path = Path(str(stage.engine.model))
+    if not path.is_dir():
+        raise EngineError(f"stage '{stage.name}': model directory {str(path)!r} not found")
+    return path
 
 
-def load_decoder(path: Path, device: torch.device) -> SpeechDecoder:
-    """The speech tokenizer's decoder, in float32 (as the reference decodes)."""
-    tokenizer = path / "speech_tokenizer"
-    settings = json.loads((tokenizer / "config.json").read_text())
-    decoder = SpeechDecoder(settings["decoder_config"])
-    decoder.load_state_dict(_tensors(tokenizer / "model.safetensors", "decoder."), strict=True)
-    return decoder.to(device, torch.float32).eval()
+def _refuse_dummy(part: Part) -> None:
+    if part.load_format != "auto":
+        raise EngineError(
+            f"stage '{part.stage.name}': engine.args.loadFormat {part.load_format!r} "
+            f"is not for {MODEL_NAME} yet"
+        )
 
 
 @dataclass(slots=True)
-class Speaking:
-    """One request's talker state: its cache, the hidden state that drew code 0 of the frame
-    under way, the codes 0 drawn so far, and the frames finished."""
+class _Step:
+    """One request's piece of a batched step: its frame's residuals (no frame yet), or its next
+    talker step (fed `frame`)."""
 
-    prompt: TTSPrompt
-    past: Any = None
-    hidden: torch.Tensor | None = None
-    code0: int = 0
-    seen: list[int] = field(default_factory=list)
-    frames: list[list[int]] = field(default_factory=list)
+    st: Speaking
+    frame: list[int] | None = None
 
 
-class TTSTalker:
-    """The talker's steps for one request at a time, greedy, as the reference draws: the prompt's
-    prefill, then per frame the code predictor's residuals (StaticFrames, shared with Qwen3-
-    Omni's talker) and the next step fed the frame's codes and the next text row."""
+class Qwen3TTSTalker(Part):
+    """Text to codes, one frame at a time (module docstring)."""
 
-    def __init__(self, talker: Talker, ids: TTSIds, frames: StaticFrames) -> None:
-        self.talker = talker
-        self.ids = ids
-        self.frames = frames
-        vocab = talker.config.vocab_size
-        self.suppressed = [i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != ids.codec_eos]
+    part = "talker"
+    model_name = MODEL_NAME
+    honours = params("language", "instructions", "task_type")
+    weights = ("model",)
 
-    @torch.inference_mode()
-    def speak(self, prompt: TTSPrompt, budget: int) -> list[list[int]]:
-        """Every frame [16 codes] until the codec's eos, or as many as `budget` codes 0 allow
-        (the last code drawn has no residuals)."""
-        from transformers import DynamicCache
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        _refuse_dummy(self)
+        if self.args.get("cudaGraphs", False) and self.device.type != "cuda":
+            raise EngineError(f"stage '{stage.name}': engine.args.cudaGraphs needs device: cuda")
+        self.steps: TTSSteps | None = None
+        self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
 
-        st = Speaking(prompt, past=DynamicCache())
-        self._step(st, prompt.inputs)
-        while st.code0 != self.ids.codec_eos and len(st.seen) < budget:
-            residuals = self.frames.residuals(st.hidden, [st.code0])[0]  # type: ignore[arg-type]
-            codes = [st.code0, *residuals]
-            st.frames.append(codes)
-            k = len(st.frames) - 1
-            text = prompt.trailing[:, k : k + 1] if k < prompt.trailing.shape[1] else prompt.pad
-            self._step(st, frame_embedding(self.talker, codes) + text)
-        return st.frames
+    def _load(self) -> None:
+        from transformers import AutoTokenizer
 
-    def _step(self, st: Speaking, inputs: torch.Tensor) -> None:
-        at = st.past.get_seq_length()
-        positions = torch.arange(at, at + inputs.shape[1], device=inputs.device)[None]
-        out = self.talker.model(
-            inputs_embeds=inputs, position_ids=positions, past_key_values=st.past, use_cache=True
-        )
-        st.past = out.past_key_values
-        st.hidden = out.last_hidden_state[:, -1:]
-        logits = penalise_repeats(self.talker.codec_head(st.hidden)[0, -1].float(), st.seen)
-        logits[self.suppressed] = -float("inf")
-        if len(st.seen) < MIN_CODES:
-            logits[self.ids.codec_eos] = -float("inf")
-        st.code0 = int(torch.argmax(logits))
-        st.seen.append(st.code0)
+        path = _checked_path(self.stage)
+        try:
+            self.settings = read_config(path)
+        except ValueError as exc:
+            raise EngineError(f"stage '{self.stage.name}': {exc}") from None
+        talker_config = self.settings["talker_config"]
+        self.task = TASKS.get(str(self.settings.get("tts_model_type")), "")
+        if self.task not in SERVED_TASKS:
+            raise EngineError(
+                f"stage '{self.stage.name}': {path} is a {self.task or 'unknown'} model; "
+                f"served so far: {', '.join(SERVED_TASKS)}"
+            )
+        self.model = load_talker(path, self.device, self.dtype)
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.ids = TTSIds.of(self.settings)
+        self.voices = tuple(sorted(self.ids.speakers, key=lambda v: (v != DEFAULT_VOICE, v)))
+        named = (lang.capitalize() for lang in self.ids.languages if "dialect" not in lang)
+        self.languages = ("Auto", *named)
+        self.instructs = self.settings.get("tts_model_size") != "0b6"  # the reference drops them on 0.6B
+        self.context = int(talker_config.get("max_position_embeddings", 32768))
+        self._build_steps()
+
+    def _build_steps(self) -> None:
+        """At start and at each wake (the code predictor's frames are built on the weights)."""
+        groups = int(self.settings["talker_config"]["num_code_groups"])
+        graphs = bool(self.args.get("cudaGraphs", False))
+        frames = StaticFrames.built(self.model, groups, self.max_batch, graphs, self.stage.name)
+        self.steps = TTSSteps(self.model, self.ids, frames)
+
+    def _release_weights(self, level: int) -> None:
+        self.steps = None  # (its frames' caches go with the weights)
+        super()._release_weights(level)
+
+    def _restore_weights(self) -> None:
+        super()._restore_weights()
+        self._build_steps()
+
+    def prompt_tokenizer(self) -> tuple[Any, int] | None:
+        return self.tokenizer, self.context
+
+    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
+        request = call.inputs.get("request")
+        if request is None or not str(request.get("prompt") or ""):
+            raise InvalidRequest(f"{MODEL_NAME} speaks text: the request has none")
+        prompt, tokens = await self._run(self._prompt, str(request["prompt"]), call.sampling)
+        call.state.prompt_tokens = tokens
+        st = Speaking(prompt)
+        budget = call.sampling.max_tokens or TALKER_MAX_CODES
+        assert self.steps is not None
+        await self._run(self.steps.prefill, st)
+        while not self.steps.finished(st, budget):
+            frame = await self.batcher.submit("residuals", _Step(st))
+            yield EngineOutput(units=1, data=Codes(codes=torch.tensor([frame])))
+            await self.batcher.submit("decode", _Step(st, frame))
+        call.state.finish_reason = "stop" if st.code0 == self.ids.codec_eos else "length"
+
+    def _prompt(self, text: str, sampling: Sampling) -> tuple[TTSPrompt, int]:
+        """The request's prompt, its fields checked (a 400 naming the one this model cannot do)."""
+        task = sampling.task_type
+        if task is not None and task != self.task:
+            raise InvalidRequest(f"task_type: this model does {self.task}, not {task}")
+        language = sampling.language or "Auto"
+        if language.lower() not in (lang.lower() for lang in self.languages):
+            raise InvalidRequest(
+                f"language: '{language}' is not one of this model's languages: {', '.join(self.languages)}"
+            )
+        if sampling.instructions and not self.instructs:
+            raise InvalidRequest("instructions: this model (Qwen3-TTS 0.6B) follows none; leave it out")
+        turn = self.tokenizer(
+            f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n", return_tensors="pt"
+        ).input_ids
+        instruct = None
+        if sampling.instructions:
+            instruct = self.tokenizer(
+                f"<|im_start|>user\n{sampling.instructions}<|im_end|>\n", return_tensors="pt"
+            ).input_ids
+        with torch.inference_mode():
+            prompt = tts_prompt(self.model, self.ids, turn, language, self.voice(sampling), instruct)
+        return prompt, int(turn.shape[1]) + (0 if instruct is None else int(instruct.shape[1]))
+
+    def _steps(self, steps: list[_Step]) -> list[list[int]]:
+        """One batch of one kind: every request's frame, or every request's next step."""
+        assert self.steps is not None
+        sts = [s.st for s in steps]
+        if steps[0].frame is None:
+            return self.steps.residuals(sts)
+        frames = [s.frame for s in steps]
+        self.steps.decode(sts, frames)  # type: ignore[arg-type]
+        return frames  # type: ignore[return-value]
+
+
+class Qwen3TTSCode2Wav(Qwen3Code2Wav):
+    """The speech tokenizer's decoder on chunks of codes (Qwen3-Omni's Code2Wav stage's
+    chunking; its decoder's transposed convolutions are causal: a chunk's samples are whole
+    without right context)."""
+
+    model_name = MODEL_NAME
+
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        _refuse_dummy(self)
+
+    def _load(self) -> None:
+        self.model = load_decoder(_checked_path(self.stage), self.device)
+        self.upsample = int(self.model.total_upsample)

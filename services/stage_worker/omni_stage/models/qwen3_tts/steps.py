@@ -1,0 +1,121 @@
+"""Qwen3-TTS's talker steps, greedy, as the reference's `generate` draws them: the prompt's
+prefill; then per frame the code predictor's residual codes (StaticFrames, shared with Qwen3-
+Omni's talker) and the talker's next step, fed the frame's codes summed and the next text row.
+Several requests' residuals, and their next steps, run as one batch each (the stage batches
+what comes together; `speak` runs one request alone, as the reference does)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import torch
+
+from omni_stage.engines.kv_batch import decode_together
+from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding
+from omni_stage.models.qwen3_tts.modeling import Talker
+from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt
+from omni_stage.models.qwen_omni.parts import penalise_repeats
+
+SUPPRESSED_TOP: Final = 1024
+"""The top of the codec's vocabulary (its control codes), never drawn but its eos."""
+MIN_CODES: Final = 2
+"""The reference's `min_new_tokens`: the eos is not drawn before two codes."""
+
+
+@dataclass(slots=True)
+class Speaking:
+    """One request's talker state: its prompt and cache, code 0 of the frame under way with the
+    hidden state that drew it, every code 0 drawn (the repetition penalty's), frames fed back."""
+
+    prompt: TTSPrompt
+    past: Any = None
+    hidden: torch.Tensor | None = None
+    code0: int = 0
+    seen: list[int] = field(default_factory=list)
+    fed: int = 0
+
+    def text_row(self) -> torch.Tensor:
+        """What the next step adds to its frame's codes: the next text row, then the TTS pad."""
+        trailing = self.prompt.trailing
+        return trailing[:, self.fed : self.fed + 1] if self.fed < trailing.shape[1] else self.prompt.pad
+
+
+class TTSSteps:
+    """The talker's steps on a loaded talker (modeling.Talker) and its code predictor frames."""
+
+    def __init__(self, talker: Talker, ids: TTSIds, frames: StaticFrames) -> None:
+        self.talker = talker
+        self.ids = ids
+        self.frames = frames
+        vocab = talker.config.vocab_size
+        self.suppressed = [i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != ids.codec_eos]
+
+    def finished(self, st: Speaking, budget: int) -> bool:
+        """At the codec's eos, or at the last code 0 `budget` allows (its residuals are never
+        drawn: the reference's generate stops there)."""
+        return st.code0 == self.ids.codec_eos or len(st.seen) >= budget
+
+    @torch.inference_mode()
+    def prefill(self, st: Speaking) -> None:
+        from transformers import DynamicCache
+
+        inputs = st.prompt.inputs
+        st.past = DynamicCache()
+        self._forward(st, inputs, torch.arange(inputs.shape[1], device=inputs.device)[None])
+
+    @torch.inference_mode()
+    def residuals(self, sts: list[Speaking]) -> list[list[int]]:
+        """Each request's frame: its code 0 and the code predictor's codes after it."""
+        hidden = torch.cat([st.hidden for st in sts])  # type: ignore[misc]
+        drawn = self.frames.residuals(hidden, [st.code0 for st in sts])
+        return [[st.code0, *rest] for st, rest in zip(sts, drawn, strict=True)]
+
+    @torch.inference_mode()
+    def decode(self, sts: list[Speaking], frames: list[list[int]]) -> None:
+        """Each request's next step, fed its frame and its next text row, drawing its next code 0."""
+        rows = [
+            frame_embedding(self.talker, codes) + st.text_row() for st, codes in zip(sts, frames, strict=True)
+        ]
+        inputs = torch.cat(rows)
+        for st in sts:
+            st.fed += 1
+        positions = [torch.tensor([[st.past.get_seq_length()]], device=inputs.device) for st in sts]
+        if len(sts) == 1:
+            self._forward(sts[0], inputs, positions[0])
+            return
+        pasts = [st.past for st in sts]
+        out, caches = decode_together(self.talker.model, pasts, positions, inputs_embeds=inputs)
+        for row, (st, cache) in enumerate(zip(sts, caches, strict=True)):
+            st.past = cache
+            self._draw(st, out.last_hidden_state[row : row + 1, -1:])
+
+    def speak(self, prompt: TTSPrompt, budget: int) -> list[list[int]]:
+        """One request alone, start to end: every frame [16 codes]."""
+        st = Speaking(prompt)
+        self.prefill(st)
+        frames = []
+        while not self.finished(st, budget):
+            [codes] = self.residuals([st])
+            frames.append(codes)
+            self.decode([st], [codes])
+        return frames
+
+    def _forward(self, st: Speaking, inputs: torch.Tensor, positions: torch.Tensor) -> None:
+        """One request's rows on its own cache, drawing its next code 0."""
+        out = self.talker.model(
+            inputs_embeds=inputs, position_ids=positions, past_key_values=st.past, use_cache=True
+        )
+        st.past = out.past_key_values
+        self._draw(st, out.last_hidden_state[:, -1:])
+
+    def _draw(self, st: Speaking, hidden: torch.Tensor) -> None:
+        """Code 0 from the step's last hidden state: greedy, with the reference's repetition
+        penalty over the codes 0 so far, its control codes suppressed, no eos before two codes."""
+        st.hidden = hidden
+        logits = penalise_repeats(self.talker.codec_head(hidden)[0, -1].float(), st.seen)
+        logits[self.suppressed] = -float("inf")
+        if len(st.seen) < MIN_CODES:
+            logits[self.ids.codec_eos] = -float("inf")
+        st.code0 = int(torch.argmax(logits))
+        st.seen.append(st.code0)

@@ -1,0 +1,120 @@
+"""Qwen3-TTS served end to end: `omni serve examples/qwen3-tts.yaml` (talker -> code2wav from one
+tiny CustomVoice checkpoint), the official openai client's `audio.speech.create`, and the
+reference: the `qwen-tts` package's own `generate_custom_voice`, greedy, same checkpoint and
+inputs (tests/qwen_tts_reference.py)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import soundfile
+
+from tests.helpers import HTTP, ROOT, served
+from tests.qwen_tts_reference import qwen_tts_reference, waveform
+
+pytestmark = pytest.mark.slow
+
+CODES = 12
+"""The talker's budget here (frames: 0.96 s of audio); the example's is 64."""
+SAID = "Hello there, how are you?"
+
+
+@pytest.fixture(scope="module")
+def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """examples/qwen3-tts.yaml served as it is but for the talker's budget."""
+    example = (ROOT / "examples" / "qwen3-tts.yaml").read_text()
+    assert "sampling: {max_tokens: 64}" in example
+    pipeline = demo_dir / "qwen3-tts-short.yaml"
+    pipeline.write_text(
+        example.replace("sampling: {max_tokens: 64}", f"sampling: {{max_tokens: {CODES + 1}}}")
+    )
+    with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, url):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """generate_custom_voice on the demo checkpoint: three voices, with and without a style."""
+    items = [
+        {"text": SAID, "speaker": v, "language": "Auto", "instruct": i, "non_streaming": True}
+        for v, i in [("vivian", ""), ("ryan", ""), ("aiden", ""), ("vivian", "Speak slowly.")]
+    ]
+    asked = {
+        "checkpoint": str(demo_dir / "models" / "tiny-qwen3-tts"),
+        "custom_voice": items,
+        "max_new_tokens": CODES + 1,
+    }
+    out = tmp_path_factory.mktemp("qwen-tts-reference")
+    return qwen_tts_reference(asked, out), out
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+def speak(base: str, voice: str, **extra: Any) -> np.ndarray:
+    """The WAV the SDK gets, as its int16 samples."""
+    got = client(base).audio.speech.create(model="qwen3-tts", input=SAID, voice=voice, **extra)  # type: ignore[arg-type]
+    samples, rate = soundfile.read(io.BytesIO(got.content), dtype="int16")
+    assert rate == 24000
+    return samples
+
+
+def pcm16(wav: np.ndarray) -> np.ndarray:
+    """The reference's float samples as the gateway writes them."""
+    return (np.clip(wav, -1.0, 1.0) * 32767.0).astype(np.int16)
+
+
+def same_audio(ours: np.ndarray, expected: np.ndarray) -> None:
+    assert ours.shape == expected.shape == (CODES * 1920,)
+    assert int(np.abs(ours.astype(np.int32) - expected).max()) <= 1  # float rounding at a step's edge
+
+
+def test_the_voices_are_the_checkpoints_speakers(base: str) -> None:
+    r = HTTP.get(f"{base}/v1/audio/voices", timeout=30)
+    assert r.status_code == 200
+    assert r.json() == {"voices": ["aiden", "dylan", "ryan", "serena", "vivian"], "uploaded_voices": []}
+
+
+def test_speech_equals_the_reference(base: str, reference: tuple[dict[str, Any], Path]) -> None:
+    _, out = reference
+    same_audio(speak(base, "vivian"), pcm16(waveform(out, "custom_voice_0")))
+
+
+def test_a_style_instruction_is_followed(base: str, reference: tuple[dict[str, Any], Path]) -> None:
+    _, out = reference
+    styled = speak(base, "vivian", instructions="Speak slowly.")
+    same_audio(styled, pcm16(waveform(out, "custom_voice_3")))
+    assert not np.array_equal(styled, pcm16(waveform(out, "custom_voice_0")))
+
+
+def test_requests_spoken_together_equal_each_alone(base: str, reference: tuple[dict[str, Any], Path]) -> None:
+    """Three voices at once: the talker batches their frames and steps (maxInflight 8)."""
+    _, out = reference
+    with ThreadPoolExecutor(3) as pool:
+        spoken = list(pool.map(lambda v: speak(base, v), ["vivian", "ryan", "aiden"]))
+    for i, samples in enumerate(spoken):
+        same_audio(samples, pcm16(waveform(out, f"custom_voice_{i}")))
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"language": "Klingon"}, "language: 'Klingon' is not one of this model's languages: Auto, English"),
+        ({"task_type": "VoiceDesign"}, "task_type: this model does CustomVoice, not VoiceDesign"),
+        ({"voice": "nobody"}, "voice 'nobody' is not one of this model's voices: aiden, dylan"),
+    ],
+    ids=["language", "task-type", "voice"],
+)
+def test_what_the_model_cannot_do_is_a_400_naming_it(base: str, body: dict[str, Any], says: str) -> None:
+    request = {"model": "qwen3-tts", "input": "x", "voice": "vivian", **body}
+    r = HTTP.post(f"{base}/v1/audio/speech", json=request, timeout=60)
+    assert r.status_code == 400, r.text
+    assert says in r.json()["error"]["message"], r.text
