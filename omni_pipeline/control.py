@@ -332,6 +332,9 @@ class Heartbeat(msgspec.Struct, tag="heartbeat", frozen=True):
     voices: list[str] | None = None
     """The voices its engine speaks in (none: it takes no voice), for the gateway to list and to
     refuse others before any work; None: not declared."""
+    languages: list[str] | None = None
+    """The languages its engine speaks (a TTS model's names for them), for the gateway to refuse
+    others before any work; None: not declared."""
     tokenizes: bool | None = None
     """It answers /tokenize (a source stage whose engine reads text); None: not declared."""
     asleep: int | None = None

@@ -105,16 +105,25 @@ def test_requests_spoken_together_equal_each_alone(base: str, reference: tuple[d
 
 
 @pytest.mark.parametrize(
-    ("body", "says"),
+    ("body", "param", "says"),
     [
-        ({"language": "Klingon"}, "language: 'Klingon' is not one of this model's languages: Auto, English"),
-        ({"task_type": "VoiceDesign"}, "task_type: this model does CustomVoice, not VoiceDesign"),
-        ({"voice": "nobody"}, "voice 'nobody' is not one of this model's voices: aiden, dylan"),
+        (
+            {"language": "Klingon"},
+            "language",
+            "language: 'Klingon' is not one of this model's languages: Auto, Chinese, English, French",
+        ),
+        ({"task_type": "VoiceDesign"}, None, "task_type: this model does CustomVoice, not VoiceDesign"),
+        ({"voice": "nobody"}, "voice", "voice 'nobody' is not one of this model's voices: aiden, dylan"),
     ],
     ids=["language", "task-type", "voice"],
 )
-def test_what_the_model_cannot_do_is_a_400_naming_it(base: str, body: dict[str, Any], says: str) -> None:
+def test_what_the_model_cannot_do_is_a_400_naming_it(
+    base: str, body: dict[str, Any], param: str | None, says: str
+) -> None:
+    """The language and the voice before anything runs (the talker announces them); the task at
+    the talker."""
     request = {"model": "qwen3-tts", "input": "x", "voice": "vivian", **body}
     r = HTTP.post(f"{base}/v1/audio/speech", json=request, timeout=60)
     assert r.status_code == 400, r.text
-    assert says in r.json()["error"]["message"], r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], r.text

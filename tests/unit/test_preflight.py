@@ -9,7 +9,14 @@ import time
 import pytest
 
 from omni_gateway.errors import BadRequest
-from omni_gateway.preflight import Announced, check_clip, check_honoured, check_per_stage, check_voice
+from omni_gateway.preflight import (
+    Announced,
+    check_clip,
+    check_honoured,
+    check_language,
+    check_per_stage,
+    check_voice,
+)
 from omni_gateway.replicas import ReplicaTable
 from omni_gateway.request import PipelineRequest
 from omni_pipeline.clips import ClipLimits
@@ -78,6 +85,21 @@ def test_a_voice_no_stage_speaks_in_is_refused_listing_the_voices(announced: Ann
         check_voice(announced, nova)
     assert exc.value.param == "audio.voice" and exc.value.message.endswith("voices: alloy, echo")
     check_voice(announced, request(Sampling(voice="nova"), TEXT))  # no audio asked: no voice read
+
+
+def test_a_language_the_source_does_not_speak_is_refused_listing_them(announced: Announced) -> None:
+    klingon = request(Sampling(language="Klingon"), AUDIO)
+    check_language(announced, klingon)  # nothing announced: the stage refuses it itself
+    announce(announced, "thinker", languages=["Auto", "English", "Chinese"])
+    with pytest.raises(BadRequest) as exc:
+        check_language(announced, klingon)
+    assert exc.value.param == "language"
+    assert (
+        exc.value.message
+        == "language: 'Klingon' is not one of this model's languages: Auto, Chinese, English"
+    )
+    check_language(announced, request(Sampling(language="english"), AUDIO))  # case aside, as models read it
+    check_language(announced, request(Sampling(), AUDIO))
 
 
 def test_a_clip_beyond_what_the_video_stage_announced_names_the_field() -> None:

@@ -80,6 +80,7 @@ def check_request(a: Announced, req: PipelineRequest) -> None:
     check_per_stage(a, req)
     check_travels(req)
     check_voice(a, req)
+    check_language(a, req)
     if req.inputs.images:
         check_editing(a, req.outputs)
 
@@ -156,6 +157,20 @@ def check_voice(a: Announced, req: PipelineRequest) -> None:
             f"{param}: voice '{voice}' is not one of this model's voices: {', '.join(sorted(voices))}",
             param=param,
         )
+
+
+def check_language(a: Announced, req: PipelineRequest) -> None:
+    """A 400 listing the languages, for one the stages that speak do not (case aside, as the
+    models read them); what takes no language refuses the field as not honoured."""
+    if (language := req.sampling.language) is None:
+        return
+    for stage in a.sources(req.outputs):
+        spoken = a.table.declared(stage, "languages")
+        if spoken and language.lower() not in {s.lower() for s in spoken}:
+            raise BadRequest(
+                f"language: '{language}' is not one of this model's languages: {', '.join(sorted(spoken))}",
+                param="language",
+            )
 
 
 def check_editing(a: Announced, outputs: frozenset[OutputKind]) -> None:

@@ -162,10 +162,12 @@ class ReplicaTable:
         """The replicas of `stages` that are not draining (what a sleep or wake is sent to)."""
         return [r for s in stages for r in self._by_stage.get(s, {}).values() if not r.hb.draining]
 
-    def declared(self, stage: str, what: Literal["accepts", "honours", "voices"]) -> frozenset[str] | None:
+    def declared(
+        self, stage: str, what: Literal["accepts", "honours", "voices", "languages"]
+    ) -> frozenset[str] | None:
         """What the stage's engine reads (`accepts`: content part kinds), honours (`honours`:
-        request parameters) or speaks in (`voices`), as its replicas declare it (all run one
-        engine); None while none has."""
+        request parameters) or speaks in (`voices`, `languages`), as its replicas declare it (all
+        run one engine); None while none has."""
         for r in self._by_stage.get(stage, {}).values():
             if (declared := getattr(r.hb, what)) is not None:
                 return frozenset(declared)

@@ -79,6 +79,7 @@ class Beats:
             accepts=sorted(self.engine.accepts),
             honours=sorted(self.engine.honours),
             voices=list(self.engine.voices),
+            languages=list(self.engine.languages),
             tokenizes=self.book.is_source and self.engine.prompt_tokenizer() is not None,
             asleep=state.asleep,
             max_sleep_level=self.engine.max_sleep_level,

@@ -112,6 +112,10 @@ class Engine(ABC):
     """The voices this engine speaks in, its default first (set once it has loaded), announced
     in the replica's heartbeat: a gateway lists them and refuses any other voice (a 400 that
     lists them). Empty: the engine takes no voice."""
+    languages: tuple[str, ...] = ()
+    """The languages this engine speaks (its names for them), announced in the replica's
+    heartbeat: a gateway refuses any other `language` (a 400 that lists them). Empty: it takes
+    no language (a request that names one is refused unless the engine honours the field)."""
     needs_last_call: bool = False
     """This engine holds work back until it is told its inputs have ended (a talker still to
     speak past the reply, a vocoder waiting for right context): it is called on the request's

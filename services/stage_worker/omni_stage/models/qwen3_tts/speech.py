@@ -102,7 +102,7 @@ class Qwen3TTSTalker(Part):
         self.ids = TTSIds.of(self.settings)
         self.voices = tuple(sorted(self.ids.speakers, key=lambda v: (v != DEFAULT_VOICE, v)))
         named = (lang.capitalize() for lang in self.ids.languages if "dialect" not in lang)
-        self.languages = ("Auto", *named)
+        self.languages = ("Auto", *named)  # the heartbeat's: a gateway refuses others first
         self.instructs = self.settings.get("tts_model_size") != "0b6"  # the reference drops them on 0.6B
         self.context = int(talker_config.get("max_position_embeddings", 32768))
         self._build_steps()
