@@ -4,13 +4,13 @@ virtualenv (.venv-qwen-tts: it pins transformers 4.57), as its README runs it.
     .venv-qwen-tts/bin/python scripts/qwen_tts_reference.py REQUEST.json OUT_DIR
 
 REQUEST: {"checkpoint": DIR, "custom_voice": [{"text", "speaker", "language", "instruct",
-"non_streaming"}],
-"decode": [[[code x 16] per frame] per item], "max_new_tokens": N}. Everything greedy (the
-talker and its code predictor). OUT_DIR gets result.json (per custom-voice item its codes,
-[frames][16], from `Qwen3TTSForConditionalGeneration.generate` as `generate_custom_voice` calls
-it; the names of checkpoint tensors the reference did not read, or read nothing into) and one
-float32 .npy a waveform: `custom_voice_<i>.npy` from `generate_custom_voice`, `decode_<i>.npy`
-from `Qwen3TTSTokenizer.decode`."""
+"non_streaming"}], "voice_design": [the same but "speaker"], "decode": [[[code x 16] per frame]
+per item], "max_new_tokens": N}. Everything greedy (the talker and its code predictor). OUT_DIR
+gets result.json (per item of each task its codes, [frames][16], from
+`Qwen3TTSForConditionalGeneration.generate` as the task's own method calls it; the names of
+checkpoint tensors the reference did not read, or read nothing into) and one float32 .npy a
+waveform: `<task>_<i>.npy` from `generate_custom_voice` or `generate_voice_design`,
+`decode_<i>.npy` from `Qwen3TTSTokenizer.decode`."""
 
 from __future__ import annotations
 
@@ -47,32 +47,39 @@ def main(request_file: str, out_dir: str) -> None:
         "speech_tokenizer": unread(
             tts.model.speech_tokenizer.model, ckpt / "speech_tokenizer" / "model.safetensors"
         ),
-        "custom_voice": [],
     }
     budget = {"max_new_tokens": request.get("max_new_tokens", 64), **GREEDY}
-    for i, item in enumerate(request.get("custom_voice", [])):
-        instruct = item.get("instruct") or ""
-        ids = tts._tokenize_texts([tts._build_assistant_text(item["text"])])
-        instruct_ids = [tts._tokenize_texts([tts._build_instruct_text(instruct)])[0] if instruct else None]
-        codes, _ = tts.model.generate(
-            input_ids=ids,
-            instruct_ids=instruct_ids,
-            languages=[item["language"]],
-            speakers=[item["speaker"]],
-            non_streaming_mode=item["non_streaming"],
-            **tts._merge_generate_kwargs(**budget),
-        )
-        result["custom_voice"].append(codes[0].tolist())
-        wavs, rate = tts.generate_custom_voice(
-            item["text"],
-            speaker=item["speaker"],
-            language=item["language"],
-            instruct=instruct or None,
-            non_streaming_mode=item["non_streaming"],
-            **budget,
-        )
-        np.save(out / f"custom_voice_{i}.npy", np.asarray(wavs[0], dtype=np.float32))
-        result["sample_rate"] = int(rate)
+    for task, speak in (
+        ("custom_voice", tts.generate_custom_voice),
+        ("voice_design", tts.generate_voice_design),
+    ):
+        result[task] = []
+        for i, item in enumerate(request.get(task, [])):
+            instruct = item.get("instruct") or ""
+            speaker = {"speaker": item["speaker"]} if task == "custom_voice" else {}
+            ids = tts._tokenize_texts([tts._build_assistant_text(item["text"])])
+            instruct_ids = [
+                tts._tokenize_texts([tts._build_instruct_text(instruct)])[0] if instruct else None
+            ]
+            codes, _ = tts.model.generate(
+                input_ids=ids,
+                instruct_ids=instruct_ids,
+                languages=[item["language"]],
+                speakers=[speaker.get("speaker")],
+                non_streaming_mode=item["non_streaming"],
+                **tts._merge_generate_kwargs(**budget),
+            )
+            result[task].append(codes[0].tolist())
+            wavs, rate = speak(
+                item["text"],
+                language=item["language"],
+                instruct=instruct or None,
+                non_streaming_mode=item["non_streaming"],
+                **speaker,
+                **budget,
+            )
+            np.save(out / f"{task}_{i}.npy", np.asarray(wavs[0], dtype=np.float32))
+            result["sample_rate"] = int(rate)
     for i, codes in enumerate(request.get("decode", [])):
         wavs, rate = tts.model.speech_tokenizer.decode([{"audio_codes": torch.tensor(codes)}])
         np.save(out / f"decode_{i}.npy", np.asarray(wavs[0], dtype=np.float32))

@@ -6,6 +6,7 @@ greedily (a named speaker, a dialect speaker, a style instruction, both prompt l
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,17 @@ import numpy as np
 import pytest
 import torch
 
+from omni_pipeline.sampling import Sampling
+from omni_pipeline.spec import load_pipeline
+from omni_stage.engines.base import Engine, EngineCall, InvalidRequest
+from omni_stage.engines.registry import build_engine
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
 from omni_stage.models.qwen3_tts.checkpoint import write_checkpoint
 from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_config
 from omni_stage.models.qwen3_tts.prompt import TTSIds, tts_prompt
 from omni_stage.models.qwen3_tts.steps import TTSSteps
+from omni_stage.payload import concat
+from tests.helpers import ROOT
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
 BUDGET = 24
@@ -117,3 +124,86 @@ def test_the_decoder_equals_the_tokenizers_decode(
 def test_an_unknown_variant_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown Qwen3-TTS variant 'klingon'"):
         write_checkpoint(tmp_path, "klingon")
+
+
+EXAMPLE = ROOT / "examples" / "qwen3-tts.yaml"
+DESIGNS = [  # a voice described, in both layouts
+    {"text": "The sea is calm.", "language": "English", "instruct": "A deep, slow voice.", "non_streaming": n}
+    for n in (True, False)
+]
+
+
+def stage_engine(stage: str, model: Path) -> Engine:
+    spec = load_pipeline(EXAMPLE).spec.stage(stage)
+    return build_engine(
+        spec.model_copy(update={"engine": spec.engine.model_copy(update={"model": str(model)})})
+    )
+
+
+@pytest.fixture(scope="module")
+def designed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any], Path]:
+    """A tiny VoiceDesign checkpoint, and the reference's `generate_voice_design` on it."""
+    ckpt = write_checkpoint(
+        tmp_path_factory.mktemp("qwen3-tts") / "tiny-qwen3-tts-voice-design", "voice_design"
+    )
+    out = tmp_path_factory.mktemp("qwen-tts-reference")
+    asked = {"checkpoint": str(ckpt), "voice_design": DESIGNS, "max_new_tokens": BUDGET}
+    return ckpt, qwen_tts_reference(asked, out), out
+
+
+async def through_the_stages(
+    ckpt: Path, prompt: str, sampling: Sampling
+) -> tuple[list[list[int]], np.ndarray]:
+    """The example's two stages on `ckpt`, in this process: the talker's frames, code2wav's audio."""
+    talker, code2wav = stage_engine("talker", ckpt), stage_engine("code2wav", ckpt)
+    for e in (talker, code2wav):
+        await e.start()
+    try:
+        frames = [
+            o.data
+            async for o in talker.generate(EngineCall("r", {"request": {"prompt": prompt}}, True, sampling))
+        ]
+        call = EngineCall("r", {"talker": concat(frames)}, True, Sampling())
+        audio = [o.data["audio"] async for o in code2wav.generate(call)]
+    finally:
+        for e in (talker, code2wav):
+            await e.close()
+    return concat(frames)["codes"].tolist(), torch.cat(audio).numpy()
+
+
+def test_a_designed_voice_equals_the_reference(designed: tuple[Path, dict[str, Any], Path]) -> None:
+    """VoiceDesign through the stage engines (the non-streaming layout, the served one) and
+    through the steps (both layouts): the voice is the one the instruction describes."""
+    ckpt, result, out = designed
+    first = DESIGNS[0]
+    sampling = Sampling(max_tokens=BUDGET, instructions=first["instruct"], language=first["language"])
+    codes, audio = asyncio.run(through_the_stages(ckpt, first["text"], sampling))
+    assert codes == result["voice_design"][0]
+    np.testing.assert_allclose(audio, waveform(out, "voice_design_0"), atol=1e-6, rtol=0)
+    steps, tok, ids = ours(ckpt)
+    assert ids.speakers == {}
+    for i, item in enumerate(DESIGNS):
+        instruct = turn(tok, item["instruct"], "user", reply=False)
+        prompt = tts_prompt(
+            steps.talker,
+            ids,
+            turn(tok, item["text"]),
+            item["language"],
+            None,
+            instruct,
+            item["non_streaming"],
+        )
+        assert steps.speak(prompt, BUDGET) == result["voice_design"][i], item
+
+
+def test_a_voice_design_model_takes_no_voice_and_needs_a_description(
+    designed: tuple[Path, dict[str, Any], Path],
+) -> None:
+    ckpt, _, _ = designed
+    talker = stage_engine("talker", ckpt)
+    asyncio.run(talker.start())
+    assert talker.voices == ()
+    with pytest.raises(
+        InvalidRequest, match="instructions: a VoiceDesign model speaks in the voice they describe"
+    ):
+        asyncio.run(through_the_stages(ckpt, "Hi", Sampling(max_tokens=4)))

@@ -29,8 +29,8 @@ from omni_stage.demo_tokenizer import byte_level_tokenizer
 from omni_stage.models.qwen3_tts.modeling import SpeechDecoder, Talker
 from omni_stage.models.qwen_omni.checkpoint import keep_the_waveform
 
-VARIANTS: Final = ("custom_voice",)
-"""`tts_model_type`s written so far (`voice_design` and `base` follow: docs/models.md)."""
+VARIANTS: Final = ("custom_voice", "voice_design")
+"""`tts_model_type`s written so far (`base`, whose speaker encoder clones, follows: docs/models.md)."""
 CODEC_VOCAB: Final = 3072
 GROUPS: Final = 16
 CODEC_IDS: Final = {
@@ -264,7 +264,9 @@ def write_checkpoint(path: Path, variant: str = "custom_voice", seed: int = 0) -
 
 
 def write_tiny_checkpoint(path: Path) -> Path:
-    """The demo's (`omni models init-demo`): the CustomVoice variant."""
+    """The demo's (`omni models init-demo`): the CustomVoice variant at `path`, the VoiceDesign
+    one beside it (`<path>-voice-design`)."""
+    write_checkpoint(path.with_name(f"{path.name}-voice-design"), "voice_design", seed=1)
     return write_checkpoint(path, "custom_voice")
 
 

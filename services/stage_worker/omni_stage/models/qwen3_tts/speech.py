@@ -9,8 +9,9 @@
   Code2Wav stage decodes them (`chunkCodes` 300 and `leftContextCodes` 25 by default: the
   reference's own `chunked_decode`, the same samples), 1920 samples a code at 24 kHz.
 
-Only the CustomVoice variant's task so far (`task_type` CustomVoice, or left out): VoiceDesign
-and Base (voices described, cloned) come next (docs/models.md).
+CustomVoice (a named speaker, steered by `instructions`) and VoiceDesign (no speaker: the voice
+is what `instructions` describes, required) so far; Base (a voice cloned) comes next
+(docs/models.md).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from omni_stage.segments import EngineOutput
 
 TASKS: Final = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
 """`tts_model_type` -> the `task_type` it serves, in vLLM-Omni's words."""
-SERVED_TASKS: Final = ("CustomVoice",)
+SERVED_TASKS: Final = ("CustomVoice", "VoiceDesign")
 DEFAULT_VOICE: Final = "vivian"
 MODEL_NAME: Final = "Qwen3-TTS"
 
@@ -153,6 +154,10 @@ class Qwen3TTSTalker(Part):
             )
         if sampling.instructions and not self.instructs:
             raise InvalidRequest("instructions: this model (Qwen3-TTS 0.6B) follows none; leave it out")
+        if self.task == "VoiceDesign" and not sampling.instructions:
+            raise InvalidRequest(
+                "instructions: a VoiceDesign model speaks in the voice they describe: describe one"
+            )
         turn = self.tokenizer(
             f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n", return_tensors="pt"
         ).input_ids
@@ -162,7 +167,8 @@ class Qwen3TTSTalker(Part):
                 f"<|im_start|>user\n{sampling.instructions}<|im_end|>\n", return_tensors="pt"
             ).input_ids
         with torch.inference_mode():
-            prompt = tts_prompt(self.model, self.ids, turn, language, self.voice(sampling), instruct)
+            speaker = self.voice(sampling) if self.voices else None
+            prompt = tts_prompt(self.model, self.ids, turn, language, speaker, instruct)
         return prompt, int(turn.shape[1]) + (0 if instruct is None else int(instruct.shape[1]))
 
     def _steps(self, steps: list[_Step]) -> list[list[int]]:
