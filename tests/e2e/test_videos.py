@@ -157,12 +157,19 @@ def test_what_the_model_cannot_make_is_a_400_before_a_job_exists(
 
 
 def test_json_bodies_and_refusals_of_the_other_calls(video_demo: str) -> None:
-    r = HTTP.post(f"{video_demo}/v1/videos", json={"prompt": "rain", "size": "32x32", "seconds": 1})
-    assert r.status_code == 200 and (r.json()["status"], r.json()["seconds"]) == ("queued", "1"), r.text
     client = openai_client(video_demo)
-    queued = r.json()["id"]
-    with pytest.raises(openai.ConflictError):  # no content yet, nor a remix of it
-        client.videos.remix(queued, prompt="snow")
+    # A job of the most steps a request may ask (seconds of work), so that it is still running
+    # when asked for its content or a remix (a job of the default steps could end first: it
+    # once did, under a full suite's load); then deleted, which ends its run.
+    long = {"prompt": "rain", "size": "32x32", "seconds": 1, "num_inference_steps": 1000}
+    r = HTTP.post(f"{video_demo}/v1/videos", json=long)
+    assert r.status_code == 200 and (r.json()["status"], r.json()["seconds"]) == ("queued", "1"), r.text
+    running = r.json()["id"]
+    with pytest.raises(openai.ConflictError):  # no remix of a video not made yet
+        client.videos.remix(running, prompt="snow")
+    assert HTTP.get(f"{video_demo}/v1/videos/{running}/content").status_code == 409  # nor its content
+    client.videos.delete(running)
+    queued = client.videos.create(prompt="rain", size="32x32", seconds="1").id  # type: ignore[arg-type]
     finished(client, queued)
     bad = HTTP.get(f"{video_demo}/v1/videos/{queued}/content", params={"variant": "gif"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "variant"
