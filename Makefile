@@ -122,8 +122,8 @@ test: setup $(VOMNI_STAMP) $(QTTS_STAMP)
 	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=20
 
 # Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
-BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep video image step
-bench: setup demo-models
+BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep video image step tts
+bench: setup demo-models $(QTTS_STAMP)
 	for b in $(BENCHES); do $(OMNI) bench $$b --out docs/benchmarks || exit 1; done
 
 # The operator's golden manifests (tests/unit/operator/golden/), written again from the examples:

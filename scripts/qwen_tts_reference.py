@@ -5,17 +5,20 @@ virtualenv (.venv-qwen-tts: it pins transformers 4.57), as its README runs it.
 
 REQUEST: {"checkpoint": DIR, "custom_voice": [{"text", "speaker", "language", "instruct",
 "non_streaming"}], "voice_design": [the same but "speaker"], "decode": [[[code x 16] per frame]
-per item], "max_new_tokens": N}. Everything greedy (the talker and its code predictor). OUT_DIR
-gets result.json (per item of each task its codes, [frames][16], from
+per item], "timed": {"texts", "speaker", "rounds"}, "max_new_tokens": N}. Everything greedy (the
+talker and its code predictor). OUT_DIR gets result.json (per item of each task its codes, [frames][16], from
 `Qwen3TTSForConditionalGeneration.generate` as the task's own method calls it; the names of
 checkpoint tensors the reference did not read, or read nothing into) and one float32 .npy a
 waveform: `<task>_<i>.npy` from `generate_custom_voice` or `generate_voice_design`,
-`decode_<i>.npy` from `Qwen3TTSTokenizer.decode`."""
+`decode_<i>.npy` from `Qwen3TTSTokenizer.decode`. With "timed" (`omni bench tts`), result.json's
+"timed" holds the seconds of `generate_custom_voice` on the first text alone ("alone_s"), and on all
+the texts as one batch ("batch_s"), each `rounds` times, after one warm-up call."""
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,19 @@ def unread(module: torch.nn.Module, weights: Path) -> dict[str, list[str]]:
         stored = set(f.keys())
     held = set(module.state_dict())
     return {"unexpected": sorted(stored - held), "missing": sorted(held - stored)}
+
+
+def timings(
+    tts: Any, texts: list[str], speaker: str, rounds: int, budget: dict[str, Any]
+) -> dict[str, list[float]]:
+    def timed(text: str | list[str]) -> float:
+        t0 = time.perf_counter()
+        tts.generate_custom_voice(text, speaker=speaker, language="Auto", **budget)
+        return time.perf_counter() - t0
+
+    timed(texts[0])  # warm-up
+    alone = [timed(text) for _ in range(rounds) for text in texts[:1]]
+    return {"alone_s": alone, "batch_s": [timed(texts) for _ in range(rounds)]}
 
 
 def main(request_file: str, out_dir: str) -> None:
@@ -80,6 +96,8 @@ def main(request_file: str, out_dir: str) -> None:
             )
             np.save(out / f"{task}_{i}.npy", np.asarray(wavs[0], dtype=np.float32))
             result["sample_rate"] = int(rate)
+    if timed := request.get("timed"):
+        result["timed"] = timings(tts, timed["texts"], timed["speaker"], int(timed["rounds"]), budget)
     for i, codes in enumerate(request.get("decode", [])):
         wavs, rate = tts.model.speech_tokenizer.decode([{"audio_codes": torch.tensor(codes)}])
         np.save(out / f"decode_{i}.npy", np.asarray(wavs[0], dtype=np.float32))

@@ -41,6 +41,14 @@ RATIOS = {
         for batch in (1, 8)
     },
     "sleep": {"tiny-omni_rss_asleep_vs_awake_min", "tiny-omni_rss_asleep_vs_awake_max"},
+    "tts": {
+        "c1_whole_vs_reference",
+        "c1_first_audio_vs_reference",
+        "c8_vs_reference_batched",
+        "throughput_c8_vs_c1",
+        "rtf_c1",
+        "rtf_c8",
+    },
     "video": {"sync_vs_diffusers", "job_c1_vs_diffusers", "jobs_c2_vs_c1"},
     "image": {"edit_c1_vs_diffusers", "edits_c4_vs_c1", "generations_c4_vs_c1"},
     "vllm-omni": {f"{m}_c{c}" for m in ("ttft", "tpot", "ttfp", "rtf") for c in (1, 4)},
