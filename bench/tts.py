@@ -18,6 +18,9 @@ Ratios (goals from the issue):
   `generate_custom_voice` of 8 texts (8 / its time) (goal >= 1).
 - throughput_c8_vs_c1: our requests/s at concurrency 8 over concurrency 1.
 - rtf_c1, rtf_c8: our median RTF (< 1: audio comes faster than it plays).
+
+Each run also says where the time went, stage by stage (bench.profile: busy share, mean batch,
+queue wait, engine call, connector and (de)serialising time per request).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import yaml
 
 from bench.common import machine, median, parser, report, rounds
 from bench.procs import ROOT, demo_models, served
+from bench.profile import profile, snapshot
 from bench.qwen_tts_reference import qwen_tts_reference
 
 ROUNDS = 5
@@ -80,15 +84,18 @@ async def load(base: str, concurrency: int, requests: int) -> dict[str, Any]:
                 queue.pop()
                 done.append(await one(session, base))
 
+        before = await asyncio.to_thread(snapshot, base)
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         wall = time.perf_counter() - t0
+        stages = profile(before, await asyncio.to_thread(snapshot, base), wall, len(done))
     return {
         "first_audio_ms": round(median([d["first_audio_s"] for d in done]) * 1000, 1),
         "whole_ms": round(median([d["whole_s"] for d in done]) * 1000, 1),
         "rtf": round(median([d["whole_s"] / d["audio_s"] for d in done]), 3),
         "audio_s": round(median([d["audio_s"] for d in done]), 3),
         "req_per_s": round(len(done) / wall, 3),
+        "stages": stages,
     }
 
 
@@ -121,7 +128,15 @@ def main(argv: list[str] | None = None) -> None:
             "rtf_c8": c8["rtf"],
         },
     }
-    rows = [(name, "  ".join(f"{k} {v}" for k, v in r.items())) for name, r in result["runs"].items()]
+    rows = [
+        (name, "  ".join(f"{k} {v}" for k, v in r.items() if k != "stages"))
+        for name, r in result["runs"].items()
+    ]
+    rows += [
+        (f"{name} {stage}", "  ".join(f"{k} {v}" for k, v in figures.items()))
+        for name in ("c1", "c8")
+        for stage, figures in result["runs"][name]["stages"].items()
+    ]
     rows += [(k, str(v)) for k, v in result["ratios"].items()]
     report("tts", rows, result, args)
 

@@ -11,11 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
 import soundfile
 
+from tests.deployment import gauges, settle
 from tests.helpers import HTTP, ROOT, served
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
@@ -127,3 +129,15 @@ def test_what_the_model_cannot_do_is_a_400_naming_it(
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], r.text
+
+
+def test_a_client_that_walks_away_mid_speech_leaves_nothing_held(base: str) -> None:
+    """A client that stops waiting before its audio comes (here it comes once the talker is
+    done: the reference's chunks): the request is dropped wherever it is, the talker's queued
+    step with it; every process goes back to what it held before, and the next one is served."""
+    idle = gauges([base])
+    body = {"model": "qwen3-tts", "input": SAID, "voice": "ryan", "stream_format": "sse"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{base}/v1/audio/speech", json=body, timeout=httpx.Timeout(60, read=0.05))
+    settle([base], idle)
+    assert speak(base, "ryan").shape == (CODES * 1920,)

@@ -60,11 +60,12 @@ def _refuse_dummy(part: Part) -> None:
 
 @dataclass(slots=True)
 class _Step:
-    """One request's piece of a batched step: its frame's residuals (no frame yet), or its next
-    talker step (fed `frame`)."""
+    """One request's piece of a batched step: its last frame fed back (none on its first), then
+    its next frame drawn, unless its codes end there (`budget`: its codes 0 at most)."""
 
     st: Speaking
-    frame: list[int] | None = None
+    budget: int
+    fed: list[int] | None = None
 
 
 class Qwen3TTSTalker(Part):
@@ -136,10 +137,15 @@ class Qwen3TTSTalker(Part):
         budget = call.sampling.max_tokens or TALKER_MAX_CODES
         assert self.steps is not None
         await self._run(self.steps.prefill, st)
-        while not self.steps.finished(st, budget):
-            frame = await self.batcher.submit("residuals", _Step(st))
-            yield EngineOutput(units=1, data=Codes(codes=torch.tensor([frame])))
-            await self.batcher.submit("decode", _Step(st, frame))
+        # Each step is queued as soon as the last is answered, before its frame goes out: the
+        # requests answered together are then waiting together for the next batch.
+        step = self.batcher.submit("frame", _Step(st, budget))
+        try:
+            while (frame := await step) is not None:
+                step = self.batcher.submit("frame", _Step(st, budget, frame))
+                yield EngineOutput(units=1, data=Codes(codes=torch.tensor([frame])))
+        finally:
+            step.cancel()  # (cut short: the step queued is dropped)
         call.state.finish_reason = "stop" if st.code0 == self.ids.codec_eos else "length"
 
     def _prompt(self, text: str, sampling: Sampling) -> tuple[TTSPrompt, int]:
@@ -171,15 +177,17 @@ class Qwen3TTSTalker(Part):
             prompt = tts_prompt(self.model, self.ids, turn, language, speaker, instruct)
         return prompt, int(turn.shape[1]) + (0 if instruct is None else int(instruct.shape[1]))
 
-    def _steps(self, steps: list[_Step]) -> list[list[int]]:
-        """One batch of one kind: every request's frame, or every request's next step."""
+    def _steps(self, steps: list[_Step]) -> list[list[int] | None]:
+        """One batched step of every request that asks: the talker's next step for those with a
+        frame to feed back, then the code predictor's frame for those whose codes go on (None:
+        they ended). One call a frame, so concurrent requests stay in step, batched together."""
         assert self.steps is not None
-        sts = [s.st for s in steps]
-        if steps[0].frame is None:
-            return self.steps.residuals(sts)
-        frames = [s.frame for s in steps]
-        self.steps.decode(sts, frames)  # type: ignore[arg-type]
-        return frames  # type: ignore[return-value]
+        fed = [s for s in steps if s.fed is not None]
+        if fed:
+            self.steps.decode([s.st for s in fed], [s.fed for s in fed])  # type: ignore[misc]
+        going = [s for s in steps if not self.steps.finished(s.st, s.budget)]
+        drawn = iter(self.steps.residuals([s.st for s in going]) if going else [])
+        return [None if self.steps.finished(s.st, s.budget) else next(drawn) for s in steps]
 
 
 class Qwen3TTSCode2Wav(Qwen3Code2Wav):
