@@ -6,6 +6,7 @@ inputs (tests/qwen_tts_reference.py)."""
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +17,7 @@ import numpy as np
 import openai
 import pytest
 import soundfile
+from websockets.sync.client import connect
 
 from tests.deployment import gauges, settle
 from tests.helpers import HTTP, ROOT, served
@@ -141,3 +143,25 @@ def test_a_client_that_walks_away_mid_speech_leaves_nothing_held(base: str) -> N
         httpx.post(f"{base}/v1/audio/speech", json=body, timeout=httpx.Timeout(60, read=0.05))
     settle([base], idle)
     assert speak(base, "ryan").shape == (CODES * 1920,)
+
+
+def test_the_speech_socket_speaks_with_a_style_as_the_reference(
+    base: str, reference: tuple[dict[str, Any], Path]
+) -> None:
+    """vLLM-Omni's text-in speech-out socket: its session.config's instructions and language go
+    to the talker as a speech request's do."""
+    _, out = reference
+    with connect(f"{base.replace('http://', 'ws://')}/v1/audio/speech/stream") as ws:
+        config = {
+            "voice": "vivian",
+            "instructions": "Speak slowly.",
+            "language": "Auto",
+            "response_format": "pcm",
+        }
+        ws.send(json.dumps({"type": "session.config", **config}))
+        ws.send(json.dumps({"type": "input.text", "text": SAID}))
+        ws.send(json.dumps({"type": "input.done"}))
+        start, audio, done, flushed = (ws.recv() for _ in range(4))
+        assert json.loads(start)["type"] == "audio.start" and json.loads(flushed)["type"] == "session.done"
+        assert isinstance(audio, bytes) and json.loads(done)["total_bytes"] == len(audio)
+        same_audio(np.frombuffer(audio, dtype="<i2"), pcm16(waveform(out, "custom_voice_3")))

@@ -8,8 +8,9 @@ or clause as soon as the text holds its end (`sentence`, `clause`), so speech st
 text is complete. Each goes out as `audio.start`, the audio in binary frames (one whole WAV
 or PCM file; or, with `stream_audio` and `pcm`, the PCM as the vocoder makes it), and
 `audio.done`; a flush ends with `session.done`. Anything wrong is an `error` event, and the
-socket stays open. The fields of vLLM-Omni's config this server cannot honour (voice cloning,
-task types, word timestamps) are refused by name.
+socket stays open. `instructions`, `language` and `task_type` go to the pipeline as a speech
+request's do (a pipeline that cannot honour one refuses it by name); the fields of vLLM-Omni's
+config this server cannot honour (voice cloning, word timestamps) are refused by name.
 """
 
 from __future__ import annotations
@@ -37,8 +38,6 @@ router = APIRouter()
 MAX_TEXT: Final = 4096
 """Characters an utterance holds before its flush (a speech request's `input` limit)."""
 NOT_SERVED: Final = {
-    "task_type": "no engine here has Qwen3-TTS task types",
-    "language": "no engine here takes a language",
     "ref_audio": "voice cloning is not served",
     "ref_text": "voice cloning is not served",
     "x_vector_only_mode": "voice cloning is not served",
@@ -65,6 +64,8 @@ class StreamConfig(msgspec.Struct, forbid_unknown_fields=True):
     speaker: str | None = None
     """vLLM-Omni's other name for `voice`."""
     instructions: str | None = None
+    language: str | None = None
+    task_type: str | None = None
     response_format: str = "wav"
     speed: float | None = 1.0
     max_new_tokens: int | None = None
@@ -165,6 +166,8 @@ class SpeechStream:
                 input=text,
                 voice=c.voice or c.speaker,
                 instructions=c.instructions,
+                language=c.language,
+                task_type=c.task_type,
                 response_format=c.response_format,
                 speed=1.0 if c.speed is None else c.speed,
             )
