@@ -118,8 +118,10 @@ def test_requests_spoken_together_equal_each_alone(base: str, reference: tuple[d
         ),
         ({"task_type": "VoiceDesign"}, None, "task_type: this model does CustomVoice, not VoiceDesign"),
         ({"voice": "nobody"}, "voice", "voice 'nobody' is not one of this model's voices: aiden, dylan"),
+        ({"speed": 1.5}, None, "speed: Qwen3-TTS speaks at the pace it draws its codes"),
+        ({"stream_format": "sse", "top_k": 3}, "top_k", "top_k: unrecognized request argument"),
     ],
-    ids=["language", "task-type", "voice"],
+    ids=["language", "task-type", "voice", "speed", "unknown-field"],
 )
 def test_what_the_model_cannot_do_is_a_400_naming_it(
     base: str, body: dict[str, Any], param: str | None, says: str

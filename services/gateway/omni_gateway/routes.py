@@ -29,7 +29,7 @@ from omni_gateway.protocol.chat import (
 )
 from omni_gateway.protocol.images import ImageGenerationRequest, image_inputs, image_sampling
 from omni_gateway.protocol.omni import OmniSleepRequest, OmniWakeupRequest
-from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_inputs, speech_sampling
+from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_request
 from omni_gateway.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from omni_gateway.protocol.videos import read_video_request
 from omni_gateway.request import PipelineRequest
@@ -255,9 +255,7 @@ async def audio_speech(req: SpeechRequest, request: Request) -> Response:
             return Streamed(sse_stream(req, first, events), "text/event-stream", headers)
         return Streamed(audio_stream(req, first, events), SPEECH_MEDIA_TYPES[req.response_format], headers)
 
-    audio = frozenset({OutputKind.AUDIO})
-    asked = PipelineRequest(req.model, audio, speech_inputs(req), speech_sampling(req), voice_param="voice")
-    return await _respond(request, asked, respond)
+    return await _respond(request, speech_request(req), respond)
 
 
 @router.post("/tokenize")

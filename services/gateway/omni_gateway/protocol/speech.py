@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from omni_gateway.request import PipelineRequest
 from omni_pipeline.control import RequestInputs
-from omni_pipeline.sampling import Sampling
+from omni_pipeline.sampling import EVERY_ENGINE, Sampling, params
 from omni_pipeline.spec import OutputKind
 
 SPEECH_MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm"}
@@ -51,6 +52,24 @@ class SpeechRequest(BaseModel):
         if v not in SPEECH_MEDIA_TYPES:
             raise ValueError(f"'{v}' is not served here; use {' or '.join(SPEECH_MEDIA_TYPES)}")
         return v
+
+
+DOWNSTREAM: Final = params("speed")
+"""What a speech request asks of the stages downstream of its source (a vocoder's speed): not
+the source's to honour. Every other field is: the source stage must declare it honours it."""
+
+
+def speech_request(req: SpeechRequest) -> PipelineRequest:
+    """What `POST /v1/audio/speech` (and its socket, per piece) asks of the pipeline."""
+    audio = frozenset({OutputKind.AUDIO})
+    return PipelineRequest(
+        req.model,
+        audio,
+        speech_inputs(req),
+        speech_sampling(req),
+        voice_param="voice",
+        declared=EVERY_ENGINE | DOWNSTREAM,
+    )
 
 
 def speech_inputs(req: SpeechRequest) -> RequestInputs:

@@ -28,10 +28,8 @@ from omni_gateway.audio import to_pcm16, wav_bytes
 from omni_gateway.errors import OmniError
 from omni_gateway.events import AudioChunk
 from omni_gateway.pipeline import Pipeline
-from omni_gateway.protocol.speech import SpeechRequest, speech_inputs, speech_sampling
+from omni_gateway.protocol.speech import SpeechRequest, speech_request
 from omni_gateway.realtime.protocol import PCM_RATE, new_id
-from omni_gateway.request import PipelineRequest
-from omni_pipeline.spec import OutputKind
 
 router = APIRouter()
 
@@ -126,7 +124,7 @@ class SpeechStream:
                 raise SpeechError("session.config between utterances only: send input.done first")
             config = parse_config(message)
             try:  # every check a speech request passes, now rather than at the first speech
-                await self.pipeline.prepare(self.asked(self.request("-", config)))
+                await self.pipeline.prepare(speech_request(self.request("-", config)))
             except OmniError as exc:
                 raise SpeechError(f"Invalid session config: {exc.message}") from None
             self.config = config
@@ -176,14 +174,6 @@ class SpeechStream:
             field = ".".join(str(p) for p in first["loc"])
             raise SpeechError(f"Invalid session config: {field}: {first['msg']}") from None
 
-    @staticmethod
-    def asked(req: SpeechRequest) -> PipelineRequest:
-        """What `POST /v1/audio/speech` asks of the pipeline for the same request."""
-        audio = frozenset({OutputKind.AUDIO})
-        return PipelineRequest(
-            req.model, audio, speech_inputs(req), speech_sampling(req), voice_param="voice"
-        )
-
     async def speak(self, text: str) -> None:
         """One piece of speech: audio.start, the audio, audio.done (or an error, and the socket
         goes on)."""
@@ -202,7 +192,7 @@ class SpeechStream:
             start["sample_rate"] = PCM_RATE
         sent = 0
         try:
-            prepared = await self.pipeline.prepare(self.asked(req))
+            prepared = await self.pipeline.prepare(speech_request(req))
             await self.ws.send_json(start)
             whole: list[bytes] = []
             rate = 0

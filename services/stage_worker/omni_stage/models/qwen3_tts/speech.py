@@ -150,6 +150,8 @@ class Qwen3TTSTalker(Part):
 
     def _prompt(self, text: str, sampling: Sampling) -> tuple[TTSPrompt, int]:
         """The request's prompt, its fields checked (a 400 naming the one this model cannot do)."""
+        if sampling.speed is not None:  # a speech request's, for a vocoder: this decoder has none
+            raise InvalidRequest(f"speed: {MODEL_NAME} speaks at the pace it draws its codes; leave it out")
         task = sampling.task_type
         if task is not None and task != self.task:
             raise InvalidRequest(f"task_type: this model does {self.task}, not {task}")
