@@ -5,6 +5,7 @@ inputs (tests/qwen_tts_reference.py)."""
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 from collections.abc import Iterator
@@ -167,3 +168,39 @@ def test_the_speech_socket_speaks_with_a_style_as_the_reference(
         assert json.loads(start)["type"] == "audio.start" and json.loads(flushed)["type"] == "session.done"
         assert isinstance(audio, bytes) and json.loads(done)["total_bytes"] == len(audio)
         same_audio(np.frombuffer(audio, dtype="<i2"), pcm16(waveform(out, "custom_voice_3")))
+
+
+def test_a_batch_speaks_each_item_in_order_and_an_items_failure_is_its_own(
+    base: str, reference: tuple[dict[str, Any], Path]
+) -> None:
+    """vLLM-Omni's batch endpoint: the batch's fields are the items' defaults, an item's own win;
+    the three voices equal the reference's, in order, and the item naming a voice the model
+    lacks fails alone."""
+    _, out = reference
+    items = [{"input": SAID}, {"input": SAID, "voice": "ryan"}, {"input": SAID, "voice": "nobody"}]
+    items.append({"input": SAID, "voice": "aiden"})
+    body = {"model": "qwen3-tts", "voice": "vivian", "response_format": "pcm", "items": items}
+    r = HTTP.post(f"{base}/v1/audio/speech/batch", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert (got["total"], got["succeeded"], got["failed"]) == (4, 3, 1)
+    assert [x["index"] for x in got["results"]] == [0, 1, 2, 3]
+    assert got["results"][2]["status"] == "error"
+    assert "voice 'nobody' is not one of this model's voices" in got["results"][2]["error"]
+    for result, expected in zip([got["results"][i] for i in (0, 1, 3)], (0, 1, 2), strict=True):
+        assert result["status"] == "success" and result["media_type"] == "audio/pcm"
+        assert result["usage"]["output_tokens"] == CODES
+        samples = np.frombuffer(base64.b64decode(result["audio_data"]), dtype="<i2")
+        same_audio(samples, pcm16(waveform(out, f"custom_voice_{expected}")))
+
+
+def test_a_batch_is_refused_whole_only_for_what_is_wrong_with_it_whole(base: str) -> None:
+    for body, param in [
+        ({"items": []}, "items"),
+        ({"items": [{"input": "x"}] * 33}, "items"),
+        ({"items": [{"input": "x", "ref_audio": "data:,"}]}, "items.0.ref_audio"),
+        ({"model": "other", "items": [{"input": "x"}]}, "model"),
+    ]:
+        r = HTTP.post(f"{base}/v1/audio/speech/batch", json=body, timeout=60)
+        assert r.status_code in (400, 404), r.text
+        assert r.json()["error"]["param"] == param, r.text

@@ -28,6 +28,7 @@ from omni_gateway.realtime.socket import LiveSessions
 from omni_gateway.realtime.socket import router as realtime_router
 from omni_gateway.realtime.speech_stream import router as speech_stream_router
 from omni_gateway.routes import router
+from omni_gateway.speech_batch import router as speech_batch_router
 from omni_gateway.videos.jobs import VideoJobs
 from omni_gateway.videos.routes import router as videos_router
 from omni_pipeline.lifecycle import exit_if_stuck
@@ -120,6 +121,7 @@ def build_app(
     app.include_router(realtime_router)
     app.include_router(page_router)
     app.include_router(speech_stream_router)
+    app.include_router(speech_batch_router)
     app.include_router(videos_router)
     app.state.api_keys_required = bool(api_keys)
     app.state.video_jobs = None  # set while serving, for a pipeline that makes video
