@@ -91,6 +91,9 @@ class Sampling(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_f
     """How to speak: a style (a named voice's), or the voice itself described (a designed one)."""
     task_type: str | None = None
     """vLLM-Omni's TTS task: CustomVoice, VoiceDesign or Base (a cloned voice)."""
+    non_streaming_mode: bool | None = None
+    """Qwen3-TTS's prompt layout: the whole text in the prompt (true), or a text token beside
+    each frame's codes (false); None: the model's default."""
 
     @classmethod
     def of(cls, fields: Mapping[str, Any]) -> Sampling:

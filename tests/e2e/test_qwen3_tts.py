@@ -50,7 +50,7 @@ def reference(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
     items = [
         {"text": SAID, "speaker": v, "language": "Auto", "instruct": i, "non_streaming": True}
         for v, i in [("vivian", ""), ("ryan", ""), ("aiden", ""), ("vivian", "Speak slowly.")]
-    ]
+    ] + [{"text": SAID, "speaker": "vivian", "language": "Auto", "instruct": "", "non_streaming": False}]
     asked = {
         "checkpoint": str(demo_dir / "models" / "tiny-qwen3-tts"),
         "custom_voice": items,
@@ -98,6 +98,19 @@ def test_a_style_instruction_is_followed(base: str, reference: tuple[dict[str, A
     styled = speak(base, "vivian", instructions="Speak slowly.")
     same_audio(styled, pcm16(waveform(out, "custom_voice_3")))
     assert not np.array_equal(styled, pcm16(waveform(out, "custom_voice_0")))
+
+
+def test_vllm_omnis_budget_and_prompt_layout_are_honoured(
+    base: str, reference: tuple[dict[str, Any], Path]
+) -> None:
+    """`max_new_tokens`: the talker's codes 0 at most (the last one makes no frame); and
+    `non_streaming_mode: false`, the text a token a frame, equal to the reference's."""
+    _, out = reference
+    short = speak(base, "vivian", extra_body={"max_new_tokens": 5})
+    assert short.shape == (4 * 1920,)
+    streamed = speak(base, "vivian", extra_body={"non_streaming_mode": False})
+    same_audio(streamed, pcm16(waveform(out, "custom_voice_4")))
+    assert not np.array_equal(streamed, pcm16(waveform(out, "custom_voice_0")))
 
 
 def test_requests_spoken_together_equal_each_alone(base: str, reference: tuple[dict[str, Any], Path]) -> None:

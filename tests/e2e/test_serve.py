@@ -651,12 +651,13 @@ def test_chat_refusals(demo: str, body: dict[str, object], param: str, says: str
     [
         ({"instructions": "whisper"}, "instructions", "instructions: not honoured by stage 'thinker'"),
         ({"language": "English"}, "language", "language: not honoured by stage 'thinker'"),
+        ({"non_streaming_mode": True}, "non_streaming_mode", "non_streaming_mode: not honoured by stage"),
         ({"response_format": "mp3"}, "response_format", "use wav or pcm"),
         ({"speed": 5}, "speed", "less than or equal to 4"),
         ({"input": ""}, "input", "at least 1 character"),
         ({"voice": "nobody"}, "voice", "voice 'nobody' is not one of this model's voices: alloy, echo"),
     ],
-    ids=["instructions", "language", "mp3", "too-fast", "nothing-to-say", "unknown-voice"],
+    ids=["instructions", "language", "prompt-mode", "mp3", "too-fast", "nothing-to-say", "unknown-voice"],
 )
 def test_speech_refusals(demo: str, body: dict[str, object], param: str, says: str) -> None:
     request = {"model": "tiny-omni", "input": "x", "voice": "alloy", **body}

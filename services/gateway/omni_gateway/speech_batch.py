@@ -30,7 +30,16 @@ from omni_gateway.speech import speech_usage
 router = APIRouter()
 
 MAX_ITEMS: Final = 32
-_OVERRIDES: Final = ("voice", "instructions", "response_format", "speed", "language", "task_type")
+_OVERRIDES: Final = (
+    "voice",
+    "instructions",
+    "response_format",
+    "speed",
+    "language",
+    "task_type",
+    "max_new_tokens",
+    "non_streaming_mode",
+)
 """The fields an item may set and the batch may default."""
 
 
@@ -45,6 +54,8 @@ class SpeechBatchItem(BaseModel):
     speed: float | None = None
     language: str | None = None
     task_type: str | None = None
+    max_new_tokens: int | None = None
+    non_streaming_mode: bool | None = None
 
 
 class SpeechBatchRequest(BaseModel):
@@ -59,6 +70,8 @@ class SpeechBatchRequest(BaseModel):
     speed: float | None = None
     language: str | None = None
     task_type: str | None = None
+    max_new_tokens: int | None = None
+    non_streaming_mode: bool | None = None
 
     def item_fields(self, item: SpeechBatchItem) -> dict[str, Any]:
         """The item's speech request: its own fields over the batch's, those left unset out."""

@@ -40,6 +40,10 @@ class SpeechRequest(BaseModel):
     # vLLM-Omni's speech fields.
     language: str | None = Field(default=None, min_length=1, max_length=64)
     task_type: Literal["CustomVoice", "VoiceDesign", "Base"] | None = None
+    max_new_tokens: int | None = Field(
+        default=None, ge=1, description="The source stage's budget (a TTS talker's: frames of codes)."
+    )
+    non_streaming_mode: bool | None = None
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -68,6 +72,7 @@ def speech_request(req: SpeechRequest) -> PipelineRequest:
         speech_inputs(req),
         speech_sampling(req),
         voice_param="voice",
+        max_tokens_param="max_new_tokens",
         declared=EVERY_ENGINE | DOWNSTREAM,
     )
 
@@ -85,4 +90,6 @@ def speech_sampling(req: SpeechRequest) -> Sampling:
         instructions=req.instructions or None,
         language=req.language,
         task_type=req.task_type,
+        max_tokens=req.max_new_tokens,
+        non_streaming_mode=req.non_streaming_mode,
     )

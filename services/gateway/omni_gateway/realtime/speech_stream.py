@@ -41,7 +41,6 @@ NOT_SERVED: Final = {
     "x_vector_only_mode": "voice cloning is not served",
     "speaker_embedding": "voice cloning is not served",
     "initial_codec_chunk_frames": "set the code2wav stage's chunkCodes in the pipeline instead",
-    "non_streaming_mode": "no engine here has Qwen3-TTS prompt modes",
     "seed": "POST /v1/audio/speech takes no seed here, so neither does its socket",
 }
 _SENTENCE_ENDS: Final = ".!?\u3002\uff01\uff1f"
@@ -67,6 +66,7 @@ class StreamConfig(msgspec.Struct, forbid_unknown_fields=True):
     response_format: str = "wav"
     speed: float | None = 1.0
     max_new_tokens: int | None = None
+    non_streaming_mode: bool | None = None
     stream_audio: bool = False
     word_timestamps: bool = False
     split_granularity: Literal["none", "sentence", "clause"] = "none"
@@ -89,8 +89,6 @@ def parse_config(message: dict[str, Any]) -> StreamConfig:
         raise SpeechError("Invalid session config: word_timestamps: no forced aligner is served here")
     if config.stream_audio and config.response_format != "pcm":
         raise SpeechError("Invalid session config: stream_audio requires response_format 'pcm'")
-    if config.max_new_tokens is not None:
-        raise SpeechError("Invalid session config: max_new_tokens: the pipeline's stages bound speech")
     return config
 
 
@@ -166,6 +164,8 @@ class SpeechStream:
                 instructions=c.instructions,
                 language=c.language,
                 task_type=c.task_type,
+                max_new_tokens=c.max_new_tokens,
+                non_streaming_mode=c.non_streaming_mode,
                 response_format=c.response_format,
                 speed=1.0 if c.speed is None else c.speed,
             )

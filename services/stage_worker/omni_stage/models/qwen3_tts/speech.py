@@ -73,7 +73,7 @@ class Qwen3TTSTalker(Part):
 
     part = "talker"
     model_name = MODEL_NAME
-    honours = params("language", "instructions", "task_type")
+    honours = params("language", "instructions", "task_type", "non_streaming_mode")
     weights = ("model",)
 
     def __init__(self, stage: StageSpec) -> None:
@@ -176,7 +176,8 @@ class Qwen3TTSTalker(Part):
             ).input_ids
         with torch.inference_mode():
             speaker = self.voice(sampling) if self.voices else None
-            prompt = tts_prompt(self.model, self.ids, turn, language, speaker, instruct)
+            whole = True if sampling.non_streaming_mode is None else sampling.non_streaming_mode
+            prompt = tts_prompt(self.model, self.ids, turn, language, speaker, instruct, whole)
         return prompt, int(turn.shape[1]) + (0 if instruct is None else int(instruct.shape[1]))
 
     def _steps(self, steps: list[_Step]) -> list[list[int] | None]:
