@@ -217,3 +217,19 @@ def test_a_batch_is_refused_whole_only_for_what_is_wrong_with_it_whole(base: str
         r = HTTP.post(f"{base}/v1/audio/speech/batch", json=body, timeout=60)
         assert r.status_code in (400, 404), r.text
         assert r.json()["error"]["param"] == param, r.text
+
+
+def test_the_talker_sleeps_at_each_level_and_wakes_to_the_same_voice(base: str) -> None:
+    """Level 1 moves its weights to host memory and back, level 2 drops them and loads them
+    again: each time its code predictor's frames are built anew on them, and it speaks exactly
+    as before."""
+    before = speak(base, "serena")
+    for level in (1, 2):
+        r = HTTP.post(f"{base}/v1/omni/sleep", json={"stage_ids": ["talker"], "level": level}, timeout=60)
+        assert r.status_code == 200 and r.json()["status"] == "SUCCESS", r.text
+        with pytest.raises(openai.APIStatusError) as asleep:
+            speak(base, "serena")
+        assert asleep.value.status_code == 503
+        r = HTTP.post(f"{base}/v1/omni/wakeup", json={"stage_ids": ["talker"]}, timeout=120)
+        assert r.status_code == 200 and r.json()["status"] == "SUCCESS", r.text
+        assert np.array_equal(speak(base, "serena"), before), level
