@@ -13,8 +13,11 @@ Per stage, over the stretch:
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections import defaultdict
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,6 +35,7 @@ _READ = {
 }
 
 Snapshot = dict[str, dict[str, float]]
+T = TypeVar("T")
 
 
 def snapshot(base: str) -> Snapshot:
@@ -60,3 +64,25 @@ def profile(before: Snapshot, after: Snapshot, wall_s: float, requests: int) -> 
             "serde_ms": round(1000 * d["serde"] / requests, 1),
         }
     return out
+
+
+async def profiled(
+    base: str, one: Callable[[], Awaitable[T]], concurrency: int, requests: int
+) -> tuple[list[T], float, dict[str, dict[str, Any]]]:
+    """`requests` calls of `one`, `concurrency` at a time (each client sends its next as soon as
+    its last is answered), after one warm-up call: their results, the wall time, and where each
+    stage's time went meanwhile."""
+    await one()  # warm-up
+    left = list(range(requests))
+    done: list[T] = []
+
+    async def client() -> None:
+        while left:
+            left.pop()
+            done.append(await one())
+
+    before = await asyncio.to_thread(snapshot, base)
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    return done, wall, profile(before, await asyncio.to_thread(snapshot, base), wall, len(done))

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,7 @@ from bench.common import bars, figure, machine, median, parser, report, rounds
 from bench.load import chat
 from bench.omni_stream import streamed
 from bench.procs import demo_models, served
-from bench.profile import profile, snapshot
+from bench.profile import profiled
 
 ROOT = Path(__file__).resolve().parents[1]
 SAMPLE_RATE = 24000
@@ -91,20 +90,7 @@ async def one(session: aiohttp.ClientSession, base: str, tokens: int) -> dict[st
 
 async def load(base: str, concurrency: int, requests: int, tokens: int) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        await one(session, base, tokens)  # warm-up
-        queue = list(range(requests))
-        done: list[dict[str, float]] = []
-
-        async def worker() -> None:
-            while queue:
-                queue.pop()
-                done.append(await one(session, base, tokens))
-
-        before = await asyncio.to_thread(snapshot, base)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-        stages = profile(before, await asyncio.to_thread(snapshot, base), wall, len(done))
+        done, wall, stages = await profiled(base, lambda: one(session, base, tokens), concurrency, requests)
     return {
         "ttft_ms": round(median([d["ttft"] for d in done]) * 1000, 1),
         "ttfp_ms": round(median([d["audio_ttfp"] for d in done]) * 1000, 1),

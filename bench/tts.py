@@ -37,7 +37,7 @@ import yaml
 
 from bench.common import machine, median, parser, report, rounds
 from bench.procs import ROOT, demo_models, served
-from bench.profile import profile, snapshot
+from bench.profile import profiled
 from bench.qwen_tts_reference import qwen_tts_reference
 
 ROUNDS = 5
@@ -75,20 +75,7 @@ async def one(session: aiohttp.ClientSession, base: str) -> dict[str, float]:
 
 async def load(base: str, concurrency: int, requests: int) -> dict[str, Any]:
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
-        await one(session, base)  # warm-up
-        queue = list(range(requests))
-        done: list[dict[str, float]] = []
-
-        async def worker() -> None:
-            while queue:
-                queue.pop()
-                done.append(await one(session, base))
-
-        before = await asyncio.to_thread(snapshot, base)
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        wall = time.perf_counter() - t0
-        stages = profile(before, await asyncio.to_thread(snapshot, base), wall, len(done))
+        done, wall, stages = await profiled(base, lambda: one(session, base), concurrency, requests)
     return {
         "first_audio_ms": round(median([d["first_audio_s"] for d in done]) * 1000, 1),
         "whole_ms": round(median([d["whole_s"] for d in done]) * 1000, 1),

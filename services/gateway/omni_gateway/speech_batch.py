@@ -30,55 +30,40 @@ from omni_gateway.speech import speech_usage
 router = APIRouter()
 
 MAX_ITEMS: Final = 32
-_OVERRIDES: Final = (
-    "voice",
-    "instructions",
-    "response_format",
-    "speed",
-    "language",
-    "task_type",
-    "max_new_tokens",
-    "non_streaming_mode",
-)
-"""The fields an item may set and the batch may default."""
 
 
-class SpeechBatchItem(BaseModel):
+class _Overrides(BaseModel):
+    """The speech fields an item may set and the batch may default."""
+
+    model_config = ConfigDict(extra="forbid")
+    voice: str | None = None
+    instructions: str | None = None
+    response_format: str | None = None
+    speed: float | None = None
+    language: str | None = None
+    task_type: str | None = None
+    max_new_tokens: int | None = None
+    non_streaming_mode: bool | None = None
+
+
+class SpeechBatchItem(_Overrides):
     """One item: its text, and any field it sets over the batch's."""
 
-    model_config = ConfigDict(extra="forbid")
     input: str
-    voice: str | None = None
-    instructions: str | None = None
-    response_format: str | None = None
-    speed: float | None = None
-    language: str | None = None
-    task_type: str | None = None
-    max_new_tokens: int | None = None
-    non_streaming_mode: bool | None = None
 
 
-class SpeechBatchRequest(BaseModel):
+class SpeechBatchRequest(_Overrides):
     """The batch: its items, and the defaults of their fields."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     items: list[SpeechBatchItem] = Field(min_length=1, max_length=MAX_ITEMS)
-    voice: str | None = None
-    instructions: str | None = None
-    response_format: str | None = None
-    speed: float | None = None
-    language: str | None = None
-    task_type: str | None = None
-    max_new_tokens: int | None = None
-    non_streaming_mode: bool | None = None
 
     def item_fields(self, item: SpeechBatchItem) -> dict[str, Any]:
         """The item's speech request: its own fields over the batch's, those left unset out."""
         fields: dict[str, Any] = {"input": item.input}
         if self.model is not None:
             fields["model"] = self.model
-        for name in _OVERRIDES:
+        for name in _Overrides.model_fields:
             value = getattr(item, name)
             if value is None:
                 value = getattr(self, name)
