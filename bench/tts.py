@@ -89,7 +89,7 @@ async def load(base: str, concurrency: int, requests: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     args = parser(__doc__).parse_args(argv)
     n = rounds(ROUNDS, args)
-    frames = 12 if args.quick else FRAMES
+    frames = 6 if args.quick else FRAMES
     with demo_models() as cwd:
         checkpoint = cwd / "models" / "tiny-qwen3-tts"
         with tempfile.TemporaryDirectory() as tmp:

@@ -5,14 +5,15 @@ virtualenv (.venv-qwen-tts: it pins transformers 4.57), as its README runs it.
 
 REQUEST: {"checkpoint": DIR, "custom_voice": [{"text", "speaker", "language", "instruct",
 "non_streaming"}], "voice_design": [the same but "speaker"], "decode": [[[code x 16] per frame]
-per item], "timed": {"texts", "speaker", "rounds"}, "max_new_tokens": N}. Everything greedy (the
-talker and its code predictor). OUT_DIR gets result.json (per item of each task its codes, [frames][16], from
-`Qwen3TTSForConditionalGeneration.generate` as the task's own method calls it; the names of
-checkpoint tensors the reference did not read, or read nothing into) and one float32 .npy a
-waveform: `<task>_<i>.npy` from `generate_custom_voice` or `generate_voice_design`,
+per item], "timed": {"texts", "speaker", "rounds"}, "max_new_tokens": N, "codes": true}.
+Everything greedy (the talker and its code predictor). OUT_DIR gets result.json: per item of
+each task its codes, [frames][16], from `Qwen3TTSForConditionalGeneration.generate` as the
+task's own method calls it (none with "codes": false: one generate an item, not two); the
+names of checkpoint tensors the reference did not read, or read nothing into. And one float32
+.npy a waveform: `<task>_<i>.npy` from `generate_custom_voice` or `generate_voice_design`,
 `decode_<i>.npy` from `Qwen3TTSTokenizer.decode`. With "timed" (`omni bench tts`), result.json's
-"timed" holds the seconds of `generate_custom_voice` on the first text alone ("alone_s"), and on all
-the texts as one batch ("batch_s"), each `rounds` times, after one warm-up call."""
+"timed" holds the seconds of `generate_custom_voice` on the first text alone ("alone_s"), and
+on all the texts as one batch ("batch_s"), each `rounds` times, after one warm-up call."""
 
 from __future__ import annotations
 
@@ -35,6 +36,23 @@ def unread(module: torch.nn.Module, weights: Path) -> dict[str, list[str]]:
         stored = set(f.keys())
     held = set(module.state_dict())
     return {"unexpected": sorted(stored - held), "missing": sorted(held - stored)}
+
+
+def codes_of(
+    tts: Any, item: dict[str, Any], instruct: str, speaker: str | None, budget: dict[str, Any]
+) -> Any:
+    """The item's codes, [frames][16], from the model's `generate` as the task's method calls it."""
+    ids = tts._tokenize_texts([tts._build_assistant_text(item["text"])])
+    instruct_ids = [tts._tokenize_texts([tts._build_instruct_text(instruct)])[0] if instruct else None]
+    codes, _ = tts.model.generate(
+        input_ids=ids,
+        instruct_ids=instruct_ids,
+        languages=[item["language"]],
+        speakers=[speaker],
+        non_streaming_mode=item["non_streaming"],
+        **tts._merge_generate_kwargs(**budget),
+    )
+    return codes[0].tolist()
 
 
 def timings(
@@ -73,19 +91,8 @@ def main(request_file: str, out_dir: str) -> None:
         for i, item in enumerate(request.get(task, [])):
             instruct = item.get("instruct") or ""
             speaker = {"speaker": item["speaker"]} if task == "custom_voice" else {}
-            ids = tts._tokenize_texts([tts._build_assistant_text(item["text"])])
-            instruct_ids = [
-                tts._tokenize_texts([tts._build_instruct_text(instruct)])[0] if instruct else None
-            ]
-            codes, _ = tts.model.generate(
-                input_ids=ids,
-                instruct_ids=instruct_ids,
-                languages=[item["language"]],
-                speakers=[speaker.get("speaker")],
-                non_streaming_mode=item["non_streaming"],
-                **tts._merge_generate_kwargs(**budget),
-            )
-            result[task].append(codes[0].tolist())
+            if request.get("codes", True):
+                result[task].append(codes_of(tts, item, instruct, speaker.get("speaker"), budget))
             wavs, rate = speak(
                 item["text"],
                 language=item["language"],

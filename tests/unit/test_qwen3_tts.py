@@ -28,7 +28,7 @@ from omni_stage.payload import concat
 from tests.helpers import ROOT
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
-BUDGET = 24
+BUDGET = 12
 ITEMS = [  # both of the reference's prompt layouts (non-streaming: its default here)
     {"text": "Hello there, how are you?", "speaker": "Vivian", "language": "English", "non_streaming": True},
     {"text": "ni hao", "speaker": "dylan", "language": "Chinese", "non_streaming": False},
