@@ -20,6 +20,7 @@ import pytest
 import soundfile
 from websockets.sync.client import connect
 
+from omni_gateway.audio import to_pcm16
 from tests.deployment import gauges, settle
 from tests.helpers import HTTP, ROOT, served
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
@@ -74,8 +75,8 @@ def speak(base: str, voice: str, **extra: Any) -> np.ndarray:
 
 
 def pcm16(wav: np.ndarray) -> np.ndarray:
-    """The reference's float samples as the gateway writes them."""
-    return (np.clip(wav, -1.0, 1.0) * 32767.0).astype(np.int16)
+    """The reference's float samples as the gateway writes them (its own conversion)."""
+    return np.frombuffer(to_pcm16(wav), dtype="<i2")
 
 
 def same_audio(ours: np.ndarray, expected: np.ndarray) -> None:

@@ -140,7 +140,7 @@ async def _respond(
     streaming = False
     try:
         first = await _first(events, request)
-        answer = await _until_disconnect(respond(rid, first, events), request)
+        answer = await until_disconnect(respond(rid, first, events), request)
         if isinstance(answer, Streamed):
             body = _counted(answer.body, m, t0, rid)
             streaming = True
@@ -343,10 +343,10 @@ async def _first(events: AsyncIterator[T], request: Request) -> T:
     async def first() -> T:
         return await anext(events)
 
-    return await _until_disconnect(first(), request)
+    return await until_disconnect(first(), request)
 
 
-async def _until_disconnect(coro: Any, request: Request) -> Any:
+async def until_disconnect(coro: Any, request: Request) -> Any:
     """Run `coro`; if the client disconnects first, cancel it (which aborts the request)."""
     work = asyncio.ensure_future(coro)
     gone = asyncio.ensure_future(_disconnected(request))

@@ -6,7 +6,8 @@ each as `POST /v1/audio/speech` would run it, so the stages batch them as they b
 requests. The answer lists every item in order, each its audio (base64, in the format asked)
 or its own error: one item's failure (a voice the model lacks, a stage that failed) is its own,
 never the batch's. The batch as a whole is refused only for what is wrong with it whole (no
-items, too many, an unknown field, another model's name).
+items, too many, an unknown field, another model's name). A client that leaves before the answer
+aborts every item still running.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from omni_gateway.events import AudioChunk, Finished
 from omni_gateway.pipeline import Pipeline
 from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_request
 from omni_gateway.realtime.protocol import PCM_RATE, new_id
+from omni_gateway.routes import until_disconnect
 from omni_gateway.speech import speech_usage
 
 router = APIRouter()
@@ -109,9 +111,17 @@ async def speech_batch(req: SpeechBatchRequest, request: Request) -> dict[str, A
     pipeline: Pipeline = request.app.state.pipeline
     if req.model is not None and req.model != pipeline.spec.served_model_name:
         raise ModelNotFound(f"model '{req.model}' does not exist", param="model")
-    results = await asyncio.gather(
-        *(_speak(pipeline, i, req.item_fields(it)) for i, it in enumerate(req.items))
-    )
+
+    async def every_item() -> list[dict[str, Any]]:
+        # A task group: should one item's task fail unexpectedly, the others are cancelled
+        # (their requests aborted) rather than left running unowned.
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(_speak(pipeline, i, req.item_fields(it))) for i, it in enumerate(req.items)
+            ]
+        return [t.result() for t in tasks]
+
+    results = await until_disconnect(every_item(), request)  # a client that leaves aborts them all
     succeeded = sum(r["status"] == "success" for r in results)
     return {
         "id": new_id("speechbatch"),

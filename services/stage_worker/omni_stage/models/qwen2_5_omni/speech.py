@@ -25,7 +25,7 @@ from omni_stage.models.qwen_omni.parts import (
     chunk_args,
     compiler,
     compiles,
-    penalise_repeats,
+    greedy_code,
 )
 from omni_stage.segments import EngineOutput
 
@@ -219,9 +219,7 @@ class Talker(Part):
     def _pick(self, st: _Speaking, logits: torch.Tensor) -> int:
         """Greedy, with the reference's repetition penalty over every code fed so far and the
         codec bos suppressed."""
-        logits = penalise_repeats(logits, st.seen)
-        logits[self.codec["bos"]] = -float("inf")
-        return int(torch.argmax(logits))
+        return greedy_code(logits, st.seen, [self.codec["bos"]])
 
 
 @dataclass(slots=True, eq=False)

@@ -24,7 +24,7 @@ from omni_stage.models.qwen_omni.parts import (
     chunk_args,
     compiler,
     compiles,
-    penalise_repeats,
+    greedy_code,
 )
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
 from omni_stage.segments import EngineOutput
@@ -311,9 +311,7 @@ class Qwen3Talker(Part):
     def _pick(self, st: _Speaking, logits: torch.Tensor) -> int:
         """Greedy, with the reference's repetition penalty over the codes so far and its
         suppressed control codes."""
-        logits = penalise_repeats(logits, st.seen)
-        logits[self.suppressed] = -float("inf")
-        code = int(torch.argmax(logits))
+        code = greedy_code(logits, st.seen, self.suppressed)
         st.seen.append(code)
         return code
 

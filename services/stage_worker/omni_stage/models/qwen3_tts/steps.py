@@ -13,12 +13,11 @@ import torch
 
 from omni_stage.engines.kv_batch import decode_together
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding
+from omni_stage.models.qwen3_omni.speech import SUPPRESSED_TOP
 from omni_stage.models.qwen3_tts.modeling import Talker
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt
-from omni_stage.models.qwen_omni.parts import penalise_repeats
+from omni_stage.models.qwen_omni.parts import greedy_code
 
-SUPPRESSED_TOP: Final = 1024
-"""The top of the codec's vocabulary (its control codes), never drawn but its eos."""
 MIN_CODES: Final = 2
 """The reference's `min_new_tokens`: the eos is not drawn before two codes."""
 
@@ -113,9 +112,6 @@ class TTSSteps:
         """Code 0 from the step's last hidden state: greedy, with the reference's repetition
         penalty over the codes 0 so far, its control codes suppressed, no eos before two codes."""
         st.hidden = hidden
-        logits = penalise_repeats(self.talker.codec_head(hidden)[0, -1].float(), st.seen)
-        logits[self.suppressed] = -float("inf")
-        if len(st.seen) < MIN_CODES:
-            logits[self.ids.codec_eos] = -float("inf")
-        st.code0 = int(torch.argmax(logits))
+        never = self.suppressed if len(st.seen) >= MIN_CODES else [*self.suppressed, self.ids.codec_eos]
+        st.code0 = greedy_code(self.talker.codec_head(hidden)[0, -1].float(), st.seen, never)
         st.seen.append(st.code0)

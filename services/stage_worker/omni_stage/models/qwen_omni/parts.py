@@ -38,6 +38,14 @@ def penalise_repeats(logits: torch.Tensor, seen: Iterable[int]) -> torch.Tensor:
     return RepetitionPenaltyLogitsProcessor(REPETITION_PENALTY)(ids, logits[None])[0]
 
 
+def greedy_code(logits: torch.Tensor, seen: Iterable[int], never: Iterable[int]) -> int:
+    """A talker's greedy code, as the references' generate picks it: the repetition penalty
+    over `seen`, the codes `never` drawn (control codes; an eos too early) masked out."""
+    logits = penalise_repeats(logits, seen)
+    logits[list(never)] = -float("inf")
+    return int(torch.argmax(logits))
+
+
 def dummy_model(cls: Any, config: Any, device: torch.device, dtype: torch.dtype) -> Any:
     """transformers' `cls` at `config`'s sizes, built on `device` with dummy weights (LOAD_FORMATS),
     seeded: every run of a pipeline computes the same."""
