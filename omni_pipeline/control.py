@@ -144,6 +144,9 @@ class RequestInputs(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
     images: list[str] | None = None
     """Images to edit, as references to `RequestPayload.media` (an image edit's)."""
     voice: str | None = None
+    ref_audio: dict[str, Any] | None = None
+    """A voice to clone's clip, as a chat's audio part refers to its data: `{"media": key,
+    "sample_rate": rate}` (mono float32 samples in `RequestPayload.media`)."""
     tools: list[dict[str, Any]] | None = None
     """The tools a chat offers, for the chat template (whether or not the model may call them)."""
 

@@ -19,7 +19,7 @@ The kinds, by edge:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Final, TypedDict
+from typing import TYPE_CHECKING, Any, Final, NotRequired, TypedDict
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +71,9 @@ class EncodedMedia(TypedDict, total=False):
 class Codes(TypedDict):
     codes: torch.Tensor
     """int64 [units] (Qwen2.5-Omni) or [units, codebooks] (Qwen3-Omni)."""
+    context: NotRequired[int]
+    """How many of the request's first codes are context for the decoder, never voiced (a voice
+    cloned in context: its clip's own codes, which the speech after them continues)."""
 
 
 class Audio(TypedDict, total=False):

@@ -94,6 +94,10 @@ class Sampling(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_f
     non_streaming_mode: bool | None = None
     """Qwen3-TTS's prompt layout: the whole text in the prompt (true), or a text token beside
     each frame's codes (false); None: the model's default."""
+    ref_text: str | None = None
+    """A cloned voice's clip's transcript: the voice cloned in context (the clip's own codes too)."""
+    x_vector_only_mode: bool | None = None
+    """A cloned voice from the speaker's x-vector alone (no transcript needed)."""
 
     @classmethod
     def of(cls, fields: Mapping[str, Any]) -> Sampling:

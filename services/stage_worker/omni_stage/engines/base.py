@@ -341,7 +341,8 @@ class ComputeEngine(Engine):
 
     def _restore_weights(self) -> None:
         for name in self.weights:
-            setattr(self, name, getattr(self, name).to(self.device))
+            if (held := getattr(self, name)) is not None:  # (a part this model does not have)
+                setattr(self, name, held.to(self.device))
 
     def weight_bytes(self) -> dict[str, int]:
         held: collections.Counter[str] = collections.Counter()

@@ -376,11 +376,15 @@ class Qwen3Code2Wav(Part):
             end = min(done + self.chunk, len(codes))
             if (end - done < self.chunk or end + self.right > len(codes)) and not call.is_last:
                 return  # waits for a whole chunk and its right context, or for the codes to end
+            if end <= st.context:  # context alone: nothing to voice, nothing to decode
+                done = st.decoded = end
+                continue
             lo, hi = done - min(self.left, done), min(end + self.right, len(codes))
             keep = (end - lo) * self.upsample if hi > end else None  # the last chunk keeps what it has
-            piece = _Chunk(codes[lo:hi].T, (done - lo) * self.upsample, keep)
+            voiced = max(done, st.context)
+            piece = _Chunk(codes[lo:hi].T, (voiced - lo) * self.upsample, keep)
             wav = await self.batcher.submit(piece.codes.shape, piece)
-            yield EngineOutput(units=end - done, data=Audio(audio=wav, sample_rate=self.sample_rate))
+            yield EngineOutput(units=end - voiced, data=Audio(audio=wav, sample_rate=self.sample_rate))
             done = st.decoded = end
 
     @torch.inference_mode()

@@ -3,12 +3,13 @@ real ones are (Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice and its siblings).
 
 The files a real checkpoint holds: config.json (`model_type: qwen3_tts`, `tts_model_type`, the
 talker's section with its code predictor's, the speaker encoder's, the TTS and chat token ids),
-generation_config.json (the reference's sampling defaults), model.safetensors (`talker.*`), a
+generation_config.json (the reference's sampling defaults), model.safetensors (`talker.*`, and a
+Base model's `speaker_encoder.*`), a
 Qwen2 tokenizer whose special tokens (`<|im_start|>`, `<|im_end|>`, `<|tts_pad|>`, `<|tts_bos|>`,
 `<|tts_eos|>`) are ids inside its vocabulary and whose `assistant` is one token, as in Qwen's, and
 speech_tokenizer/ (the Qwen3-TTS-Tokenizer-12Hz: its config, the Mimi feature extractor's
 settings, and `encoder.*` (Mimi's) and `decoder.*` weights). `qwen-tts` loads them with its own
-`from_pretrained` (tests/reference/qwen_tts_generate.py).
+`from_pretrained` (scripts/qwen_tts_reference.py).
 
 Real where it matters to a consumer: the codec vocabulary (3072, codes below 2048, control ids
 above at their real values), 16 code groups, the 12.5 Hz codes and 24 kHz audio (1920 samples a
@@ -26,11 +27,12 @@ from typing import Any, Final
 import torch
 
 from omni_stage.demo_tokenizer import byte_level_tokenizer
+from omni_stage.models.qwen3_tts.cloning import SpeakerEncoder
 from omni_stage.models.qwen3_tts.modeling import SpeechDecoder, Talker
 from omni_stage.models.qwen_omni.checkpoint import keep_the_waveform
 
-VARIANTS: Final = ("custom_voice", "voice_design")
-"""`tts_model_type`s written so far (`base`, whose speaker encoder clones, follows: docs/models.md)."""
+VARIANTS: Final = ("custom_voice", "voice_design", "base")
+"""The `tts_model_type`s: named speakers, voices described, voices cloned (its speaker encoder)."""
 CODEC_VOCAB: Final = 3072
 GROUPS: Final = 16
 CODEC_IDS: Final = {
@@ -117,6 +119,7 @@ ENCODER: Final = {  # Mimi, as the real tokenizer's encoder, at tiny widths
     "dilation_growth_rate": 2,
     "codebook_size": 2048,
     "codebook_dim": 16,
+    "vector_quantization_hidden_dimension": 16,
     "num_quantizers": 32,
     "num_semantic_quantizers": 1,
     "num_hidden_layers": 1,
@@ -129,6 +132,17 @@ ENCODER: Final = {  # Mimi, as the real tokenizer's encoder, at tiny widths
     "frame_rate": 12.5,
     "use_streaming": False,
     "upsample_groups": 32,
+}
+SPEAKER_ENCODER: Final = {  # the real one's layout (ECAPA-TDNN), at tiny widths
+    "mel_dim": 128,
+    "enc_dim": TALKER["hidden_size"],
+    "enc_channels": [32, 32, 32, 32, 96],
+    "enc_kernel_sizes": [5, 3, 3, 3, 1],
+    "enc_dilations": [1, 2, 3, 4, 1],
+    "enc_attention_channels": 16,
+    "enc_res2net_scale": 4,
+    "enc_se_channels": 16,
+    "sample_rate": 24000,
 }
 ATTENTIVE: Final = 0.3
 """The talker's layers' weights are drawn this wide: at transformers' 0.02 a position's output is
@@ -199,7 +213,7 @@ def config(variant: str, tok: Any) -> dict[str, Any]:
         "tts_eos_token_id": ids["<|tts_eos|>"],
         "assistant_token_id": ids["assistant"],
         "talker_config": talker,
-        "speaker_encoder_config": {"enc_dim": TALKER["hidden_size"], "sample_rate": 24000},
+        "speaker_encoder_config": SPEAKER_ENCODER,
     }
 
 
@@ -216,6 +230,10 @@ def write_speech_tokenizer(path: Path) -> None:
             if p.ndim == 2 and p.shape[0] == DECODER["codebook_size"]:
                 p.normal_(0, 1)
     encoder = MimiModel(MimiConfig(**ENCODER)).eval()
+    with torch.no_grad():  # Mimi's codebooks start at zero: a clip would encode to codes 0 alone
+        for name, buffer in encoder.named_buffers():
+            if name.endswith("embed_sum"):
+                buffer.normal_(0, 1)
     unused = ("upsample.", "decoder")  # Mimi's decoding half, which the tokenizer drops
     weights = {f"encoder.{k}": v for k, v in encoder.state_dict().items() if not k.startswith(unused)}
     weights |= {f"decoder.{k}": v for k, v in decoder.state_dict().items()}
@@ -254,6 +272,9 @@ def write_checkpoint(path: Path, variant: str = "custom_voice", seed: int = 0) -
             elif name.startswith("model.layers.") and p.ndim == 2:
                 p.normal_(0, ATTENTIVE)
     state = {f"talker.{k}": v.contiguous() for k, v in talker.state_dict().items()}
+    if variant == "base":
+        speaker = SpeakerEncoder(SPEAKER_ENCODER).eval()
+        state |= {f"speaker_encoder.{k}": v.contiguous() for k, v in speaker.state_dict().items()}
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(settings, indent=2))
     (path / "generation_config.json").write_text(json.dumps(GENERATION, indent=2))
@@ -265,8 +286,9 @@ def write_checkpoint(path: Path, variant: str = "custom_voice", seed: int = 0) -
 
 def write_tiny_checkpoint(path: Path) -> Path:
     """The demo's (`omni models init-demo`): the CustomVoice variant at `path`, the VoiceDesign
-    one beside it (`<path>-voice-design`)."""
+    and Base ones beside it (`<path>-voice-design`, `<path>-base`)."""
     write_checkpoint(path.with_name(f"{path.name}-voice-design"), "voice_design", seed=1)
+    write_checkpoint(path.with_name(f"{path.name}-base"), "base", seed=2)
     return write_checkpoint(path, "custom_voice")
 
 

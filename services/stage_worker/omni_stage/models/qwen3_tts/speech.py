@@ -9,9 +9,11 @@
   Code2Wav stage decodes them (`chunkCodes` 300 and `leftContextCodes` 25 by default: the
   reference's own `chunked_decode`, the same samples), 1920 samples a code at 24 kHz.
 
-CustomVoice (a named speaker, steered by `instructions`) and VoiceDesign (no speaker: the voice
-is what `instructions` describes, required) so far; Base (a voice cloned) comes next
-(docs/models.md).
+The checkpoint's `tts_model_type` says which voices it speaks in: CustomVoice (a named speaker,
+steered by `instructions`), VoiceDesign (no speaker: the voice is what `instructions` describes,
+required) or Base (a voice cloned from `ref_audio`, a clip: from the speaker's x-vector alone
+with `x_vector_only_mode`, or in context with the clip's transcript, `ref_text`: the talker then
+sends the clip's codes first, as code2wav's context, which it decodes and never voices).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
 from omni_stage.models.qwen3_omni.speech import Qwen3Code2Wav
-from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_config
+from omni_stage.models.qwen3_tts.cloning import ClonedVoice, VoiceCloner
+from omni_stage.models.qwen3_tts.loading import load_cloner, load_decoder, load_talker, read_config
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt, tts_prompt
 from omni_stage.models.qwen3_tts.steps import Speaking, TTSSteps
 from omni_stage.models.qwen_omni.parts import TALKER_MAX_CODES, Part
@@ -38,8 +41,9 @@ from omni_stage.segments import EngineOutput
 
 TASKS: Final = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
 """`tts_model_type` -> the `task_type` it serves, in vLLM-Omni's words."""
-SERVED_TASKS: Final = ("CustomVoice", "VoiceDesign")
 DEFAULT_VOICE: Final = "vivian"
+Voice = str | ClonedVoice | None
+"""A request's voice: a named speaker, one cloned, or none (described, or the model's own)."""
 MODEL_NAME: Final = "Qwen3-TTS"
 
 
@@ -73,8 +77,10 @@ class Qwen3TTSTalker(Part):
 
     part = "talker"
     model_name = MODEL_NAME
-    honours = params("language", "instructions", "task_type", "non_streaming_mode")
-    weights = ("model",)
+    honours = params(
+        "language", "instructions", "task_type", "non_streaming_mode", "ref_text", "x_vector_only_mode"
+    )
+    weights = ("model", "cloner")
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -82,6 +88,7 @@ class Qwen3TTSTalker(Part):
         if self.args.get("cudaGraphs", False) and self.device.type != "cuda":
             raise EngineError(f"stage '{stage.name}': engine.args.cudaGraphs needs device: cuda")
         self.steps: TTSSteps | None = None
+        self.cloner: VoiceCloner | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
 
     def _load(self) -> None:
@@ -94,12 +101,14 @@ class Qwen3TTSTalker(Part):
             raise EngineError(f"stage '{self.stage.name}': {exc}") from None
         talker_config = self.settings["talker_config"]
         self.task = TASKS.get(str(self.settings.get("tts_model_type")), "")
-        if self.task not in SERVED_TASKS:
+        if not self.task:
             raise EngineError(
-                f"stage '{self.stage.name}': {path} is a {self.task or 'unknown'} model; "
-                f"served so far: {', '.join(SERVED_TASKS)}"
+                f"stage '{self.stage.name}': {path} has tts_model_type "
+                f"{self.settings.get('tts_model_type')!r}, not one of {', '.join(TASKS)}"
             )
         self.model = load_talker(path, self.device, self.dtype)
+        if self.task == "Base":
+            self.cloner = load_cloner(path, self.device, self.dtype)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.ids = TTSIds.of(self.settings)
         self.voices = tuple(sorted(self.ids.speakers, key=lambda v: (v != DEFAULT_VOICE, v)))
@@ -128,11 +137,12 @@ class Qwen3TTSTalker(Part):
         return self.tokenizer, self.context
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        request = call.inputs.get("request")
-        if request is None or not str(request.get("prompt") or ""):
-            raise InvalidRequest(f"{MODEL_NAME} speaks text: the request has none")
-        prompt, tokens = await self._run(self._prompt, str(request["prompt"]), call.sampling)
+        request = call.inputs.get("request") or {}
+        prompt, tokens, voice = await self._run(self._prompt, request, call.sampling)
         call.state.prompt_tokens = tokens
+        if isinstance(voice, ClonedVoice) and voice.codes is not None:  # code2wav's context
+            n = int(voice.codes.shape[0])
+            yield EngineOutput(units=n, data=Codes(codes=voice.codes, context=n))
         st = Speaking(prompt)
         budget = call.sampling.max_tokens or TALKER_MAX_CODES
         assert self.steps is not None
@@ -148,8 +158,38 @@ class Qwen3TTSTalker(Part):
             step.cancel()  # (cut short: the step queued is dropped)
         call.state.finish_reason = "stop" if st.code0 == self.ids.codec_eos else "length"
 
-    def _prompt(self, text: str, sampling: Sampling) -> tuple[TTSPrompt, int]:
-        """The request's prompt, its fields checked (a 400 naming the one this model cannot do)."""
+    def _prompt(self, request: dict[str, Any], sampling: Sampling) -> tuple[TTSPrompt, int, Voice]:
+        """The request's prompt, its prompt's length in tokens, and its voice; its fields checked
+        first (a 400 naming the one this model cannot do)."""
+        self._check(request, sampling)
+        language = sampling.language or "Auto"
+
+        def tokens(turn: str) -> torch.Tensor:
+            return self.tokenizer(turn, return_tensors="pt").input_ids
+
+        turn = tokens(f"<|im_start|>assistant\n{request['prompt']}<|im_end|>\n<|im_start|>assistant\n")
+        instruct = None
+        if sampling.instructions:
+            instruct = tokens(f"<|im_start|>user\n{sampling.instructions}<|im_end|>\n")
+        with torch.inference_mode():
+            voice: Voice = None
+            if self.cloner is not None:
+                ref = request["ref_audio"]
+                transcript = None
+                if not sampling.x_vector_only_mode:
+                    transcript = tokens(f"<|im_start|>assistant\n{sampling.ref_text}<|im_end|>\n")
+                voice = self.cloner.clone(request["media"][ref["media"]], int(ref["sample_rate"]), transcript)
+            elif self.voices:
+                voice = self.voice(sampling)
+            default = self.task != "Base"  # the reference's: the whole text, but for a clone
+            whole = default if sampling.non_streaming_mode is None else sampling.non_streaming_mode
+            prompt = tts_prompt(self.model, self.ids, turn, language, voice, instruct, whole)
+        return prompt, int(turn.shape[1]) + (0 if instruct is None else int(instruct.shape[1])), voice
+
+    def _check(self, request: dict[str, Any], sampling: Sampling) -> None:
+        """A 400 naming the first field this model cannot do as asked."""
+        if not str(request.get("prompt") or ""):
+            raise InvalidRequest(f"{MODEL_NAME} speaks text: the request has none")
         if sampling.speed is not None:  # a speech request's, for a vocoder: this decoder has none
             raise InvalidRequest(f"speed: {MODEL_NAME} speaks at the pace it draws its codes; leave it out")
         task = sampling.task_type
@@ -160,25 +200,29 @@ class Qwen3TTSTalker(Part):
             raise InvalidRequest(
                 f"language: '{language}' is not one of this model's languages: {', '.join(self.languages)}"
             )
-        if sampling.instructions and not self.instructs:
-            raise InvalidRequest("instructions: this model (Qwen3-TTS 0.6B) follows none; leave it out")
-        if self.task == "VoiceDesign" and not sampling.instructions:
+        if sampling.voice is not None and not self.voices:
+            raise InvalidRequest(f"voice: a {self.task} model's audio takes no named voice; leave it out")
+        cloning = {"ref_audio": request.get("ref_audio"), "ref_text": sampling.ref_text}
+        cloning["x_vector_only_mode"] = sampling.x_vector_only_mode
+        if self.task != "Base":
+            if asked := [name for name, value in cloning.items() if value is not None]:
+                raise InvalidRequest(f"{asked[0]}: this model does {self.task}; a Base model clones voices")
+        elif cloning["ref_audio"] is None:
+            raise InvalidRequest("ref_audio: a Base model speaks in a voice cloned from a clip: send one")
+        elif not sampling.x_vector_only_mode and not sampling.ref_text:
+            raise InvalidRequest(
+                "ref_text: cloning in context needs the clip's transcript (or x_vector_only_mode: true, "
+                "the speaker's x-vector alone)"
+            )
+        if sampling.instructions:
+            if self.task == "Base":
+                raise InvalidRequest("instructions: a Base model speaks as its clip does; leave them out")
+            if not self.instructs:
+                raise InvalidRequest("instructions: this model (Qwen3-TTS 0.6B) follows none; leave it out")
+        elif self.task == "VoiceDesign":
             raise InvalidRequest(
                 "instructions: a VoiceDesign model speaks in the voice they describe: describe one"
             )
-        turn = self.tokenizer(
-            f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n", return_tensors="pt"
-        ).input_ids
-        instruct = None
-        if sampling.instructions:
-            instruct = self.tokenizer(
-                f"<|im_start|>user\n{sampling.instructions}<|im_end|>\n", return_tensors="pt"
-            ).input_ids
-        with torch.inference_mode():
-            speaker = self.voice(sampling) if self.voices else None
-            whole = True if sampling.non_streaming_mode is None else sampling.non_streaming_mode
-            prompt = tts_prompt(self.model, self.ids, turn, language, speaker, instruct, whole)
-        return prompt, int(turn.shape[1]) + (0 if instruct is None else int(instruct.shape[1]))
 
     def _steps(self, steps: list[_Step]) -> list[list[int] | None]:
         """One batched step of every request that asks: the talker's next step for those with a

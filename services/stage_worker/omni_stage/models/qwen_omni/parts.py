@@ -84,9 +84,12 @@ class Vocoding:
 
     codes: torch.Tensor | None = None
     decoded: int = 0
+    context: int = 0
+    """The first codes that are the decoder's context alone (payloads.Codes.context)."""
 
     def gather(self, inputs: dict[str, Any]) -> torch.Tensor | None:
         """Every code received so far, these inputs' included; None before the first."""
+        self.context = max([self.context, *gather(inputs, "context")])
         new = [c.long() for c in gather(inputs, "codes") if c.numel()]
         if new:
             self.codes = torch.cat(new if self.codes is None else [self.codes, *new])
