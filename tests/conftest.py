@@ -22,7 +22,15 @@ DONE = ".built"
 
 BENCH_MODULE: Final = "tests/e2e/test_bench.py"
 MODELS_IN_UNIT: Final = frozenset(
-    {"test_qwen_omni.py", "test_qwen3_omni.py", "test_image_edit.py", "test_diffusion.py", "test_engines.py"}
+    {
+        "test_qwen_omni.py",
+        "test_qwen3_omni.py",
+        "test_qwen3_tts.py",
+        "test_qwen3_tts_clone.py",
+        "test_image_edit.py",
+        "test_diffusion.py",
+        "test_engines.py",
+    }
 )
 """Unit modules that run real models against their references (minutes each, compiled forms
 among them)."""

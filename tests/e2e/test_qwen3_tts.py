@@ -136,8 +136,10 @@ def test_requests_spoken_together_equal_each_alone(base: str, reference: tuple[d
         ({"voice": "nobody"}, "voice", "voice 'nobody' is not one of this model's voices: aiden, dylan"),
         ({"speed": 1.5}, None, "speed: Qwen3-TTS speaks at the pace it draws its codes"),
         ({"stream_format": "sse", "top_k": 3}, "top_k", "top_k: unrecognized request argument"),
+        ({"ref_audio": "data:audio/wav;base64,AAAA"}, "ref_audio", "clones no voice (Base models do)"),
+        ({"ref_text": "Hi."}, None, "ref_text: this model does CustomVoice; a Base model clones voices"),
     ],
-    ids=["language", "task-type", "voice", "speed", "unknown-field"],
+    ids=["language", "task-type", "voice", "speed", "unknown-field", "ref-audio", "ref-text"],
 )
 def test_what_the_model_cannot_do_is_a_400_naming_it(
     base: str, body: dict[str, Any], param: str | None, says: str
@@ -213,7 +215,7 @@ def test_a_batch_is_refused_whole_only_for_what_is_wrong_with_it_whole(base: str
     for body, param in [
         ({"items": []}, "items"),
         ({"items": [{"input": "x"}] * 33}, "items"),
-        ({"items": [{"input": "x", "ref_audio": "data:,"}]}, "items.0.ref_audio"),
+        ({"items": [{"input": "x", "speaker_embedding": [0.5]}]}, "items.0.speaker_embedding"),
         ({"model": "other", "items": [{"input": "x"}]}, "model"),
     ]:
         r = HTTP.post(f"{base}/v1/audio/speech/batch", json=body, timeout=60)

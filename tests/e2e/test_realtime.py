@@ -463,7 +463,7 @@ def test_the_speech_stream_socket_refuses_what_it_cannot_do_and_goes_on(base: st
             ({"type": "input.text", "text": "early"}, "Expected session.config"),
             (
                 {"type": "session.config", "ref_audio": "data:audio/wav;base64,AAAA"},
-                "ref_audio: voice cloning",
+                "ref_audio: model 'tiny-omni' clones no voice",
             ),
             ({"type": "session.config", "voice": "nobody"}, "voice 'nobody'"),
             ({"type": "session.config", "response_format": "mp3"}, "'mp3' is not served"),

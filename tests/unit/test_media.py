@@ -21,7 +21,7 @@ import torch
 from PIL import Image
 
 from omni_gateway.errors import BadRequest
-from omni_gateway.media import decode_media
+from omni_gateway.media import decode_clip, decode_media
 from omni_pipeline.settings import MediaSpec
 from tests.helpers import video_file
 
@@ -234,6 +234,7 @@ class _Files(http.server.BaseHTTPRequestHandler):
             "/cat.png": image_file(12, 10),
             "/big.png": image_file(400, 400, "BMP"),
             "/clip.mkv": video_file(frames(2), 2),
+            "/voice.flac": audio_file(clip(0.25), "FLAC"),
         }.get(self.path)
         if body is None:
             self.send_error(404)
@@ -273,3 +274,27 @@ def test_urls_are_fetched_only_when_allowed_and_within_limits(files: str) -> Non
             decode(image_part(f"{files}{path}"), limits=limits)
     with pytest.raises(BadRequest, match="does not fetch URLs"):
         decode(image_part(f"{files}/cat.png"))
+
+
+def test_a_voices_clip_comes_as_a_data_url_base64_or_a_fetch_never_from_disk(files: str) -> None:
+    """A speech request's `ref_audio`: any served audio format, as the data says; a file:// URL or
+    a path is refused whether or not the file exists (the server's disk is not the client's)."""
+    wav = audio_file(clip(), "WAV", subtype="PCM_16")
+    for value in (data_url(wav, "audio/wav"), base64.b64encode(wav).decode()):
+        pcm, rate = asyncio.run(decode_clip(value, MediaSpec()))
+        assert rate == RATE and pcm.shape == (RATE // 2,)
+        np.testing.assert_allclose(pcm.numpy(), clip(), atol=1 / 32768)
+    fetching = MediaSpec(fetch_urls=True, fetch_timeout_s=5)
+    pcm, rate = asyncio.run(decode_clip(f"{files}/voice.flac", fetching))
+    assert (rate, pcm.shape) == (RATE, (RATE // 4,))
+    for value, says in {
+        f"{files}/voice.flac": "does not fetch URLs",
+        "file:///etc/hostname": "names the server's disk",
+        "/etc/hostname": "names the server's disk",
+        "../models/clip.wav": "names the server's disk",
+        base64.b64encode(b"not audio at all").decode(): "not decodable",
+        data_url(audio_file(clip(2.0), "WAV"), "audio/wav"): "more than the limit of 1 s",
+    }.items():
+        with pytest.raises(BadRequest, match=says) as exc:
+            asyncio.run(decode_clip(value, MediaSpec(max_audio_seconds=1)))
+        assert exc.value.param == "ref_audio"

@@ -12,6 +12,7 @@ from omni_gateway.errors import BadRequest
 from omni_gateway.preflight import (
     Announced,
     check_clip,
+    check_cloning,
     check_honoured,
     check_language,
     check_per_stage,
@@ -115,3 +116,14 @@ def test_a_clip_beyond_what_the_video_stage_announced_names_the_field() -> None:
         check_clip(a, None, None, 100.0, None, None)
     assert exc.value.param == "seconds"
     check_clip(a, 32, 32, 1.0, None, None)
+
+
+def test_a_clip_to_clone_is_refused_where_no_source_stage_reads_one(announced: Announced) -> None:
+    check_cloning(announced, AUDIO)  # nothing announced yet: the stage refuses it itself
+    announce(announced, "thinker", accepts=["text", "audio"])
+    with pytest.raises(BadRequest) as exc:
+        check_cloning(announced, AUDIO)
+    assert exc.value.param == "ref_audio"
+    assert exc.value.message == "ref_audio: model 'synth' clones no voice (Base models do); leave it out"
+    announce(announced, "thinker", accepts=["text", "ref_audio"])
+    check_cloning(announced, AUDIO)

@@ -114,6 +114,21 @@ async def decode_media(
     return out, media
 
 
+async def decode_clip(value: str, limits: MediaSpec) -> tuple[torch.Tensor, int]:
+    """A voice's clip (a speech request's `ref_audio`): a data: URL, bare base64, or an http(s)
+    URL where fetching is on; mono float32 PCM and its rate, as an `input_audio` part decodes.
+    A file:// URL or a path is refused: a client never reads the server's disk. Any failure is
+    a 400 naming `ref_audio`."""
+    try:
+        scheme = urlsplit(value).scheme
+        if scheme == "file" or value.startswith(("/", "./", "../", "~")):
+            raise ValueError("a file path names the server's disk, which no client reads; send a data: URL")
+        data = await _url_bytes(value, limits) if scheme in ("data", "http", "https") else _base64(value)
+        return await asyncio.to_thread(decode_audio, data, None, limits.max_audio_seconds)
+    except ValueError as exc:
+        raise BadRequest(f"ref_audio: {exc}", param="ref_audio") from None
+
+
 def decode_image(data: bytes, max_pixels: int) -> torch.Tensor:
     """RGB pixels [H, W, 3] uint8. The size is checked from the header, before decoding."""
     try:
@@ -134,19 +149,21 @@ def decode_image(data: bytes, max_pixels: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(rgb, dtype=np.uint8).copy())
 
 
-def decode_audio(data: bytes, fmt: str, max_seconds: float) -> tuple[torch.Tensor, int]:
-    """Mono float32 PCM [samples] in [-1, 1], and its sample rate. The length is checked from
-    the header, before decoding. A WAV file shorter than its RIFF header says is truncated
-    (libsndfile would quietly read what is there)."""
-    if fmt not in AUDIO_FORMATS:
+def decode_audio(data: bytes, fmt: str | None, max_seconds: float) -> tuple[torch.Tensor, int]:
+    """Mono float32 PCM [samples] in [-1, 1], and its sample rate. `fmt`: the format the client
+    named (None: any served one, as the data says). The length is checked from the header,
+    before decoding. A WAV file shorter than its RIFF header says is truncated (libsndfile
+    would quietly read what is there)."""
+    if fmt is not None and fmt not in AUDIO_FORMATS:
         raise ValueError(f"format '{fmt}' is not served (use {', '.join(AUDIO_FORMATS)})")
+    containers = AUDIO_FORMATS[fmt] if fmt else tuple(c for cs in AUDIO_FORMATS.values() for c in cs)
     size = int.from_bytes(data[4:8], "little") + 8 if data[:4] == b"RIFF" else 0
     if len(data) < size and size != _RIFF_UNKNOWN_SIZE + 8:
         raise ValueError(f"truncated: {len(data)} bytes of the {size} its RIFF header announces")
     try:
         with soundfile.SoundFile(io.BytesIO(data)) as f:
-            if f.format not in AUDIO_FORMATS[fmt]:
-                raise ValueError(f"the data is {f.format}, not {fmt}")
+            if f.format not in containers:
+                raise ValueError(f"the data is {f.format}, not {fmt or ' or '.join(AUDIO_FORMATS)}")
             rate, frames = f.samplerate, f.frames
             if frames / rate > max_seconds:
                 raise ValueError(f"{frames / rate:.1f} s of audio, more than the limit of {max_seconds:g} s")

@@ -29,7 +29,7 @@ from omni_gateway.bus import RETRY_AFTER, Bus
 from omni_gateway.choices import run_choices
 from omni_gateway.errors import OmniError, Overloaded
 from omni_gateway.events import Event, OfChoice
-from omni_gateway.media import decode_media
+from omni_gateway.media import decode_clip, decode_media
 from omni_gateway.pins import ConversationPins
 from omni_gateway.preflight import Announced, check_request
 from omni_gateway.replay import Delivered, Diverged
@@ -51,6 +51,8 @@ from omni_pipeline.control import (
 from omni_pipeline.spec import PipelineFile
 
 log = logging.getLogger("omni.gateway")
+CLIP: Final = "ref_audio"
+"""The media key of a speech request's voice clip (a chat's media are `m0`, `m1`, ...)."""
 
 MIGRATABLE: Final = frozenset(
     {
@@ -160,6 +162,9 @@ class Pipeline:
             accepts = self.announced.by_sources(req.outputs, "accepts")
             messages, decoded = await decode_media(inputs.messages, self.spec.gateway.media, accepts)
             inputs, media = msgspec.structs.replace(inputs, messages=messages), decoded.tensors
+        if req.ref_audio is not None:
+            media[CLIP], rate = await decode_clip(req.ref_audio, self.spec.gateway.media)
+            inputs = msgspec.structs.replace(inputs, ref_audio={"media": CLIP, "sample_rate": rate})
         return Prepared(inputs, req.sampling, req.outputs, media, dict(req.per_stage))
 
     def voices(self) -> frozenset[str] | None:

@@ -83,6 +83,8 @@ def check_request(a: Announced, req: PipelineRequest) -> None:
     check_language(a, req)
     if req.inputs.images:
         check_editing(a, req.outputs)
+    if req.ref_audio is not None:
+        check_cloning(a, req.outputs)
 
 
 def check_model(a: Announced, model: str | None, wanted: frozenset[OutputKind], param: str) -> None:
@@ -182,6 +184,17 @@ def check_editing(a: Announced, outputs: frozenset[OutputKind]) -> None:
             f"image: model '{a.spec.served_model_name}' does not edit images; "
             f"it makes them from a prompt alone",
             param="image",
+        )
+
+
+def check_cloning(a: Announced, outputs: frozenset[OutputKind]) -> None:
+    """A 400 naming `ref_audio` for a pipeline whose source stages clone no voice (they declare
+    they read a `ref_audio` clip: a Qwen3-TTS Base model's talker)."""
+    accepts = a.by_sources(outputs, "accepts")
+    if accepts is not None and "ref_audio" not in accepts:
+        raise BadRequest(
+            f"ref_audio: model '{a.spec.served_model_name}' clones no voice (Base models do); leave it out",
+            param="ref_audio",
         )
 
 

@@ -34,6 +34,9 @@ class PipelineRequest:
     media: dict[str, torch.Tensor] = field(default_factory=dict)
     """Media decoded by the front end (an edit's images), by the keys `inputs` refers to them
     with; a chat's come inside its messages and are decoded by `Pipeline.prepare`."""
+    ref_audio: str | None = None
+    """A voice to clone's clip as the client sent it (a data: URL, base64, an http(s) URL):
+    decoded by `Pipeline.prepare` into `media`, `inputs.ref_audio` referring to it."""
 
 
 @dataclass(frozen=True)

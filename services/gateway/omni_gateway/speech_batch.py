@@ -46,6 +46,9 @@ class _Overrides(BaseModel):
     task_type: str | None = None
     max_new_tokens: int | None = None
     non_streaming_mode: bool | None = None
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
 
 
 class SpeechBatchItem(_Overrides):

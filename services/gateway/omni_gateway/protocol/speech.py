@@ -44,6 +44,16 @@ class SpeechRequest(BaseModel):
         default=None, ge=1, description="The source stage's budget (a TTS talker's: frames of codes)."
     )
     non_streaming_mode: bool | None = None
+    ref_audio: str | None = Field(
+        default=None,
+        min_length=1,
+        description="A clip of the voice to clone (a Base model): a data: URL or base64; an http(s) "
+        "URL where the gateway fetches media (spec.gateway.media.fetchUrls).",
+    )
+    ref_text: str | None = Field(
+        default=None, min_length=1, max_length=4096, description="The clip's transcript: cloning in context."
+    )
+    x_vector_only_mode: bool | None = None
 
     @field_validator("voice", mode="before")
     @classmethod
@@ -74,6 +84,7 @@ def speech_request(req: SpeechRequest) -> PipelineRequest:
         voice_param="voice",
         max_tokens_param="max_new_tokens",
         declared=EVERY_ENGINE | DOWNSTREAM,
+        ref_audio=req.ref_audio,
     )
 
 
@@ -92,4 +103,6 @@ def speech_sampling(req: SpeechRequest) -> Sampling:
         task_type=req.task_type,
         max_tokens=req.max_new_tokens,
         non_streaming_mode=req.non_streaming_mode,
+        ref_text=req.ref_text,
+        x_vector_only_mode=req.x_vector_only_mode,
     )

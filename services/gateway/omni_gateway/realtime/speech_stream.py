@@ -36,10 +36,7 @@ router = APIRouter()
 MAX_TEXT: Final = 4096
 """Characters an utterance holds before its flush (a speech request's `input` limit)."""
 NOT_SERVED: Final = {
-    "ref_audio": "voice cloning is not served",
-    "ref_text": "voice cloning is not served",
-    "x_vector_only_mode": "voice cloning is not served",
-    "speaker_embedding": "voice cloning is not served",
+    "speaker_embedding": "send the voice's clip as ref_audio",
     "initial_codec_chunk_frames": "set the code2wav stage's chunkCodes in the pipeline instead",
     "seed": "POST /v1/audio/speech takes no seed here, so neither does its socket",
 }
@@ -67,6 +64,9 @@ class StreamConfig(msgspec.Struct, forbid_unknown_fields=True):
     speed: float | None = 1.0
     max_new_tokens: int | None = None
     non_streaming_mode: bool | None = None
+    ref_audio: str | None = None
+    ref_text: str | None = None
+    x_vector_only_mode: bool | None = None
     stream_audio: bool = False
     word_timestamps: bool = False
     split_granularity: Literal["none", "sentence", "clause"] = "none"
@@ -166,6 +166,9 @@ class SpeechStream:
                 task_type=c.task_type,
                 max_new_tokens=c.max_new_tokens,
                 non_streaming_mode=c.non_streaming_mode,
+                ref_audio=c.ref_audio,
+                ref_text=c.ref_text,
+                x_vector_only_mode=c.x_vector_only_mode,
                 response_format=c.response_format,
                 speed=1.0 if c.speed is None else c.speed,
             )

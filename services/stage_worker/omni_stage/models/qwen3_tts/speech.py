@@ -109,6 +109,7 @@ class Qwen3TTSTalker(Part):
         self.model = load_talker(path, self.device, self.dtype)
         if self.task == "Base":
             self.cloner = load_cloner(path, self.device, self.dtype)
+            self.accepts = frozenset({"text", "ref_audio"})  # announced: gateways refuse clips elsewhere
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.ids = TTSIds.of(self.settings)
         self.voices = tuple(sorted(self.ids.speakers, key=lambda v: (v != DEFAULT_VOICE, v)))

@@ -1,0 +1,164 @@
+"""A voice cloned end to end: `omni serve examples/qwen3-tts.yaml` pointed at the tiny Base
+checkpoint, the official openai client's `audio.speech.create` with vLLM-Omni's `ref_audio`
+(a data: URL of a WAV clip), `ref_text` and `x_vector_only_mode`, against the reference: the
+`qwen-tts` package's own `generate_voice_clone`, greedy, same checkpoint, clip and text
+(tests/qwen_tts_reference.py)."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import soundfile
+from websockets.sync.client import connect
+
+from omni_gateway.audio import to_pcm16
+from tests.helpers import HTTP, ROOT, served
+from tests.qwen_tts_reference import qwen_tts_reference, waveform
+
+pytestmark = pytest.mark.slow
+
+CODES = 8
+"""The talker's budget here (frames: 0.64 s of audio)."""
+SAID = "Hello there, how are you?"
+TRANSCRIPT = "This is my voice."
+RATE = 16000
+
+
+def clip() -> np.ndarray:
+    """A voice-like clip at 16 kHz (the model's 24 kHz after resampling): 0.8 s."""
+    t = np.arange(int(RATE * 0.8)) / RATE
+    pitch = 2 * np.pi * (150 + 50 * t) * t
+    noise = np.random.default_rng(5).standard_normal(t.shape)
+    return (0.3 * np.sin(pitch) + 0.1 * np.sin(3 * pitch) + 0.02 * noise).astype(np.float32)
+
+
+def data_url(wav: np.ndarray) -> str:
+    """The clip as a client sends it: a 16-bit WAV in a data: URL."""
+    buf = io.BytesIO()
+    soundfile.write(buf, wav, RATE, subtype="PCM_16", format="WAV")
+    return "data:audio/wav;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+CLIP = clip()
+HEARD = soundfile.read(io.BytesIO(base64.b64decode(data_url(CLIP).split(",", 1)[1])), dtype="float32")[0]
+"""The clip as the gateway decodes it (16-bit: what the reference is given too)."""
+
+
+@pytest.fixture(scope="module")
+def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """examples/qwen3-tts.yaml on the Base checkpoint, with a short budget."""
+    example = (ROOT / "examples" / "qwen3-tts.yaml").read_text()
+    assert "sampling: {max_tokens: 64}" in example and example.count("./models/tiny-qwen3-tts\n") == 2
+    pipeline = demo_dir / "qwen3-tts-base.yaml"
+    pipeline.write_text(
+        example.replace("sampling: {max_tokens: 64}", f"sampling: {{max_tokens: {CODES + 1}}}").replace(
+            "./models/tiny-qwen3-tts\n", "./models/tiny-qwen3-tts-base\n"
+        )
+    )
+    with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, url):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def reference(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    """generate_voice_clone on the demo's Base checkpoint: in context, then the x-vector alone."""
+    out = tmp_path_factory.mktemp("qwen-tts-reference")
+    np.save(out / "clip.npy", HEARD)
+    item = {"text": SAID, "language": "Auto", "ref_audio": str(out / "clip.npy"), "ref_rate": RATE}
+    asked = {
+        "checkpoint": str(demo_dir / "models" / "tiny-qwen3-tts-base"),
+        "voice_clone": [
+            {**item, "ref_text": TRANSCRIPT, "x_vector_only": False, "non_streaming": False},
+            {**item, "ref_text": None, "x_vector_only": True, "non_streaming": False},
+        ],
+        "max_new_tokens": CODES + 1,
+        "codes": False,  # the waveforms are what is compared here
+    }
+    return qwen_tts_reference(asked, out), out
+
+
+def speak(base: str, **extra: Any) -> np.ndarray:
+    """The WAV the SDK gets, as its int16 samples."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    got = client.audio.speech.create(model="qwen3-tts", input=SAID, voice=None, extra_body=extra)  # type: ignore[arg-type]
+    samples, rate = soundfile.read(io.BytesIO(got.content), dtype="int16")
+    assert rate == 24000
+    return samples
+
+
+def pcm16(wav: np.ndarray) -> np.ndarray:
+    return np.frombuffer(to_pcm16(wav), dtype="<i2")
+
+
+def same_audio(ours: np.ndarray, expected: np.ndarray) -> None:
+    assert ours.shape == expected.shape == (CODES * 1920,)
+    assert int(np.abs(ours.astype(np.int32) - expected).max()) <= 1  # float rounding at a step's edge
+
+
+def test_a_voice_cloned_in_context_equals_the_reference(
+    base: str, reference: tuple[dict[str, Any], Path]
+) -> None:
+    """The clip's codes go to code2wav first, as context: what comes out is the new speech alone."""
+    _, out = reference
+    cloned = speak(base, ref_audio=data_url(CLIP), ref_text=TRANSCRIPT)
+    same_audio(cloned, pcm16(waveform(out, "voice_clone_0")))
+
+
+def test_a_voice_cloned_from_the_x_vector_alone_equals_the_reference(
+    base: str, reference: tuple[dict[str, Any], Path]
+) -> None:
+    _, out = reference
+    alone = speak(base, ref_audio=data_url(CLIP), x_vector_only_mode=True, task_type="Base")
+    same_audio(alone, pcm16(waveform(out, "voice_clone_1")))
+    assert not np.array_equal(alone, pcm16(waveform(out, "voice_clone_0")))
+
+
+def test_the_speech_socket_clones_as_the_endpoint_does(
+    base: str, reference: tuple[dict[str, Any], Path]
+) -> None:
+    _, out = reference
+    with connect(f"{base.replace('http://', 'ws://')}/v1/audio/speech/stream", max_size=None) as ws:
+        config = {"ref_audio": data_url(CLIP), "ref_text": TRANSCRIPT, "response_format": "pcm"}
+        ws.send(json.dumps({"type": "session.config", **config}))
+        ws.send(json.dumps({"type": "input.text", "text": SAID}))
+        ws.send(json.dumps({"type": "input.done"}))
+        start, audio, done, flushed = (ws.recv() for _ in range(4))
+        assert json.loads(start)["type"] == "audio.start" and json.loads(flushed)["type"] == "session.done"
+        assert isinstance(audio, bytes) and json.loads(done)["total_bytes"] == len(audio)
+        same_audio(np.frombuffer(audio, dtype="<i2"), pcm16(waveform(out, "voice_clone_0")))
+
+
+WAV = data_url(CLIP)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "says"),
+    [
+        ({}, None, "ref_audio: a Base model speaks in a voice cloned from a clip"),
+        ({"ref_audio": WAV}, None, "ref_text: cloning in context needs the clip's transcript"),
+        ({"ref_audio": "file:///etc/passwd", "ref_text": "x"}, "ref_audio", "which no client reads"),
+        ({"ref_audio": "/etc/passwd", "ref_text": "x"}, "ref_audio", "which no client reads"),
+        ({"ref_audio": "http://127.0.0.1:9/a.wav", "ref_text": "x"}, "ref_audio", "does not fetch URLs"),
+        ({"ref_audio": "bm90IGF1ZGlv", "ref_text": "x"}, "ref_audio", "not decodable"),
+        ({"ref_audio": WAV, "ref_text": "x", "voice": "vivian"}, "voice", "takes no voice"),
+        ({"ref_audio": WAV, "ref_text": "x", "instructions": "Slowly."}, None, "instructions: a Base model"),
+    ],
+    ids=["no-clip", "no-transcript", "file-url", "path", "http-off", "not-audio", "voice", "instructions"],
+)
+def test_what_cloning_cannot_do_is_a_400_naming_it(
+    base: str, body: dict[str, Any], param: str | None, says: str
+) -> None:
+    """The clip's own faults at the gateway, before anything runs; what the model needs at the
+    talker (its message names the field)."""
+    r = HTTP.post(f"{base}/v1/audio/speech", json={"model": "qwen3-tts", "input": "x", **body}, timeout=60)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], r.text
