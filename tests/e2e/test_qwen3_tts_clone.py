@@ -136,6 +136,18 @@ def test_the_speech_socket_clones_as_the_endpoint_does(
         same_audio(np.frombuffer(audio, dtype="<i2"), pcm16(waveform(out, "voice_clone_0")))
 
 
+def test_the_cloner_sleeps_and_wakes_with_the_talker(base: str) -> None:
+    """The speaker and speech encoders are the talker's weights too: moved to host memory and
+    back (level 1), dropped and loaded again (level 2); the clone is the same after each."""
+    before = speak(base, ref_audio=data_url(CLIP), ref_text=TRANSCRIPT)
+    for level in (1, 2):
+        r = HTTP.post(f"{base}/v1/omni/sleep", json={"stage_ids": ["talker"], "level": level}, timeout=60)
+        assert r.status_code == 200 and r.json()["status"] == "SUCCESS", r.text
+        r = HTTP.post(f"{base}/v1/omni/wakeup", json={"stage_ids": ["talker"]}, timeout=120)
+        assert r.status_code == 200 and r.json()["status"] == "SUCCESS", r.text
+        assert np.array_equal(speak(base, ref_audio=data_url(CLIP), ref_text=TRANSCRIPT), before), level
+
+
 WAV = data_url(CLIP)
 
 
