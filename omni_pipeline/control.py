@@ -109,6 +109,12 @@ class Subjects:
             raise ControlError(f"stage {stage!r} cannot be a NATS subject token")
         return f"{self.base}.{stage}.tokenize"
 
+    def clone(self, stage: str) -> str:
+        """Where a stage's replicas take a voice from a clip (one of them, as a queue group)."""
+        if not _TOKEN.match(stage):
+            raise ControlError(f"stage {stage!r} cannot be a NATS subject token")
+        return f"{self.base}.{stage}.clone"
+
     def gateway_inbox(self, gateway_id: str) -> str:
         if not _TOKEN.match(gateway_id):
             raise ControlError(f"gateway id {gateway_id!r} cannot be a NATS subject token")
@@ -147,6 +153,9 @@ class RequestInputs(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unkn
     ref_audio: dict[str, Any] | None = None
     """A voice to clone's clip, as a chat's audio part refers to its data: `{"media": key,
     "sample_rate": rate}` (mono float32 samples in `RequestPayload.media`)."""
+    voice_print: dict[str, Any] | None = None
+    """An uploaded voice's print (omni_pipeline.voices), as references to `RequestPayload.media`:
+    `{"x_vector": key}` and, cloned in context, `"codes": key`."""
     tools: list[dict[str, Any]] | None = None
     """The tools a chat offers, for the chat template (whether or not the model may call them)."""
 

@@ -211,6 +211,26 @@ class VideoJobsSpec(SpecModel):
     )
 
 
+class VoicesSpec(SpecModel):
+    """Voices people upload (POST /v1/audio/voices): where they are kept, how many, and what a
+    clip may be."""
+
+    store: Literal["auto", "sqlite", "jetstream"] = Field(
+        default="auto",
+        description="Where voices are kept: sqlite under stateDir, or a NATS JetStream key-value bucket "
+        "(the pipeline's NATS must have JetStream on). auto: sqlite in SingleNode, jetstream otherwise.",
+    )
+    state_dir: str = Field(
+        default=".omni-state",
+        description="The directory (relative: to the working directory) holding the SQLite voice store, "
+        "under the pipeline's name.",
+    )
+    max_voices: int = Field(default=64, ge=1, description="Voices kept in all; an upload beyond it is a 400.")
+    min_clip_s: float = Field(default=0.5, gt=0, description="Shortest clip a voice is taken from.")
+    max_clip_s: float = Field(default=30.0, gt=0, description="Longest clip a voice is taken from.")
+    max_clip_bytes: int = Field(default=10 << 20, ge=1024, description="Largest clip file an upload sends.")
+
+
 class GatewaySpec(SpecModel):
     replicas: int = Field(default=1, ge=1, description="Gateway replicas (Distributed mode).")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port of the gateway.")
@@ -229,6 +249,7 @@ class GatewaySpec(SpecModel):
         "`Authorization: Bearer`. Elsewhere: OMNI_API_KEYS or OMNI_API_KEYS_FILE.",
     )
     media: MediaSpec = Field(default_factory=MediaSpec, description="Limits on media input parts.")
+    voices: VoicesSpec = Field(default_factory=VoicesSpec, description="Voices people upload.")
     migration_limit: int = Field(
         default=2,
         ge=0,

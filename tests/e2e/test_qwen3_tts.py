@@ -153,6 +153,22 @@ def test_what_the_model_cannot_do_is_a_400_naming_it(
     assert error["param"] == param and says in error["message"], r.text
 
 
+def test_a_model_that_clones_no_voice_takes_no_upload(base: str) -> None:
+    """CustomVoice: its speakers' names are taken (409); any other upload is a 400 that says
+    this model clones no voice, and nothing is kept."""
+    buf = io.BytesIO()
+    soundfile.write(buf, 0.3 * np.sin(np.arange(24000) / 5.0), 24000, subtype="PCM_16", format="WAV")
+    files = {"audio_sample": ("v.wav", buf.getvalue(), "audio/wav")}
+    for name, status, says in [
+        ("Vivian", 409, "a voice named 'Vivian' exists"),
+        ("mine", 400, "clones no voice (Base models do)"),
+    ]:
+        form = {"name": name, "consent": "c-1"}
+        r = HTTP.post(f"{base}/v1/audio/voices", data=form, files=files, timeout=60)
+        assert r.status_code == status and says in r.json()["error"]["message"], r.text
+    assert HTTP.get(f"{base}/v1/audio/voices", timeout=30).json()["uploaded_voices"] == []
+
+
 def test_a_client_that_walks_away_mid_speech_leaves_nothing_held(base: str) -> None:
     """A client that stops waiting before its audio comes (here it comes once the talker is
     done: the reference's chunks): the request is dropped wherever it is, the talker's queued

@@ -13,13 +13,17 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import openai
 import pytest
 import soundfile
+import yaml
 from websockets.sync.client import connect
 
+from omni_cli.natsd import EmbeddedNats
 from omni_gateway.audio import to_pcm16
+from tests.deployment import deployed
 from tests.helpers import HTTP, ROOT, served
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
@@ -55,16 +59,23 @@ HEARD = soundfile.read(io.BytesIO(base64.b64decode(data_url(CLIP).split(",", 1)[
 @pytest.fixture(scope="module")
 def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """examples/qwen3-tts.yaml on the Base checkpoint, with a short budget."""
-    example = (ROOT / "examples" / "qwen3-tts.yaml").read_text()
-    assert "sampling: {max_tokens: 64}" in example and example.count("./models/tiny-qwen3-tts\n") == 2
-    pipeline = demo_dir / "qwen3-tts-base.yaml"
-    pipeline.write_text(
-        example.replace("sampling: {max_tokens: 64}", f"sampling: {{max_tokens: {CODES + 1}}}").replace(
-            "./models/tiny-qwen3-tts\n", "./models/tiny-qwen3-tts-base\n"
-        )
-    )
+    pipeline = base_pipeline(demo_dir, "qwen3-tts-base")
     with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, url):
         yield url
+
+
+def base_pipeline(demo_dir: Path, name: str) -> Path:
+    """examples/qwen3-tts.yaml on the Base checkpoint as pipeline `name` (its voices its own)."""
+    example = (ROOT / "examples" / "qwen3-tts.yaml").read_text()
+    assert "sampling: {max_tokens: 64}" in example and example.count("./models/tiny-qwen3-tts\n") == 2
+    assert "metadata: {name: qwen3-tts}" in example
+    pipeline = demo_dir / f"{name}.yaml"
+    pipeline.write_text(
+        example.replace("sampling: {max_tokens: 64}", f"sampling: {{max_tokens: {CODES + 1}}}")
+        .replace("./models/tiny-qwen3-tts\n", "./models/tiny-qwen3-tts-base\n")
+        .replace("metadata: {name: qwen3-tts}", f"metadata: {{name: {name}}}")
+    )
+    return pipeline
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +94,14 @@ def reference(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple
         "codes": False,  # the waveforms are what is compared here
     }
     return qwen_tts_reference(asked, out), out
+
+
+def speak_as(base: str, voice: str) -> np.ndarray:
+    """The WAV the SDK gets speaking in `voice`, as its int16 samples."""
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=300)
+    got = client.audio.speech.create(model="qwen3-tts", input=SAID, voice=voice)  # type: ignore[arg-type]
+    samples, _ = soundfile.read(io.BytesIO(got.content), dtype="int16")
+    return samples
 
 
 def speak(base: str, **extra: Any) -> np.ndarray:
@@ -174,3 +193,133 @@ def test_what_cloning_cannot_do_is_a_400_naming_it(
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param and says in error["message"], r.text
+
+
+def upload(base: str, name: str, clip: bytes = b"", **fields: str) -> httpx.Response:
+    """POST /v1/audio/voices as a form, the clip as a WAV file (CLIP's, unless given)."""
+    sample = clip or base64.b64decode(data_url(CLIP).split(",", 1)[1])
+    form = {"name": name, "consent": "consent-0042", **fields}
+    files = {"audio_sample": ("voice.wav", sample, "audio/wav")}
+    return HTTP.post(f"{base}/v1/audio/voices", data=form, files=files, timeout=120)
+
+
+def uploaded(base: str) -> list[dict[str, Any]]:
+    r = HTTP.get(f"{base}/v1/audio/voices", timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["voices"] == []  # a Base model has no voices of its own
+    return r.json()["uploaded_voices"]
+
+
+def test_an_uploaded_voice_is_listed_speaks_as_its_clip_and_is_gone_once_deleted(
+    base: str, reference: tuple[dict[str, Any], Path]
+) -> None:
+    """Uploaded with its transcript: cloned in context, the print taken once by the talker
+    stage; then from the x-vector alone (no transcript). Each speaks as the reference's clone
+    of the same clip; deleted, it is a voice no more."""
+    _, out = reference
+    r = upload(base, "Narrator", ref_text=TRANSCRIPT, speaker_description="calm")
+    assert r.status_code == 200, r.text
+    voice = r.json()["voice"]
+    assert r.json()["success"] and voice["name"] == "Narrator" and voice["consent"] == "consent-0042"
+    assert voice["ref_text"] == TRANSCRIPT and voice["speaker_description"] == "calm"
+    assert upload(base, "plain").status_code == 200
+    listed = {v["name"]: v for v in uploaded(base)}
+    assert set(listed) == {"Narrator", "plain"} and listed["Narrator"]["embedding_dim"] == 64
+    assert "ref_text" not in listed["plain"]
+    same_audio(speak_as(base, "Narrator"), pcm16(waveform(out, "voice_clone_0")))
+    same_audio(speak_as(base, "plain"), pcm16(waveform(out, "voice_clone_1")))
+    r = HTTP.post(
+        f"{base}/v1/audio/speech",
+        json={"model": "qwen3-tts", "input": "x", "voice": "plain", "ref_text": "y"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "ref_text", r.text
+    for name in ("narrator", "plain"):  # case aside, as names are kept
+        assert HTTP.delete(f"{base}/v1/audio/voices/{name}", timeout=30).json()["success"]
+    assert uploaded(base) == []
+    gone = {"model": "qwen3-tts", "input": "x", "voice": "plain"}
+    r = HTTP.post(f"{base}/v1/audio/speech", json=gone, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "voice", r.text
+    r = HTTP.delete(f"{base}/v1/audio/voices/plain", timeout=30)
+    assert r.status_code == 404, r.text
+
+
+def silence() -> bytes:
+    buf = io.BytesIO()
+    soundfile.write(buf, np.zeros(RATE, dtype=np.float32), RATE, subtype="PCM_16", format="WAV")
+    return buf.getvalue()
+
+
+def short_clip() -> bytes:
+    buf = io.BytesIO()
+    soundfile.write(buf, CLIP[: RATE // 10], RATE, subtype="PCM_16", format="WAV")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("name", "clip", "fields", "status", "param", "says"),
+    [
+        ("a/b", b"", {}, 400, "name", "name: 1 to 64 letters"),
+        ("v1", b"", {"consent": ""}, 400, "consent", "consent: a voice is kept only with"),
+        ("v2", b"not audio", {}, 400, "audio_sample", "not decodable"),
+        ("v3", silence(), {}, 400, "audio_sample", "the clip is silent"),
+        ("v4", short_clip(), {}, 400, "audio_sample", "under the 0.5 s a voice is taken from"),
+        ("v5", b"", {"speaker_embedding": "[0.5]"}, 400, "speaker_embedding", "unrecognized field"),
+    ],
+    ids=["name", "consent", "not-audio", "silent", "short", "embedding"],
+)
+def test_what_an_upload_cannot_be_is_refused_naming_it(
+    base: str, name: str, clip: bytes, fields: dict[str, str], status: int, param: str, says: str
+) -> None:
+    r = upload(base, name, clip, **fields)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and says in error["message"], r.text
+
+
+def test_a_name_taken_is_a_409(base: str) -> None:
+    assert upload(base, "twice").status_code == 200
+    r = upload(base, "TWICE")
+    assert r.status_code == 409 and r.json()["error"]["param"] == "name", r.text
+    assert HTTP.delete(f"{base}/v1/audio/voices/twice", timeout=30).status_code == 200
+
+
+def test_an_uploaded_voice_outlives_omni_serve(
+    demo_dir: Path, tmp_path: Path, reference: tuple[dict[str, Any], Path]
+) -> None:
+    """Kept in SQLite under the state directory: `omni serve` stopped and started again lists
+    the voice and speaks in it, without taking it from the clip again."""
+    _, out = reference
+    pipeline = base_pipeline(demo_dir, "qwen3-tts-kept")
+    with served(pipeline, demo_dir, tmp_path / "first.log") as (_, url):
+        assert upload(url, "keeper", ref_text=TRANSCRIPT).status_code == 200
+    with served(pipeline, demo_dir, tmp_path / "second.log") as (_, url):
+        assert [v["name"] for v in uploaded(url)] == ["keeper"]
+        same_audio(speak_as(url, "keeper"), pcm16(waveform(out, "voice_clone_0")))
+        assert HTTP.delete(f"{url}/v1/audio/voices/keeper", timeout=30).status_code == 200
+
+
+def test_distributed_voices_live_in_jetstream(
+    demo_dir: Path, tmp_path: Path, reference: tuple[dict[str, Any], Path]
+) -> None:
+    """Distributed mode: the stages and two gateways as processes of their own on a nats-server
+    with JetStream on. A voice uploaded through one gateway is listed by the other and speaks
+    there as the reference's clone; deleted there, the first lists it no more."""
+    _, out = reference
+    spec = yaml.safe_load(base_pipeline(demo_dir, "qwen3-tts-spread").read_text())
+    spec["spec"].update(mode="Distributed", nats={"url": ""}, connectors={"default": {"kind": "inline"}})
+    spec["spec"]["gateway"]["voices"] = {"stateDir": str(tmp_path / "state")}
+    pipeline = tmp_path / "qwen3-tts-spread.yaml"
+    pipeline.write_text(yaml.safe_dump(spec))
+    server = EmbeddedNats(args=("-js", "-sd", str(tmp_path / "jetstream")))
+    try:
+        with deployed(pipeline, {"talker": 1, "code2wav": 1}, 2, server.url, demo_dir, tmp_path) as d:
+            one, two = (g[1] for g in d.gateways)
+            assert upload(one, "shared", ref_text=TRANSCRIPT).status_code == 200
+            assert [v["name"] for v in uploaded(two)] == ["shared"]
+            same_audio(speak_as(two, "shared"), pcm16(waveform(out, "voice_clone_0")))
+            assert HTTP.delete(f"{two}/v1/audio/voices/shared", timeout=30).status_code == 200
+            assert uploaded(one) == []
+        assert not (tmp_path / "state").exists()  # nothing in SQLite
+    finally:
+        server.stop()

@@ -31,6 +31,8 @@ from omni_gateway.routes import router
 from omni_gateway.speech_batch import router as speech_batch_router
 from omni_gateway.videos.jobs import VideoJobs
 from omni_gateway.videos.routes import router as videos_router
+from omni_gateway.voices.routes import router as voices_router
+from omni_gateway.voices.voices import Voices
 from omni_pipeline.lifecycle import exit_if_stuck
 from omni_pipeline.logs import REQUEST_ID, configure_logging
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
@@ -123,8 +125,10 @@ def build_app(
     app.include_router(speech_stream_router)
     app.include_router(speech_batch_router)
     app.include_router(videos_router)
+    app.include_router(voices_router)
     app.state.api_keys_required = bool(api_keys)
     app.state.video_jobs = None  # set while serving, for a pipeline that makes video
+    app.state.voices = None  # set while serving, for a pipeline that speaks
     realtime = pipeline.spec.gateway.realtime
     app.state.live_sessions = LiveSessions(realtime.max_sessions, realtime.resume_grace_s, metrics)
     # Added innermost first: the key is checked before the body is read; every answer, the
@@ -204,6 +208,9 @@ def run_gateway(
                 jobs = await VideoJobs.open(service, pipeline.name, app.state.metrics)
                 await jobs.start()
                 app.state.video_jobs = jobs
+            voices = None
+            if OutputKind.AUDIO in pipeline.spec.output_kinds():
+                voices = app.state.voices = await Voices.open(service, pipeline.name)
             ready({"port": sock.getsockname()[1], "gateway_id": service.gateway_id})
             log.info(
                 "gateway %s serving %s on http://%s:%d",
@@ -216,6 +223,8 @@ def run_gateway(
             exit_if_stuck()  # done serving: closing must not hold the process (or a pod) for ever
             if jobs is not None:
                 await jobs.stop()  # its running jobs go back to the queue, for the next gateway
+            if voices is not None:
+                await voices.close()
             await service.stop()
 
         sock = listen(host, port)

@@ -77,6 +77,14 @@ class NotReady(OmniError):
     code = "not_ready"
 
 
+class Conflict(OmniError):
+    """A resource that exists already (an uploaded voice's name)."""
+
+    status = 409
+    type = "invalid_request_error"
+    code = "conflict"
+
+
 class Overloaded(OmniError):
     """Every replica of a needed stage is full: come back later."""
 

@@ -22,11 +22,13 @@ from typing import Any, Final
 
 import msgspec
 import nats.errors
+import torch
 from nats.aio.client import Client as NatsClient
 
 from omni_gateway.attempt import Attempts
 from omni_gateway.bus import RETRY_AFTER, Bus
 from omni_gateway.choices import run_choices
+from omni_gateway.cloning import clone_voice
 from omni_gateway.errors import OmniError, Overloaded
 from omni_gateway.events import Event, OfChoice
 from omni_gateway.media import decode_clip, decode_media
@@ -49,10 +51,14 @@ from omni_pipeline.control import (
     pack,
 )
 from omni_pipeline.spec import PipelineFile
+from omni_pipeline.voices import VoicePrint
 
 log = logging.getLogger("omni.gateway")
 CLIP: Final = "ref_audio"
 """The media key of a speech request's voice clip (a chat's media are `m0`, `m1`, ...)."""
+X_VECTOR: Final = "voice_x_vector"
+CODES: Final = "voice_codes"
+"""The media keys of an uploaded voice's print."""
 
 MIGRATABLE: Final = frozenset(
     {
@@ -165,7 +171,17 @@ class Pipeline:
         if req.ref_audio is not None:
             media[CLIP], rate = await decode_clip(req.ref_audio, self.spec.gateway.media)
             inputs = msgspec.structs.replace(inputs, ref_audio={"media": CLIP, "sample_rate": rate})
+        if req.voice_print is not None:
+            x_vector, codes = req.voice_print.tensors()
+            media[X_VECTOR], kept = x_vector, {"x_vector": X_VECTOR}
+            if codes is not None:
+                media[CODES], kept["codes"] = codes, CODES
+            inputs = msgspec.structs.replace(inputs, voice_print=kept)
         return Prepared(inputs, req.sampling, req.outputs, media, dict(req.per_stage))
+
+    async def clone_voice(self, pcm: torch.Tensor, rate: int, ref_text: str | None) -> VoicePrint:
+        """The print of a clip's voice, taken by the stage that clones (omni_gateway.cloning)."""
+        return await clone_voice(self._bus, self.payloads, self.announced, pcm, rate, ref_text)
 
     def voices(self) -> frozenset[str] | None:
         """The voices this pipeline speaks in; None while a stage that speaks has not said."""

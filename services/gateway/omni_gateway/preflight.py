@@ -83,7 +83,7 @@ def check_request(a: Announced, req: PipelineRequest) -> None:
     check_language(a, req)
     if req.inputs.images:
         check_editing(a, req.outputs)
-    if req.ref_audio is not None:
+    if req.ref_audio is not None or req.voice_print is not None:
         check_cloning(a, req.outputs)
 
 

@@ -10,6 +10,7 @@ import torch
 from omni_pipeline.control import RequestInputs
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind
+from omni_pipeline.voices import VoicePrint
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,8 @@ class PipelineRequest:
     ref_audio: str | None = None
     """A voice to clone's clip as the client sent it (a data: URL, base64, an http(s) URL):
     decoded by `Pipeline.prepare` into `media`, `inputs.ref_audio` referring to it."""
+    voice_print: VoicePrint | None = None
+    """An uploaded voice's print, in place of a clip: put into `media` by `Pipeline.prepare`."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from omni_gateway.protocol.chat import (
 )
 from omni_gateway.protocol.images import ImageGenerationRequest, image_inputs, image_sampling
 from omni_gateway.protocol.omni import OmniSleepRequest, OmniWakeupRequest
-from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_request
+from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest
 from omni_gateway.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from omni_gateway.protocol.videos import read_video_request
 from omni_gateway.request import PipelineRequest
@@ -37,6 +37,8 @@ from omni_gateway.sleep import stage_names
 from omni_gateway.speech import audio_stream, sse_stream
 from omni_gateway.videos.jobs import checked
 from omni_gateway.videos.media import encode_mp4
+from omni_gateway.voices.routes import voices_of
+from omni_gateway.voices.voices import speech_asked
 from omni_pipeline.control import DetokenizeMsg
 from omni_pipeline.resource_metrics import COUNT_WAIT_S
 from omni_pipeline.sampling import EVERY_ENGINE
@@ -255,7 +257,7 @@ async def audio_speech(req: SpeechRequest, request: Request) -> Response:
             return Streamed(sse_stream(req, first, events), "text/event-stream", headers)
         return Streamed(audio_stream(req, first, events), SPEECH_MEDIA_TYPES[req.response_format], headers)
 
-    return await _respond(request, speech_request(req), respond)
+    return await _respond(request, await speech_asked(request.app.state.voices, req), respond)
 
 
 @router.post("/tokenize")
@@ -286,16 +288,14 @@ def _check_model_name(svc: Pipeline, model: str | None) -> None:
 
 @router.get("/v1/audio/voices")
 async def audio_voices(request: Request) -> dict[str, Any]:
-    """The voices the pipeline speaks in, as vLLM-Omni lists them (no voice cloning here, so no
-    uploaded voices); 404 for a pipeline that does not speak, 503 while its speaking stages
-    have not all announced theirs."""
+    """The voices the pipeline speaks in, and those uploaded, as vLLM-Omni lists them; 404 for
+    a pipeline that does not speak, 503 while its speaking stages have not all announced theirs."""
     svc = _pipeline(request)
-    if OutputKind.AUDIO not in svc.spec.output_kinds():
-        raise ModelNotFound(f"model '{svc.spec.served_model_name}' does not output audio")
+    uploaded = voices_of(request)
     voices = svc.voices()
     if voices is None:
         raise Unavailable("the stages that speak have not all announced their voices yet")
-    return {"voices": sorted(voices), "uploaded_voices": []}
+    return {"voices": sorted(voices), "uploaded_voices": [v.listing() for v in await uploaded.store.all()]}
 
 
 @router.post("/v1/omni/sleep")

@@ -24,10 +24,11 @@ from omni_gateway.audio import to_pcm16, wav_bytes
 from omni_gateway.errors import ModelNotFound, OmniError
 from omni_gateway.events import AudioChunk, Finished
 from omni_gateway.pipeline import Pipeline
-from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest, speech_request
+from omni_gateway.protocol.speech import SPEECH_MEDIA_TYPES, SpeechRequest
 from omni_gateway.realtime.protocol import PCM_RATE, new_id
 from omni_gateway.routes import until_disconnect
 from omni_gateway.speech import speech_usage
+from omni_gateway.voices.voices import Voices, speech_asked
 
 router = APIRouter()
 
@@ -77,7 +78,9 @@ class SpeechBatchRequest(_Overrides):
         return fields
 
 
-async def _speak(pipeline: Pipeline, index: int, fields: dict[str, Any]) -> dict[str, Any]:
+async def _speak(
+    pipeline: Pipeline, voices: Voices | None, index: int, fields: dict[str, Any]
+) -> dict[str, Any]:
     """One item, whole: its result entry."""
     try:
         req = SpeechRequest(**{"model": pipeline.spec.served_model_name, **fields})
@@ -86,7 +89,7 @@ async def _speak(pipeline: Pipeline, index: int, fields: dict[str, Any]) -> dict
         where = ".".join(str(p) for p in first["loc"])
         return {"index": index, "status": "error", "error": f"{where}: {first['msg']}"}
     try:
-        prepared = await pipeline.prepare(speech_request(req))
+        prepared = await pipeline.prepare(await speech_asked(voices, req))
         pcm: list[bytes] = []
         rate, finished = PCM_RATE, None
         async with contextlib.aclosing(pipeline.run(new_id("tts").replace("_", "-"), prepared)) as events:
@@ -112,6 +115,7 @@ async def _speak(pipeline: Pipeline, index: int, fields: dict[str, Any]) -> dict
 @router.post("/v1/audio/speech/batch")
 async def speech_batch(req: SpeechBatchRequest, request: Request) -> dict[str, Any]:
     pipeline: Pipeline = request.app.state.pipeline
+    voices: Voices | None = request.app.state.voices
     if req.model is not None and req.model != pipeline.spec.served_model_name:
         raise ModelNotFound(f"model '{req.model}' does not exist", param="model")
 
@@ -120,7 +124,8 @@ async def speech_batch(req: SpeechBatchRequest, request: Request) -> dict[str, A
         # (their requests aborted) rather than left running unowned.
         async with asyncio.TaskGroup() as group:
             tasks = [
-                group.create_task(_speak(pipeline, i, req.item_fields(it))) for i, it in enumerate(req.items)
+                group.create_task(_speak(pipeline, voices, i, req.item_fields(it)))
+                for i, it in enumerate(req.items)
             ]
         return [t.result() for t in tasks]
 

@@ -62,6 +62,7 @@ from omni_stage.state import Change, Phase, ReplicaState
 from omni_stage.tasks import RequestTasks
 from omni_stage.tokenize import serve_tokenize
 from omni_stage.transfer import Transfers
+from omni_stage.voice_clone import serve_cloning
 
 log = logging.getLogger("omni.stage")
 
@@ -158,6 +159,9 @@ class StageWorker:
             await nc.subscribe(self.subjects.control, cb=self._on_control)
             if self.book.is_source:
                 await serve_tokenize(nc, self.subjects, self.spec.name, self.engine)
+                await serve_cloning(
+                    nc, self.subjects, self.spec.name, self.engine, self.runner.read_request, self._asleep
+                )
             if self.sleep.paused:  # before it is ready: a paused stage's new replica starts asleep
                 await self.sleep.sleep(self.engine.max_sleep_level, "wait")
             self.state.change(Change.SERVE)
@@ -208,6 +212,9 @@ class StageWorker:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(DRAIN_TIMEOUT_S):
                     await self._drained.wait()
+
+    def _asleep(self) -> bool:
+        return self.book.state.asleep is not None
 
     def _engine_failed(self, why: str) -> None:
         """The engine is in no known state: fail what is held and exit, to be started afresh."""

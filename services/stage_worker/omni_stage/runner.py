@@ -20,7 +20,7 @@ from typing import Any
 import msgspec
 
 from omni_pipeline import tracing
-from omni_pipeline.connectors import ConnectorError, OmniConnector
+from omni_pipeline.connectors import ConnectorError, ConnectorHandle, OmniConnector
 from omni_pipeline.control import (
     ErrorCode,
     FinalMsg,
@@ -32,7 +32,7 @@ from omni_pipeline.control import (
     connector_error_code,
 )
 from omni_pipeline.logs import REQUEST_ID
-from omni_pipeline.spec import DEFAULT_CONNECTOR, OutputKind, StageSpec
+from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, StageSpec
 from omni_pipeline.tracing import TRACER
 from omni_stage.assembly import Trigger
 from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidRequest
@@ -170,8 +170,14 @@ class RequestRunner:
         """The client's inputs (and media tensors, under `media`, if it sent any)."""
         if m.payload is None:
             return m.inputs.as_dict() if m.inputs is not None else {}
-        conn = self.in_connectors[producer]
-        payload = await self.transfers.receive(conn, producer, st.request_id, m.payload)
+        return await self.read_request(st.request_id, m.payload, producer)
+
+    async def read_request(
+        self, request_id: str, handle: ConnectorHandle, producer: str = REQUEST_SOURCE
+    ) -> dict[str, Any]:
+        """A RequestPayload the gateway put on this stage's request edge, as an engine reads it
+        (read once: the read frees it)."""
+        payload = await self.transfers.receive(self.in_connectors[producer], producer, request_id, handle)
         try:
             request = msgspec.convert(payload, RequestPayload)
         except msgspec.ValidationError as exc:

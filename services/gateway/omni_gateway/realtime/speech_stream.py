@@ -28,8 +28,9 @@ from omni_gateway.audio import to_pcm16, wav_bytes
 from omni_gateway.errors import OmniError
 from omni_gateway.events import AudioChunk
 from omni_gateway.pipeline import Pipeline
-from omni_gateway.protocol.speech import SpeechRequest, speech_request
+from omni_gateway.protocol.speech import SpeechRequest
 from omni_gateway.realtime.protocol import PCM_RATE, new_id
+from omni_gateway.voices.voices import Voices, speech_asked
 
 router = APIRouter()
 
@@ -103,9 +104,10 @@ def split(text: str, granularity: str) -> tuple[list[str], str]:
 class SpeechStream:
     """One socket's utterances, each piece spoken through the pipeline API in order."""
 
-    def __init__(self, ws: WebSocket, pipeline: Pipeline) -> None:
+    def __init__(self, ws: WebSocket, pipeline: Pipeline, voices: Voices | None) -> None:
         self.ws = ws
         self.pipeline = pipeline
+        self.voices = voices
         self.config: StreamConfig | None = None
         self.text = ""
         self.utterance = 0
@@ -122,7 +124,7 @@ class SpeechStream:
                 raise SpeechError("session.config between utterances only: send input.done first")
             config = parse_config(message)
             try:  # every check a speech request passes, now rather than at the first speech
-                await self.pipeline.prepare(speech_request(self.request("-", config)))
+                await self.pipeline.prepare(await speech_asked(self.voices, self.request("-", config)))
             except OmniError as exc:
                 raise SpeechError(f"Invalid session config: {exc.message}") from None
             self.config = config
@@ -195,7 +197,7 @@ class SpeechStream:
             start["sample_rate"] = PCM_RATE
         sent = 0
         try:
-            prepared = await self.pipeline.prepare(speech_request(req))
+            prepared = await self.pipeline.prepare(await speech_asked(self.voices, req))
             await self.ws.send_json(start)
             whole: list[bytes] = []
             rate = 0
@@ -230,7 +232,7 @@ async def speech_stream(ws: WebSocket) -> None:
     pipeline: Pipeline = ws.app.state.pipeline
     limits = pipeline.spec.gateway.realtime
     await ws.accept()
-    stream = SpeechStream(ws, pipeline)
+    stream = SpeechStream(ws, pipeline, ws.app.state.voices)
     with contextlib.suppress(WebSocketDisconnect):  # the client went: its request was aborted
         while True:
             try:

@@ -31,6 +31,7 @@ from omni_pipeline.clips import ClipLimits
 from omni_pipeline.control import PromptLogprobs
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import StageSpec
+from omni_pipeline.voices import VoicePrint
 from omni_stage.engines.audio_ahead import DEFAULT_SECONDS as AHEAD_SECONDS
 from omni_stage.engines.audio_ahead import DEFAULT_STREAMS as AHEAD_STREAMS
 from omni_stage.engines.audio_ahead import AudioAhead, WindowEncoder
@@ -151,6 +152,12 @@ class Engine(ABC):
         """The tokenizer this engine reads a client's prompt with, and the model's context in
         tokens (what /tokenize answers with); None where it reads no text."""
         return None
+
+    async def clone_voice(self, samples: torch.Tensor, rate: int, ref_text: str | None) -> VoicePrint:
+        """The voice of a clip (mono float32 `samples` at `rate`), as a request naming it will
+        be given it; `ref_text`, its transcript: cloned in context. Engines whose `accepts`
+        holds `ref_audio` clone; InvalidRequest for a clip they cannot clone from."""
+        raise InvalidRequest(f"{type(self).__name__} clones no voice")
 
     async def sleep(self, level: int) -> None:
         """Free memory as `level` says (at most `max_sleep_level`); called only while the replica

@@ -122,16 +122,14 @@ class VoiceCloner(torch.nn.Module):
         self.frame = frame
 
     @torch.inference_mode()
-    def clone(self, wav: torch.Tensor, rate: int, text_ids: torch.Tensor | None) -> ClonedVoice:
-        """The voice of `wav` [samples] at `rate`; with `text_ids` (its transcript's turn),
-        in context: the clip's codes too."""
+    def clone(self, wav: torch.Tensor, rate: int, in_context: bool) -> ClonedVoice:
+        """The voice of `wav` [samples] at `rate`; in context: the clip's codes too (its
+        transcript's ids are the caller's to add)."""
         samples = resampled(wav, rate)
         param = next(self.speaker.parameters())
         mels = speaker_mels(samples).to(param.device, param.dtype)
         x_vector = self.speaker(mels)[0]
-        if text_ids is None:
-            return ClonedVoice(x_vector)
-        return ClonedVoice(x_vector, self.codes(samples), text_ids)
+        return ClonedVoice(x_vector, self.codes(samples) if in_context else None)
 
     def codes(self, samples: np.ndarray) -> torch.Tensor:
         """[frames, 16]: the clip's codes, as the speech tokenizer's `encode` gives them."""

@@ -18,6 +18,7 @@ sends the clip's codes first, as code2wav's context, which it decodes and never 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 from omni_pipeline.payloads import Codes
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
+from omni_pipeline.voices import VoicePrint
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
@@ -175,17 +177,33 @@ class Qwen3TTSTalker(Part):
         with torch.inference_mode():
             voice: Voice = None
             if self.cloner is not None:
-                ref = request["ref_audio"]
-                transcript = None
-                if not sampling.x_vector_only_mode:
+                voice = self._cloned(request, sampling)
+                if voice.codes is not None:
                     transcript = tokens(f"<|im_start|>assistant\n{sampling.ref_text}<|im_end|>\n")
-                voice = self.cloner.clone(request["media"][ref["media"]], int(ref["sample_rate"]), transcript)
+                    voice = dataclasses.replace(voice, text_ids=transcript)
             elif self.voices:
                 voice = self.voice(sampling)
             default = self.task != "Base"  # the reference's: the whole text, but for a clone
             whole = default if sampling.non_streaming_mode is None else sampling.non_streaming_mode
             prompt = tts_prompt(self.model, self.ids, turn, language, voice, instruct, whole)
         return prompt, int(turn.shape[1]) + (0 if instruct is None else int(instruct.shape[1])), voice
+
+    def _cloned(self, request: dict[str, Any], sampling: Sampling) -> ClonedVoice:
+        """The request's voice: its clip's, or the print an uploaded voice keeps."""
+        assert self.cloner is not None
+        media = request.get("media") or {}
+        if (kept := request.get("voice_print")) is not None:
+            codes = media[kept["codes"]] if kept.get("codes") else None
+            return ClonedVoice(media[kept["x_vector"]].to(self.dtype), codes)
+        clip = request["ref_audio"]
+        in_context = not sampling.x_vector_only_mode
+        return self.cloner.clone(media[clip["media"]], int(clip["sample_rate"]), in_context)
+
+    async def clone_voice(self, samples: torch.Tensor, rate: int, ref_text: str | None) -> VoicePrint:
+        if self.cloner is None:
+            raise InvalidRequest(f"this model does {self.task}; a Base model clones voices")
+        voice = await self._run(self.cloner.clone, samples, rate, bool(ref_text))
+        return VoicePrint.of(voice.x_vector, voice.codes, ref_text)
 
     def _check(self, request: dict[str, Any], sampling: Sampling) -> None:
         """A 400 naming the first field this model cannot do as asked."""
@@ -203,14 +221,15 @@ class Qwen3TTSTalker(Part):
             )
         if sampling.voice is not None and not self.voices:
             raise InvalidRequest(f"voice: a {self.task} model's audio takes no named voice; leave it out")
-        cloning = {"ref_audio": request.get("ref_audio"), "ref_text": sampling.ref_text}
+        clip = request.get("ref_audio") or request.get("voice_print")
+        cloning = {"ref_audio": clip, "ref_text": sampling.ref_text}
         cloning["x_vector_only_mode"] = sampling.x_vector_only_mode
         if self.task != "Base":
             if asked := [name for name, value in cloning.items() if value is not None]:
                 raise InvalidRequest(f"{asked[0]}: this model does {self.task}; a Base model clones voices")
-        elif cloning["ref_audio"] is None:
+        elif clip is None:
             raise InvalidRequest("ref_audio: a Base model speaks in a voice cloned from a clip: send one")
-        elif not sampling.x_vector_only_mode and not sampling.ref_text:
+        elif "media" in clip and not sampling.x_vector_only_mode and not sampling.ref_text:
             raise InvalidRequest(
                 "ref_text: cloning in context needs the clip's transcript (or x_vector_only_mode: true, "
                 "the speaker's x-vector alone)"
