@@ -1,4 +1,4 @@
-"""tts: Qwen3-TTS served (examples/qwen3-tts.yaml, the tiny CustomVoice checkpoint, this CPU)
+"""tts: Qwen3-TTS served (examples/qwen3-tts.yaml on the tiny CustomVoice checkpoint, this CPU)
 against the reference package's own `generate_custom_voice` (qwen-tts, in .venv-qwen-tts) on
 the same checkpoint and text, both greedy, in the same run.
 
@@ -52,6 +52,8 @@ def pipeline(frames: int) -> dict[str, Any]:
     spec["servedModelName"] = "bench"
     spec["gateway"]["requestTimeoutS"] = 300
     spec["stages"][0]["sampling"]["max_tokens"] = frames + 1  # the last code 0 makes no frame
+    for stage in spec["stages"]:  # the example's one-line change: the CustomVoice checkpoint
+        stage["engine"]["model"] = "./models/tiny-qwen3-tts"
     return spec
 
 

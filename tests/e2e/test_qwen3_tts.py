@@ -1,5 +1,5 @@
 """Qwen3-TTS served end to end: `omni serve examples/qwen3-tts.yaml` (talker -> code2wav from one
-tiny CustomVoice checkpoint), the official openai client's `audio.speech.create`, and the
+checkpoint) on the tiny CustomVoice checkpoint, the official openai client's `audio.speech.create`, and the
 reference: the `qwen-tts` package's own `generate_custom_voice`, greedy, same checkpoint and
 inputs (tests/qwen_tts_reference.py)."""
 
@@ -34,12 +34,15 @@ SAID = "Hello there, how are you?"
 
 @pytest.fixture(scope="module")
 def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """examples/qwen3-tts.yaml served as it is but for the talker's budget."""
+    """examples/qwen3-tts.yaml on the CustomVoice checkpoint (its one-line change), with a short
+    budget."""
     example = (ROOT / "examples" / "qwen3-tts.yaml").read_text()
-    assert "sampling: {max_tokens: 64}" in example
+    assert "sampling: {max_tokens: 64}" in example and example.count("./models/tiny-qwen3-tts-base\n") == 2
     pipeline = demo_dir / "qwen3-tts-short.yaml"
     pipeline.write_text(
-        example.replace("sampling: {max_tokens: 64}", f"sampling: {{max_tokens: {CODES + 1}}}")
+        example.replace("sampling: {max_tokens: 64}", f"sampling: {{max_tokens: {CODES + 1}}}").replace(
+            "./models/tiny-qwen3-tts-base\n", "./models/tiny-qwen3-tts\n"
+        )
     )
     with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, url):
         yield url

@@ -1,8 +1,8 @@
-"""A voice cloned end to end: `omni serve examples/qwen3-tts.yaml` pointed at the tiny Base
-checkpoint, the official openai client's `audio.speech.create` with vLLM-Omni's `ref_audio`
-(a data: URL of a WAV clip), `ref_text` and `x_vector_only_mode`, against the reference: the
-`qwen-tts` package's own `generate_voice_clone`, greedy, same checkpoint, clip and text
-(tests/qwen_tts_reference.py)."""
+"""A voice cloned end to end: `omni serve examples/qwen3-tts.yaml` (the tiny Base checkpoint), the
+official openai client's `audio.speech.create` with vLLM-Omni's `ref_audio` (a data: URL of a WAV
+clip), `ref_text` and `x_vector_only_mode`, and voices uploaded (POST /v1/audio/voices), against
+the reference: the `qwen-tts` package's own `generate_voice_clone`, greedy, same checkpoint, clip
+and text (tests/qwen_tts_reference.py)."""
 
 from __future__ import annotations
 
@@ -58,22 +58,22 @@ HEARD = soundfile.read(io.BytesIO(base64.b64decode(data_url(CLIP).split(",", 1)[
 
 @pytest.fixture(scope="module")
 def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """examples/qwen3-tts.yaml on the Base checkpoint, with a short budget."""
+    """examples/qwen3-tts.yaml, with a short budget."""
     pipeline = base_pipeline(demo_dir, "qwen3-tts-base")
     with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, url):
         yield url
 
 
 def base_pipeline(demo_dir: Path, name: str) -> Path:
-    """examples/qwen3-tts.yaml on the Base checkpoint as pipeline `name` (its voices its own)."""
+    """examples/qwen3-tts.yaml (Base) as pipeline `name` (its voices its own), a short budget."""
     example = (ROOT / "examples" / "qwen3-tts.yaml").read_text()
-    assert "sampling: {max_tokens: 64}" in example and example.count("./models/tiny-qwen3-tts\n") == 2
+    assert "sampling: {max_tokens: 64}" in example and example.count("./models/tiny-qwen3-tts-base\n") == 2
     assert "metadata: {name: qwen3-tts}" in example
     pipeline = demo_dir / f"{name}.yaml"
     pipeline.write_text(
-        example.replace("sampling: {max_tokens: 64}", f"sampling: {{max_tokens: {CODES + 1}}}")
-        .replace("./models/tiny-qwen3-tts\n", "./models/tiny-qwen3-tts-base\n")
-        .replace("metadata: {name: qwen3-tts}", f"metadata: {{name: {name}}}")
+        example.replace("sampling: {max_tokens: 64}", f"sampling: {{max_tokens: {CODES + 1}}}").replace(
+            "metadata: {name: qwen3-tts}", f"metadata: {{name: {name}}}"
+        )
     )
     return pipeline
 
