@@ -114,7 +114,8 @@ serve: $(SERVE_STAMP) demo-models
 	$(OMNI) serve examples/tiny-omni.yaml --port $(PORT)
 
 # Three workers, one group each at a time: a module (its shared fixtures stay in one process),
-# or a benchmark of its own (tests/conftest.py groups them, and orders them: the order kept). On two cores, a third
+# or a benchmark of its own (tests/conftest.py groups them, and orders them longest first: the
+# order kept). On two cores, a third
 # keeps them busy while the others wait on processes, heartbeats and drains. One module alone:
 # `$(PY) -m pytest PATH`. The slowest tests are listed at the end of every run, to keep the
 # suite's time in view.

@@ -21,19 +21,49 @@ DONE = ".built"
 
 
 BENCH_MODULE: Final = "tests/e2e/test_bench.py"
-MODELS_IN_UNIT: Final = frozenset(
-    {
-        "test_qwen_omni.py",
-        "test_qwen3_omni.py",
-        "test_qwen3_tts.py",
-        "test_qwen3_tts_clone.py",
-        "test_image_edit.py",
-        "test_diffusion.py",
-        "test_engines.py",
-    }
-)
-"""Unit modules that run real models against their references (minutes each, compiled forms
-among them)."""
+SECONDS: Final = {
+    # Compile-heavy (their compiled tests take turns on one lock): one first, one fifth, so that
+    # the second reaches its compiled tests once the first is done with its own.
+    "tests/unit/test_qwen3_omni.py": 10_000,
+    "tests/integration/test_vllm.py": 9_000,
+    "tests/e2e/test_serve.py": 8_000,
+    "tests/e2e/test_qwen_omni.py": 7_000,
+    "tests/unit/test_qwen_omni.py": 6_000,
+    # The rest, longest first (a module's seconds in a full run, 2026-11-28, three workers).
+    "tests/integration/test_gateway_schema.py": 131,
+    "tests/e2e/test_qwen3_tts_clone.py": 130,
+    "tests/e2e/test_qwen3_tts.py": 122,
+    "tests/integration/test_vllm_qwen_omni.py": 120,
+    "tests/unit/test_qwen3_tts.py": 107,
+    "tests/faults/test_migration.py": 94,
+    "tests/faults/test_disconnects.py": 88,
+    "tests/e2e/test_kubernetes.py": 79,
+    "tests/faults/test_connector_failures.py": 71,
+    "tests/unit/test_image_edit.py": 65,
+    "tests/e2e/test_videos.py": 64,
+    "tests/integration/test_distributed.py": 58,
+    "tests/e2e/test_image_edits.py": 55,
+    "tests/faults/test_nats_restart.py": 47,
+    "tests/e2e/test_sleep.py": 45,
+    "tests/integration/test_stage_processes.py": 43,
+    "tests/e2e/test_realtime.py": 43,
+    "tests/integration/test_operator.py": 42,
+    "tests/unit/test_qwen3_tts_clone.py": 41,
+    "tests/integration/test_vllm_qwen3_omni.py": 41,
+    "tests/faults/test_kill.py": 40,
+    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[image]": 65,
+    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[vllm-omni]": 50,
+    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[qwen-omni]": 46,
+    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[tts]": 43,
+    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[streaming]": 40,
+    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[video]": 39,
+    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[epd]": 39,
+    f"{BENCH_MODULE}::test_benchmark_prints_its_ratios_last[connectors]": 31,
+}
+"""Seconds a group (a module, or a benchmark) takes, roughly, where it is long: the groups start
+longest first, so that the run ends on short ones (see pytest_collection_modifyitems)."""
+UNLISTED: Final = {"process": 30, "unit": 5}
+"""An unlisted group's guess: a module that starts processes, or a unit module."""
 
 
 @pytest.hookimpl(trylast=True)
@@ -53,17 +83,19 @@ def pytest_xdist_setupnodes() -> None:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Under pytest-xdist each worker takes whole groups (`ModulesAndBenchmarks`) in this order:
-    the benchmarks, the modules that start processes, the unit modules that run models, then the
-    many short unit modules that fill the end of the run, where a slow one would keep one worker
-    busy while the others idle (`make test` keeps this order: --no-loadscope-reorder)."""
+    longest first (SECONDS), so that the many short groups fill the end of the run, where a slow
+    one would keep one worker busy while the others idle (`make test` keeps this order:
+    --no-loadscope-reorder). A worker takes its next group when its current one has two tests
+    left, so the order is nearly the order groups start in."""
+
+    def group(item: pytest.Item) -> str:
+        path = item.nodeid.split("::", 1)[0]
+        return item.nodeid if path == BENCH_MODULE else path
 
     def order(item: pytest.Item) -> tuple[int, str]:
-        path = item.nodeid.split("::", 1)[0]
-        if path == BENCH_MODULE:
-            return 0, path
-        if not path.startswith("tests/unit/"):
-            return 1, path
-        return (2 if Path(path).name in MODELS_IN_UNIT else 3), path
+        name = group(item)
+        kind = "unit" if name.startswith("tests/unit/") else "process"
+        return -SECONDS.get(name, UNLISTED[kind]), name
 
     items.sort(key=order)
 

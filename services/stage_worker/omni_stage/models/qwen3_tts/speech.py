@@ -194,7 +194,7 @@ class Qwen3TTSTalker(Part):
         media = request.get("media") or {}
         if (kept := request.get("voice_print")) is not None:
             codes = media[kept["codes"]] if kept.get("codes") else None
-            return ClonedVoice(media[kept["x_vector"]].to(self.dtype), codes)
+            return ClonedVoice(media[kept["x_vector"]], codes)
         clip = request["ref_audio"]
         in_context = not sampling.x_vector_only_mode
         return self.cloner.clone(media[clip["media"]], int(clip["sample_rate"]), in_context)
