@@ -68,6 +68,15 @@ def test_demo_n_to_m_replicas_two_gateways(demo: Deployment, mooncake: LocalMoon
     )
     wait_for(lambda: mooncake.key_count() == 0, 10, "no Mooncake key left")
     assert our_shm_segments() == []
+    # Uploaded voices live in JetStream in Distributed mode, and this NATS has it off: the
+    # gateways serve all else, list no uploaded voice, and refuse an upload saying why.
+    base = bases[1]
+    r = HTTP.get(f"{base}/v1/audio/voices", timeout=30)
+    assert r.status_code == 200 and r.json()["uploaded_voices"] == [], r.text
+    form = {"name": "v", "consent": "c"}
+    files = {"audio_sample": ("v.wav", b"RIFF", "audio/wav")}
+    r = HTTP.post(f"{base}/v1/audio/voices", data=form, files=files, timeout=30)
+    assert r.status_code == 503 and "has JetStream off" in r.json()["error"]["message"], r.text
 
 
 def image_request(model: str) -> dict[str, object]:

@@ -295,7 +295,7 @@ async def audio_voices(request: Request) -> dict[str, Any]:
     voices = svc.voices()
     if voices is None:
         raise Unavailable("the stages that speak have not all announced their voices yet")
-    return {"voices": sorted(voices), "uploaded_voices": [v.listing() for v in await uploaded.store.all()]}
+    return {"voices": sorted(voices), "uploaded_voices": [v.listing() for v in await uploaded.all()]}
 
 
 @router.post("/v1/omni/sleep")

@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sqlite3
 from pathlib import Path
 
 import msgspec
+import nats.errors
 
-from omni_gateway.errors import BadRequest, Conflict
+from omni_gateway.errors import BadRequest, Conflict, Unavailable
 from omni_gateway.pipeline import Pipeline
 from omni_gateway.protocol.speech import SpeechRequest, speech_request
 from omni_gateway.request import PipelineRequest
 from omni_gateway.voices.jetstream_store import JetStreamVoiceStore
 from omni_gateway.voices.sqlite_store import SqliteVoiceStore
-from omni_gateway.voices.store import VoiceStore
+from omni_gateway.voices.store import UploadedVoice, VoiceStore
 from omni_pipeline.settings import VoicesSpec
 from omni_pipeline.spec import Mode
 
@@ -23,8 +25,12 @@ log = logging.getLogger("omni.gateway")
 
 
 class Voices:
-    def __init__(self, pipeline: Pipeline, spec: VoicesSpec, store: VoiceStore) -> None:
-        self.pipeline, self.spec, self.store = pipeline, spec, store
+    """`store` None: there is nowhere to keep voices (JetStream off on the pipeline's NATS, a
+    state directory not writable): the gateway serves all else, lists none and refuses uploads,
+    saying why."""
+
+    def __init__(self, pipeline: Pipeline, spec: VoicesSpec, store: VoiceStore | None) -> None:
+        self.pipeline, self.spec, self._store = pipeline, spec, store
 
     @classmethod
     async def open(cls, pipeline: Pipeline, name: str) -> Voices:
@@ -35,14 +41,33 @@ class Voices:
         if kind == "auto":
             kind = "sqlite" if pipeline.spec.mode is Mode.SINGLE_NODE else "jetstream"
         store: VoiceStore
-        if kind == "sqlite":
-            root = Path(spec.state_dir) / name
-            store = await SqliteVoiceStore.open(root)
-            log.info("voices: kept in SQLite under %s", root)
-        else:
-            store = await JetStreamVoiceStore.open(pipeline.nats, name)
-            log.info("voices: kept in JetStream")
+        try:
+            if kind == "sqlite":
+                root = Path(spec.state_dir) / name
+                store = await SqliteVoiceStore.open(root)
+                log.info("voices: kept in SQLite under %s", root)
+            else:
+                store = await JetStreamVoiceStore.open(pipeline.nats, name)
+                log.info("voices: kept in JetStream")
+        except (OSError, sqlite3.Error, nats.errors.Error, TimeoutError) as exc:
+            # (a state directory not writable, JetStream off): voices alone are refused
+            log.warning("voices: none can be kept (store %s): %s", kind, exc)
+            return cls(pipeline, spec, None)
         return cls(pipeline, spec, store)
+
+    @property
+    def store(self) -> VoiceStore:
+        """The store; 503 where there is none (see the class)."""
+        if self._store is None:
+            raise Unavailable(
+                "voices cannot be kept here: the gateway could not open its voice store (with "
+                "store jetstream: the pipeline's NATS server has JetStream off, and the chart's "
+                "nats.jetstream turns it on; with sqlite: spec.gateway.voices.stateDir is not writable)"
+            )
+        return self._store
+
+    async def all(self) -> list[UploadedVoice]:
+        return [] if self._store is None else await self._store.all()
 
     async def check_free(self, name: str) -> None:
         """A 409 for a name a model's voice or an upload has, case aside."""
@@ -56,7 +81,7 @@ class Voices:
         asked = speech_request(req)
         if req.voice is None or req.voice in (self.pipeline.voices() or ()):
             return asked
-        if (kept := await self.store.get(req.voice)) is None:
+        if self._store is None or (kept := await self._store.get(req.voice)) is None:
             return asked  # the pipeline's check lists the voices there are
         for name in ("ref_audio", "ref_text", "x_vector_only_mode"):
             if getattr(req, name) is not None:
@@ -68,7 +93,8 @@ class Voices:
         return dataclasses.replace(asked, sampling=sampling, voice_print=kept.voice)
 
     async def close(self) -> None:
-        await self.store.close()
+        if self._store is not None:
+            await self._store.close()
 
 
 async def speech_asked(voices: Voices | None, req: SpeechRequest) -> PipelineRequest:
