@@ -23,3 +23,16 @@ def qwen_tts_reference(request: dict[str, Any], out: Path) -> dict[str, Any]:
 def waveform(out: Path, name: str) -> np.ndarray:
     """A waveform the reference wrote (float32 .npy, no pickles)."""
     return np.load(out / f"{name}.npy", allow_pickle=False)
+
+
+def pcm16(wav: np.ndarray) -> np.ndarray:
+    """The reference's float samples as the gateway writes them (its own conversion)."""
+    from omni_gateway.audio import to_pcm16
+
+    return np.frombuffer(to_pcm16(wav), dtype="<i2")
+
+
+def same_speech(ours: np.ndarray, expected: np.ndarray, codes: int) -> None:
+    """16-bit audio served equal to the reference's, `codes` frames long."""
+    assert ours.shape == expected.shape == (codes * 1920,)
+    assert int(np.abs(ours.astype(np.int32) - expected).max()) <= 1  # float rounding at a step's edge

@@ -20,10 +20,9 @@ import pytest
 import soundfile
 from websockets.sync.client import connect
 
-from omni_gateway.audio import to_pcm16
 from tests.deployment import gauges, settle
 from tests.helpers import HTTP, ROOT, served
-from tests.qwen_tts_reference import qwen_tts_reference, waveform
+from tests.qwen_tts_reference import pcm16, qwen_tts_reference, same_speech, waveform
 
 pytestmark = pytest.mark.slow
 
@@ -77,14 +76,8 @@ def speak(base: str, voice: str, **extra: Any) -> np.ndarray:
     return samples
 
 
-def pcm16(wav: np.ndarray) -> np.ndarray:
-    """The reference's float samples as the gateway writes them (its own conversion)."""
-    return np.frombuffer(to_pcm16(wav), dtype="<i2")
-
-
 def same_audio(ours: np.ndarray, expected: np.ndarray) -> None:
-    assert ours.shape == expected.shape == (CODES * 1920,)
-    assert int(np.abs(ours.astype(np.int32) - expected).max()) <= 1  # float rounding at a step's edge
+    same_speech(ours, expected, CODES)
 
 
 def test_the_voices_are_the_checkpoints_speakers(base: str) -> None:

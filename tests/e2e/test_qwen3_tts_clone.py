@@ -22,10 +22,9 @@ import yaml
 from websockets.sync.client import connect
 
 from omni_cli.natsd import EmbeddedNats
-from omni_gateway.audio import to_pcm16
 from tests.deployment import deployed
 from tests.helpers import HTTP, ROOT, served
-from tests.qwen_tts_reference import qwen_tts_reference, waveform
+from tests.qwen_tts_reference import pcm16, qwen_tts_reference, same_speech, waveform
 
 pytestmark = pytest.mark.slow
 
@@ -113,13 +112,8 @@ def speak(base: str, **extra: Any) -> np.ndarray:
     return samples
 
 
-def pcm16(wav: np.ndarray) -> np.ndarray:
-    return np.frombuffer(to_pcm16(wav), dtype="<i2")
-
-
 def same_audio(ours: np.ndarray, expected: np.ndarray) -> None:
-    assert ours.shape == expected.shape == (CODES * 1920,)
-    assert int(np.abs(ours.astype(np.int32) - expected).max()) <= 1  # float rounding at a step's edge
+    same_speech(ours, expected, CODES)
 
 
 def test_a_voice_cloned_in_context_equals_the_reference(

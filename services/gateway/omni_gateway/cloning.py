@@ -22,6 +22,10 @@ from omni_pipeline.voices import CloneVoiceMsg, CloneVoiceReply, VoicePrint
 CLONE_TIMEOUT_S: Final = 60.0
 """How long an upload waits for a stage to take the voice (a long clip through two encoders)."""
 CLIP: Final = "ref_audio"
+"""The media key a voice's clip travels under (a speech request's `ref_audio`, an upload's)."""
+X_VECTOR: Final = "voice_x_vector"
+CODES: Final = "voice_codes"
+"""The media keys an uploaded voice's print travels under."""
 
 
 def cloning_stage(announced: Announced) -> str | None:

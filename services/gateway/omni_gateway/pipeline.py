@@ -28,7 +28,7 @@ from nats.aio.client import Client as NatsClient
 from omni_gateway.attempt import Attempts
 from omni_gateway.bus import RETRY_AFTER, Bus
 from omni_gateway.choices import run_choices
-from omni_gateway.cloning import clone_voice
+from omni_gateway.cloning import CLIP, CODES, X_VECTOR, clone_voice
 from omni_gateway.errors import OmniError, Overloaded
 from omni_gateway.events import Event, OfChoice
 from omni_gateway.media import decode_clip, decode_media
@@ -54,11 +54,6 @@ from omni_pipeline.spec import PipelineFile
 from omni_pipeline.voices import VoicePrint
 
 log = logging.getLogger("omni.gateway")
-CLIP: Final = "ref_audio"
-"""The media key of a speech request's voice clip (a chat's media are `m0`, `m1`, ...)."""
-X_VECTOR: Final = "voice_x_vector"
-CODES: Final = "voice_codes"
-"""The media keys of an uploaded voice's print."""
 
 MIGRATABLE: Final = frozenset(
     {

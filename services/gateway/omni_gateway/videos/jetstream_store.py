@@ -29,6 +29,7 @@ import nats.js
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
+from omni_gateway.jetstream import key_value
 from omni_gateway.videos.store import RUNNABLE, StoreFull, VideoJob
 
 _DELETE_OPS: Final = ("DEL", "PURGE")
@@ -47,10 +48,7 @@ class JetStreamJobStore:
     async def open(cls, nc: NatsClient, pipeline: str, cache: Path) -> JetStreamJobStore:
         js = nc.jetstream()
         bucket = f"omni-videos-{pipeline}"
-        try:
-            kv = await js.key_value(bucket)
-        except nats.js.errors.BucketNotFoundError:
-            kv = await js.create_key_value(bucket=bucket, history=1)
+        kv = await key_value(js, bucket)
         try:
             files = await js.object_store(f"{bucket}-files")
         except nats.js.errors.BucketNotFoundError:

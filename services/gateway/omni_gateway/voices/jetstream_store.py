@@ -11,6 +11,7 @@ from typing import Any
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
+from omni_gateway.jetstream import key_value
 from omni_gateway.voices.store import UploadedVoice, VoiceExists, VoicesFull, decode, encode
 
 
@@ -20,13 +21,7 @@ class JetStreamVoiceStore:
 
     @classmethod
     async def open(cls, nc: NatsClient, pipeline: str) -> JetStreamVoiceStore:
-        js = nc.jetstream()
-        bucket = f"omni-voices-{pipeline}"
-        try:
-            kv = await js.key_value(bucket)
-        except nats.js.errors.BucketNotFoundError:
-            kv = await js.create_key_value(bucket=bucket, history=1)
-        return cls(kv)
+        return cls(await key_value(nc.jetstream(), f"omni-voices-{pipeline}"))
 
     async def _keys(self) -> list[str]:
         try:
