@@ -259,8 +259,9 @@ def short_clip() -> bytes:
         ("v3", silence(), {}, 400, "audio_sample", "the clip is silent"),
         ("v4", short_clip(), {}, 400, "audio_sample", "under the 0.5 s a voice is taken from"),
         ("v5", b"", {"speaker_embedding": "[0.5]"}, 400, "speaker_embedding", "unrecognized field"),
+        ("v6", b"", {"ref_text": "x" * 4097}, 400, "ref_text", "more than 4096 characters"),
     ],
-    ids=["name", "consent", "not-audio", "silent", "short", "embedding"],
+    ids=["name", "consent", "not-audio", "silent", "short", "embedding", "long-transcript"],
 )
 def test_what_an_upload_cannot_be_is_refused_naming_it(
     base: str, name: str, clip: bytes, fields: dict[str, str], status: int, param: str, says: str

@@ -29,7 +29,8 @@ from omni_gateway.voices.voices import Voices
 router = APIRouter()
 
 NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-FIELDS: Final = ("name", "consent", "ref_text", "speaker_description")
+FIELDS: Final = {"name": 64, "consent": 256, "ref_text": 4096, "speaker_description": 1024}
+"""The form's fields, and the most characters each may hold."""
 SILENCE: Final = 1e-3
 """A clip whose loudest sample is under this (of full scale) holds no voice."""
 
@@ -59,8 +60,10 @@ async def _form(request: Request, max_bytes: int) -> tuple[dict[str, str], bytes
                 raise BadRequest(f"{key}: unrecognized field", param=key)
             elif isinstance(value, UploadFile):
                 raise BadRequest(f"{key}: must be a form field, not a file", param=key)
+            elif len(value := value.strip()) > FIELDS[key]:
+                raise BadRequest(f"{key}: more than {FIELDS[key]} characters", param=key)
             else:
-                fields[key] = value.strip()
+                fields[key] = value
     if clip is None:
         raise BadRequest("audio_sample: a voice is taken from a clip: send one", param="audio_sample")
     if len(clip) > max_bytes:
