@@ -151,11 +151,15 @@ def test_the_speech_socket_clones_as_the_endpoint_does(
 
 def test_the_cloner_sleeps_and_wakes_with_the_talker(base: str) -> None:
     """The speaker and speech encoders are the talker's weights too: moved to host memory and
-    back (level 1), dropped and loaded again (level 2); the clone is the same after each."""
+    back (level 1), dropped and loaded again (level 2); the clone is the same after each. Asleep,
+    the talker takes no voice from an upload (a 503 saying so) and nothing is kept."""
     before = speak(base, ref_audio=data_url(CLIP), ref_text=TRANSCRIPT)
     for level in (1, 2):
         r = HTTP.post(f"{base}/v1/omni/sleep", json={"stage_ids": ["talker"], "level": level}, timeout=60)
         assert r.status_code == 200 and r.json()["status"] == "SUCCESS", r.text
+        r = upload(base, f"asleep{level}")
+        assert r.status_code == 503 and "is asleep" in r.json()["error"]["message"], r.text
+        assert uploaded(base) == []
         r = HTTP.post(f"{base}/v1/omni/wakeup", json={"stage_ids": ["talker"]}, timeout=120)
         assert r.status_code == 200 and r.json()["status"] == "SUCCESS", r.text
         assert np.array_equal(speak(base, ref_audio=data_url(CLIP), ref_text=TRANSCRIPT), before), level
