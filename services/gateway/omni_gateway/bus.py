@@ -23,7 +23,7 @@ from nats.aio.client import Client as NatsClient
 from nats.aio.msg import Msg
 from opentelemetry.trace import SpanKind
 
-from omni_gateway.errors import BadRequest, PayloadTooLarge, StageFailed, Timeout, Unavailable
+from omni_gateway.errors import BadRequest, OmniError, PayloadTooLarge, StageFailed, Timeout, Unavailable
 from omni_gateway.inflight import Inflight, Tracked
 from omni_gateway.replicas import Replica, ReplicaTable
 from omni_pipeline import tracing, wire
@@ -176,7 +176,9 @@ class Bus:
     # --- admission and abort -----------------------------------------------------------------
 
     async def reserve(self, t: Tracked, requests: dict[str, bytes]) -> None:
-        """Send each stage's request to its replica and wait until every one has admitted it."""
+        """Send each stage's request to its replica and wait until every one has admitted it, or
+        until the attempt fails meanwhile: NATS lost (an admission sent as the server died is
+        lost with it, and would otherwise be waited for until ADMIT_TIMEOUT_S)."""
         assert self.nc is not None
         nc = self.nc
 
@@ -209,7 +211,22 @@ class Bus:
                     self.table.refused(stage, instance, answer)
                     raise ERRORS.get(answer.code, StageFailed)(answer.message, code=answer.code)
 
-        await asyncio.gather(*(ask(s, r) for s, r in requests.items()))
+        admissions = asyncio.gather(*(ask(s, r) for s, r in requests.items()))
+        ended = asyncio.ensure_future(t.ended.wait())
+        try:
+            await asyncio.wait({admissions, ended}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # the request itself cancelled (its client left): so are they
+            admissions.cancel()
+            raise
+        finally:
+            ended.cancel()
+        if not admissions.done():
+            admissions.cancel()
+            with contextlib.suppress(asyncio.CancelledError, OmniError):
+                await admissions
+            assert t.failed is not None
+            raise ERRORS.get(t.failed.code, StageFailed)(t.failed.message, code=t.failed.code)
+        admissions.result()  # what an admission raised, if one did
 
     async def abort(self, msg: AbortMsg) -> None:
         if self.nc is not None and not self.nc.is_closed:  # while reconnecting, sent once back

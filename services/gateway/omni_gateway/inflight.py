@@ -40,6 +40,8 @@ class Tracked:
     final_stages: set[str]
     queue: asyncio.Queue[GatewayInbound] = field(default_factory=lambda: asyncio.Queue(EVENT_QUEUE))
     failed: ErrorMsg | None = None
+    ended: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once it has failed: what still waits for it (its admissions) stops waiting."""
     trace: Context | None = None
     """The attempt's span, as the parent of what is done for it."""
     stage_usage: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -92,6 +94,7 @@ class Inflight:
         """End the attempt with the gateway's own error (its first failure wins)."""
         if t.failed is None:
             t.failed = ErrorMsg(t.request_id, "gateway", self.gateway_id, message, code)
+            t.ended.set()
             with contextlib.suppress(asyncio.QueueFull):
                 t.queue.put_nowait(t.failed)
 
