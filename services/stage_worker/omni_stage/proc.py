@@ -32,11 +32,8 @@ from omni_pipeline.control import (
     AbortMsg,
     Admitted,
     AudioInMsg,
-    ControlInbound,
     CreditMsg,
     ErrorCode,
-    ForgetPromptMsg,
-    SleepMsg,
     StageInbound,
     StageRequest,
     Subjects,
@@ -50,6 +47,7 @@ from omni_pipeline.spec import REQUEST_SOURCE, PipelineFile
 from omni_pipeline.tracing import configure_tracing, shutdown_tracing
 from omni_stage.assembly import AssemblyError
 from omni_stage.beats import Beats
+from omni_stage.commands import serve_commands
 from omni_stage.engines.base import EngineError, import_object
 from omni_stage.engines.registry import build_engine
 from omni_stage.health import health_app
@@ -156,12 +154,11 @@ class StageWorker:
             self.outbox.nc = nc
             await nc.subscribe(self.inbox, cb=self._on_inbound)
             await nc.subscribe(self.subjects.abort, cb=self._on_abort)
-            await nc.subscribe(self.subjects.control, cb=self._on_control)
+            await serve_commands(nc, self.subjects, self.spec.name, self.engine, self.sleep)
             if self.book.is_source:
                 await serve_tokenize(nc, self.subjects, self.spec.name, self.engine)
-                await serve_cloning(
-                    nc, self.subjects, self.spec.name, self.engine, self.runner.read_request, self._asleep
-                )
+                read = self.runner.read_request
+                await serve_cloning(nc, self.subjects, self.spec.name, self.engine, read, self.state)
             if self.sleep.paused:  # before it is ready: a paused stage's new replica starts asleep
                 await self.sleep.sleep(self.engine.max_sleep_level, "wait")
             self.state.change(Change.SERVE)
@@ -213,9 +210,6 @@ class StageWorker:
                 async with asyncio.timeout(DRAIN_TIMEOUT_S):
                     await self._drained.wait()
 
-    def _asleep(self) -> bool:
-        return self.book.state.asleep is not None
-
     def _engine_failed(self, why: str) -> None:
         """The engine is in no known state: fail what is held and exit, to be started afresh."""
         log.error("stage %s: %s; restarting", self.name, why)
@@ -230,21 +224,6 @@ class StageWorker:
         await self.outbox.fail_all(held, f"{self.book.where} {why}", ErrorCode.REPLICA_LOST)
 
     # --- inbound -----------------------------------------------------------------------------
-
-    async def _on_control(self, msg: Msg) -> None:
-        try:
-            m: ControlInbound = unpack(msg.data, ControlInbound)
-        except wire.WireError as exc:
-            log.warning("stage %s: refused a control message: %s", self.spec.name, exc)
-            return
-        if isinstance(m, ForgetPromptMsg):
-            for held in (self.engine.prompt_caches, self.engine.audio_ahead):
-                if held is not None:
-                    held.forget(m.key)
-        elif self.spec.name in m.stages:
-            self.sleep.spawn(
-                self.sleep.sleep(m.level, m.mode) if isinstance(m, SleepMsg) else self.sleep.wake(), msg.reply
-            )
 
     async def _on_inbound(self, msg: Msg) -> None:
         try:

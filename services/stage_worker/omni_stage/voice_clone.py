@@ -20,6 +20,7 @@ from omni_pipeline.connectors import ConnectorError, ConnectorHandle
 from omni_pipeline.control import ErrorCode, Subjects, pack, unpack
 from omni_pipeline.voices import CloneVoiceMsg, CloneVoiceReply
 from omni_stage.engines.base import Engine, InvalidRequest
+from omni_stage.state import ReplicaState
 
 log = logging.getLogger("omni.stage")
 
@@ -32,10 +33,11 @@ async def serve_cloning(
     stage: str,
     engine: Engine,
     read: Callable[[str, ConnectorHandle], Awaitable[dict[str, Any]]],
-    asleep: Callable[[], bool],
+    state: ReplicaState,
 ) -> None:
     """Answer on `stage`'s clone subject, where the engine clones voices; `read`: a request's
-    payload off the stage's request edge (RequestRunner.read_request)."""
+    payload off the stage's request edge (RequestRunner.read_request); `state`: the replica's
+    (asleep, it answers SLEEPING)."""
     if "ref_audio" not in engine.accepts:
         return
 
@@ -45,7 +47,7 @@ async def serve_cloning(
         except wire.WireError as exc:
             log.warning("stage %s: refused a clone message: %s", stage, exc)
             return
-        reply = await answer(engine, m, read, asleep())
+        reply = await answer(engine, m, read, state.asleep is not None)
         if msg.reply:
             await msg.respond(pack(reply))
 
