@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,11 +17,10 @@ import numpy as np
 import openai
 import pytest
 import soundfile
-from websockets.sync.client import connect
 
 from tests.deployment import gauges, settle
 from tests.helpers import HTTP, ROOT, served
-from tests.qwen_tts_reference import pcm16, qwen_tts_reference, same_speech, waveform
+from tests.qwen_tts_reference import pcm16, qwen_tts_reference, same_speech, spoken_on_socket, waveform
 
 pytestmark = pytest.mark.slow
 
@@ -183,20 +181,8 @@ def test_the_speech_socket_speaks_with_a_style_as_the_reference(
     """vLLM-Omni's text-in speech-out socket: its session.config's instructions and language go
     to the talker as a speech request's do."""
     _, out = reference
-    with connect(f"{base.replace('http://', 'ws://')}/v1/audio/speech/stream") as ws:
-        config = {
-            "voice": "vivian",
-            "instructions": "Speak slowly.",
-            "language": "Auto",
-            "response_format": "pcm",
-        }
-        ws.send(json.dumps({"type": "session.config", **config}))
-        ws.send(json.dumps({"type": "input.text", "text": SAID}))
-        ws.send(json.dumps({"type": "input.done"}))
-        start, audio, done, flushed = (ws.recv() for _ in range(4))
-        assert json.loads(start)["type"] == "audio.start" and json.loads(flushed)["type"] == "session.done"
-        assert isinstance(audio, bytes) and json.loads(done)["total_bytes"] == len(audio)
-        same_audio(np.frombuffer(audio, dtype="<i2"), pcm16(waveform(out, "custom_voice_3")))
+    config = {"voice": "vivian", "instructions": "Speak slowly.", "language": "Auto"}
+    same_audio(spoken_on_socket(base, config, SAID), pcm16(waveform(out, "custom_voice_3")))
 
 
 def test_a_batch_speaks_each_item_in_order_and_an_items_failure_is_its_own(

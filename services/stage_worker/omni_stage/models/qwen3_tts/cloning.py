@@ -12,6 +12,7 @@ which the reference calls)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -78,15 +79,14 @@ def resampled(wav: torch.Tensor, rate: int) -> np.ndarray:
     return np.pad(y, (0, max(0, n - len(y))))[:n]
 
 
-def speaker_mels(wav: np.ndarray) -> torch.Tensor:
-    """[1, frames, 128]: the log-mel spectrogram the speaker encoder reads (magnitudes of a
-    1024-point STFT on reflect-padded 24 kHz samples, Slaney's filters to 12 kHz, log clamped
-    at 1e-5)."""
+@functools.cache
+def mel_filters() -> torch.Tensor:
+    """[128, 513]: Slaney's mel filters to 12 kHz (librosa's, as the reference builds them),
+    built once."""
     from transformers.audio_utils import mel_filter_bank
 
-    n_fft, hop = MEL["n_fft"], MEL["hop"]
     bank = mel_filter_bank(
-        num_frequency_bins=n_fft // 2 + 1,
+        num_frequency_bins=MEL["n_fft"] // 2 + 1,
         num_mel_filters=MEL["bands"],
         min_frequency=0.0,
         max_frequency=MEL["fmax"],
@@ -94,6 +94,14 @@ def speaker_mels(wav: np.ndarray) -> torch.Tensor:
         norm="slaney",
         mel_scale="slaney",
     )
+    return torch.from_numpy(bank.T.astype(np.float32))
+
+
+def speaker_mels(wav: np.ndarray) -> torch.Tensor:
+    """[1, frames, 128]: the log-mel spectrogram the speaker encoder reads (magnitudes of a
+    1024-point STFT on reflect-padded 24 kHz samples, Slaney's filters to 12 kHz, log clamped
+    at 1e-5)."""
+    n_fft, hop = MEL["n_fft"], MEL["hop"]
     y = torch.from_numpy(wav)[None]
     pad = (n_fft - hop) // 2
     y = torch.nn.functional.pad(y[:, None], (pad, pad), mode="reflect")[:, 0]
@@ -107,7 +115,7 @@ def speaker_mels(wav: np.ndarray) -> torch.Tensor:
         return_complex=True,
     )
     magnitude = torch.sqrt(torch.view_as_real(spec).pow(2).sum(-1) + 1e-9)
-    mel = torch.from_numpy(bank.T.astype(np.float32)) @ magnitude
+    mel = mel_filters() @ magnitude
     return torch.log(mel.clamp(min=1e-5)).transpose(1, 2)
 
 
