@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import base64
 import io
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,12 +18,11 @@ import openai
 import pytest
 import soundfile
 import yaml
-from websockets.sync.client import connect
 
 from omni_cli.natsd import EmbeddedNats
 from tests.deployment import deployed
 from tests.helpers import HTTP, ROOT, served
-from tests.qwen_tts_reference import pcm16, qwen_tts_reference, same_speech, waveform
+from tests.qwen_tts_reference import pcm16, qwen_tts_reference, same_speech, spoken_on_socket, waveform
 
 pytestmark = pytest.mark.slow
 
@@ -138,15 +136,8 @@ def test_the_speech_socket_clones_as_the_endpoint_does(
     base: str, reference: tuple[dict[str, Any], Path]
 ) -> None:
     _, out = reference
-    with connect(f"{base.replace('http://', 'ws://')}/v1/audio/speech/stream", max_size=None) as ws:
-        config = {"ref_audio": data_url(CLIP), "ref_text": TRANSCRIPT, "response_format": "pcm"}
-        ws.send(json.dumps({"type": "session.config", **config}))
-        ws.send(json.dumps({"type": "input.text", "text": SAID}))
-        ws.send(json.dumps({"type": "input.done"}))
-        start, audio, done, flushed = (ws.recv() for _ in range(4))
-        assert json.loads(start)["type"] == "audio.start" and json.loads(flushed)["type"] == "session.done"
-        assert isinstance(audio, bytes) and json.loads(done)["total_bytes"] == len(audio)
-        same_audio(np.frombuffer(audio, dtype="<i2"), pcm16(waveform(out, "voice_clone_0")))
+    config = {"ref_audio": data_url(CLIP), "ref_text": TRANSCRIPT}
+    same_audio(spoken_on_socket(base, config, SAID), pcm16(waveform(out, "voice_clone_0")))
 
 
 def test_the_cloner_sleeps_and_wakes_with_the_talker(base: str) -> None:
@@ -179,8 +170,19 @@ WAV = data_url(CLIP)
         ({"ref_audio": "bm90IGF1ZGlv", "ref_text": "x"}, "ref_audio", "not decodable"),
         ({"ref_audio": WAV, "ref_text": "x", "voice": "vivian"}, "voice", "takes no voice"),
         ({"ref_audio": WAV, "ref_text": "x", "instructions": "Slowly."}, None, "instructions: a Base model"),
+        ({"ref_audio": WAV, "ref_text": "x", "x_vector_only_mode": True}, None, "ref_text: x_vector_only"),
     ],
-    ids=["no-clip", "no-transcript", "file-url", "path", "http-off", "not-audio", "voice", "instructions"],
+    ids=[
+        "no-clip",
+        "no-transcript",
+        "file-url",
+        "path",
+        "http-off",
+        "not-audio",
+        "voice",
+        "instructions",
+        "transcript-unused",
+    ],
 )
 def test_what_cloning_cannot_do_is_a_400_naming_it(
     base: str, body: dict[str, Any], param: str | None, says: str

@@ -234,6 +234,8 @@ class Qwen3TTSTalker(Part):
                 "ref_text: cloning in context needs the clip's transcript (or x_vector_only_mode: true, "
                 "the speaker's x-vector alone)"
             )
+        elif sampling.x_vector_only_mode and sampling.ref_text:
+            raise InvalidRequest("ref_text: x_vector_only_mode clones from the x-vector alone; leave it out")
         if sampling.instructions:
             if self.task == "Base":
                 raise InvalidRequest("instructions: a Base model speaks as its clip does; leave them out")
