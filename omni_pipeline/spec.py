@@ -94,6 +94,12 @@ class InputSpec(_Model):
         default=FULL_WINDOW,
         description="-1: trigger once at the producer's end; N > 0: every N units, then the remainder.",
     )
+    first_window: int | None = Field(
+        default=None,
+        ge=1,
+        description="The first chunk of each request's stream: this many units, sooner than `window` "
+        "(a decoder's first audio after its fewest codes); then every `window`. Default: `window`.",
+    )
     processor: str | None = Field(
         default=None, description="`module:function` run on the consumer to turn the payload into inputs."
     )
@@ -119,6 +125,20 @@ class InputSpec(_Model):
         if v == 0 or v < FULL_WINDOW:
             raise ValueError(f"window must be -1 (full) or a positive number of units, got {v}")
         return v
+
+    @model_validator(mode="after")
+    def _first_window(self) -> InputSpec:
+        if self.first_window is not None and not 0 < self.first_window <= self.window:
+            raise ValueError(
+                f"firstWindow ({self.first_window}) must be at most window ({self.window}), "
+                "on a windowed edge"
+            )
+        return self
+
+    @property
+    def first(self) -> int:
+        """The first chunk's units: `firstWindow`, else `window`."""
+        return self.window if self.first_window is None else self.first_window
 
     @field_validator("processor")
     @classmethod

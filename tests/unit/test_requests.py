@@ -36,7 +36,7 @@ def book(stage: str, **changes: object) -> RequestBook:
     spec = PIPELINE.spec.stage(stage).model_copy(update=changes)
     connectors = build_connectors(PIPELINE.spec, PIPELINE.name)
     edges = [
-        OutEdge(s.name, e.window, connectors[e.connector], e.credit)
+        OutEdge(s.name, e.window, connectors[e.connector], e.credit, e.first_window)
         for s, e in PIPELINE.spec.consumers(stage)
     ]
     return RequestBook(spec, edges, f"stage '{stage}' replica 0", ReplicaState(Phase.READY))

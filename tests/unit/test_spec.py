@@ -68,6 +68,21 @@ def test_bad_window(window: int) -> None:
     assert "stage 'vocoder'" in msg and "inputs[0].window" in msg
 
 
+@pytest.mark.parametrize(
+    ("window", "first", "says"),
+    [
+        (8, 9, "firstWindow (9) must be at most window (8)"),
+        (-1, 1, "firstWindow (1) must be at most window (-1), on a windowed edge"),
+        (8, 0, "firstWindow"),
+    ],
+)
+def test_a_first_window_past_its_window_is_refused(window: int, first: int, says: str) -> None:
+    d = base()
+    d["spec"]["stages"][2]["inputs"][0] |= {"window": window, "firstWindow": first}
+    msg = refused(d)
+    assert "stage 'vocoder'" in msg and says in msg, msg
+
+
 @pytest.mark.parametrize("nice", [-1, 20])
 def test_a_niceness_outside_nice_1s_range_is_refused(nice: int) -> None:
     """0-19 only: a negative one needs privileges a stage does not have."""

@@ -15,8 +15,8 @@ def tokens(a: int, b: int) -> dict[str, torch.Tensor]:
     return {"token_ids": torch.arange(a, b)}
 
 
-def run_window(window: int, segments: list[int]) -> list[tuple[int, bool]]:
-    ws = WindowState(window)
+def run_window(window: int, segments: list[int], first: int | None = None) -> list[tuple[int, bool]]:
+    ws = WindowState(window, first)
     out = []
     start = 0
     for i, n in enumerate(segments):
@@ -46,6 +46,24 @@ def test_window_chunks(window: int, segments: list[int], expected: list[tuple[in
     assert run_window(window, segments) == expected
 
 
+@pytest.mark.parametrize(
+    ("window", "first", "segments", "expected"),
+    [
+        (12, 1, [1, 8, 8, 8, 4], [(1, False), (12, False), (12, False), (4, True)]),
+        (12, 1, [29], [(1, False), (12, False), (12, False), (4, True)]),
+        (12, 1, [1], [(1, True)]),
+        (12, 1, [1, 0], [(1, False), (0, True)]),
+        (25, 1, [3, 40], [(1, False), (25, False), (17, True)]),
+        (8, 8, [16], [(8, False), (8, True)]),
+    ],
+)
+def test_a_first_window_cuts_the_first_chunk_sooner(
+    window: int, first: int, segments: list[int], expected: list[tuple[int, bool]]
+) -> None:
+    """`firstWindow`: the first chunk of a request's stream that many units, then `window` each."""
+    assert run_window(window, segments, first) == expected
+
+
 def test_window_rejects_after_last() -> None:
     ws = WindowState(4)
     ws.push(tokens(0, 2), 2, True)
@@ -73,6 +91,17 @@ def test_segmenter_flushes_by_size_time_and_end() -> None:
     assert s is not None and s.units == 2 and s.sequence == 1
     last = seg.finish()
     assert last.is_last and last.units == 0 and last.sequence == 2
+
+
+def test_the_first_segment_flushes_at_its_own_units() -> None:
+    """`first_units` (a consumer's first window, or a client's first audio): the first segment goes
+    out at that many units, the later ones at `max_units`."""
+    seg = Segmenter(max_units=8, flush_interval_s=60, clock=lambda: 0.0, first_units=1)
+    first = seg.add(EngineOutput(1, data=tokens(0, 1)))
+    assert first is not None and first.units == 1 and first.sequence == 0
+    assert [seg.add(EngineOutput(1, data=tokens(i, i + 1))) for i in range(1, 8)] == [None] * 7
+    second = seg.add(EngineOutput(1, data=tokens(8, 9)))
+    assert second is not None and second.units == 8
 
 
 def test_assembly_windowed_edge_triggers_per_chunk_in_order() -> None:

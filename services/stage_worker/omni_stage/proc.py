@@ -88,7 +88,7 @@ class StageWorker:
         self.metrics = StageMetrics(stage, replica)
         self.connectors = build_connectors(pipeline.spec, pipeline.name)
         out_edges = [
-            OutEdge(s.name, e.window, self.connectors[e.connector], e.credit)
+            OutEdge(s.name, e.window, self.connectors[e.connector], e.credit, e.first_window)
             for s, e in pipeline.spec.consumers(stage)
         ]
         self.state = ReplicaState()

@@ -40,6 +40,8 @@ class OutEdge:
     window: int
     connector: OmniConnector
     credit: int
+    first_window: int | None = None
+    """The first chunk's units, where smaller than `window` (`firstWindow`)."""
 
 
 @dataclass(eq=False)
@@ -131,7 +133,8 @@ class RequestBook:
             return Admitted(False, ErrorCode.SLEEPING, f"{where} is asleep (level {self.state.level})")
         if admission is Admission.REJECT_FULL:
             return Admitted(False, ErrorCode.FULL, f"{where} is full")
-        out = {e.consumer: WindowState(e.window) for e in self.out_edges if e.consumer in ctx.route}
+        edges = [e for e in self.out_edges if e.consumer in ctx.route]
+        out = {e.consumer: WindowState(e.window, e.first_window) for e in edges}
         st = RequestState(ctx, InputAssembler(windows), asyncio.Queue(self.max_triggers), out)
         self.requests[rid] = st
         return st

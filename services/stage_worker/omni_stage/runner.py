@@ -74,6 +74,12 @@ class RequestRunner:
         self.metrics = metrics
         self.start = start
         """Start a queued request's task (one whose slot a paused request gave up)."""
+        firsts = [e.first_window for e in book.out_edges if e.first_window is not None]
+        if spec.final_output is OutputKind.AUDIO:
+            firsts.append(1)  # the client's first audio: out as soon as it is made
+        self.first_units = min(firsts, default=None)
+        """The units that flush a request's first segment, where fewer than `maxSegmentUnits`
+        are awaited: an out-edge's first window, or (a stage whose output is audio) one."""
 
     def used_connectors(self) -> set[OmniConnector]:
         """The connectors this stage reads or writes through (every process builds them all)."""
@@ -88,7 +94,9 @@ class RequestRunner:
         TRACER.start_span("omni.stage.queue", start_time=st.admitted_ns).end()
         self.metrics.queue_wait.observe(max(0.0, (time.time_ns() - st.admitted_ns) / 1e9))
         t0 = time.monotonic()
-        seg = Segmenter(self.spec.max_segment_units, self.spec.flush_interval_ms / 1000)
+        seg = Segmenter(
+            self.spec.max_segment_units, self.spec.flush_interval_ms / 1000, first_units=self.first_units
+        )
         self.book.start(st)
         engine_state = CallState()
         name = self.spec.name

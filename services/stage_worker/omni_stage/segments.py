@@ -1,7 +1,8 @@
 """Producer-side segmentation: engine outputs are flushed as numbered segments (seed 000, §6).
 
-A segment is flushed when it holds `max_units` units, when `flush_interval_s` has passed
-since the last flush, and at the end of the request (`is_last`).
+A segment is flushed when it holds `max_units` units (the first one: `first_units`, where a
+consumer's first window or a client's first audio waits on fewer), when `flush_interval_s` has
+passed since the last flush, and at the end of the request (`is_last`).
 """
 
 from __future__ import annotations
@@ -51,9 +52,15 @@ class Segmenter:
     """Accumulates one request's outputs and cuts them into segments."""
 
     def __init__(
-        self, max_units: int, flush_interval_s: float, clock: Callable[[], float] = time.monotonic
+        self,
+        max_units: int,
+        flush_interval_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        first_units: int | None = None,
     ) -> None:
         self.max_units = max_units
+        self._due_units = max_units if first_units is None else min(first_units, max_units)
+        """Units that flush the next segment: `first_units` for the first, then `max_units`."""
         self.flush_interval_s = flush_interval_s
         self._clock = clock
         self._last_flush = clock()
@@ -75,7 +82,7 @@ class Segmenter:
         self._tool_calls += out.tool_calls
         self._units += out.units
         self._finish = out.finish_reason or self._finish
-        due = self._units >= self.max_units or self._clock() - self._last_flush >= self.flush_interval_s
+        due = self._units >= self._due_units or self._clock() - self._last_flush >= self.flush_interval_s
         return self._flush(False) if due and (self._units or self._text) else None
 
     def finish(self) -> Segment:
@@ -93,6 +100,7 @@ class Segmenter:
             tool_calls=self._tool_calls,
         )
         self.sequence += 1
+        self._due_units = self.max_units
         self.total_units += self._units
         self._parts, self._text, self._logprobs, self._tool_calls, self._units = [], [], [], [], 0
         self._last_flush = self._clock()

@@ -2,7 +2,8 @@
 
 window -1: one chunk, when the producer's last segment arrives (full trigger).
 window  N: a chunk every N units, then the remainder with `is_last`; exactly one chunk of a
-           request's stream carries `is_last`, even when the remainder is empty.
+           request's stream carries `is_last`, even when the remainder is empty. With a first
+           window F (`firstWindow`), the first chunk is F units, the rest N each.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ class Chunk:
 class WindowState:
     """Buffers one request's output for one out-edge and cuts it into window-sized chunks."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, first: int | None = None) -> None:
         self.window = window
+        self._next = window if first is None else first
+        """The size of the next chunk: the first window, then the window."""
         self._parts: list[Payload] = []
         self._units = 0
         self._done = False
@@ -43,10 +46,11 @@ class WindowState:
             self._units += units
         out: list[Chunk] = []
         if self.window != FULL_WINDOW:
-            while self._units >= self.window and (self._units > self.window or not is_last):
-                head, rest = split(concat(self._parts), self.window)
-                self._parts, self._units = [rest], self._units - self.window
-                out.append(Chunk(head, self.window, False))
+            while self._units >= self._next and (self._units > self._next or not is_last):
+                size = self._next
+                head, rest = split(concat(self._parts), size)
+                self._parts, self._units, self._next = [rest], self._units - size, self.window
+                out.append(Chunk(head, size, False))
         if is_last:
             self._done = True
             # A chunk no consumer reads (the end marker) carries no payload.
