@@ -4,6 +4,7 @@ documentation runs it."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import functools
 import hashlib
@@ -22,8 +23,12 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from omni_stage.payload import Payload, concat, split
+from omni_pipeline.sampling import Sampling
+from omni_pipeline.spec import InputSpec
+from omni_stage.engines.base import CallState, Engine, EngineCall
+from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
+from omni_stage.windows import WindowState
 from tests.helpers import video_file
 
 
@@ -303,15 +308,58 @@ def reference_qwen3(
     }
 
 
-def windows(outputs: list[EngineOutput], n: int) -> list[tuple[Payload, bool]]:
-    """A producer's outputs as its consumer receives them on a window of `n`: `n` units a call,
-    then the rest (the last)."""
+def windows(outputs: list[EngineOutput], n: int, first: int | None = None) -> list[tuple[Payload, bool]]:
+    """A producer's outputs as its consumer receives them on a window of `n` (the first chunk
+    `first` units, where given): the stage's own windows cut them."""
     data = concat([o.data for o in outputs if o.data])
-    units = sum(o.units for o in outputs)
-    out = []
-    while units > n:
-        head, data = split(data, n)
-        out.append((head, False))
-        units -= n
-    out.append((data, True))
-    return out
+    chunks = WindowState(n, first).push(data, sum(o.units for o in outputs), True)
+    return [(c.payload, c.is_last) for c in chunks]
+
+
+async def vocode(code2wav: Engine, codes: torch.Tensor, edge: InputSpec) -> list[torch.Tensor]:
+    """`codes` [n, groups] through a code2wav stage as `edge` (its in-edge) feeds them: the
+    audio chunks it sends."""
+    state, chunks = CallState(), []
+    talked = [EngineOutput(len(codes), data={"codes": codes})]
+    for payload, last in windows(talked, edge.window, edge.first_window):
+        call = EngineCall("r", {"talker": payload}, last, Sampling(), state)
+        chunks += [o.data["audio"] async for o in code2wav.generate(call)]
+    return chunks
+
+
+Vocoded = list[list[torch.Tensor]]
+
+
+def check_first_audio_under_load(
+    code2wav: Engine, lengths: tuple[int, ...], edge: InputSpec, short: int
+) -> None:
+    """Random codes of these lengths through a code2wav stage fed as `edge` feeds it, one
+    request after another and then all at once (its `maxBatch` at least as many): alone, each
+    first piece is one code (the samples a decode of it has final: all but the `short` it
+    leaves to the next code); together, each first piece is sized by the replica's load when
+    its codes came, growing from one; pieces batch; and each request's audio is the decoder's
+    whole decode of its codes (what the reference decodes at once) within 1e-5, whatever its
+    first piece: the load changes when audio comes, not what."""
+
+    async def go() -> tuple[list[torch.Tensor], Vocoded, Vocoded]:
+        await code2wav.start()
+        m = code2wav.model  # type: ignore[attr-defined]
+        gen = torch.Generator().manual_seed(0)
+        groups, book = m.config.num_quantizers, m.config.codebook_size
+        requests = [torch.randint(0, book, (n, groups), generator=gen) for n in lengths]
+        with torch.inference_mode():
+            whole = [m(codes.T[None])[0, 0] for codes in requests]
+        alone = [await vocode(code2wav, codes, edge) for codes in requests]
+        together = await asyncio.gather(*(vocode(code2wav, codes, edge) for codes in requests))
+        return whole, alone, list(together)
+
+    whole, alone, together = asyncio.run(go())
+    per_code = int(code2wav.upsample)  # type: ignore[attr-defined]
+    assert max(code2wav.batcher.batch_sizes) >= 2  # type: ignore[attr-defined]
+    assert [len(chunks[0]) for chunks in alone] == [per_code - short] * len(lengths)
+    firsts = [(len(chunks[0]) + short) // per_code for chunks in together]  # the first pieces' codes
+    assert firsts[0] == 1 and firsts == sorted(firsts) and firsts[-1] > 1, firsts
+    for ref, *streams in zip(whole, alone, together, strict=True):
+        for chunks in streams:
+            assert torch.cat(chunks).shape == ref.shape
+            torch.testing.assert_close(torch.cat(chunks), ref, rtol=0, atol=1e-5)

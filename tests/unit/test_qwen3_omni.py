@@ -28,6 +28,7 @@ from tests.helpers import COMPILE_TIMEOUT_S, ROOT
 from tests.qwen_reference import (
     MEDIA_QUESTION,
     VIDEO_QUESTION,
+    check_first_audio_under_load,
     media_clips,
     media_message,
     reference_qwen3,
@@ -94,7 +95,8 @@ async def run_pipeline(
     code_data = concat([o.data for o in codes])
     audio_state = CallState()
     audio = []
-    for payload, last in windows(codes, 12):  # as the example's window feeds it
+    edge = load_pipeline(EXAMPLE).spec.stage("code2wav").inputs[0]
+    for payload, last in windows(codes, edge.window, edge.first_window):  # as the example's edge feeds it
         audio += [
             o
             async for o in decoder.generate(
@@ -197,6 +199,31 @@ def test_audio_streamed_in_chunks_is_the_whole(model: Path, reference: dict[str,
     short = asyncio.run(run_pipeline(model, message, 4, rightContextCodes=0))
     chunks = -(-len(reference["codes"]) // 12)
     assert len(short["audio"]) == len(reference["audio"]) - (chunks - 1) * 555
+
+
+def test_first_audio_after_one_code_alone_and_under_load_is_the_whole_decode(model: Path) -> None:
+    """The first audio after one code (`firstChunkCodes`, the decoder's fewest: it is causal): its
+    1365 final samples (1920 less the 555 its transposed convolutions leave to the next code),
+    decoded with the first chunk's own context; then that chunk's 12 codes with the 1 after.
+    Four requests at once: each one's first piece sized by the replica's load when its codes
+    came (one code idle, more as the compute fills, up to `busyFirstChunkCodes`), pieces of a
+    size batched; every request's audio the whole sequence's decode within 1e-5 (float
+    rounding), whatever its first piece: the load changes when audio comes, not what."""
+    edge = load_pipeline(EXAMPLE).spec.stage("code2wav").inputs[0]
+    check_first_audio_under_load(engine("code2wav", model, maxBatch=4), (29, 30, 33, 36), edge, 555)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ({"firstChunkCodes": 0}, r"need 1 <= firstChunkCodes \(0\)"),
+        ({"firstChunkCodes": 4, "busyFirstChunkCodes": 2}, r"<= busyFirstChunkCodes \(2\)"),
+        ({"busyFirstChunkCodes": 13}, r"busyFirstChunkCodes \(13\) <= chunkCodes \(12\)"),
+    ],
+)
+def test_a_first_chunk_out_of_its_bounds_is_refused(model: Path, args: dict[str, int], says: str) -> None:
+    with pytest.raises(EngineError, match=says):
+        engine("code2wav", model, **args)
 
 
 def test_the_checkpoint_is_a_genuine_qwen3_omni(model: Path) -> None:

@@ -26,6 +26,7 @@ from omni_stage.models.qwen3_tts.prompt import TTSIds, tts_prompt
 from omni_stage.models.qwen3_tts.steps import TTSSteps
 from omni_stage.payload import concat
 from tests.helpers import ROOT
+from tests.qwen_reference import check_first_audio_under_load
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
 BUDGET = 12
@@ -133,11 +134,20 @@ DESIGNS = [  # a voice described, in both layouts
 ]
 
 
-def stage_engine(stage: str, model: Path) -> Engine:
+def stage_engine(stage: str, model: Path, **args: Any) -> Engine:
     spec = load_pipeline(EXAMPLE).spec.stage(stage)
-    return build_engine(
-        spec.model_copy(update={"engine": spec.engine.model_copy(update={"model": str(model)})})
-    )
+    update = {"model": str(model), "args": {**spec.engine.args, **args}}
+    return build_engine(spec.model_copy(update={"engine": spec.engine.model_copy(update=update)}))
+
+
+def test_first_audio_after_one_code_alone_and_under_load_is_the_whole_decode(checkpoint: Path) -> None:
+    """The speech tokenizer's decoder is causal and leaves nothing to the next code: one code's
+    1920 samples are final, the first audio (`firstChunkCodes: 1`); then chunks of 25 after 150
+    codes of context (past its reach, 144). Four requests at once: each first piece sized by
+    the replica's load when its codes came (one code idle, up to 25 busy), batched; every
+    request's audio the whole decode's within 1e-5, whatever its first piece."""
+    edge = load_pipeline(EXAMPLE).spec.stage("code2wav").inputs[0]
+    check_first_audio_under_load(stage_engine("code2wav", checkpoint, maxBatch=4), (40, 45, 52, 60), edge, 0)
 
 
 @pytest.fixture(scope="module")

@@ -54,6 +54,8 @@ class StepBatcher(Generic[I, O]):
         self.max_of = max_of
         self._waiting: list[_Waiting[I, O]] = []
         self._busy = False
+        self._running = 0
+        """Pieces in the call on the compute thread now."""
         self.batch_sizes: Counter[int] = Counter()
         """How many batches of each size have run (for tests and metrics)."""
         self.seconds: Counter[tuple[Hashable, int]] = Counter()
@@ -61,6 +63,11 @@ class StepBatcher(Generic[I, O]):
         bench step` sets a kind of step's time against its forwards')."""
         self.calls: Counter[tuple[Hashable, int]] = Counter()
         """Those calls, by key and batch size."""
+
+    def occupancy(self) -> float:
+        """How busy the replica's compute is: the pieces running and waiting, over the most one
+        call takes (0 idle; 1 or more: a whole call's worth is queued)."""
+        return (self._running + len(self._waiting)) / self.max_batch
 
     def submit(self, key: Hashable, item: I, first: bool = False) -> asyncio.Future[O]:
         """Queue `item` now; the future is its result. Cancelling it drops the item. `first`:
@@ -78,7 +85,7 @@ class StepBatcher(Generic[I, O]):
         most = self.max_batch if self.max_of is None else max(1, min(self.max_batch, self.max_of(key)))
         batch = [w for w in self._waiting if w.key == key][:most]
         self._waiting = [w for w in self._waiting if w not in batch]
-        self._busy = True
+        self._busy, self._running = True, len(batch)
         self.batch_sizes[len(batch)] += 1
         work = asyncio.get_running_loop().run_in_executor(
             self.executor, self._run_batch, key, [w.item for w in batch]
@@ -107,6 +114,7 @@ class StepBatcher(Generic[I, O]):
         return results
 
     def _finished(self, batch: list[_Waiting[I, O]], work: asyncio.Future[list[O | BaseException]]) -> None:
+        self._running = 0
         error = None if work.cancelled() else work.exception()
         for i, w in enumerate(batch):
             if w.done.done():

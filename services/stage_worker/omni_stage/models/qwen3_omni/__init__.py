@@ -27,7 +27,9 @@ computes with greedy decoding (`talker_do_sample=False`), split where the model 
   (its causal transposed convolutions trim what the next code would complete): with
   `rightContextCodes` (0 by default) each chunk but the last is decoded with that many codes
   after it and keeps exactly its own codes' samples, so small chunks lose nothing between
-  them.
+  them. The first audio needs no chunk: a first piece of `firstChunkCodes` (1: the decoder is
+  causal, so one code's first 1365 samples are final) is decoded as soon as its codes come,
+  more codes when the replica is busy (`busyFirstChunkCodes`; docs/models.md, First audio).
 
 The voice (`audio.voice`: the checkpoint's `speaker_id` names, Ethan by default as in the
 reference) picks the talker's speaker code.

@@ -343,8 +343,28 @@ class _Chunk:
     """Samples to keep up to (those of the right context go), or None: all."""
 
 
+@dataclass(slots=True)
+class _Decoding(Vocoding):
+    """A code2wav request: its codes, and how far its audio is out."""
+
+    voiced: int = 0
+    """Samples out so far, counted from the first code's (context included): the first piece
+    ends mid-code, where its decode's final samples end."""
+    first: int = 0
+    """The first piece's codes, picked by the load when its first codes come (0: not yet)."""
+    pieced: int = 0
+    """The code the first piece voiced up to (0: none went out)."""
+
+
+SMALLEST_FIRST_CHUNK: Final = 1
+"""The fewest codes a first piece decodes: the decoder is causal (a sample depends on the codes
+up to its own), so a decode of n codes gives final samples from the first code on (Qwen3-Omni's
+Code2Wav all but its last 555, the speech tokenizer's decoder all; docs/models.md)."""
+
+
 class Qwen3Code2Wav(Part):
-    """Code2Wav on chunks of codes with left context, as `chunked_decode` decodes them."""
+    """Code2Wav on chunks of codes with left context, as `chunked_decode` decodes them; the first
+    audio sooner: a first piece of the first chunk, decoded as soon as its first codes come."""
 
     part = "code2wav"
     config_class = "Qwen3OmniMoeConfig"
@@ -355,7 +375,28 @@ class Qwen3Code2Wav(Part):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.chunk, self.left, self.right = chunk_args(stage, 300, 25, 0, least_chunk=1)
+        self.first_chunk = self._first_chunk_args()
         self.batcher = StepBatcher(self._decode, self._compute, self.max_batch)
+
+    def _first_chunk_args(self) -> tuple[int, int]:
+        """`firstChunkCodes` (the first piece on an idle replica; the decoder's fewest by default)
+        and `busyFirstChunkCodes` (on a busy one; `chunkCodes` by default: no piece of its own)."""
+        least = int(self.args.get("firstChunkCodes", SMALLEST_FIRST_CHUNK))
+        most = int(self.args.get("busyFirstChunkCodes", self.chunk))
+        if not SMALLEST_FIRST_CHUNK <= least <= most <= self.chunk:
+            raise EngineError(
+                f"stage '{self.stage.name}': need {SMALLEST_FIRST_CHUNK} <= firstChunkCodes ({least}) "
+                f"<= busyFirstChunkCodes ({most}) <= chunkCodes ({self.chunk})"
+            )
+        return least, most
+
+    def first_piece_codes(self) -> int:
+        """The first piece's codes for a request starting now: the fewest on an idle replica,
+        more as its compute fills (its batcher's running and waiting pieces), up to the busy
+        bound once a whole call's worth waits. Each piece is a decoder call of its own: under
+        load the extra calls cost throughput; idle, they cost nothing."""
+        least, most = self.first_chunk
+        return least + round((most - least) * min(1.0, self.batcher.occupancy()))
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
@@ -368,9 +409,14 @@ class Qwen3Code2Wav(Part):
         self.upsample = int(self.model.total_upsample)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        st = call.kept(Vocoding)
+        st = call.kept(_Decoding)
         if (codes := st.gather(call.inputs)) is None:  # [n, groups]
             return
+        if not st.voiced and not call.is_last and (first := self._first_piece(st, codes)) is not None:
+            begin = max(st.decoded, st.context)
+            wav = await self.batcher.submit(first.codes.shape, first, first=True)
+            st.voiced, st.pieced = begin * self.upsample + len(wav), begin + st.first
+            yield EngineOutput(units=st.first, data=Audio(audio=wav, sample_rate=self.sample_rate))
         done = st.decoded
         while done < len(codes):
             end = min(done + self.chunk, len(codes))
@@ -381,11 +427,30 @@ class Qwen3Code2Wav(Part):
                 continue
             lo, hi = done - min(self.left, done), min(end + self.right, len(codes))
             keep = (end - lo) * self.upsample if hi > end else None  # the last chunk keeps what it has
-            voiced = max(done, st.context)
-            piece = _Chunk(codes[lo:hi].T, (voiced - lo) * self.upsample, keep)
-            wav = await self.batcher.submit(piece.codes.shape, piece)
-            yield EngineOutput(units=end - voiced, data=Audio(audio=wav, sample_rate=self.sample_rate))
+            # From where the audio is out: a first piece's end, else the chunk's first code (without
+            # right context the samples a chunk's decode lacks at its end are skipped, as
+            # `chunked_decode` skips them), past the context.
+            voiced = max(st.voiced, done * self.upsample, st.context * self.upsample)
+            piece = _Chunk(codes[lo:hi].T, voiced - lo * self.upsample, keep)
+            wav = await self.batcher.submit(piece.codes.shape, piece, first=not st.voiced)
+            units = end - max(done, st.context, st.pieced)
+            yield EngineOutput(units=units, data=Audio(audio=wav, sample_rate=self.sample_rate))
+            st.voiced = voiced + len(wav)
             done = st.decoded = end
+
+    def _first_piece(self, st: _Decoding, codes: torch.Tensor) -> _Chunk | None:
+        """The first piece of the chunk the first voiced code is in, once its codes have come
+        (decoded with the chunk's own left context: its samples are the chunk's own, final);
+        None where the chunk itself would go out as soon."""
+        begin = max(st.decoded, st.context)
+        start = begin - (begin - st.decoded) % self.chunk  # that chunk's first code
+        if not st.first:
+            st.first = self.first_piece_codes()
+        end = begin + st.first
+        if end + self.right >= start + self.chunk or end > len(codes):
+            return None  # the chunk goes out whole as soon, or the piece's codes are still to come
+        lo = start - min(self.left, start)
+        return _Chunk(codes[lo:end].T, (begin - lo) * self.upsample, None)
 
     @torch.inference_mode()
     def _decode(self, chunks: list[_Chunk]) -> list[torch.Tensor]:

@@ -7,7 +7,8 @@
   frames, and their next talker steps, run as one batch each.
 - code2wav: the speech tokenizer's decoder on chunks of codes with left context, as Qwen3-Omni's
   Code2Wav stage decodes them (`chunkCodes` 300 and `leftContextCodes` 25 by default: the
-  reference's own `chunked_decode`, the same samples), 1920 samples a code at 24 kHz.
+  reference's own `chunked_decode`, the same samples), 1920 samples a code at 24 kHz, its first
+  audio after one code (a first piece, sized by the load).
 
 The checkpoint's `tts_model_type` says which voices it speaks in: CustomVoice (a named speaker,
 steered by `instructions`), VoiceDesign (no speaker: the voice is what `instructions` describes,
