@@ -28,6 +28,16 @@ Ratios, each against a baseline measured in the same run:
   requests/s with `compile: true` on the talker and code2wav over the same without, at
   concurrency 1 and 8, and ttfp_c8_vs_c1 with it.
 
+Qwen3-Omni (examples/qwen3-omni.yaml), the same requests, its first audio after one code
+(code2wav's first piece, sized by the load; docs/models.md, First audio) against its first
+audio with the first 12-code chunk (`firstChunkCodes: 12`, no `firstWindow`: before issue 53),
+printed last:
+- ttfp_c1_smallest_vs_12: median TTFP at concurrency 1, one code over twelve (goal <= 0.5).
+- c8_load_sized_vs_12: requests/s at concurrency 8, first pieces sized by the load over the
+  first 12-code chunk (goal >= 0.95: under load the extra decoder calls cost little).
+Qwen2.5-Omni's first chunk is already its smallest (a DiT block and the one after it), so it
+has no such pair.
+
 Each run also says where the time went, stage by stage (bench.profile: busy share, mean
 batch, queue wait, engine call, connector and (de)serialising time per request).
 """
@@ -73,6 +83,23 @@ def pipeline(
         code2wav = spec["stages"][2]
         code2wav["engine"]["args"]["chunkCodes"] = 0
         code2wav["inputs"][0]["window"] = -1
+    return spec
+
+
+def qwen3_pipeline(codes: int, smallest: bool) -> dict[str, Any]:
+    """examples/qwen3-omni.yaml; `smallest`: as it is (the first audio after one code, more
+    under load), else the first audio with the first whole chunk (12 codes)."""
+    spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "qwen3-omni.yaml").read_text())["spec"])
+    spec["servedModelName"] = "bench"
+    spec["gateway"]["requestTimeoutS"] = 300
+    stages = {stage["name"]: stage for stage in spec["stages"]}
+    stages["talker"]["sampling"]["max_tokens"] = codes
+    for stage in spec["stages"]:
+        stage["maxInflight"] = 8
+    if not smallest:
+        code2wav = stages["code2wav"]
+        code2wav["engine"]["args"]["firstChunkCodes"] = code2wav["engine"]["args"]["chunkCodes"]
+        code2wav["inputs"][0].pop("firstWindow")
     return spec
 
 
@@ -155,6 +182,10 @@ def main(argv: list[str] | None = None) -> None:
             with served("bench", pipeline(True, codes, compiled=True), cwd=cwd) as base:
                 runs["compiled_c1"] = asyncio.run(load(base, 1, n, tokens))
                 runs["compiled_c8"] = asyncio.run(load(base, 8, 8 * n, tokens))
+        for smallest, name in ((True, "qwen3_smallest"), (False, "qwen3_12")):
+            with served("bench", qwen3_pipeline(codes, smallest), cwd=cwd) as base:
+                runs[f"{name}_c1"] = asyncio.run(load(base, 1, n, tokens))
+                runs[f"{name}_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
     result = {
         "benchmark": "qwen-omni",
         "machine": machine(),
@@ -191,6 +222,12 @@ def main(argv: list[str] | None = None) -> None:
         result["ratios"]["ttfp_c8_vs_c1_compiled"] = round(
             runs["compiled_c8"]["ttfp_ms"] / runs["compiled_c1"]["ttfp_ms"], 3
         )
+    result["ratios"]["ttfp_c1_smallest_vs_12"] = round(
+        runs["qwen3_smallest_c1"]["ttfp_ms"] / runs["qwen3_12_c1"]["ttfp_ms"], 3
+    )
+    result["ratios"]["c8_load_sized_vs_12"] = round(
+        runs["qwen3_smallest_c8"]["req_per_s"] / runs["qwen3_12_c8"]["req_per_s"], 3
+    )
     rows = [(name, "  ".join(f"{k} {v}" for k, v in r.items() if k != "stages")) for name, r in runs.items()]
     rows += [
         (f"{name} {stage}", "  ".join(f"{k} {v}" for k, v in figures.items()))

@@ -32,6 +32,8 @@ RATIOS = {
         "streamed_vs_whole_throughput_c1",
         "rtf_c8",
         "ttfp_c8_vs_c1",
+        "ttfp_c1_smallest_vs_12",
+        "c8_load_sized_vs_12",
     },
     "realtime": {"first_audio_10s_vs_2s", "first_audio_turn5_vs_turn1"},
     "step": {
