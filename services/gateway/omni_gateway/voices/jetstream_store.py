@@ -2,7 +2,12 @@
 (`omni-voices-<pipeline>`), one key per voice (its name in lower case), so every gateway replica
 sees the same voices. An upload is a create, which fails where the key exists: of two uploads of
 one name one wins. The limit on voices is counted before the create: two gateways uploading at
-the same moment may each let one voice past it."""
+the same moment may each let one voice past it.
+
+The voices are listed from the bucket's stream (the subjects it holds, each read with `get`,
+which skips deleted ones), not with `KeyValue.keys()`: its watcher can end its listing before
+the last key while writes land (nats-io/nats.py#842), and a listing short of a voice lets an
+upload past the limit."""
 
 from __future__ import annotations
 
@@ -16,18 +21,22 @@ from omni_gateway.voices.store import UploadedVoice, VoiceExists, VoicesFull, de
 
 
 class JetStreamVoiceStore:
-    def __init__(self, kv: Any) -> None:
+    def __init__(self, js: Any, bucket: str, kv: Any) -> None:
+        self._js = js
         self._kv = kv
+        self._stream = f"KV_{bucket}"  # a bucket's stream and subjects, as ADR-8 names them
+        self._subjects = f"$KV.{bucket}."
 
     @classmethod
     async def open(cls, nc: NatsClient, pipeline: str) -> JetStreamVoiceStore:
-        return cls(await key_value(nc.jetstream(), f"omni-voices-{pipeline}"))
+        js, bucket = nc.jetstream(), f"omni-voices-{pipeline}"
+        return cls(js, bucket, await key_value(js, bucket))
 
     async def _keys(self) -> list[str]:
-        try:
-            return list(await self._kv.keys())
-        except nats.js.errors.NoKeysError:
-            return []
+        """The keys that hold a voice now."""
+        info = await self._js.stream_info(self._stream, subjects_filter=f"{self._subjects}>")
+        held = [s.removeprefix(self._subjects) for s in info.state.subjects or {}]
+        return [key for key in held if await self.get(key) is not None]
 
     async def add(self, voice: UploadedVoice, max_voices: int) -> None:
         if len(await self._keys()) >= max_voices:
