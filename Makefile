@@ -119,8 +119,10 @@ serve: $(SERVE_STAMP) demo-models
 # keeps them busy while the others wait on processes, heartbeats and drains. One module alone:
 # `$(PY) -m pytest PATH`. The slowest tests are listed at the end of every run, to keep the
 # suite's time in view.
+# One OpenMP thread a process (tests, stages and references inherit it): three workers on two
+# cores, each torch process on two threads, spent a tenth more CPU waiting on its threads.
 test: setup $(VOMNI_STAMP) $(QTTS_STAMP)
-	$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=20
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=20
 
 # Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
 BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep video image step tts
