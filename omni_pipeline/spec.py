@@ -135,11 +135,6 @@ class InputSpec(_Model):
             )
         return self
 
-    @property
-    def first(self) -> int:
-        """The first chunk's units: `firstWindow`, else `window`."""
-        return self.window if self.first_window is None else self.first_window
-
     @field_validator("processor")
     @classmethod
     def _processor(cls, v: str | None) -> str | None:

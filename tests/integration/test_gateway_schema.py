@@ -176,6 +176,12 @@ USER = [{"role": "user", "content": "x"}]
             "stream_options.include_continuous_usage",
             "unrecognized",
         ),
+        ({"allowed_token_ids": []}, "allowed_token_ids", "at least 1 item"),
+        (
+            {"sampling_params_list": [{"allowed_token_ids": []}]},  # found by the fuzzing above as a 500
+            "sampling_params_list.0.allowed_token_ids",
+            "at least 1 item",
+        ),
     ],
     ids=[
         "huge-seed",
@@ -202,6 +208,8 @@ USER = [{"role": "user", "content": "x"}]
         "unknown-field",
         "refusal-in-history",
         "unknown-stream-option",
+        "no-allowed-token",
+        "no-allowed-token-for-a-stage",
     ],
 )
 def test_edge_values_are_client_errors(

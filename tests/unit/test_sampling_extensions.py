@@ -111,6 +111,8 @@ def test_stop_token_ids_allowed_token_ids_and_bad_words(thinker: Engine) -> None
     assert word not in text(reply(thinker, bad_words=[word])) and word in text(greedy)
     with pytest.raises(InvalidRequest, match="stop_token_ids: token 100 is not in the vocabulary"):
         reply(thinker, stop_token_ids=[100])
+    with pytest.raises(InvalidRequest, match="allowed_token_ids: at least one token"):
+        reply(thinker, allowed_token_ids=[])  # (the gateway refuses it first; any front end)
 
 
 def test_stop_strings_special_tokens_and_spaces(thinker: Engine) -> None:

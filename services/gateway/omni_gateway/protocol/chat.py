@@ -7,7 +7,15 @@ from typing import Annotated, Any, Final, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from omni_gateway.protocol.common import refuse_unless_off
-from omni_gateway.protocol.vllm import GUIDED, Count, StageSampling, StructuredOutputs, TokenId
+from omni_gateway.protocol.vllm import (
+    GUIDED,
+    AllowedTokenIds,
+    BadWords,
+    Count,
+    StageSampling,
+    StopTokenIds,
+    StructuredOutputs,
+)
 from omni_pipeline.control import RequestInputs
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind
@@ -248,15 +256,15 @@ class ChatCompletionRequest(BaseModel):
     top_k: int | None = Field(default=None, ge=-1, lt=2**31, description="-1 or 0: every token.")
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
-    stop_token_ids: list[TokenId] | None = Field(default=None, max_length=256)
+    stop_token_ids: StopTokenIds | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(
         default=None, ge=-1, lt=2**31, description="-1: no truncation."
     )
-    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
-    bad_words: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=256)
+    allowed_token_ids: AllowedTokenIds | None = None
+    bad_words: BadWords | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None

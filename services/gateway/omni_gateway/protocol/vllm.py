@@ -36,6 +36,10 @@ class StructuredOutputs(BaseModel):
 
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Count = Annotated[int, Field(ge=0, lt=2**31)]
+StopTokenIds = Annotated[list[TokenId], Field(max_length=256)]
+AllowedTokenIds = Annotated[list[TokenId], Field(min_length=1)]
+"""At least one: none allowed would leave no token to draw (vLLM refuses it too)."""
+BadWords = Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=256)]
 
 GUIDED: Final = {
     "guided_json": "json",
@@ -59,7 +63,7 @@ class StageSampling(BaseModel):
     min_p: float | None = Field(default=None, ge=0, le=1)
     seed: int | None = Field(default=None, ge=-(2**63), lt=2**63)
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: StopTokenIds | None = None
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
@@ -69,8 +73,8 @@ class StageSampling(BaseModel):
     include_stop_str_in_output: bool | None = None
     skip_special_tokens: bool | None = None
     spaces_between_special_tokens: bool | None = None
-    allowed_token_ids: list[TokenId] | None = None
-    bad_words: list[str] | None = None
+    allowed_token_ids: AllowedTokenIds | None = None
+    bad_words: BadWords | None = None
 
     def sampling(self) -> Sampling:
         """As the engines take it: the fields set, `stop` a list, `logprobs` OpenAI's pair."""

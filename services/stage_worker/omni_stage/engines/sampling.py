@@ -111,7 +111,10 @@ class TokenSampler:
         self.min_tokens = sampling.min_tokens or 0
         self.allowed: torch.Tensor | None = None
         if (allowed := sampling.allowed_token_ids) is not None:
-            self.allowed = torch.tensor([self._token(t, "allowed_token_ids") for t in allowed])
+            if not allowed:
+                raise InvalidRequest("allowed_token_ids: at least one token (none leaves nothing to draw)")
+            ids = [self._token(t, "allowed_token_ids") for t in allowed]
+            self.allowed = torch.tensor(ids, dtype=torch.long)
         self.bad_words = _bad_word_ids(tokenizer, sampling.bad_words or [])
         self.warpers = _warpers(sampling)
         self.repetition = _repetition(sampling)

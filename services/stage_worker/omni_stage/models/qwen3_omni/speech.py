@@ -390,7 +390,7 @@ class Qwen3Code2Wav(Part):
             )
         return least, most
 
-    def first_piece_codes(self) -> int:
+    def _first_piece_codes(self) -> int:
         """The first piece's codes for a request starting now: the fewest on an idle replica,
         more as its compute fills (its batcher's running and waiting pieces), up to the busy
         bound once a whole call's worth waits. Each piece is a decoder call of its own: under
@@ -445,7 +445,7 @@ class Qwen3Code2Wav(Part):
         begin = max(st.decoded, st.context)
         start = begin - (begin - st.decoded) % self.chunk  # that chunk's first code
         if not st.first:
-            st.first = self.first_piece_codes()
+            st.first = self._first_piece_codes()
         end = begin + st.first
         if end + self.right >= start + self.chunk or end > len(codes):
             return None  # the chunk goes out whole as soon, or the piece's codes are still to come
