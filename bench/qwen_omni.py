@@ -65,16 +65,24 @@ THINKER_TOKENS = 200
 TALKER_CODES = 400  # up to 8 s of audio: streaming matters for long answers
 
 
-def pipeline(
-    chunked: bool, codes: int, batched: bool = True, vllm: bool = False, compiled: bool = False
-) -> dict[str, Any]:
-    example = "qwen2.5-omni-vllm.yaml" if vllm else "qwen2.5-omni.yaml"
+def served_example(example: str, codes: int) -> dict[str, Any]:
+    """An example's spec as the benchmark serves it: the talker's budget `codes`, eight
+    requests in every stage at once."""
     spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / example).read_text())["spec"])
     spec["servedModelName"] = "bench"
     spec["gateway"]["requestTimeoutS"] = 300
-    spec["stages"][1]["sampling"]["max_tokens"] = codes
     for stage in spec["stages"]:
         stage["maxInflight"] = 8
+        if stage["name"] == "talker":
+            stage["sampling"]["max_tokens"] = codes
+    return spec
+
+
+def pipeline(
+    chunked: bool, codes: int, batched: bool = True, vllm: bool = False, compiled: bool = False
+) -> dict[str, Any]:
+    spec = served_example("qwen2.5-omni-vllm.yaml" if vllm else "qwen2.5-omni.yaml", codes)
+    for stage in spec["stages"]:
         if not batched and stage["engine"]["kind"] != "vllm":  # vLLM's batching is its own
             stage["engine"]["args"]["maxBatch"] = 1
         if compiled and stage["name"] in ("talker", "code2wav"):
@@ -89,15 +97,9 @@ def pipeline(
 def qwen3_pipeline(codes: int, smallest: bool) -> dict[str, Any]:
     """examples/qwen3-omni.yaml; `smallest`: as it is (the first audio after one code, more
     under load), else the first audio with the first whole chunk (12 codes)."""
-    spec = copy.deepcopy(yaml.safe_load((ROOT / "examples" / "qwen3-omni.yaml").read_text())["spec"])
-    spec["servedModelName"] = "bench"
-    spec["gateway"]["requestTimeoutS"] = 300
-    stages = {stage["name"]: stage for stage in spec["stages"]}
-    stages["talker"]["sampling"]["max_tokens"] = codes
-    for stage in spec["stages"]:
-        stage["maxInflight"] = 8
+    spec = served_example("qwen3-omni.yaml", codes)
     if not smallest:
-        code2wav = stages["code2wav"]
+        code2wav = next(stage for stage in spec["stages"] if stage["name"] == "code2wav")
         code2wav["engine"]["args"]["firstChunkCodes"] = code2wav["engine"]["args"]["chunkCodes"]
         code2wav["inputs"][0].pop("firstWindow")
     return spec

@@ -32,14 +32,14 @@ class JetStreamVoiceStore:
         js, bucket = nc.jetstream(), f"omni-voices-{pipeline}"
         return cls(js, bucket, await key_value(js, bucket))
 
-    async def _keys(self) -> list[str]:
-        """The keys that hold a voice now."""
+    async def _held(self) -> list[UploadedVoice]:
+        """The voices the bucket holds now, each read once."""
         info = await self._js.stream_info(self._stream, subjects_filter=f"{self._subjects}>")
-        held = [s.removeprefix(self._subjects) for s in info.state.subjects or {}]
-        return [key for key in held if await self.get(key) is not None]
+        keys = [s.removeprefix(self._subjects) for s in info.state.subjects or {}]
+        return [v for key in keys if (v := await self.get(key)) is not None]
 
     async def add(self, voice: UploadedVoice, max_voices: int) -> None:
-        if len(await self._keys()) >= max_voices:
+        if len(await self._held()) >= max_voices:
             raise VoicesFull(max_voices)
         try:
             await self._kv.create(voice.key, encode(voice))
@@ -54,8 +54,7 @@ class JetStreamVoiceStore:
         return None if entry.value is None else decode(entry.value)
 
     async def all(self) -> list[UploadedVoice]:
-        voices = [v for key in await self._keys() if (v := await self.get(key)) is not None]
-        return sorted(voices, key=lambda v: (v.created_at, v.key))
+        return sorted(await self._held(), key=lambda v: (v.created_at, v.key))
 
     async def delete(self, name: str) -> bool:
         if await self.get(name) is None:
