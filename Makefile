@@ -110,8 +110,10 @@ $(MODELS)/tiny-image/model_index.json: $(DEMO_CODE) | $(SERVE_STAMP)
 
 demo-models: $(MODELS)/tiny-image/model_index.json
 
+# Qwen2.5-Omni at a tiny size, which hears and speaks: /talk answers a microphone or a typed line.
+# (examples/tiny-omni.yaml, the toy pipeline, hears nothing.)
 serve: $(SERVE_STAMP) demo-models
-	$(OMNI) serve examples/tiny-omni.yaml --port $(PORT)
+	$(OMNI) serve examples/qwen2.5-omni.yaml --port $(PORT)
 
 # Three workers, one group each at a time: a module (its shared fixtures stay in one process),
 # or a benchmark of its own (tests/conftest.py groups them, and orders them longest first: the
