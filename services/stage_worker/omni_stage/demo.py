@@ -18,7 +18,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
 from pathlib import Path
 from typing import Final
 
@@ -28,6 +30,8 @@ from safetensors.torch import load_file, save_file
 from omni_stage.demo_tokenizer import byte_level_tokenizer
 from omni_stage.engines.base import import_object
 from omni_stage.engines.registry import DIFFUSERS_FAMILIES, FAMILIES
+
+log = logging.getLogger(__name__)
 
 HIDDEN: Final = 64
 CODEC_VOCAB: Final = 256
@@ -113,7 +117,8 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
     """Write tiny-thinker, tiny-talker, tiny-vocoder and each model family's tiny checkpoint (the
     registry's FAMILIES and DIFFUSERS_FAMILIES: tiny-qwen2.5-omni, tiny-qwen3-omni, tiny-video,
     tiny-image-edit, and tiny-image last: its index means all are there) under `out_dir`;
-    returns their paths, by name without `tiny-`."""
+    returns their paths, by name without `tiny-`. A family that needs a package not installed
+    here (`Family.needs`) is left out, with a warning naming it."""
     out = Path(out_dir)
     families = (f.demo for f in (*FAMILIES.values(), *DIFFUSERS_FAMILIES.values()))
     names = ("thinker", "talker", "vocoder", *families)
@@ -138,5 +143,14 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
     save_file(voc.state_dict(), str(paths["vocoder"] / "model.safetensors"))
 
     for family in (*FAMILIES.values(), *DIFFUSERS_FAMILIES.values()):  # tiny-image last
+        if missing := [m for m in family.needs if importlib.util.find_spec(m) is None]:
+            log.warning(
+                "tiny-%s not written: %s needs %s, not installed here (`make test` installs it)",
+                family.demo,
+                family.name,
+                ", ".join(missing),
+            )
+            del paths[family.demo]
+            continue
         import_object(family.checkpoint)(paths[family.demo])
     return paths

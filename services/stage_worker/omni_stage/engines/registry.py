@@ -31,6 +31,9 @@ class Family:
     weights of the real architecture, every file a real checkpoint has)."""
     demo: str
     """The name `omni models init-demo` writes it under (`tiny-<demo>`)."""
+    needs: tuple[str, ...] = ()
+    """Packages its tiny checkpoint's writer and its stages need beyond the serving set-up's
+    (`make serve` installs no torchvision): init-demo skips the family where one is missing."""
 
 
 GENERIC: Final[dict[EngineKind, str]] = {
@@ -92,7 +95,9 @@ DEFAULT_FAMILY: Final = "qwen2_5_omni"
 _DIFFUSERS = "omni_stage.engines.diffusers"
 
 
-def _diffusion(name: str, package: str, demo: str, engines: tuple[str, str, str]) -> Family:
+def _diffusion(
+    name: str, package: str, demo: str, engines: tuple[str, str, str], needs: tuple[str, ...] = ()
+) -> Family:
     """A diffusion family: its tiny checkpoint's writer (omni_stage.models.<package>.checkpoint),
     its demo's name, and the engines (`module:attribute` under omni_stage.engines.diffusers) of
     its roles: encode, denoise, decode."""
@@ -102,6 +107,7 @@ def _diffusion(name: str, package: str, demo: str, engines: tuple[str, str, str]
         {EngineKind.DIFFUSERS: {role: f"{_DIFFUSERS}.{where}" for role, where in roles.items()}},
         checkpoint=f"omni_stage.models.{package}.checkpoint:write_tiny_checkpoint",
         demo=demo,
+        needs=needs,
     )
 
 
@@ -117,6 +123,7 @@ DIFFUSERS_FAMILIES: Final[dict[str, Family]] = {
         "qwen_image_edit",
         "image-edit",
         ("edit:EditEncodeEngine", "edit:EditDenoiseEngine", "image:DecodeEngine"),
+        needs=("torchvision",),  # its Qwen2-VL processor's video part is torchvision's only
     ),
     "PixArtTransformer2DModel": _diffusion(
         "PixArt-Alpha",
