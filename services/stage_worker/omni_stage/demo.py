@@ -18,7 +18,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 from pathlib import Path
@@ -143,7 +142,7 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
     save_file(voc.state_dict(), str(paths["vocoder"] / "model.safetensors"))
 
     for family in (*FAMILIES.values(), *DIFFUSERS_FAMILIES.values()):  # tiny-image last
-        if missing := [m for m in family.needs if importlib.util.find_spec(m) is None]:
+        if missing := family.missing():
             log.warning(
                 "tiny-%s not written: %s needs %s, not installed here (`make test` installs it)",
                 family.demo,

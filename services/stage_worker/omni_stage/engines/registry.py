@@ -9,6 +9,7 @@ or DIFFUSERS_FAMILIES pointing at its parts and its tiny checkpoint's writer.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,17 @@ class Family:
     needs: tuple[str, ...] = ()
     """Packages its tiny checkpoint's writer and its stages need beyond the serving set-up's
     (`make serve` installs no torchvision): init-demo skips the family where one is missing."""
+
+    def missing(self) -> list[str]:
+        """What of `needs` this Python cannot import."""
+        return [m for m in self.needs if not _importable(m)]
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # sys.modules[module] is None: its import is blocked
+        return False
 
 
 GENERIC: Final[dict[EngineKind, str]] = {
