@@ -2,21 +2,27 @@
 checkpoint, this CPU), measured as a voice client feels them.
 
 Each turn is a user's audio (a tone in noise, 24 kHz PCM16) appended in 100 ms pieces as it
-is spoken (one every 100 ms; --quick sends them at once) and committed by hand
+is spoken, PACE times as fast (one every 25 ms; --quick sends them at once), and committed by hand
 (turn_detection null), then `response.create` for a short spoken answer (THINKER_TOKENS
 tokens, voice Ethan). First audio is the time from the commit (the end of speech) to the first
 `response.output_audio.delta`.
 
-Ratios, each against a baseline measured in the same run:
+Ratios, each against a baseline measured in the same run, of medians over ROUNDS samples: one
+first audio varies by 10-20% from the next on this 2-core machine (the stages, the gateway and
+the client share its cores), so five samples let a ratio swing by a third from run to run.
+Played faster than spoken so that a run holds four times the samples: what encoding ahead
+saves needs only the pipeline to keep up with the audio as it comes (the tiny audio tower
+encodes a 2 s window in a few ms), and what is measured starts at the end of speech.
 - first_audio_10s_vs_2s: median first audio after a 10 s utterance over after a 2 s one, each on
-  a fresh session (issue 38's goal <= 1.3: little work left at the end of speech, the audio
-  encoded as it arrived); and, in a full run, the same with the thinker's `audioAhead: false`
+  a fresh session, taken in turn (2 s, 10 s, 2 s, ...: what drifts in a run weighs on both)
+  (issue 38's goal <= 1.3: little work left at the end of speech, the audio encoded as it
+  arrived); and, in a full run, the same with the thinker's `audioAhead: false`
   (first_audio_10s_vs_2s_not_ahead: all of it encoded at the commit).
 - first_audio_turn5_vs_turn1: median first audio at the fifth turn of a session over the first
   (2 s utterances; goal <= 1.3: the conversation's earlier turns are not prefilled again).
-And, as figures: each turn's prompt tokens and those the thinker reused of the turn before
-(`prompt_cache_key`: the session's own), and cancel_ms, from `response.cancel` to
-`response.done` (`cancelled`) for a response cancelled at its first audio.
+And, as figures: every sample (`*_each_ms`), each turn's prompt tokens and those the thinker
+reused of the turn before (`prompt_cache_key`: the session's own), and cancel_ms, from
+`response.cancel` to `response.done` (`cancelled`) for a response cancelled at its first audio.
 """
 
 from __future__ import annotations
@@ -37,7 +43,9 @@ from bench.common import bars, figure, machine, median, parser, report, rounds
 from bench.procs import demo_models, served
 
 ROOT = Path(__file__).resolve().parents[1]
-ROUNDS = 5
+ROUNDS = 40
+PACE = 4.0
+"""The microphone played this many times as fast as it was spoken."""
 THINKER_TOKENS = 30
 TURNS = 5
 PIECE = 4800  # bytes: 100 ms of 24 kHz PCM16
@@ -74,11 +82,12 @@ async def _until(ws: ClientConnection, kind: str) -> dict[str, Any]:
 
 async def turn(ws: ClientConnection, pcm: bytes, paced: bool, cancel: bool = False) -> dict[str, float]:
     """One spoken turn: first audio after the commit, in ms (and, cancelling at the first audio,
-    how long the cancel took). `paced`: each piece when it has been spoken, as a microphone's."""
+    how long the cancel took). `paced`: each piece when it has been spoken (PACE times as fast),
+    as a microphone's."""
     start = time.perf_counter()
     for at in range(0, len(pcm), PIECE):
         if paced:
-            await asyncio.sleep(max(0.0, start + at / (2 * 24000) - time.perf_counter()))
+            await asyncio.sleep(max(0.0, start + at / (2 * 24000 * PACE) - time.perf_counter()))
         piece = base64.b64encode(pcm[at : at + PIECE]).decode()
         await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": piece}))
     t0 = time.perf_counter()
@@ -102,18 +111,19 @@ async def turn(ws: ClientConnection, pcm: bytes, paced: bool, cancel: bool = Fal
     return figures
 
 
-async def by_length(base: str, seconds: float, n: int, paced: bool) -> float:
-    firsts = []
-    for i in range(n):
-        ws = await session(base)
-        firsts.append((await turn(ws, utterance(seconds, i), paced))["first_audio_ms"])
+async def first_audio(base: str, seconds: float, seed: int, paced: bool) -> float:
+    """First audio after one utterance, the first turn of a fresh session."""
+    ws = await session(base)
+    try:
+        return (await turn(ws, utterance(seconds, seed), paced))["first_audio_ms"]
+    finally:
         await ws.close()
-    return round(median(firsts), 1)
 
 
-async def by_turn(base: str, n: int, paced: bool) -> tuple[list[float], list[str]]:
-    """Median first audio at each turn of a session, and each turn's prompt: `cached/input`
-    tokens (what the thinker reused of the turn before, of what the prompt holds)."""
+async def by_turn(base: str, n: int, paced: bool) -> dict[str, Any]:
+    """Over n sessions of TURNS turns (2 s each): the median first audio at each turn, each
+    turn's samples, and each turn's prompt: `cached/input` tokens (what the thinker reused of
+    the turn before, of what the prompt holds)."""
     per_turn: list[list[float]] = [[] for _ in range(TURNS)]
     prompts = [""] * TURNS
     for _ in range(n):
@@ -123,7 +133,11 @@ async def by_turn(base: str, n: int, paced: bool) -> tuple[list[float], list[str
             per_turn[t].append(figures["first_audio_ms"])
             prompts[t] = f"{figures['cached_tokens']:.0f}/{figures['input_tokens']:.0f}"
         await ws.close()
-    return [round(median(xs), 1) for xs in per_turn], prompts
+    return {
+        "first_audio_by_turn_ms": [round(median(xs), 1) for xs in per_turn],
+        "first_audio_by_turn_each_ms": [[round(x, 1) for x in xs] for xs in per_turn],
+        "cached_of_input_tokens_by_turn": prompts,
+    }
 
 
 async def cancels(base: str, n: int) -> float:
@@ -160,11 +174,19 @@ def not_ahead() -> dict[str, Any]:
     return spec
 
 
-async def by_lengths(base: str, n: int, paced: bool) -> dict[str, float]:
-    await by_length(base, 2.0, 1, False)  # warm: the first request sets up what every later one uses
+async def by_lengths(base: str, n: int, paced: bool) -> dict[str, Any]:
+    """Medians of n first audios after a 2 s and after a 10 s utterance, taken in turn (2 s,
+    10 s, 2 s, ...) so that whatever drifts during the run (the machine's other work, the
+    allocators' growth) weighs on both alike; each one's samples besides, to see the spread."""
+    await first_audio(base, 2.0, 0, False)  # warm: the first request sets up what every later one uses
+    firsts: dict[float, list[float]] = {2.0: [], 10.0: []}
+    for i in range(n):
+        for seconds in firsts:
+            firsts[seconds].append(await first_audio(base, seconds, i, paced))
     return {
-        "first_audio_2s_ms": await by_length(base, 2.0, n, paced),
-        "first_audio_10s_ms": await by_length(base, 10.0, n, paced),
+        f"first_audio_{s:.0f}s{key}": value
+        for s, xs in firsts.items()
+        for key, value in (("_ms", round(median(xs), 1)), ("_each_ms", [round(x, 1) for x in xs]))
     }
 
 
@@ -178,13 +200,7 @@ def main(argv: list[str] | None = None) -> None:
             async def measure() -> dict[str, Any]:
                 return {
                     **await by_lengths(base, n, paced),
-                    **dict(
-                        zip(
-                            ("first_audio_by_turn_ms", "cached_of_input_tokens_by_turn"),
-                            await by_turn(base, n, paced),
-                            strict=True,
-                        )
-                    ),
+                    **await by_turn(base, n, paced),
                     "cancel_ms": await cancels(base, n),
                 }
 
@@ -192,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         if not args.quick:
             with served("bench", not_ahead(), cwd=cwd) as base:
                 off = asyncio.run(by_lengths(base, n, paced))
-            runs |= {f"{k[:-3]}_not_ahead_ms": v for k, v in off.items()}
+            runs |= {f"{k.removesuffix('_ms')}_not_ahead_ms": v for k, v in off.items()}
     by = runs["first_audio_by_turn_ms"]
     ratios = {
         "first_audio_10s_vs_2s": round(runs["first_audio_10s_ms"] / runs["first_audio_2s_ms"], 3),
