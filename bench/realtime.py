@@ -183,11 +183,11 @@ async def by_lengths(base: str, n: int, paced: bool) -> dict[str, Any]:
     for i in range(n):
         for seconds in firsts:
             firsts[seconds].append(await first_audio(base, seconds, i, paced))
-    return {
-        f"first_audio_{s:.0f}s{key}": value
-        for s, xs in firsts.items()
-        for key, value in (("_ms", round(median(xs), 1)), ("_each_ms", [round(x, 1) for x in xs]))
-    }
+    figures: dict[str, Any] = {}
+    for seconds, xs in firsts.items():
+        figures[f"first_audio_{seconds:.0f}s_ms"] = round(median(xs), 1)
+        figures[f"first_audio_{seconds:.0f}s_each_ms"] = [round(x, 1) for x in xs]
+    return figures
 
 
 def main(argv: list[str] | None = None) -> None:
