@@ -4,24 +4,23 @@ ones up again). A claim is one UPDATE in SQLite's own transaction, so one claim 
 gateway processes too. A job's files are written to a staging directory renamed into place,
 so a reader sees all of them or none.
 
-SQLite blocks on the disk: `_Rows` does the SQL, and `SqliteJobStore` calls it in a thread.
+SQLite blocks on the disk: `_Rows` does the SQL (omni_gateway.sqlite_db), and `SqliteJobStore`
+calls it in a thread.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import secrets
 import shutil
 import sqlite3
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
 import msgspec
 
+from omni_gateway.sqlite_db import SqliteDb
 from omni_gateway.videos.store import RUNNABLE, StoreFull, VideoJob
 
 _SCHEMA: Final = """
@@ -59,42 +58,11 @@ def _row(row: sqlite3.Row) -> VideoJob:
     return VideoJob(**values)
 
 
-class _Rows:
+class _Rows(SqliteDb):
     """The jobs table (blocking calls)."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=30)
-        self._db.row_factory = sqlite3.Row
-        self._lock = threading.Lock()
-        with self._locked() as db:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute(
-                "PRAGMA synchronous=NORMAL"
-            )  # WAL: a process crash loses nothing, a power cut the last writes
-            db.executescript(_SCHEMA)
-
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[sqlite3.Connection]:
-        with self._lock:
-            yield self._db
-
-    @contextlib.contextmanager
-    def _transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, taken at once (BEGIN IMMEDIATE): a count and the insert it
-        allows are not split by another gateway's insert."""
-        with self._locked() as db:
-            db.execute("BEGIN IMMEDIATE")
-            try:
-                yield db
-            except BaseException:
-                db.execute("ROLLBACK")
-                raise
-            db.execute("COMMIT")
-
-    def close(self) -> None:
-        with self._locked() as db:
-            db.close()
+        super().__init__(path, _SCHEMA)
 
     def add(self, job: VideoJob, max_queued: int, max_per_owner: int) -> None:
         """Store a new job, unless the owner's or everyone's unfinished jobs are at their limit."""
