@@ -231,6 +231,41 @@ class VoicesSpec(SpecModel):
     max_clip_bytes: int = Field(default=10 << 20, ge=1024, description="Largest clip file an upload sends.")
 
 
+class BatchesSpec(SpecModel):
+    """The Batch API (/v1/files, /v1/batches): where files and batches are kept, how large a
+    file may be, and how much of the pipeline a gateway's batches may use at once."""
+
+    state_dir: str = Field(
+        default=".omni-state",
+        description="The directory (relative: to the working directory) holding the SQLite batch store and "
+        "the files, under the pipeline's name.",
+    )
+    max_file_bytes: int = Field(
+        default=200 << 20, ge=1 << 10, description="Largest file an upload may be (OpenAI's: 200 MB); larger, 413."
+    )
+    max_lines: int = Field(
+        default=50_000, ge=1, description="Most requests one batch's input file may hold (OpenAI's: 50,000)."
+    )
+    concurrency: int = Field(
+        default=2,
+        ge=1,
+        description="A gateway replica's batch requests running at once, all its batches together: what "
+        "the pipeline's interactive users leave to batches.",
+    )
+    output_retention_s: float = Field(
+        default=30 * 86400.0,
+        gt=0,
+        description="How long a batch's output and error files are kept, unless the batch's "
+        "output_expires_after says otherwise (OpenAI's default: 30 days).",
+    )
+    lease_s: float = Field(
+        default=15.0,
+        gt=0,
+        description="A running batch's lease: renewed while its gateway lives; a batch whose lease lapses "
+        "(its gateway died) is taken up by the next gateway that looks, one only.",
+    )
+
+
 class GatewaySpec(SpecModel):
     replicas: int = Field(default=1, ge=1, description="Gateway replicas (Distributed mode).")
     port: int = Field(default=8000, ge=0, le=65535, description="HTTP port of the gateway.")
@@ -269,6 +304,7 @@ class GatewaySpec(SpecModel):
     )
     realtime: RealtimeSpec = Field(default_factory=RealtimeSpec, description="Limits on live sessions.")
     videos: VideoJobsSpec = Field(default_factory=VideoJobsSpec, description="Video generation jobs.")
+    batches: BatchesSpec = Field(default_factory=BatchesSpec, description="The Batch API's files and batches.")
 
 
 class ObservabilitySpec(SpecModel):

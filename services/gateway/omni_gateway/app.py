@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import re
+import secrets
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
@@ -19,6 +20,8 @@ from setproctitle import setproctitle
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from omni_gateway.batches.routes import router as batches_router
+from omni_gateway.batches.runner import BatchRunner
 from omni_gateway.errors import BadRequest, OmniError
 from omni_gateway.guards import ApiKeyAuth, BodyLimit, load_api_keys
 from omni_gateway.metrics import GatewayMetrics
@@ -36,7 +39,7 @@ from omni_gateway.voices.voices import Voices
 from omni_pipeline.lifecycle import exit_if_stuck
 from omni_pipeline.logs import REQUEST_ID, configure_logging
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
-from omni_pipeline.spec import OutputKind, PipelineFile
+from omni_pipeline.spec import Mode, OutputKind, PipelineFile
 from omni_pipeline.tracing import configure_tracing, shutdown_tracing
 
 log = logging.getLogger("omni.gateway")
@@ -126,15 +129,21 @@ def build_app(
     app.include_router(speech_batch_router)
     app.include_router(videos_router)
     app.include_router(voices_router)
+    app.include_router(batches_router)
     app.state.api_keys_required = bool(api_keys)
     app.state.video_jobs = None  # set while serving, for a pipeline that makes video
+    app.state.batches = None  # set while serving, in SingleNode
+    # What the batch runner's requests to this app carry: a key of this process's own, never shown.
+    app.state.internal_key = secrets.token_urlsafe(32)
     app.state.voices = None  # set while serving, for a pipeline that speaks
     realtime = pipeline.spec.gateway.realtime
     app.state.live_sessions = LiveSessions(realtime.max_sessions, realtime.resume_grace_s, metrics)
     # Added innermost first: the key is checked before the body is read; every answer, the
     # guards' included, carries X-Request-Id and is counted.
-    app.add_middleware(BodyLimit, max_bytes=pipeline.spec.gateway.max_request_bytes)
-    app.add_middleware(ApiKeyAuth, keys=api_keys)
+    gateway = pipeline.spec.gateway
+    uploads = {"/v1/files": gateway.batches.max_file_bytes + (1 << 20)}  # the file, and its form's fields
+    app.add_middleware(BodyLimit, max_bytes=gateway.max_request_bytes, larger=uploads)
+    app.add_middleware(ApiKeyAuth, keys=api_keys | {app.state.internal_key} if api_keys else api_keys)
     app.add_middleware(RequestIdMiddleware)
 
     app.add_middleware(StatusCounter, metrics=metrics)
@@ -208,6 +217,17 @@ def run_gateway(
                 jobs = await VideoJobs.open(service, pipeline.name, app.state.metrics)
                 await jobs.start()
                 app.state.video_jobs = jobs
+            batches = None
+            if pipeline.spec.mode is Mode.SINGLE_NODE:  # SQLite: one gateway's disk
+                batches = await BatchRunner.open(
+                    app,
+                    pipeline.spec.gateway.batches,
+                    pipeline.name,
+                    service.gateway_id,
+                    app.state.internal_key,
+                )
+                await batches.start()
+                app.state.batches = batches
             voices = None
             if OutputKind.AUDIO in pipeline.spec.output_kinds():
                 voices = app.state.voices = await Voices.open(service, pipeline.name)
@@ -223,6 +243,8 @@ def run_gateway(
             exit_if_stuck()  # done serving: closing must not hold the process (or a pod) for ever
             if jobs is not None:
                 await jobs.stop()  # its running jobs go back to the queue, for the next gateway
+            if batches is not None:
+                await batches.stop()  # its batches too, their lines in flight to run again
             if voices is not None:
                 await voices.close()
             await service.stop()

@@ -6,12 +6,14 @@ OpenAI's error body, like every other error of the gateway.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import os
 from pathlib import Path
 from typing import Final
 
 import msgspec
+from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_gateway.errors import OmniError, PayloadTooLarge, Unauthorized
@@ -102,20 +104,23 @@ class ApiKeyAuth:
 
 
 class BodyLimit:
-    """Refuse request bodies over `max_bytes` with 413: by Content-Length, or by reading the
-    body here first (at most `max_bytes` of it) and handing it on whole."""
+    """Refuse request bodies over `max_bytes` (or a path's own limit in `larger`: a file upload)
+    with 413: by Content-Length, or by reading the body here first (at most the limit of it)
+    and handing it on whole."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, larger: dict[str, int] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.larger = larger or {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
             await self.app(scope, receive, send)
             return
-        err = PayloadTooLarge(f"request body over the gateway's limit of {self.max_bytes} bytes")
+        limit = self.larger.get(scope["path"], self.max_bytes)
+        err = PayloadTooLarge(f"request body over the gateway's limit of {limit} bytes")
         declared = dict(scope["headers"]).get(b"content-length", b"")
-        if declared.isdigit() and int(declared) > self.max_bytes:
+        if declared.isdigit() and int(declared) > limit:
             await _refuse(send, err)
             return
         chunks: list[bytes] = []
@@ -126,7 +131,7 @@ class BodyLimit:
                 return
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_bytes:
+            if size > limit:
                 await _refuse(send, err)
                 return
             chunks.append(chunk)
@@ -142,3 +147,12 @@ class BodyLimit:
             return await receive()  # after the body: disconnects, for streamed responses
 
         await self.app(scope, replay, send)
+
+
+def owner_of(request: Request) -> str:
+    """Whose jobs, files and batches the caller sees: its API key's (a digest of it), or
+    everyone's when the gateway requires none."""
+    if not request.app.state.api_keys_required:
+        return ""
+    token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+    return hashlib.sha256(token.encode()).hexdigest()[:32]

@@ -3,7 +3,6 @@ range requests), remix. The synchronous /v1/videos/sync is in omni_gateway.route
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import time
 from typing import Any
@@ -12,6 +11,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
 
 from omni_gateway.errors import BadRequest, NotFound, NotReady, NotServed, Overloaded
+from omni_gateway.guards import owner_of
 from omni_gateway.protocol.common import parse
 from omni_gateway.protocol.videos import (
     ListOrder,
@@ -32,15 +32,6 @@ def _jobs(request: Request) -> VideoJobs:
         name = request.app.state.pipeline.spec.served_model_name
         raise NotServed(f"model '{name}' does not make video")
     return jobs
-
-
-def owner_of(request: Request) -> str:
-    """Whose jobs the caller sees: its API key's (a digest of it), or everyone's when the
-    gateway requires none."""
-    if not request.app.state.api_keys_required:
-        return ""
-    token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-    return hashlib.sha256(token.encode()).hexdigest()[:32]
 
 
 async def _job(request: Request, video_id: str) -> VideoJob:

@@ -1,0 +1,287 @@
+"""The batch runner: takes batches from the store and runs their lines through this gateway's
+own endpoints, in the same process (an ASGI call: the same validation, errors and pipeline path
+as a client's request), a few at once.
+
+Every `lease_s / 3` (and whenever a batch is made or cancelled) the runner renews the leases of
+the batches it runs, stops those it no longer holds, and claims what is runnable and unheld (new
+batches, and those of a gateway that died). A batch is validated (its input file read as OpenAI
+reads it: a bad line fails it whole), then its lines run, `concurrency` at once over all of this
+gateway's batches; each line's outcome is stored as it ends, so a batch taken up again runs only
+the lines that have none. Once every line has one, or the batch is cancelled or past its window,
+its output and error files are written (lines never run go to the error file, with why) and it
+ends. A gateway that stops gives its batches back at once; their lines in flight run again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import secrets
+import time
+from pathlib import Path
+from typing import Any, Final
+
+import httpx
+
+from omni_gateway.batches.lines import InputLine, answered, not_run, read_input
+from omni_gateway.batches.records import Batch, LineResult, StoredFile
+from omni_gateway.batches.sqlite_store import SqliteBatchStore
+from omni_gateway.errors import BadRequest
+from omni_pipeline.settings import BatchesSpec
+
+log = logging.getLogger("omni.gateway.batches")
+
+INTERNAL_HEADER: Final = "x-omni-batch"
+"""Names the batch a request runs for (in the gateway's logs)."""
+
+
+def output_file_id(batch_id: str, kind: str) -> str:
+    """A batch's output (`output`) or error (`error`) file's id: the same however often it is
+    written (a gateway that died while finalizing leaves it to the next to write again)."""
+    return f"file-{batch_id.removeprefix('batch_')}-{kind}"
+
+
+class BatchRunner:
+    def __init__(
+        self, app: Any, store: SqliteBatchStore, spec: BatchesSpec, gateway_id: str, key: str
+    ) -> None:
+        self.store, self.spec = store, spec
+        self.holder = f"{gateway_id}-{secrets.token_hex(4)}"
+        self._client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=None
+        )
+        self._headers = {"authorization": f"Bearer {key}"}
+        self._slots = asyncio.Semaphore(spec.concurrency)
+        self._running: dict[str, asyncio.Task[None]] = {}
+        self._wake = asyncio.Event()
+        self._loop: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def open(cls, app: Any, spec: BatchesSpec, name: str, gateway_id: str, key: str) -> BatchRunner:
+        store = await asyncio.to_thread(SqliteBatchStore, Path(spec.state_dir) / name)
+        log.info("batches: kept in SQLite under %s", Path(spec.state_dir) / name)
+        return cls(app, store, spec, gateway_id, key)
+
+    async def start(self) -> None:
+        await self.store.sweep()
+        self._loop = asyncio.create_task(self._tend(), name="batches")
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def cancel(self, batch_id: str) -> None:
+        """Stop running `batch_id` now, if this gateway runs it (it then ends as cancelled)."""
+        task = self._running.get(batch_id)
+        if task is not None:
+            task.cancel()
+
+    async def stop(self) -> None:
+        """Stop running, and give every batch held back for the next gateway to take at once."""
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+        held = list(self._running)
+        for task in self._running.values():
+            task.cancel()
+        await asyncio.gather(*self._running.values(), return_exceptions=True)
+        await self.store.release(self.holder, held)
+        await self._client.aclose()
+        await self.store.close()
+
+    async def _tend(self) -> None:
+        while True:
+            try:
+                now = time.time()
+                kept = await self.store.renew(self.holder, list(self._running), now + self.spec.lease_s)
+                for batch_id in set(self._running) - kept:
+                    log.warning("batch %s: its lease was lost; another gateway runs it", batch_id)
+                    self._running[batch_id].cancel()
+                room = self.spec.concurrency - len(self._running)
+                if room > 0:
+                    for batch in await self.store.claim(self.holder, now, self.spec.lease_s, room):
+                        task = asyncio.create_task(self._run(batch), name=f"batch-{batch.id}")
+                        self._running[batch.id] = task
+                        task.add_done_callback(lambda _, b=batch.id: self._ended(b))
+                await self.store.expire_files(now)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("batches: the store could not be read; trying again")
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.spec.lease_s / 3):
+                    await self._wake.wait()
+            self._wake.clear()
+
+    def _ended(self, batch_id: str) -> None:
+        self._running.pop(batch_id, None)
+        self._wake.set()  # room for another
+
+    async def _run(self, batch: Batch) -> None:
+        try:
+            await self._run_batch(batch)
+        except asyncio.CancelledError:
+            current = await self.store.get_batch(batch.id, None)
+            if current is not None and current.status == "cancelling":
+                await asyncio.shield(self._finalize(current, "cancelled"))
+            raise
+        except Exception as exc:
+            log.exception("batch %s failed", batch.id)
+            error = {
+                "code": "internal_error",
+                "message": f"{type(exc).__name__}: {exc}",
+                "param": None,
+                "line": None,
+            }
+            await self.store.change(
+                batch.id, self.holder, status="failed", failed_at=int(time.time()), errors=[error]
+            )
+
+    async def _run_batch(self, batch: Batch) -> None:
+        if batch.status in ("cancelling", "finalizing"):  # taken up from a gateway that died ending it
+            await self._finalize(batch, "cancelled" if batch.status == "cancelling" else "completed")
+            return
+        lines = await self._input(batch)
+        if lines is None:
+            return
+        if batch.status == "validating":
+            model = next((str(x.body["model"]) for x in lines if isinstance(x.body.get("model"), str)), None)
+            changed = await self.store.change(
+                batch.id,
+                self.holder,
+                status="in_progress",
+                in_progress_at=int(time.time()),
+                total=len(lines),
+                model=model,
+            )
+            if changed is None:
+                return
+            batch = changed
+        done = {r.index for r in await self.store.results(batch.id)}
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            for line in lines:
+                if line.index in done:
+                    continue
+                await self._slots.acquire()
+                current = await self.store.get_batch(batch.id, None)
+                if current is None or current.status != "in_progress" or time.time() >= batch.expires_at:
+                    self._slots.release()
+                    break
+                task = asyncio.create_task(self._run_line(batch, line))
+                pending.add(task)
+                task.add_done_callback(pending.discard)
+                task.add_done_callback(lambda _: self._slots.release())  # a task cancelled unstarted too
+            if pending:
+                await asyncio.gather(*pending)
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        current = await self.store.get_batch(batch.id, None)
+        if current is None:
+            return
+        if current.status == "cancelling":
+            await self._finalize(current, "cancelled")
+        elif time.time() >= current.expires_at and current.completed + current.failed < current.total:
+            await self._finalize(current, "expired")
+        else:
+            await self._finalize(current, "completed")
+
+    async def _input(self, batch: Batch) -> list[InputLine] | None:
+        """The batch's requests; None if its input cannot be read or holds a bad line (then it
+        has failed, every bad line named)."""
+        path = await self.store.content(batch.input_file_id)
+        if path is None:
+            errors = [_error("file_not_found", f"input file '{batch.input_file_id}' is gone")]
+        else:
+            data = await asyncio.to_thread(path.read_bytes)
+            lines, errors = read_input(data, batch.endpoint, self.spec.max_lines)
+            if not errors:
+                return lines
+        await self.store.change(
+            batch.id, self.holder, status="failed", failed_at=int(time.time()), errors=errors
+        )
+        log.info("batch %s failed validation: %s", batch.id, errors[0]["message"])
+        return None
+
+    async def _run_line(self, batch: Batch, line: InputLine) -> None:
+        result = LineResult(line.index, *await self._answer(batch, line))
+        await self.store.add_result(batch.id, self.holder, result)
+
+    async def _answer(self, batch: Batch, line: InputLine) -> tuple[bool, bytes]:
+        if line.body.get("stream"):
+            refused = BadRequest("stream: a batch request cannot stream", param="stream")
+            return False, answered(line.custom_id, refused.status, None, refused.body())
+        headers = {**self._headers, INTERNAL_HEADER: batch.id}
+        try:
+            r = await self._client.post(batch.endpoint, json=line.body, headers=headers)
+        except Exception as exc:  # the app answers every error itself: this is a crash of ours
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the app swallowed our cancel: not the line's fault
+                raise asyncio.CancelledError from exc
+            log.exception("batch %s line %d", batch.id, line.index)
+            return False, not_run(line.custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
+        body: Any
+        if r.headers.get("content-type", "").startswith("application/json"):
+            body = r.json()
+        else:  # speech: the audio itself
+            body = {
+                "audio": base64.b64encode(r.content).decode(),
+                "content_type": r.headers.get("content-type"),
+            }
+        return r.is_success, answered(line.custom_id, r.status_code, r.headers.get("x-request-id"), body)
+
+    async def _finalize(self, batch: Batch, status: str) -> None:
+        """Write the output and error files from the lines' outcomes and end the batch as `status`."""
+        now = int(time.time())
+        if status == "completed" and batch.status != "finalizing":  # cancelled and expired end at once
+            changed = await self.store.change(batch.id, self.holder, status="finalizing", finalizing_at=now)
+            if changed is None:
+                return
+        results = await self.store.results(batch.id)
+        ran = {r.index for r in results}
+        outputs = [r.line for r in results if r.ok]
+        errors = [r.line for r in results if not r.ok]
+        if status != "completed":
+            code, why = {
+                "cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
+                "expired": ("batch_expired", "the batch's completion window ended before this request ran"),
+            }[status]
+            path = await self.store.content(batch.input_file_id)
+            data = await asyncio.to_thread(path.read_bytes) if path is not None else b""
+            lines, _ = read_input(data, batch.endpoint, self.spec.max_lines)
+            errors += [not_run(x.custom_id, code, why) for x in lines if x.index not in ran]
+        retention = batch.output_expires_after_s or self.spec.output_retention_s
+        ids: dict[str, str | None] = {}
+        for kind, body in (("output", outputs), ("error", errors)):
+            ids[kind] = None
+            if body:
+                f = StoredFile(
+                    id=output_file_id(batch.id, kind),
+                    owner=batch.owner,
+                    purpose="batch_output",
+                    filename=f"{batch.id}_{kind}.jsonl",
+                    bytes=sum(len(x) + 1 for x in body),
+                    created_at=now,
+                    expires_at=int(now + retention),
+                )
+                await self.store.add_file(f, b"".join(x + b"\n" for x in body))
+                ids[kind] = f.id
+        stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[status]
+        await self.store.change(
+            batch.id,
+            self.holder,
+            status=status,
+            output_file_id=ids["output"],
+            error_file_id=ids["error"],
+            **{stamp: int(time.time())},
+        )
+        await self.store.drop_results(batch.id)
+        log.info("batch %s %s: %d lines out, %d in errors", batch.id, status, len(outputs), len(errors))
+
+
+def _error(code: str, message: str) -> dict[str, Any]:
+    return {"code": code, "message": message, "param": None, "line": None}

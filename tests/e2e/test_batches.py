@@ -1,0 +1,271 @@
+"""The Batch API end to end, as its users run it: the official openai client's `files` and
+`batches` against `omni serve examples/tiny-omni.yaml` (its store in the test's own directory):
+a batch run to its output and error files, a file that fails validation, a cancel, and batches
+that outlive the gateway (killed, and omni serve stopped and started again)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import yaml
+
+from omni_cli.ports import free_port
+from tests.e2e.test_videos import gateway_of, start
+from tests.helpers import PIPELINE_RESTARTS_TIMEOUT_S, ROOT, assert_all_gone, served, wait_for
+from tests.openai_schema import violations
+
+pytestmark = pytest.mark.slow
+
+ENDED = ("completed", "failed", "cancelled", "expired")
+
+
+def pipeline_file(tmp: Path, **batches: Any) -> Path:
+    """examples/tiny-omni.yaml, its batches kept under `tmp` (and `batches` settings besides)."""
+    spec = yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())
+    spec["spec"]["gateway"]["batches"] = {"stateDir": str(tmp / "state"), **batches}
+    path = tmp / "tiny-omni.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.fixture(scope="module")
+def client(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
+    tmp = tmp_path_factory.mktemp("batches")
+    with served(pipeline_file(tmp, concurrency=1), demo_dir, tmp / "serve.log") as (_, base):
+        yield openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def chat_line(custom_id: str, tokens: int = 4, **body: Any) -> dict[str, Any]:
+    messages = [{"role": "user", "content": f"Say something, {custom_id}"}]
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "tiny-omni", "messages": messages, "max_tokens": tokens, **body},
+    }
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "".join(json.dumps(x) + "\n" for x in lines).encode()
+
+
+def batch_of(
+    client: openai.OpenAI, lines: list[dict[str, Any]], endpoint: str = "/v1/chat/completions"
+) -> Any:
+    f = client.files.create(file=("requests.jsonl", jsonl(lines)), purpose="batch")
+    return client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+
+
+def ended(
+    client: openai.OpenAI, batch_id: str, timeout: float = 120
+) -> tuple[Any, list[tuple[str, int, int]]]:
+    """The batch once it has ended, and every (status, completed, failed) seen on the way."""
+    seen: list[tuple[str, int, int]] = []
+
+    def done() -> Any:
+        b = client.batches.retrieve(batch_id)
+        counts = b.request_counts
+        seen.append((b.status, counts.completed if counts else 0, counts.failed if counts else 0))
+        return b if b.status in ENDED else None
+
+    return wait_for(done, timeout, f"batch {batch_id} to end", interval=0.01), seen
+
+
+def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    return [] if file_id is None else [json.loads(x) for x in client.files.content(file_id).text.splitlines()]
+
+
+def test_a_batch_runs_to_its_output_and_error_files(client: openai.OpenAI) -> None:
+    """Every good line answered once in the output file, in OpenAI's output line shape, its body
+    what /v1/chat/completions answers (text, and speech where asked); a line the endpoint
+    refuses in the error file with the 400 it gives; the counts moving as lines end; the batch
+    and file objects valid against OpenAI's schema."""
+    good = [chat_line(f"req-{i}", tokens=48) for i in range(6)]
+    spoken = chat_line("spoken", modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
+    refused = chat_line("refused", temperature=-1)
+    batch = batch_of(client, [*good, refused, spoken])
+    assert violations(batch.model_dump(exclude_unset=True), "Batch") is None
+    assert (batch.status, batch.endpoint, batch.completion_window) == (
+        "validating",
+        "/v1/chat/completions",
+        "24h",
+    )
+    done, _ = ended(client, batch.id)
+    assert done.status == "completed", done
+    assert violations(done.model_dump(exclude_unset=True), "Batch") is None
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (8, 7, 1)
+    assert done.model == "tiny-omni" and done.in_progress_at and done.finalizing_at and done.completed_at
+
+    out = lines_of(client, done.output_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted([*(x["custom_id"] for x in good), "spoken"])
+    for line in out:
+        assert line["id"].startswith("batch_req_") and line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200 and response["request_id"], line
+        assert violations(response["body"], "CreateChatCompletionResponse") is None
+        assert response["body"]["choices"][0]["message"]["content"]
+    [speech] = [x["response"]["body"]["choices"][0]["message"] for x in out if x["custom_id"] == "spoken"]
+    assert base64.b64decode(speech["audio"]["data"])[:4] == b"RIFF"
+
+    [error] = lines_of(client, done.error_file_id)
+    assert error["custom_id"] == "refused" and error["error"] is None
+    assert error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "temperature"
+
+    output = client.files.retrieve(done.output_file_id)
+    assert (
+        output.purpose == "batch_output"
+        and output.expires_at
+        and violations(output.model_dump(exclude_unset=True), "OpenAIFile") is None
+    )
+    assert done.id in {b.id for b in client.batches.list()}
+
+
+def test_a_file_with_bad_lines_fails_the_batch_naming_each(client: openai.OpenAI) -> None:
+    """As OpenAI validates: a line that is not JSON, one without custom_id, one for another
+    endpoint and a repeated custom_id each named by line; nothing runs."""
+    data = b"\n".join(
+        [
+            json.dumps(chat_line("a")).encode(),
+            b"{not json",
+            json.dumps({**chat_line("b"), "custom_id": None}).encode(),
+            json.dumps({**chat_line("c"), "url": "/v1/embeddings"}).encode(),
+            json.dumps(chat_line("a")).encode(),
+        ]
+    )
+    f = client.files.create(file=("bad.jsonl", data), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+    done, _ = ended(client, batch.id)
+    assert done.status == "failed" and done.failed_at and done.output_file_id is None
+    named = [(e.line, e.code, e.param) for e in done.errors.data]
+    assert named == [
+        (2, "invalid_json_line", None),
+        (3, "missing_required_parameter", "custom_id"),
+        (4, "mismatched_endpoint", "url"),
+        (5, "duplicate_custom_id", "custom_id"),
+    ]
+
+
+def test_what_cannot_be_batched_is_refused_at_once(client: openai.OpenAI) -> None:
+    """A 400 naming the field: another endpoint, a window other than 24h, a file uploaded for
+    something else; a 404 for a file that does not exist; files only for `batch`."""
+    f = client.files.create(file=("r.jsonl", jsonl([chat_line("x")])), purpose="batch")
+    for kwargs, param in (
+        ({"endpoint": "/v1/embeddings"}, "endpoint"),
+        ({"completion_window": "1h"}, "completion_window"),
+    ):
+        asked = {
+            "input_file_id": f.id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            **kwargs,
+        }
+        with pytest.raises(openai.BadRequestError) as err:
+            client.batches.create(**asked)  # type: ignore[arg-type]
+        assert err.value.body["param"] == param  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    with pytest.raises(openai.BadRequestError) as err:
+        client.files.create(file=("r.jsonl", b"{}"), purpose="fine-tune")
+    assert err.value.body["param"] == "purpose"  # type: ignore[index]
+    assert client.files.delete(f.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(f.id)
+
+
+def test_a_cancelled_batch_keeps_what_finished(client: openai.OpenAI) -> None:
+    """The counts move as lines end; cancelled once some have: it ends `cancelled`, the lines
+    that finished in the output file, every other one in the error file as never run; each
+    exactly once."""
+    lines = [chat_line(f"long-{i}", tokens=48) for i in range(40)]
+    batch = batch_of(client, lines)
+    running = wait_for(
+        lambda: (b := client.batches.retrieve(batch.id)).request_counts.completed >= 2 and b,
+        60,
+        "two lines to end",
+    )
+    assert running.status == "in_progress" and running.request_counts.completed < 40
+    cancelling = client.batches.cancel(batch.id)
+    assert cancelling.status == "cancelling" and cancelling.cancelling_at
+    done, _ = ended(client, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at, done
+    out, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
+    assert 2 <= len(out) < 40 and len(out) + len(errors) == 40
+    assert sorted(x["custom_id"] for x in out + errors) == sorted(x["custom_id"] for x in lines)
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    with pytest.raises(openai.ConflictError):
+        client.batches.cancel(batch.id)
+
+
+@pytest.mark.timeout(PIPELINE_RESTARTS_TIMEOUT_S)
+def test_batches_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
+    """A batch running when the gateway is killed completes once the supervisor has started
+    it again (the new gateway takes it up when the dead one's lease lapses); one running when
+    omni serve is stopped completes after it starts again. Every custom_id is in the output
+    exactly once: lines already done are not run again."""
+    pipeline = pipeline_file(tmp_path, concurrency=1, leaseS=2)
+    port = free_port()
+    serve, client = start(pipeline, demo_dir, tmp_path / "serve-1.log", port)
+    lines = [chat_line(f"r-{i}", tokens=32) for i in range(24)]
+    try:
+        killed = batch_of(client, lines)
+        wait_for(lambda: client.batches.retrieve(killed.id).request_counts.completed >= 3, 60, "lines to end")
+        old = gateway_of(serve)
+        os.kill(old.pid, signal.SIGKILL)
+        done, _ = ended(client, killed.id, timeout=180)  # asked of the new gateway, same port
+        assert done.status == "completed" and done.request_counts.completed == 24, done
+        assert sorted(x["custom_id"] for x in lines_of(client, done.output_file_id)) == sorted(
+            x["custom_id"] for x in lines
+        )
+        stopped = batch_of(client, lines)
+        wait_for(
+            lambda: client.batches.retrieve(stopped.id).request_counts.completed >= 3, 60, "lines to end"
+        )
+    finally:
+        serve.interrupt_group()
+    assert_all_gone(serve)
+
+    serve, client = start(pipeline, demo_dir, tmp_path / "serve-2.log", port)
+    try:
+        done, _ = ended(client, stopped.id, timeout=180)
+        assert done.status == "completed" and done.request_counts.completed == 24, done
+        out = [x["custom_id"] for x in lines_of(client, done.output_file_id)]
+        assert sorted(out) == sorted(x["custom_id"] for x in lines)
+        assert client.batches.retrieve(killed.id).status == "completed"
+    finally:
+        serve.interrupt_group()
+    assert_all_gone(serve)
+
+
+def test_speech_batches_with_its_audio_in_the_output_line(client: openai.OpenAI) -> None:
+    """/v1/audio/speech, an extension to OpenAI's batchable endpoints: each line's audio, in
+    the format it asked for, base64 in its output line's body."""
+    lines = [
+        {
+            "custom_id": f"say-{fmt}",
+            "method": "POST",
+            "url": "/v1/audio/speech",
+            "body": {"model": "tiny-omni", "input": "Hello there", "voice": "alloy", "response_format": fmt},
+        }
+        for fmt in ("wav", "pcm")
+    ]
+    done, _ = ended(client, batch_of(client, lines, endpoint="/v1/audio/speech").id)
+    assert done.status == "completed" and done.request_counts.completed == 2, done
+    bodies = {x["custom_id"]: x["response"]["body"] for x in lines_of(client, done.output_file_id)}
+    assert base64.b64decode(bodies["say-wav"]["audio"])[:4] == b"RIFF"
+    assert (
+        bodies["say-wav"]["content_type"] == "audio/wav" and bodies["say-pcm"]["content_type"] == "audio/pcm"
+    )
+    assert len(base64.b64decode(bodies["say-pcm"]["audio"])) > 0
