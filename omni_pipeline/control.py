@@ -134,6 +134,9 @@ class RequestContext(msgspec.Struct, frozen=True):
     """The gateway inbox that owns the request."""
     deadline: float
     """Unix time after which the request is abandoned."""
+    priority: int = 0
+    """vLLM's: a replica starts its waiting requests the lower value first (a batch's lines
+    after live users' requests)."""
 
 
 class RequestInputs(msgspec.Struct, frozen=True, omit_defaults=True, forbid_unknown_fields=True):

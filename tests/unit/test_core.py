@@ -21,6 +21,20 @@ def test_admission_order_and_limits() -> None:
     assert core.release("c") == [] and not core.has_work()
 
 
+def test_waiting_requests_start_by_priority_then_arrival() -> None:
+    """vLLM's priority: the lower value first (a batch's lines wait behind live users' requests,
+    whenever they came); equal priorities in arrival order; one aborted while waiting is skipped."""
+    core = StageCore(max_inflight=1, max_queued=8)
+    assert core.admit("live-0") is Admission.RUN
+    for rid, priority in (("batch-1", 1), ("batch-2", 1), ("live-1", 0), ("urgent", -1), ("live-2", 0)):
+        assert core.admit(rid, priority) is Admission.QUEUE
+    core.abort("live-1")
+    started = [core.release("live-0")[0]]
+    while core.waiting:
+        started += core.release(started[-1])
+    assert started == ["urgent", "live-2", "batch-1", "batch-2"]
+
+
 def test_abort_queued_and_running() -> None:
     core = StageCore(max_inflight=1, max_queued=4)
     core.admit("a")

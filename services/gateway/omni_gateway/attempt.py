@@ -33,7 +33,7 @@ from omni_gateway.events import (
 from omni_gateway.inflight import Tracked
 from omni_gateway.pins import ConversationPins
 from omni_gateway.replicas import Replica
-from omni_gateway.request import Prepared
+from omni_gateway.request import BATCH_PRIORITY, Prepared
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.connectors.offload import OffLoop
@@ -103,7 +103,11 @@ class Attempts:
                 span.set_attribute(f"omni.route.{s}", replica)
             remaining = deadline - time.monotonic()
             ctx = RequestContext(
-                rid, {s: r[0] for s, r in t.route.items()}, self.bus.inbox, time.time() + remaining
+                rid,
+                {s: r[0] for s, r in t.route.items()},
+                self.bus.inbox,
+                time.time() + remaining,
+                req.priority + BATCH_PRIORITY.get(),
             )
             inflight.add(t)
             try:

@@ -172,7 +172,7 @@ class Pipeline:
             if codes is not None:
                 media[CODES], kept["codes"] = codes, CODES
             inputs = msgspec.structs.replace(inputs, voice_print=kept)
-        return Prepared(inputs, req.sampling, req.outputs, media, dict(req.per_stage))
+        return Prepared(inputs, req.sampling, req.outputs, media, dict(req.per_stage), req.priority)
 
     async def clone_voice(self, pcm: torch.Tensor, rate: int, ref_text: str | None) -> VoicePrint:
         """The print of a clip's voice, taken by the stage that clones (omni_gateway.cloning)."""

@@ -3,7 +3,9 @@ past every pre-flight check, as each attempt sends it (`Prepared`)."""
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass, field
+from typing import Final
 
 import torch
 
@@ -40,6 +42,8 @@ class PipelineRequest:
     decoded by `Pipeline.prepare` into `media`, `inputs.ref_audio` referring to it."""
     voice_print: VoicePrint | None = None
     """An uploaded voice's print, in place of a clip: put into `media` by `Pipeline.prepare`."""
+    priority: int = 0
+    """vLLM's `priority`: a replica starts its waiting requests the lower value first."""
 
 
 @dataclass(frozen=True)
@@ -53,3 +57,9 @@ class Prepared:
     """Decoded media, by the keys the messages refer to them with."""
     per_stage: dict[str, Sampling] = field(default_factory=dict)
     """Sampling the client asked of one stage alone, by stage (StageRequest.own)."""
+    priority: int = 0
+
+
+BATCH_PRIORITY: Final[ContextVar[int]] = ContextVar("omni_batch_priority", default=0)
+"""Added to the priority of every request made in this context: the batch runner's lines run
+with it set (omni_gateway.batches.runner), so replicas start them after live users' requests."""

@@ -182,6 +182,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request) -> Resp
         max_tokens_param="max_completion_tokens" if req.max_completion_tokens else "max_tokens",
         declared=EVERY_ENGINE,
         per_stage=per_stage,
+        priority=req.priority,
     )
     return await _respond(request, asked, respond, req.n, not req.stream)
 

@@ -2,9 +2,10 @@
 
 No NATS, sockets or event loop here (the process in omni_stage.proc owns those), so tests
 drive it directly. It decides which requests run (at most `max_inflight`), which wait (at
-most `max_queued`, first come first served) and which are refused, and it remembers recently
-aborted requests so their late messages are dropped and their data freed instead of
-starting them again.
+most `max_queued`) and which are refused, and it remembers recently aborted requests so their
+late messages are dropped and their data freed instead of starting them again. Waiting
+requests start by priority (vLLM's: the lower value first; a batch's lines come after live
+users' requests), then first come first served.
 
 A running request that waits for its consumer (no credit left on an out-edge) is *paused*:
 it gives its slot to the next queued request and takes one back when it goes on, so two
@@ -16,7 +17,9 @@ ever. A paused request keeps its engine state, so the bound on what a replica ho
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict, deque
+import heapq
+import itertools
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Final
 
@@ -52,7 +55,12 @@ class StageCore:
         """The replica's phase: draining or asleep, it admits nothing (what it holds runs on)."""
         self.running: set[str] = set()
         self.paused: set[str] = set()
-        self.waiting: deque[str] = deque()
+        self.waiting: dict[str, int] = {}
+        """Queued requests and their priorities."""
+        self._queue: list[tuple[int, int, str]] = []
+        """(priority, arrival, id) of the waiting requests, as a heap; an aborted one's entry
+        stays until it comes up (it is no longer in `waiting`)."""
+        self._arrivals = itertools.count()
         self._aborted: OrderedDict[str, None] = OrderedDict()
 
     def known(self, request_id: str) -> bool:
@@ -61,7 +69,7 @@ class StageCore:
     def is_aborted(self, request_id: str) -> bool:
         return request_id in self._aborted
 
-    def admit(self, request_id: str) -> Admission:
+    def admit(self, request_id: str, priority: int = 0) -> Admission:
         """A new request: run it now, queue it, or refuse it (and then it counts as aborted)."""
         assert not self.known(request_id), request_id
         if self.state.phase in (Phase.DRAINING, Phase.DEAD):
@@ -78,7 +86,8 @@ class StageCore:
             self.running.add(request_id)
             return Admission.RUN
         if len(self.waiting) < self.max_queued:
-            self.waiting.append(request_id)
+            self.waiting[request_id] = priority
+            heapq.heappush(self._queue, (priority, next(self._arrivals), request_id))
             return Admission.QUEUE
         self._forget(request_id)
         return Admission.REJECT_FULL
@@ -106,7 +115,9 @@ class StageCore:
     def _start_waiting(self) -> list[str]:
         started = []
         while self.waiting and len(self.running) < self.max_inflight:
-            rid = self.waiting.popleft()
+            _, _, rid = heapq.heappop(self._queue)
+            if self.waiting.pop(rid, None) is None:
+                continue  # aborted while it waited
             self.running.add(rid)
             started.append(rid)
         return started
@@ -114,8 +125,9 @@ class StageCore:
     def abort(self, request_id: str) -> bool:
         """Mark aborted; returns True if it was running or paused (the caller cancels its task)."""
         self._forget(request_id)
-        if request_id in self.waiting:
-            self.waiting.remove(request_id)
+        self.waiting.pop(request_id, None)  # its heap entry is skipped when it comes up
+        if not self.waiting:
+            self._queue.clear()
         return request_id in self.running or request_id in self.paused
 
     def _forget(self, request_id: str) -> None:

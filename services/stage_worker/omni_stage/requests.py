@@ -126,7 +126,7 @@ class RequestBook:
             return Admitted(False, ErrorCode.FULL, why)
         if self.core.known(rid):  # ids are made unique by the gateway; never let one clash
             return Admitted(False, ErrorCode.DUPLICATE_REQUEST, f"{where} already holds request {rid}")
-        admission = self.core.admit(rid)
+        admission = self.core.admit(rid, ctx.priority)
         if admission is Admission.REJECT_DRAINING:
             return Admitted(False, ErrorCode.DRAINING, f"{where} is draining")
         if admission is Admission.REJECT_SLEEPING:

@@ -282,7 +282,10 @@ class ChatCompletionRequest(BaseModel):
         default=None, min_length=1, max_length=256, description="The response's id."
     )
     priority: int = Field(
-        default=0, description="Only 0: replicas serve first come, first served (vLLM's default policy)."
+        default=0,
+        ge=-(2**31),
+        lt=2**31,
+        description="vLLM's: a replica starts its waiting requests the lower value first, then in order.",
     )
     prompt_logprobs: int | None = Field(
         default=None,
@@ -321,13 +324,6 @@ class ChatCompletionRequest(BaseModel):
     @classmethod
     def _not_served(cls, v: Any, info: ValidationInfo) -> None:
         refuse_unless_off(v, info, _CHAT_OFF)
-
-    @field_validator("priority")
-    @classmethod
-    def _fcfs(cls, v: int) -> int:
-        if v != 0:
-            raise ValueError("replicas serve first come, first served (vLLM's default policy): only 0")
-        return v
 
     @model_validator(mode="after")
     def _vllm(self) -> ChatCompletionRequest:
