@@ -235,13 +235,21 @@ class BatchesSpec(SpecModel):
     """The Batch API (/v1/files, /v1/batches): where files and batches are kept, how large a
     file may be, and how much of the pipeline a gateway's batches may use at once."""
 
+    store: Literal["auto", "sqlite", "jetstream"] = Field(
+        default="auto",
+        description="Where files and batches are kept: sqlite (and files) under stateDir, or NATS "
+        "JetStream's key-value and object stores (the pipeline's NATS must have JetStream on). auto: sqlite "
+        "in SingleNode, jetstream otherwise.",
+    )
     state_dir: str = Field(
         default=".omni-state",
         description="The directory (relative: to the working directory) holding the SQLite batch store and "
-        "the files, under the pipeline's name.",
+        "the files, under the pipeline's name (with JetStream: local copies of the files read).",
     )
     max_file_bytes: int = Field(
-        default=200 << 20, ge=1 << 10, description="Largest file an upload may be (OpenAI's: 200 MB); larger, 413."
+        default=200 << 20,
+        ge=1 << 10,
+        description="Largest file an upload may be (OpenAI's: 200 MB); larger, 413.",
     )
     max_lines: int = Field(
         default=50_000, ge=1, description="Most requests one batch's input file may hold (OpenAI's: 50,000)."
@@ -304,7 +312,9 @@ class GatewaySpec(SpecModel):
     )
     realtime: RealtimeSpec = Field(default_factory=RealtimeSpec, description="Limits on live sessions.")
     videos: VideoJobsSpec = Field(default_factory=VideoJobsSpec, description="Video generation jobs.")
-    batches: BatchesSpec = Field(default_factory=BatchesSpec, description="The Batch API's files and batches.")
+    batches: BatchesSpec = Field(
+        default_factory=BatchesSpec, description="The Batch API's files and batches."
+    )
 
 
 class ObservabilitySpec(SpecModel):

@@ -1,7 +1,8 @@
 """The Batch API end to end, as its users run it: the official openai client's `files` and
 `batches` against `omni serve examples/tiny-omni.yaml` (its store in the test's own directory):
 a batch run to its output and error files, a file that fails validation, a cancel, and batches
-that outlive the gateway (killed, and omni serve stopped and started again)."""
+that outlive the gateway (killed, and omni serve stopped and started again); and in Distributed
+mode, two gateways on JetStream, the one running a batch killed."""
 
 from __future__ import annotations
 
@@ -17,9 +18,11 @@ import openai
 import pytest
 import yaml
 
+from omni_cli.natsd import EmbeddedNats
 from omni_cli.ports import free_port
+from tests.deployment import deployed, metric_values, metrics_urls
 from tests.e2e.test_videos import gateway_of, start
-from tests.helpers import PIPELINE_RESTARTS_TIMEOUT_S, ROOT, assert_all_gone, served, wait_for
+from tests.helpers import PIPELINE_RESTARTS_TIMEOUT_S, ROOT, assert_all_gone, openai_client, served, wait_for
 from tests.openai_schema import violations
 
 pytestmark = pytest.mark.slow
@@ -27,10 +30,15 @@ pytestmark = pytest.mark.slow
 ENDED = ("completed", "failed", "cancelled", "expired")
 
 
-def pipeline_file(tmp: Path, **batches: Any) -> Path:
-    """examples/tiny-omni.yaml, its batches kept under `tmp` (and `batches` settings besides)."""
+def pipeline_file(tmp: Path, distributed: bool = False, one_at_a_time: bool = False, **batches: Any) -> Path:
+    """examples/tiny-omni.yaml, its batches kept under `tmp` (and `batches` settings besides);
+    `one_at_a_time`: its thinker runs one request at a time."""
     spec = yaml.safe_load((ROOT / "examples" / "tiny-omni.yaml").read_text())
+    if one_at_a_time:
+        spec["spec"]["stages"][0].update(maxInflight=1, maxQueued=32)
     spec["spec"]["gateway"]["batches"] = {"stateDir": str(tmp / "state"), **batches}
+    if distributed:
+        spec["spec"].update(mode="Distributed", nats={"url": ""}, connectors={"default": {"kind": "inline"}})
     path = tmp / "tiny-omni.yaml"
     path.write_text(yaml.safe_dump(spec))
     return path
@@ -269,3 +277,66 @@ def test_speech_batches_with_its_audio_in_the_output_line(client: openai.OpenAI)
         bodies["say-wav"]["content_type"] == "audio/wav" and bodies["say-pcm"]["content_type"] == "audio/pcm"
     )
     assert len(base64.b64decode(bodies["say-pcm"]["audio"])) > 0
+
+
+def test_distributed_batches_live_in_jetstream(demo_dir: Path, tmp_path: Path) -> None:
+    """Distributed mode: stages and two gateways as processes of their own on a nats-server with
+    JetStream on, files and batches in its key-value and object stores. A batch made on one
+    gateway runs on whichever claims it; the gateway running it is killed, the other takes it
+    up once the lease lapses and completes it, every custom_id exactly once; both list it and
+    serve its output (neither has it on disk first)."""
+    pipeline = pipeline_file(tmp_path, distributed=True, concurrency=1, leaseS=2)
+    server = EmbeddedNats(args=("-js", "-sd", str(tmp_path / "jetstream")))
+    lines = [chat_line(f"r-{i}", tokens=32) for i in range(24)]
+    try:
+        with deployed(
+            pipeline, {"thinker": 1, "talker": 1, "vocoder": 1}, 2, server.url, demo_dir, tmp_path
+        ) as d:
+            clients = [openai_client(base) for _, base in d.gateways]
+            batch = batch_of(clients[0], lines)
+            wait_for(
+                lambda: clients[1].batches.retrieve(batch.id).request_counts.completed >= 3,
+                60,
+                "lines to end",
+            )
+            running = [i for i, (gw, _) in enumerate(d.gateways) if f"batch {batch.id}" in gw.output()]
+            assert len(running) == 1, running  # one holder
+            d.gateways[running[0]][0].proc.kill()
+            other = clients[1 - running[0]]
+            done, _ = ended(other, batch.id, timeout=180)
+            assert done.status == "completed" and done.request_counts.completed == 24, done
+            out = [x["custom_id"] for x in lines_of(other, done.output_file_id)]
+            assert sorted(out) == sorted(x["custom_id"] for x in lines)
+            assert batch.id in {b.id for b in other.batches.list()}
+        assert not (tmp_path / "state" / "tiny-omni" / "batches.sqlite3").exists()  # nothing in SQLite
+    finally:
+        server.stop()
+
+
+def test_live_requests_go_before_a_batchs_waiting_lines(demo_dir: Path, tmp_path: Path) -> None:
+    """A thinker running one request at a time, one line of a 16-line batch running and the
+    other 15 waiting there: a live user's request asked now starts next, before the waiting
+    lines (a replica starts the lower priority value first, and a batch's lines add 1).
+    Answered, it finds a few lines done at most (those that ended while it was on its way), not
+    the 15 it would have waited for in arrival order."""
+    pipeline = pipeline_file(tmp_path, one_at_a_time=True, concurrency=16)
+    with served(pipeline, demo_dir, tmp_path / "serve.log") as (_, base):
+        client = openai_client(base)
+        thinker = metrics_urls([base])["thinker-0"]
+        # Text only: the thinker alone runs them, so the order it starts them in is the order they end in.
+        lines = [chat_line(f"line-{i}", tokens=64, modalities=["text"]) for i in range(16)]
+        batch = batch_of(client, lines)
+        queued = ("omni_stage_queued_requests",)
+        wait_for(
+            lambda: metric_values(thinker, queued)[queued[0]] == 15, 60, "15 lines waiting at the thinker"
+        )
+        live = client.chat.completions.create(
+            model="tiny-omni",
+            messages=[{"role": "user", "content": "I am here now"}],
+            max_tokens=64,
+            modalities=["text"],
+        )
+        assert live.choices[0].message.content
+        assert client.batches.retrieve(batch.id).request_counts.completed <= 8
+        done, _ = ended(client, batch.id)
+        assert done.status == "completed" and done.request_counts.completed == 16, done

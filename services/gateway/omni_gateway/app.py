@@ -39,7 +39,7 @@ from omni_gateway.voices.voices import Voices
 from omni_pipeline.lifecycle import exit_if_stuck
 from omni_pipeline.logs import REQUEST_ID, configure_logging
 from omni_pipeline.serving import listen, make_server, on_shutdown_signals
-from omni_pipeline.spec import Mode, OutputKind, PipelineFile
+from omni_pipeline.spec import OutputKind, PipelineFile
 from omni_pipeline.tracing import configure_tracing, shutdown_tracing
 
 log = logging.getLogger("omni.gateway")
@@ -132,7 +132,7 @@ def build_app(
     app.include_router(batches_router)
     app.state.api_keys_required = bool(api_keys)
     app.state.video_jobs = None  # set while serving, for a pipeline that makes video
-    app.state.batches = None  # set while serving, in SingleNode
+    app.state.batches = None  # set while serving, where its store could be opened
     # What the batch runner's requests to this app carry: a key of this process's own, never shown.
     app.state.internal_key = secrets.token_urlsafe(32)
     app.state.voices = None  # set while serving, for a pipeline that speaks
@@ -217,17 +217,11 @@ def run_gateway(
                 jobs = await VideoJobs.open(service, pipeline.name, app.state.metrics)
                 await jobs.start()
                 app.state.video_jobs = jobs
-            batches = None
-            if pipeline.spec.mode is Mode.SINGLE_NODE:  # SQLite: one gateway's disk
-                batches = await BatchRunner.open(
-                    app,
-                    pipeline.spec.gateway.batches,
-                    pipeline.name,
-                    service.gateway_id,
-                    app.state.internal_key,
-                )
+            batches = app.state.batches = await BatchRunner.open(
+                app, service, pipeline.name, app.state.internal_key
+            )
+            if batches is not None:
                 await batches.start()
-                app.state.batches = batches
             voices = None
             if OutputKind.AUDIO in pipeline.spec.output_kinds():
                 voices = app.state.voices = await Voices.open(service, pipeline.name)

@@ -94,6 +94,30 @@ class GatewayMetrics:
             buckets=(*_BUCKETS, 600.0, 1800.0, 3600.0),
             registry=r,
         )
+        self.batches_running = Gauge(
+            "omni_gateway_batches_running", "Batches this gateway runs now (/v1/batches)", registry=r
+        )
+        self.batches = Counter(
+            "omni_gateway_batches",
+            "Batches this gateway ended, by status: completed, failed, cancelled, expired",
+            ["status"],
+            registry=r,
+        )
+        self.batch_lines = Counter(
+            "omni_gateway_batch_lines",
+            "Batch lines this gateway ran, by outcome: ok (a 2xx answer, in the output file), error (in "
+            "the error file)",
+            ["outcome"],
+            registry=r,
+        )
+        self.batch_lines_running = Gauge(
+            "omni_gateway_batch_lines_running", "Batch lines this gateway has in the pipeline now", registry=r
+        )
+        self.batch_lines_waiting = Gauge(
+            "omni_gateway_batch_lines_waiting",
+            "Lines of the batches this gateway runs that have not started yet",
+            registry=r,
+        )
         self.speech_to_audio = Histogram(
             "omni_gateway_realtime_speech_end_to_audio_seconds",
             "End of a user's turn (its commit, or VAD's speech_stopped) to its response's first audio",

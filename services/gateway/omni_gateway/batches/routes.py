@@ -14,7 +14,7 @@ from starlette.datastructures import UploadFile
 
 from omni_gateway.batches.records import COMPLETION_WINDOW_S, Batch, StoredFile
 from omni_gateway.batches.runner import BatchRunner
-from omni_gateway.errors import BadRequest, NotFound, NotReady, NotServed, PayloadTooLarge
+from omni_gateway.errors import BadRequest, NotFound, NotReady, PayloadTooLarge, Unavailable
 from omni_gateway.guards import owner_of
 from omni_gateway.protocol.batches import BatchCreateRequest, FileUploadFields
 from omni_gateway.protocol.common import parse
@@ -26,8 +26,10 @@ router = APIRouter()
 def _runner(request: Request) -> BatchRunner:
     runner: BatchRunner | None = request.app.state.batches
     if runner is None:
-        raise NotServed(
-            "the Batch API is served by `omni serve` (SingleNode) only for now: not in Distributed mode"
+        raise Unavailable(
+            "batches cannot be kept here: the gateway could not open its batch store (with store "
+            "jetstream: the pipeline's NATS server has JetStream off, and the chart's nats.jetstream "
+            "turns it on; with sqlite: spec.gateway.batches.stateDir is not writable)"
         )
     return runner
 

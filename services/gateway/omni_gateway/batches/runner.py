@@ -19,22 +19,32 @@ import base64
 import contextlib
 import logging
 import secrets
+import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
+import nats.errors
 
+from omni_gateway.batches.jetstream_store import JetStreamBatchStore
 from omni_gateway.batches.lines import InputLine, answered, not_run, read_input
 from omni_gateway.batches.records import Batch, LineResult, StoredFile
 from omni_gateway.batches.sqlite_store import SqliteBatchStore
+from omni_gateway.batches.store import BatchStore
 from omni_gateway.errors import BadRequest
+from omni_gateway.metrics import GatewayMetrics
+from omni_gateway.pipeline import Pipeline
+from omni_gateway.request import BATCH_PRIORITY
 from omni_pipeline.settings import BatchesSpec
+from omni_pipeline.spec import Mode
 
 log = logging.getLogger("omni.gateway.batches")
 
 INTERNAL_HEADER: Final = "x-omni-batch"
 """Names the batch a request runs for (in the gateway's logs)."""
+BATCH_LINE_PRIORITY: Final = 1
+"""Added to a line's own `priority`: replicas start live users' requests (0) first."""
 
 
 def output_file_id(batch_id: str, kind: str) -> str:
@@ -45,9 +55,15 @@ def output_file_id(batch_id: str, kind: str) -> str:
 
 class BatchRunner:
     def __init__(
-        self, app: Any, store: SqliteBatchStore, spec: BatchesSpec, gateway_id: str, key: str
+        self,
+        app: Any,
+        store: BatchStore,
+        spec: BatchesSpec,
+        gateway_id: str,
+        key: str,
+        metrics: GatewayMetrics,
     ) -> None:
-        self.store, self.spec = store, spec
+        self.store, self.spec, self.metrics = store, spec, metrics
         self.holder = f"{gateway_id}-{secrets.token_hex(4)}"
         self._client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=None
@@ -59,10 +75,26 @@ class BatchRunner:
         self._loop: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, app: Any, spec: BatchesSpec, name: str, gateway_id: str, key: str) -> BatchRunner:
-        store = await asyncio.to_thread(SqliteBatchStore, Path(spec.state_dir) / name)
-        log.info("batches: kept in SQLite under %s", Path(spec.state_dir) / name)
-        return cls(app, store, spec, gateway_id, key)
+    async def open(cls, app: Any, pipeline: Pipeline, name: str, key: str) -> BatchRunner | None:
+        """The batches of `pipeline` (named `name`), in the store its mode keeps them in (`store:
+        auto`: SQLite in SingleNode, JetStream otherwise); None where that store cannot be opened
+        (JetStream off, a state directory not writable): then the Batch API alone is refused."""
+        spec = pipeline.spec.gateway.batches
+        kind = spec.store
+        if kind == "auto":
+            kind = "sqlite" if pipeline.spec.mode is Mode.SINGLE_NODE else "jetstream"
+        root = Path(spec.state_dir) / name
+        store: BatchStore
+        try:
+            if kind == "sqlite":
+                store = await asyncio.to_thread(SqliteBatchStore, root)
+            else:
+                store = await JetStreamBatchStore.open(pipeline.nats, name, root / "cache")
+        except (OSError, sqlite3.Error, nats.errors.Error, TimeoutError) as exc:
+            log.warning("batches: none can be kept (store %s): %s", kind, exc)
+            return None
+        log.info("batches: kept in %s", "SQLite under " + str(root) if kind == "sqlite" else "JetStream")
+        return cls(app, store, spec, pipeline.gateway_id, key, app.state.metrics)
 
     async def start(self) -> None:
         await self.store.sweep()
@@ -102,6 +134,7 @@ class BatchRunner:
                 room = self.spec.concurrency - len(self._running)
                 if room > 0:
                     for batch in await self.store.claim(self.holder, now, self.spec.lease_s, room):
+                        log.info("batch %s: running it (%s)", batch.id, batch.status)
                         task = asyncio.create_task(self._run(batch), name=f"batch-{batch.id}")
                         self._running[batch.id] = task
                         task.add_done_callback(lambda _, b=batch.id: self._ended(b))
@@ -120,6 +153,7 @@ class BatchRunner:
         self._wake.set()  # room for another
 
     async def _run(self, batch: Batch) -> None:
+        self.metrics.batches_running.inc()
         try:
             await self._run_batch(batch)
         except asyncio.CancelledError:
@@ -138,6 +172,9 @@ class BatchRunner:
             await self.store.change(
                 batch.id, self.holder, status="failed", failed_at=int(time.time()), errors=[error]
             )
+            self.metrics.batches.labels(status="failed").inc()
+        finally:
+            self.metrics.batches_running.dec()
 
     async def _run_batch(self, batch: Batch) -> None:
         if batch.status in ("cancelling", "finalizing"):  # taken up from a gateway that died ending it
@@ -159,8 +196,15 @@ class BatchRunner:
             if changed is None:
                 return
             batch = changed
-        done = {r.index for r in await self.store.results(batch.id)}
+        results = await self.store.results(batch.id)
+        done = {r.index for r in results}
+        ok = sum(r.ok for r in results)
+        if (batch.completed, batch.failed) != (ok, len(results) - ok):  # a holder died between line and count
+            recounted = await self.store.change(batch.id, self.holder, completed=ok, failed=len(results) - ok)
+            batch = recounted or batch
         pending: set[asyncio.Task[None]] = set()
+        waiting = len(lines) - len(done)
+        self.metrics.batch_lines_waiting.inc(waiting)
         try:
             for line in lines:
                 if line.index in done:
@@ -170,6 +214,8 @@ class BatchRunner:
                 if current is None or current.status != "in_progress" or time.time() >= batch.expires_at:
                     self._slots.release()
                     break
+                waiting -= 1
+                self.metrics.batch_lines_waiting.dec()
                 task = asyncio.create_task(self._run_line(batch, line))
                 pending.add(task)
                 task.add_done_callback(pending.discard)
@@ -177,6 +223,7 @@ class BatchRunner:
             if pending:
                 await asyncio.gather(*pending)
         finally:
+            self.metrics.batch_lines_waiting.dec(waiting)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -204,14 +251,18 @@ class BatchRunner:
         await self.store.change(
             batch.id, self.holder, status="failed", failed_at=int(time.time()), errors=errors
         )
+        self.metrics.batches.labels(status="failed").inc()
         log.info("batch %s failed validation: %s", batch.id, errors[0]["message"])
         return None
 
     async def _run_line(self, batch: Batch, line: InputLine) -> None:
-        result = LineResult(line.index, *await self._answer(batch, line))
+        with self.metrics.batch_lines_running.track_inprogress():
+            result = LineResult(line.index, *await self._answer(batch, line))
+        self.metrics.batch_lines.labels(outcome="ok" if result.ok else "error").inc()
         await self.store.add_result(batch.id, self.holder, result)
 
     async def _answer(self, batch: Batch, line: InputLine) -> tuple[bool, bytes]:
+        BATCH_PRIORITY.set(BATCH_LINE_PRIORITY)  # this line's task's own context: its request only
         if line.body.get("stream"):
             refused = BadRequest("stream: a batch request cannot stream", param="stream")
             return False, answered(line.custom_id, refused.status, None, refused.body())
@@ -280,6 +331,7 @@ class BatchRunner:
             **{stamp: int(time.time())},
         )
         await self.store.drop_results(batch.id)
+        self.metrics.batches.labels(status=status).inc()
         log.info("batch %s %s: %d lines out, %d in errors", batch.id, status, len(outputs), len(errors))
 
 
