@@ -19,6 +19,7 @@ BENCH_TIMEOUT_S = 600
 """A benchmark's --quick run starts whole pipelines (three, for epd): under a full suite's load
 each takes up to 160 s, and a third of the timeout is kept free."""
 RATIOS = {
+    "batch": {"batch_vs_online", "live_ttfp_during_batch_vs_idle"},
     "connectors": {"shm_64MiB_vs_memcpy", "mooncake_64MiB_vs_raw", "shm_64MiB_vs_queue_pickle"},
     "epd": {"thinker_throughput_split_vs_in_thinker", "e2e_split_vs_in_thinker", "encoder_replicas_2_vs_1"},
     "hop": {"p50_vs_raw_nats"},

@@ -16,7 +16,7 @@ from omni_pipeline.control import ControlError
 from omni_pipeline.environment import NATS_URL_ENV
 from omni_pipeline.lifecycle import exit_process
 from omni_pipeline.logs import configure_logging
-from omni_pipeline.spec import PipelineFile, SpecError, load_pipeline
+from omni_pipeline.spec import Mode, PipelineFile, SpecError, load_pipeline
 
 
 def _nats_url(arg: str | None, pipeline: PipelineFile) -> str | None:
@@ -43,6 +43,15 @@ def cmd_serve(a: argparse.Namespace) -> int:
         _checked_nats_url(url, pipeline)
     port = a.port if a.port is not None else pipeline.spec.gateway.port
     return Supervisor(pipeline, a.pipeline, a.host, port, url).run()
+
+
+def cmd_run_batch(a: argparse.Namespace) -> int:
+    from omni_cli.run_batch import run_batch
+
+    pipeline = load_pipeline(str(a.pipeline))  # a bad file stops here, before anything starts
+    if pipeline.spec.mode is not Mode.SINGLE_NODE:
+        raise SpecError(f"{a.pipeline}: run-batch serves a pipeline on this machine: mode must be SingleNode")
+    return run_batch(a.pipeline, a.input_file, a.output_file)
 
 
 def cmd_stage(a: argparse.Namespace) -> int:
@@ -252,6 +261,16 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("name", type=_bench_name, choices=names, nargs=None if names else "?")
     s.add_argument("args", nargs=argparse.REMAINDER, help="the benchmark's own: --json, --out DIR, ...")
     s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("run-batch", help="run a file of requests to a file of results (as vllm run-batch)")
+    s.add_argument(
+        "-i", "--input-file", required=True, type=Path, help="requests, OpenAI's batch input JSONL"
+    )
+    s.add_argument(
+        "-o", "--output-file", required=True, type=Path, help="results, OpenAI's batch output JSONL"
+    )
+    s.add_argument("pipeline", type=Path)
+    s.set_defaults(fn=cmd_run_batch)
 
     s = sub.add_parser("validate", help="check a pipeline file")
     s.add_argument("pipeline")
