@@ -260,6 +260,14 @@ class BatchesSpec(SpecModel):
         description="A gateway replica's batch requests running at once, all its batches together: what "
         "the pipeline's interactive users leave to batches.",
     )
+    live_priority: int = Field(
+        default=2,
+        ge=0,
+        description="Batch lines each live request this gateway serves keeps from starting: lines start "
+        "while those running plus this many per live request stay under concurrency. 1: lines fill the "
+        "slots live users leave; 2 (measured on a CPU, where every row of a step costs): live TTFP "
+        "during a batch as without one; 0: batches ignore live users.",
+    )
     output_retention_s: float = Field(
         default=30 * 86400.0,
         gt=0,

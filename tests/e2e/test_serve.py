@@ -1022,3 +1022,32 @@ def test_each_stage_process_sees_only_the_gpus_it_was_placed_on(tmp_path: Path) 
         "omni serve: stage 'thinker': resources.gpus: replica 0 needs 1, but other stages took all 1"
         in serve.output()
     )
+
+
+def test_a_batch_of_conversations_in_one_call_as_vllms(demo: str) -> None:
+    """vLLM's /v1/chat/completions/batch: one choice per conversation, in order, each what the
+    conversation alone would get (greedy), and the usage of them all; what vLLM's refuses
+    (`stream`, more than 32 conversations) a 400 naming it; a conversation the endpoint
+    refuses makes the answer its error."""
+    conversations = [
+        [{"role": "user", "content": f"Tell me about {x}"}] for x in ("the sea", "a fox", "rain")
+    ]
+    asked = {"model": "tiny-omni", "max_tokens": 6, "temperature": 0}
+    r = HTTP.post(f"{demo}/v1/chat/completions/batch", json={**asked, "messages": conversations}, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for conversation, choice in zip(conversations, body["choices"], strict=True):
+        alone = HTTP.post(
+            f"{demo}/v1/chat/completions", json={**asked, "messages": conversation}, timeout=120
+        )
+        assert choice["message"]["content"] == alone.json()["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] == 3 * 6
+    for extra, param in (({"stream": True}, "stream"), ({"messages": [conversations[0]] * 33}, "messages")):
+        refused = HTTP.post(
+            f"{demo}/v1/chat/completions/batch", json={**asked, "messages": conversations, **extra}
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    bad = [*conversations, [{"role": "nobody", "content": "x"}]]
+    refused = HTTP.post(f"{demo}/v1/chat/completions/batch", json={**asked, "messages": bad}, timeout=120)
+    assert refused.status_code == 400, refused.text

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_gateway.batches.routes import router as batches_router
 from omni_gateway.batches.runner import BatchRunner
+from omni_gateway.chat_batch import router as chat_batch_router
 from omni_gateway.errors import BadRequest, OmniError
 from omni_gateway.guards import ApiKeyAuth, BodyLimit, load_api_keys
 from omni_gateway.metrics import GatewayMetrics
@@ -130,6 +131,7 @@ def build_app(
     app.include_router(videos_router)
     app.include_router(voices_router)
     app.include_router(batches_router)
+    app.include_router(chat_batch_router)
     app.state.api_keys_required = bool(api_keys)
     app.state.video_jobs = None  # set while serving, for a pipeline that makes video
     app.state.batches = None  # set while serving, where its store could be opened
@@ -217,9 +219,7 @@ def run_gateway(
                 jobs = await VideoJobs.open(service, pipeline.name, app.state.metrics)
                 await jobs.start()
                 app.state.video_jobs = jobs
-            batches = app.state.batches = await BatchRunner.open(
-                app, service, pipeline.name, app.state.internal_key
-            )
+            batches = app.state.batches = await BatchRunner.open(app, service, pipeline.name)
             if batches is not None:
                 await batches.start()
             voices = None

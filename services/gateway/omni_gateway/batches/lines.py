@@ -20,6 +20,7 @@ from typing import Any, Final
 import msgspec
 
 MAX_CUSTOM_ID: Final = 512
+_JSON: Final = msgspec.json.Encoder()
 
 
 class InputLine(msgspec.Struct, frozen=True):
@@ -88,7 +89,8 @@ def _line_error(req: dict[str, Any], endpoint: str, n: int, seen: set[str]) -> d
 
 
 def answered(custom_id: str, status: int, request_id: str | None, body: Any) -> bytes:
-    """The line of a request the endpoint answered (the output file's if 2xx, else the error file's)."""
+    """The line of a request the endpoint answered (the output file's if 2xx, else the error
+    file's); `body` may be the answer's JSON as it came (msgspec.Raw), not parsed again."""
     response = {"status_code": status, "request_id": request_id, "body": body}
     return _line(custom_id, response, None)
 
@@ -100,5 +102,4 @@ def not_run(custom_id: str, code: str, message: str) -> bytes:
 
 def _line(custom_id: str, response: dict[str, Any] | None, error: dict[str, str] | None) -> bytes:
     line_id = f"batch_req_{secrets.token_hex(12)}"
-    line = {"id": line_id, "custom_id": custom_id, "response": response, "error": error}
-    return json.dumps(line, separators=(",", ":")).encode()
+    return _JSON.encode({"id": line_id, "custom_id": custom_id, "response": response, "error": error})

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, Final
 
-import httpx
+import msgspec
 import nats.errors
 
 from omni_gateway.batches.jetstream_store import JetStreamBatchStore
@@ -33,6 +33,7 @@ from omni_gateway.batches.records import Batch, LineResult, StoredFile
 from omni_gateway.batches.sqlite_store import SqliteBatchStore
 from omni_gateway.batches.store import BatchStore
 from omni_gateway.errors import BadRequest
+from omni_gateway.internal import internal_client
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline
 from omni_gateway.request import BATCH_PRIORITY
@@ -43,6 +44,8 @@ log = logging.getLogger("omni.gateway.batches")
 
 INTERNAL_HEADER: Final = "x-omni-batch"
 """Names the batch a request runs for (in the gateway's logs)."""
+LIVE_POLL_S: Final = 0.02
+"""How often a line waiting for live users to leave room looks again."""
 BATCH_LINE_PRIORITY: Final = 1
 """Added to a line's own `priority`: replicas start live users' requests (0) first."""
 
@@ -60,22 +63,18 @@ class BatchRunner:
         store: BatchStore,
         spec: BatchesSpec,
         gateway_id: str,
-        key: str,
         metrics: GatewayMetrics,
     ) -> None:
         self.store, self.spec, self.metrics = store, spec, metrics
         self.holder = f"{gateway_id}-{secrets.token_hex(4)}"
-        self._client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://gateway", timeout=None
-        )
-        self._headers = {"authorization": f"Bearer {key}"}
+        self._client = internal_client(app)
         self._slots = asyncio.Semaphore(spec.concurrency)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, app: Any, pipeline: Pipeline, name: str, key: str) -> BatchRunner | None:
+    async def open(cls, app: Any, pipeline: Pipeline, name: str) -> BatchRunner | None:
         """The batches of `pipeline` (named `name`), in the store its mode keeps them in (`store:
         auto`: SQLite in SingleNode, JetStream otherwise); None where that store cannot be opened
         (JetStream off, a state directory not writable): then the Batch API alone is refused."""
@@ -94,7 +93,7 @@ class BatchRunner:
             log.warning("batches: none can be kept (store %s): %s", kind, exc)
             return None
         log.info("batches: kept in %s", "SQLite under " + str(root) if kind == "sqlite" else "JetStream")
-        return cls(app, store, spec, pipeline.gateway_id, key, app.state.metrics)
+        return cls(app, store, spec, pipeline.gateway_id, app.state.metrics)
 
     async def start(self) -> None:
         await self.store.sweep()
@@ -210,6 +209,7 @@ class BatchRunner:
                 if line.index in done:
                     continue
                 await self._slots.acquire()
+                await self._room_left_by_live_users()
                 current = await self.store.get_batch(batch.id, None)
                 if current is None or current.status != "in_progress" or time.time() >= batch.expires_at:
                     self._slots.release()
@@ -255,6 +255,23 @@ class BatchRunner:
         log.info("batch %s failed validation: %s", batch.id, errors[0]["message"])
         return None
 
+    def _live(self) -> int:
+        """Live users' requests this gateway serves now: every request in flight but its own lines."""
+        serving = self.metrics.registry.get_sample_value("omni_gateway_inflight_requests") or 0.0
+        running = self.metrics.registry.get_sample_value("omni_gateway_batch_lines_running") or 0.0
+        return max(0, int(serving - running))
+
+    async def _room_left_by_live_users(self) -> None:
+        """Wait until this gateway's batch lines, and `livePriority` lines' room for each live
+        request it serves, leave room for one more line within `concurrency`: live users' new
+        requests find a free slot instead of one a batch line holds, and fewer rows beside
+        theirs in every step."""
+        while True:
+            running = self.metrics.registry.get_sample_value("omni_gateway_batch_lines_running") or 0.0
+            if running + self.spec.live_priority * self._live() < self.spec.concurrency:
+                return
+            await asyncio.sleep(LIVE_POLL_S)
+
     async def _run_line(self, batch: Batch, line: InputLine) -> None:
         with self.metrics.batch_lines_running.track_inprogress():
             result = LineResult(line.index, *await self._answer(batch, line))
@@ -266,7 +283,7 @@ class BatchRunner:
         if line.body.get("stream"):
             refused = BadRequest("stream: a batch request cannot stream", param="stream")
             return False, answered(line.custom_id, refused.status, None, refused.body())
-        headers = {**self._headers, INTERNAL_HEADER: batch.id}
+        headers = {INTERNAL_HEADER: batch.id}
         try:
             r = await self._client.post(batch.endpoint, json=line.body, headers=headers)
         except Exception as exc:  # the app answers every error itself: this is a crash of ours
@@ -277,7 +294,7 @@ class BatchRunner:
             return False, not_run(line.custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
         body: Any
         if r.headers.get("content-type", "").startswith("application/json"):
-            body = r.json()
+            body = msgspec.Raw(r.content)  # kept as it came: an answer with audio is large
         else:  # speech: the audio itself
             body = {
                 "audio": base64.b64encode(r.content).decode(),
