@@ -224,8 +224,12 @@ class JetStreamBatchStore:
             await self._reload(key)
         return None
 
-    async def change(self, batch_id: str, holder: str | None, **values: Any) -> Batch | None:
-        def changed(record: dict[str, Any]) -> dict[str, Any]:
+    async def change(
+        self, batch_id: str, holder: str | None, only_if: tuple[str, ...] | None = None, **values: Any
+    ) -> Batch | None:
+        def changed(record: dict[str, Any]) -> dict[str, Any] | None:
+            if only_if is not None and record["batch"]["status"] not in only_if:
+                return None
             return {**record, "batch": {**record["batch"], **values}}
 
         new = await self._changed(batch_id, holder, changed)

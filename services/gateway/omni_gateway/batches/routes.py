@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any
+from typing import Any, Final
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse
@@ -21,6 +21,9 @@ from omni_gateway.protocol.common import parse
 from omni_gateway.protocol.videos import ListOrder
 
 router = APIRouter()
+
+RUNNING: Final = ("validating", "in_progress")
+"""What a cancel stops; any other status has ended, or is ending."""
 
 
 def _runner(request: Request) -> BatchRunner:
@@ -182,11 +185,12 @@ async def cancel_batch(request: Request, batch_id: str) -> dict[str, Any]:
     batch is `cancelling` until its gateway has written its files, then `cancelled`."""
     runner = _runner(request)
     batch = await _batch(request, batch_id)
-    if batch.status not in ("validating", "in_progress"):
-        raise NotReady(f"batch '{batch_id}' is {batch.status}: only a running batch can be cancelled")
-    cancelled = await runner.store.change(batch.id, None, status="cancelling", cancelling_at=int(time.time()))
-    if cancelled is None:
-        raise NotFound(f"batch '{batch_id}' does not exist", param="batch_id")
+    cancelled = await runner.store.change(
+        batch.id, None, RUNNING, status="cancelling", cancelling_at=int(time.time())
+    )
+    if cancelled is None:  # ended, or ending
+        current = await _batch(request, batch_id)
+        raise NotReady(f"batch '{batch_id}' is {current.status}: only a running batch can be cancelled")
     runner.cancel(batch.id)
     runner.wake()
     return cancelled.resource()

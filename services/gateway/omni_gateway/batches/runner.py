@@ -187,12 +187,14 @@ class BatchRunner:
             changed = await self.store.change(
                 batch.id,
                 self.holder,
+                ("validating",),  # not a batch cancelled meanwhile
                 status="in_progress",
                 in_progress_at=int(time.time()),
                 total=len(lines),
                 model=model,
             )
             if changed is None:
+                await self._end_if_cancelled(batch.id)
                 return
             batch = changed
         results = await self.store.results(batch.id)
@@ -236,6 +238,11 @@ class BatchRunner:
             await self._finalize(current, "expired")
         else:
             await self._finalize(current, "completed")
+
+    async def _end_if_cancelled(self, batch_id: str) -> None:
+        current = await self.store.get_batch(batch_id, None)
+        if current is not None and current.status == "cancelling":
+            await self._finalize(current, "cancelled")
 
     async def _input(self, batch: Batch) -> list[InputLine] | None:
         """The batch's requests; None if its input cannot be read or holds a bad line (then it
@@ -306,8 +313,11 @@ class BatchRunner:
         """Write the output and error files from the lines' outcomes and end the batch as `status`."""
         now = int(time.time())
         if status == "completed" and batch.status != "finalizing":  # cancelled and expired end at once
-            changed = await self.store.change(batch.id, self.holder, status="finalizing", finalizing_at=now)
-            if changed is None:
+            changed = await self.store.change(
+                batch.id, self.holder, ("in_progress",), status="finalizing", finalizing_at=now
+            )
+            if changed is None:  # cancelled meanwhile (or no longer ours)
+                await self._end_if_cancelled(batch.id)
                 return
         results = await self.store.results(batch.id)
         ran = {r.index for r in results}

@@ -133,11 +133,16 @@ class _Rows(SqliteDb):
             row = db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
         return None if row is None or (owner is not None and row["owner"] != owner) else _batch(row)
 
-    def change(self, batch_id: str, holder: str | None, **values: Any) -> Batch | None:
-        """Set a batch's fields, if `holder` holds it (None: whoever does); the batch as it is then."""
+    def change(
+        self, batch_id: str, holder: str | None, only_if: tuple[str, ...] | None, values: dict[str, Any]
+    ) -> Batch | None:
+        """Set a batch's fields, if `holder` holds it (None: whoever does) and its status is one
+        of `only_if` (None: any); the batch as it is then."""
         with self._transaction() as db:
             row = db.execute("SELECT * FROM batches WHERE id = ?", (batch_id,)).fetchone()
             if row is None or (holder is not None and row["holder"] != holder):
+                return None
+            if only_if is not None and row["status"] not in only_if:
                 return None
             b = msgspec.structs.replace(_batch(row), **values)
             db.execute(
@@ -274,8 +279,10 @@ class SqliteBatchStore:
     async def batches(self, owner: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         return await asyncio.to_thread(self._rows.page, "batches", owner, after, limit, False)
 
-    async def change(self, batch_id: str, holder: str | None, **values: Any) -> Batch | None:
-        return await asyncio.to_thread(lambda: self._rows.change(batch_id, holder, **values))
+    async def change(
+        self, batch_id: str, holder: str | None, only_if: tuple[str, ...] | None = None, **values: Any
+    ) -> Batch | None:
+        return await asyncio.to_thread(self._rows.change, batch_id, holder, only_if, values)
 
     async def claim(self, holder: str, now: float, lease_s: float, limit: int) -> list[Batch]:
         return await asyncio.to_thread(self._rows.claim, holder, now, lease_s, limit)

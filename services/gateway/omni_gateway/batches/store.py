@@ -48,9 +48,12 @@ class BatchStore(Protocol):
     async def batches(self, owner: str, after: str | None, limit: int) -> tuple[list[Batch], bool]:
         """The owner's batches, newest first, from the one after `after` (KeyError: none such)."""
 
-    async def change(self, batch_id: str, holder: str | None, **values: Any) -> Batch | None:
-        """Set a batch's fields if `holder` holds it (None: whoever does); the batch as it is
-        then, or None (not held by `holder`, or gone)."""
+    async def change(
+        self, batch_id: str, holder: str | None, only_if: tuple[str, ...] | None = None, **values: Any
+    ) -> Batch | None:
+        """Set a batch's fields if `holder` holds it (None: whoever does) and, with `only_if`,
+        its status is one of those (a cancel does not undo an end, nor a start a cancel); the
+        batch as it is then, or None."""
 
     async def claim(self, holder: str, now: float, lease_s: float, limit: int) -> list[Batch]:
         """Lease up to `limit` batches with work left that no live gateway holds (oldest first)."""
