@@ -27,7 +27,7 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
 from omni_gateway.batches.records import RUNNABLE, Batch, LineResult, StoredFile
-from omni_gateway.jetstream import key_value
+from omni_gateway.jetstream import key_value, local_copy
 
 _DELETE_OPS: Final = ("DEL", "PURGE")
 
@@ -134,22 +134,7 @@ class JetStreamBatchStore:
     async def content(self, file_id: str) -> Path | None:
         if self._records.get(f"file.{file_id}", (None, 0))[0] is None:
             return None
-        path = self._cache / file_id
-        if await asyncio.to_thread(path.is_file):
-            return path
-        try:
-            got = await self._objects.get(f"files/{file_id}")
-        except nats.js.errors.ObjectNotFoundError:
-            return None
-
-        def write() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f".{file_id}.{time.monotonic_ns()}")
-            partial.write_bytes(got.data or b"")
-            partial.rename(path)
-
-        await asyncio.to_thread(write)
-        return path
+        return await local_copy(self._objects, f"files/{file_id}", self._cache / file_id)
 
     async def delete_file(self, file_id: str, owner: str) -> bool:
         key = f"file.{file_id}"

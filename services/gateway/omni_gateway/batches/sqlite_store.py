@@ -152,27 +152,11 @@ class _Rows(SqliteDb):
             return b
 
     def claim(self, holder: str, now: float, lease_s: float, limit: int) -> list[Batch]:
-        marks = ",".join("?" * len(RUNNABLE))
-        with self._locked() as db:
-            rows = db.execute(
-                f"UPDATE batches SET holder = ?, lease_until = ? WHERE id IN ("
-                f" SELECT id FROM batches WHERE status IN ({marks})"
-                f" AND (lease_until IS NULL OR lease_until < ?)"
-                f" ORDER BY seq LIMIT ?) RETURNING *",
-                (holder, now + lease_s, *RUNNABLE, now, limit),
-            ).fetchall()
+        rows = self.claim_rows("batches", RUNNABLE, holder, now, lease_s, limit)
         return sorted((_batch(r) for r in rows), key=lambda b: b.created_at)
 
     def renew(self, holder: str, ids: list[str], until: float) -> set[str]:
-        if not ids:
-            return set()
-        marks = ",".join("?" * len(ids))
-        with self._locked() as db:
-            rows = db.execute(
-                f"UPDATE batches SET lease_until = ? WHERE holder = ? AND id IN ({marks}) RETURNING id",
-                (until, holder, *ids),
-            ).fetchall()
-        return {r["id"] for r in rows}
+        return self.renew_leases("batches", holder, ids, until)
 
     def release(self, holder: str, ids: list[str]) -> None:
         if not ids:

@@ -29,7 +29,7 @@ import nats.js
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
-from omni_gateway.jetstream import key_value
+from omni_gateway.jetstream import key_value, local_copy
 from omni_gateway.videos.store import RUNNABLE, StoreFull, VideoJob
 
 _DELETE_OPS: Final = ("DEL", "PURGE")
@@ -220,22 +220,7 @@ class JetStreamJobStore:
 
     async def file(self, job_id: str, name: str) -> Path | None:
         """A local copy of the file (fetched whole on its first read), or None if there is none."""
-        path = self._cache / job_id / name
-        if path.is_file():
-            return path
-        try:
-            got = await self._files.get(f"{job_id}/{name}")
-        except nats.js.errors.ObjectNotFoundError:
-            return None
-
-        def write() -> None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            partial = path.with_name(f".{name}.{time.monotonic_ns()}")
-            partial.write_bytes(got.data or b"")
-            partial.rename(path)
-
-        await asyncio.to_thread(write)
-        return path
+        return await local_copy(self._files, f"{job_id}/{name}", self._cache / job_id / name)
 
     async def remove_files(self, job_ids: list[str]) -> None:
         names = {o.name for o in await self._object_list()}

@@ -116,27 +116,11 @@ class _Rows(SqliteDb):
 
     def claim(self, holder: str, now: float, lease_s: float, limit: int) -> list[VideoJob]:
         """Lease up to `limit` unfinished jobs no live gateway holds (oldest first) to `holder`."""
-        marks = ",".join("?" * len(RUNNABLE))
-        with self._locked() as db:
-            rows = db.execute(
-                f"UPDATE jobs SET holder = ?, lease_until = ? WHERE id IN ("
-                f" SELECT id FROM jobs WHERE status IN ({marks}) AND (lease_until IS NULL OR lease_until < ?)"
-                f" ORDER BY seq LIMIT ?) RETURNING *",
-                (holder, now + lease_s, *RUNNABLE, now, limit),
-            ).fetchall()
+        rows = self.claim_rows("jobs", RUNNABLE, holder, now, lease_s, limit)
         return sorted((_row(r) for r in rows), key=lambda j: j.created_at)
 
     def renew(self, holder: str, ids: list[str], until: float) -> set[str]:
-        """Extend the holder's leases on `ids`; the ids it still holds (a deleted job's is gone)."""
-        if not ids:
-            return set()
-        marks = ",".join("?" * len(ids))
-        with self._locked() as db:
-            rows = db.execute(
-                f"UPDATE jobs SET lease_until = ? WHERE holder = ? AND id IN ({marks}) RETURNING id",
-                (until, holder, *ids),
-            ).fetchall()
-        return {r["id"] for r in rows}
+        return self.renew_leases("jobs", holder, ids, until)
 
     def update(self, job_id: str, by: str, **values: Any) -> bool:
         if "error" in values:
