@@ -314,22 +314,25 @@ def test_distributed_batches_live_in_jetstream(demo_dir: Path, tmp_path: Path) -
 
 
 def test_live_requests_go_before_a_batchs_waiting_lines(demo_dir: Path, tmp_path: Path) -> None:
-    """A thinker running one request at a time, one line of a 16-line batch running and the
-    other 15 waiting there: a live user's request asked now starts next, before the waiting
+    """A thinker running one request at a time, one line of a 24-line batch running and a dozen
+    or more waiting there: a live user's request asked now starts next, before the waiting
     lines (a replica starts the lower priority value first, and a batch's lines add 1).
-    Answered, it finds a few lines done at most (those that ended while it was on its way), not
-    the 15 it would have waited for in arrival order."""
-    pipeline = pipeline_file(tmp_path, one_at_a_time=True, concurrency=16)
+    Answered, it finds a few more lines done at most (those that ended while it was on its way
+    and the one it waited for), not the dozen and more it would have waited for in arrival order."""
+    pipeline = pipeline_file(tmp_path, one_at_a_time=True, concurrency=24)
     with served(pipeline, demo_dir, tmp_path / "serve.log") as (_, base):
         client = openai_client(base)
         thinker = metrics_urls([base])["thinker-0"]
         # Text only: the thinker alone runs them, so the order it starts them in is the order they end in.
-        lines = [chat_line(f"line-{i}", tokens=64, modalities=["text"]) for i in range(16)]
+        lines = [chat_line(f"line-{i}", tokens=64, modalities=["text"]) for i in range(24)]
         batch = batch_of(client, lines)
         queued = ("omni_stage_queued_requests",)
         wait_for(
-            lambda: metric_values(thinker, queued)[queued[0]] == 15, 60, "15 lines waiting at the thinker"
+            lambda: metric_values(thinker, queued)[queued[0]] >= 12,
+            60,
+            "a dozen lines waiting at the thinker",
         )
+        before = client.batches.retrieve(batch.id).request_counts.completed
         live = client.chat.completions.create(
             model="tiny-omni",
             messages=[{"role": "user", "content": "I am here now"}],
@@ -337,6 +340,6 @@ def test_live_requests_go_before_a_batchs_waiting_lines(demo_dir: Path, tmp_path
             modalities=["text"],
         )
         assert live.choices[0].message.content
-        assert client.batches.retrieve(batch.id).request_counts.completed <= 8
+        assert client.batches.retrieve(batch.id).request_counts.completed - before <= 4
         done, _ = ended(client, batch.id)
-        assert done.status == "completed" and done.request_counts.completed == 16, done
+        assert done.status == "completed" and done.request_counts.completed == 24, done
