@@ -15,39 +15,28 @@ ends. A gateway that stops gives its batches back at once; their lines in flight
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import logging
 import secrets
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-import msgspec
 import nats.errors
 
+from omni_gateway.batches.calls import LineCalls
 from omni_gateway.batches.jetstream_store import JetStreamBatchStore
-from omni_gateway.batches.lines import InputLine, answered, not_run, read_input
+from omni_gateway.batches.lines import InputLine, not_run, read_input
 from omni_gateway.batches.records import Batch, LineResult, StoredFile
 from omni_gateway.batches.sqlite_store import SqliteBatchStore
 from omni_gateway.batches.store import BatchStore
-from omni_gateway.errors import BadRequest
-from omni_gateway.internal import internal_client
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.pipeline import Pipeline
-from omni_gateway.request import BATCH_PRIORITY
 from omni_pipeline.settings import BatchesSpec
 from omni_pipeline.spec import Mode
 
 log = logging.getLogger("omni.gateway.batches")
-
-INTERNAL_HEADER: Final = "x-omni-batch"
-"""Names the batch a request runs for (in the gateway's logs)."""
-LIVE_POLL_S: Final = 0.02
-"""How often a line waiting for live users to leave room looks again."""
-BATCH_LINE_PRIORITY: Final = 1
-"""Added to a line's own `priority`: replicas start live users' requests (0) first."""
 
 
 def output_file_id(batch_id: str, kind: str) -> str:
@@ -67,7 +56,7 @@ class BatchRunner:
     ) -> None:
         self.store, self.spec, self.metrics = store, spec, metrics
         self.holder = f"{gateway_id}-{secrets.token_hex(4)}"
-        self._client = internal_client(app)
+        self.calls = LineCalls(app, spec, metrics)
         self._slots = asyncio.Semaphore(spec.concurrency)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
@@ -119,7 +108,7 @@ class BatchRunner:
             task.cancel()
         await asyncio.gather(*self._running.values(), return_exceptions=True)
         await self.store.release(self.holder, held)
-        await self._client.aclose()
+        await self.calls.close()
         await self.store.close()
 
     async def _tend(self) -> None:
@@ -211,7 +200,7 @@ class BatchRunner:
                 if line.index in done:
                     continue
                 await self._slots.acquire()
-                await self._room_left_by_live_users()
+                await self.calls.room_left_by_live_users()
                 current = await self.store.get_batch(batch.id, None)
                 if current is None or current.status != "in_progress" or time.time() >= batch.expires_at:
                     self._slots.release()
@@ -262,52 +251,11 @@ class BatchRunner:
         log.info("batch %s failed validation: %s", batch.id, errors[0]["message"])
         return None
 
-    def _live(self) -> int:
-        """Live users' requests this gateway serves now: every request in flight but its own lines."""
-        serving = self.metrics.registry.get_sample_value("omni_gateway_inflight_requests") or 0.0
-        running = self.metrics.registry.get_sample_value("omni_gateway_batch_lines_running") or 0.0
-        return max(0, int(serving - running))
-
-    async def _room_left_by_live_users(self) -> None:
-        """Wait until this gateway's batch lines, and `livePriority` lines' room for each live
-        request it serves, leave room for one more line within `concurrency`: live users' new
-        requests find a free slot instead of one a batch line holds, and fewer rows beside
-        theirs in every step."""
-        while True:
-            running = self.metrics.registry.get_sample_value("omni_gateway_batch_lines_running") or 0.0
-            if running + self.spec.live_priority * self._live() < self.spec.concurrency:
-                return
-            await asyncio.sleep(LIVE_POLL_S)
-
     async def _run_line(self, batch: Batch, line: InputLine) -> None:
         with self.metrics.batch_lines_running.track_inprogress():
-            result = LineResult(line.index, *await self._answer(batch, line))
+            result = LineResult(line.index, *await self.calls.answer(batch, line))
         self.metrics.batch_lines.labels(outcome="ok" if result.ok else "error").inc()
         await self.store.add_result(batch.id, self.holder, result)
-
-    async def _answer(self, batch: Batch, line: InputLine) -> tuple[bool, bytes]:
-        BATCH_PRIORITY.set(BATCH_LINE_PRIORITY)  # this line's task's own context: its request only
-        if line.body.get("stream"):
-            refused = BadRequest("stream: a batch request cannot stream", param="stream")
-            return False, answered(line.custom_id, refused.status, None, refused.body())
-        headers = {INTERNAL_HEADER: batch.id}
-        try:
-            r = await self._client.post(batch.endpoint, json=line.body, headers=headers)
-        except Exception as exc:  # the app answers every error itself: this is a crash of ours
-            task = asyncio.current_task()
-            if task is not None and task.cancelling():  # the app swallowed our cancel: not the line's fault
-                raise asyncio.CancelledError from exc
-            log.exception("batch %s line %d", batch.id, line.index)
-            return False, not_run(line.custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
-        body: Any
-        if r.headers.get("content-type", "").startswith("application/json"):
-            body = msgspec.Raw(r.content)  # kept as it came: an answer with audio is large
-        else:  # speech: the audio itself
-            body = {
-                "audio": base64.b64encode(r.content).decode(),
-                "content_type": r.headers.get("content-type"),
-            }
-        return r.is_success, answered(line.custom_id, r.status_code, r.headers.get("x-request-id"), body)
 
     async def _finalize(self, batch: Batch, status: str) -> None:
         """Write the output and error files from the lines' outcomes and end the batch as `status`."""

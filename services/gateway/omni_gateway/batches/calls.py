@@ -1,0 +1,80 @@
+"""How a batch line is sent and when it may start: each line a request to the gateway's own
+endpoint in the same process (omni_gateway.internal), at the batch priority (replicas start
+live users' requests first), once the lines running and the room kept for each live request
+this gateway serves (`livePriority`) stay under `concurrency`."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+from typing import Any, Final
+
+import msgspec
+
+from omni_gateway.batches.lines import InputLine, answered, not_run
+from omni_gateway.batches.records import Batch
+from omni_gateway.errors import BadRequest
+from omni_gateway.internal import internal_client
+from omni_gateway.metrics import GatewayMetrics
+from omni_gateway.request import BATCH_PRIORITY
+from omni_pipeline.settings import BatchesSpec
+
+log = logging.getLogger("omni.gateway.batches")
+
+INTERNAL_HEADER: Final = "x-omni-batch"
+"""Names the batch a request runs for (in the gateway's logs)."""
+LIVE_POLL_S: Final = 0.02
+"""How often a line waiting for live users to leave room looks again."""
+BATCH_LINE_PRIORITY: Final = 1
+"""Added to a line's own `priority`: replicas start live users' requests (0) first."""
+
+
+class LineCalls:
+    def __init__(self, app: Any, spec: BatchesSpec, metrics: GatewayMetrics) -> None:
+        self.spec, self.metrics = spec, metrics
+        self._client = internal_client(app)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+    def _live(self) -> int:
+        """Live users' requests this gateway serves now: every request in flight but its own lines."""
+        serving = self.metrics.registry.get_sample_value("omni_gateway_inflight_requests") or 0.0
+        running = self.metrics.registry.get_sample_value("omni_gateway_batch_lines_running") or 0.0
+        return max(0, int(serving - running))
+
+    async def room_left_by_live_users(self) -> None:
+        """Wait until this gateway's batch lines, and `livePriority` lines' room for each live
+        request it serves, leave room for one more line within `concurrency`: live users' new
+        requests find a free slot instead of one a batch line holds, and fewer rows beside
+        theirs in every step."""
+        while True:
+            running = self.metrics.registry.get_sample_value("omni_gateway_batch_lines_running") or 0.0
+            if running + self.spec.live_priority * self._live() < self.spec.concurrency:
+                return
+            await asyncio.sleep(LIVE_POLL_S)
+
+    async def answer(self, batch: Batch, line: InputLine) -> tuple[bool, bytes]:
+        BATCH_PRIORITY.set(BATCH_LINE_PRIORITY)  # this line's task's own context: its request only
+        if line.body.get("stream"):
+            refused = BadRequest("stream: a batch request cannot stream", param="stream")
+            return False, answered(line.custom_id, refused.status, None, refused.body())
+        headers = {INTERNAL_HEADER: batch.id}
+        try:
+            r = await self._client.post(batch.endpoint, json=line.body, headers=headers)
+        except Exception as exc:  # the app answers every error itself: this is a crash of ours
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the app swallowed our cancel: not the line's fault
+                raise asyncio.CancelledError from exc
+            log.exception("batch %s line %d", batch.id, line.index)
+            return False, not_run(line.custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
+        body: Any
+        if r.headers.get("content-type", "").startswith("application/json"):
+            body = msgspec.Raw(r.content)  # kept as it came: an answer with audio is large
+        else:  # speech: the audio itself
+            body = {
+                "audio": base64.b64encode(r.content).decode(),
+                "content_type": r.headers.get("content-type"),
+            }
+        return r.is_success, answered(line.custom_id, r.status_code, r.headers.get("x-request-id"), body)
