@@ -409,8 +409,10 @@ def read_handles(reader: Any) -> list[Any]:
             return handles
 
 
-def start_serve(pipeline: Path, cwd: Path, log: Path, ready_s: float = 180) -> tuple[OmniProcess, str]:
-    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], cwd, log)
+def start_serve(
+    pipeline: Path, cwd: Path, log: Path, ready_s: float = 180, env: dict[str, str] | None = None
+) -> tuple[OmniProcess, str]:
+    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], cwd, log, env)
     serve.wait_output("ready at", ready_s)
     port = re.search(r"ready at http://127.0.0.1:(\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
     return serve, f"http://127.0.0.1:{port}"
@@ -425,10 +427,12 @@ def assert_all_gone(serve: OmniProcess, exit_code: int = 0) -> None:
 
 
 @contextlib.contextmanager
-def served(pipeline: Path, cwd: Path, log: Path, ready_s: float = 180) -> Iterator[tuple[OmniProcess, str]]:
+def served(
+    pipeline: Path, cwd: Path, log: Path, ready_s: float = 180, env: dict[str, str] | None = None
+) -> Iterator[tuple[OmniProcess, str]]:
     """`omni serve PIPELINE` until the block ends; then Ctrl-C, as a terminal sends it, and
     nothing of the tree may be left: no process, no shared-memory segment."""
-    serve, base = start_serve(pipeline, cwd, log, ready_s)
+    serve, base = start_serve(pipeline, cwd, log, ready_s, env)
     try:
         yield serve, base
     finally:
@@ -437,9 +441,29 @@ def served(pipeline: Path, cwd: Path, log: Path, ready_s: float = 180) -> Iterat
 
 
 @contextlib.contextmanager
-def served_example(name: str, demo_dir: Path, logs: Path) -> Iterator[str]:
+def served_example(name: str, demo_dir: Path, logs: Path, env: dict[str, str] | None = None) -> Iterator[str]:
     """examples/NAME served from the directory holding the demo models; yields its base URL."""
     pipeline = demo_dir / name
     shutil.copy(ROOT / "examples" / name, pipeline)
-    with served(pipeline, demo_dir, logs / "serve.log") as (_, base):
+    with served(pipeline, demo_dir, logs / "serve.log", env=env) as (_, base):
         yield base
+
+
+def gateway_of(serve: OmniProcess) -> psutil.Process:
+    """The serving gateway process of the tree (not one killed and not yet reaped)."""
+
+    def title(p: psutil.Process) -> str:
+        try:
+            return " ".join(p.cmdline()).strip() if p.status() != psutil.STATUS_ZOMBIE else ""
+        except psutil.Error:  # it exited meanwhile
+            return ""
+
+    [gw] = [p for p in psutil.Process(serve.proc.pid).children(recursive=True) if title(p) == "omni: gateway"]
+    return gw
+
+
+def serve_on_port(pipeline: Path, cwd: Path, log: Path, port: int) -> tuple[OmniProcess, openai.OpenAI]:
+    """`omni serve PIPELINE` on `port` (a later one serves on the same), and its client."""
+    serve = OmniProcess(["serve", str(pipeline), "--port", str(port)], cwd, log)
+    serve.wait_output("ready at", 180)
+    return serve, openai_client(f"http://127.0.0.1:{port}")

@@ -21,8 +21,16 @@ import yaml
 from omni_cli.natsd import EmbeddedNats
 from omni_cli.ports import free_port
 from tests.deployment import deployed, metric_values, metrics_urls
-from tests.e2e.test_videos import gateway_of, start
-from tests.helpers import PIPELINE_RESTARTS_TIMEOUT_S, ROOT, assert_all_gone, openai_client, served, wait_for
+from tests.helpers import (
+    PIPELINE_RESTARTS_TIMEOUT_S,
+    ROOT,
+    assert_all_gone,
+    gateway_of,
+    openai_client,
+    serve_on_port,
+    served,
+    wait_for,
+)
 from tests.openai_schema import violations
 
 pytestmark = pytest.mark.slow
@@ -225,7 +233,7 @@ def test_batches_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
     exactly once: lines already done are not run again."""
     pipeline = pipeline_file(tmp_path, concurrency=1, leaseS=2)
     port = free_port()
-    serve, client = start(pipeline, demo_dir, tmp_path / "serve-1.log", port)
+    serve, client = serve_on_port(pipeline, demo_dir, tmp_path / "serve-1.log", port)
     lines = [chat_line(f"r-{i}", tokens=32) for i in range(24)]
     try:
         killed = batch_of(client, lines)
@@ -245,7 +253,7 @@ def test_batches_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
         serve.interrupt_group()
     assert_all_gone(serve)
 
-    serve, client = start(pipeline, demo_dir, tmp_path / "serve-2.log", port)
+    serve, client = serve_on_port(pipeline, demo_dir, tmp_path / "serve-2.log", port)
     try:
         done, _ = ended(client, stopped.id, timeout=180)
         assert done.status == "completed" and done.request_counts.completed == 24, done

@@ -16,6 +16,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from tests.e2e.test_batches import batch_of, ended, lines_of
 from tests.helpers import HTTP, ROOT, openai_client, served, sse_data
 from tests.openai_schema import violations
 
@@ -97,6 +98,52 @@ def test_the_mask_keeps_what_it_covers(edit_demo: str) -> None:
     kept = alpha == 255
     assert (out[kept] == rgb[kept]).all()
     assert (out[~kept] != rgb[~kept]).any()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_a_batch_of_json_edits_edits_as_the_form_does(edit_demo: str) -> None:
+    """A batch of /v1/images/edits lines, each OpenAI's JSON edit (images and mask as
+    `image_url`s): an edit equal to the same edit sent as the SDK's form, its mask honoured;
+    a reference the gateway does not serve, or cannot read, is a refused line naming it."""
+    client = openai_client(edit_demo)
+    rgb = picture(32, 48, seed=4)
+    alpha = np.full((32, 48), 255, np.uint8)
+    alpha[4:20, 8:40] = 0
+    mask = png(np.dstack([rgb, alpha]), "RGBA")
+    fields = {"prompt": "a door here", "num_inference_steps": 2, "seed": 11}
+    form = client.images.edit(
+        image=("in.png", png(rgb), "image/png"),
+        mask=("mask.png", mask, "image/png"),
+        prompt="a door here",
+        extra_body={"num_inference_steps": 2, "seed": 11},
+    )
+    assert form.data is not None
+
+    def line(custom_id: str, **body: object) -> dict[str, object]:
+        body = {**fields, **body}
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/images/edits", "body": body}
+
+    image = {"image_url": data_url(png(rgb))}
+    lines = [
+        line("json", images=[image], mask={"image_url": data_url(mask)}),
+        line("file-id", images=[{"file_id": "file-abc"}]),
+        line("fetch", images=[image, {"image_url": "https://example.com/cat.png"}]),
+        line("no-image", images=[]),
+    ]
+    batch = batch_of(client, lines, endpoint="/v1/images/edits")
+    done, _ = ended(client, batch.id)
+    assert done.status == "completed", done
+    [out] = lines_of(client, done.output_file_id)
+    assert out["custom_id"] == "json" and out["response"]["status_code"] == 200
+    assert violations(out["response"]["body"], "ImagesResponse") is None
+    edited = decode(out["response"]["body"]["data"][0]["b64_json"])
+    assert np.array_equal(np.asarray(edited), np.asarray(decode(form.data[0].b64_json or "")))
+    errors = lines_of(client, done.error_file_id)
+    refused = {x["custom_id"]: x["response"]["body"]["error"]["param"] for x in errors}
+    assert refused == {"file-id": "images[0].file_id", "fetch": "images[1].image_url", "no-image": "image"}
 
 
 def test_a_stream_sends_edit_previews_then_the_image(edit_demo: str) -> None:

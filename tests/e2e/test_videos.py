@@ -11,12 +11,12 @@ import re
 import signal
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import av
+import httpx
 import numpy as np
 import openai
-import psutil
 import pytest
 import yaml
 from PIL import Image
@@ -24,24 +24,34 @@ from PIL import Image
 from omni_cli.natsd import EmbeddedNats
 from omni_cli.ports import free_port
 from tests.deployment import deployed, metric_values
+from tests.e2e.test_batches import batch_of, ended, lines_of
 from tests.helpers import (
-    HTTP,
     PIPELINE_RESTARTS_TIMEOUT_S,
     ROOT,
-    OmniProcess,
     assert_all_gone,
+    gateway_of,
     openai_client,
+    serve_on_port,
     served_example,
     wait_for,
 )
+from tests.openai_schema import violations
 
 # The SDK warns of OpenAI's own service's end at every videos call: not ours to heed.
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:The Sora API:DeprecationWarning")]
 
 
+KEYS = ("unused", "someone-else")
+"""The served demo's API keys: the openai client's (tests.helpers.openai_client) and another's."""
+OWNER: Final = httpx.Client(timeout=5, headers={"Authorization": f"Bearer {KEYS[0]}"})
+"""Plain HTTP calls, with the openai client's key: the jobs they see are the same."""
+
+
 @pytest.fixture(scope="module")
 def video_demo(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    with served_example("tiny-video.yaml", demo_dir, tmp_path_factory.mktemp("logs")) as base:
+    """tiny-video served with API keys: each key sees its own jobs."""
+    env = {"OMNI_API_KEYS": ",".join(KEYS)}
+    with served_example("tiny-video.yaml", demo_dir, tmp_path_factory.mktemp("logs"), env) as base:
         yield base
 
 
@@ -58,12 +68,12 @@ def finished(client: openai.OpenAI, video_id: str, timeout: float = 120) -> tupl
     """The job once it has ended, and every (status, progress) seen on the way."""
     seen: list[tuple[str, int]] = []
 
-    def ended() -> Any:
+    def done() -> Any:
         v = client.videos.retrieve(video_id)
         seen.append((v.status, v.progress))
         return v if v.status in ("completed", "failed") else None
 
-    return wait_for(ended, timeout, f"video job {video_id} to end", interval=0.005), seen
+    return wait_for(done, timeout, f"video job {video_id} to end", interval=0.005), seen
 
 
 def test_a_job_runs_shows_its_progress_and_serves_its_video(video_demo: str) -> None:
@@ -97,7 +107,7 @@ def test_a_job_runs_shows_its_progress_and_serves_its_video(video_demo: str) -> 
     assert img.width == 8 * 64  # eight frames side by side
 
     # Range requests, as a player seeks.
-    r = HTTP.get(f"{video_demo}/v1/videos/{job.id}/content", headers={"Range": "bytes=100-199"})
+    r = OWNER.get(f"{video_demo}/v1/videos/{job.id}/content", headers={"Range": "bytes=100-199"})
     assert r.status_code == 206 and r.content == mp4[100:200]
     assert r.headers["content-range"] == f"bytes 100-199/{len(mp4)}"
 
@@ -162,18 +172,18 @@ def test_json_bodies_and_refusals_of_the_other_calls(video_demo: str) -> None:
     # when asked for its content or a remix (a job of the default steps could end first: it
     # once did, under a full suite's load); then deleted, which ends its run.
     long = {"prompt": "rain", "size": "32x32", "seconds": 1, "num_inference_steps": 1000}
-    r = HTTP.post(f"{video_demo}/v1/videos", json=long)
+    r = OWNER.post(f"{video_demo}/v1/videos", json=long)
     assert r.status_code == 200 and (r.json()["status"], r.json()["seconds"]) == ("queued", "1"), r.text
     running = r.json()["id"]
     with pytest.raises(openai.ConflictError):  # no remix of a video not made yet
         client.videos.remix(running, prompt="snow")
-    assert HTTP.get(f"{video_demo}/v1/videos/{running}/content").status_code == 409  # nor its content
+    assert OWNER.get(f"{video_demo}/v1/videos/{running}/content").status_code == 409  # nor its content
     client.videos.delete(running)
     queued = client.videos.create(prompt="rain", size="32x32", seconds="1").id  # type: ignore[arg-type]
     finished(client, queued)
-    bad = HTTP.get(f"{video_demo}/v1/videos/{queued}/content", params={"variant": "gif"})
+    bad = OWNER.get(f"{video_demo}/v1/videos/{queued}/content", params={"variant": "gif"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "variant"
-    assert HTTP.get(f"{video_demo}/v1/videos", params={"after": "video_nope"}).status_code == 400
+    assert OWNER.get(f"{video_demo}/v1/videos", params={"after": "video_nope"}).status_code == 400
     with pytest.raises(openai.NotFoundError):
         client.videos.delete("video_nope")
     # A video pipeline makes no images.
@@ -185,33 +195,76 @@ def test_sync_answers_with_the_mp4(video_demo: str) -> None:
     """vLLM-Omni's /v1/videos/sync: the same form, the MP4 itself in the answer, no job."""
     before = [v.id for v in openai_client(video_demo).videos.list(limit=100)]
     form = {"prompt": "a lighthouse", "size": "48x32", "num_frames": "5", "num_inference_steps": "3"}
-    r = HTTP.post(f"{video_demo}/v1/videos/sync", data=form, timeout=60)
+    r = OWNER.post(f"{video_demo}/v1/videos/sync", data=form, timeout=60)
     assert r.status_code == 200 and r.headers["content-type"] == "video/mp4", r.text
     assert r.headers["x-model"] == "tiny-video" and float(r.headers["x-inference-time-s"]) > 0
     frames, _ = frames_of(r.content)
     assert len(frames) == 5 and frames[0].shape == (32, 48, 3)
-    refused = HTTP.post(f"{video_demo}/v1/videos/sync", data={**form, "num_frames": "6"})
+    refused = OWNER.post(f"{video_demo}/v1/videos/sync", data={**form, "num_frames": "6"})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "num_frames"
     assert [v.id for v in openai_client(video_demo).videos.list(limit=100)] == before
 
 
-def gateway_of(serve: OmniProcess) -> psutil.Process:
-    """The serving gateway process of the tree (not one killed and not yet reaped)."""
-
-    def title(p: psutil.Process) -> str:
-        try:
-            return " ".join(p.cmdline()).strip() if p.status() != psutil.STATUS_ZOMBIE else ""
-        except psutil.Error:  # it exited meanwhile
-            return ""
-
-    [gw] = [p for p in psutil.Process(serve.proc.pid).children(recursive=True) if title(p) == "omni: gateway"]
-    return gw
+def video_line(custom_id: str, **body: Any) -> dict[str, Any]:
+    """A batch's line asking /v1/videos for a clip of five frames."""
+    clip = {"model": "tiny-video", "prompt": f"a clip for {custom_id}", "size": "32x32", "num_frames": 5}
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/videos",
+        "body": {**clip, "num_inference_steps": 2, **body},
+    }
 
 
-def start(pipeline: Path, cwd: Path, log: Path, port: int) -> tuple[OmniProcess, openai.OpenAI]:
-    serve = OmniProcess(["serve", str(pipeline), "--port", str(port)], cwd, log)
-    serve.wait_output("ready at", 180)
-    return serve, openai_client(f"http://127.0.0.1:{port}")
+def test_a_batch_of_videos_makes_jobs_of_its_owner(video_demo: str) -> None:
+    """Each line of a /v1/videos batch is a job of the batch's owner; its output line the
+    finished job (OpenAI's VideoResource but for its size), whose video downloads as any job's; a
+    line the endpoint refuses is in the error file with its 400; another key sees neither."""
+    client = openai_client(video_demo)
+    lines = [video_line("fox"), video_line("owl", seed=7), video_line("bad", num_frames=6)]
+    batch = batch_of(client, lines, endpoint="/v1/videos")
+    done, _ = ended(client, batch.id)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (3, 2, 1)
+    out = {x["custom_id"]: x["response"] for x in lines_of(client, done.output_file_id)}
+    assert set(out) == {"fox", "owl"}
+    for response in out.values():
+        job = response["body"]
+        assert response["status_code"] == 200 and job["status"] == "completed", response
+        ours = {"size": "720x1280", "seconds": "4"}  # sizes and lengths past OpenAI's enums are ours
+        assert violations({**job, **ours}, "VideoResource") is None
+        assert client.videos.retrieve(job["id"]).status == "completed"
+        frames, _ = frames_of(client.videos.download_content(job["id"]).read())
+        assert len(frames) == 5 and frames[0].shape == (32, 32, 3)
+    [error] = lines_of(client, done.error_file_id)
+    assert error["custom_id"] == "bad" and error["response"]["status_code"] == 400
+    assert error["response"]["body"]["error"]["param"] == "num_frames"
+
+    other = openai.OpenAI(base_url=f"{video_demo}/v1", api_key=KEYS[1], max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        other.videos.retrieve(out["fox"]["body"]["id"])
+    with pytest.raises(openai.NotFoundError):
+        other.batches.retrieve(batch.id)
+
+
+def test_a_cancelled_video_batch_deletes_its_unfinished_jobs(video_demo: str) -> None:
+    """Cancel while a line's job runs: the batch ends `cancelled`, its lines in the error file,
+    and the jobs its lines made and never finished are gone (their runs ended)."""
+    client = openai_client(video_demo)
+    before = {v.id for v in client.videos.list(limit=100)}
+    lines = [video_line(f"long-{i}", num_inference_steps=1000) for i in range(2)]
+    batch = batch_of(client, lines, endpoint="/v1/videos")
+    wait_for(
+        lambda: any(v.id not in before and v.progress > 0 for v in client.videos.list(limit=100)),
+        60,
+        "a line's job to run",
+    )
+    client.batches.cancel(batch.id)
+    done, _ = ended(client, batch.id)
+    assert done.status == "cancelled" and done.output_file_id is None, done
+    errors = {x["custom_id"]: x["error"]["code"] for x in lines_of(client, done.error_file_id)}
+    assert errors == {"long-0": "batch_cancelled", "long-1": "batch_cancelled"}
+    assert {v.id for v in client.videos.list(limit=100)} == before
 
 
 @pytest.mark.timeout(PIPELINE_RESTARTS_TIMEOUT_S)
@@ -227,7 +280,7 @@ def test_jobs_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     long = {"size": "64x64", "extra_body": {"num_inference_steps": 150, "num_frames": 17}}
 
-    serve, client = start(pipeline, demo_dir, tmp_path / "serve-1.log", port)
+    serve, client = serve_on_port(pipeline, demo_dir, tmp_path / "serve-1.log", port)
     try:
         quick = client.videos.create(prompt="first", size="32x32", extra_body={"num_inference_steps": 2})
         assert finished(client, quick.id)[0].status == "completed"
@@ -246,7 +299,7 @@ def test_jobs_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
         serve.interrupt_group()
     assert_all_gone(serve)
 
-    serve, client = start(pipeline, demo_dir, tmp_path / "serve-2.log", port)
+    serve, client = serve_on_port(pipeline, demo_dir, tmp_path / "serve-2.log", port)
     try:
         listed = {v.id: v for v in client.videos.list(limit=100)}
         assert set(listed) == {quick.id, killed.id, stopped.id}

@@ -1,5 +1,5 @@
-"""POST /v1/images/edits: the multipart form read, its images and mask decoded and checked, and
-the mask honoured on what the model made.
+"""POST /v1/images/edits: the body read (a multipart form, or OpenAI's JSON with image URLs),
+its images and mask decoded and checked, and the mask honoured on what the model made.
 
 The images become RGB pixels, uint8 [H, W, 3], as a chat's image parts do (media.py), and ride
 to the source stage on the request's connector. A mask is OpenAI's: a PNG the size of the
@@ -23,7 +23,7 @@ from starlette.datastructures import UploadFile
 
 from omni_gateway.errors import BadRequest
 from omni_gateway.events import Event, ImageProgress
-from omni_gateway.media import Media, decode_image
+from omni_gateway.media import Media, decode_image, url_bytes
 from omni_gateway.protocol.common import parse
 from omni_gateway.protocol.images import ImageEditRequest
 from omni_pipeline.settings import MediaSpec
@@ -59,30 +59,13 @@ class EditInputs:
 
 
 async def read_edit_request(request: Request, limits: MediaSpec) -> tuple[ImageEditRequest, EditInputs]:
-    """The form as an ImageEditRequest and its files decoded; a 400 names the field at fault."""
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise BadRequest("send the edit as a multipart form (image files and fields)")
-    fields: dict[str, Any] = {}
-    uploads: list[tuple[str, bytes]] = []
-    mask: bytes | None = None
-    async with request.form(max_files=limits.max_parts + 1) as form:
-        for key, value in form.multi_items():
-            if key in IMAGE_FIELDS or key == "mask":
-                if not isinstance(value, UploadFile):
-                    raise BadRequest(f"{key}: must be a file", param=key)
-                data = await _read(value, key, limits)
-                if key == "mask":
-                    if mask is not None:
-                        raise BadRequest("mask: given more than once", param="mask")
-                    mask = data
-                else:
-                    uploads.append((key, data))
-            elif key in fields:
-                raise BadRequest(f"{key}: given more than once", param=key)
-            elif isinstance(value, UploadFile):
-                raise BadRequest(f"{key}: must be a form field, not a file", param=key)
-            else:
-                fields[key] = value
+    """The body as an ImageEditRequest and its images decoded; a 400 names the field at fault.
+    A multipart form (`image` files, a `mask` file), or OpenAI's JSON (`images` and `mask` as
+    image references: how a batch line asks for an edit)."""
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        fields, uploads, mask = await _form_parts(request, limits)
+    else:
+        fields, uploads, mask = await _json_parts(request, limits)
     req: ImageEditRequest = parse(ImageEditRequest, fields)
     if not uploads:
         raise BadRequest("image: an edit needs an image to edit", param="image")
@@ -104,12 +87,81 @@ async def read_edit_request(request: Request, limits: MediaSpec) -> tuple[ImageE
     return req, edit
 
 
-async def _read(upload: UploadFile, key: str, limits: MediaSpec) -> bytes:
-    if upload.size is not None and upload.size > limits.max_image_bytes:
+Parts = tuple[dict[str, Any], list[tuple[str, bytes]], bytes | None]
+"""An edit body's fields, its images' bytes (each by the name a 400 gives it) and its mask's."""
+
+
+async def _form_parts(request: Request, limits: MediaSpec) -> Parts:
+    fields: dict[str, Any] = {}
+    uploads: list[tuple[str, bytes]] = []
+    mask: bytes | None = None
+    async with request.form(max_files=limits.max_parts + 1) as form:
+        for key, value in form.multi_items():
+            if key in IMAGE_FIELDS or key == "mask":
+                if not isinstance(value, UploadFile):
+                    raise BadRequest(f"{key}: must be a file", param=key)
+                data = await value.read()
+                _within(len(data), key, limits)
+                if key == "mask":
+                    if mask is not None:
+                        raise BadRequest("mask: given more than once", param="mask")
+                    mask = data
+                else:
+                    uploads.append((key, data))
+            elif key in fields:
+                raise BadRequest(f"{key}: given more than once", param=key)
+            elif isinstance(value, UploadFile):
+                raise BadRequest(f"{key}: must be a form field, not a file", param=key)
+            else:
+                fields[key] = value
+    return fields, uploads, mask
+
+
+async def _json_parts(request: Request, limits: MediaSpec) -> Parts:
+    """OpenAI's JSON edit: `images`, a list of `{"image_url": ...}` (a data: URL, or http(s)
+    where the gateway fetches), and `mask` as one of them. `file_id` references are refused:
+    files here are batches' input, not images."""
+    try:
+        fields = await request.json()
+    except ValueError:
+        raise BadRequest("the body is neither JSON nor a multipart form") from None
+    if not isinstance(fields, dict):
+        raise BadRequest("the body must be a JSON object")
+    images = fields.pop("images", None)
+    if images is not None and not isinstance(images, list):
+        raise BadRequest("images: must be a list of image references", param="images")
+    uploads = [
+        (f"images[{i}]", await _referenced(ref, f"images[{i}]", limits)) for i, ref in enumerate(images or [])
+    ]
+    mask_ref = fields.pop("mask", None)
+    mask = None if mask_ref is None else await _referenced(mask_ref, "mask", limits)
+    return fields, uploads, mask
+
+
+async def _referenced(ref: Any, where: str, limits: MediaSpec) -> bytes:
+    """An `ImageRefParam`'s bytes: exactly one of `image_url` and `file_id`, and only the first
+    is served."""
+    if not isinstance(ref, dict) or set(ref) - {"image_url", "file_id"} or len(ref) != 1:
+        raise BadRequest(f"{where}: an object with one of image_url or file_id", param=where)
+    if "file_id" in ref:
         raise BadRequest(
-            f"{key}: {upload.size} bytes, more than the limit of {limits.max_image_bytes}", param=key
+            f"{where}.file_id: uploaded files are not image inputs here; send image_url (a data: URL)",
+            param=f"{where}.file_id",
         )
-    return await upload.read()
+    url = ref["image_url"]
+    try:
+        if not isinstance(url, str):
+            raise ValueError("must be a URL")
+        data = await url_bytes(url, limits)
+    except ValueError as exc:
+        raise BadRequest(f"{where}.image_url: {exc}", param=f"{where}.image_url") from None
+    _within(len(data), where, limits)
+    return data
+
+
+def _within(size: int, key: str, limits: MediaSpec) -> None:
+    if size > limits.max_image_bytes:
+        raise BadRequest(f"{key}: {size} bytes, more than the limit of {limits.max_image_bytes}", param=key)
 
 
 def _editable(data: bytes, size: tuple[int, ...], max_pixels: int) -> np.ndarray:

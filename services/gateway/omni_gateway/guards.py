@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_gateway.errors import OmniError, PayloadTooLarge, Unauthorized
+from omni_gateway.internal import ON_BEHALF_HEADER, internal_header
 from omni_pipeline.settings import API_KEYS_ENV, API_KEYS_FILE_ENV
 
 OPEN_PATHS: Final = frozenset({"/health", "/health/live", "/metrics", "/talk"})
@@ -151,8 +152,10 @@ class BodyLimit:
 
 def owner_of(request: Request) -> str:
     """Whose jobs, files and batches the caller sees: its API key's (a digest of it), or
-    everyone's when the gateway requires none."""
+    everyone's when the gateway requires none; a batch line's, its batch's owner's."""
     if not request.app.state.api_keys_required:
         return ""
+    if (owner := internal_header(request, ON_BEHALF_HEADER)) is not None:
+        return owner  # a batch line's request: its batch's owner's
     token = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
     return hashlib.sha256(token.encode()).hexdigest()[:32]

@@ -90,7 +90,7 @@ async def decode_media(
                 )
             try:
                 if kind == "image_url":
-                    data = await _url_bytes(part["image_url"]["url"], limits)
+                    data = await url_bytes(part["image_url"]["url"], limits)
                     pixels = await asyncio.to_thread(decode_image, data, limits.max_image_pixels)
                     parts.append({"type": "image", "media": media.add(pixels)})
                 elif kind == "input_audio":
@@ -101,7 +101,7 @@ async def decode_media(
                     )
                     parts.append({"type": "audio", "media": media.add(pcm), "sample_rate": rate})
                 elif kind == "video_url":
-                    data = await _url_bytes(part["video_url"]["url"], limits)
+                    data = await url_bytes(part["video_url"]["url"], limits)
                     frames, fps = await asyncio.to_thread(decode_video, data, limits)
                     parts.append({"type": "video", "media": media.add(frames), "fps": fps})
                 else:
@@ -123,7 +123,7 @@ async def decode_clip(value: str, limits: MediaSpec) -> tuple[torch.Tensor, int]
         scheme = urlsplit(value).scheme
         if scheme == "file" or value.startswith(("/", "./", "../", "~")):
             raise ValueError("a file path names the server's disk, which no client reads; send a data: URL")
-        data = await _url_bytes(value, limits) if scheme in ("data", "http", "https") else _base64(value)
+        data = await url_bytes(value, limits) if scheme in ("data", "http", "https") else _base64(value)
         return await asyncio.to_thread(decode_audio, data, None, limits.max_audio_seconds)
     except ValueError as exc:
         raise BadRequest(f"ref_audio: {exc}", param="ref_audio") from None
@@ -268,7 +268,7 @@ def _tls() -> ssl.SSLContext:
     return httpx.create_ssl_context()
 
 
-async def _url_bytes(url: str, limits: MediaSpec) -> bytes:
+async def url_bytes(url: str, limits: MediaSpec) -> bytes:
     """A data: URL's bytes, or an http(s) URL's body when fetching is on (within its limits)."""
     if url.startswith("data:"):
         head, sep, body = url[5:].partition(",")

@@ -195,8 +195,8 @@ async def images_generations(req: ImageGenerationRequest, request: Request) -> R
 
 @router.post("/v1/images/edits", response_model=None)
 async def images_edits(request: Request) -> Response:
-    """OpenAI's image edit (a multipart form: the images, a mask, the fields of a generation),
-    answered as a generation is; see omni_gateway.edits."""
+    """OpenAI's image edit (a multipart form: the images, a mask, the fields of a generation;
+    or its JSON, the images as URLs), answered as a generation is; see omni_gateway.edits."""
     req, edit = await read_edit_request(request, _pipeline(request).spec.gateway.media)
     asked = PipelineRequest(
         req.model,

@@ -7,15 +7,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import logging
 from typing import Any, Final
 
+import httpx
 import msgspec
 
 from omni_gateway.batches.lines import InputLine, answered, not_run
 from omni_gateway.batches.records import Batch
 from omni_gateway.errors import BadRequest
-from omni_gateway.internal import internal_client
+from omni_gateway.internal import JOB_ID_HEADER, ON_BEHALF_HEADER, internal_client
 from omni_gateway.metrics import GatewayMetrics
 from omni_gateway.request import BATCH_PRIORITY
 from omni_pipeline.settings import BatchesSpec
@@ -26,6 +28,9 @@ INTERNAL_HEADER: Final = "x-omni-batch"
 """Names the batch a request runs for (in the gateway's logs)."""
 LIVE_POLL_S: Final = 0.02
 """How often a line waiting for live users to leave room looks again."""
+VIDEOS: Final = "/v1/videos"
+VIDEO_POLL_S: Final = 0.5
+"""How often a video line looks at its job (made by the gateway's video job runner)."""
 BATCH_LINE_PRIORITY: Final = 1
 """Added to a line's own `priority`: replicas start live users' requests (0) first."""
 
@@ -56,25 +61,67 @@ class LineCalls:
             await asyncio.sleep(LIVE_POLL_S)
 
     async def answer(self, batch: Batch, line: InputLine) -> tuple[bool, bytes]:
+        """Whether the line succeeded, and its line of the output or error file."""
         BATCH_PRIORITY.set(BATCH_LINE_PRIORITY)  # this line's task's own context: its request only
         if line.body.get("stream"):
             refused = BadRequest("stream: a batch request cannot stream", param="stream")
             return False, answered(line.custom_id, refused.status, None, refused.body())
-        headers = {INTERNAL_HEADER: batch.id}
         try:
-            r = await self._client.post(batch.endpoint, json=line.body, headers=headers)
+            if batch.endpoint == VIDEOS:
+                return await self._video(batch, line)
+            return _outcome(line, await self._client.post(batch.endpoint, json=line.body, headers=_on(batch)))
         except Exception as exc:  # the app answers every error itself: this is a crash of ours
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # the app swallowed our cancel: not the line's fault
                 raise asyncio.CancelledError from exc
             log.exception("batch %s line %d", batch.id, line.index)
             return False, not_run(line.custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
-        body: Any
-        if r.headers.get("content-type", "").startswith("application/json"):
-            body = msgspec.Raw(r.content)  # kept as it came: an answer with audio is large
-        else:  # speech: the audio itself
-            body = {
-                "audio": base64.b64encode(r.content).decode(),
-                "content_type": r.headers.get("content-type"),
-            }
-        return r.is_success, answered(line.custom_id, r.status_code, r.headers.get("x-request-id"), body)
+
+    async def _video(self, batch: Batch, line: InputLine) -> tuple[bool, bytes]:
+        """A video line: its job made (or found, by its id, if the batch was taken up again) and
+        waited for; its output line the finished job, whose video the owner downloads from
+        /v1/videos/{id}/content; a job that failed goes to the error file."""
+        job_id = line_video_id(batch.id, line.custom_id)
+        r = await self._client.get(f"{VIDEOS}/{job_id}", headers=_on(batch))
+        if r.status_code == 404:
+            r = await self._client.post(VIDEOS, json=line.body, headers={**_on(batch), JOB_ID_HEADER: job_id})
+        while r.is_success and r.json()["status"] in ("queued", "in_progress"):
+            await asyncio.sleep(VIDEO_POLL_S)
+            r = await self._client.get(f"{VIDEOS}/{job_id}", headers=_on(batch))
+        ok, out = _outcome(line, r)
+        if ok and (error := r.json().get("error")) is not None:  # the job ran and failed
+            return False, answered(line.custom_id, r.status_code, None, msgspec.Raw(r.content), error)
+        return ok, out
+
+    async def abandon(self, batch: Batch, lines: list[InputLine]) -> None:
+        """Lines that will not run now (their batch cancelled or expired): a video line's job,
+        made but unfinished, is deleted (its run ends, wherever it runs)."""
+        if batch.endpoint != VIDEOS:
+            return
+        for line in lines:
+            await self._client.delete(
+                f"{VIDEOS}/{line_video_id(batch.id, line.custom_id)}", headers=_on(batch)
+            )
+
+
+def line_video_id(batch_id: str, custom_id: str) -> str:
+    """The id of a video line's job: the same however often the line runs."""
+    digest = hashlib.sha256(f"{batch_id}/{custom_id}".encode()).hexdigest()
+    return f"video_{digest[:24]}"
+
+
+def _on(batch: Batch) -> dict[str, str]:
+    """A line's request's headers: the batch it runs for (in the logs) and whom it acts for."""
+    return {INTERNAL_HEADER: batch.id, ON_BEHALF_HEADER: batch.owner}
+
+
+def _outcome(line: InputLine, r: httpx.Response) -> tuple[bool, bytes]:
+    body: Any
+    if r.headers.get("content-type", "").startswith("application/json"):
+        body = msgspec.Raw(r.content)  # kept as it came: an answer with audio is large
+    else:  # speech: the audio itself
+        body = {
+            "audio": base64.b64encode(r.content).decode(),
+            "content_type": r.headers.get("content-type"),
+        }
+    return r.is_success, answered(line.custom_id, r.status_code, r.headers.get("x-request-id"), body)

@@ -88,11 +88,14 @@ def _line_error(req: dict[str, Any], endpoint: str, n: int, seen: set[str]) -> d
     return _error(code, f"line {n}: {message}", n, param)
 
 
-def answered(custom_id: str, status: int, request_id: str | None, body: Any) -> bytes:
+def answered(
+    custom_id: str, status: int, request_id: str | None, body: Any, error: dict[str, Any] | None = None
+) -> bytes:
     """The line of a request the endpoint answered (the output file's if 2xx, else the error
-    file's); `body` may be the answer's JSON as it came (msgspec.Raw), not parsed again."""
+    file's); `body` may be the answer's JSON as it came (msgspec.Raw), not parsed again.
+    `error`: why an answered request failed after all (a video job that failed)."""
     response = {"status_code": status, "request_id": request_id, "body": body}
-    return _line(custom_id, response, None)
+    return _line(custom_id, response, error)
 
 
 def not_run(custom_id: str, code: str, message: str) -> bytes:
@@ -100,6 +103,6 @@ def not_run(custom_id: str, code: str, message: str) -> bytes:
     return _line(custom_id, None, {"code": code, "message": message})
 
 
-def _line(custom_id: str, response: dict[str, Any] | None, error: dict[str, str] | None) -> bytes:
+def _line(custom_id: str, response: dict[str, Any] | None, error: dict[str, Any] | None) -> bytes:
     line_id = f"batch_req_{secrets.token_hex(12)}"
     return _JSON.encode({"id": line_id, "custom_id": custom_id, "response": response, "error": error})

@@ -279,7 +279,9 @@ class BatchRunner:
             path = await self.store.content(batch.input_file_id)
             data = await asyncio.to_thread(path.read_bytes) if path is not None else b""
             lines, _ = read_input(data, batch.endpoint, self.spec.max_lines)
-            errors += [not_run(x.custom_id, code, why) for x in lines if x.index not in ran]
+            left = [x for x in lines if x.index not in ran]
+            errors += [not_run(x.custom_id, code, why) for x in left]
+            await self.calls.abandon(batch, left)
         retention = batch.output_expires_after_s or self.spec.output_retention_s
         ids: dict[str, str | None] = {}
         for kind, body in (("output", outputs), ("error", errors)):

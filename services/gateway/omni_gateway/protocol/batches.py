@@ -6,10 +6,17 @@ from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-ENDPOINTS: Final = ("/v1/chat/completions", "/v1/images/generations", "/v1/audio/speech")
-"""What a batch may run here: OpenAI's batchable endpoints this gateway serves with a JSON body,
-and /v1/audio/speech (its audio as base64 in the output line: an extension). Not yet:
-/v1/images/edits (a multipart form here) and /v1/videos (a job of its own)."""
+ENDPOINTS: Final = (
+    "/v1/chat/completions",
+    "/v1/images/generations",
+    "/v1/images/edits",
+    "/v1/videos",
+    "/v1/audio/speech",
+)
+"""What a batch may run here: OpenAI's batchable endpoints this gateway serves, and
+/v1/audio/speech (its audio as base64 in the output line: an extension). An edit's line is
+OpenAI's JSON edit (images as `image_url`s); a video line makes a job and ends when the job
+does (its output line the finished job)."""
 
 
 class ExpiresAfter(BaseModel):

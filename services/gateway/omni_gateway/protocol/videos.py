@@ -22,10 +22,11 @@ MAX_SECONDS: Final = 600.0
 
 
 class VideoCreateRequest(BaseModel):
-    """OpenAI's fields (prompt, model, seconds, size, input_reference) and vLLM-Omni's diffusion
+    """OpenAI's fields (prompt, model, seconds, size, input_reference), vLLM-Omni's diffusion
     ones (width, height, fps, num_frames, negative_prompt, num_inference_steps,
-    guidance_scale, seed). `seconds` may be any length the model can make, not only OpenAI's
-    4, 8, 12. An unknown field is a 400; `user` concerns OpenAI's platform and is ignored."""
+    guidance_scale, seed) and vLLM's `priority`. `seconds` may be any length the model can
+    make, not only OpenAI's 4, 8, 12. An unknown field is a 400; `user` concerns OpenAI's
+    platform and is ignored."""
 
     model_config = ConfigDict(extra="forbid")
     prompt: str = Field(min_length=1, max_length=32000)
@@ -42,6 +43,12 @@ class VideoCreateRequest(BaseModel):
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     input_reference: Any = None
     user: str | None = None
+    priority: int = Field(
+        default=0,
+        ge=-(2**31),
+        lt=2**31,
+        description="vLLM's: a replica starts its waiting requests the lower value first, then in order.",
+    )
 
     @field_validator("input_reference")
     @classmethod

@@ -43,7 +43,11 @@ RETRY_S: Final = 2.0
 
 def asked_of(req: VideoCreateRequest, progress: bool) -> PipelineRequest:
     return PipelineRequest(
-        req.model, frozenset({OutputKind.VIDEO}), video_inputs(req), video_sampling(req, progress)
+        req.model,
+        frozenset({OutputKind.VIDEO}),
+        video_inputs(req),
+        video_sampling(req, progress),
+        priority=req.priority,
     )
 
 

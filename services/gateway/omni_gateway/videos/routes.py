@@ -12,6 +12,7 @@ from fastapi.responses import FileResponse
 
 from omni_gateway.errors import BadRequest, NotFound, NotReady, NotServed, Overloaded
 from omni_gateway.guards import owner_of
+from omni_gateway.internal import JOB_ID_HEADER, internal_header
 from omni_gateway.protocol.common import parse
 from omni_gateway.protocol.videos import (
     ListOrder,
@@ -19,6 +20,7 @@ from omni_gateway.protocol.videos import (
     VideoRemixRequest,
     read_video_request,
 )
+from omni_gateway.request import BATCH_PRIORITY
 from omni_gateway.videos.jobs import VideoJobs, checked
 from omni_gateway.videos.media import FILE_NAMES, MEDIA_TYPES
 from omni_gateway.videos.store import StoreFull, VideoJob
@@ -44,10 +46,12 @@ async def _job(request: Request, video_id: str) -> VideoJob:
 async def _create(request: Request, req: VideoCreateRequest, remixed_from: str | None = None) -> VideoJob:
     jobs = _jobs(request)
     req = req.seeded()
+    if batch := BATCH_PRIORITY.get():  # a batch line's job runs behind live users' requests
+        req = req.model_copy(update={"priority": req.priority + batch})
     await checked(jobs.pipeline, req, progress=True)  # what it can refuse now: a 400 now
     width, height = req.width_height()
     job = VideoJob(
-        id=f"video_{secrets.token_hex(12)}",
+        id=internal_header(request, JOB_ID_HEADER) or f"video_{secrets.token_hex(12)}",
         owner=owner_of(request),
         status="queued",
         created_at=int(time.time()),
