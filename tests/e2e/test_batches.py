@@ -128,6 +128,11 @@ def test_a_batch_runs_to_its_output_and_error_files(client: openai.OpenAI) -> No
         assert response["status_code"] == 200 and response["request_id"], line
         assert violations(response["body"], "CreateChatCompletionResponse") is None
         assert response["body"]["choices"][0]["message"]["content"]
+    usages = [x["response"]["body"]["usage"] for x in out]
+    assert done.usage is not None and (done.usage.input_tokens, done.usage.output_tokens) == (
+        sum(u["prompt_tokens"] for u in usages),
+        sum(u["completion_tokens"] for u in usages),
+    )
     [speech] = [x["response"]["body"]["choices"][0]["message"] for x in out if x["custom_id"] == "spoken"]
     assert base64.b64decode(speech["audio"]["data"])[:4] == b"RIFF"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from omni_gateway.batches.lines import answered, not_run, read_input
+from omni_gateway.batches.lines import answered, not_run, read_input, summed_usage
 
 URL = "/v1/chat/completions"
 
@@ -69,3 +69,26 @@ def test_output_lines_are_openais_shape() -> None:
     assert ok["response"] == {"status_code": 200, "request_id": "req-1", "body": {"y": 2}}
     gone = json.loads(not_run("b", "batch_expired", "too late"))
     assert gone["response"] is None and gone["error"] == {"code": "batch_expired", "message": "too late"}
+
+
+def test_usage_sums_chats_and_images_tokens_and_skips_answers_without() -> None:
+    chat = {
+        "usage": {
+            "prompt_tokens": 10,
+            "completion_tokens": 4,
+            "prompt_tokens_details": {"cached_tokens": 6},
+            "completion_tokens_details": {"reasoning_tokens": 1},
+        },
+        "choices": [{"message": {"audio": {"data": "UklGRg=="}}}],
+    }
+    image = {"usage": {"input_tokens": 7, "output_tokens": 0, "input_tokens_details": {"text_tokens": 7}}}
+    speech = {"audio": "UklGRg==", "content_type": "audio/wav"}
+    outputs = [answered(c, 200, "r", b) for c, b in (("a", chat), ("b", image), ("c", speech))]
+    assert summed_usage(outputs) == {
+        "input_tokens": 17,
+        "input_tokens_details": {"cached_tokens": 6},
+        "output_tokens": 4,
+        "output_tokens_details": {"reasoning_tokens": 1},
+        "total_tokens": 21,
+    }
+    assert summed_usage([])["total_tokens"] == 0

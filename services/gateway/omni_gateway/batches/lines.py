@@ -106,3 +106,60 @@ def not_run(custom_id: str, code: str, message: str) -> bytes:
 def _line(custom_id: str, response: dict[str, Any] | None, error: dict[str, Any] | None) -> bytes:
     line_id = f"batch_req_{secrets.token_hex(12)}"
     return _JSON.encode({"id": line_id, "custom_id": custom_id, "response": response, "error": error})
+
+
+class _Usage(msgspec.Struct):
+    """An answer's `usage`, by chat's names (prompt/completion) or the image API's (input/output)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    prompt_tokens_details: dict[str, Any] | None = None
+    completion_tokens_details: dict[str, Any] | None = None
+    input_tokens_details: dict[str, Any] | None = None
+    output_tokens_details: dict[str, Any] | None = None
+
+
+class _Body(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+class _Response(msgspec.Struct):
+    body: _Body | None = None
+
+
+class _Answered(msgspec.Struct):
+    """An output line as far as its usage: the rest of it (an answer's audio) is skipped unread."""
+
+    response: _Response | None = None
+
+
+_ANSWERED: Final = msgspec.json.Decoder(_Answered)
+
+
+def summed_usage(outputs: list[bytes]) -> dict[str, Any]:
+    """OpenAI's batch `usage`: the tokens of every line answered (speech and video answers carry
+    none), chat's and the image API's names read alike."""
+    read = written = cached = reasoning = 0
+    for raw in outputs:
+        response = _ANSWERED.decode(raw).response
+        u = response.body.usage if response is not None and response.body is not None else None
+        if u is None:
+            continue
+        read += u.prompt_tokens + u.input_tokens
+        written += u.completion_tokens + u.output_tokens
+        cached += sum(
+            (d or {}).get("cached_tokens") or 0 for d in (u.prompt_tokens_details, u.input_tokens_details)
+        )
+        reasoning += sum(
+            (d or {}).get("reasoning_tokens") or 0
+            for d in (u.completion_tokens_details, u.output_tokens_details)
+        )
+    return {
+        "input_tokens": read,
+        "input_tokens_details": {"cached_tokens": cached},
+        "output_tokens": written,
+        "output_tokens_details": {"reasoning_tokens": reasoning},
+        "total_tokens": read + written,
+    }

@@ -74,6 +74,8 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
     expired_at: int | None = None
     cancelling_at: int | None = None
     cancelled_at: int | None = None
+    usage: dict[str, Any] | None = None
+    """The answered lines' tokens, summed once the batch ends (lines.summed_usage)."""
 
     def resource(self) -> dict[str, Any]:
         return _present(
@@ -99,6 +101,7 @@ class Batch(msgspec.Struct, frozen=True, kw_only=True):
                 "cancelled_at": self.cancelled_at,
                 "request_counts": {"total": self.total, "completed": self.completed, "failed": self.failed},
                 "metadata": self.metadata,
+                "usage": self.usage,
             }
         )
 

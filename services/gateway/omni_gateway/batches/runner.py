@@ -27,7 +27,7 @@ import nats.errors
 
 from omni_gateway.batches.calls import LineCalls
 from omni_gateway.batches.jetstream_store import JetStreamBatchStore
-from omni_gateway.batches.lines import InputLine, not_run, read_input
+from omni_gateway.batches.lines import InputLine, not_run, read_input, summed_usage
 from omni_gateway.batches.records import Batch, LineResult, StoredFile
 from omni_gateway.batches.sqlite_store import SqliteBatchStore
 from omni_gateway.batches.store import BatchStore
@@ -305,6 +305,7 @@ class BatchRunner:
             status=status,
             output_file_id=ids["output"],
             error_file_id=ids["error"],
+            usage=summed_usage(outputs),
             **{stamp: int(time.time())},
         )
         await self.store.drop_results(batch.id)
