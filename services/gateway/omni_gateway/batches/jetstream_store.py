@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 import nats.js
@@ -27,78 +26,34 @@ import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
 from omni_gateway.batches.records import RUNNABLE, Batch, LineResult, StoredFile
-from omni_gateway.jetstream import key_value, local_copy
-
-_DELETE_OPS: Final = ("DEL", "PURGE")
+from omni_gateway.jetstream import DELETE_OPS, FollowedBucket, key_value, local_copy
 
 
 class JetStreamBatchStore:
-    def __init__(self, kv: Any, results: Any, objects: Any, cache: Path) -> None:
-        self._kv, self._results, self._objects, self._cache = kv, results, objects, cache
-        self._records: dict[str, tuple[dict[str, Any] | None, int]] = {}
-        """key -> (record, revision); a deleted one's record is None (a late older revision does
-        not bring it back)."""
-        self._watcher: Any = None
-        self._watch: asyncio.Task[None] | None = None
+    def __init__(self, bucket: FollowedBucket, results: Any, objects: Any, cache: Path) -> None:
+        self._bucket, self._results, self._objects, self._cache = bucket, results, objects, cache
 
     @classmethod
     async def open(cls, nc: NatsClient, pipeline: str, cache: Path) -> JetStreamBatchStore:
         js = nc.jetstream()
-        bucket = f"omni-batches-{pipeline}"
-        kv = await key_value(js, bucket)
-        results = await key_value(js, f"{bucket}-results")
+        name = f"omni-batches-{pipeline}"
+        bucket = await FollowedBucket.open(js, name)
         try:
-            objects = await js.object_store(f"{bucket}-files")
-        except nats.js.errors.BucketNotFoundError:
-            objects = await js.create_object_store(f"{bucket}-files")
-        store = cls(kv, results, objects, cache)
-        store._watcher = await kv.watchall()
-        while (entry := await store._watcher.updates(timeout=30)) is not None:
-            store._seen(entry)
-        store._watch = asyncio.create_task(store._following(), name="batches-watch")
-        return store
-
-    async def _following(self) -> None:
-        async for entry in self._watcher:
-            if entry is not None:
-                self._seen(entry)
-
-    def _seen(self, entry: Any) -> None:
-        if (held := self._records.get(entry.key)) is not None and held[1] >= entry.revision:
-            return  # our own write, already taken, or older
-        gone = entry.operation in _DELETE_OPS or not entry.value
-        self._records[entry.key] = (None if gone else json.loads(entry.value), entry.revision)
+            results = await key_value(js, f"{name}-results")
+            try:
+                objects = await js.object_store(f"{name}-files")
+            except nats.js.errors.BucketNotFoundError:
+                objects = await js.create_object_store(f"{name}-files")
+        except BaseException:
+            await bucket.close()
+            raise
+        return cls(bucket, results, objects, cache)
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-        with contextlib.suppress(Exception):  # the connection may be closing already
-            await self._watcher.stop()
+        await self._bucket.close()
 
     def _live(self, kind: str) -> list[tuple[dict[str, Any], int]]:
-        return [
-            (r, rev) for k, (r, rev) in self._records.items() if r is not None and k.startswith(f"{kind}.")
-        ]
-
-    async def _write(self, key: str, record: dict[str, Any], revision: int) -> bool:
-        """Compare-and-set: False where another write came first."""
-        try:
-            new = await self._kv.update(key, json.dumps(record).encode(), last=revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return False
-        self._records[key] = (record, new)
-        return True
-
-    async def _create(self, key: str, record: dict[str, Any]) -> None:
-        self._records[key] = (record, await self._kv.create(key, json.dumps(record).encode()))
-
-    async def _reload(self, key: str) -> None:
-        try:
-            self._seen(await self._kv.get(key))
-        except nats.js.errors.NotFoundError:  # deleted, or never there
-            self._records[key] = (None, self._records.get(key, (None, 0))[1])
+        return [(r, rev) for _, r, rev in self._bucket.live(f"{kind}.")]
 
     # Files.
 
@@ -107,21 +62,21 @@ class JetStreamBatchStore:
         record = {**msgspec.structs.asdict(f), "created_ns": time.time_ns()}
         key = f"file.{f.id}"
         for _ in range(3):
-            held = self._records.get(key)
+            held = self._bucket.get(key)
             if held is None or held[0] is None:
                 try:
-                    await self._create(key, record)
+                    await self._bucket.create(key, record)
                     return
                 except nats.js.errors.KeyWrongLastSequenceError:
-                    await self._reload(key)
+                    await self._bucket.reload(key)
                     continue
-            if await self._write(key, record, held[1]):
+            if await self._bucket.write(key, record, held[1]):
                 return
-            await self._reload(key)
+            await self._bucket.reload(key)
         raise RuntimeError(f"file {f.id}: written by another gateway at once")
 
     async def get_file(self, file_id: str, owner: str | None) -> StoredFile | None:
-        record = self._records.get(f"file.{file_id}", (None, 0))[0]
+        record = self._bucket.get(f"file.{file_id}")[0]
         return None if record is None or (owner is not None and record["owner"] != owner) else _file(record)
 
     async def files(
@@ -132,17 +87,16 @@ class JetStreamBatchStore:
         return [_file(r) for r in page], more
 
     async def content(self, file_id: str) -> Path | None:
-        if self._records.get(f"file.{file_id}", (None, 0))[0] is None:
+        if self._bucket.get(f"file.{file_id}")[0] is None:
             return None
         return await local_copy(self._objects, f"files/{file_id}", self._cache / file_id)
 
     async def delete_file(self, file_id: str, owner: str) -> bool:
         key = f"file.{file_id}"
-        record, revision = self._records.get(key, (None, 0))
+        record, _ = self._bucket.get(key)
         if record is None or record["owner"] != owner:
             return False
-        await self._kv.delete(key)
-        self._records[key] = (None, revision)
+        await self._bucket.delete(key)
         await self._remove(file_id)
         return True
 
@@ -153,12 +107,8 @@ class JetStreamBatchStore:
 
     async def expire_files(self, now: float) -> None:
         for record, revision in self._live("file"):
-            if record["expires_at"] is not None and record["expires_at"] <= now:
-                try:
-                    await self._kv.delete(f"file.{record['id']}", last=revision)
-                except nats.js.errors.BadRequestError:  # changed meanwhile, or deleted by another
-                    continue
-                self._records[f"file.{record['id']}"] = (None, revision)
+            expired = record["expires_at"] is not None and record["expires_at"] <= now
+            if expired and await self._bucket.delete(f"file.{record['id']}", last=revision):  # not if changed
                 await self._remove(record["id"])
 
     async def sweep(self) -> None:
@@ -180,10 +130,10 @@ class JetStreamBatchStore:
             "lease_until": None,
             "created_ns": time.time_ns(),
         }
-        await self._create(f"batch.{b.id}", record)
+        await self._bucket.create(f"batch.{b.id}", record)
 
     async def get_batch(self, batch_id: str, owner: str | None) -> Batch | None:
-        record = self._records.get(f"batch.{batch_id}", (None, 0))[0]
+        record = self._bucket.get(f"batch.{batch_id}")[0]
         if record is None or (owner is not None and record["batch"]["owner"] != owner):
             return None
         return _batch(record)
@@ -198,15 +148,15 @@ class JetStreamBatchStore:
         where another gateway's write came first; the record written, or None."""
         key = f"batch.{batch_id}"
         for _ in range(5):
-            record, revision = self._records.get(key, (None, 0))
+            record, revision = self._bucket.get(key)
             if record is None or (holder is not None and record["holder"] != holder):
                 return None
             new = change(record)
             if new is None:
                 return None
-            if await self._write(key, new, revision):
+            if await self._bucket.write(key, new, revision):
                 return new
-            await self._reload(key)
+            await self._bucket.reload(key)
         return None
 
     async def change(
@@ -232,7 +182,7 @@ class JetStreamBatchStore:
         claimed: list[Batch] = []
         for record, revision in free[:limit]:
             mine = {**record, "holder": holder, "lease_until": now + lease_s}
-            if await self._write(f"batch.{record['batch']['id']}", mine, revision):
+            if await self._bucket.write(f"batch.{record['batch']['id']}", mine, revision):
                 claimed.append(_batch(mine))
         return claimed
 
@@ -271,7 +221,7 @@ class JetStreamBatchStore:
         try:
             found: dict[int, bool] = {}
             while (entry := await watcher.updates(timeout=30)) is not None:
-                if entry.value and entry.operation not in _DELETE_OPS:
+                if entry.value and entry.operation not in DELETE_OPS:
                     found[int(entry.key.rsplit(".", 1)[1])] = entry.value == b"1"
             return found
         finally:

@@ -2,11 +2,8 @@
 already runs on. Jobs in a key-value bucket (`omni-videos-<pipeline>`), one key per job;
 their files in an object store (`omni-videos-<pipeline>-files`), `<id>/<variant>`.
 
-Every gateway keeps a mirror of the bucket, fed by a watch of it, so reading, listing and
-counting are local. Every write is a compare-and-set on the key's revision (`update(last=)`):
-a claim, a renewal or a change of state made on a stale copy fails instead of overwriting
-another gateway's, so one claim wins. The mirror takes a gateway's own writes at once and
-ignores what the watch brings of revisions it already has.
+Every gateway follows the bucket (omni_gateway.jetstream.FollowedBucket: a local mirror, and
+every write a compare-and-set, so one claim of a job wins).
 
 Limits are counted on the mirror: two gateways taking jobs at the same moment may each let
 one job past a limit. A file is served from a local copy, fetched whole from the object store
@@ -18,89 +15,45 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import msgspec
 import nats.js
 import nats.js.errors
 from nats.aio.client import Client as NatsClient
 
-from omni_gateway.jetstream import key_value, local_copy
+from omni_gateway.jetstream import FollowedBucket, local_copy
 from omni_gateway.videos.store import RUNNABLE, StoreFull, VideoJob
-
-_DELETE_OPS: Final = ("DEL", "PURGE")
 
 
 class JetStreamJobStore:
-    def __init__(self, kv: Any, files: Any, cache: Path) -> None:
-        self._kv, self._files, self._cache = kv, files, cache
-        self._jobs: dict[str, tuple[dict[str, Any] | None, int]] = {}
-        """id -> (record, revision); a deleted job's record is None (so a late older revision
-        does not bring it back)."""
-        self._watch: asyncio.Task[None] | None = None
-        self._watcher: Any = None
+    def __init__(self, jobs: FollowedBucket, files: Any, cache: Path) -> None:
+        self._jobs, self._files, self._cache = jobs, files, cache
 
     @classmethod
     async def open(cls, nc: NatsClient, pipeline: str, cache: Path) -> JetStreamJobStore:
         js = nc.jetstream()
         bucket = f"omni-videos-{pipeline}"
-        kv = await key_value(js, bucket)
         try:
             files = await js.object_store(f"{bucket}-files")
         except nats.js.errors.BucketNotFoundError:
             files = await js.create_object_store(f"{bucket}-files")
-        store = cls(kv, files, cache)
-        await store._follow()
-        return store
 
-    async def _follow(self) -> None:
-        """Load the bucket, then keep following it."""
-        self._watcher = await self._kv.watchall()
-        while (entry := await self._watcher.updates(timeout=30)) is not None:
-            self._seen(entry)
-        self._watch = asyncio.create_task(self._following(), name="video-jobs-watch")
+        async def drop_copies(job_id: str) -> None:
+            """A job deleted anywhere (by a client, or at its expiry) takes this gateway's local
+            copies of its files with it."""
+            await asyncio.to_thread(shutil.rmtree, cache / job_id, True)
 
-    async def _following(self) -> None:
-        """Follow the bucket; a job deleted anywhere (by a client, or at its expiry) takes this
-        gateway's local copies of its files with it."""
-        async for entry in self._watcher:
-            if entry is not None:
-                self._seen(entry)
-                if entry.operation in _DELETE_OPS:
-                    await asyncio.to_thread(shutil.rmtree, self._cache / entry.key, True)
-
-    def _seen(self, entry: Any) -> None:
-        job_id = entry.key
-        if (held := self._jobs.get(job_id)) is not None and held[1] >= entry.revision:
-            return  # our own write, already taken, or older
-        if entry.operation in _DELETE_OPS or not entry.value:
-            self._jobs[job_id] = (None, entry.revision)
-        else:
-            self._jobs[job_id] = (json.loads(entry.value), entry.revision)
+        return cls(await FollowedBucket.open(js, bucket, drop_copies), files, cache)
 
     async def close(self) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watch
-        with contextlib.suppress(Exception):  # the connection may be closing already
-            await self._watcher.stop()
+        await self._jobs.close()
 
     def _records(self) -> list[tuple[str, dict[str, Any], int]]:
-        return [(i, r, rev) for i, (r, rev) in self._jobs.items() if r is not None]
-
-    async def _write(self, job_id: str, record: dict[str, Any], revision: int) -> bool:
-        """Compare-and-set: False where another write came first."""
-        try:
-            new = await self._kv.update(job_id, json.dumps(record).encode(), last=revision)
-        except nats.js.errors.KeyWrongLastSequenceError:
-            return False
-        self._jobs[job_id] = (record, new)
-        return True
+        return self._jobs.live()
 
     async def add(self, job: VideoJob, max_queued: int, max_per_owner: int) -> None:
         runnable = [r for _, r, _ in self._records() if r["status"] in RUNNABLE]
@@ -114,11 +67,10 @@ class JetStreamJobStore:
             "lease_until": None,
             "created_ns": time.time_ns(),
         }
-        revision = await self._kv.create(job.id, json.dumps(record).encode())
-        self._jobs[job.id] = (record, revision)
+        await self._jobs.create(job.id, record)
 
     async def get(self, job_id: str, owner: str | None) -> VideoJob | None:
-        record = self._jobs.get(job_id, (None, 0))[0]
+        record = self._jobs.get(job_id)[0]
         if record is None or (owner is not None and record["owner"] != owner):
             return None
         return _job(record)
@@ -139,12 +91,10 @@ class JetStreamJobStore:
         return [_job(r) for r in mine[:limit]], len(mine) > limit
 
     async def delete(self, job_id: str, owner: str) -> bool:
-        record, revision = self._jobs.get(job_id, (None, 0))
+        record, _ = self._jobs.get(job_id)
         if record is None or record["owner"] != owner:
             return False
-        await self._kv.delete(job_id)
-        self._jobs[job_id] = (None, revision)  # the watch brings the marker's own revision
-        return True
+        return await self._jobs.delete(job_id)
 
     async def claim(self, holder: str, now: float, lease_s: float, limit: int) -> list[VideoJob]:
         free = sorted(
@@ -160,53 +110,41 @@ class JetStreamJobStore:
             if len(claimed) >= limit:
                 break
             mine = {**record, "holder": holder, "lease_until": now + lease_s}
-            if await self._write(record["id"], mine, revision):
+            if await self._jobs.write(record["id"], mine, revision):
                 claimed.append(_job(mine))
         return claimed
 
     async def renew(self, holder: str, ids: list[str], until: float) -> set[str]:
         held: set[str] = set()
         for job_id in ids:
-            record, revision = self._jobs.get(job_id, (None, 0))
+            record, revision = self._jobs.get(job_id)
             if record is None or record["holder"] != holder:
                 continue
-            if await self._write(job_id, {**record, "lease_until": until}, revision):
+            if await self._jobs.write(job_id, {**record, "lease_until": until}, revision):
                 held.add(job_id)
         return held
 
     async def update(self, job_id: str, by: str, **values: Any) -> bool:
         for _ in range(3):  # a stale copy (another's write not yet seen) is read again
-            record, revision = self._jobs.get(job_id, (None, 0))
+            record, revision = self._jobs.get(job_id)
             if record is None or record["holder"] != by:
                 return False
-            if await self._write(job_id, {**record, **values}, revision):
+            if await self._jobs.write(job_id, {**record, **values}, revision):
                 return True
-            await self._reload(job_id)
+            await self._jobs.reload(job_id)
         return False
-
-    async def _reload(self, job_id: str) -> None:
-        try:
-            entry = await self._kv.get(job_id)
-        except nats.js.errors.NotFoundError:  # deleted, or never there
-            self._jobs[job_id] = (None, self._jobs.get(job_id, (None, 0))[1])
-            return
-        self._seen(entry)
 
     async def release(self, holder: str, ids: list[str]) -> None:
         for job_id in ids:
-            record = self._jobs.get(job_id, (None, 0))[0]
+            record = self._jobs.get(job_id)[0]
             if record is not None and record["status"] in RUNNABLE:
                 await self.update(job_id, holder, status="queued", progress=0, lease_until=None, holder=None)
 
     async def expired(self, now: float) -> list[str]:
         gone: list[str] = []
         for job_id, record, revision in self._records():
-            if record["expires_at"] is not None and record["expires_at"] <= now:
-                try:
-                    await self._kv.delete(job_id, last=revision)
-                except nats.js.errors.BadRequestError:  # the wrong last revision
-                    continue  # changed meanwhile (or another gateway deleted it): look next time
-                self._jobs[job_id] = (None, revision)
+            expired = record["expires_at"] is not None and record["expires_at"] <= now
+            if expired and await self._jobs.delete(job_id, last=revision):  # not if changed meanwhile
                 gone.append(job_id)
         return gone
 
