@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from omni_gateway.errors import BadRequest
 from omni_gateway.internal import internal_client
+from omni_gateway.protocol.common import json_object
 from omni_gateway.routes import until_disconnect
 
 router = APIRouter()
@@ -30,12 +31,7 @@ _OFF: Final = {"stream": (None, False), "n": (None, 1), "tools": (None,), "use_b
 
 @router.post("/v1/chat/completions/batch")
 async def chat_completions_batch(request: Request) -> JSONResponse:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise BadRequest("the body must be JSON") from None
-    if not isinstance(body, dict):
-        raise BadRequest("the body must be a JSON object")
+    body = await json_object(request)
     conversations = body.get("messages")
     if (
         not isinstance(conversations, list)

@@ -24,7 +24,7 @@ from starlette.datastructures import UploadFile
 from omni_gateway.errors import BadRequest
 from omni_gateway.events import Event, ImageProgress
 from omni_gateway.media import Media, decode_image, url_bytes
-from omni_gateway.protocol.common import parse
+from omni_gateway.protocol.common import json_object, parse
 from omni_gateway.protocol.images import ImageEditRequest
 from omni_pipeline.settings import MediaSpec
 
@@ -121,12 +121,7 @@ async def _json_parts(request: Request, limits: MediaSpec) -> Parts:
     """OpenAI's JSON edit: `images`, a list of `{"image_url": ...}` (a data: URL, or http(s)
     where the gateway fetches), and `mask` as one of them. `file_id` references are refused:
     files here are batches' input, not images."""
-    try:
-        fields = await request.json()
-    except ValueError:
-        raise BadRequest("the body is neither JSON nor a multipart form") from None
-    if not isinstance(fields, dict):
-        raise BadRequest("the body must be a JSON object")
+    fields = await json_object(request, "the body is neither JSON nor a multipart form")
     images = fields.pop("images", None)
     if images is not None and not isinstance(images, list):
         raise BadRequest("images: must be a list of image references", param="images")

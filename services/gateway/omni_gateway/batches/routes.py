@@ -17,7 +17,7 @@ from omni_gateway.batches.runner import BatchRunner
 from omni_gateway.errors import BadRequest, NotFound, NotReady, PayloadTooLarge, Unavailable
 from omni_gateway.guards import owner_of
 from omni_gateway.protocol.batches import BatchCreateRequest, FileUploadFields
-from omni_gateway.protocol.common import parse
+from omni_gateway.protocol.common import json_object, parse
 from omni_gateway.protocol.videos import ListOrder
 
 router = APIRouter()
@@ -129,11 +129,7 @@ async def delete_file(request: Request, file_id: str) -> dict[str, Any]:
 @router.post("/v1/batches")
 async def create_batch(request: Request) -> dict[str, Any]:
     runner = _runner(request)
-    try:
-        body = await request.json()
-    except ValueError:
-        raise BadRequest("the body must be JSON") from None
-    asked: BatchCreateRequest = parse(BatchCreateRequest, body if isinstance(body, dict) else {})
+    asked: BatchCreateRequest = parse(BatchCreateRequest, await json_object(request))
     source = await _file(request, asked.input_file_id)
     if source.purpose != "batch":
         msg = f"input_file_id: file '{source.id}' was uploaded for {source.purpose}, not batch"

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel, ValidationError, ValidationInfo
+from starlette.requests import Request
 
 from omni_gateway.errors import BadRequest
 
@@ -34,3 +35,14 @@ def parse(model: type[BaseModel], fields: dict[str, Any]) -> Any:
         if param is None and sep and named in model.model_fields:
             param, msg = named, rest
         raise BadRequest(f"{param}: {msg}" if param else msg, param=param) from None
+
+
+async def json_object(request: Request, not_json: str = "the body must be JSON") -> dict[str, Any]:
+    """The body, a JSON object; a 400 where it is not JSON (`not_json` says so) or not an object."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequest(not_json) from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    return body

@@ -12,7 +12,7 @@ from starlette.datastructures import UploadFile
 from starlette.requests import Request
 
 from omni_gateway.errors import BadRequest
-from omni_gateway.protocol.common import parse
+from omni_gateway.protocol.common import json_object, parse
 from omni_pipeline.control import RequestInputs
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import OutputKind
@@ -117,12 +117,7 @@ async def read_video_request(request: Request) -> VideoCreateRequest:
                     raise BadRequest(f"{key}: given more than once", param=key)
                 fields[key] = "<file>" if isinstance(value, UploadFile) else value
     else:
-        try:
-            fields = await request.json()
-        except ValueError:
-            raise BadRequest("the body is neither JSON nor a multipart form") from None
-        if not isinstance(fields, dict):
-            raise BadRequest("the body must be a JSON object")
+        fields = await json_object(request, "the body is neither JSON nor a multipart form")
     return parse(VideoCreateRequest, fields)
 
 

@@ -13,7 +13,7 @@ from fastapi.responses import FileResponse
 from omni_gateway.errors import BadRequest, NotFound, NotReady, NotServed, Overloaded
 from omni_gateway.guards import owner_of
 from omni_gateway.internal import JOB_ID_HEADER, internal_header
-from omni_gateway.protocol.common import parse
+from omni_gateway.protocol.common import json_object, parse
 from omni_gateway.protocol.videos import (
     ListOrder,
     VideoCreateRequest,
@@ -136,11 +136,7 @@ async def video_content(request: Request, video_id: str, variant: str = "video")
 async def remix_video(request: Request, video_id: str) -> dict[str, Any]:
     """A new job: the finished source's request (its size, length, steps and seed: the same
     starting noise) with a new prompt."""
-    try:
-        body = await request.json()
-    except ValueError:
-        raise BadRequest("the body must be JSON") from None
-    remix: VideoRemixRequest = parse(VideoRemixRequest, body if isinstance(body, dict) else {})
+    remix: VideoRemixRequest = parse(VideoRemixRequest, await json_object(request))
     source = await _job(request, video_id)
     if source.status != "completed":
         raise NotReady(f"video '{video_id}' is {source.status}; only a completed video can be remixed")
