@@ -272,9 +272,12 @@ def test_jobs_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
     """A job running when the gateway is killed completes once the supervisor has started it
     again (the new gateway takes it up when the dead one's lease lapses); one running when
     omni serve is stopped is given back and completes after it starts again; finished jobs
-    are listed and served across restarts."""
+    are listed and served across restarts. A batch's video line whose job runs through the
+    kill: the next gateway finds that job (by the id the line gives it) instead of making
+    another, and the batch completes with it."""
     spec = yaml.safe_load((ROOT / "examples" / "tiny-video.yaml").read_text())
-    spec["spec"]["gateway"]["videos"] = {"stateDir": str(tmp_path / "state"), "leaseS": 2, "concurrency": 1}
+    spec["spec"]["gateway"]["videos"] = {"stateDir": str(tmp_path / "state"), "leaseS": 2, "concurrency": 2}
+    spec["spec"]["gateway"]["batches"] = {"stateDir": str(tmp_path / "state"), "leaseS": 2}
     pipeline = tmp_path / "tiny-video.yaml"
     pipeline.write_text(yaml.safe_dump(spec))
     port = free_port()
@@ -285,13 +288,24 @@ def test_jobs_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
         quick = client.videos.create(prompt="first", size="32x32", extra_body={"num_inference_steps": 2})
         assert finished(client, quick.id)[0].status == "completed"
         killed = client.videos.create(prompt="through a kill", **long)
-        wait_for(lambda: client.videos.retrieve(killed.id).progress > 0, 60, "the job to be running")
+        batch = batch_of(
+            client, [video_line("line", size="64x64", num_frames=17, num_inference_steps=150)], "/v1/videos"
+        )
+        wait_for(
+            lambda: len([v for v in client.videos.list() if v.progress > 0]) == 3, 60, "both jobs to run"
+        )
+        [line_job] = [v.id for v in client.videos.list() if v.id not in (quick.id, killed.id)]
         old = gateway_of(serve)
         os.kill(old.pid, signal.SIGKILL)
         done, _ = finished(client, killed.id, timeout=180)  # asked of the new gateway, same port
         assert done.status == "completed", done
         assert gateway_of(serve).pid != old.pid
         assert "gateway died" in serve.output()
+        lined, _ = ended(client, batch.id, timeout=180)
+        assert lined.status == "completed", lined
+        [out] = lines_of(client, lined.output_file_id)
+        assert out["response"]["body"]["id"] == line_job
+        assert {v.id for v in client.videos.list(limit=100)} == {quick.id, killed.id, line_job}
 
         stopped = client.videos.create(prompt="through a stop", **long)
         wait_for(lambda: client.videos.retrieve(stopped.id).progress > 0, 60, "the job to be running")
@@ -302,7 +316,7 @@ def test_jobs_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
     serve, client = serve_on_port(pipeline, demo_dir, tmp_path / "serve-2.log", port)
     try:
         listed = {v.id: v for v in client.videos.list(limit=100)}
-        assert set(listed) == {quick.id, killed.id, stopped.id}
+        assert set(listed) == {quick.id, killed.id, line_job, stopped.id}
         assert listed[quick.id].status == "completed" and listed[killed.id].status == "completed"
         frames, _ = frames_of(client.videos.download_content(quick.id).read())
         assert len(frames) >= 2
@@ -322,7 +336,8 @@ def test_distributed_jobs_live_in_jetstream(demo_dir: Path, tmp_path: Path) -> N
     job and serves its video (from the object store: it never had the file)."""
     spec = yaml.safe_load((ROOT / "examples" / "tiny-video.yaml").read_text())
     spec["spec"].update(mode="Distributed", nats={"url": ""}, connectors={"default": {"kind": "inline"}})
-    spec["spec"]["gateway"]["videos"] = {"stateDir": str(tmp_path / "state"), "leaseS": 2, "concurrency": 1}
+    spec["spec"]["gateway"]["videos"] = {"stateDir": str(tmp_path / "state"), "leaseS": 2, "concurrency": 2}
+    spec["spec"]["gateway"]["batches"] = {"stateDir": str(tmp_path / "state"), "leaseS": 2}
     pipeline = tmp_path / "tiny-video.yaml"
     pipeline.write_text(yaml.safe_dump(spec))
     server = EmbeddedNats(args=("-js", "-sd", str(tmp_path / "jetstream")))

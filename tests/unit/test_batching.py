@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from omni_stage.engines.batching import StepBatcher
+from omni_stage.engines.batching import STEP_PRIORITY, StepBatcher
 
 
 class Doubler:
@@ -63,6 +63,35 @@ def test_a_first_piece_runs_before_older_ones_with_its_key() -> None:
         assert await running == 2
         assert await asyncio.gather(*waiting) == [4, 6, 8]
         assert run.calls == [[1], [3, 4], [2]]
+
+    asyncio.run(go())
+
+
+def test_a_better_priority_runs_first_and_fills_a_call_first() -> None:
+    """Pieces submitted from a request's task carry its priority (STEP_PRIORITY): the best
+    piece's key runs next, before an older key and before a first output of a worse priority,
+    and a call with room for fewer than its key's pieces takes the best ones first."""
+
+    async def go() -> None:
+        run = Doubler()
+        b = StepBatcher(run, ThreadPoolExecutor(1), max_batch=2)
+
+        running = b.submit("decode", 1)
+        waiting = []
+        for key, x, priority, first in [
+            ("decode", 2, 1, False),  # a batch line's step
+            ("prefill", 3, 1, True),  # a batch line's first output
+            ("decode", 4, 0, False),  # a live user's step
+            ("decode", 5, 1, False),
+            ("decode", 6, 0, False),
+        ]:
+            STEP_PRIORITY.set(priority)  # as a stage's request task sets it for its own steps
+            waiting.append(b.submit(key, x, first))
+        run.go.set()
+        assert await running == 2
+        assert await asyncio.gather(*waiting) == [4, 6, 8, 10, 12]
+        # The live steps [4, 6] first (the call's room is 2); then the first output; then the rest.
+        assert run.calls == [[1], [4, 6], [3], [2, 5]]
 
     asyncio.run(go())
 

@@ -36,6 +36,7 @@ from omni_pipeline.spec import DEFAULT_CONNECTOR, REQUEST_SOURCE, OutputKind, St
 from omni_pipeline.tracing import TRACER
 from omni_stage.assembly import Trigger
 from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidRequest
+from omni_stage.engines.batching import STEP_PRIORITY
 from omni_stage.metrics import StageMetrics
 from omni_stage.outbox import Outbox
 from omni_stage.requests import Inbound, RequestBook, RequestState, Send
@@ -90,6 +91,7 @@ class RequestRunner:
         """Run one request to its end; returns its outcome."""
         rid = st.request_id
         REQUEST_ID.set(rid)  # this task's own context: its log lines name the request
+        STEP_PRIORITY.set(st.ctx.priority)  # and its engine steps take its priority
         tracing.adopt(st.span)  # and its trace, and parent its spans
         TRACER.start_span("omni.stage.queue", start_time=st.admitted_ns).end()
         self.metrics.queue_wait.observe(max(0.0, (time.time_ns() - st.admitted_ns) / 1e9))
@@ -112,7 +114,7 @@ class RequestRunner:
                         call: EngineCall | None = None
                         try:
                             await self._return_credit(st, trig)
-                            call = EngineCall(rid, inputs, ended, st.sampling, engine_state)
+                            call = EngineCall(rid, inputs, ended, st.sampling, engine_state, st.ctx.priority)
                             called = time.monotonic()
                             with tracing.span("omni.engine.call", attributes=_call_attrs(trig)):
                                 async with contextlib.aclosing(self.engine.generate(call)) as outs:

@@ -39,6 +39,9 @@ class LineCalls:
     def __init__(self, app: Any, spec: BatchesSpec, metrics: GatewayMetrics) -> None:
         self.spec, self.metrics = spec, metrics
         self._client = internal_client(app)
+        self._in_pipeline = 0
+        """Lines in a request to the pipeline now (counted in the gateway's in-flight requests;
+        a video line waiting on its job is not)."""
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -46,8 +49,7 @@ class LineCalls:
     def _live(self) -> int:
         """Live users' requests this gateway serves now: every request in flight but its own lines."""
         serving = self.metrics.registry.get_sample_value("omni_gateway_inflight_requests") or 0.0
-        running = self.metrics.registry.get_sample_value("omni_gateway_batch_lines_running") or 0.0
-        return max(0, int(serving - running))
+        return max(0, int(serving) - self._in_pipeline)
 
     async def room_left_by_live_users(self) -> None:
         """Wait until this gateway's batch lines, and `livePriority` lines' room for each live
@@ -69,7 +71,12 @@ class LineCalls:
         try:
             if batch.endpoint == VIDEOS:
                 return await self._video(batch, line)
-            return _outcome(line, await self._client.post(batch.endpoint, json=line.body, headers=_on(batch)))
+            self._in_pipeline += 1
+            try:
+                r = await self._client.post(batch.endpoint, json=line.body, headers=_on(batch))
+            finally:
+                self._in_pipeline -= 1
+            return _outcome(line, r)
         except Exception as exc:  # the app answers every error itself: this is a crash of ours
             task = asyncio.current_task()
             if task is not None and task.cancelling():  # the app swallowed our cancel: not the line's fault

@@ -84,6 +84,8 @@ class EngineCall:
     is_last: bool
     sampling: Sampling
     state: CallState = field(default_factory=CallState)
+    priority: int = 0
+    """vLLM's: the lower value first (a batch's lines come after live users' requests)."""
 
     def kept(self, kind: type[S]) -> S:
         """The engine's own state for this request: `kind()` on its first call, then the same."""

@@ -12,20 +12,32 @@ only as others finish). Nothing waits for a batch to fill: under light load a pi
 at once; under load the pieces that queued behind a running call go together. A request
 cancelled while waiting is dropped from its batch; a batch that fails is run again piece by
 piece, so only the piece that fails fails its request, never the batch the replica.
+
+Pieces carry their request's priority (vLLM's: the lower value first; `STEP_PRIORITY`, set in
+each request's task): the next call is the key of the best piece waiting, and a call that
+cannot take every piece of its key takes the best first. A live user's step so runs before
+a batch line's, and beside as few of them as the call's room allows. With every priority
+equal (0) the order is the one above.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable
 from concurrent.futures import Executor
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
 I = TypeVar("I")  # noqa: E741 (the item type)
 O = TypeVar("O")  # noqa: E741
+
+
+STEP_PRIORITY: Final[ContextVar[int]] = ContextVar("omni_step_priority", default=0)
+"""The priority of the request whose task submits (the stage's runner sets it per request)."""
 
 
 @dataclass(slots=True, eq=False)  # compared by identity: an item may hold tensors
@@ -34,6 +46,12 @@ class _Waiting(Generic[I, O]):
     item: I
     done: asyncio.Future[O]
     first: bool
+    priority: int
+    arrival: int
+
+    def rank(self) -> tuple[int, bool, int]:
+        """Which piece's key runs next: the best priority, then a first output's, then the oldest."""
+        return self.priority, not self.first, self.arrival
 
 
 class StepBatcher(Generic[I, O]):
@@ -53,6 +71,7 @@ class StepBatcher(Generic[I, O]):
         self.max_batch = max_batch
         self.max_of = max_of
         self._waiting: list[_Waiting[I, O]] = []
+        self._arrivals = itertools.count()
         self._busy = False
         self._running = 0
         """Pieces in the call on the compute thread now."""
@@ -73,7 +92,7 @@ class StepBatcher(Generic[I, O]):
         """Queue `item` now; the future is its result. Cancelling it drops the item. `first`:
         the request's first output waits on it, so its batch runs before older ones."""
         done: asyncio.Future[O] = asyncio.get_running_loop().create_future()
-        self._waiting.append(_Waiting(key, item, done, first))
+        self._waiting.append(_Waiting(key, item, done, first, STEP_PRIORITY.get(), next(self._arrivals)))
         self._next()
         return done
 
@@ -81,9 +100,11 @@ class StepBatcher(Generic[I, O]):
         self._waiting = [w for w in self._waiting if not w.done.cancelled()]
         if self._busy or not self._waiting:
             return
-        key = next((w for w in self._waiting if w.first), self._waiting[0]).key
+        key = min(self._waiting, key=_Waiting.rank).key
         most = self.max_batch if self.max_of is None else max(1, min(self.max_batch, self.max_of(key)))
-        batch = [w for w in self._waiting if w.key == key][:most]
+        batch = sorted((w for w in self._waiting if w.key == key), key=lambda w: (w.priority, w.arrival))[
+            :most
+        ]
         self._waiting = [w for w in self._waiting if w not in batch]
         self._busy, self._running = True, len(batch)
         self.batch_sizes[len(batch)] += 1

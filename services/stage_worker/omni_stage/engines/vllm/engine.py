@@ -84,6 +84,9 @@ class VllmEngine(Engine):
         args = self._engine_args(current_platform)
         if self.stage.gpu_memory_fraction is not None:  # its share of a device other stages use too
             args.setdefault("gpu_memory_utilization", self.stage.gpu_memory_fraction)
+        # vLLM's priority scheduling: a request of a better priority (a live user's, before a
+        # batch's lines) starts first and may preempt one running; equal priorities, in order.
+        args.setdefault("scheduling_policy", "priority")
         if current_platform.is_cpu():
             args.setdefault("enforce_eager", True)
             if "kv_cache_memory_bytes" not in args:
@@ -181,7 +184,8 @@ class VllmEngine(Engine):
         vllm_id = f"{call.request_id}-{next(self._ids)}"
         finished = False
         try:
-            async for out in self.llm.generate(prompt, self._sampling(call, tools), request_id=vllm_id):
+            sampling = self._sampling(call, tools)
+            async for out in self.llm.generate(prompt, sampling, request_id=vllm_id, priority=call.priority):
                 if out.prompt_logprobs is not None and call.state.prompt_logprobs is None:
                     call.state.prompt_logprobs = vllm_prompt_logprobs(
                         list(out.prompt_token_ids or []), out.prompt_logprobs
