@@ -53,6 +53,12 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
     return ap
 
 
+def warmed(args: argparse.Namespace) -> bool:
+    """Whether to warm up before measuring: not with --quick (it checks that the benchmark runs,
+    not how fast)."""
+    return not args.quick
+
+
 def rounds(n: int, args: argparse.Namespace) -> int:
     """`n` repeats, or one with --quick (which checks that the benchmark runs, not how fast)."""
     return 1 if args.quick else n

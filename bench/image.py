@@ -33,7 +33,7 @@ import torch
 import yaml
 from PIL import Image
 
-from bench.common import bars, figure, machine, parser, report, rounds, save
+from bench.common import bars, figure, machine, parser, report, rounds, save, warmed
 from bench.procs import demo_models, served
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def png(img: Image.Image) -> bytes:
     return buf.getvalue()
 
 
-def reference(models: Path, edits: int, steps: int) -> float:
+def reference(models: Path, edits: int, steps: int, warm: bool) -> float:
     """diffusers' QwenImageEditPipeline: edits per second, one after another."""
     from diffusers import QwenImageEditPipeline
 
@@ -74,7 +74,8 @@ def reference(models: Path, edits: int, steps: int) -> float:
             output_type="np",
         )
 
-    one(0)  # warm
+    if warm:
+        one(0)
     t0 = time.perf_counter()
     for seed in range(edits):
         one(seed)
@@ -99,7 +100,7 @@ def generate(client: httpx.Client, seed: int, steps: int) -> None:
     r.raise_for_status()
 
 
-def per_second(base: str, call: Any, requests: int, clients: int, steps: int) -> float:
+def per_second(base: str, call: Any, requests: int, clients: int, steps: int, warm: bool) -> float:
     """Requests per second with `clients` clients, each sending `requests` one after another."""
 
     def client_run(c: int, client: httpx.Client) -> None:
@@ -107,7 +108,8 @@ def per_second(base: str, call: Any, requests: int, clients: int, steps: int) ->
             call(client, c * requests + i, steps)
 
     with httpx.Client(base_url=base, timeout=600) as client:
-        call(client, 0, steps)  # warm
+        if warm:
+            call(client, 0, steps)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(clients) as pool:
             list(pool.map(client_run, range(clients), [client] * clients))
@@ -123,24 +125,27 @@ def spec_of(example: str) -> dict[str, Any]:
 def measure(args: Any) -> dict[str, Any]:
     n = rounds(5, args)
     steps = STEPS if not args.quick else 2
+    warm = warmed(args)
     out: dict[str, Any] = {}
     with demo_models() as cwd:
         results: dict[str, float] = {}
         # The reference in a thread of its own so that it, like every stage, has one compute thread.
         worker = threading.Thread(
-            target=lambda: results.update(diffusers=reference(cwd / "models", n, steps))
+            target=lambda: results.update(diffusers=reference(cwd / "models", n, steps, warm))
         )
         worker.start()
         worker.join()
         out["edit_diffusers_per_s"] = round(results["diffusers"], 3)
         with served("bench", spec_of("tiny-image-edit.yaml"), cwd=cwd) as base:
-            out["edit_c1_per_s"] = round(per_second(base, edit, n, 1, steps), 3)
+            out["edit_c1_per_s"] = round(per_second(base, edit, n, 1, steps, warm), 3)
             out[f"edit_c{CLIENTS}_per_s"] = round(
-                per_second(base, edit, 1 if args.quick else n, CLIENTS, steps), 3
+                per_second(base, edit, 1 if args.quick else n, CLIENTS, steps, warm), 3
             )
         with served("bench", spec_of("tiny-image.yaml"), cwd=cwd) as base:
-            out["generation_c1_per_s"] = round(per_second(base, generate, n, 1, steps), 3)
-            out[f"generation_c{CLIENTS}_per_s"] = round(per_second(base, generate, n, CLIENTS, steps), 3)
+            out["generation_c1_per_s"] = round(per_second(base, generate, n, 1, steps, warm), 3)
+            out[f"generation_c{CLIENTS}_per_s"] = round(
+                per_second(base, generate, n, CLIENTS, steps, warm), 3
+            )
     return out
 
 

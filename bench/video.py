@@ -28,7 +28,7 @@ import httpx
 import torch
 import yaml
 
-from bench.common import bars, figure, machine, parser, report, rounds, save
+from bench.common import bars, figure, machine, parser, report, rounds, save, warmed
 from bench.procs import demo_models, served
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ STEPS: Final = 20
 IN_FLIGHT: Final = (1, 2, 4)
 
 
-def reference(models: Path, videos: int) -> float:
+def reference(models: Path, videos: int, warm: bool) -> float:
     """diffusers' WanPipeline: steps per second over `videos` videos, one after another."""
     from diffusers import WanPipeline
 
@@ -58,7 +58,8 @@ def reference(models: Path, videos: int) -> float:
             output_type="np",
         )
 
-    one(0)  # warm
+    if warm:
+        one(0)
     t0 = time.perf_counter()
     for seed in range(videos):
         one(seed)
@@ -73,12 +74,13 @@ FORM: Final = {
 }
 
 
-def sync(base: str, videos: int) -> float:
+def sync(base: str, videos: int, warm: bool) -> float:
     def one(seed: int) -> None:
         r = httpx.post(f"{base}/v1/videos/sync", data={**FORM, "seed": str(seed)}, timeout=600)
         r.raise_for_status()
 
-    one(0)
+    if warm:
+        one(0)
     t0 = time.perf_counter()
     for seed in range(videos):
         one(seed)
@@ -110,7 +112,9 @@ def measure(args: Any) -> dict[str, Any]:
     with demo_models() as cwd, tempfile.TemporaryDirectory() as state:
         results: dict[str, float] = {}
         # The reference in a thread of its own so that it, like every stage, has one compute thread.
-        worker = threading.Thread(target=lambda: results.update(diffusers=reference(cwd / "models", n)))
+        worker = threading.Thread(
+            target=lambda: results.update(diffusers=reference(cwd / "models", n, warmed(args)))
+        )
         worker.start()
         worker.join()
         out["diffusers_steps_per_s"] = round(results["diffusers"], 2)
@@ -118,8 +122,9 @@ def measure(args: Any) -> dict[str, Any]:
             spec["gateway"]["videos"] = {"stateDir": state, "concurrency": j, "maxQueuedPerKey": 64}
             with served("bench", spec, cwd=cwd) as base:
                 if j == 1:
-                    out["sync_steps_per_s"] = round(sync(base, n), 2)
-                jobs(base, j)  # warm
+                    out["sync_steps_per_s"] = round(sync(base, n, warmed(args)), 2)
+                if warmed(args):
+                    jobs(base, j)
                 out[f"jobs_c{j}_steps_per_s"] = round(jobs(base, n * j if j > 1 else n), 2)
     return out
 

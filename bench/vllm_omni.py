@@ -29,7 +29,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from bench.common import bars, figure, machine, median, parser, report, rounds
+from bench.common import bars, figure, machine, median, parser, report, rounds, warmed
 from bench.load import chat
 from bench.omni_stream import streamed
 from bench.procs import demo_models, served
@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
     spec["servedModelName"] = "bench"
     runs: dict[str, dict[str, float]] = {}
     with demo_models() as cwd, served("bench", spec, cwd=cwd) as base, tempfile.TemporaryDirectory() as tmp:
-        asyncio.run(ours(base, tokens, 2, 1))  # warm-up
+        if warmed(args):
+            asyncio.run(ours(base, tokens, 2, 1))
         for c in CONCURRENCY:
             runs[f"omni_bench_c{c}"] = ours_summary(asyncio.run(ours(base, tokens, n, c)))
             got = vllm_bench_serve(
