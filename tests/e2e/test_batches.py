@@ -17,11 +17,13 @@ from typing import Any
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from omni_cli.natsd import EmbeddedNats
 from omni_cli.ports import free_port
 from tests.deployment import deployed, metric_values, metrics_urls
 from tests.helpers import (
+    HTTP,
     PIPELINE_RESTARTS_TIMEOUT_S,
     ROOT,
     assert_all_gone,
@@ -327,11 +329,11 @@ def test_distributed_batches_live_in_jetstream(demo_dir: Path, tmp_path: Path) -
 
 
 def test_live_requests_go_before_a_batchs_waiting_lines(demo_dir: Path, tmp_path: Path) -> None:
-    """A thinker running one request at a time, one line of a 24-line batch running and a dozen
-    or more waiting there: a live user's request asked now starts next, before the waiting
-    lines (a replica starts the lower priority value first, and a batch's lines add 1).
-    Answered, it finds a few more lines done at most (those that ended while it was on its way
-    and the one it waited for), not the dozen and more it would have waited for in arrival order."""
+    """A thinker running one request at a time and a 24-line batch: the gateway lets a line
+    through only to a slot of the thinker that is free, so no line waits in the thinker's queue
+    (the dozen and more not started wait at the gateway). A live user's request asked while a
+    line runs waits there for that one line alone: answered, it finds a few more lines done at
+    most, not the dozen and more it would have waited for behind them."""
     pipeline = pipeline_file(tmp_path, one_at_a_time=True, concurrency=24)
     with served(pipeline, demo_dir, tmp_path / "serve.log") as (_, base):
         client = openai_client(base)
@@ -339,11 +341,11 @@ def test_live_requests_go_before_a_batchs_waiting_lines(demo_dir: Path, tmp_path
         # Text only: the thinker alone runs them, so the order it starts them in is the order they end in.
         lines = [chat_line(f"line-{i}", tokens=64, modalities=["text"]) for i in range(24)]
         batch = batch_of(client, lines)
-        queued = ("omni_stage_queued_requests",)
+        held = ("omni_gateway_batch_lines_running", "omni_gateway_batch_lines_waiting")
         wait_for(
-            lambda: metric_values(thinker, queued)[queued[0]] >= 12,
+            lambda: (m := metric_values(f"{base}/metrics", held))[held[0]] == 1 and m[held[1]] >= 12,
             60,
-            "a dozen lines waiting at the thinker",
+            "a line running and a dozen waiting at the gateway",
         )
         before = client.batches.retrieve(batch.id).request_counts.completed
         live = client.chat.completions.create(
@@ -356,3 +358,10 @@ def test_live_requests_go_before_a_batchs_waiting_lines(demo_dir: Path, tmp_path
         assert client.batches.retrieve(batch.id).request_counts.completed - before <= 4
         done, _ = ended(client, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 24, done
+        queued = [
+            x.value
+            for f in text_string_to_metric_families(HTTP.get(thinker).text)
+            for x in f.samples
+            if x.name == "omni_stage_admissions_total" and x.labels.get("result") == "queued"
+        ]
+        assert sum(queued) <= 1, queued  # the live request alone may have waited in its queue

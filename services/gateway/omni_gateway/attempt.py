@@ -33,7 +33,7 @@ from omni_gateway.events import (
 from omni_gateway.inflight import Tracked
 from omni_gateway.pins import ConversationPins
 from omni_gateway.replicas import Replica
-from omni_gateway.request import BATCH_PRIORITY, Prepared
+from omni_gateway.request import BATCH_PRIORITY, ON_ROUTED, Prepared
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.connectors.offload import OffLoop
@@ -91,6 +91,8 @@ class Attempts:
                     self.bus.table.release(stage, r.hb.instance)
                 reason = exc.message
                 raise
+            if (routed := ON_ROUTED.get()) is not None:
+                routed()
             if key is not None:
                 self.pins.remember(key, {s: r.hb.instance for s, r in picked.items()})
             t = Tracked(

@@ -50,7 +50,7 @@ from omni_pipeline.control import (
     TokenizeReply,
     pack,
 )
-from omni_pipeline.spec import PipelineFile
+from omni_pipeline.spec import REQUEST_SOURCE, PipelineFile
 from omni_pipeline.voices import VoicePrint
 
 log = logging.getLogger("omni.gateway")
@@ -111,6 +111,12 @@ class Pipeline:
         """This gateway's NATS connection (a JetStream store's, the resource metrics'); None
         before it first connected."""
         return self._bus.nc
+
+    def free_at_entry(self) -> int:
+        """Requests the stages that read a client's request could start at once: the fewest free
+        slots among them (omni_gateway.batches holds its lines to it)."""
+        entry = [s.name for s in self.spec.stages if any(e.from_ == REQUEST_SOURCE for e in s.inputs)]
+        return min((self._bus.table.free(s) for s in entry), default=0)
 
     def replicas(self) -> list[dict[str, Any]]:
         """The live replica table this gateway routes by."""

@@ -144,6 +144,12 @@ class ReplicaTable:
             open_, key=lambda r: (r.load / max(1, r.hb.capacity), r.hb.replica), default=None
         )
 
+    def free(self, stage: str) -> int:
+        """Slots free to run a request at once on the replicas of `stage` serving now (none
+        queued behind what runs)."""
+        known = self._by_stage.get(stage, {}).values()
+        return sum(max(0, r.hb.capacity - r.load) for r in known if r.serving)
+
     def sick(self, stage: str) -> bool:
         """Every replica of `stage` that is not draining says it is unhealthy (and one does)."""
         up = [r for r in self._by_stage.get(stage, {}).values() if not r.hb.draining]

@@ -3,6 +3,7 @@ past every pre-flight check, as each attempt sends it (`Prepared`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Final
@@ -63,3 +64,8 @@ class Prepared:
 BATCH_PRIORITY: Final[ContextVar[int]] = ContextVar("omni_batch_priority", default=0)
 """Added to the priority of every request made in this context: the batch runner's lines run
 with it set (omni_gateway.batches.runner), so replicas start them after live users' requests."""
+
+ON_ROUTED: Final[ContextVar[Callable[[], None] | None]] = ContextVar("omni_on_routed", default=None)
+"""Called once a request made in this context has its replicas (an attempt has picked them; may
+be called again): the batch runner counts its lines that have none yet against the replicas'
+free slots."""

@@ -1,7 +1,8 @@
 """How a batch line is sent and when it may start: each line a request to the gateway's own
 endpoint in the same process (omni_gateway.internal), at the batch priority (replicas start
 live users' requests first), once the lines running and the room kept for each live request
-this gateway serves (`livePriority`) stay under `concurrency`."""
+this gateway serves (`livePriority`) stay under `concurrency` and the pipeline's entry has a
+free slot (lines wait here, not in a replica's queue)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from omni_gateway.batches.records import Batch
 from omni_gateway.errors import BadRequest
 from omni_gateway.internal import JOB_ID_HEADER, ON_BEHALF_HEADER, internal_client
 from omni_gateway.metrics import GatewayMetrics
-from omni_gateway.request import BATCH_PRIORITY
+from omni_gateway.pipeline import Pipeline
+from omni_gateway.request import BATCH_PRIORITY, ON_ROUTED
 from omni_pipeline.settings import BatchesSpec
 
 log = logging.getLogger("omni.gateway.batches")
@@ -35,13 +37,30 @@ BATCH_LINE_PRIORITY: Final = 1
 """Added to a line's own `priority`: replicas start live users' requests (0) first."""
 
 
+class Unrouted:
+    """A line let through to the pipeline, counted against the entry's free slots until its
+    request has replicas, ends, or never starts: calling it stops the count (once)."""
+
+    def __init__(self, calls: LineCalls | None) -> None:
+        self._calls = calls
+        if calls is not None:
+            calls.unrouted += 1
+
+    def __call__(self) -> None:
+        if self._calls is not None:
+            self._calls.unrouted -= 1
+            self._calls = None
+
+
 class LineCalls:
-    def __init__(self, app: Any, spec: BatchesSpec, metrics: GatewayMetrics) -> None:
-        self.spec, self.metrics = spec, metrics
+    def __init__(self, app: Any, pipeline: Pipeline, spec: BatchesSpec, metrics: GatewayMetrics) -> None:
+        self.spec, self.metrics, self._pipeline = spec, metrics, pipeline
         self._client = internal_client(app)
         self._in_pipeline = 0
         """Lines in a request to the pipeline now (counted in the gateway's in-flight requests;
         a video line waiting on its job is not)."""
+        self.unrouted = 0
+        """Lines let through to the pipeline whose requests have no replicas yet."""
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -51,24 +70,29 @@ class LineCalls:
         serving = self.metrics.registry.get_sample_value("omni_gateway_inflight_requests") or 0.0
         return max(0, int(serving) - self._in_pipeline)
 
-    async def room_left_by_live_users(self) -> None:
+    async def room(self, batch: Batch) -> Unrouted:
         """Wait until this gateway's batch lines, and `livePriority` lines' room for each live
-        request it serves, leave room for one more line within `concurrency`: live users' new
-        requests find a free slot instead of one a batch line holds, and fewer rows beside
-        theirs in every step."""
+        request it serves, leave room for one more line within `concurrency`, and (a line
+        through the pipeline) a replica of the pipeline's entry has a slot free for it that no
+        line let through before has yet taken: live users' new requests find a free slot
+        instead of one a batch line holds, no queue of lines before them, and fewer rows
+        beside theirs in every step. Returns the line's count against the free slots."""
+        through_pipeline = batch.endpoint != VIDEOS  # a video line's job runs on the job runner
         while True:
             running = self.metrics.registry.get_sample_value("omni_gateway_batch_lines_running") or 0.0
-            if running + self.spec.live_priority * self._live() < self.spec.concurrency:
-                return
+            within = running + self.spec.live_priority * self._live() < self.spec.concurrency
+            if within and (not through_pipeline or self._pipeline.free_at_entry() > self.unrouted):
+                return Unrouted(self if through_pipeline else None)
             await asyncio.sleep(LIVE_POLL_S)
 
-    async def answer(self, batch: Batch, line: InputLine) -> tuple[bool, bytes]:
+    async def answer(self, batch: Batch, line: InputLine, unrouted: Unrouted) -> tuple[bool, bytes]:
         """Whether the line succeeded, and its line of the output or error file."""
         BATCH_PRIORITY.set(BATCH_LINE_PRIORITY)  # this line's task's own context: its request only
-        if line.body.get("stream"):
-            refused = BadRequest("stream: a batch request cannot stream", param="stream")
-            return False, answered(line.custom_id, refused.status, None, refused.body())
+        ON_ROUTED.set(unrouted)  # and the attempt that picks its replicas says so
         try:
+            if line.body.get("stream"):
+                refused = BadRequest("stream: a batch request cannot stream", param="stream")
+                return False, answered(line.custom_id, refused.status, None, refused.body())
             if batch.endpoint == VIDEOS:
                 return await self._video(batch, line)
             self._in_pipeline += 1
@@ -83,6 +107,8 @@ class LineCalls:
                 raise asyncio.CancelledError from exc
             log.exception("batch %s line %d", batch.id, line.index)
             return False, not_run(line.custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
+        finally:
+            unrouted()  # refused before it reached a replica, or ended
 
     async def _video(self, batch: Batch, line: InputLine) -> tuple[bool, bytes]:
         """A video line: its job made (or found, by its id, if the batch was taken up again) and

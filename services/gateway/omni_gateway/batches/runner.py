@@ -25,7 +25,7 @@ from typing import Any
 
 import nats.errors
 
-from omni_gateway.batches.calls import LineCalls
+from omni_gateway.batches.calls import LineCalls, Unrouted
 from omni_gateway.batches.jetstream_store import JetStreamBatchStore
 from omni_gateway.batches.lines import InputLine, not_run, read_input, summed_usage
 from omni_gateway.batches.records import Batch, LineResult, StoredFile
@@ -49,14 +49,14 @@ class BatchRunner:
     def __init__(
         self,
         app: Any,
+        pipeline: Pipeline,
         store: BatchStore,
         spec: BatchesSpec,
-        gateway_id: str,
         metrics: GatewayMetrics,
     ) -> None:
         self.store, self.spec, self.metrics = store, spec, metrics
-        self.holder = f"{gateway_id}-{secrets.token_hex(4)}"
-        self.calls = LineCalls(app, spec, metrics)
+        self.holder = f"{pipeline.gateway_id}-{secrets.token_hex(4)}"
+        self.calls = LineCalls(app, pipeline, spec, metrics)
         self._slots = asyncio.Semaphore(spec.concurrency)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
@@ -82,7 +82,7 @@ class BatchRunner:
             log.warning("batches: none can be kept (store %s): %s", kind, exc)
             return None
         log.info("batches: kept in %s", "SQLite under " + str(root) if kind == "sqlite" else "JetStream")
-        return cls(app, store, spec, pipeline.gateway_id, app.state.metrics)
+        return cls(app, pipeline, store, spec, app.state.metrics)
 
     async def start(self) -> None:
         await self.store.sweep()
@@ -200,14 +200,16 @@ class BatchRunner:
                 if line.index in done:
                     continue
                 await self._slots.acquire()
-                await self.calls.room_left_by_live_users()
+                unrouted = await self.calls.room(batch)
                 current = await self.store.get_batch(batch.id, None)
                 if current is None or current.status != "in_progress" or time.time() >= batch.expires_at:
+                    unrouted()
                     self._slots.release()
                     break
                 waiting -= 1
                 self.metrics.batch_lines_waiting.dec()
-                task = asyncio.create_task(self._run_line(batch, line))
+                task = asyncio.create_task(self._run_line(batch, line, unrouted))
+                task.add_done_callback(lambda _, u=unrouted: u())  # a task cancelled unstarted too
                 pending.add(task)
                 task.add_done_callback(pending.discard)
                 task.add_done_callback(lambda _: self._slots.release())  # a task cancelled unstarted too
@@ -251,9 +253,9 @@ class BatchRunner:
         log.info("batch %s failed validation: %s", batch.id, errors[0]["message"])
         return None
 
-    async def _run_line(self, batch: Batch, line: InputLine) -> None:
+    async def _run_line(self, batch: Batch, line: InputLine, unrouted: Unrouted) -> None:
         with self.metrics.batch_lines_running.track_inprogress():
-            result = LineResult(line.index, *await self.calls.answer(batch, line))
+            result = LineResult(line.index, *await self.calls.answer(batch, line, unrouted))
         self.metrics.batch_lines.labels(outcome="ok" if result.ok else "error").inc()
         await self.store.add_result(batch.id, self.holder, result)
 
