@@ -125,6 +125,8 @@ async def _json_parts(request: Request, limits: MediaSpec) -> Parts:
     images = fields.pop("images", None)
     if images is not None and not isinstance(images, list):
         raise BadRequest("images: must be a list of image references", param="images")
+    if images is not None and len(images) > limits.max_parts:  # before any is fetched
+        raise BadRequest(f"images: more than {limits.max_parts} images in one request", param="images")
     uploads = [
         (f"images[{i}]", await _referenced(ref, f"images[{i}]", limits)) for i, ref in enumerate(images or [])
     ]
