@@ -21,7 +21,7 @@ import secrets
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import nats.errors
 
@@ -151,12 +151,7 @@ class BatchRunner:
             raise
         except Exception as exc:
             log.exception("batch %s failed", batch.id)
-            error = {
-                "code": "internal_error",
-                "message": f"{type(exc).__name__}: {exc}",
-                "param": None,
-                "line": None,
-            }
+            error = _error("internal_error", f"{type(exc).__name__}: {exc}")
             await self.store.change(
                 batch.id, self.holder, status="failed", failed_at=int(time.time()), errors=[error]
             )
@@ -238,12 +233,11 @@ class BatchRunner:
     async def _input(self, batch: Batch) -> list[InputLine] | None:
         """The batch's requests; None if its input cannot be read or holds a bad line (then it
         has failed, every bad line named)."""
-        path = await self.store.content(batch.input_file_id)
-        if path is None:
+        read = await _read_input(self.store, batch, self.spec.max_lines)
+        if read is None:
             errors = [_error("file_not_found", f"input file '{batch.input_file_id}' is gone")]
         else:
-            data = await asyncio.to_thread(path.read_bytes)
-            lines, errors = read_input(data, batch.endpoint, self.spec.max_lines)
+            lines, errors = read
             if not errors:
                 return lines
         await self.store.change(
@@ -274,32 +268,16 @@ class BatchRunner:
         outputs = [r.line for r in results if r.ok]
         errors = [r.line for r in results if not r.ok]
         if status != "completed":
-            code, why = {
-                "cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
-                "expired": ("batch_expired", "the batch's completion window ended before this request ran"),
-            }[status]
-            path = await self.store.content(batch.input_file_id)
-            data = await asyncio.to_thread(path.read_bytes) if path is not None else b""
-            lines, _ = read_input(data, batch.endpoint, self.spec.max_lines)
-            left = [x for x in lines if x.index not in ran]
+            code, why = NEVER_RAN[status]
+            read = await _read_input(self.store, batch, self.spec.max_lines)
+            left = [x for x in (read[0] if read else []) if x.index not in ran]
             errors += [not_run(x.custom_id, code, why) for x in left]
             await self.calls.abandon(batch, left)
         retention = batch.output_expires_after_s or self.spec.output_retention_s
-        ids: dict[str, str | None] = {}
-        for kind, body in (("output", outputs), ("error", errors)):
-            ids[kind] = None
-            if body:
-                f = StoredFile(
-                    id=output_file_id(batch.id, kind),
-                    owner=batch.owner,
-                    purpose="batch_output",
-                    filename=f"{batch.id}_{kind}.jsonl",
-                    bytes=sum(len(x) + 1 for x in body),
-                    created_at=now,
-                    expires_at=int(now + retention),
-                )
-                await self.store.add_file(f, b"".join(x + b"\n" for x in body))
-                ids[kind] = f.id
+        ids = {
+            kind: await _stored(self.store, batch, kind, body, now, retention)
+            for kind, body in (("output", outputs), ("error", errors))
+        }
         stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[status]
         await self.store.change(
             batch.id,
@@ -313,6 +291,43 @@ class BatchRunner:
         await self.store.drop_results(batch.id)
         self.metrics.batches.labels(status=status).inc()
         log.info("batch %s %s: %d lines out, %d in errors", batch.id, status, len(outputs), len(errors))
+
+
+NEVER_RAN: Final = {
+    "cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
+    "expired": ("batch_expired", "the batch's completion window ended before this request ran"),
+}
+"""The error file's code and message for a line a batch ending so never ran."""
+
+
+async def _read_input(
+    store: BatchStore, batch: Batch, max_lines: int
+) -> tuple[list[InputLine], list[dict[str, Any]]] | None:
+    """The batch's input file read (lines.read_input); None where the file is gone."""
+    path = await store.content(batch.input_file_id)
+    if path is None:
+        return None
+    return read_input(await asyncio.to_thread(path.read_bytes), batch.endpoint, max_lines)
+
+
+async def _stored(
+    store: BatchStore, batch: Batch, kind: str, lines: list[bytes], now: int, retention: float
+) -> str | None:
+    """The batch's `kind` file (output or error) of these lines, stored; its id (None: no lines,
+    no file)."""
+    if not lines:
+        return None
+    f = StoredFile(
+        id=output_file_id(batch.id, kind),
+        owner=batch.owner,
+        purpose="batch_output",
+        filename=f"{batch.id}_{kind}.jsonl",
+        bytes=sum(len(x) + 1 for x in lines),
+        created_at=now,
+        expires_at=int(now + retention),
+    )
+    await store.add_file(f, b"".join(x + b"\n" for x in lines))
+    return f.id
 
 
 def _error(code: str, message: str) -> dict[str, Any]:
