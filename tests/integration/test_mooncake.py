@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import socket
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
+from pathlib import Path
 
 import pytest
 import torch
 
 from omni_cli.mooncaked import LocalMooncake
+from omni_cli.ports import MOONCAKE_RANDOM_PORTS, free_port
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.connectors.mooncake import MooncakeConfig, MooncakeConnector
@@ -101,6 +104,25 @@ def test_a_put_waits_for_a_store_server_the_master_expired(mooncake: LocalMoonca
         assert torch.equal(data["x"], payload["x"])
     finally:
         conn.close()
+
+
+def test_a_store_server_that_cannot_serve_its_port_fails_the_start(tmp_path: Path) -> None:
+    """Another process holds the store server's port (in CI, once, a stage's transfer engine
+    took it between the pick and the bind: both drew from Mooncake's own random range). The
+    store server mounts its memory, cannot serve its port, and goes on running without it; the
+    master drops its memory 10 s later, and then every put finds no store server (the
+    NO_AVAILABLE_HANDLE of test_demo_n_to_m_replicas_two_gateways) and what was put is gone
+    (an OBJECT_NOT_FOUND in test_migration's first request). The start says so instead of
+    handing out that store; and the ports it picks keep out of Mooncake's random ranges."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        # It exits, or runs on without its port: either way the start fails, naming it.
+        with pytest.raises((RuntimeError, TimeoutError), match=f"the store server to serve :{port}"):
+            LocalMooncake(tmp_path, store_port=port)
+    picked = {free_port() for _ in range(2000)}
+    assert not [p for p in picked if any(p in r for r in MOONCAKE_RANDOM_PORTS)]
 
 
 def test_unreachable_master_fails_fast_and_clearly(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -14,10 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Final
 
+import psutil
+
 from omni_cli.ports import free_port
 from omni_pipeline.connectors.mooncake import BIND_ENV, MASTER_ENV, METADATA_ENV
 from omni_pipeline.lifecycle import die_with_parent
 
+STORE_SERVES_S: Final = 10.0
+"""How long a store server that has mounted its memory may take to serve its port: moments."""
 INCOMPLETE_PUT_RELEASE_S: Final = 10
 """How long the master keeps an object whose writer died mid-put (it checks this often)."""
 INCOMPLETE_PUT_FREED_S: Final = 3 * INCOMPLETE_PUT_RELEASE_S
@@ -27,8 +31,16 @@ INCOMPLETE_PUT_FREED_S: Final = 3 * INCOMPLETE_PUT_RELEASE_S
 class LocalMooncake:
     """mooncake_master and a store server of `store_bytes`, both on 127.0.0.1; logs in `log_dir`."""
 
-    def __init__(self, log_dir: Path, store_bytes: int = 256 << 20, start_timeout_s: float = 30.0) -> None:
-        rpc, meta, metrics, store = free_port(), free_port(), free_port(), free_port()
+    def __init__(
+        self,
+        log_dir: Path,
+        store_bytes: int = 256 << 20,
+        start_timeout_s: float = 30.0,
+        store_port: int | None = None,
+    ) -> None:
+        """`store_port`: the store server's RPC port (a free one by default)."""
+        rpc, meta, metrics = free_port(), free_port(), free_port()
+        store = free_port() if store_port is None else store_port
         self.master = f"127.0.0.1:{rpc}"
         self.metadata = f"http://127.0.0.1:{meta}/metadata"
         self.metrics_url = f"http://127.0.0.1:{metrics}/metrics"
@@ -70,6 +82,15 @@ class LocalMooncake:
                 lambda: self.metric("master_total_capacity_bytes") >= store_bytes,
                 start_timeout_s,
                 "the store server's memory",
+            )
+            # It mounts its memory before it serves its port, and one that cannot (taken) keeps
+            # running without serving: its memory stays mounted until the master misses its
+            # heartbeats, 10 s later, and then every put finds no store server. So it must be
+            # this process that listens there.
+            self._wait(
+                lambda: _listens(self._procs[1].pid, store),
+                STORE_SERVES_S,
+                f"the store server to serve :{store}",
             )
         except BaseException:
             self.stop()
@@ -128,7 +149,7 @@ class LocalMooncake:
             except OSError:
                 pass  # not listening yet
             time.sleep(0.1)  # polling a process that has no readiness signal
-        raise TimeoutError(f"timed out waiting for {what}")
+        raise TimeoutError(f"timed out waiting for {what} (see {self._logs[-1].name})")
 
     def metric(self, name: str) -> int:
         """A counter or gauge from mooncake_master's Prometheus endpoint."""
@@ -156,3 +177,12 @@ class LocalMooncake:
                     p.wait(5)
         for f in self._logs:
             f.close()
+
+
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` itself listens on TCP `port` (not another that took the port)."""
+    try:
+        held = psutil.Process(pid).net_connections(kind="tcp")
+    except psutil.Error:
+        return False
+    return any(c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port for c in held)

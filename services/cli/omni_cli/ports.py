@@ -5,7 +5,11 @@ A port the kernel handed out for `bind(port 0)` and that was closed again is fre
 the next outgoing connection or `bind(0)` on the machine takes it from the same ephemeral range:
 under a busy test run that happens between the pick and the server's own bind, and the server
 exits (mooncake_master does so with status 1 and no word). These ports come from below that
-range, where nothing is handed out without asking for it by number.
+range, where nothing is handed out without asking for it by number, and outside the ranges
+Mooncake's clients pick their own ports from at random (a store client's 12300-14300, a transfer
+engine's RPC and TCP transport 15000-17000): a store server told a port there once found it taken
+by a stage's transfer engine between the pick and its bind, failed to serve it and left its
+memory to the master, which dropped it 10 s later (tests/integration/test_mooncake.py).
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from typing import Final
 _EPHEMERAL_RANGE: Final = Path("/proc/sys/net/ipv4/ip_local_port_range")
 _LOWEST: Final = 10_000
 """Below this sit well-known services' ports (NATS 4222, 8080, ...)."""
+MOONCAKE_RANDOM_PORTS: Final = (range(12_300, 14_301), range(15_000, 17_001))
+"""Where Mooncake's clients bind ports of their own choosing (MC_STORE_CLIENT_MIN_PORT..MAX and
+the transfer engine's rpc_min_port..rpc_max_port, their defaults)."""
 
 
 def _ephemeral_start() -> int:
@@ -34,6 +41,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         raise RuntimeError(f"the ephemeral port range starts at {ceiling}: no ports are left below it")
     for _ in range(1_000):
         port = random.randrange(_LOWEST, ceiling)
+        if any(port in taken for taken in MOONCAKE_RANDOM_PORTS):
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
