@@ -10,6 +10,8 @@ import base64
 import json
 import os
 import signal
+import sqlite3
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -237,7 +239,8 @@ def test_batches_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
     """A batch running when the gateway is killed completes once the supervisor has started
     it again (the new gateway takes it up when the dead one's lease lapses); one running when
     omni serve is stopped completes after it starts again. Every custom_id is in the output
-    exactly once: lines already done are not run again."""
+    exactly once: lines already done are not run again. One whose window has ended when omni
+    serve starts again ends `expired`, its finished lines kept."""
     pipeline = pipeline_file(tmp_path, concurrency=1, leaseS=2)
     port = free_port()
     serve, client = serve_on_port(pipeline, demo_dir, tmp_path / "serve-1.log", port)
@@ -267,6 +270,28 @@ def test_batches_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
         out = [x["custom_id"] for x in lines_of(client, done.output_file_id)]
         assert sorted(out) == sorted(x["custom_id"] for x in lines)
         assert client.batches.retrieve(killed.id).status == "completed"
+        late = batch_of(client, lines)
+        wait_for(lambda: client.batches.retrieve(late.id).request_counts.completed >= 3, 60, "lines to end")
+    finally:
+        serve.interrupt_group()
+    assert_all_gone(serve)
+
+    # Past its window (24 h cannot pass in a test: its end brought forward in the store while
+    # omni serve is down), a batch ends `expired`, what finished kept, the rest never run.
+    with sqlite3.connect(tmp_path / "state" / "tiny-omni" / "batches.sqlite3") as db:
+        db.execute(
+            "UPDATE batches SET record = json_set(record, '$.expires_at', ?) WHERE id = ?",
+            (int(time.time()) - 1, late.id),
+        )
+    serve, client = serve_on_port(pipeline, demo_dir, tmp_path / "serve-3.log", port)
+    try:
+        done, _ = ended(client, late.id, timeout=180)
+        assert done.status == "expired" and done.expired_at, done
+        finished = {x["custom_id"] for x in lines_of(client, done.output_file_id)}
+        never = {x["custom_id"]: x["error"]["code"] for x in lines_of(client, done.error_file_id)}
+        assert len(finished) == done.request_counts.completed >= 3 and len(finished) < 24
+        assert set(never.values()) == {"batch_expired"}
+        assert finished | set(never) == {x["custom_id"] for x in lines}
     finally:
         serve.interrupt_group()
     assert_all_gone(serve)
