@@ -410,9 +410,15 @@ def read_handles(reader: Any) -> list[Any]:
 
 
 def start_serve(
-    pipeline: Path, cwd: Path, log: Path, ready_s: float = 180, env: dict[str, str] | None = None
+    pipeline: Path,
+    cwd: Path,
+    log: Path,
+    ready_s: float = 180,
+    env: dict[str, str] | None = None,
+    port: int = 0,
 ) -> tuple[OmniProcess, str]:
-    serve = OmniProcess(["serve", str(pipeline), "--port", "0"], cwd, log, env)
+    """`omni serve PIPELINE` once ready, and its base URL; `port`: the one to serve on (0: any free)."""
+    serve = OmniProcess(["serve", str(pipeline), "--port", str(port)], cwd, log, env)
     serve.wait_output("ready at", ready_s)
     port = re.search(r"ready at http://127.0.0.1:(\d+)/v1", serve.output()).group(1)  # type: ignore[union-attr]
     return serve, f"http://127.0.0.1:{port}"
@@ -464,6 +470,5 @@ def gateway_of(serve: OmniProcess) -> psutil.Process:
 
 def serve_on_port(pipeline: Path, cwd: Path, log: Path, port: int) -> tuple[OmniProcess, openai.OpenAI]:
     """`omni serve PIPELINE` on `port` (a later one serves on the same), and its client."""
-    serve = OmniProcess(["serve", str(pipeline), "--port", str(port)], cwd, log)
-    serve.wait_output("ready at", 180)
-    return serve, openai_client(f"http://127.0.0.1:{port}")
+    serve, base = start_serve(pipeline, cwd, log, port=port)
+    return serve, openai_client(base)

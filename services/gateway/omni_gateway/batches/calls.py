@@ -39,7 +39,8 @@ BATCH_LINE_PRIORITY: Final = 1
 
 class Unrouted:
     """A line let through to the pipeline, counted against the entry's free slots until its
-    request has replicas, ends, or never starts: calling it stops the count (once)."""
+    request has replicas (the attempt calls it) or its task ends, started or not (the runner
+    calls it): calling it stops the count, once."""
 
     def __init__(self, calls: LineCalls | None) -> None:
         self._calls = calls
@@ -107,8 +108,6 @@ class LineCalls:
                 raise asyncio.CancelledError from exc
             log.exception("batch %s line %d", batch.id, line.index)
             return False, not_run(line.custom_id, "internal_error", f"{type(exc).__name__}: {exc}")
-        finally:
-            unrouted()  # refused before it reached a replica, or ended
 
     async def _video(self, batch: Batch, line: InputLine) -> tuple[bool, bytes]:
         """A video line: its job made (or found, by its id, if the batch was taken up again) and

@@ -204,7 +204,7 @@ class BatchRunner:
                 waiting -= 1
                 self.metrics.batch_lines_waiting.dec()
                 task = asyncio.create_task(self._run_line(batch, line, unrouted))
-                task.add_done_callback(lambda _, u=unrouted: u())  # a task cancelled unstarted too
+                task.add_done_callback(lambda _, u=unrouted: u())  # ended, started or not
                 pending.add(task)
                 task.add_done_callback(pending.discard)
                 task.add_done_callback(lambda _: self._slots.release())  # a task cancelled unstarted too
