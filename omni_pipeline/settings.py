@@ -56,6 +56,24 @@ class MooncakeSpec(SpecModel):
     local_buffer_size_bytes: int = Field(
         default=64 << 20, ge=1 << 20, description="Client-side transfer buffer."
     )
+    rpc_timeout_ms: int = Field(
+        default=5000,
+        ge=100,
+        description=(
+            "How long a call to mooncake_master waits for its answer (MC_RPC_TIMEOUT_MS overrides; "
+            "Mooncake's own default is 30 s). A master that stops answering (a stalled host) fails the "
+            "call that waited on it within this, not each call queued behind it half a minute apiece."
+        ),
+    )
+    tcp_status_timeout_s: int = Field(
+        default=5,
+        ge=1,
+        description=(
+            "How long a TCP transfer waits for the store server to answer it before any payload moves "
+            "(MC_TCP_STATUS_TIMEOUT_SEC overrides; Mooncake's own default is 30 s). Streaming the "
+            "payload itself is not bounded by it."
+        ),
+    )
 
 
 class SecretKeyRef(SpecModel):

@@ -8,6 +8,9 @@ only reader.
 `cleanup(request_id)` removes whatever a request still holds, by key prefix, from any process.
 A put that no store server can take (none registered, or none with room) waits `PUT_WAIT_S` for
 one; what a store server held when the master expired it is gone, and its gets are PayloadGone.
+A master or a store server that stops answering (a stalled host) fails the call waiting on it
+within `rpcTimeoutMs` / `tcpStatusTimeoutS` (5 s each), not Mooncake's 30 s: a process's
+connector calls run one at a time, so each such wait holds every transfer queued behind it.
 
 Stage processes are pure clients by default (`globalSegmentSizeBytes: 0`): the store places
 an object in any mounted segment, and a segment leaves with its process, so payloads belong in
@@ -42,6 +45,8 @@ from omni_pipeline.settings import ConnectorSpec, MooncakeSpec
 log = logging.getLogger(__name__)
 
 BIND_ENV: Final = "MC_TCP_BIND_ADDRESS"
+RPC_TIMEOUT_ENV: Final = "MC_RPC_TIMEOUT_MS"
+TCP_STATUS_TIMEOUT_ENV: Final = "MC_TCP_STATUS_TIMEOUT_SEC"
 _NOT_FOUND: Final = -704
 _NO_AVAILABLE_HANDLE: Final = -200
 PUT_WAIT_S: Final = 10.0
@@ -74,10 +79,13 @@ class MooncakeConfig:
     device: str = ""
     global_segment_size: int = 0
     local_buffer_size: int = 64 << 20
+    rpc_timeout_ms: int = 5000
+    tcp_status_timeout_s: int = 5
 
     @classmethod
     def resolve(cls, spec: MooncakeSpec | None) -> MooncakeConfig:
-        """spec.mooncake, with OMNI_MOONCAKE_MASTER / OMNI_MOONCAKE_METADATA taking precedence."""
+        """spec.mooncake, with OMNI_MOONCAKE_MASTER / OMNI_MOONCAKE_METADATA and Mooncake's own
+        MC_RPC_TIMEOUT_MS / MC_TCP_STATUS_TIMEOUT_SEC taking precedence."""
         spec = spec or MooncakeSpec()
         master = os.environ.get(MASTER_ENV) or spec.master_server_address
         metadata = os.environ.get(METADATA_ENV) or spec.metadata_server
@@ -93,6 +101,8 @@ class MooncakeConfig:
             spec.device_name,
             spec.global_segment_size_bytes,
             spec.local_buffer_size_bytes,
+            int(os.environ.get(RPC_TIMEOUT_ENV) or spec.rpc_timeout_ms),
+            int(os.environ.get(TCP_STATUS_TIMEOUT_ENV) or spec.tcp_status_timeout_s),
         )
 
 
@@ -129,6 +139,9 @@ class MooncakeStore:
             raise ConnectorError(f"mooncake is not installed ({exc}): {hint}") from None
         local = os.environ.get(BIND_ENV) or _local_address_towards(host, port)
         os.environ[BIND_ENV] = local  # keep the transfer engine on this address
+        # Read as the client is set up: a call that gets no answer fails within these.
+        os.environ[RPC_TIMEOUT_ENV] = str(config.rpc_timeout_ms)
+        os.environ[TCP_STATUS_TIMEOUT_ENV] = str(config.tcp_status_timeout_s)
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(
             local,

@@ -18,7 +18,7 @@ from omni_cli.ports import MOONCAKE_RANDOM_PORTS, free_port
 from omni_pipeline import wire
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.connectors.mooncake import MooncakeConfig, MooncakeConnector
-from omni_pipeline.settings import ConnectorSpec
+from omni_pipeline.settings import ConnectorSpec, MooncakeSpec
 from tests.helpers import OMNI, ROOT, read_handles, wait_for
 
 SPEC = ConnectorSpec(kind="mooncake", inline_threshold_bytes=1024)
@@ -102,6 +102,67 @@ def test_a_put_waits_for_a_store_server_the_master_expired(mooncake: LocalMoonca
             _, _, handle = put.result()  # within PUT_WAIT_S, or it raises
         data, _ = conn.get("a", "b", "r1", handle)
         assert torch.equal(data["x"], payload["x"])
+    finally:
+        conn.close()
+
+
+def test_a_master_that_stops_answering_fails_each_call_within_the_rpc_timeout(
+    mooncake: LocalMooncake,
+) -> None:
+    """mooncake_master stopped (SIGSTOP: the kernel still takes connections, nothing answers;
+    a stalled host): a get and the cleanup queued behind it on the same thread, as a process's
+    connector calls run, each fail within `rpcTimeoutMs`, the get naming RPC_TIMEOUT. Mooncake's
+    own wait is 30 s a call: these two held every transfer of the process for a minute, the hang
+    the fault suite once showed after a master restart. Once the master answers, calls succeed
+    and the request's cleanup leaves nothing."""
+    config = MooncakeConfig.resolve(MooncakeSpec(rpc_timeout_ms=1000))
+    conn = MooncakeConnector("tensors", SPEC, "tiny", config)
+    try:
+        _, _, handle = conn.put("a", "b", "r1", {"x": torch.arange(1000.0)})
+        with ThreadPoolExecutor(1) as pool:
+            mooncake.pause_master()
+            try:
+                get = pool.submit(conn.get, "a", "b", "r1", handle)
+                cleanup = pool.submit(conn.cleanup, "r1")
+                wait_for(cleanup.done, 15, "both calls to fail (30 s apiece without the bound)")
+            finally:
+                mooncake.resume_master()
+        with pytest.raises(ConnectorError, match="RPC_TIMEOUT"):
+            get.result()
+        assert cleanup.result() == 0
+        _, _, handle = conn.put("a", "b", "r2", {"x": torch.arange(1000.0)})
+        data, _ = conn.get("a", "b", "r2", handle)
+        assert torch.equal(data["x"], torch.arange(1000.0))
+        conn.cleanup("r1")  # (the master, woken, may have run the one that timed out already)
+        assert mooncake.key_count() == 0
+    finally:
+        conn.close()
+
+
+def test_a_store_server_that_stops_answering_fails_a_get_within_the_status_timeout(
+    mooncake: LocalMooncake,
+) -> None:
+    """The store server stopped (SIGSTOP, well within the master's client TTL): a get of what it
+    holds fails within `tcpStatusTimeoutS` naming TRANSFER_FAIL (Mooncake's own wait: 30 s, and
+    every transfer of the process queued behind it). Nothing is lost: the payload is read once
+    the store server answers again."""
+    config = MooncakeConfig.resolve(MooncakeSpec(tcp_status_timeout_s=1))
+    conn = MooncakeConnector("tensors", SPEC, "tiny", config)
+    payload = {"x": torch.arange(1000.0)}
+    try:
+        _, _, handle = conn.put("a", "b", "r1", payload)
+        with ThreadPoolExecutor(1) as pool:
+            mooncake.pause_store_server()
+            try:
+                get = pool.submit(conn.get, "a", "b", "r1", handle)
+                wait_for(get.done, 8, "the get to fail (30 s without the bound)")
+            finally:
+                mooncake.resume_store_server()
+        with pytest.raises(ConnectorError, match="TRANSFER_FAIL"):
+            get.result()
+        data, _ = conn.get("a", "b", "r1", handle)
+        assert torch.equal(data["x"], payload["x"])
+        assert mooncake.key_count() == 0
     finally:
         conn.close()
 

@@ -113,14 +113,30 @@ class LocalMooncake:
         self._procs[0] = self._spawn(self._logs[0], *self._master_cmd)
         self._wait(lambda: self.key_count() == 0, start_timeout_s, "mooncake_master to serve again")
 
+    def pause_master(self) -> None:
+        """SIGSTOP mooncake_master (a fault, for tests: a stalled host). The kernel still
+        accepts connections to it; nothing answers a call. Returns once it is stopped."""
+        self._pause(self._procs[0])
+
+    def resume_master(self) -> None:
+        self._procs[0].send_signal(signal.SIGCONT)
+
     def pause_store_server(self) -> None:
         """SIGSTOP the store server (a fault, for tests: a stalled host). Its heartbeats stop;
         after the master's client TTL the master unmounts its memory, and puts find no room."""
-        self._procs[1].send_signal(signal.SIGSTOP)
+        self._pause(self._procs[1])
 
     def resume_store_server(self) -> None:
         """SIGCONT the store server: at its next heartbeat it mounts its memory again."""
         self._procs[1].send_signal(signal.SIGCONT)
+
+    def _pause(self, proc: subprocess.Popen[bytes]) -> None:
+        proc.send_signal(signal.SIGSTOP)
+
+        def stopped() -> bool:
+            return bool(psutil.Process(proc.pid).status() == psutil.STATUS_STOPPED)
+
+        self._wait(stopped, 10, "a SIGSTOP to land")
 
     def _start(self, log: Path, binary: Path, *args: str) -> None:
         self._logs.append(fh := log.open("w"))
