@@ -43,19 +43,20 @@ CONCURRENCY = (1, 4)
 
 
 def vllm_omni_client(
-    base: str, model: str, requests: int, max_tokens: int, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
+    base: str, model: str, requests: int, max_tokens: int, extras: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """What vLLM-Omni's benchmark request function measured of `requests` chat completions
-    against the gateway at `base`, and the warnings it logged (scripts/vllm_omni_client.py)."""
+    against the gateway at `base` with each extra body of `extras` (default: one run, none),
+    and the warnings it logged in each run; one process for all (scripts/vllm_omni_client.py)."""
     if not VLLM_OMNI_PYTHON.exists():
         raise FileNotFoundError(f"{VLLM_OMNI_PYTHON} is missing: `make vllm-omni-venv` builds it")
     argv = [str(VLLM_OMNI_PYTHON), str(ROOT / "scripts" / "vllm_omni_client.py"), base, model]
-    argv += [str(requests), str(max_tokens), json.dumps(extra or {})]
+    argv += [str(requests), str(max_tokens), *(json.dumps(e) for e in extras or [{}])]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # ours would shadow its vLLM
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     if done.returncode != 0:
         raise RuntimeError(f"vLLM-Omni's client failed: {done.stderr[-3000:]}")
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
 PERCENTILE_METRICS = "ttft,tpot,itl,e2el,audio_ttfp,audio_rtf"

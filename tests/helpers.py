@@ -138,8 +138,8 @@ def sse_data(body: str) -> list[Any]:
 
 
 def vllm_omni_client(
-    base: str, model: str, requests: int, max_tokens: int, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
+    base: str, model: str, requests: int, max_tokens: int, extras: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     """bench.vllm_omni's run of vLLM-Omni's own benchmark client; skips the test where its
     virtualenv was not built (`make test` builds it)."""
     import pytest
@@ -149,7 +149,7 @@ def vllm_omni_client(
 
     if not VLLM_OMNI_PYTHON.exists():
         pytest.skip(f"{VLLM_OMNI_PYTHON} is missing: `make vllm-omni-venv` (or `make test`) builds it")
-    return run(base, model, requests, max_tokens, extra)
+    return run(base, model, requests, max_tokens, extras)
 
 
 def vllm_omni_duplex_client(

@@ -380,7 +380,7 @@ def test_example_pipeline_answers_the_openai_client(tiny_voice_vllm: tuple[OmniP
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
         assert says in r.json()["error"]["message"]
     # vLLM-Omni's own benchmark client measures the vLLM thinker's pipeline as it would its own.
-    bench = vllm_omni_client(base, "tiny-voice-vllm", 2, 8)
+    [bench] = vllm_omni_client(base, "tiny-voice-vllm", 2, 8)
     assert bench["warnings"] == [], bench["warnings"]
     for got in bench["requests"]:
         assert got["success"] and got["ttft"] > 0 and got["audio_ttfp"] > 0 and got["audio_rtf"] > 0, got
