@@ -17,9 +17,9 @@ before its cancellation goes on, so the cleanup its request's end runs comes aft
 frees (a payload written after its request's cleanup would have no owner). Cleanups go on the
 same thread, queued behind the calls already made; `close` waits for what is queued, then
 closes the connectors. A backend that no longer answers holds each call for its own timeout
-(Mooncake: `rpcTimeoutMs`, 5 s), so `close` waits `CLOSE_WAIT_S` at most; then it leaves the calls running
-and the connectors open (a thread is inside one), and the process exits without them: the
-backends' own expiry is the last owner of what they held.
+(Mooncake: `rpcTimeoutMs`, 5 s), so `close` waits `CLOSE_WAIT_S` at most; then it leaves the
+calls running and the connectors open (a thread is inside one), and the process exits without
+them: the backends' own expiry is the last owner of what they held.
 """
 
 from __future__ import annotations

@@ -119,6 +119,7 @@ class LocalMooncake:
         self._pause(self._procs[0])
 
     def resume_master(self) -> None:
+        """SIGCONT mooncake_master: it answers what is still waiting, then new calls."""
         self._procs[0].send_signal(signal.SIGCONT)
 
     def pause_store_server(self) -> None:
