@@ -11,6 +11,7 @@ one; what a store server held when the master expired it is gone, and its gets a
 A master or a store server that stops answering (a stalled host) fails the call waiting on it
 within `rpcTimeoutMs` / `tcpStatusTimeoutS` (5 s each), not Mooncake's 30 s: a process's
 connector calls run one at a time, so each such wait holds every transfer queued behind it.
+A call to the master that went unanswered makes `health` say so until one is answered again.
 
 Stage processes are pure clients by default (`globalSegmentSizeBytes: 0`): the store places
 an object in any mounted segment, and a segment leaves with its process, so payloads belong in
@@ -48,6 +49,8 @@ BIND_ENV: Final = "MC_TCP_BIND_ADDRESS"
 RPC_TIMEOUT_ENV: Final = "MC_RPC_TIMEOUT_MS"
 TCP_STATUS_TIMEOUT_ENV: Final = "MC_TCP_STATUS_TIMEOUT_SEC"
 _NOT_FOUND: Final = -704
+_RPC_FAIL: Final = -900
+_RPC_TIMEOUT: Final = -901
 _NO_AVAILABLE_HANDLE: Final = -200
 PUT_WAIT_S: Final = 10.0
 """How long a put waits for a store server to take it (NO_AVAILABLE_HANDLE). A store server whose
@@ -158,6 +161,18 @@ class MooncakeStore:
             )
         self.config = config
         self.users = 0
+        self.unanswered: str | None = None
+        """What the last call to the master that went unanswered got (RPC_TIMEOUT), until one
+        is answered again: `health` says so, a stalled master's kernel still taking connections."""
+
+    def heard(self, rc: int) -> int:
+        """Note how a call that asks the master ended (`rc`, returned): unanswered, or answered
+        (any other end but a refused connection, which `health` sees by itself)."""
+        if rc == _RPC_TIMEOUT:
+            self.unanswered = _error(rc)
+        elif rc != _RPC_FAIL:
+            self.unanswered = None
+        return rc
 
     @classmethod
     def acquire(cls, config: MooncakeConfig) -> MooncakeStore:
@@ -207,7 +222,7 @@ class MooncakeConnector(OmniConnector):
         deadline = time.monotonic() + PUT_WAIT_S
         pause = 0.05
         while True:
-            rc = int(self._store.store.put_from(key, address, size))
+            rc = self._store.heard(int(self._store.store.put_from(key, address, size)))
             if rc != _NO_AVAILABLE_HANDLE or time.monotonic() + pause > deadline:
                 return rc
             log.info("Mooncake put of %s: no store server can take it yet; trying again", key)
@@ -220,26 +235,31 @@ class MooncakeConnector(OmniConnector):
         if not key.startswith(f"{self.pipeline}/{request_id}/"):
             raise ConnectorError(f"key {key!r} does not belong to request {request_id}")
         buf = self._buffers.lease(handle.nbytes)
-        n = self._store.store.get_into(key, buf.ctypes.data, handle.nbytes)
+        n = self._store.heard(int(self._store.store.get_into(key, buf.ctypes.data, handle.nbytes)))
         if n != handle.nbytes:
             gone = n == _NOT_FOUND
             raise (PayloadGone if gone else ConnectorError)(f"Mooncake get of {key} failed with {_error(n)}")
-        rc = self._store.store.remove(key, True)  # forced: the fresh read lease would refuse it
+        rc = self._store.heard(int(self._store.store.remove(key, True)))  # forced: the read lease refuses it
         if rc not in (0, _NOT_FOUND):
             log.warning("Mooncake remove of %s failed with code %d; cleanup will retry", key, rc)
         return wire.decode(memoryview(buf))
 
     def cleanup(self, request_id: str) -> int:
         pattern = f"^{re.escape(self.pipeline)}/{re.escape(request_id)}/"
-        return max(0, int(self._store.store.remove_by_regex(pattern, True)))
+        return max(0, self._store.heard(int(self._store.store.remove_by_regex(pattern, True))))
 
     def live_objects(self) -> int:
-        """Keys this process put that are still in the store (their consumer removes them)."""
+        """Keys this process put that are still in the store (their consumer removes them).
+        Counted at every heartbeat: with none to count, the master is still asked while its
+        last call went unanswered, so that `health` hears it answer again."""
         with self._written_lock:
             keys = list(self._written)
         if not keys:
+            if self._store.unanswered is not None:
+                self._store.heard(int(self._store.store.is_exist(f"{self.pipeline}/health")))
             return 0
-        exists = self._store.store.batch_is_exist(keys)
+        exists = [int(e) for e in self._store.store.batch_is_exist(keys)]
+        self._store.heard(min(exists))
         with self._written_lock:
             self._written.difference_update(k for k, e in zip(keys, exists, strict=True) if e == 0)
             return len(self._written)
@@ -248,8 +268,9 @@ class MooncakeConnector(OmniConnector):
         return self._buffers.idle()
 
     def health(self) -> dict[str, Any]:
-        """The client's own state, and whether the master answers a connection now: the client
-        keeps saying "healthy" long after its master has gone."""
+        """The client's own state, whether the master takes a connection now, and whether it
+        answered the last call made to it: the client keeps saying "healthy" long after its
+        master has gone, and a stalled master's kernel still takes connections."""
         master = self._store.config.master
         rc = int(self._store.store.health_check())
         if rc != 0:
@@ -258,6 +279,8 @@ class MooncakeConnector(OmniConnector):
             socket.create_connection(_host_port(master), timeout=HEALTH_TIMEOUT_S).close()
         except OSError as exc:
             return {"ok": False, "status": f"master {master} unreachable ({exc})", "master": master}
+        if (silent := self._store.unanswered) is not None:
+            return {"ok": False, "status": f"master {master} does not answer ({silent})", "master": master}
         return {"ok": True, "status": "healthy", "master": master}
 
     def close(self) -> None:

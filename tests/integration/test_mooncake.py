@@ -113,8 +113,10 @@ def test_a_master_that_stops_answering_fails_each_call_within_the_rpc_timeout(
     a stalled host): a get and the cleanup queued behind it on the same thread, as a process's
     connector calls run, each fail within `rpcTimeoutMs`, the get naming RPC_TIMEOUT. Mooncake's
     own wait is 30 s a call: these two held every transfer of the process for a minute, the hang
-    the fault suite once showed after a master restart. Once the master answers, calls succeed
-    and the request's cleanup leaves nothing."""
+    the fault suite once showed after a master restart. Meanwhile the connector's health says
+    the master does not answer (a stage then takes nothing new); once it answers, the count
+    each heartbeat makes hears it, health is back, calls succeed, and the request's cleanup
+    leaves nothing."""
     config = MooncakeConfig.resolve(MooncakeSpec(rpc_timeout_ms=1000))
     conn = MooncakeConnector("tensors", SPEC, "tiny", config)
     try:
@@ -125,8 +127,20 @@ def test_a_master_that_stops_answering_fails_each_call_within_the_rpc_timeout(
                 get = pool.submit(conn.get, "a", "b", "r1", handle)
                 cleanup = pool.submit(conn.cleanup, "r1")
                 wait_for(cleanup.done, 15, "both calls to fail (30 s apiece without the bound)")
+                health = conn.health()
             finally:
                 mooncake.resume_master()
+        assert health == {
+            "ok": False,
+            "status": f"master {mooncake.master} does not answer (code -901 (RPC_TIMEOUT))",
+            "master": mooncake.master,
+        }
+        # What each heartbeat counts asks the master, even a connector of the process (one
+        # store client) that holds nothing to count.
+        idle = MooncakeConnector("idle", SPEC, "tiny", config)
+        assert idle.live_objects() == 0
+        idle.close()
+        assert conn.health() == {"ok": True, "status": "healthy", "master": mooncake.master}
         with pytest.raises(ConnectorError, match="RPC_TIMEOUT"):
             get.result()
         assert cleanup.result() == 0
