@@ -239,7 +239,8 @@ class MooncakeConnector(OmniConnector):
         if n != handle.nbytes:
             gone = n == _NOT_FOUND
             raise (PayloadGone if gone else ConnectorError)(f"Mooncake get of {key} failed with {_error(n)}")
-        rc = self._store.heard(int(self._store.store.remove(key, True)))  # forced: the read lease refuses it
+        # Forced: the read's fresh lease refuses a plain removal.
+        rc = self._store.heard(int(self._store.store.remove(key, True)))
         if rc not in (0, _NOT_FOUND):
             log.warning("Mooncake remove of %s failed with code %d; cleanup will retry", key, rc)
         return wire.decode(memoryview(buf))
