@@ -296,11 +296,13 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
     async def go() -> tuple[list[list[list[int]]], list[list[list[int]]], Any, list[list[list[int]]]]:
         thinker, talker, eager = engine("thinker", model), engine("talker", model, compile=compiled), None
         await thinker.start()
+        before = counters["stats"]["unique_graphs"]
         await talker.start()
+        graphs = counters["stats"]["unique_graphs"]  # what torch.compile has compiled so far
+        assert (graphs > before) == compiled  # the talker's forms compiled at its start
         if compiled:
             eager = engine("talker", model)
             await eager.start()
-        graphs = counters["stats"]["unique_graphs"]  # what torch.compile has compiled so far
         thoughts = []
         for m in requests:
             messages, media = await decode_media([m], MediaSpec())

@@ -429,11 +429,13 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
     async def go() -> tuple[Spoken, Spoken, Spoken, Any, Any]:
         thinker, talker, eager = engine("thinker", model), engine("talker", model, compile=compiled), None
         await thinker.start()
+        before = counters["stats"]["unique_graphs"]
         await talker.start()
+        graphs = counters["stats"]["unique_graphs"]  # what torch.compile has compiled so far
+        assert (graphs > before) == compiled  # the talker's forms compiled at its start
         if compiled:
             eager = engine("talker", model)
             await eager.start()
-        graphs = counters["stats"]["unique_graphs"]  # what torch.compile has compiled so far
 
         async def speak(messages: list[dict[str, Any]], on: Engine = talker) -> tuple[list[int], list[int]]:
             messages, media = await decode_media(messages, MediaSpec())
@@ -867,8 +869,9 @@ def test_compiled_code2wav_decodes_what_eager_decodes(model: Path, reference: di
     inductor backend, which builds its kernels with g++): a first, a middle and a last chunk,
     streamed with kept context, are what the stage decodes without it, within 1e-6 (fused
     kernels may sum in another order); all compiled at start (decode_in_chunks). Chunks of 12
-    codes, one request at a time: the warm-up compiles those forms only (four graphs, a
-    minute and a half of g++ on this CPU; every chunk size and batches of two take twice that)."""
+    codes, one request at a time: the warm-up compiles those forms only (four graphs, 85 s
+    alone on this CPU with the suite's scalar kernels, 97 s vectorised; every chunk size and
+    batches of two take twice that)."""
     codes = reference["codes"][:36]
     forms = {"chunkCodes": 12, "maxChunkCodes": 12, "maxBatch": 1}
     eager, _ = asyncio.run(decode_in_chunks(model, codes, 12, **forms))
