@@ -21,9 +21,9 @@ DONE = ".built"
 VEC_ISA_OK: Final = "TORCHINDUCTOR_VEC_ISA_OK"
 os.environ.setdefault(VEC_ISA_OK, "0")
 """Inductor's C++ kernels in the suite are scalar (`one_compile_at_a_time` says why), unless
-a run asks for vectorised ones (=1). Inductor reads this once, when first imported, in this
-process and in the workers it generates kernels in: so set here, before any test module
-imports it (nothing above does)."""
+a run asks for vectorised ones (=1). Inductor reads it once, when first imported, and its
+worker processes inherit it (setting only this process's config left the kernels vectorised,
+checked): so set here, before any test module imports inductor (nothing above does)."""
 
 
 BENCH_MODULE: Final = "tests/e2e/test_bench.py"
@@ -146,8 +146,8 @@ def one_compile_at_a_time(
 
     Inductor builds scalar C++ kernels here, not vectorised ones: what these tests hold (which
     forms compile, when, and that compiled output equals eager) does not depend on the kernels'
-    instructions, which are torch's own (a GPU builds Triton kernels instead), and g++ takes 30%
-    less time over them (the three tests alone: 310 s of CPU against 237); `VEC_ISA_OK` above.
+    instructions, which are torch's own (a GPU builds Triton kernels instead), and the three
+    tests take a quarter less CPU over them (alone: 237 s against 310); `VEC_ISA_OK` above.
 
     Each starts with Dynamo as a fresh process has it (`torch._dynamo.reset`): Dynamo counts a
     code object's compiled forms against one limit for the process, and every transformers
