@@ -338,11 +338,18 @@ def tiny_voice_vllm(
     demo_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[OmniProcess, str]]:
     """examples/tiny-voice-vllm.yaml served (`omni serve`), for the module's last two tests;
-    then Ctrl-C, and nothing of the tree is left, vLLM's engine process included."""
+    then Ctrl-C, and nothing of the tree is left, vLLM's engine process included, nor what
+    vLLM leaves in the temp directory (here one of the pipeline's own) at every start, the
+    restarted engine's too: its sockets and its engine core's rendezvous file."""
     pipeline = demo_dir / "tiny-voice-vllm.yaml"
     shutil.copy(ROOT / "examples" / "tiny-voice-vllm.yaml", pipeline)
-    with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log", ready_s=300) as tree:
+    temp = tmp_path_factory.mktemp("temp")
+    log = tmp_path_factory.mktemp("logs") / "serve.log"
+    with served(pipeline, demo_dir, log, ready_s=300, env={"TMPDIR": str(temp)}) as tree:
+        assert [p.name for p in temp.iterdir() if p.is_socket()] == []  # in the engine's directory
+        assert any(p.is_socket() for p in temp.glob("omni-vllm-*/*")), list(temp.rglob("*"))
         yield tree
+    assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")] == []  # a cache
 
 
 def test_example_pipeline_answers_the_openai_client(tiny_voice_vllm: tuple[OmniProcess, str]) -> None:

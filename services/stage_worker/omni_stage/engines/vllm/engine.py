@@ -13,6 +13,12 @@ otherwise. With vLLM's `enable_sleep_mode: true` (CUDA only) the stage can sleep
 and 2 (vLLM's own sleep; waking from 2 reloads the weights from the model's files); without
 it a sleeping replica only stops admitting (level 0).
 
+vLLM leaves files in the temp directory at every start and never removes them: its processes'
+ZeroMQ sockets (seven) and its engine core's rendezvous file. Unless `VLLM_RPC_BASE_PATH` says
+where to put them, each engine gives vLLM's processes a temp directory of their own and removes
+it when it closes (a stage process that is killed leaves it behind); inductor's cache stays in
+the temp directory it was in.
+
 Inputs: the client request (chat template applied by the model's tokenizer, the same path as
 the transformers engine), or `inputs_embeds` [n, hidden] from an upstream stage, passed as
 `prompt_embeds` (needs `enable_prompt_embeds: true`), or `token_ids` [n]. For upstream inputs
@@ -25,7 +31,9 @@ import asyncio
 import contextlib
 import itertools
 import os
-from collections.abc import AsyncIterator
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -48,6 +56,8 @@ _SAMPLING_KEYS: Final = params(
     REPLY_EXTENSIONS,
 )
 """The request's fields that are vLLM's SamplingParams' own, under the same names."""
+RPC_PATH_ENV: Final = "VLLM_RPC_BASE_PATH"
+INDUCTOR_CACHE_ENV: Final = "TORCHINDUCTOR_CACHE_DIR"
 
 
 @dataclass(slots=True)
@@ -69,6 +79,7 @@ class VllmEngine(Engine):
         self.llm: Any = None
         self.tokenizer: Any = None
         self._ids = itertools.count()
+        self._temp: str | None = None  # the temp directory made for vLLM's processes, until closed
         # vLLM frees its memory only with its sleep mode (CUDA's allocator): otherwise the
         # replica can only stop admitting.
         self.max_sleep_level = 2 if self.args.get("enable_sleep_mode") else 0
@@ -99,17 +110,51 @@ class VllmEngine(Engine):
         # model (minutes for a real one), and the replica's /health/live answers meanwhile. Built
         # where no loop runs, vLLM starts its output handler at the first request; an engine
         # core that dies before then is seen by its process monitor (`errored`, `dead`).
-        self.llm, self.tokenizer = await asyncio.to_thread(self._build, AsyncLLM, engine_args)
+        if RPC_PATH_ENV not in os.environ:
+            self._temp = tempfile.mkdtemp(prefix=f"omni-vllm-{os.getpid()}-")
+        try:
+            self.llm, self.tokenizer = await asyncio.to_thread(self._build, AsyncLLM, engine_args)
+        except BaseException:
+            self._remove_temp()
+            raise
 
     def _build(self, engine: Any, engine_args: Any) -> tuple[Any, Any]:
         from transformers import AutoTokenizer
 
-        llm = engine.from_engine_args(engine_args)
+        with self._vllm_temp():
+            llm = engine.from_engine_args(engine_args)
         try:
             return llm, AutoTokenizer.from_pretrained(self.stage.engine.model)
         except Exception:
             llm.shutdown()
             raise
+
+    @contextlib.contextmanager
+    def _vllm_temp(self) -> Iterator[None]:
+        """The engine's temp directory, as vLLM is built: it binds its sockets and spawns its
+        processes then, which read their temp directory once. Not left set: another engine of
+        this process has a directory of its own."""
+        if self._temp is None:
+            yield
+            return
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        kept = os.environ.get(INDUCTOR_CACHE_ENV) or default_cache_dir()  # where it was
+        was = {k: os.environ.get(k) for k in (RPC_PATH_ENV, "TMPDIR", INDUCTOR_CACHE_ENV)}
+        os.environ.update({RPC_PATH_ENV: self._temp, "TMPDIR": self._temp, INDUCTOR_CACHE_ENV: kept})
+        try:
+            yield
+        finally:
+            for k, v in was.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _remove_temp(self) -> None:
+        if self._temp is not None:
+            shutil.rmtree(self._temp, ignore_errors=True)
+            self._temp = None
 
     def prompt_tokenizer(self) -> tuple[Any, int] | None:
         if self.tokenizer is None or self.llm is None:  # not started, or closed
@@ -214,6 +259,7 @@ class VllmEngine(Engine):
         if self.llm is not None:
             self.llm.shutdown()
             self.llm = None
+        self._remove_temp()
 
 
 def vllm_logprobs(ids: list[int], steps: Any, top: int) -> list[TokenLogprob]:
