@@ -19,11 +19,15 @@ from tests.helpers import ROOT
 
 DONE = ".built"
 VEC_ISA_OK: Final = "TORCHINDUCTOR_VEC_ISA_OK"
+CPP_WRAPPER: Final = "TORCHINDUCTOR_CPP_WRAPPER"
 os.environ.setdefault(VEC_ISA_OK, "0")
-"""Inductor's C++ kernels in the suite are scalar (`one_compile_at_a_time` says why), unless
-a run asks for vectorised ones (=1). Inductor reads it once, when first imported, and its
-worker processes inherit it (setting only this process's config left the kernels vectorised,
-checked): so set here, before any test module imports inductor (nothing above does)."""
+os.environ.setdefault(CPP_WRAPPER, "1")
+"""How inductor builds the suite's compiled forms (`one_compile_at_a_time` says why): scalar
+C++ kernels (unless a run asks for vectorised ones, VEC_ISA_OK=1), and each graph's kernels
+with its C++ wrapper in one g++ run (unless CPP_WRAPPER=0). Inductor reads them once, when
+first imported, and its worker processes inherit them (setting only this process's config
+left the kernels vectorised, checked): so set here, before any test module imports inductor
+(nothing above does)."""
 
 
 BENCH_MODULE: Final = "tests/e2e/test_bench.py"
@@ -144,10 +148,14 @@ def one_compile_at_a_time(
     others'), and the runs where they met were minutes longer (21:31 against 18:00, the same
     code: 447 s against 241 s for the three).
 
-    Inductor builds scalar C++ kernels here, not vectorised ones: what these tests hold (which
-    forms compile, when, and that compiled output equals eager) does not depend on the kernels'
-    instructions, which are torch's own (a GPU builds Triton kernels instead), and the three
-    tests take a quarter less CPU over them (alone: 237 s against 310); `VEC_ISA_OK` above.
+    Inductor builds scalar C++ kernels here, not vectorised ones, and the kernels of a graph
+    in one file with its C++ wrapper (`VEC_ISA_OK`, `CPP_WRAPPER` above): what these tests hold
+    (which forms compile, when, and that compiled output equals eager) does not depend on the
+    kernels' instructions or on what calls them (the graphs, guards and kernels are the same;
+    a GPU builds Triton kernels instead), and g++ is most of their CPU: about 1.5 s a file,
+    nearly all of it in the headers every kernel file includes, precompiled or not. Alone, with
+    a cold cache, g++ counted: the compiled code2wav 135 s of CPU against 89 with the wrapper
+    (45 g++ runs against 8), the two talkers 222 s against 135 (89 runs against 18).
 
     Each starts with Dynamo as a fresh process has it (`torch._dynamo.reset`): Dynamo counts a
     code object's compiled forms against one limit for the process, and every transformers
@@ -162,8 +170,9 @@ def one_compile_at_a_time(
     import torch._dynamo
     import torch._inductor.config
 
-    scalar = os.environ[VEC_ISA_OK] != "1"
-    assert torch._inductor.config.cpp.vec_isa_ok is not scalar, "inductor was imported before conftest set it"
+    config = torch._inductor.config
+    asked = (os.environ[VEC_ISA_OK] == "1", os.environ[CPP_WRAPPER] == "1")
+    assert (config.cpp.vec_isa_ok, config.cpp_wrapper) == asked, "inductor was imported before conftest"
     with FileLock(str(_run_dir(tmp_path_factory) / "compile.lock")):
         torch._dynamo.reset()
         yield
