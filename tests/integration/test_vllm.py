@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
@@ -343,13 +344,14 @@ def tiny_voice_vllm(
     restarted engine's too: its sockets and its engine core's rendezvous file."""
     pipeline = demo_dir / "tiny-voice-vllm.yaml"
     shutil.copy(ROOT / "examples" / "tiny-voice-vllm.yaml", pipeline)
-    temp = tmp_path_factory.mktemp("temp")
     log = tmp_path_factory.mktemp("logs") / "serve.log"
-    with served(pipeline, demo_dir, log, ready_s=300, env={"TMPDIR": str(temp)}) as tree:
-        assert [p.name for p in temp.iterdir() if p.is_socket()] == []  # in the engine's directory
-        assert any(p.is_socket() for p in temp.glob("omni-vllm-*/*")), list(temp.rglob("*"))
-        yield tree
-    assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")] == []  # a cache
+    with tempfile.TemporaryDirectory() as name:  # short: a socket's path has room for 107 bytes
+        temp = Path(name)
+        with served(pipeline, demo_dir, log, ready_s=300, env={"TMPDIR": name}) as tree:
+            assert [p.name for p in temp.iterdir() if p.is_socket()] == []  # in the engine's directory
+            assert any(p.is_socket() for p in temp.glob("vllm-*/*")), list(temp.rglob("*"))
+            yield tree
+        assert [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")] == []  # a cache
 
 
 def test_example_pipeline_answers_the_openai_client(tiny_voice_vllm: tuple[OmniProcess, str]) -> None:

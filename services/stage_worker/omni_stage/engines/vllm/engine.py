@@ -15,9 +15,9 @@ it a sleeping replica only stops admitting (level 0).
 
 vLLM leaves files in the temp directory at every start and never removes them: its processes'
 ZeroMQ sockets (seven) and its engine core's rendezvous file. Unless `VLLM_RPC_BASE_PATH` says
-where to put them, each engine gives vLLM's processes a temp directory of their own and removes
-it when it closes (a stage process that is killed leaves it behind); inductor's cache stays in
-the temp directory it was in.
+where to put them, each engine gives vLLM's processes a temp directory of their own (where its
+path leaves room for a socket's) and removes it when it closes (a stage process that is killed
+leaves it behind); inductor's cache stays in the temp directory it was in.
 
 Inputs: the client request (chat template applied by the model's tokenizer, the same path as
 the transformers engine), or `inputs_embeds` [n, hidden] from an upstream stage, passed as
@@ -58,6 +58,12 @@ _SAMPLING_KEYS: Final = params(
 """The request's fields that are vLLM's SamplingParams' own, under the same names."""
 RPC_PATH_ENV: Final = "VLLM_RPC_BASE_PATH"
 INDUCTOR_CACHE_ENV: Final = "TORCHINDUCTOR_CACHE_DIR"
+_TEMP_PREFIX: Final = "vllm-"
+_SOCKET_PATH_MAX: Final = 107
+"""A Unix socket's path, at most (`sockaddr_un.sun_path` less its NUL)."""
+_SOCKET_NAME_LEN: Final = len(f"/{_TEMP_PREFIX}12345678/") + 36
+"""What the engine's directory (mkdtemp's 8 characters) and vLLM's socket name (a uuid4) add
+to the temp directory's path: where that would not fit, vLLM's sockets go where vLLM puts them."""
 
 
 @dataclass(slots=True)
@@ -110,8 +116,11 @@ class VllmEngine(Engine):
         # model (minutes for a real one), and the replica's /health/live answers meanwhile. Built
         # where no loop runs, vLLM starts its output handler at the first request; an engine
         # core that dies before then is seen by its process monitor (`errored`, `dead`).
-        if RPC_PATH_ENV not in os.environ:
-            self._temp = tempfile.mkdtemp(prefix=f"omni-vllm-{os.getpid()}-")
+        if (
+            RPC_PATH_ENV not in os.environ
+            and len(tempfile.gettempdir()) + _SOCKET_NAME_LEN <= _SOCKET_PATH_MAX
+        ):
+            self._temp = tempfile.mkdtemp(prefix=_TEMP_PREFIX)
         try:
             self.llm, self.tokenizer = await asyncio.to_thread(self._build, AsyncLLM, engine_args)
         except BaseException:
