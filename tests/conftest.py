@@ -28,6 +28,15 @@ with its C++ wrapper in one g++ run (unless CPP_WRAPPER=0). Inductor reads them 
 first imported, and its worker processes inherit them (setting only this process's config
 left the kernels vectorised, checked): so set here, before any test module imports inductor
 (nothing above does)."""
+VLLM_MULTIPROCESSING: Final = "VLLM_ENABLE_V1_MULTIPROCESSING"
+os.environ.setdefault(VLLM_MULTIPROCESSING, "0")
+"""vLLM's engines in the suite as they run on a GPU: the engine core a process of its own, the
+model's worker in it (vLLM's one-process executor). On the CPU vLLM otherwise gives the worker
+a process of its own too (for OpenMP's sake, its CPU platform says; the suite runs one OpenMP
+thread a process, and what it checks is the same either way), which imports vLLM and torch
+and loads the model again: the vLLM modules (five engine starts) took 149 s of CPU and 2:13
+with it, 125 s and 1:26 without. Nothing else an AsyncLLM runs reads it (but a warning about
+its seed)."""
 
 
 BENCH_MODULE: Final = "tests/e2e/test_bench.py"
