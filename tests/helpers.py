@@ -46,7 +46,7 @@ SERVES_QWEN_TIMEOUT_S = 450
 """The timeout of the test that a module's Qwen pipeline starts for (its stages loaded, warmed
 up, and the reference generated beside it): a minute and a half under a full suite's load."""
 COMPILE_TIMEOUT_S = 1800
-"""The timeout of a test that torch.compiles a model on the CPU: inductor builds each kernel
+"""The timeout of a test that torch.compiles a model on the CPU: inductor builds each graph
 with g++, every form the stage runs compiled at start (a minute and a half alone for token2wav
 on two cores with a cold cache; up to four under a full suite's load on a slow machine), after
 waiting its turn behind the other compile tests (`one_compile_at_a_time`: up to their two
