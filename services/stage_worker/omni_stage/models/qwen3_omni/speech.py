@@ -19,6 +19,7 @@ from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embe
 from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, talker_prompt
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
+    FirstChunk,
     Part,
     Vocoding,
     chunk_args,
@@ -375,28 +376,8 @@ class Qwen3Code2Wav(Part):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         self.chunk, self.left, self.right = chunk_args(stage, 300, 25, 0, least_chunk=1)
-        self.first_chunk = self._first_chunk_args()
+        self.first_chunk = FirstChunk.of(stage, SMALLEST_FIRST_CHUNK, self.chunk)
         self.batcher = StepBatcher(self._decode, self._compute, self.max_batch)
-
-    def _first_chunk_args(self) -> tuple[int, int]:
-        """`firstChunkCodes` (the first piece on an idle replica; the decoder's fewest by default)
-        and `busyFirstChunkCodes` (on a busy one; `chunkCodes` by default: no piece of its own)."""
-        least = int(self.args.get("firstChunkCodes", SMALLEST_FIRST_CHUNK))
-        most = int(self.args.get("busyFirstChunkCodes", self.chunk))
-        if not SMALLEST_FIRST_CHUNK <= least <= most <= self.chunk:
-            raise EngineError(
-                f"stage '{self.stage.name}': need {SMALLEST_FIRST_CHUNK} <= firstChunkCodes ({least}) "
-                f"<= busyFirstChunkCodes ({most}) <= chunkCodes ({self.chunk})"
-            )
-        return least, most
-
-    def _first_piece_codes(self) -> int:
-        """The first piece's codes for a request starting now: the fewest on an idle replica,
-        more as its compute fills (its batcher's running and waiting pieces), up to the busy
-        bound once a whole call's worth waits. Each piece is a decoder call of its own: under
-        load the extra calls cost throughput; idle, they cost nothing."""
-        least, most = self.first_chunk
-        return least + round((most - least) * min(1.0, self.batcher.occupancy()))
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
@@ -445,7 +426,7 @@ class Qwen3Code2Wav(Part):
         begin = max(st.decoded, st.context)
         start = begin - (begin - st.decoded) % self.chunk  # that chunk's first code
         if not st.first:
-            st.first = self._first_piece_codes()
+            st.first = self.first_chunk.codes(self.batcher.occupancy())
         end = begin + st.first
         if end + self.right >= start + self.chunk or end > len(codes):
             return None  # the chunk goes out whole as soon, or the piece's codes are still to come

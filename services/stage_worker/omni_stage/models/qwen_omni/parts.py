@@ -121,6 +121,34 @@ def chunk_args(stage: StageSpec, chunk: int, left: int, right: int, least_chunk:
     return c, lc, rc
 
 
+@dataclass(frozen=True, slots=True)
+class FirstChunk:
+    """How many codes a code2wav's first piece decodes, by the replica's load: `firstChunkCodes`
+    on an idle replica (the decoder's fewest by default), more as its compute fills, up to
+    `busyFirstChunkCodes` (`chunkCodes` by default) once a whole call's worth waits. Each piece is
+    a decoder call of its own: under load the extra calls cost throughput; idle, nothing."""
+
+    least: int
+    most: int
+
+    @classmethod
+    def of(cls, stage: StageSpec, smallest: int, chunk: int) -> FirstChunk:
+        """The stage's bounds, checked: `smallest` (the decoder's fewest) <= firstChunkCodes <=
+        busyFirstChunkCodes <= `chunk` (its chunkCodes)."""
+        least = int(stage.engine.args.get("firstChunkCodes", smallest))
+        most = int(stage.engine.args.get("busyFirstChunkCodes", chunk))
+        if not smallest <= least <= most <= chunk:
+            raise EngineError(
+                f"stage '{stage.name}': need {smallest} <= firstChunkCodes ({least}) "
+                f"<= busyFirstChunkCodes ({most}) <= chunkCodes ({chunk})"
+            )
+        return cls(least, most)
+
+    def codes(self, occupancy: float) -> int:
+        """The first piece's codes for a request starting now, its replica's batcher this full."""
+        return self.least + round((self.most - self.least) * min(1.0, occupancy))
+
+
 COMPILE_MODES: Final = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 """torch.compile's modes: `reduce-overhead` replays CUDA graphs on a GPU (inductor alone on a CPU)."""
 
@@ -213,8 +241,7 @@ class Part(ComputeEngine):
 
         hf_logging.disable_progress_bar()
         hf_logging.set_verbosity_error()  # the load report lists the other parts' weights
-        if threads := self.args.get("threads"):
-            torch.set_num_threads(int(threads))
+        self._set_threads()
         if not Path(self.path).is_dir():
             raise EngineError(f"stage '{self.stage.name}': model directory {self.path!r} not found")
         try:
@@ -223,6 +250,11 @@ class Part(ComputeEngine):
             raise EngineError(
                 f"stage '{self.stage.name}': {self.path} is not a {self.model_name} checkpoint: {exc}"
             ) from exc
+
+    def _set_threads(self) -> None:
+        """`threads`: torch's threads in this stage's process (its own default: every core)."""
+        if threads := self.args.get("threads"):
+            torch.set_num_threads(int(threads))
 
     def _from_checkpoint(self, cls: Any, config: Any, prefix: str) -> Any:
         """Transformers' class `cls` with the checkpoint's weights under `prefix` (a regex)."""
