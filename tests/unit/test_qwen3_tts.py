@@ -17,7 +17,7 @@ import torch
 
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, InvalidRequest
+from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.registry import build_engine
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
 from omni_stage.models.qwen3_tts.checkpoint import write_checkpoint
@@ -122,6 +122,38 @@ def test_the_decoder_equals_the_tokenizers_decode(
     assert float(np.abs(expected).max()) > 1e-3  # a waveform, not silence
 
 
+@torch.inference_mode()
+def test_the_decoder_streamed_piece_by_piece_is_the_whole_decode(checkpoint: Path) -> None:
+    """Each code decoded once, from what the codes before it left (streaming.py): pieces of
+    any length, two requests batched at different places (one still filling its attention
+    window, one past it), 400 codes (past the tiny decoder's reach, 144, and the reference's
+    300-code chunks): every sample the whole decode's, within float rounding."""
+    decoder = load_decoder(checkpoint, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 2048, (2, 16, 400), generator=gen)
+    whole = decoder(codes)[:, 0]
+    first, second = decoder.new_stream(), decoder.new_stream()
+    out: list[list[torch.Tensor]] = [[], []]
+    out[1].append(decoder.stream(codes[1:, :, :30], [second])[0, 0])
+    for n in (1, 24, 25, 50):  # the first alone, then both together, 30 codes apart
+        at, other = first.seen, second.seen
+        pair = torch.stack([codes[0, :, at : at + n], codes[1, :, other : other + n]])
+        wav = decoder.stream(pair, [first, second])
+        out[0].append(wav[0, 0])
+        out[1].append(wav[1, 0])
+    for row, stream in enumerate((first, second)):
+        rest = codes[row : row + 1, :, stream.seen :]
+        out[row].append(decoder.stream(rest, [stream])[0, 0])
+        assert stream.seen == 400  # each code through the stream once
+        torch.testing.assert_close(torch.cat(out[row]), whole[row], rtol=0, atol=1e-6)
+    assert all(layer.keys.shape[-2] == 71 for layer in first.past.layers)  # the window's, no more
+
+
+def test_a_streamed_decoder_takes_no_left_context(checkpoint: Path) -> None:
+    with pytest.raises(EngineError, match="leftContextCodes: Qwen3-TTS's decoder streams"):
+        stage_engine("code2wav", checkpoint, leftContextCodes=25)
+
+
 def test_an_unknown_variant_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown Qwen3-TTS variant 'klingon'"):
         write_checkpoint(tmp_path, "klingon")
@@ -142,10 +174,10 @@ def stage_engine(stage: str, model: Path, **args: Any) -> Engine:
 
 def test_first_audio_after_one_code_alone_and_under_load_is_the_whole_decode(checkpoint: Path) -> None:
     """The speech tokenizer's decoder is causal and leaves nothing to the next code: one code's
-    1920 samples are final, the first audio (`firstChunkCodes: 1`); then chunks of 25 after 150
-    codes of context (past its reach, 144). Four requests at once: each first piece sized by
-    the replica's load when its codes came (one code idle, up to 25 busy), batched; every
-    request's audio the whole decode's within 1e-5, whatever its first piece."""
+    1920 samples are final, the first audio (`firstChunkCodes: 1`); then pieces up to each 25th
+    code, streamed. Four requests at once: each first piece sized by the replica's load when its
+    codes came (one code idle, up to 25 busy), batched; every request's audio the whole
+    decode's within 1e-5, whatever its first piece."""
     edge = load_pipeline(EXAMPLE).spec.stage("code2wav").inputs[0]
     check_first_audio_under_load(stage_engine("code2wav", checkpoint, maxBatch=4), (40, 45, 52, 60), edge, 0)
 

@@ -21,11 +21,11 @@ import torch.nn.functional as F
 def decode_together(
     model: Any, caches: list[Any], positions: list[torch.Tensor], **inputs: Any
 ) -> tuple[Any, list[Any]]:
-    """`model(**inputs)` for B requests at one new position each: tensor `inputs` are batched
-    on dim 0 ([B, 1, ...]), others passed as they are; `positions[i]` is row i's position ids
-    ([1, 1], or [3, 1, 1] for M-RoPE, [4, 1, 1] for Qwen3-Omni's text and M-RoPE rows), joined
-    on their batch dimension. Returns the model's output and each request's cache with
-    the step added."""
+    """`model(**inputs)` for B requests at n new positions each (the same n: one for a decode
+    step): tensor `inputs` are batched on dim 0 ([B, n, ...]), others passed as they are;
+    `positions[i]` is row i's position ids ([1, n], or [3, 1, n] for M-RoPE, [4, 1, n] for
+    Qwen3-Omni's text and M-RoPE rows), joined on their batch dimension. Returns the model's
+    output and each request's cache with the step added."""
     from transformers import DynamicCache
 
     lengths = [c.get_seq_length() for c in caches]
@@ -41,8 +41,8 @@ def decode_together(
 
     layers = range(len(caches[0].layers))
     past = DynamicCache(ddp_cache_data=[(stacked(i, "keys"), stacked(i, "values")) for i in layers])
-    device = positions[0].device
-    mask = torch.zeros(len(caches), longest + 1, dtype=torch.long, device=device)
+    device, n_new = positions[0].device, positions[0].shape[-1]
+    mask = torch.zeros(len(caches), longest + n_new, dtype=torch.long, device=device)
     for row, n in enumerate(lengths):
         mask[row, longest - n :] = 1
     out = model(
