@@ -64,6 +64,25 @@ def test_a_first_window_cuts_the_first_chunk_sooner(
     assert run_window(window, segments, first) == expected
 
 
+def test_a_streams_context_comes_with_its_first_window_not_in_its_stead() -> None:
+    """A cloned voice's clip codes lead its codes as context (`Codes.context`): the first window
+    (1) counts the codes after them, so the first voiced code goes with the context at once,
+    rather than after the next whole window; the windows after it as before."""
+    context = {"codes": torch.zeros(30, 16), "context": 30}
+    ws = WindowState(25, first=1)
+    assert ws.push(context, 30, False) == []  # nothing voiced yet: nothing to hand over
+    first = ws.push({"codes": torch.ones(1, 16)}, 1, False)
+    assert [(c.units, c.payload["codes"].shape[0], c.payload["context"]) for c in first] == [(31, 31, 30)]
+    assert [c.units for c in ws.push({"codes": torch.ones(25, 16)}, 25, False)] == [25]
+
+
+def test_the_first_segment_counts_its_units_after_a_streams_context() -> None:
+    seg = Segmenter(max_units=8, flush_interval_s=60, clock=lambda: 0.0, first_units=1)
+    assert seg.add(EngineOutput(30, data={"codes": torch.zeros(30, 16), "context": 30})) is None
+    first = seg.add(EngineOutput(1, data={"codes": torch.ones(1, 16)}))
+    assert first is not None and first.units == 31 and first.data["context"] == 30
+
+
 def test_window_rejects_after_last() -> None:
     ws = WindowState(4)
     ws.push(tokens(0, 2), 2, True)

@@ -14,6 +14,13 @@ import torch
 Payload = dict[str, Any]
 
 
+def lead_units(p: Payload) -> int:
+    """The units a stream's first payload opens with that its consumer decodes and never voices
+    (`payloads.Codes.context`: a cloned voice's clip codes). A first window or first segment,
+    which exist to get the first voiced units out sooner, counts its units after them."""
+    return int(p.get("context") or 0)
+
+
 def _per_unit(v: Any) -> bool:
     return (isinstance(v, torch.Tensor) and v.dim() > 0) or isinstance(v, list)
 

@@ -1,8 +1,9 @@
 """Producer-side segmentation: engine outputs are flushed as numbered segments (seed 000, §6).
 
 A segment is flushed when it holds `max_units` units (the first one: `first_units`, where a
-consumer's first window or a client's first audio waits on fewer), when `flush_interval_s` has
-passed since the last flush, and at the end of the request (`is_last`).
+consumer's first window or a client's first audio waits on fewer, counted after a stream's
+context: `payload.lead_units`), when `flush_interval_s` has passed since the last flush, and at
+the end of the request (`is_last`).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from omni_pipeline.control import TokenLogprob, ToolCall
-from omni_stage.payload import Payload, concat
+from omni_stage.payload import Payload, concat, lead_units
 
 
 @dataclass(slots=True)
@@ -74,6 +75,8 @@ class Segmenter:
         self.total_units = 0
 
     def add(self, out: EngineOutput) -> Segment | None:
+        if not self.sequence and not self._parts and out.data:  # the first: after any context
+            self._due_units += lead_units(out.data)
         if out.data:
             self._parts.append(out.data)
         if out.text:

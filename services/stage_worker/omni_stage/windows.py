@@ -4,6 +4,9 @@ window -1: one chunk, when the producer's last segment arrives (full trigger).
 window  N: a chunk every N units, then the remainder with `is_last`; exactly one chunk of a
            request's stream carries `is_last`, even when the remainder is empty. With a first
            window F (`firstWindow`), the first chunk is F units, the rest N each.
+
+A stream that opens with context (`payload.lead_units`) has its first window counted after
+it: the context comes with the first F units the consumer voices, not in their stead.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from omni_pipeline.spec import FULL_WINDOW
-from omni_stage.payload import Payload, concat, split
+from omni_stage.payload import Payload, concat, lead_units, split
 
 
 def is_read(window: int, units: int) -> bool:
@@ -36,11 +39,15 @@ class WindowState:
         """The size of the next chunk: the first window, then the window."""
         self._parts: list[Payload] = []
         self._units = 0
+        self._started = False
         self._done = False
 
     def push(self, payload: Payload, units: int, is_last: bool) -> list[Chunk]:
         if self._done:
             raise RuntimeError("segment after the last one")
+        if not self._started:  # the first chunk counts its F units after the stream's context
+            self._started = True
+            self._next += lead_units(payload)
         if units or payload:
             self._parts.append(payload)
             self._units += units

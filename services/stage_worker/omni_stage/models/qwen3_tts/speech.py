@@ -282,10 +282,10 @@ class _Piece:
 
 class Qwen3TTSCode2Wav(Part):
     """The speech tokenizer's decoder as a stream (streaming.py): each code decoded once, in
-    pieces as the codes come. An in-context clone's clip codes first (decoded, never voiced), then
-    a first piece sized by the load (`firstChunkCodes`, one code by default: the decoder leaves
-    nothing to the next code), then up to each multiple of `chunkCodes`. Pieces of one length
-    from several requests decode as one batch, each request from its own place."""
+    pieces as the codes come. A first piece sized by the load (`firstChunkCodes`, one code by
+    default: the decoder leaves nothing to the next code), with an in-context clone's clip codes
+    before it (decoded, never voiced), then up to each multiple of `chunkCodes`. Pieces of one
+    length from several requests decode as one batch, each request from its own place."""
 
     part = "code2wav"
     model_name = MODEL_NAME
@@ -331,18 +331,16 @@ class Qwen3TTSCode2Wav(Part):
                 yield EngineOutput(units=end - max(begin, st.context), data=audio)
 
     def _piece_end(self, st: _Streaming, have: int, ended: bool) -> int | None:
-        """Where the next piece ends: past the clip's codes, then the first piece (its codes by
-        the load), then at the next multiple of `chunkCodes` past the clip; at the last code once
+        """Where the next piece ends: the first piece's codes (by the load) past the clip's, which
+        go with them, then at each multiple of `chunkCodes` past the clip; at the last code once
         the codes end; None: nothing to decode yet."""
         at = st.decoded
-        if at >= have:
+        if at >= have or have <= st.context:  # all decoded, or nothing to voice yet
             return None
-        if at < st.context:
-            end = st.context
-        elif not st.voiced:
+        if not st.voiced:
             if not st.first:
                 st.first = self.first_chunk.codes(self.batcher.occupancy())
-            end = at + st.first
+            end = max(at, st.context) + st.first
         else:
             end = st.context + ((at - st.context) // self.chunk + 1) * self.chunk
         if end <= have:
