@@ -168,7 +168,7 @@ WAV = data_url(CLIP)
         ({"ref_audio": "/etc/passwd", "ref_text": "x"}, "ref_audio", "which no client reads"),
         ({"ref_audio": "http://127.0.0.1:9/a.wav", "ref_text": "x"}, "ref_audio", "does not fetch URLs"),
         ({"ref_audio": "bm90IGF1ZGlv", "ref_text": "x"}, "ref_audio", "not decodable"),
-        ({"ref_audio": WAV, "ref_text": "x", "voice": "vivian"}, "voice", "takes no voice"),
+        ({"ref_audio": WAV, "ref_text": "x", "voice": "vivian"}, "voice", "'vivian' is no voice uploaded"),
         ({"ref_audio": WAV, "ref_text": "x", "instructions": "Slowly."}, None, "instructions: a Base model"),
         ({"ref_audio": WAV, "ref_text": "x", "x_vector_only_mode": True}, None, "ref_text: x_vector_only"),
     ],
@@ -240,6 +240,7 @@ def test_an_uploaded_voice_is_listed_speaks_as_its_clip_and_is_gone_once_deleted
     gone = {"model": "qwen3-tts", "input": "x", "voice": "plain"}
     r = HTTP.post(f"{base}/v1/audio/speech", json=gone, timeout=60)
     assert r.status_code == 400 and r.json()["error"]["param"] == "voice", r.text
+    assert "'plain' is no voice uploaded to this model" in r.json()["error"]["message"]
     r = HTTP.delete(f"{base}/v1/audio/voices/plain", timeout=30)
     assert r.status_code == 404, r.text
 

@@ -153,6 +153,12 @@ def check_voice(a: Announced, req: PipelineRequest) -> None:
     if (voices := a.voices()) is None:
         return
     if not voices:
+        accepts = a.by_sources(req.outputs, "accepts")
+        if accepts is not None and "ref_audio" in accepts:  # it speaks in uploaded voices alone
+            raise BadRequest(
+                f"{param}: '{voice}' is no voice uploaded to this model (GET /v1/audio/voices lists them)",
+                param=param,
+            )
         raise BadRequest(f"{param}: this model's audio takes no voice; leave it out", param=param)
     if voice not in voices:
         raise BadRequest(
