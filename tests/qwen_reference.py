@@ -12,7 +12,7 @@ import inspect
 import io
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -330,36 +330,57 @@ async def vocode(code2wav: Engine, codes: torch.Tensor, edge: InputSpec) -> list
 Vocoded = list[list[torch.Tensor]]
 
 
+def random_codes(code2wav: Engine, lengths: tuple[int, ...]) -> list[torch.Tensor]:
+    """Random codes [n, groups] of these lengths for a Qwen3 code2wav stage (started)."""
+    m = code2wav.model  # type: ignore[attr-defined]
+    gen = torch.Generator().manual_seed(0)
+    groups, book = m.config.num_quantizers, m.config.codebook_size
+    return [torch.randint(0, book, (n, groups), generator=gen) for n in lengths]
+
+
+async def whole_decodes(code2wav: Engine, requests: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each request's codes decoded at once by a Qwen3 code2wav stage's decoder (what the
+    reference decodes)."""
+    with torch.inference_mode():
+        return [code2wav.model(codes.T[None])[0, 0] for codes in requests]  # type: ignore[attr-defined]
+
+
 def check_first_audio_under_load(
-    code2wav: Engine, lengths: tuple[int, ...], edge: InputSpec, short: int
+    code2wav: Engine,
+    lengths: tuple[int, ...],
+    edge: InputSpec,
+    short: int,
+    least: int = 1,
+    codes: Callable[[Engine, tuple[int, ...]], list[torch.Tensor]] = random_codes,
+    whole: Callable[[Engine, list[torch.Tensor]], Awaitable[list[torch.Tensor]]] = whole_decodes,
+    atol: float = 1e-5,
 ) -> None:
-    """Random codes of these lengths through a code2wav stage fed as `edge` feeds it, one
+    """Codes of these lengths (`codes`) through a code2wav stage fed as `edge` feeds them, one
     request after another and then all at once (its `maxBatch` at least as many): alone, each
-    first piece is one code (the samples a decode of it has final: all but the `short` it
-    leaves to the next code); together, each first piece is sized by the replica's load when
-    its codes came, growing from one; pieces batch; and each request's audio is the decoder's
-    whole decode of its codes (what the reference decodes at once) within 1e-5, whatever its
-    first piece: the load changes when audio comes, not what."""
+    first piece is `least` codes (the samples a decode of them has final: all but the `short`
+    they leave to the next code); together, each first piece is sized by the replica's load
+    when its codes came, growing from `least`; pieces batch; and each request's audio is the
+    whole decode of its codes (`whole`) within `atol`, whatever its first piece: the load
+    changes when audio comes, not what."""
 
     async def go() -> tuple[list[torch.Tensor], Vocoded, Vocoded]:
         await code2wav.start()
-        m = code2wav.model  # type: ignore[attr-defined]
-        gen = torch.Generator().manual_seed(0)
-        groups, book = m.config.num_quantizers, m.config.codebook_size
-        requests = [torch.randint(0, book, (n, groups), generator=gen) for n in lengths]
-        with torch.inference_mode():
-            whole = [m(codes.T[None])[0, 0] for codes in requests]
-        alone = [await vocode(code2wav, codes, edge) for codes in requests]
-        together = await asyncio.gather(*(vocode(code2wav, codes, edge) for codes in requests))
-        return whole, alone, list(together)
+        try:
+            requests = codes(code2wav, lengths)
+            wholes = await whole(code2wav, requests)
+            alone = [await vocode(code2wav, c, edge) for c in requests]
+            together = await asyncio.gather(*(vocode(code2wav, c, edge) for c in requests))
+        finally:
+            await code2wav.close()
+        return wholes, alone, list(together)
 
-    whole, alone, together = asyncio.run(go())
+    wholes, alone, together = asyncio.run(go())
     per_code = int(code2wav.upsample)  # type: ignore[attr-defined]
     assert max(code2wav.batcher.batch_sizes) >= 2  # type: ignore[attr-defined]
-    assert [len(chunks[0]) for chunks in alone] == [per_code - short] * len(lengths)
+    assert [len(chunks[0]) for chunks in alone] == [least * per_code - short] * len(lengths)
     firsts = [(len(chunks[0]) + short) // per_code for chunks in together]  # the first pieces' codes
-    assert firsts[0] == 1 and firsts == sorted(firsts) and firsts[-1] > 1, firsts
-    for ref, *streams in zip(whole, alone, together, strict=True):
+    assert firsts[0] == least and firsts == sorted(firsts) and firsts[-1] > least, firsts
+    for ref, *streams in zip(wholes, alone, together, strict=True):
         for chunks in streams:
             assert torch.cat(chunks).shape == ref.shape
-            torch.testing.assert_close(torch.cat(chunks), ref, rtol=0, atol=1e-5)
+            torch.testing.assert_close(torch.cat(chunks), ref, rtol=0, atol=atol)

@@ -30,6 +30,7 @@ from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
 from tests.helpers import COMPILE_TIMEOUT_S, ROOT
 from tests.qwen_reference import (
+    check_first_audio_under_load,
     media_clips,
     media_message,
     reference_generate,
@@ -851,6 +852,9 @@ def test_audio_ahead_is_bounded_and_freed(model: Path) -> None:
         ({"chunkCodes": 5}, "chunkCodes must be a multiple of 12"),
         ({"chunkCodes": 12, "maxChunkCodes": 30}, "maxChunkCodes must be a multiple of 12"),
         ({"chunkCodes": 24, "maxChunkCodes": 12}, "maxChunkCodes must be at least chunkCodes"),
+        ({"chunkCodes": 12, "maxChunkCodes": 48, "busyFirstChunkCodes": 30}, "busyFirstChunkCodes must be a"),
+        ({"chunkCodes": 12, "maxChunkCodes": 24, "busyFirstChunkCodes": 48}, r"<= maxChunkCodes \(24\)"),
+        ({"chunkCodes": 0, "busyFirstChunkCodes": 24}, "busyFirstChunkCodes sizes a first chunk: set"),
     ],
 )
 def test_chunks_that_split_a_dit_block_are_refused_at_start(
@@ -860,6 +864,32 @@ def test_chunks_that_split_a_dit_block_are_refused_at_start(
     that would cut one is refused when the stage starts, naming the argument."""
     with pytest.raises(EngineError, match=says):
         asyncio.run(engine("code2wav", model, **args).start())
+
+
+def test_the_first_chunk_grows_with_the_load_and_the_audio_does_not(model: Path) -> None:
+    """Qwen2.5-Omni's first chunk is already its smallest (a DiT block, 12 codes, with the 12
+    after it: docs/models.md). Under load it grows, in whole blocks, up to `busyFirstChunkCodes`
+    (`maxChunkCodes`, 48, by default): fewer chunks, each a call and its right context less. Four
+    requests fed in the example's windows of 12, one after another, then at once: alone, each
+    first chunk is 12 codes; together they grow with the replica's load; every request's audio
+    is its whole decode (`chunkCodes: 0`) within 1e-6, whatever its first chunk."""
+    edge = load_pipeline(EXAMPLE).spec.stage("code2wav").inputs[0]
+
+    def codes(_: Engine, lengths: tuple[int, ...]) -> list[torch.Tensor]:
+        gen = torch.Generator().manual_seed(0)
+        return [torch.randint(0, 8448, (n,), generator=gen) for n in lengths]  # the codec's ids
+
+    async def whole(_: Engine, requests: list[torch.Tensor]) -> list[torch.Tensor]:
+        (at_once,) = await started(engine("code2wav", model, chunkCodes=0))
+        try:
+            calls = [EngineCall("w", {"talker": {"codes": c}}, True, Sampling()) for c in requests]
+            return [torch.cat([o.data["audio"] async for o in at_once.generate(c)]) for c in calls]
+        finally:
+            await at_once.close()
+
+    code2wav = engine("code2wav", model, maxBatch=4)
+    lengths = (48, 50, 60, 72)
+    check_first_audio_under_load(code2wav, lengths, edge, 0, least=12, codes=codes, whole=whole, atol=1e-6)
 
 
 @pytest.mark.usefixtures("one_compile_at_a_time")

@@ -20,6 +20,7 @@ from omni_stage.engines.prompt_cache import Sequence, same_rows
 from omni_stage.models.qwen2_5_omni.dit import CachedDiT, LeftContext, Solve, Window
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
+    FirstChunk,
     Part,
     Vocoding,
     chunk_args,
@@ -262,6 +263,8 @@ class _Token2WavState(Vocoding):
     noise: torch.Tensor | None = None
     left: LeftContext | None = None
     mel: torch.Tensor | None = None
+    first: int = 0
+    """The first chunk's codes, picked by the load when the first codes came (0: not yet)."""
 
 
 class Token2Wav(Part):
@@ -271,10 +274,13 @@ class Token2Wav(Part):
     the reference does. `chunkCodes: C` decodes the first C codes (a multiple of the DiT's
     block) as soon as they and `rightContextCodes` after them are there, then chunks as long
     as the audio before them up to `maxChunkCodes` (C by default), each emitting only its own
-    samples. Nothing before a chunk is decoded again: the DiT's look-back layers read what the
-    request kept of the chunk before (dit.py), and BigVGAN reads `leftContextCodes` of mel
-    already made. Either way the starting noise is one draw from the
-    request's seed, sliced, so the whole decode's frames get the reference's noise.
+    samples. The first chunk is C on an idle replica, more as its compute fills, up to
+    `busyFirstChunkCodes` (`maxChunkCodes` by default): each chunk costs its right context and
+    a call, which under load cost throughput (parts.FirstChunk). Nothing before a chunk is
+    decoded again: the DiT's look-back layers read what the request kept of the chunk before
+    (dit.py), and BigVGAN reads `leftContextCodes` of mel already made. Either way the starting
+    noise is one draw from the request's seed, sliced, so the whole decode's frames get the
+    reference's noise.
 
     `compile: true` runs the DiT's layers and BigVGAN through `torch.compile` (off by default:
     it compiles at start, every form a request runs (`_warm_up`), and again on waking from a
@@ -299,6 +305,7 @@ class Token2Wav(Part):
         self.compiled = compiler(stage)
         if self.chunk > 0 and self.max_chunk < self.chunk:
             raise EngineError(f"stage '{stage.name}': maxChunkCodes must be at least chunkCodes")
+        self.first_chunk: FirstChunk | None = None  # (at load: its step is the DiT's block)
         self.max_vocode = int(self.args.get("maxVocodeBatch", self.max_batch))
         if self.max_vocode < 1:
             raise EngineError(f"stage '{stage.name}': maxVocodeBatch must be at least 1")
@@ -320,15 +327,20 @@ class Token2Wav(Part):
         self.dit = CachedDiT(self.model.code2wav_dit_model, self.compiled)
         self.vocoder = self.compiled(self.model.code2wav_bigvgan_model)
         self.repeats, self.mel_dim = self.dit.dit.repeats, self.dit.dit.mel_dim
+        unit = self.dit.block // math.gcd(self.dit.block, self.repeats)  # codes a DiT block
         for name, n in (("chunkCodes", self.chunk), ("maxChunkCodes", self.max_chunk)):
-            if self.chunk > 0 and n * self.repeats % self.dit.block:
+            if self.chunk > 0 and n % unit:
                 raise EngineError(
-                    f"stage '{self.stage.name}': {name} must be a multiple of "
-                    f"{self.dit.block // math.gcd(self.dit.block, self.repeats)} (the DiT's blocks of "
-                    f"{self.dit.block} frames, {self.repeats} frames a code)"
+                    f"stage '{self.stage.name}': {name} must be a multiple of {unit} (the DiT's "
+                    f"blocks of {self.dit.block} frames, {self.repeats} frames a code)"
                 )
+        if self.chunk > 0:
+            self.first_chunk = FirstChunk.of(self.stage, self.chunk, self.max_chunk, "maxChunkCodes", unit)
+        elif asked := [k for k in ("firstChunkCodes", "busyFirstChunkCodes") if k in self.args]:
+            raise EngineError(f"stage '{self.stage.name}': {asked[0]} sizes a first chunk: set chunkCodes")
         rates = self.config.token2wav_config.bigvgan_config.upsample_rates
         self.samples_per_frame = int(torch.tensor(rates).prod())
+        self.upsample = self.repeats * self.samples_per_frame  # samples a code
 
     async def start(self) -> None:
         await super().start()
@@ -361,7 +373,7 @@ class Token2Wav(Part):
             return
         done = st.decoded
         while done < len(codes):
-            end = len(codes) if self.chunk <= 0 else min(done + self._chunk_after(done), len(codes))
+            end = len(codes) if self.chunk <= 0 else min(done + self._chunk_after(st, done), len(codes))
             if not call.is_last and (self.chunk <= 0 or end + self.right > len(codes)):
                 return  # wait for the rest, or for this chunk's right context
             piece = self._piece(st, codes, done, end, call)
@@ -374,9 +386,16 @@ class Token2Wav(Part):
             yield EngineOutput(units=end - done, data=Audio(audio=out.audio, sample_rate=self.sample_rate))
             done = st.decoded = end
 
-    def _chunk_after(self, done: int) -> int:
-        """Codes in the chunk after the first `done`: as many as came before it (the audio
-        already out plays while the next is made), from chunkCodes up to maxChunkCodes."""
+    def _chunk_after(self, st: _Token2WavState, done: int) -> int:
+        """Codes in the chunk after the first `done`: the first chunk's by the replica's load
+        when the request's first codes came (FirstChunk: chunkCodes idle, up to
+        `busyFirstChunkCodes`, maxChunkCodes by default), then as many as came before it (the
+        audio already out plays while the next is made), from chunkCodes up to maxChunkCodes."""
+        if not done:
+            if not st.first:
+                assert self.first_chunk is not None
+                st.first = self.first_chunk.codes(self.batcher.occupancy())
+            return st.first
         return min(max(done, self.chunk), self.max_chunk)
 
     def _piece(

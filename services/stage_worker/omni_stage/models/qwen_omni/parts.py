@@ -131,22 +131,33 @@ class FirstChunk:
     least: int
     most: int
 
+    step: int = 1
+    """The first piece's codes are a multiple of this (a DiT's block, in codes)."""
+
     @classmethod
-    def of(cls, stage: StageSpec, smallest: int, chunk: int) -> FirstChunk:
+    def of(
+        cls, stage: StageSpec, smallest: int, largest: int, largest_name: str = "chunkCodes", step: int = 1
+    ) -> FirstChunk:
         """The stage's bounds, checked: `smallest` (the decoder's fewest) <= firstChunkCodes <=
-        busyFirstChunkCodes <= `chunk` (its chunkCodes)."""
+        busyFirstChunkCodes <= `largest` (its longest chunk, the `largest_name` setting), each
+        a multiple of `step`."""
         least = int(stage.engine.args.get("firstChunkCodes", smallest))
-        most = int(stage.engine.args.get("busyFirstChunkCodes", chunk))
-        if not smallest <= least <= most <= chunk:
+        most = int(stage.engine.args.get("busyFirstChunkCodes", largest))
+        if not smallest <= least <= most <= largest:
             raise EngineError(
                 f"stage '{stage.name}': need {smallest} <= firstChunkCodes ({least}) "
-                f"<= busyFirstChunkCodes ({most}) <= chunkCodes ({chunk})"
+                f"<= busyFirstChunkCodes ({most}) <= {largest_name} ({largest})"
             )
-        return cls(least, most)
+        for name, n in (("firstChunkCodes", least), ("busyFirstChunkCodes", most)):
+            if n % step:
+                raise EngineError(f"stage '{stage.name}': {name} must be a multiple of {step}")
+        return cls(least, most, step)
 
     def codes(self, occupancy: float) -> int:
-        """The first piece's codes for a request starting now, its replica's batcher this full."""
-        return self.least + round((self.most - self.least) * min(1.0, occupancy))
+        """The first piece's codes for a request starting now, its replica's batcher this full
+        (down to a multiple of `step`)."""
+        n = self.least + round((self.most - self.least) * min(1.0, occupancy))
+        return n - n % self.step
 
 
 COMPILE_MODES: Final = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
