@@ -35,8 +35,11 @@ printed last:
 - ttfp_c1_smallest_vs_12: median TTFP at concurrency 1, one code over twelve (goal <= 0.5).
 - c8_load_sized_vs_12: requests/s at concurrency 8, first pieces sized by the load over the
   first 12-code chunk (goal >= 0.95: under load the extra decoder calls cost little).
-Qwen2.5-Omni's first chunk is already its smallest (a DiT block and the one after it), so it
-has no such pair.
+Qwen2.5-Omni's first chunk is already its smallest (a DiT block and the one after it), so its
+pair is under load alone (not with --quick), printed after them:
+- qwen2.5_c8_load_sized_vs_12: requests/s at concurrency 8, the first chunk sized by the load
+  (12 codes idle, up to 48 busy: the example's) over the first chunk at 12 codes however busy
+  (`busyFirstChunkCodes: 12`) (goal >= 0.95).
 
 Each run also says where the time went, stage by stage (bench.profile: busy share, mean
 batch, queue wait, engine call, connector and (de)serialising time per request).
@@ -79,9 +82,18 @@ def served_example(example: str, codes: int) -> dict[str, Any]:
 
 
 def pipeline(
-    chunked: bool, codes: int, batched: bool = True, vllm: bool = False, compiled: bool = False
+    chunked: bool,
+    codes: int,
+    batched: bool = True,
+    vllm: bool = False,
+    compiled: bool = False,
+    busy_first: int | None = None,
 ) -> dict[str, Any]:
+    """examples/qwen2.5-omni.yaml (or its vLLM thinker's); `busy_first`: code2wav's
+    `busyFirstChunkCodes` (its first chunk under load; `maxChunkCodes` by default)."""
     spec = served_example("qwen2.5-omni-vllm.yaml" if vllm else "qwen2.5-omni.yaml", codes)
+    if busy_first is not None:
+        spec["stages"][2]["engine"]["args"]["busyFirstChunkCodes"] = busy_first
     for stage in spec["stages"]:
         if not batched and stage["engine"]["kind"] != "vllm":  # vLLM's batching is its own
             stage["engine"]["args"]["maxBatch"] = 1
@@ -173,6 +185,9 @@ def main(argv: list[str] | None = None) -> None:
             runs["chunked_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
             if not args.quick:
                 runs["chunked_c16"] = asyncio.run(load(base, 16, 16 * n, tokens))
+        if not args.quick:  # the first chunk 12 codes however busy: before issue 53
+            with served("bench", pipeline(True, codes, busy_first=12), cwd=cwd) as base:
+                runs["first_12_c8"] = asyncio.run(load(base, 8, 8 * n, tokens))
         with served("bench", pipeline(True, codes, batched=False), cwd=cwd) as base:
             runs["unbatched_c8"] = asyncio.run(load(base, 8, 8 if args.quick else 8 * n, tokens))
         with served("bench", pipeline(False, codes), cwd=cwd) as base:
@@ -230,6 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     result["ratios"]["c8_load_sized_vs_12"] = round(
         runs["qwen3_smallest_c8"]["req_per_s"] / runs["qwen3_12_c8"]["req_per_s"], 3
     )
+    if "first_12_c8" in runs:
+        result["ratios"]["qwen2.5_c8_load_sized_vs_12"] = round(
+            runs["chunked_c8"]["req_per_s"] / runs["first_12_c8"]["req_per_s"], 3
+        )
     rows = [(name, "  ".join(f"{k} {v}" for k, v in r.items() if k != "stages")) for name, r in runs.items()]
     rows += [
         (f"{name} {stage}", "  ".join(f"{k} {v}" for k, v in figures.items()))
