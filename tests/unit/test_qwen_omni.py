@@ -376,7 +376,8 @@ def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
 
     async def go() -> tuple[list[torch.Tensor], list[torch.Tensor], Any]:
         args = {} if vocode is None else {"maxVocodeBatch": vocode}
-        code2wav = engine("code2wav", model, chunkCodes=12, **args)
+        # Every first chunk 12 codes, however busy (the load's sizing: the test after this one).
+        code2wav = engine("code2wav", model, chunkCodes=12, busyFirstChunkCodes=12, **args)
         await code2wav.start()
         jobs = [
             (reference["codes"], 1),
