@@ -132,18 +132,19 @@ def test_the_decoder_streamed_piece_by_piece_is_the_whole_decode(checkpoint: Pat
     gen = torch.Generator().manual_seed(3)
     codes = torch.randint(0, 2048, (2, 16, 400), generator=gen)
     whole = decoder(codes)[:, 0]
-    first, second = decoder.new_stream(), decoder.new_stream()
+    first, second = decoder.streams.start(), decoder.streams.start()
     out: list[list[torch.Tensor]] = [[], []]
-    out[1].append(decoder.stream(codes[1:, :, :30], [second])[0, 0])
-    for n in (1, 24, 25, 50):  # the first alone, then both together, 30 codes apart
+    out[0].append(decoder.streams.decode(codes[:1, :, :1], [first])[0, 0])
+    out[1].append(decoder.streams.decode(codes[1:, :, :30], [second])[0, 0])
+    for n in (24, 25, 50):  # both together, 29 codes apart
         at, other = first.seen, second.seen
         pair = torch.stack([codes[0, :, at : at + n], codes[1, :, other : other + n]])
-        wav = decoder.stream(pair, [first, second])
+        wav = decoder.streams.decode(pair, [first, second])
         out[0].append(wav[0, 0])
         out[1].append(wav[1, 0])
     for row, stream in enumerate((first, second)):
         rest = codes[row : row + 1, :, stream.seen :]
-        out[row].append(decoder.stream(rest, [stream])[0, 0])
+        out[row].append(decoder.streams.decode(rest, [stream])[0, 0])
         assert stream.seen == 400  # each code through the stream once
         torch.testing.assert_close(torch.cat(out[row]), whole[row], rtol=0, atol=1e-6)
     assert all(layer.keys.shape[-2] == 71 for layer in first.past.layers)  # the window's, no more

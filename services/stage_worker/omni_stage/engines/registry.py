@@ -82,7 +82,7 @@ FAMILIES: Final[dict[str, Family]] = {
                 "encoder": f"{_QWEN3}.thinker:Qwen3Encoder",
                 "thinker": f"{_QWEN3}.thinker:Qwen3Thinker",
                 "talker": f"{_QWEN3}.speech:Qwen3Talker",
-                "code2wav": f"{_QWEN3}.speech:Qwen3Code2Wav",
+                "code2wav": f"{_QWEN3}.code2wav:Qwen3Code2Wav",
             },
         },
         checkpoint=f"{_QWEN3}.checkpoint:write_tiny_checkpoint",

@@ -21,15 +21,13 @@ computes with greedy decoding (`talker_do_sample=False`), split where the model 
   sum of the code's embeddings and the next reply token's projected embedding (then the TTS
   eos, then its pad). A code goes out, all its codebooks, once its residuals are drawn; as in
   the reference, the code of the last step a budget allows is not (its residuals never are).
-- code2wav: the causal Code2Wav decoder on chunks of `chunkCodes` codes (300 by default),
-  each with `leftContextCodes` (25) before it: the reference's `chunked_decode` with its
-  defaults is exactly that. 1920 samples a code at 24 kHz, less 555 at the end of a decode
-  (its causal transposed convolutions trim what the next code would complete): with
-  `rightContextCodes` (0 by default) each chunk but the last is decoded with that many codes
-  after it and keeps exactly its own codes' samples, so small chunks lose nothing between
-  them. The first audio needs no chunk: a first piece of `firstChunkCodes` (1: the decoder is
-  causal, so one code's first 1365 samples are final) is decoded as soon as its codes come,
-  more codes when the replica is busy (`busyFirstChunkCodes`; docs/models.md, First audio).
+- code2wav: the causal Code2Wav decoder as a stream (code2wav.py, streaming.py): each code
+  decoded once, from what the codes before it left, 1920 samples a code at 24 kHz; a decode's
+  last 555 samples wait for the next code (its causal transposed convolutions' overhang), so
+  every sample out is the whole decode's. The first audio after one code (`firstChunkCodes`:
+  its first 1365 samples are final), more codes when the replica is busy
+  (`busyFirstChunkCodes`; docs/models.md, First audio), then up to each multiple of
+  `chunkCodes` (25 by default).
 
 The voice (`audio.voice`: the checkpoint's `speaker_id` names, Ethan by default as in the
 reference) picks the talker's speaker code.

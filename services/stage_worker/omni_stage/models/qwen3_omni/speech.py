@@ -1,4 +1,4 @@
-"""Qwen3-Omni's talker (with its code predictor) and Code2Wav (see the package's docstring)."""
+"""Qwen3-Omni's talker, with its code predictor (see the package's docstring)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Final
 
 import torch
 
-from omni_pipeline.payloads import Audio, Codes, ThinkerStep
+from omni_pipeline.payloads import Codes, ThinkerStep
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
@@ -19,10 +19,7 @@ from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embe
 from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, talker_prompt
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
-    FirstChunk,
     Part,
-    Vocoding,
-    chunk_args,
     compiler,
     compiles,
     greedy_code,
@@ -332,109 +329,3 @@ def _register_talker_moe_conversion() -> None:
         register_checkpoint_conversion_mapping(
             TALKER_TEXT_TYPE, get_checkpoint_conversion_mapping("qwen2_moe")
         )
-
-
-@dataclass(frozen=True, slots=True)
-class _Chunk:
-    codes: torch.Tensor
-    """[groups, n]: the chunk with its left context."""
-    skip: int
-    """Samples of left context to drop."""
-    keep: int | None
-    """Samples to keep up to (those of the right context go), or None: all."""
-
-
-@dataclass(slots=True)
-class _Decoding(Vocoding):
-    """A code2wav request: its codes, and how far its audio is out."""
-
-    voiced: int = 0
-    """Samples out so far, counted from the first code's (context included): the first piece
-    ends mid-code, where its decode's final samples end."""
-    first: int = 0
-    """The first piece's codes, picked by the load when its first codes come (0: not yet)."""
-    pieced: int = 0
-    """The code the first piece voiced up to (0: none went out)."""
-
-
-SMALLEST_FIRST_CHUNK: Final = 1
-"""The fewest codes a first piece decodes: the decoder is causal (a sample depends on the codes
-up to its own), so a decode of n codes gives final samples from the first code on (Qwen3-Omni's
-Code2Wav all but its last 555, the speech tokenizer's decoder all; docs/models.md)."""
-
-
-class Qwen3Code2Wav(Part):
-    """Code2Wav on chunks of codes with left context, as `chunked_decode` decodes them; the first
-    audio sooner: a first piece of the first chunk, decoded as soon as its first codes come."""
-
-    part = "code2wav"
-    config_class = "Qwen3OmniMoeConfig"
-    model_name = "Qwen3-Omni"
-    needs_last_call = True  # the last chunk waits for the codes to end
-    sample_rate: Final = 24000
-
-    def __init__(self, stage: StageSpec) -> None:
-        super().__init__(stage)
-        self.chunk, self.left, self.right = chunk_args(stage, 300, 25, 0, least_chunk=1)
-        self.first_chunk = FirstChunk.of(stage, SMALLEST_FIRST_CHUNK, self.chunk)
-        self.batcher = StepBatcher(self._decode, self._compute, self.max_batch)
-
-    def _part_class(self) -> tuple[Any, Any]:
-        from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
-
-        return Qwen3OmniMoeCode2Wav, self.config.code2wav_config
-
-    def _load(self) -> None:
-        super()._load()
-        self.model.float()
-        self.upsample = int(self.model.total_upsample)
-
-    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        st = call.kept(_Decoding)
-        if (codes := st.gather(call.inputs)) is None:  # [n, groups]
-            return
-        if not st.voiced and not call.is_last and (first := self._first_piece(st, codes)) is not None:
-            begin = max(st.decoded, st.context)
-            wav = await self.batcher.submit(first.codes.shape, first, first=True)
-            st.voiced, st.pieced = begin * self.upsample + len(wav), begin + st.first
-            yield EngineOutput(units=st.first, data=Audio(audio=wav, sample_rate=self.sample_rate))
-        done = st.decoded
-        while done < len(codes):
-            end = min(done + self.chunk, len(codes))
-            if (end - done < self.chunk or end + self.right > len(codes)) and not call.is_last:
-                return  # waits for a whole chunk and its right context, or for the codes to end
-            if end <= st.context:  # context alone: nothing to voice, nothing to decode
-                done = st.decoded = end
-                continue
-            lo, hi = done - min(self.left, done), min(end + self.right, len(codes))
-            keep = (end - lo) * self.upsample if hi > end else None  # the last chunk keeps what it has
-            # From where the audio is out: a first piece's end, else the chunk's first code (without
-            # right context the samples a chunk's decode lacks at its end are skipped, as
-            # `chunked_decode` skips them), past the context.
-            voiced = max(st.voiced, done * self.upsample, st.context * self.upsample)
-            piece = _Chunk(codes[lo:hi].T, voiced - lo * self.upsample, keep)
-            wav = await self.batcher.submit(piece.codes.shape, piece, first=not st.voiced)
-            units = end - max(done, st.context, st.pieced)
-            yield EngineOutput(units=units, data=Audio(audio=wav, sample_rate=self.sample_rate))
-            st.voiced = voiced + len(wav)
-            done = st.decoded = end
-
-    def _first_piece(self, st: _Decoding, codes: torch.Tensor) -> _Chunk | None:
-        """The first piece of the chunk the first voiced code is in, once its codes have come
-        (decoded with the chunk's own left context: its samples are the chunk's own, final);
-        None where the chunk itself would go out as soon."""
-        begin = max(st.decoded, st.context)
-        start = begin - (begin - st.decoded) % self.chunk  # that chunk's first code
-        if not st.first:
-            st.first = self.first_chunk.codes(self.batcher.occupancy())
-        end = begin + st.first
-        if end + self.right >= start + self.chunk or end > len(codes):
-            return None  # the chunk goes out whole as soon, or the piece's codes are still to come
-        lo = start - min(self.left, start)
-        return _Chunk(codes[lo:end].T, (begin - lo) * self.upsample, None)
-
-    @torch.inference_mode()
-    def _decode(self, chunks: list[_Chunk]) -> list[torch.Tensor]:
-        """Chunks of one length, as one batch (the decoder is causal and per sample)."""
-        wav = self.model(torch.stack([c.codes for c in chunks]).to(self.device))
-        return [w[0, c.skip : c.keep].float().cpu() for w, c in zip(wav, chunks, strict=True)]

@@ -33,14 +33,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeTalkerCodePredictorOutputWithPast,
 )
 
-from omni_stage.engines.kv_batch import decode_together
-from omni_stage.models.qwen3_tts.streaming import (
-    DecoderStream,
-    carried_away,
-    carry_through,
-    carrying,
-    windowed,
-)
+from omni_stage.models.qwen3_omni.streaming import Streams, vocoded
 
 DECODER_KEYS = [
     "codebook_size",
@@ -235,8 +228,8 @@ class PreTransformer(Qwen3OmniMoeCode2WavTransformerModel):
 
 class SpeechDecoder(Qwen3OmniMoeCode2Wav):
     """The speech tokenizer's decoder (`decoder.` in speech_tokenizer/): codes [B, groups, T] to a
-    waveform [B, 1, T * total_upsample] in [-1, 1], causal, as Code2Wav; decoded whole, or as a
-    stream, piece by piece (streaming.py)."""
+    waveform [B, 1, T * total_upsample] in [-1, 1], causal, as Code2Wav; decoded whole, or as
+    streams, piece by piece (`streams`: qwen3_omni/streaming.py)."""
 
     def __init__(self, section: dict[str, Any]) -> None:
         latent = int(section["latent_dim"])
@@ -257,52 +250,14 @@ class SpeechDecoder(Qwen3OmniMoeCode2Wav):
         for conv in self.modules():  # causal: what the kernel adds past the input is cut on the right only
             if isinstance(conv, Qwen3OmniMoeCausalTransConvNet):
                 conv.left_pad = 0
-        self.carried = carry_through(self)
+        self.streams = Streams(self, self.pre_transformer, self._embedded, self._vocoded)
         self.total_upsample = math.prod(config.upsample_rates + config.upsampling_ratios)
 
     def forward(self, codes: torch.Tensor, **kw: Any) -> torch.Tensor:
-        hidden = self.pre_transformer(inputs_embeds=self._embedded(codes)).last_hidden_state
-        return self._vocoded(hidden)
-
-    def stream(self, codes: torch.Tensor, streams: list[DecoderStream]) -> torch.Tensor:
-        """The next codes [B, groups, n] of B requests' streams (the same n), decoded from where
-        each stream is: their samples [B, 1, n * total_upsample], the whole decode's; each stream
-        moved past them (untouched if the decode fails)."""
-        n = codes.shape[-1]
-        positions = [torch.arange(s.seen, s.seen + n, device=codes.device)[None] for s in streams]
-        carrying(self.carried, streams)
-        try:
-            embedded = self._embedded(codes)
-            out, pasts = decode_together(
-                self.pre_transformer, [s.past for s in streams], positions, inputs_embeds=embedded
-            )
-            wav = self._vocoded(out.last_hidden_state)
-        finally:
-            carries = carried_away(self.carried, len(streams))
-        for s, carry, past in zip(streams, carries, pasts, strict=True):
-            s.carries, s.past, s.seen = carry, windowed(past, self.config.sliding_window), s.seen + n
-        return wav
-
-    def new_stream(self) -> DecoderStream:
-        """A request's stream before its first code."""
-        from transformers import DynamicCache
-
-        c = self.config
-        w = next(self.parameters())
-        head = getattr(c, "head_dim", c.hidden_size // c.num_attention_heads)  # as its attention reads it
-        empty = w.new_zeros(1, c.num_key_value_heads, 0, head)
-        past = DynamicCache(ddp_cache_data=[(empty, empty)] * c.num_hidden_layers)
-        return DecoderStream([conv.fresh() for conv in self.carried], past)
+        return self._vocoded(self.pre_transformer(inputs_embeds=self._embedded(codes)).last_hidden_state)
 
     def _embedded(self, codes: torch.Tensor) -> torch.Tensor:
         return self.pre_conv(self.quantizer.decode(codes)).transpose(1, 2)
 
     def _vocoded(self, hidden: torch.Tensor) -> torch.Tensor:
-        hidden = hidden.permute(0, 2, 1)
-        for blocks in self.upsample:
-            for block in blocks:
-                hidden = block(hidden)
-        wav = hidden
-        for block in self.decoder:
-            wav = block(wav)
-        return wav.clamp(min=-1, max=1)
+        return vocoded(self, hidden)

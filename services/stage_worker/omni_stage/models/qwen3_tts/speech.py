@@ -5,7 +5,7 @@
   checkpoint lists) and a style instruction (`instructions`); greedy frames of 16 codes as
   steps.py draws them, each sent on as soon as it is drawn. Concurrent requests' code predictor
   frames, and their next talker steps, run as one batch each.
-- code2wav: the speech tokenizer's decoder as a stream (streaming.py): each code decoded once,
+- code2wav: the speech tokenizer's decoder as a stream (qwen3_omni/code2wav.py): each code decoded once,
   from what the codes before it left, 1920 samples a code at 24 kHz, the whole decode's; its
   first audio after one code (a first piece, sized by the load), then `chunkCodes` (25) at a time.
 
@@ -26,20 +26,19 @@ from typing import Any, Final
 
 import torch
 
-from omni_pipeline.payloads import Audio, Codes
+from omni_pipeline.payloads import Codes
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_pipeline.voices import VoicePrint
 from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.batching import StepBatcher
+from omni_stage.models.qwen3_omni.code2wav import Qwen3Code2Wav
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
-from omni_stage.models.qwen3_omni.speech import SMALLEST_FIRST_CHUNK
 from omni_stage.models.qwen3_tts.cloning import ClonedVoice, VoiceCloner
 from omni_stage.models.qwen3_tts.loading import load_cloner, load_decoder, load_talker, read_config
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt, tts_prompt
 from omni_stage.models.qwen3_tts.steps import Speaking, TTSSteps
-from omni_stage.models.qwen3_tts.streaming import DecoderStream
-from omni_stage.models.qwen_omni.parts import TALKER_MAX_CODES, FirstChunk, Part, Vocoding
+from omni_stage.models.qwen_omni.parts import TALKER_MAX_CODES, Part
 from omni_stage.segments import EngineOutput
 
 TASKS: Final = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
@@ -48,8 +47,6 @@ DEFAULT_VOICE: Final = "vivian"
 Voice = str | ClonedVoice | None
 """A request's voice: a named speaker, one cloned, or none (described, or the model's own)."""
 MODEL_NAME: Final = "Qwen3-TTS"
-DEFAULT_CHUNK: Final = 25
-"""code2wav's codes a piece once audio is going (2 s): vLLM-Omni's chunk for Qwen3-TTS."""
 
 
 def _checked_path(stage: StageSpec) -> Path:
@@ -263,93 +260,17 @@ class Qwen3TTSTalker(Part):
         return [None if self.steps.finished(s.st, s.budget) else next(drawn) for s in steps]
 
 
-@dataclass(slots=True)
-class _Streaming(Vocoding):
-    """A code2wav request: its codes, its place in the decode, and whether audio went out."""
+class Qwen3TTSCode2Wav(Qwen3Code2Wav):
+    """The speech tokenizer's decoder as a stream (qwen3_omni/code2wav.py): its transposed
+    convolutions are cut on the right only, so a piece of n codes gives all n x 1920 samples."""
 
-    stream: DecoderStream | None = None
-    first: int = 0
-    """The first voiced piece's codes, picked by the load when it is due (0: not yet)."""
-    voiced: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Piece:
-    stream: DecoderStream
-    codes: torch.Tensor
-    """[groups, n]: the codes after those the stream has decoded."""
-
-
-class Qwen3TTSCode2Wav(Part):
-    """The speech tokenizer's decoder as a stream (streaming.py): each code decoded once, in
-    pieces as the codes come. A first piece sized by the load (`firstChunkCodes`, one code by
-    default: the decoder leaves nothing to the next code), with an in-context clone's clip codes
-    before it (decoded, never voiced), then up to each multiple of `chunkCodes`. Pieces of one
-    length from several requests decode as one batch, each request from its own place."""
-
-    part = "code2wav"
     model_name = MODEL_NAME
-    needs_last_call = True  # the last piece waits for the codes to end
-    sample_rate: Final = 24000
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         _refuse_dummy(self)
-        for name in ("leftContextCodes", "rightContextCodes"):
-            if name in self.args:
-                raise EngineError(
-                    f"stage '{stage.name}': engine.args.{name}: {MODEL_NAME}'s decoder streams, each "
-                    "code decoded once from what the codes before it left (no context decoded again): "
-                    "leave it out"
-                )
-        self.chunk = int(self.args.get("chunkCodes", DEFAULT_CHUNK))
-        if self.chunk < SMALLEST_FIRST_CHUNK:
-            raise EngineError(f"stage '{stage.name}': chunkCodes must be at least {SMALLEST_FIRST_CHUNK}")
-        self.first_chunk = FirstChunk.of(stage, SMALLEST_FIRST_CHUNK, self.chunk)
-        self.batcher = StepBatcher(self._decode, self._compute, self.max_batch)
 
     def _load(self) -> None:
         self._set_threads()
         self.model = load_decoder(_checked_path(self.stage), self.device)
         self.upsample = int(self.model.total_upsample)
-
-    async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        st = call.kept(_Streaming)
-        if (codes := st.gather(call.inputs)) is None:  # [n, groups]
-            return
-        while (end := self._piece_end(st, len(codes), call.is_last)) is not None:
-            begin = st.decoded
-            if st.stream is None:
-                st.stream = self.model.new_stream()
-            piece = _Piece(st.stream, codes[begin:end].T)
-            wav = await self.batcher.submit(end - begin, piece, first=not st.voiced)
-            st.decoded = end
-            if end > st.context:  # the clip's codes are the decoder's context, never voiced
-                st.voiced = True
-                skip = max(0, st.context - begin) * self.upsample
-                audio = Audio(audio=wav[skip:], sample_rate=self.sample_rate)
-                yield EngineOutput(units=end - max(begin, st.context), data=audio)
-
-    def _piece_end(self, st: _Streaming, have: int, ended: bool) -> int | None:
-        """Where the next piece ends: the first piece's codes (by the load) past the clip's, which
-        go with them, then at each multiple of `chunkCodes` past the clip; at the last code once
-        the codes end; None: nothing to decode yet."""
-        at = st.decoded
-        if at >= have or have <= st.context:  # all decoded, or nothing to voice yet
-            return None
-        if not st.voiced:
-            if not st.first:
-                st.first = self.first_chunk.codes(self.batcher.occupancy())
-            end = max(at, st.context) + st.first
-        else:
-            end = st.context + ((at - st.context) // self.chunk + 1) * self.chunk
-        if end <= have:
-            return end
-        return have if ended else None
-
-    @torch.inference_mode()
-    def _decode(self, pieces: list[_Piece]) -> list[torch.Tensor]:
-        """Pieces of one length, as one batch, each from its own stream's place."""
-        codes = torch.stack([p.codes for p in pieces]).to(self.device)
-        wav = self.model.stream(codes, [p.stream for p in pieces])
-        return [w[0].float().cpu() for w in wav]
