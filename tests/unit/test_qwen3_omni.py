@@ -185,7 +185,7 @@ def test_the_voice_picks_the_speaker(model: Path, reference: dict[str, Any]) -> 
 
 
 def test_audio_streamed_in_chunks_is_the_whole(model: Path, reference: dict[str, Any]) -> None:
-    """The example's code2wav streams: its first code, then pieces up to each 12th code, each
+    """The example's code2wav streams: its first code, then pieces of 12 codes, each
     decoded once from what the codes before it left, the 555 samples a piece leaves to the
     next code coming with the next piece: every sample of the reference's one decode there,
     within float rounding (the attention's 72 codes back and the convolutions' reach carried,
@@ -206,7 +206,7 @@ def test_a_streamed_decoder_takes_no_context(model: Path, name: str) -> None:
 def test_first_audio_after_one_code_alone_and_under_load_is_the_whole_decode(model: Path) -> None:
     """The first audio after one code (`firstChunkCodes`, the decoder's fewest: it is causal): its
     1365 final samples (1920 less the 555 its transposed convolutions leave to the next code);
-    then pieces up to each 12th code, streamed.
+    then pieces of 12 codes, streamed.
     Four requests at once: each one's first piece sized by the replica's load when its codes
     came (one code idle, more as the compute fills, up to `busyFirstChunkCodes`), pieces of a
     size batched; every request's audio the whole sequence's decode within 1e-5 (float

@@ -193,8 +193,8 @@ def test_each_stage_computes_on_the_threads_it_is_given(checkpoint: Path, stage:
 
 def test_first_audio_after_one_code_alone_and_under_load_is_the_whole_decode(checkpoint: Path) -> None:
     """The speech tokenizer's decoder is causal and leaves nothing to the next code: one code's
-    1920 samples are final, the first audio (`firstChunkCodes: 1`); then pieces up to each 25th
-    code, streamed. Four requests at once: each first piece sized by the replica's load when its
+    1920 samples are final, the first audio (`firstChunkCodes: 1`); then pieces of 25
+    codes, streamed. Four requests at once: each first piece sized by the replica's load when its
     codes came (one code idle, up to 25 busy), batched; every request's audio the whole
     decode's within 1e-5, whatever its first piece."""
     edge = load_pipeline(EXAMPLE).spec.stage("code2wav").inputs[0]

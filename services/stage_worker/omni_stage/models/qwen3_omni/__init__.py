@@ -26,8 +26,8 @@ computes with greedy decoding (`talker_do_sample=False`), split where the model 
   last 555 samples wait for the next code (its causal transposed convolutions' overhang), so
   every sample out is the whole decode's. The first audio after one code (`firstChunkCodes`:
   its first 1365 samples are final), more codes when the replica is busy
-  (`busyFirstChunkCodes`; docs/models.md, First audio), then up to each multiple of
-  `chunkCodes` (25 by default).
+  (`busyFirstChunkCodes`; docs/models.md, First audio), then `chunkCodes` at a
+  time (25 by default).
 
 The voice (`audio.voice`: the checkpoint's `speaker_id` names, Ethan by default as in the
 reference) picks the talker's speaker code.

@@ -51,10 +51,10 @@ class _Piece:
 class Qwen3Code2Wav(Part):
     """The decoder as a stream: a first piece sized by the load (`firstChunkCodes`, one code by
     default: its samples are final at once), with the codes a request opens with as context
-    before it (a cloned voice's clip: decoded, never voiced), then up to each multiple of
-    `chunkCodes`. Pieces of one length from several requests decode as one batch, each request
-    from its own place. No context is decoded again: `leftContextCodes` and `rightContextCodes`
-    are refused."""
+    before it (a cloned voice's clip: decoded, never voiced), then `chunkCodes` at a time.
+    Pieces of one length from several requests decode as one batch, each request from its own
+    place. No context is decoded again: `leftContextCodes` and `rightContextCodes` are
+    refused."""
 
     part = "code2wav"
     config_class = "Qwen3OmniMoeConfig"
@@ -111,8 +111,10 @@ class Qwen3Code2Wav(Part):
 
     def _piece_end(self, st: _Streaming, have: int, ended: bool) -> int | None:
         """Where the next piece ends: the first piece's codes (by the load) past the context,
-        which goes with them, then at each multiple of `chunkCodes` past the context; at the last
-        code once the codes end; None: nothing to decode yet."""
+        which goes with them, then `chunkCodes` more at a time (every piece after the first the
+        same length, whatever the first: they batch across requests; and with the edge's first
+        window of one code, each comes whole with a window); at the last code once the codes
+        end; None: nothing to decode yet."""
         at = st.decoded
         if at >= have or have <= st.context:  # all decoded, or nothing to voice yet
             return None
@@ -121,7 +123,7 @@ class Qwen3Code2Wav(Part):
                 st.first = self.first_chunk.codes(self.batcher.occupancy())
             end = max(at, st.context) + st.first
         else:
-            end = st.context + ((at - st.context) // self.chunk + 1) * self.chunk
+            end = at + self.chunk
         if end <= have:
             return end
         return have if ended else None
