@@ -125,12 +125,12 @@ def chunk_args(stage: StageSpec, chunk: int, left: int, right: int, least_chunk:
 class FirstChunk:
     """How many codes a code2wav's first piece decodes, by the replica's load: `firstChunkCodes`
     on an idle replica (the decoder's fewest by default), more as its compute fills, up to
-    `busyFirstChunkCodes` (`chunkCodes` by default) once a whole call's worth waits. Each piece is
-    a decoder call of its own: under load the extra calls cost throughput; idle, nothing."""
+    `busyFirstChunkCodes` (its longest chunk by default) once a whole call's worth waits. Each
+    piece is a decoder call of its own: under load the extra calls cost throughput; idle,
+    nothing."""
 
     least: int
     most: int
-
     step: int = 1
     """The first piece's codes are a multiple of this (a DiT's block, in codes)."""
 
