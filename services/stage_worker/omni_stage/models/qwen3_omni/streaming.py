@@ -164,7 +164,7 @@ class Streams:
                 self.transformer, [s.past for s in streams], positions, inputs_embeds=self.embed(codes)
             )
             wav = self.vocode(out.last_hidden_state)
-            carries = [[conv.carry[row : row + 1] for conv in self.carried] for row in range(len(streams))]  # type: ignore[index]
+            carries = [[_row(conv.carry, row) for conv in self.carried] for row in range(len(streams))]
         finally:
             for conv in self.carried:
                 conv.carry = None
@@ -186,11 +186,18 @@ def vocoded(decoder: Any, hidden: torch.Tensor) -> torch.Tensor:
     return wav.clamp(min=-1, max=1)
 
 
+def _row(carry: torch.Tensor | None, row: int) -> torch.Tensor:
+    """A row of what a carried convolution left after a batch's decode, copied: a view would
+    keep the whole batch's activations of the piece."""
+    assert carry is not None
+    return carry[row : row + 1].clone()
+
+
 def _windowed(cache: Any, window: int) -> Any:
     """A `DynamicCache` cut to its last `window - 1` positions: all that the next position's
-    sliding window reads."""
+    sliding window reads (copies, which hold no more than that)."""
     from transformers import DynamicCache
 
     keep = window - 1
-    kept = [(layer.keys[:, :, -keep:], layer.values[:, :, -keep:]) for layer in cache.layers]
+    kept = [(layer.keys[:, :, -keep:].clone(), layer.values[:, :, -keep:].clone()) for layer in cache.layers]
     return DynamicCache(ddp_cache_data=kept)
