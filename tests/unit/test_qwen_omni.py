@@ -26,6 +26,7 @@ from omni_pipeline.settings import MediaSpec
 from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.registry import build_engine
+from omni_stage.models.qwen2_5_omni.checkpoint import CODEC_VOCAB
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
 from tests.helpers import COMPILE_TIMEOUT_S, ROOT
@@ -878,7 +879,7 @@ def test_the_first_chunk_grows_with_the_load_and_the_audio_does_not(model: Path)
 
     def codes(_: Engine, lengths: tuple[int, ...]) -> list[torch.Tensor]:
         gen = torch.Generator().manual_seed(0)
-        return [torch.randint(0, 8448, (n,), generator=gen) for n in lengths]  # the codec's ids
+        return [torch.randint(0, CODEC_VOCAB, (n,), generator=gen) for n in lengths]
 
     async def whole(_: Engine, requests: list[torch.Tensor]) -> list[torch.Tensor]:
         (at_once,) = await started(engine("code2wav", model, chunkCodes=0))

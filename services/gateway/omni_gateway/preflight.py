@@ -57,6 +57,12 @@ class Announced:
             declared = own if declared is None else declared & own
         return declared
 
+    def clones(self, outputs: Iterable[OutputKind]) -> bool | None:
+        """Whether these outputs' source stages clone voices (they read a `ref_audio` clip: a
+        Qwen3-TTS Base model's talker); None while one has not declared what it reads."""
+        accepts = self.by_sources(outputs, "accepts")
+        return None if accepts is None else "ref_audio" in accepts
+
     def voices(self) -> frozenset[str] | None:
         """The voices this pipeline speaks in: those every stage on the audio route that takes
         a voice speaks in (none: it takes no voice); None while one has not declared its own."""
@@ -153,8 +159,7 @@ def check_voice(a: Announced, req: PipelineRequest) -> None:
     if (voices := a.voices()) is None:
         return
     if not voices:
-        accepts = a.by_sources(req.outputs, "accepts")
-        if accepts is not None and "ref_audio" in accepts:  # it speaks in uploaded voices alone
+        if a.clones(req.outputs):  # it speaks in uploaded voices alone
             raise BadRequest(
                 f"{param}: '{voice}' is no voice uploaded to this model (GET /v1/audio/voices lists them)",
                 param=param,
@@ -196,8 +201,7 @@ def check_editing(a: Announced, outputs: frozenset[OutputKind]) -> None:
 def check_cloning(a: Announced, outputs: frozenset[OutputKind]) -> None:
     """A 400 naming `ref_audio` for a pipeline whose source stages clone no voice (they declare
     they read a `ref_audio` clip: a Qwen3-TTS Base model's talker)."""
-    accepts = a.by_sources(outputs, "accepts")
-    if accepts is not None and "ref_audio" not in accepts:
+    if a.clones(outputs) is False:
         raise BadRequest(
             f"ref_audio: model '{a.spec.served_model_name}' clones no voice (Base models do); leave it out",
             param="ref_audio",
