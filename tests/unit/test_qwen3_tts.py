@@ -19,6 +19,7 @@ from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.registry import build_engine
+from omni_stage.engines.slot_cache import SlotCache
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
 from omni_stage.models.qwen3_tts.checkpoint import write_checkpoint
 from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_config
@@ -67,7 +68,8 @@ def ours(checkpoint: Path) -> tuple[TTSSteps, Any, Any]:
     talker = load_talker(checkpoint, torch.device("cpu"), torch.float32)
     ids = TTSIds.of(read_config(checkpoint))
     frames = StaticFrames(talker, 16, 1, capture=False)
-    return TTSSteps(talker, ids, frames), AutoTokenizer.from_pretrained(checkpoint), ids
+    slots = SlotCache(talker.config.num_hidden_layers, 1)
+    return TTSSteps(talker, ids, frames, slots), AutoTokenizer.from_pretrained(checkpoint), ids
 
 
 def turn(tok: Any, text: str, role: str = "assistant", reply: bool = True) -> torch.Tensor:

@@ -157,6 +157,7 @@ class RequestRunner:
             await self.outbox.fail(st.ctx, why, ErrorCode.STAGE_ERROR)
             return "error"
         finally:
+            self.engine.request_ended(engine_state)  # (a slot of its cache given back)
             engine_state.engine = None  # a KV cache is freed now, not when the task is collected
 
     # --- in ----------------------------------------------------------------------------------

@@ -178,6 +178,10 @@ class Engine(ABC):
         """Outputs for one trigger of one request, as they are produced: an async generator,
         which the runner closes when the window ends early (an error, an abort)."""
 
+    def request_ended(self, state: CallState) -> None:
+        """A request's end (complete, failed, aborted, past its deadline), between its calls or
+        in one: what its own state (`state.engine`) holds beyond itself is given back."""
+
     def active_requests(self) -> int | None:
         """Requests the engine itself holds, where it tracks them (for the leak gauges)."""
         return None
@@ -301,17 +305,22 @@ class ComputeEngine(Engine):
     @contextlib.contextmanager
     def _keeping_if_cut(self, keep: Callable[[], None]) -> Iterator[None]:
         """Around a request's steps: cut short (its task cancelled, a barge-in; or closed), it
-        calls `keep` on the event loop once the compute thread has ended the step in progress,
-        when the request's cache is whole again; `keep` says what, if anything, is kept. (The
-        batcher hands the thread its next batch only after the running one is answered, so
-        this comes right after it.)"""
+        calls `keep` (`_after_compute`), when the request's cache is whole again; `keep` says
+        what, if anything, is kept."""
         try:
             yield
         except (asyncio.CancelledError, GeneratorExit):
-            with contextlib.suppress(RuntimeError):  # no loop: a generator finalized at exit
-                done = asyncio.get_running_loop().run_in_executor(self._compute, time.monotonic)
-                done.add_done_callback(lambda f: None if f.cancelled() else keep())
+            self._after_compute(keep)
             raise
+
+    def _after_compute(self, then: Callable[[], None]) -> None:
+        """`then` on the event loop once the compute thread has ended the work in progress (a
+        cut request's step). In the order asked: a slot given back after its cache was kept.
+        (The batcher hands the thread its next batch only after the running one is answered,
+        so this comes right after it.)"""
+        with contextlib.suppress(RuntimeError):  # no loop: a generator finalized at exit
+            done = asyncio.get_running_loop().run_in_executor(self._compute, time.monotonic)
+            done.add_done_callback(lambda f: None if f.cancelled() else then())
 
     def _load(self) -> None:
         """Load the weights (on the compute thread): at start, and on waking from level 2."""

@@ -15,8 +15,8 @@ from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.kv_batch import decode_together, warm_up
 from omni_stage.engines.prompt_cache import Sequence, same_rows
+from omni_stage.engines.slot_cache import warm_up
 from omni_stage.models.qwen2_5_omni.dit import CachedDiT, LeftContext, Solve, Window
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
@@ -28,19 +28,19 @@ from omni_stage.models.qwen_omni.parts import (
     compiles,
     greedy_code,
 )
+from omni_stage.models.qwen_omni.talking import HoldsSlot, SlotTalker
 from omni_stage.segments import EngineOutput
 
 
 @dataclass(slots=True)
-class _Speaking:
-    """A talker's request: the thinker's prompt states, one reply state per token so far, the
-    cache, and the codes made (the last one still to feed; `seen`: what the repetition penalty
-    counts)."""
+class _Speaking(HoldsSlot):
+    """A talker's request: the thinker's prompt states, one reply state per token so far, its
+    cache's slot, and the codes made (the last one still to feed; `seen`: what the repetition
+    penalty counts)."""
 
     reply: list[torch.Tensor] = field(default_factory=list)
     prompt_embeds: torch.Tensor | None = None
     prompt_hidden: torch.Tensor | None = None
-    past: Any = None
     made: int = 0
     last_code: int = 0
     seen: set[int] = field(default_factory=set)
@@ -53,7 +53,7 @@ class _Speaking:
     kept: bool = False
 
 
-class Talker(Part):
+class Talker(SlotTalker):
     """Speaks the thinker's reply. With a `prompt_cache_key` it keeps its prompt's positions: the
     next turn's prompt begins with them, fed the same thinker rows (the thinker's own kept
     ones), so its prefill computes the rest only (prompt_cache.py)."""
@@ -90,16 +90,17 @@ class Talker(Part):
         }
         self.stop_codes = {self.codec["pad"], self.codec["end"]}
         self.model.model = self.compiled(self.model.model)  # its decoder layers (`compile`)
+        self._build_slots(c.num_hidden_layers)
         if compiles(self.stage):
             with torch.inference_mode():  # as requests run it: a compile is guarded on the mode
-                warm_up(self.model, self.text_embeds.shape[-1], self._span)
+                warm_up(self.slots, self.model, self.text_embeds.shape[-1], self._span)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.kept(_Speaking)
         with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             self._take(st, call.inputs)
             budget = call.sampling.max_tokens or TALKER_MAX_CODES
-            if st.past is None:
+            if st.slot is None and not st.done:
                 if st.prompt_embeds is None or not st.reply:
                     # The prefill needs token 0's reply state, which comes with token 1: the next
                     # window brings it, or, if the reply was one token long, there is nothing to
@@ -127,6 +128,7 @@ class Talker(Part):
                 if code in self.stop_codes or st.made >= budget:
                     st.done = True
                     self._keep(st)  # complete: kept for the conversation's next turn
+                    self._give_back(st)
                     return
                 st.made += 1
                 st.last_code = code
@@ -138,13 +140,13 @@ class Talker(Part):
         if (
             st.key is None
             or st.kept
-            or st.past is None
+            or st.slot is None
             or st.prompt_rows is None
             or self.prompt_caches is None
         ):
             return
         st.kept = True
-        self.prompt_caches.keep(st.key, Sequence.left([], st.past, [], {"fed": st.prompt_rows}))
+        self.prompt_caches.keep(st.key, Sequence.left([], self._held(st), [], {"fed": st.prompt_rows}))
 
     def _take(self, st: _Speaking, inputs: dict[str, ThinkerStep]) -> None:
         """Gather this window's thinker states: the prompt once, and one reply state per token."""
@@ -171,11 +173,17 @@ class Talker(Part):
         if st.key is not None:
             st.prompt_rows = embeds
         # At most the prompt's rows: the voice's bos and the first reply state are this turn's.
+        past, at = None, 0
         if seq is not None and (n := min(same_rows(seq.rows["fed"], inputs), len(embeds))):
             seq.cut(n)
-            st.past, inputs = seq.past, inputs[n:]
+            past, at, inputs = seq.past, n, inputs[n:]
             self.prompt_caches.reused_tokens += n
-        return self._forward(st, inputs[None])
+        assert self.slots is not None
+        slot = self._slot(st)
+        out = self.slots.prefill(
+            self.model, slot, past, self._span(at, len(inputs)), inputs_embeds=inputs[None]
+        )
+        return self._pick(st, out.logits[0, -1].float())
 
     @torch.inference_mode()
     def _decodes(self, steps: list[tuple[_Speaking, torch.Tensor]]) -> list[int]:
@@ -187,35 +195,16 @@ class Talker(Part):
                 (self.model.get_input_embeddings()(torch.tensor([code], device=self.device)) + reply)[None]
             )
             st.seen.add(code)
-        if len(steps) == 1:
-            return [self._forward(steps[0][0], inputs[0])]
-        states = [st for st, _ in steps]
-        out, caches = decode_together(
-            self.model,
-            [st.past for st in states],
-            [self._positions(st, 1) for st in states],
-            inputs_embeds=torch.cat(inputs),
-        )
-        codes = []
-        for row, (st, cache) in enumerate(zip(states, caches, strict=True)):
-            st.past = cache
-            codes.append(self._pick(st, out.logits[row, -1].float()))
-        return codes
-
-    def _positions(self, st: _Speaking, n: int) -> torch.Tensor:
-        return self._span(0 if st.past is None else st.past.get_seq_length(), n)
+        assert self.slots is not None
+        sts = [st for st, _ in steps]
+        slots = [self._slot(st) for st in sts]
+        positions = [self._span(self.slots.lengths[s], 1) for s in slots]
+        out = self.slots.step(self.model, slots, positions, inputs_embeds=torch.cat(inputs))
+        return [self._pick(st, out.logits[s, -1].float()) for st, s in zip(sts, slots, strict=True)]
 
     def _span(self, at: int, n: int) -> torch.Tensor:
         """[3, 1, n]: the M-RoPE position ids of n positions from `at` (text: every row alike)."""
         return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(3, 1, -1)
-
-    def _forward(self, st: _Speaking, inputs: torch.Tensor) -> int:
-        positions = self._positions(st, inputs.shape[1])
-        out = self.model(
-            inputs_embeds=inputs, position_ids=positions, past_key_values=st.past, use_cache=True
-        )
-        st.past = out.past_key_values
-        return self._pick(st, out.logits[0, -1].float())
 
     def _pick(self, st: _Speaking, logits: torch.Tensor) -> int:
         """Greedy, with the reference's repetition penalty over every code fed so far and the

@@ -13,18 +13,18 @@ from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.kv_batch import decode_together, warm_up
 from omni_stage.engines.prompt_cache import Sequence, same_rows
+from omni_stage.engines.slot_cache import warm_up
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding
 from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, talker_prompt
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
-    Part,
     compiler,
     compiles,
     greedy_code,
 )
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
+from omni_stage.models.qwen_omni.talking import HoldsSlot, SlotTalker
 from omni_stage.segments import EngineOutput
 
 DEFAULT_VOICE: Final = "Ethan"
@@ -35,9 +35,9 @@ TALKER_TEXT_TYPE: Final = "qwen3_omni_moe_talker_text"
 
 
 @dataclass(slots=True)
-class _Speaking:
+class _Speaking(HoldsSlot):
     """A talker's request: the thinker's prompt (ids, embeddings, states, media layout), one
-    reply embedding per token so far, the cache and its M-RoPE offset, and the step: code 0
+    reply embedding per token so far, its cache's slot and M-RoPE offset, and the step: code 0
     of step `step` with the hidden state that drew it, and its residuals once drawn."""
 
     reply: list[torch.Tensor] = field(default_factory=list)
@@ -45,7 +45,6 @@ class _Speaking:
     prompt_embeds: torch.Tensor | None = None
     prompt_hidden: torch.Tensor | None = None
     layout: dict[str, torch.Tensor] = field(default_factory=dict)
-    past: Any = None
     rope_delta: int = 0
     step: int = 0
     code0: int = 0
@@ -72,7 +71,7 @@ class _Step:
     hidden: torch.Tensor | None = None
 
 
-class Qwen3Talker(Part):
+class Qwen3Talker(SlotTalker):
     """Speaks the thinker's reply from the prompt's user turns. With a `prompt_cache_key` it keeps
     those turns' positions: the next turn's talker prompt begins with them, fed the same rows
     (from the thinker's kept ones), so its prefill computes the rest only (prompt_cache.py)."""
@@ -124,6 +123,7 @@ class Qwen3Talker(Part):
         self.model.model = self.compiled(self.model.model)
         self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
         self._build_frames()
+        self._build_slots(t.text_config.num_hidden_layers)
         if compiles(self.stage):
             self._warm_up()
 
@@ -150,7 +150,8 @@ class Qwen3Talker(Part):
         def span(at: int, n: int) -> torch.Tensor:
             return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(4, 1, -1)
 
-        warm_up(self.model, width, span, output_hidden_states=True, generation_step=0)
+        assert self.slots is not None
+        warm_up(self.slots, self.model, width, span, output_hidden_states=True, generation_step=0)
         assert self.frames is not None
         self.frames.run_each_bucket()
 
@@ -162,7 +163,7 @@ class Qwen3Talker(Part):
         self._take(st, call.inputs)
         budget = call.sampling.max_tokens or TALKER_MAX_CODES
         with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
-            if st.past is None:
+            if st.slot is None and not st.done:
                 if st.prompt_ids is None or not st.reply:
                     return  # the prefill needs the first reply token's embedding, which comes with the second
                 kept = None
@@ -176,6 +177,7 @@ class Qwen3Talker(Part):
                 if st.code0 == self.codec_eos or k >= budget:
                     st.done = True  # eos has no residuals; nor does the last code a budget allows
                     self._keep(st)  # complete: kept for the conversation's next turn
+                    self._give_back(st)
                     return
                 if st.residuals is None:
                     st.residuals = (await self.batcher.submit("residuals", _Step(st))).residuals
@@ -190,10 +192,10 @@ class Qwen3Talker(Part):
 
     def _keep(self, st: _Speaking) -> None:
         """The user turns' positions of the sequence, kept for the conversation's next turn."""
-        if st.key is None or st.kept or st.past is None or st.user_rows is None or self.prompt_caches is None:
+        if st.key is None or st.kept or st.slot is None or st.user_rows is None or self.prompt_caches is None:
             return
         st.kept = True
-        self.prompt_caches.keep(st.key, Sequence.left([], st.past, [], {"fed": st.user_rows}))
+        self.prompt_caches.keep(st.key, Sequence.left([], self._held(st), [], {"fed": st.user_rows}))
 
     def _take(self, st: _Speaking, inputs: dict[str, ThinkerStep]) -> None:
         """Gather this window's thinker outputs: the prompt once, and one embedding per token."""
@@ -237,11 +239,22 @@ class Qwen3Talker(Part):
         inputs, positions, st.rope_delta = p.inputs, p.positions, p.rope_delta
         if st.key is not None:
             st.user_rows = p.user_rows
+        past = None
         if seq is not None and (n := same_rows(seq.rows["fed"], p.user_rows)):
             seq.cut(n)
-            st.past, inputs, positions = seq.past, inputs[:, n:], positions[..., n:]
+            past, inputs, positions = seq.past, inputs[:, n:], positions[..., n:]
             self.prompt_caches.reused_tokens += n
-        return self._forward(st, inputs, positions)
+        assert self.slots is not None
+        out = self.slots.prefill(
+            self.model,
+            self._slot(st),
+            past,
+            positions,
+            inputs_embeds=inputs,
+            output_hidden_states=True,
+            generation_step=0,
+        )
+        return self._pick(st, out.logits[0, -1].float()), out.hidden_states[0][-1][:, -1:]
 
     @torch.inference_mode()
     def _steps(self, steps: list[_Step]) -> list[_Step]:
@@ -263,24 +276,22 @@ class Qwen3Talker(Part):
         """Each request's next code 0 and the hidden state that drew it: its codes' embeddings
         summed, plus the step's text, at its own position in its own cache."""
         inputs = [self._step_input(s.st, s.trailing) for s in steps]  # type: ignore[arg-type]
-        positions = [self._step_positions(s.st) for s in steps]
-        if len(steps) == 1:
-            code, hidden = self._forward(steps[0].st, inputs[0], positions[0])
-            return [_Step(steps[0].st, code0=code, hidden=hidden)]
-        out, caches = decode_together(
+        sts = [s.st for s in steps]
+        slots = [self._slot(st) for st in sts]
+        assert self.slots is not None
+        out = self.slots.step(
             self.model,
-            [s.st.past for s in steps],
-            positions,
+            slots,
+            [self._step_positions(st) for st in sts],
             inputs_embeds=torch.cat(inputs),
             output_hidden_states=True,
             generation_step=0,
         )
-        drawn = []
-        for row, (s, cache) in enumerate(zip(steps, caches, strict=True)):
-            s.st.past = cache
-            code = self._pick(s.st, out.logits[row, -1].float())
-            drawn.append(_Step(s.st, code0=code, hidden=out.hidden_states[0][-1][row : row + 1, -1:]))
-        return drawn
+        last = out.hidden_states[0][-1]
+        return [
+            _Step(st, code0=self._pick(st, out.logits[s, -1].float()), hidden=last[s : s + 1, -1:])
+            for st, s in zip(sts, slots, strict=True)
+        ]
 
     def _step_input(self, st: _Speaking, trailing: torch.Tensor) -> torch.Tensor:
         assert st.residuals is not None
@@ -288,23 +299,9 @@ class Qwen3Talker(Part):
 
     def _step_positions(self, st: _Speaking) -> torch.Tensor:
         """[4, 1, 1]: the step's text position, and its M-RoPE ones (offset by the prompt's media)."""
-        text = torch.tensor([[st.past.get_seq_length()]], device=self.device)
+        assert self.slots is not None and st.slot is not None
+        text = torch.tensor([[self.slots.lengths[st.slot]]], device=self.device)
         return torch.cat([text[None], (text + st.rope_delta)[None].expand(3, -1, -1)])
-
-    def _forward(
-        self, st: _Speaking, inputs: torch.Tensor, positions: torch.Tensor
-    ) -> tuple[int, torch.Tensor]:
-        out = self.model(
-            inputs_embeds=inputs,
-            position_ids=positions,
-            past_key_values=st.past,
-            use_cache=True,
-            output_hidden_states=True,
-            generation_step=0,
-        )
-        st.past = out.past_key_values
-        code = self._pick(st, out.logits[0, -1].float())
-        return code, out.hidden_states[0][-1][:, -1:]
 
     def _pick(self, st: _Speaking, logits: torch.Tensor) -> int:
         """Greedy, with the reference's repetition penalty over the codes so far and its

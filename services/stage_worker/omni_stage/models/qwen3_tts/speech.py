@@ -39,6 +39,7 @@ from omni_stage.models.qwen3_tts.loading import load_cloner, load_decoder, load_
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt, tts_prompt
 from omni_stage.models.qwen3_tts.steps import Speaking, TTSSteps
 from omni_stage.models.qwen_omni.parts import TALKER_MAX_CODES, Part
+from omni_stage.models.qwen_omni.talking import SlotTalker
 from omni_stage.segments import EngineOutput
 
 TASKS: Final = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
@@ -74,7 +75,7 @@ class _Step:
     fed: list[int] | None = None
 
 
-class Qwen3TTSTalker(Part):
+class Qwen3TTSTalker(SlotTalker):
     """Text to codes, one frame at a time (module docstring)."""
 
     part = "talker"
@@ -120,6 +121,7 @@ class Qwen3TTSTalker(Part):
         self.languages = ("Auto", *named)  # the heartbeat's: a gateway refuses others first
         self.instructs = self.settings.get("tts_model_size") != "0b6"  # the reference drops them on 0.6B
         self.context = int(talker_config.get("max_position_embeddings", 32768))
+        self._build_slots(int(talker_config["num_hidden_layers"]))
         self._build_steps()
 
     def _build_steps(self) -> None:
@@ -127,7 +129,8 @@ class Qwen3TTSTalker(Part):
         groups = int(self.settings["talker_config"]["num_code_groups"])
         graphs = bool(self.args.get("cudaGraphs", False))
         frames = StaticFrames.built(self.model, groups, self.max_batch, graphs, self.stage.name)
-        self.steps = TTSSteps(self.model, self.ids, frames)
+        assert self.slots is not None
+        self.steps = TTSSteps(self.model, self.ids, frames, self.slots)
 
     def _release_weights(self, level: int) -> None:
         self.steps = None  # (its frames' caches go with the weights)
@@ -148,6 +151,7 @@ class Qwen3TTSTalker(Part):
             n = int(voice.codes.shape[0])
             yield EngineOutput(units=n, data=Codes(codes=voice.codes, context=n))
         st = Speaking(prompt)
+        call.state.engine = st  # its slot given back at the request's end (`request_ended`)
         budget = call.sampling.max_tokens or TALKER_MAX_CODES
         assert self.steps is not None
         await self._run(self.steps.prefill, st)
@@ -160,6 +164,7 @@ class Qwen3TTSTalker(Part):
                 yield EngineOutput(units=1, data=Codes(codes=torch.tensor([frame])))
         finally:
             step.cancel()  # (cut short: the step queued is dropped)
+        self._give_back(st)
         call.state.finish_reason = "stop" if st.code0 == self.ids.codec_eos else "length"
 
     def _prompt(self, request: dict[str, Any], sampling: Sampling) -> tuple[TTSPrompt, int, Voice]:

@@ -7,28 +7,29 @@ what comes together; `speak` runs one request alone, as the reference does)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 import torch
 
-from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.slot_cache import SlotCache
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding
 from omni_stage.models.qwen3_omni.speech import SUPPRESSED_TOP
 from omni_stage.models.qwen3_tts.modeling import Talker
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt
 from omni_stage.models.qwen_omni.parts import greedy_code
+from omni_stage.models.qwen_omni.talking import HoldsSlot
 
 MIN_CODES: Final = 2
 """The reference's `min_new_tokens`: the eos is not drawn before two codes."""
 
 
 @dataclass(slots=True)
-class Speaking:
-    """One request's talker state: its prompt and cache, code 0 of the frame under way with the
-    hidden state that drew it, every code 0 drawn (the repetition penalty's), frames fed back."""
+class Speaking(HoldsSlot):
+    """One request's talker state: its prompt and its cache's slot, code 0 of the frame under
+    way with the hidden state that drew it, every code 0 drawn (the repetition penalty's),
+    frames fed back."""
 
     prompt: TTSPrompt
-    past: Any = None
     hidden: torch.Tensor | None = None
     code0: int = 0
     seen: list[int] = field(default_factory=list)
@@ -41,12 +42,14 @@ class Speaking:
 
 
 class TTSSteps:
-    """The talker's steps on a loaded talker (modeling.Talker) and its code predictor frames."""
+    """The talker's steps on a loaded talker (modeling.Talker), its code predictor frames and
+    its slot table; a request takes its slot at its prefill, and its owner gives it back."""
 
-    def __init__(self, talker: Talker, ids: TTSIds, frames: StaticFrames) -> None:
+    def __init__(self, talker: Talker, ids: TTSIds, frames: StaticFrames, slots: SlotCache) -> None:
         self.talker = talker
         self.ids = ids
         self.frames = frames
+        self.slots = slots
         vocab = talker.config.vocab_size
         self.suppressed = [i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != ids.codec_eos]
 
@@ -57,11 +60,11 @@ class TTSSteps:
 
     @torch.inference_mode()
     def prefill(self, st: Speaking) -> None:
-        from transformers import DynamicCache
-
+        st.slot, st.table = self.slots.take(), self.slots
         inputs = st.prompt.inputs
-        st.past = DynamicCache()
-        self._forward(st, inputs, torch.arange(inputs.shape[1], device=inputs.device)[None])
+        positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
+        out = self.slots.prefill(self.talker.model, st.slot, None, positions, inputs_embeds=inputs)
+        self._draw(st, out.last_hidden_state[:, -1:])
 
     @torch.inference_mode()
     def residuals(self, sts: list[Speaking]) -> list[list[int]]:
@@ -79,34 +82,25 @@ class TTSSteps:
         inputs = torch.cat(rows)
         for st in sts:
             st.fed += 1
-        positions = [torch.tensor([[st.past.get_seq_length()]], device=inputs.device) for st in sts]
-        if len(sts) == 1:
-            self._forward(sts[0], inputs, positions[0])
-            return
-        pasts = [st.past for st in sts]
-        out, caches = decode_together(self.talker.model, pasts, positions, inputs_embeds=inputs)
-        for row, (st, cache) in enumerate(zip(sts, caches, strict=True)):
-            st.past = cache
-            self._draw(st, out.last_hidden_state[row : row + 1, -1:])
+        slots: list[int] = [st.slot for st in sts]  # type: ignore[misc]
+        positions = [torch.tensor([[self.slots.lengths[s]]], device=inputs.device) for s in slots]
+        out = self.slots.step(self.talker.model, slots, positions, inputs_embeds=inputs)
+        for st, s in zip(sts, slots, strict=True):
+            self._draw(st, out.last_hidden_state[s : s + 1, -1:])
 
     def speak(self, prompt: TTSPrompt, budget: int) -> list[list[int]]:
         """One request alone, start to end: every frame [16 codes]."""
         st = Speaking(prompt)
         self.prefill(st)
         frames = []
-        while not self.finished(st, budget):
-            [codes] = self.residuals([st])
-            frames.append(codes)
-            self.decode([st], [codes])
+        try:
+            while not self.finished(st, budget):
+                [codes] = self.residuals([st])
+                frames.append(codes)
+                self.decode([st], [codes])
+        finally:
+            self.slots.give_back(st.slot)  # type: ignore[arg-type]
         return frames
-
-    def _forward(self, st: Speaking, inputs: torch.Tensor, positions: torch.Tensor) -> None:
-        """One request's rows on its own cache, drawing its next code 0."""
-        out = self.talker.model(
-            inputs_embeds=inputs, position_ids=positions, past_key_values=st.past, use_cache=True
-        )
-        st.past = out.past_key_values
-        self._draw(st, out.last_hidden_state[:, -1:])
 
     def _draw(self, st: Speaking, hidden: torch.Tensor) -> None:
         """Code 0 from the step's last hidden state: greedy, with the reference's repetition

@@ -1,0 +1,230 @@
+"""A talker replica's KV cache, allocated once: one slot a request, each step written in place.
+
+`kv_batch.decode_together` stacks every request's own `DynamicCache` into a batch and splits it
+back at each step: a copy of every cache a step, and shapes and addresses that change, which a
+CUDA graph cannot replay (docs/architecture.md, Talkers on GPUs). Here each layer's keys and
+values are one tensor [slots, kv heads, positions, head dim] for the replica; a request takes a
+slot before its prefill and gives it back when it ends. A prefill runs on the request's own
+`DynamicCache` (a conversation's kept one, or a new one), copied into its slot once. A decode
+step runs on the table's rows as they lie, from row 0 to the highest slot stepping (rows not
+stepping are computed on zeros and dropped: slots are taken lowest first, so they are few),
+writes each row's new position at that row's own length, in place, and attends each row over
+its own length (a mask from the per-row lengths). The window a step sees is a view of the table
+from its start, so its addresses and strides stay as they were: a compiled step is not compiled
+again for a new slot or length. The table grows, by doubling, only when a request outgrows it
+(`grown` counts it); a request's cache is copied only into its slot at its prefill and out of
+it for a conversation's kept sequence (`copies` counts those).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Final
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+FIRST_POSITIONS: Final = 512
+"""Positions a slot holds at first: doubled when a request needs more."""
+
+
+class SlotLayer(CacheLayerMixin):
+    """One decoder layer's keys and values for every slot, and the window a step sees."""
+
+    def __init__(self, table: SlotCache) -> None:
+        super().__init__()
+        self.table = table
+        self.window: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        slots, positions = self.table.capacity
+        self.keys = key_states.new_zeros(slots, key_states.shape[1], positions, key_states.shape[3])
+        self.values = value_states.new_zeros(slots, value_states.shape[1], positions, value_states.shape[3])
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the step's keys and values ([rows, heads, 1, dim]) at each row's length, and
+        return the window's: every row's positions up to the longest row's new end."""
+        assert self.window is not None
+        keys, values = self.window
+        rows, at = self.table.rows_at
+        keys[rows, :, at] = key_states[:, :, 0]
+        values[rows, :, at] = value_states[:, :, 0]
+        return keys, values
+
+    def get_seq_length(self) -> int:
+        return self.table.seen
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.table.seen + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def grow(self, slots: int, positions: int) -> None:
+        """Reallocate at the larger capacity, what the slots hold copied over."""
+        if not self.is_initialized:
+            return
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(slots, old.shape[1], positions, old.shape[3])
+            new[: old.shape[0], :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+
+class SlotCache(Cache):
+    """A replica's slots; the module's docstring says how a step runs on them. Used from the
+    compute thread (`take`, `prefill`, `step`), but `kept` and `give_back`, which may come from
+    anywhere once no step of the slot's request can be in progress."""
+
+    def __init__(self, layers: int, slots: int, positions: int = FIRST_POSITIONS) -> None:
+        super().__init__(layers=[SlotLayer(self) for _ in range(layers)])
+        self.capacity = (slots, positions)
+        self.lengths = [0] * slots
+        self._free = list(range(slots))
+        self.seen = 0
+        """The longest row's length before this step (transformers' past length)."""
+        self.rows_at: tuple[torch.Tensor, torch.Tensor] = (torch.zeros(0), torch.zeros(0))
+        self.grown = 0
+        self.copies = 0
+
+    def take(self) -> int:
+        """A free slot, the lowest (the rows a step spans stay few), its length 0."""
+        if not self._free:
+            slots, positions = self.capacity
+            self._grow(slots * 2, positions)
+        slot = min(self._free)
+        self._free.remove(slot)
+        self.lengths[slot] = 0
+        return slot
+
+    def give_back(self, slot: int) -> None:
+        if slot not in self._free:
+            self._free.append(slot)
+
+    @property
+    def taken(self) -> int:
+        return self.capacity[0] - len(self._free)
+
+    def prefill(self, model: Any, slot: int, past: Any, positions: torch.Tensor, **inputs: Any) -> Any:
+        """`model(**inputs)` for one request's n new positions ([1, n, ...]; `positions` its
+        position ids, [1, n] or [k, 1, n] for M-RoPE's k rows) on `past` (a conversation's kept
+        `DynamicCache`, or None), the whole sequence then copied into `slot`. Returns the
+        model's output."""
+        from transformers import DynamicCache
+
+        out = model(**inputs, position_ids=positions, past_key_values=past or DynamicCache(), use_cache=True)
+        self._put(slot, out.past_key_values)
+        return out
+
+    def step(self, model: Any, slots: list[int], positions: list[torch.Tensor], **inputs: Any) -> Any:
+        """`model(**inputs)` for requests at their slots, one new position each: tensor `inputs`
+        batched on dim 0 in the order of `slots`, `positions[i]` the i-th's position ids ([1, 1]
+        or [k, 1, 1]). Returns the model's output, its rows the table's: slot s's is row s."""
+        height = max(slots) + 1
+        span = self.lengths[:height]
+        self.seen = max(span)
+        self._fit(height, self.seen + 1)
+        device = positions[0].device
+        at = torch.tensor(span, device=device)
+        self.rows_at = (torch.arange(height, device=device), at)
+        kv = self.seen + 1
+        mask = None if height == 1 else torch.arange(kv, device=device)[None] <= at[:, None]
+        for layer in self.layers:
+            assert isinstance(layer, SlotLayer) and layer.keys is not None and layer.values is not None
+            layer.window = (layer.keys[:height, :, :kv], layer.values[:height, :, :kv])
+        out = model(
+            **{k: _spread(v, slots, height) if torch.is_tensor(v) else v for k, v in inputs.items()},
+            attention_mask=mask,
+            position_ids=_spread_positions(positions, slots, height),
+            past_key_values=self,
+            use_cache=True,
+        )
+        for s in slots:
+            self.lengths[s] += 1
+        return out
+
+    def kept(self, slot: int) -> Any:
+        """The slot's positions as a request's own `DynamicCache` (a conversation's kept
+        sequence outlives its slot): a copy."""
+        from transformers import DynamicCache
+
+        n = self.lengths[slot]
+        self.copies += 1
+        data = []
+        for layer in self.layers:
+            assert layer.keys is not None and layer.values is not None
+            keys, values = layer.keys[slot : slot + 1, :, :n], layer.values[slot : slot + 1, :, :n]
+            data.append((keys.clone(), values.clone()))
+        return DynamicCache(ddp_cache_data=data)
+
+    def _put(self, slot: int, past: Any) -> None:
+        """A request's own cache into its slot, its length the cache's: a copy."""
+        n = past.get_seq_length()
+        self._fit(slot + 1, n)
+        self.copies += 1
+        for layer, own in zip(self.layers, past.layers, strict=True):
+            if not layer.is_initialized:
+                layer.lazy_initialization(own.keys, own.values)
+            assert layer.keys is not None and layer.values is not None
+            layer.keys[slot, :, :n] = own.keys[0]
+            layer.values[slot, :, :n] = own.values[0]
+        self.lengths[slot] = n
+
+    def _fit(self, slots: int, positions: int) -> None:
+        have_slots, have_positions = self.capacity
+        if slots > have_slots or positions > have_positions:
+            self._grow(max(have_slots, slots), _doubled_to(have_positions, positions))
+
+    def _grow(self, slots: int, positions: int) -> None:
+        old_slots = self.capacity[0]
+        self.capacity = (slots, positions)
+        self._free.extend(range(old_slots, slots))
+        self.lengths.extend([0] * (slots - old_slots))
+        for layer in self.layers:
+            assert isinstance(layer, SlotLayer)
+            layer.grow(slots, positions)
+        self.grown += 1
+
+
+def _doubled_to(have: int, need: int) -> int:
+    while have < need:
+        have *= 2
+    return have
+
+
+def _spread(t: torch.Tensor, rows: list[int], height: int) -> torch.Tensor:
+    """A batch's rows [B, ...] placed at `rows` of `height` rows, zeros between."""
+    out = t.new_zeros(height, *t.shape[1:])
+    out[rows] = t
+    return out
+
+
+def _spread_positions(positions: list[torch.Tensor], rows: list[int], height: int) -> torch.Tensor:
+    """Position ids ([..., 1, n] each) joined on their batch dimension at `rows`, zeros between."""
+    joined = torch.cat(positions, dim=-2)
+    out = joined.new_zeros(*joined.shape[:-2], height, joined.shape[-1])
+    out[..., rows, :] = joined
+    return out
+
+
+def warm_up(
+    table: SlotCache, model: Any, width: int, positions: Callable[[int, int], torch.Tensor], **inputs: Any
+) -> None:
+    """Run `model` (a decoder taking `inputs_embeds` of `width`) on zeros, on `table`, through a
+    request's life as a talker runs it, with `inputs` besides: a prefill, a step alone, a step
+    together with another request, a prefill on a kept sequence (a conversation's next turn).
+    What `torch.compile` wraps in it compiles now, at start, not at the first requests.
+    `positions(at, n)` gives the position ids of n positions from `at`."""
+    p = next(model.parameters())
+    x = torch.zeros(2, 4, width, dtype=p.dtype, device=p.device)
+    a, b = table.take(), table.take()
+    table.prefill(model, a, None, positions(0, 4), inputs_embeds=x[:1], **inputs)
+    table.step(model, [a], [positions(4, 1)], inputs_embeds=x[:1, :1], **inputs)
+    table.prefill(model, b, None, positions(0, 3), inputs_embeds=x[:1, :3], **inputs)
+    table.step(model, [a, b], [positions(5, 1), positions(3, 1)], inputs_embeds=x[:, :1], **inputs)
+    table.prefill(model, b, table.kept(a), positions(6, 2), inputs_embeds=x[:1, :2], **inputs)
+    table.give_back(a)
+    table.give_back(b)

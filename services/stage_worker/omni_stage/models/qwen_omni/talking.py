@@ -1,0 +1,65 @@
+"""The talkers' requests each hold a slot of their replica's KV cache (engines/slot_cache.py):
+taken at the prefill, on the compute thread, and given back at the request's end however it
+ends: complete, on the event loop; failed, aborted or cut, once the compute thread has ended
+the step in progress (after a cut request's kept sequence was copied out of it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omni_stage.engines.base import CallState
+from omni_stage.engines.slot_cache import SlotCache
+from omni_stage.models.qwen_omni.parts import Part
+
+
+@dataclass(slots=True, kw_only=True)
+class HoldsSlot:
+    """A talker request's state: the slot it holds, and the table it holds it in (a sleep's
+    wake builds a new table)."""
+
+    slot: int | None = None
+    table: SlotCache | None = None
+
+
+class SlotTalker(Part):
+    """A talker part whose requests step on one slot table (`slots`), built at each load."""
+
+    slots: SlotCache | None = None
+    _slot_layers = 0
+
+    def _build_slots(self, layers: int) -> None:
+        """(At each load.) The table for a model of `layers` decoder layers."""
+        self._slot_layers = layers
+        self.slots = SlotCache(layers, self.max_batch)
+
+    def _slot(self, st: HoldsSlot) -> int:
+        """The request's slot, taken on its first use (its prefill; compute thread)."""
+        if st.slot is None:
+            assert self.slots is not None
+            st.slot, st.table = self.slots.take(), self.slots
+        return st.slot
+
+    def _give_back(self, st: HoldsSlot) -> None:
+        """The request's slot, given back now: no step of it may be in progress."""
+        slot, table, st.slot, st.table = st.slot, st.table, None, None
+        if slot is not None and table is not None:
+            table.give_back(slot)
+
+    def request_ended(self, state: CallState) -> None:
+        st = state.engine
+        if isinstance(st, HoldsSlot):  # read after the compute thread's work: a prefill may be taking one
+            self._after_compute(lambda: self._give_back(st))
+
+    def _release_weights(self, level: int) -> None:
+        self.slots = None  # (its tensors go with the weights; a wake builds the table again)
+        super()._release_weights(level)
+
+    def _restore_weights(self) -> None:
+        super()._restore_weights()
+        self._build_slots(self._slot_layers)
+
+    def _held(self, st: HoldsSlot) -> Any:
+        """The request's positions copied out as its own cache (a conversation's kept sequence)."""
+        assert st.slot is not None and st.table is not None
+        return st.table.kept(st.slot)
