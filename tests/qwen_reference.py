@@ -384,3 +384,11 @@ def check_first_audio_under_load(
         for chunks in streams:
             assert torch.cat(chunks).shape == ref.shape
             torch.testing.assert_close(torch.cat(chunks), ref, rtol=0, atol=atol)
+
+
+def slot_table(talker: Engine) -> tuple[int, int, int]:
+    """A talker's slot table (engines/slot_cache.py): the request caches copied so far (one at
+    each prefill, into its slot), the slots held, and the address of its first layer's keys
+    (the same while the table is not reallocated)."""
+    table = talker.slots  # type: ignore[attr-defined]
+    return table.copies, table.taken, table.layers[0].keys.data_ptr()

@@ -32,6 +32,7 @@ from tests.qwen_reference import (
     media_clips,
     media_message,
     reference_qwen3,
+    slot_table,
     video_clip,
     video_message,
     windows,
@@ -286,7 +287,9 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
     """Three requests of different prompt lengths (one with audio and an image) on one talker
     replica at once: their talker steps run as batches (caches stacked, left-padded, masked,
     each at its own M-RoPE position), so do the code predictor's residuals of their codes, and
-    each request gets exactly the codes, every codebook, it gets alone. `compile: true`
+    each request gets exactly the codes, every codebook, it gets alone. The steps write into
+    the talker's slot table in place: a request's cache is copied once, into its slot at its
+    prefill, never at a step, and its slot is given back at its end. `compile: true`
     (torch.compile of the talker's and the code predictor's decoder layers, here inductor on
     this CPU) speaks the same codes, together and alone, as the talker not compiled."""
     requests = [
@@ -319,9 +322,11 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
             )
             return concat([o.data async for o in on.generate(call)])["codes"].tolist()
 
+        copies, _, keys = slot_table(talker)
         together = await asyncio.gather(*(talk(t) for t in thoughts))
         sizes = talker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
         alone = [await talk(t) for t in thoughts]
+        assert slot_table(talker) == (copies + 2 * len(thoughts), 0, keys)
         not_compiled = alone if eager is None else [await talk(t, eager) for t in thoughts]
         for layers in (talker.model.model, talker.model.code_predictor.model):  # type: ignore[attr-defined]
             assert hasattr(layers, "_orig_mod") == compiled  # the decoder layers compiled, or not

@@ -68,7 +68,7 @@ def ours(checkpoint: Path) -> tuple[TTSSteps, Any, Any]:
     talker = load_talker(checkpoint, torch.device("cpu"), torch.float32)
     ids = TTSIds.of(read_config(checkpoint))
     frames = StaticFrames(talker, 16, 1, capture=False)
-    slots = SlotCache(talker.config.num_hidden_layers, 1)
+    slots = SlotCache.of(talker.config, 1, torch.float32, torch.device("cpu"))
     return TTSSteps(talker, ids, frames, slots), AutoTokenizer.from_pretrained(checkpoint), ids
 
 

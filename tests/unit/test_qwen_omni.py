@@ -29,7 +29,7 @@ from omni_stage.engines.registry import build_engine
 from omni_stage.models.qwen2_5_omni.checkpoint import CODEC_VOCAB
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
-from tests.helpers import COMPILE_TIMEOUT_S, ROOT
+from tests.helpers import COMPILE_TIMEOUT_S, ROOT, wait_until
 from tests.qwen_reference import (
     check_first_audio_under_load,
     media_clips,
@@ -37,6 +37,7 @@ from tests.qwen_reference import (
     reference_generate,
     reference_with_media,
     reference_with_video,
+    slot_table,
     video_clip,
     video_message,
     windows,
@@ -417,8 +418,10 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
     model: Path, compiled: bool
 ) -> None:
     """Three requests of different prompt lengths (one with audio and an image) on one thinker
-    and one talker replica at once: their decode steps run as batches (each request's KV cache
-    stacked, left-padded, masked), and each request's tokens and codes are exactly those it
+    and one talker replica at once: their decode steps run as batches (the thinker's caches
+    stacked, left-padded, masked; the talker's in its slot table, each step written in place:
+    a request's cache is copied once, into its slot at its prefill, never at a step, and its
+    slot given back at its end), and each request's tokens and codes are exactly those it
     gets alone. A talker with `compile: true` (torch.compile of its decoder layers, here
     inductor on this CPU) speaks the same codes, together and alone, as one not compiled."""
     requests = [
@@ -452,9 +455,11 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
             codes = [o async for o in on.generate(talk)]
             return data["token_ids"].tolist(), concat([o.data for o in codes])["codes"].tolist()
 
+        copies, _, keys = slot_table(talker)
         together = await asyncio.gather(*(speak(m) for m in requests))
         sizes = (thinker.batcher.batch_sizes.copy(), talker.batcher.batch_sizes.copy())  # type: ignore[attr-defined]
         alone = [await speak(m) for m in requests]
+        assert slot_table(talker) == (copies + 2 * len(requests), 0, keys)
         not_compiled = alone if eager is None else [await speak(m, eager) for m in requests]
         assert hasattr(talker.model.model, "_orig_mod") == compiled  # type: ignore[attr-defined]
         assert counters["stats"]["unique_graphs"] == graphs  # compiled at start: none since
@@ -463,6 +468,46 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
     together, alone, not_compiled, thinker_batches, talker_batches = asyncio.run(go())
     assert max(thinker_batches) == 3 and max(talker_batches) >= 2, (thinker_batches, talker_batches)
     assert together == alone == not_compiled
+
+
+def test_a_talkers_slot_is_given_back_however_its_request_ends(model: Path) -> None:
+    """A talker request holds a slot of the replica's cache from its prefill to its end. Ended
+    between its calls (it spoke what the thinker had sent, and waits for more), or cut while
+    its step runs, the slot is given back when the stage's runner says the request ended
+    (`request_ended`, called here as the runner calls it), once the step in progress is over;
+    the replica's gauge of what it holds (`active_requests`) says so."""
+
+    async def go() -> None:
+        thinker, talker = engine("thinker", model), engine("talker", model)
+        await thinker.start()
+        await talker.start()
+        request = {"messages": MESSAGES, "modalities": ["audio", "text"]}
+        call = EngineCall("r", {"request": request}, True, Sampling(max_tokens=THINKER_TOKENS))
+        thought = concat([o.data async for o in thinker.generate(call)])
+        sampling = Sampling(max_tokens=TALKER_CODES, voice="Ethan")
+
+        waiting = EngineCall("w", {"thinker": thought}, False, sampling)  # more was to come
+        codes = [o async for o in talker.generate(waiting)]
+        assert codes and talker.active_requests() == 1
+        talker.request_ended(waiting.state)
+        await wait_until(lambda: talker.active_requests() == 0, 30, "the waiting request's slot back")
+
+        cut = EngineCall("c", {"thinker": thought}, True, sampling)
+        first = asyncio.Event()
+
+        async def speak() -> None:
+            async for _ in talker.generate(cut):
+                first.set()
+
+        task = asyncio.create_task(speak())
+        await asyncio.wait_for(first.wait(), 30)
+        task.cancel()
+        await asyncio.wait([task])
+        assert task.cancelled()  # cut while it spoke
+        talker.request_ended(cut.state)
+        await wait_until(lambda: talker.active_requests() == 0, 30, "the cut request's slot back")
+
+    asyncio.run(go())
 
 
 async def started(*engines: Engine) -> tuple[Engine, ...]:

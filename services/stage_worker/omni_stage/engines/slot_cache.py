@@ -31,16 +31,18 @@ FIRST_POSITIONS: Final = 512
 class SlotLayer(CacheLayerMixin):
     """One decoder layer's keys and values for every slot, and the window a step sees."""
 
-    def __init__(self, table: SlotCache) -> None:
+    def __init__(
+        self, table: SlotCache, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> None:
         super().__init__()
         self.table = table
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.is_initialized = True
         self.window: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        slots, positions = self.table.capacity
-        self.keys = key_states.new_zeros(slots, key_states.shape[1], positions, key_states.shape[3])
-        self.values = value_states.new_zeros(slots, value_states.shape[1], positions, value_states.shape[3])
-        self.is_initialized = True
+        raise AssertionError("a slot table is allocated when it is built")
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
@@ -65,8 +67,6 @@ class SlotLayer(CacheLayerMixin):
 
     def grow(self, slots: int, positions: int) -> None:
         """Reallocate at the larger capacity, what the slots hold copied over."""
-        if not self.is_initialized:
-            return
         for name in ("keys", "values"):
             old = getattr(self, name)
             new = old.new_zeros(slots, old.shape[1], positions, old.shape[3])
@@ -79,8 +79,18 @@ class SlotCache(Cache):
     compute thread (`take`, `prefill`, `step`), but `kept` and `give_back`, which may come from
     anywhere once no step of the slot's request can be in progress."""
 
-    def __init__(self, layers: int, slots: int, positions: int = FIRST_POSITIONS) -> None:
-        super().__init__(layers=[SlotLayer(self) for _ in range(layers)])
+    def __init__(
+        self,
+        layers: int,
+        slots: int,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        positions: int = FIRST_POSITIONS,
+    ) -> None:
+        shape = (slots, heads, positions, head_dim)
+        super().__init__(layers=[SlotLayer(self, shape, dtype, device) for _ in range(layers)])
         self.capacity = (slots, positions)
         self.lengths = [0] * slots
         self._free = list(range(slots))
@@ -103,6 +113,20 @@ class SlotCache(Cache):
     def give_back(self, slot: int) -> None:
         if slot not in self._free:
             self._free.append(slot)
+
+    @classmethod
+    def of(
+        cls,
+        config: Any,
+        slots: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        positions: int = FIRST_POSITIONS,
+    ) -> SlotCache:
+        """For a decoder of transformers' `config` (its layers, key-value heads, head size)."""
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        layers, heads = config.num_hidden_layers, config.num_key_value_heads
+        return cls(layers, slots, heads, head_dim, dtype, device, positions)
 
     @property
     def taken(self) -> int:
@@ -135,13 +159,12 @@ class SlotCache(Cache):
         for layer in self.layers:
             assert isinstance(layer, SlotLayer) and layer.keys is not None and layer.values is not None
             layer.window = (layer.keys[:height, :, :kv], layer.values[:height, :, :kv])
-        out = model(
-            **{k: _spread(v, slots, height) if torch.is_tensor(v) else v for k, v in inputs.items()},
-            attention_mask=mask,
-            position_ids=_spread_positions(positions, slots, height),
-            past_key_values=self,
-            use_cache=True,
-        )
+        if slots != list(range(height)):  # rows between the slots stepping: zeros
+            inputs = {k: _spread(v, slots, height) if torch.is_tensor(v) else v for k, v in inputs.items()}
+            joined = _spread_positions(positions, slots, height)
+        else:
+            joined = positions[0] if height == 1 else torch.cat(positions, dim=-2)
+        out = model(**inputs, attention_mask=mask, position_ids=joined, past_key_values=self, use_cache=True)
         for s in slots:
             self.lengths[s] += 1
         return out
@@ -166,8 +189,6 @@ class SlotCache(Cache):
         self._fit(slot + 1, n)
         self.copies += 1
         for layer, own in zip(self.layers, past.layers, strict=True):
-            if not layer.is_initialized:
-                layer.lazy_initialization(own.keys, own.values)
             assert layer.keys is not None and layer.values is not None
             layer.keys[slot, :, :n] = own.keys[0]
             layer.values[slot, :, :n] = own.values[0]

@@ -90,7 +90,7 @@ class Talker(SlotTalker):
         }
         self.stop_codes = {self.codec["pad"], self.codec["end"]}
         self.model.model = self.compiled(self.model.model)  # its decoder layers (`compile`)
-        self._build_slots(c.num_hidden_layers)
+        self._build_slots(c)
         if compiles(self.stage):
             with torch.inference_mode():  # as requests run it: a compile is guarded on the mode
                 warm_up(self.slots, self.model, self.text_embeds.shape[-1], self._span)

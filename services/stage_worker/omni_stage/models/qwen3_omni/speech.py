@@ -123,7 +123,7 @@ class Qwen3Talker(SlotTalker):
         self.model.model = self.compiled(self.model.model)
         self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
         self._build_frames()
-        self._build_slots(t.text_config.num_hidden_layers)
+        self._build_slots(t.text_config)
         if compiles(self.stage):
             self._warm_up()
 

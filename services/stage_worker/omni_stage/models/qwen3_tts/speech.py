@@ -121,7 +121,7 @@ class Qwen3TTSTalker(SlotTalker):
         self.languages = ("Auto", *named)  # the heartbeat's: a gateway refuses others first
         self.instructs = self.settings.get("tts_model_size") != "0b6"  # the reference drops them on 0.6B
         self.context = int(talker_config.get("max_position_embeddings", 32768))
-        self._build_slots(int(talker_config["num_hidden_layers"]))
+        self._build_slots(self.model.config)
         self._build_steps()
 
     def _build_steps(self) -> None:

@@ -26,12 +26,12 @@ class SlotTalker(Part):
     """A talker part whose requests step on one slot table (`slots`), built at each load."""
 
     slots: SlotCache | None = None
-    _slot_layers = 0
+    _decoder: Any = None
 
-    def _build_slots(self, layers: int) -> None:
-        """(At each load.) The table for a model of `layers` decoder layers."""
-        self._slot_layers = layers
-        self.slots = SlotCache(layers, self.max_batch)
+    def _build_slots(self, decoder: Any) -> None:
+        """(At each load and wake.) The table for a decoder of transformers' config `decoder`."""
+        self._decoder = decoder
+        self.slots = SlotCache.of(decoder, self.max_batch, self.dtype, self.device)
 
     def _slot(self, st: HoldsSlot) -> int:
         """The request's slot, taken on its first use (its prefill; compute thread)."""
@@ -51,13 +51,17 @@ class SlotTalker(Part):
         if isinstance(st, HoldsSlot):  # read after the compute thread's work: a prefill may be taking one
             self._after_compute(lambda: self._give_back(st))
 
+    def active_requests(self) -> int | None:
+        """Slots held: a request's until its end (the leak gauge's)."""
+        return 0 if self.slots is None else self.slots.taken
+
     def _release_weights(self, level: int) -> None:
         self.slots = None  # (its tensors go with the weights; a wake builds the table again)
         super()._release_weights(level)
 
     def _restore_weights(self) -> None:
         super()._restore_weights()
-        self._build_slots(self._slot_layers)
+        self._build_slots(self._decoder)
 
     def _held(self, st: HoldsSlot) -> Any:
         """The request's positions copied out as its own cache (a conversation's kept sequence)."""

@@ -1,0 +1,77 @@
+"""The talkers' slot table (engines/slot_cache.py) against the plain forward it replaces: a
+small Qwen2 decoder of transformers (random weights: what is compared is the cache, not the
+model), each request's last hidden state after its steps on the table equal to the whole
+sequence's forward, whichever slots step together."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2Model
+
+from omni_stage.engines.slot_cache import SlotCache
+
+WIDTH = 32
+
+
+@pytest.fixture(scope="module")
+def decoder() -> Qwen2Model:
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=WIDTH,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=16,
+    )
+    return Qwen2Model(config).eval()
+
+
+def whole(decoder: Qwen2Model, rows: torch.Tensor) -> torch.Tensor:
+    """The last position's hidden state of a sequence's rows [1, n, WIDTH], computed at once."""
+    return decoder(inputs_embeds=rows).last_hidden_state[0, -1]
+
+
+@torch.inference_mode()
+def test_steps_on_the_table_compute_what_each_whole_sequence_computes(decoder: Qwen2Model) -> None:
+    """Three requests of 3, 7 and 5 prompt positions on a table of two slots of four positions:
+    it grows for the third request and for the longer sequences, what the slots hold kept.
+    Then steps of all three together, and of the first and third alone with the second's row
+    between them not stepping; each request's hidden state equals its whole sequence's
+    forward. A request's cache is copied once, at its prefill, never at a step."""
+    table = SlotCache.of(decoder.config, 2, torch.float32, torch.device("cpu"), positions=4)
+    gen = torch.Generator().manual_seed(1)
+    seqs = [torch.randn(1, n, WIDTH, generator=gen) for n in (3, 7, 5)]
+    slots = [table.take() for _ in seqs]
+    assert slots == [0, 1, 2]
+    for slot, rows in zip(slots, seqs, strict=True):
+        out = table.prefill(decoder, slot, None, torch.arange(rows.shape[1])[None], inputs_embeds=rows)
+        torch.testing.assert_close(out.last_hidden_state[0, -1], whole(decoder, rows), rtol=0, atol=1e-6)
+
+    def step(stepping: list[int]) -> None:
+        new = torch.randn(len(stepping), 1, WIDTH, generator=gen)
+        positions = [torch.tensor([[table.lengths[s]]]) for s in stepping]
+        out = table.step(decoder, stepping, positions, inputs_embeds=new)
+        for i, s in enumerate(stepping):
+            seqs[s] = torch.cat([seqs[s], new[i : i + 1]], dim=1)
+            expected = whole(decoder, seqs[s])
+            torch.testing.assert_close(out.last_hidden_state[s, -1], expected, rtol=0, atol=1e-6)
+
+    for _ in range(6):
+        step([0, 1, 2])
+    for _ in range(3):
+        step([2, 0])  # slot 1 between them, not stepping
+    step([1])
+    assert table.lengths[:3] == [len(s[0]) for s in seqs] == [12, 14, 14]
+    assert table.capacity == (4, 16) and table.grown == 3
+    assert table.copies == 3  # the prefills'
+
+    kept = table.kept(1)  # a conversation's sequence, out of its slot
+    table.give_back(1)
+    assert table.take() == 1  # the lowest free slot
+    more = torch.randn(1, 2, WIDTH, generator=gen)
+    out = table.prefill(decoder, 1, kept, torch.arange(14, 16)[None], inputs_embeds=more)
+    expected = whole(decoder, torch.cat([seqs[1], more], dim=1))
+    torch.testing.assert_close(out.last_hidden_state[0, -1], expected, rtol=0, atol=1e-6)
+    assert table.lengths[1] == 16 and table.copies == 5
