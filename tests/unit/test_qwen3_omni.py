@@ -282,8 +282,8 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
 
 @pytest.mark.usefixtures("one_compile_at_a_time")
 @pytest.mark.timeout(COMPILE_TIMEOUT_S)
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Path, compiled: bool) -> None:
+@pytest.mark.parametrize("form", ["eager", "compiled", "fixed"])
+def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Path, form: str) -> None:
     """Three requests of different prompt lengths (one with audio and an image) on one talker
     replica at once: their talker steps run as batches (caches stacked, left-padded, masked,
     each at its own M-RoPE position), so do the code predictor's residuals of their codes, and
@@ -291,7 +291,11 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
     the talker's slot table in place: a request's cache is copied once, into its slot at its
     prefill, never at a step, and its slot is given back at its end. `compile: true`
     (torch.compile of the talker's and the code predictor's decoder layers, here inductor on
-    this CPU) speaks the same codes, together and alone, as the talker not compiled."""
+    this CPU) speaks the same codes, together and alone, as the talker not compiled; so does
+    `fixedSteps: true` (every step at a bucket's fixed shapes, over the table's whole length:
+    what `cudaGraphs` captures on CUDA)."""
+    compiled = form == "compiled"
+    args = {"compiled": {"compile": True}, "fixed": {"fixedSteps": True}}.get(form, {})
     requests = [
         {"role": "user", "content": QUESTION},
         media_message(*media_clips()),
@@ -299,13 +303,13 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
     ]
 
     async def go() -> tuple[list[list[list[int]]], list[list[list[int]]], Any, list[list[list[int]]]]:
-        thinker, talker, eager = engine("thinker", model), engine("talker", model, compile=compiled), None
+        thinker, talker, eager = engine("thinker", model), engine("talker", model, **args), None
         await thinker.start()
         before = counters["stats"]["unique_graphs"]
         await talker.start()
         graphs = counters["stats"]["unique_graphs"]  # what torch.compile has compiled so far
         assert (graphs > before) == compiled  # the talker's forms compiled at its start
-        if compiled:
+        if args:
             eager = engine("talker", model)
             await eager.start()
         thoughts = []

@@ -18,8 +18,9 @@ import torch
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.fixed_steps import FixedSteps
 from omni_stage.engines.registry import build_engine
-from omni_stage.engines.slot_cache import SlotCache
+from omni_stage.engines.slot_cache import SlotCache, SlotSteps
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
 from omni_stage.models.qwen3_tts.checkpoint import write_checkpoint
 from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_config
@@ -62,14 +63,17 @@ def reference(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> tup
     return qwen_tts_reference(asked, out), out
 
 
-def ours(checkpoint: Path) -> tuple[TTSSteps, Any, Any]:
+def ours(checkpoint: Path, fixed: bool = False) -> tuple[TTSSteps, Any, Any]:
     from transformers import AutoTokenizer
 
     talker = load_talker(checkpoint, torch.device("cpu"), torch.float32)
     ids = TTSIds.of(read_config(checkpoint))
     frames = StaticFrames(talker, 16, 1, capture=False)
-    slots = SlotCache.of(talker.config, 1, torch.float32, torch.device("cpu"))
-    return TTSSteps(talker, ids, frames, slots), AutoTokenizer.from_pretrained(checkpoint), ids
+    table = SlotCache.of(talker.config, 1, torch.float32, torch.device("cpu"))
+    steps = SlotSteps(table, talker.model)
+    if fixed:  # the steps at fixed shapes, as `cudaGraphs` captures them on CUDA
+        steps = FixedSteps(table, talker.model, 1, talker.config.hidden_size, 0, capture=False)
+    return TTSSteps(talker, ids, frames, steps), AutoTokenizer.from_pretrained(checkpoint), ids
 
 
 def turn(tok: Any, text: str, role: str = "assistant", reply: bool = True) -> torch.Tensor:
@@ -84,11 +88,12 @@ def test_the_reference_reads_every_tensor_of_the_checkpoint(reference: tuple[dic
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("fixed", [False, True], ids=["steps", "fixed-steps"])
 def test_custom_voice_codes_and_audio_equal_the_reference(
-    checkpoint: Path, reference: tuple[dict[str, Any], Path]
+    checkpoint: Path, reference: tuple[dict[str, Any], Path], fixed: bool
 ) -> None:
     result, out = reference
-    speaker, tok, ids = ours(checkpoint)
+    speaker, tok, ids = ours(checkpoint, fixed)
     decoder = load_decoder(checkpoint, torch.device("cpu"))
     spoken = []
     for i, item in enumerate(ITEMS):

@@ -413,9 +413,9 @@ def test_concurrent_requests_decode_in_one_batch_with_the_same_audio(
 
 @pytest.mark.usefixtures("one_compile_at_a_time")
 @pytest.mark.timeout(COMPILE_TIMEOUT_S)
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("form", ["eager", "compiled", "fixed"])
 def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_output(
-    model: Path, compiled: bool
+    model: Path, form: str
 ) -> None:
     """Three requests of different prompt lengths (one with audio and an image) on one thinker
     and one talker replica at once: their decode steps run as batches (the thinker's caches
@@ -423,7 +423,11 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
     a request's cache is copied once, into its slot at its prefill, never at a step, and its
     slot given back at its end), and each request's tokens and codes are exactly those it
     gets alone. A talker with `compile: true` (torch.compile of its decoder layers, here
-    inductor on this CPU) speaks the same codes, together and alone, as one not compiled."""
+    inductor on this CPU) speaks the same codes, together and alone, as one not compiled; so
+    does one with `fixedSteps: true` (every step at a bucket's fixed shapes, over the table's
+    whole length: what `cudaGraphs` captures on CUDA)."""
+    compiled = form == "compiled"
+    args = {"compiled": {"compile": True}, "fixed": {"fixedSteps": True}}.get(form, {})
     requests = [
         MESSAGES,
         [media_message(*media_clips())],
@@ -433,13 +437,13 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
     Spoken = list[tuple[list[int], list[int]]]
 
     async def go() -> tuple[Spoken, Spoken, Spoken, Any, Any]:
-        thinker, talker, eager = engine("thinker", model), engine("talker", model, compile=compiled), None
+        thinker, talker, eager = engine("thinker", model), engine("talker", model, **args), None
         await thinker.start()
         before = counters["stats"]["unique_graphs"]
         await talker.start()
         graphs = counters["stats"]["unique_graphs"]  # what torch.compile has compiled so far
         assert (graphs > before) == compiled  # the talker's forms compiled at its start
-        if compiled:
+        if args:
             eager = engine("talker", model)
             await eager.start()
 

@@ -4,14 +4,15 @@ Each request keeps its own `DynamicCache` (its length, its positions), so reques
 freely. For a step taken together, the caches are stacked into one batch, left-padded to the
 longest, with an attention mask that hides the padding and each row's own positions; after
 the forward each request gets its row back, padding cut off. This copies the caches once a
-step (half of a batch-8 talker step on the CPU, a quarter on a GPU: `omni bench step`), and a
-cache that grows and moves cannot be replayed as a CUDA graph: a cache allocated once per
-replica replaces it (docs/architecture.md, Talkers on GPUs; not built yet).
+step, and a cache that grows and moves cannot be replayed as a CUDA graph: the talkers step on
+a table allocated once per replica instead (`slot_cache.py`; docs/architecture.md, Talkers on
+GPUs). What still steps here: the `transformers` engine's and the Qwen-Omni thinkers' steps
+(on GPUs a thinker runs on vLLM, whose paged cache needs none) and the Qwen3 decoders'
+streamed pieces (a sliding window of 72 positions, cut each piece).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -66,38 +67,3 @@ def decode_together(
         for row, n in enumerate(lengths)
     ]
     return out, split
-
-
-def warm_up(model: Any, width: int, positions: Callable[[int, int], torch.Tensor], **inputs: Any) -> None:
-    """Run `model` (a decoder taking `inputs_embeds` of `width`) on zeros through a request's
-    life as a decoding stage runs it, with `inputs` besides: a prefill, a step on the prefill's
-    cache, a step on a step's, a step together with another request (`decode_together`), a
-    step on what that left, a prefill on a kept cache (a conversation's next turn). What
-    `torch.compile` wraps in it compiles now, at start, not at the first requests: each form
-    passes the model tensors of its own strides and a mask or none, which a compile is guarded
-    on; with dynamic shapes one compile of each form serves every length and batch.
-    `positions(at, n)` gives the position ids of n positions from `at`."""
-    p = next(model.parameters())
-    x = torch.zeros(1, 4, width, dtype=p.dtype, device=p.device)
-
-    def forward(n: int, past: Any) -> Any:
-        at = 0 if past is None else past.get_seq_length()
-        out = model(
-            inputs_embeds=x[:, :n],
-            position_ids=positions(at, n),
-            past_key_values=past,
-            use_cache=True,
-            **inputs,
-        )
-        return out.past_key_values
-
-    one = forward(1, forward(1, forward(4, None)))
-    caches = [one, forward(3, None)]
-    _, caches = decode_together(
-        model,
-        caches,
-        [positions(c.get_seq_length(), 1) for c in caches],
-        inputs_embeds=torch.cat([x[:, :1], x[:, :1]]),
-        **inputs,
-    )
-    forward(2, forward(1, caches[0]))

@@ -112,6 +112,7 @@ class SlotCache(Cache):
 
     def give_back(self, slot: int) -> None:
         if slot not in self._free:
+            self.lengths[slot] = 0  # (a step spanning it writes at its start)
             self._free.append(slot)
 
     @classmethod
@@ -149,16 +150,12 @@ class SlotCache(Cache):
         or [k, 1, 1]). Returns the model's output, its rows the table's: slot s's is row s."""
         height = max(slots) + 1
         span = self.lengths[:height]
-        self.seen = max(span)
-        self._fit(height, self.seen + 1)
+        kv = max(span) + 1
+        self.reserve(height, kv)
         device = positions[0].device
         at = torch.tensor(span, device=device)
-        self.rows_at = (torch.arange(height, device=device), at)
-        kv = self.seen + 1
+        self.aim(kv, torch.arange(height, device=device), at)
         mask = None if height == 1 else torch.arange(kv, device=device)[None] <= at[:, None]
-        for layer in self.layers:
-            assert isinstance(layer, SlotLayer) and layer.keys is not None and layer.values is not None
-            layer.window = (layer.keys[:height, :, :kv], layer.values[:height, :, :kv])
         if slots != list(range(height)):  # rows between the slots stepping: zeros
             inputs = {k: _spread(v, slots, height) if torch.is_tensor(v) else v for k, v in inputs.items()}
             joined = _spread_positions(positions, slots, height)
@@ -168,6 +165,22 @@ class SlotCache(Cache):
         for s in slots:
             self.lengths[s] += 1
         return out
+
+    def aim(self, kv: int, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """What the next forward's layers see: the table's first `len(rows)` rows up to
+        position `kv`, and where each row writes its new position (`at`, [rows])."""
+        height = rows.shape[0]
+        self.seen = kv - 1
+        self.rows_at = (rows, at)
+        for layer in self.layers:
+            assert isinstance(layer, SlotLayer) and layer.keys is not None and layer.values is not None
+            layer.window = (layer.keys[:height, :, :kv], layer.values[:height, :, :kv])
+
+    def reserve(self, slots: int, positions: int) -> None:
+        """At least `slots` rows of at least `positions` positions (the table doubles to them)."""
+        have_slots, have_positions = self.capacity
+        if slots > have_slots or positions > have_positions:
+            self._grow(max(have_slots, slots), _doubled_to(have_positions, positions))
 
     def kept(self, slot: int) -> Any:
         """The slot's positions as a request's own `DynamicCache` (a conversation's kept
@@ -186,18 +199,13 @@ class SlotCache(Cache):
     def _put(self, slot: int, past: Any) -> None:
         """A request's own cache into its slot, its length the cache's: a copy."""
         n = past.get_seq_length()
-        self._fit(slot + 1, n)
+        self.reserve(slot + 1, n)
         self.copies += 1
         for layer, own in zip(self.layers, past.layers, strict=True):
             assert layer.keys is not None and layer.values is not None
             layer.keys[slot, :, :n] = own.keys[0]
             layer.values[slot, :, :n] = own.values[0]
         self.lengths[slot] = n
-
-    def _fit(self, slots: int, positions: int) -> None:
-        have_slots, have_positions = self.capacity
-        if slots > have_slots or positions > have_positions:
-            self._grow(max(have_slots, slots), _doubled_to(have_positions, positions))
 
     def _grow(self, slots: int, positions: int) -> None:
         old_slots = self.capacity[0]
@@ -208,6 +216,23 @@ class SlotCache(Cache):
             assert isinstance(layer, SlotLayer)
             layer.grow(slots, positions)
         self.grown += 1
+
+
+class SlotSteps:
+    """A talker's decode steps on its table: `model`'s forward, with the talker's own `inputs`
+    besides (`SlotCache.step`). `fixed_steps.FixedSteps` takes the same steps at fixed shapes."""
+
+    def __init__(self, table: SlotCache, model: Any, **inputs: Any) -> None:
+        self.table = table
+        self.model = model
+        self.inputs = inputs
+
+    def prefill(self, slot: int, past: Any, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> Any:
+        inputs = {"inputs_embeds": inputs_embeds, **self.inputs}
+        return self.table.prefill(self.model, slot, past, positions, **inputs)
+
+    def step(self, slots: list[int], positions: list[torch.Tensor], inputs_embeds: torch.Tensor) -> Any:
+        return self.table.step(self.model, slots, positions, inputs_embeds=inputs_embeds, **self.inputs)
 
 
 def _doubled_to(have: int, need: int) -> int:
@@ -231,21 +256,21 @@ def _spread_positions(positions: list[torch.Tensor], rows: list[int], height: in
     return out
 
 
-def warm_up(
-    table: SlotCache, model: Any, width: int, positions: Callable[[int, int], torch.Tensor], **inputs: Any
-) -> None:
-    """Run `model` (a decoder taking `inputs_embeds` of `width`) on zeros, on `table`, through a
-    request's life as a talker runs it, with `inputs` besides: a prefill, a step alone, a step
-    together with another request, a prefill on a kept sequence (a conversation's next turn).
-    What `torch.compile` wraps in it compiles now, at start, not at the first requests.
-    `positions(at, n)` gives the position ids of n positions from `at`."""
-    p = next(model.parameters())
-    x = torch.zeros(2, 4, width, dtype=p.dtype, device=p.device)
+def warm_up(steps: SlotSteps, width: int, positions: Callable[[int, int], torch.Tensor]) -> None:
+    """Run a talker's steps (its model, on its table) on zeros of `width` through a request's
+    life as the talker runs it: a prefill, a step alone, a step together with another request,
+    a prefill on a kept sequence (a conversation's next turn). What `torch.compile` wraps in it
+    compiles now, at start, not at the first requests. `positions(at, n)` gives the position
+    ids of n positions from `at`."""
+    table = steps.table
+    keys = table.layers[0].keys
+    assert keys is not None
+    x = keys.new_zeros(2, 4, width)
     a, b = table.take(), table.take()
-    table.prefill(model, a, None, positions(0, 4), inputs_embeds=x[:1], **inputs)
-    table.step(model, [a], [positions(4, 1)], inputs_embeds=x[:1, :1], **inputs)
-    table.prefill(model, b, None, positions(0, 3), inputs_embeds=x[:1, :3], **inputs)
-    table.step(model, [a, b], [positions(5, 1), positions(3, 1)], inputs_embeds=x[:, :1], **inputs)
-    table.prefill(model, b, table.kept(a), positions(6, 2), inputs_embeds=x[:1, :2], **inputs)
+    steps.prefill(a, None, positions(0, 4), x[:1])
+    steps.step([a], [positions(4, 1)], x[:1, :1])
+    steps.prefill(b, None, positions(0, 3), x[:1, :3])
+    steps.step([a, b], [positions(5, 1), positions(3, 1)], x[:, :1])
+    steps.prefill(b, table.kept(a), positions(6, 2), x[:1, :2])
     table.give_back(a)
     table.give_back(b)

@@ -32,6 +32,7 @@ The request's voice (`audio.voice`, Chelsie or Ethan here) picks the talker's te
 DiT's speaker conditioning; the thinker refuses an unknown one before it starts (a 400).
 Each replica runs its forwards on one compute thread: per-request state (KV cache, rope
 offsets) lives in the request, never in the model, and the steps of concurrent requests run
-as batches (`StepBatcher`): thinker and talker decode steps with their caches stacked
-(`kv_batch.py`), code2wav chunks of one length and voice stacked.
+as batches (`StepBatcher`): thinker decode steps with their caches stacked (`kv_batch.py`),
+talker steps on the replica's slot table (`slot_cache.py`), code2wav chunks of one length and
+voice stacked.
 """

@@ -90,10 +90,12 @@ class Talker(SlotTalker):
         }
         self.stop_codes = {self.codec["pad"], self.codec["end"]}
         self.model.model = self.compiled(self.model.model)  # its decoder layers (`compile`)
-        self._build_slots(c)
+        width = self.model.get_input_embeddings().weight.shape[1]
+        self._build_slots(c, self.model, width, 3)
         if compiles(self.stage):
             with torch.inference_mode():  # as requests run it: a compile is guarded on the mode
-                warm_up(self.slots, self.model, self.text_embeds.shape[-1], self._span)
+                assert self.stepper is not None
+                warm_up(self.stepper, width, self._span)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.kept(_Speaking)
@@ -178,11 +180,8 @@ class Talker(SlotTalker):
             seq.cut(n)
             past, at, inputs = seq.past, n, inputs[n:]
             self.prompt_caches.reused_tokens += n
-        assert self.slots is not None
-        slot = self._slot(st)
-        out = self.slots.prefill(
-            self.model, slot, past, self._span(at, len(inputs)), inputs_embeds=inputs[None]
-        )
+        assert self.stepper is not None
+        out = self.stepper.prefill(self._slot(st), past, self._span(at, len(inputs)), inputs[None])
         return self._pick(st, out.logits[0, -1].float())
 
     @torch.inference_mode()
@@ -195,11 +194,11 @@ class Talker(SlotTalker):
                 (self.model.get_input_embeddings()(torch.tensor([code], device=self.device)) + reply)[None]
             )
             st.seen.add(code)
-        assert self.slots is not None
+        assert self.slots is not None and self.stepper is not None
         sts = [st for st, _ in steps]
         slots = [self._slot(st) for st in sts]
         positions = [self._span(self.slots.lengths[s], 1) for s in slots]
-        out = self.slots.step(self.model, slots, positions, inputs_embeds=torch.cat(inputs))
+        out = self.stepper.step(slots, positions, torch.cat(inputs))
         return [self._pick(st, out.logits[s, -1].float()) for st, s in zip(sts, slots, strict=True)]
 
     def _span(self, at: int, n: int) -> torch.Tensor:

@@ -7,9 +7,11 @@ shape (Qwen3-TTS's) reads the same code."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Final
+from typing import Any
 
 import torch
+
+from omni_stage.engines.fixed_steps import buckets_up_to
 
 LOG = logging.getLogger(__name__)
 
@@ -28,10 +30,6 @@ def frames_embedding(talker: Any, codes: torch.Tensor) -> torch.Tensor:
     return torch.cat(each, dim=1).sum(1)[None]
 
 
-BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64)
-"""Batch sizes a frame is padded up to: one fixed shape (and, on CUDA, one graph) each."""
-
-
 class StaticFrames:
     """The code predictor's frames at fixed shapes: a batch padded up to its bucket, a cache of
     the frame's length allocated once per bucket, the sub-steps a fixed loop, greedy, computing
@@ -46,7 +44,7 @@ class StaticFrames:
 
         self.talker = talker
         self.groups = groups
-        self.buckets = tuple(sorted({b for b in BUCKETS if b < max_batch} | {max_batch}))
+        self.buckets = buckets_up_to(max_batch)  # a frame's batch padded up to one
         p = talker.get_input_embeddings().weight
         width = int(p.shape[1])  # a frame's rows are the talker's (a code predictor may project them)
         config = talker.code_predictor.config

@@ -11,7 +11,7 @@ import torch
 from omni_pipeline.payloads import Codes, ThinkerStep
 from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import EngineCall, EngineError
+from omni_stage.engines.base import EngineCall
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.prompt_cache import Sequence, same_rows
 from omni_stage.engines.slot_cache import warm_up
@@ -94,8 +94,6 @@ class Qwen3Talker(SlotTalker):
         self.frames: StaticFrames | None = None
         """The code predictor's frames at fixed shapes (code_predictor.py), replayed as CUDA graphs
         with `cudaGraphs`; None while the weights are away (asleep)."""
-        if self.args.get("cudaGraphs", False) and self.device.type != "cuda":
-            raise EngineError(f"stage '{stage.name}': engine.args.cudaGraphs needs device: cuda")
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen3OmniMoeTalkerForConditionalGeneration
@@ -123,7 +121,8 @@ class Qwen3Talker(SlotTalker):
         self.model.model = self.compiled(self.model.model)
         self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
         self._build_frames()
-        self._build_slots(t.text_config)
+        width = int(t.text_config.hidden_size)
+        self._build_slots(t.text_config, self.model, width, 4, output_hidden_states=True, generation_step=0)
         if compiles(self.stage):
             self._warm_up()
 
@@ -143,15 +142,15 @@ class Qwen3Talker(SlotTalker):
     @torch.inference_mode()  # as requests run them: a compile is guarded on the mode
     def _warm_up(self) -> None:
         """Both models, compiled, run in every form requests run them, so that they compile
-        now, at start: the talker's prefill and steps (kv_batch.warm_up), and the code
+        now, at start: the talker's prefill and steps (slot_cache.warm_up), and the code
         predictor's frame at each batch bucket."""
         width = self.model.config.text_config.hidden_size
 
         def span(at: int, n: int) -> torch.Tensor:
             return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(4, 1, -1)
 
-        assert self.slots is not None
-        warm_up(self.slots, self.model, width, span, output_hidden_states=True, generation_step=0)
+        assert self.stepper is not None
+        warm_up(self.stepper, width, span)
         assert self.frames is not None
         self.frames.run_each_bucket()
 
@@ -244,16 +243,8 @@ class Qwen3Talker(SlotTalker):
             seq.cut(n)
             past, inputs, positions = seq.past, inputs[:, n:], positions[..., n:]
             self.prompt_caches.reused_tokens += n
-        assert self.slots is not None
-        out = self.slots.prefill(
-            self.model,
-            self._slot(st),
-            past,
-            positions,
-            inputs_embeds=inputs,
-            output_hidden_states=True,
-            generation_step=0,
-        )
+        assert self.stepper is not None
+        out = self.stepper.prefill(self._slot(st), past, positions, inputs)
         return self._pick(st, out.logits[0, -1].float()), out.hidden_states[0][-1][:, -1:]
 
     @torch.inference_mode()
@@ -278,15 +269,8 @@ class Qwen3Talker(SlotTalker):
         inputs = [self._step_input(s.st, s.trailing) for s in steps]  # type: ignore[arg-type]
         sts = [s.st for s in steps]
         slots = [self._slot(st) for st in sts]
-        assert self.slots is not None
-        out = self.slots.step(
-            self.model,
-            slots,
-            [self._step_positions(st) for st in sts],
-            inputs_embeds=torch.cat(inputs),
-            output_hidden_states=True,
-            generation_step=0,
-        )
+        assert self.stepper is not None
+        out = self.stepper.step(slots, [self._step_positions(st) for st in sts], torch.cat(inputs))
         last = out.hidden_states[0][-1]
         return [
             _Step(st, code0=self._pick(st, out.logits[s, -1].float()), hidden=last[s : s + 1, -1:])

@@ -88,8 +88,6 @@ class Qwen3TTSTalker(SlotTalker):
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
         _refuse_dummy(self)
-        if self.args.get("cudaGraphs", False) and self.device.type != "cuda":
-            raise EngineError(f"stage '{stage.name}': engine.args.cudaGraphs needs device: cuda")
         self.steps: TTSSteps | None = None
         self.cloner: VoiceCloner | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
@@ -121,7 +119,7 @@ class Qwen3TTSTalker(SlotTalker):
         self.languages = ("Auto", *named)  # the heartbeat's: a gateway refuses others first
         self.instructs = self.settings.get("tts_model_size") != "0b6"  # the reference drops them on 0.6B
         self.context = int(talker_config.get("max_position_embeddings", 32768))
-        self._build_slots(self.model.config)
+        self._build_slots(self.model.config, self.model.model, self.model.config.hidden_size, 0)
         self._build_steps()
 
     def _build_steps(self) -> None:
@@ -129,8 +127,8 @@ class Qwen3TTSTalker(SlotTalker):
         groups = int(self.settings["talker_config"]["num_code_groups"])
         graphs = bool(self.args.get("cudaGraphs", False))
         frames = StaticFrames.built(self.model, groups, self.max_batch, graphs, self.stage.name)
-        assert self.slots is not None
-        self.steps = TTSSteps(self.model, self.ids, frames, self.slots)
+        assert self.stepper is not None
+        self.steps = TTSSteps(self.model, self.ids, frames, self.stepper)
 
     def _release_weights(self, level: int) -> None:
         self.steps = None  # (its frames' caches go with the weights)

@@ -11,7 +11,7 @@ from typing import Final
 
 import torch
 
-from omni_stage.engines.slot_cache import SlotCache
+from omni_stage.engines.slot_cache import SlotSteps
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding
 from omni_stage.models.qwen3_omni.speech import SUPPRESSED_TOP
 from omni_stage.models.qwen3_tts.modeling import Talker
@@ -43,13 +43,15 @@ class Speaking(HoldsSlot):
 
 class TTSSteps:
     """The talker's steps on a loaded talker (modeling.Talker), its code predictor frames and
-    its slot table; a request takes its slot at its prefill, and its owner gives it back."""
+    its steps on its slot table; a request takes its slot at its prefill, and its owner gives
+    it back."""
 
-    def __init__(self, talker: Talker, ids: TTSIds, frames: StaticFrames, slots: SlotCache) -> None:
+    def __init__(self, talker: Talker, ids: TTSIds, frames: StaticFrames, steps: SlotSteps) -> None:
         self.talker = talker
         self.ids = ids
         self.frames = frames
-        self.slots = slots
+        self.steps = steps
+        self.slots = steps.table
         vocab = talker.config.vocab_size
         self.suppressed = [i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != ids.codec_eos]
 
@@ -63,7 +65,7 @@ class TTSSteps:
         st.slot, st.table = self.slots.take(), self.slots
         inputs = st.prompt.inputs
         positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
-        out = self.slots.prefill(self.talker.model, st.slot, None, positions, inputs_embeds=inputs)
+        out = self.steps.prefill(st.slot, None, positions, inputs)
         self._draw(st, out.last_hidden_state[:, -1:])
 
     @torch.inference_mode()
@@ -84,7 +86,7 @@ class TTSSteps:
             st.fed += 1
         slots: list[int] = [st.slot for st in sts]  # type: ignore[misc]
         positions = [torch.tensor([[self.slots.lengths[s]]], device=inputs.device) for s in slots]
-        out = self.slots.step(self.talker.model, slots, positions, inputs_embeds=inputs)
+        out = self.steps.step(slots, positions, inputs)
         for st, s in zip(sts, slots, strict=True):
             self._draw(st, out.last_hidden_state[s : s + 1, -1:])
 

@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from omni_stage.engines.base import CallState
-from omni_stage.engines.slot_cache import SlotCache
+from omni_pipeline.spec import StageSpec
+from omni_stage.engines.base import CallState, EngineError
+from omni_stage.engines.fixed_steps import FixedSteps
+from omni_stage.engines.slot_cache import SlotCache, SlotSteps
 from omni_stage.models.qwen_omni.parts import Part
 
 
@@ -23,15 +25,31 @@ class HoldsSlot:
 
 
 class SlotTalker(Part):
-    """A talker part whose requests step on one slot table (`slots`), built at each load."""
+    """A talker part whose requests step on one slot table (`slots`), built at each load, by
+    `stepper`: the table's own steps, or with `fixedSteps` (on with `cudaGraphs`, which
+    captures them on CUDA) at fixed shapes (engines/fixed_steps.py; on a CPU only slower, and
+    there to check them against the table's own)."""
 
     slots: SlotCache | None = None
-    _decoder: Any = None
+    stepper: SlotSteps | None = None
+    _table_of: Any = None
 
-    def _build_slots(self, decoder: Any) -> None:
-        """(At each load and wake.) The table for a decoder of transformers' config `decoder`."""
-        self._decoder = decoder
-        self.slots = SlotCache.of(decoder, self.max_batch, self.dtype, self.device)
+    def __init__(self, stage: StageSpec) -> None:
+        super().__init__(stage)
+        if self.args.get("cudaGraphs", False) and self.device.type != "cuda":
+            raise EngineError(f"stage '{stage.name}': engine.args.cudaGraphs needs device: cuda")
+
+    def _build_slots(self, decoder: Any, model: Any, width: int, position_rows: int, **inputs: Any) -> None:
+        """(At each load and wake.) The table for a decoder of transformers' config `decoder`,
+        and the steps of `model` on it (fed `inputs_embeds` of `width`, position ids of
+        `position_rows` M-RoPE rows, and `inputs`)."""
+        self._table_of = (decoder, model, width, position_rows, inputs)
+        self.slots = table = SlotCache.of(decoder, self.max_batch, self.dtype, self.device)
+        graphs = bool(self.args.get("cudaGraphs", False))
+        if bool(self.args.get("fixedSteps", graphs)):
+            self.stepper = FixedSteps(table, model, self.max_batch, width, position_rows, graphs, **inputs)
+        else:
+            self.stepper = SlotSteps(table, model, **inputs)
 
     def _slot(self, st: HoldsSlot) -> int:
         """The request's slot, taken on its first use (its prefill; compute thread)."""
@@ -56,12 +74,13 @@ class SlotTalker(Part):
         return 0 if self.slots is None else self.slots.taken
 
     def _release_weights(self, level: int) -> None:
-        self.slots = None  # (its tensors go with the weights; a wake builds the table again)
+        self.slots = self.stepper = None  # (its tensors go with the weights; a wake builds the table again)
         super()._release_weights(level)
 
     def _restore_weights(self) -> None:
         super()._restore_weights()
-        self._build_slots(self._decoder)
+        decoder, model, width, position_rows, inputs = self._table_of  # (the same modules, back)
+        self._build_slots(decoder, model, width, position_rows, **inputs)
 
     def _held(self, st: HoldsSlot) -> Any:
         """The request's positions copied out as its own cache (a conversation's kept sequence)."""

@@ -1,0 +1,155 @@
+"""A talker's decode steps on its slot table at fixed shapes: what a CUDA graph replays.
+
+A slot table's own step (`SlotCache.step`) attends over the rows and positions in use, so its
+shapes change every step. Here a step's batch is padded up to a bucket (1, 2, 4, 8, ... up to
+the stage's `maxBatch`: the table's first rows), and every row attends over the whole table's
+positions, masked to its own length: the inputs, the position ids, the write positions and the
+mask are buffers of the bucket's own, filled before each step, so that on CUDA each bucket's
+forward is captured once, at start, as one graph, and replayed (one launch a step instead of
+one a kernel: on an H200, eager, the talker's forwards were host work, docs/benchmarks.md).
+Elsewhere the same fixed-shape forward runs as it is (the suite checks it against the table's
+own step). A step of rows past the last bucket, or one that outgrows the table's positions,
+takes the table's own step; a table that grew is captured again at its next step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any, Final
+
+import torch
+
+from omni_stage.engines.slot_cache import SlotCache, SlotSteps
+
+LOG = logging.getLogger(__name__)
+
+BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64)
+"""Batch sizes a fixed-shape step is padded up to: one fixed shape (and, on CUDA, one graph) each."""
+
+
+def buckets_up_to(max_batch: int) -> tuple[int, ...]:
+    """The buckets of a stage whose steps batch up to `max_batch` (the last one itself)."""
+    return tuple(sorted({b for b in BUCKETS if b < max_batch} | {max_batch}))
+
+
+class FixedSteps(SlotSteps):
+    """The decode steps of `model` on `table` at fixed shapes, by bucket (up to `max_batch`);
+    see the module's docstring. `inputs` go to every forward as they are (the talker's own)."""
+
+    def __init__(
+        self,
+        table: SlotCache,
+        model: Any,
+        max_batch: int,
+        width: int,
+        position_rows: int,
+        capture: bool,
+        **inputs: Any,
+    ) -> None:
+        super().__init__(table, model, **inputs)
+        self.buckets = buckets_up_to(max_batch)
+        self.width = width
+        self.position_rows = position_rows
+        """M-RoPE's rows of position ids (0: plain [batch, 1] ids)."""
+        self.capture = capture
+        self._build()
+
+    @property
+    def captured(self) -> bool:
+        """Whether its steps replay as CUDA graphs."""
+        return bool(self._graphs)
+
+    def _build(self) -> None:
+        """The buffers of each bucket (and, with `capture`, its graph), for the table as it is."""
+        self.table.reserve(self.buckets[-1], 1)
+        keys = self.table.layers[0].keys
+        assert keys is not None
+        device, self.positions = keys.device, self.table.capacity[1]
+        lead = (self.position_rows,) if self.position_rows else ()
+        self._embeds = {b: keys.new_zeros(b, 1, self.width) for b in self.buckets}
+        self._ids = {b: torch.zeros(*lead, b, 1, dtype=torch.long, device=device) for b in self.buckets}
+        self._at = {b: torch.zeros(b, dtype=torch.long, device=device) for b in self.buckets}
+        self._rows = {b: torch.arange(b, device=device) for b in self.buckets}
+        self._span = torch.arange(self.positions, device=device)
+        self._grown = self.table.grown
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        if self.capture:
+            try:
+                self._graphs = {b: self._captured(b) for b in self.buckets}
+            except RuntimeError as exc:  # a kernel the capture refuses (MoE routing, say)
+                LOG.warning("talker steps not captured as CUDA graphs, launched at fixed shapes: %s", exc)
+                self._graphs = {}
+
+    def step(self, slots: list[int], positions: list[torch.Tensor], inputs_embeds: torch.Tensor) -> Any:
+        """As `SlotCache.step` (the same arguments, the output's rows the table's: slot s's is
+        row s), at the bucket's fixed shapes; the output is the step's own (copied out of a
+        graph's, which its next replay overwrites)."""
+        if self.table.grown != self._grown:
+            self._build()  # (the table's tensors are new: every buffer and graph with them)
+        height = max(slots) + 1
+        b = next((b for b in self.buckets if b >= height), 0)
+        if not b or max(self.table.lengths[:b]) >= self.positions:  # (every row writes, stepping or not)
+            return super().step(slots, positions, inputs_embeds)
+        embeds, ids = self._embeds[b], self._ids[b]
+        embeds.zero_()
+        embeds[slots] = inputs_embeds
+        ids.zero_()
+        ids[..., slots, :] = torch.cat(positions, dim=-2)
+        self._at[b].copy_(torch.tensor(self.table.lengths[:b]), non_blocking=True)
+        if b in self._graphs:
+            graph, out = self._graphs[b]
+            graph.replay()
+            out = _copied(out)
+        else:
+            out = self._forward(b)
+        for s in slots:
+            self.table.lengths[s] += 1
+        return out
+
+    def _forward(self, b: int) -> Any:
+        """The bucket's forward on its buffers: every row over the table's positions, masked to
+        its own length and the position it writes."""
+        at = self._at[b]
+        visible = (self._span[None] <= at[:, None])[:, None, None, :]  # [b, 1, 1, positions]
+        mask = visible
+        if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":  # an additive mask
+            dtype = self._embeds[b].dtype
+            mask = torch.zeros(visible.shape, dtype=dtype, device=at.device).masked_fill(
+                ~visible, torch.finfo(dtype).min
+            )
+        self.table.aim(self.positions, self._rows[b], at)
+        return self.model(
+            inputs_embeds=self._embeds[b],
+            position_ids=self._ids[b],
+            attention_mask=mask,
+            past_key_values=self.table,
+            use_cache=True,
+            **self.inputs,
+        )
+
+    def _captured(self, b: int) -> tuple[torch.cuda.CUDAGraph, Any]:
+        """The bucket's forward as a CUDA graph, and the output its replays write. Run twice
+        first on a side stream, as CUDA graphs want; what those runs write lands in free rows
+        (their lengths are 0) or past a held row's length, where its next step writes."""
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self._forward(b)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other engines' threads may run
+            out = self._forward(b)
+        return graph, out
+
+
+def _copied(out: Any) -> Any:
+    """A model output's tensors (and tuples of them) copied; its cache (the table) as it is."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, tuple):
+        return tuple(_copied(t) for t in out)
+    if isinstance(out, Mapping):
+        return type(out)(**{k: v if k == "past_key_values" else _copied(v) for k, v in out.items()})
+    return out
