@@ -1,6 +1,7 @@
-"""Qwen3-Omni's code predictor frames replayed as CUDA graphs, at the real model's size: the
-same codes as the same frame run eagerly, and the time of a frame graphed, eager at fixed
-shapes, and through transformers' `generate` (what the stage ran before), by batch size.
+"""Qwen3-Omni's talker replayed as CUDA graphs at the real model's size, its code predictor's
+frames and its decode steps: the same codes as the same frame or step run eagerly, and their
+times graphed, eager at fixed shapes, and as the stage runs them without graphs (a frame
+through transformers' `generate`; a step on the slot table's own shapes), by batch size.
 
 The talker stage with `cudaGraphs: true` on CUDA captures its frames at start (omni_stage.models.
 qwen3_omni.code_predictor.StaticFrames); this builds it as a stage does, on a config-only checkpoint at
@@ -9,7 +10,11 @@ same StaticFrames run without graphs (identical kernels: equal to the bit), and,
 record only, with `generate`'s (bf16 on random weights of +-1e-3 puts many logits within a
 rounding of each other, so a different kernel order may pick another: that agreement is
 printed, not required; tests/unit/test_qwen3_omni.py holds the fixed-shape frame equal to
-`generate` in float32 on this CPU).
+`generate` in float32 on this CPU). The decode steps (engines/fixed_steps.py) likewise: the
+stage's captured steps against the same steps at fixed shapes on a table of their own
+(equal to the bit), and the table's own steps (agreement printed); each of B requests a
+prompt of 16 random rows, then steps of random rows. Whether the steps could be captured at
+all (the talker's MoE layers route tokens by their values) is in `steps_captured`.
 
 Not part of the suite (CI has no GPU). From the repository root, the project importable:
     python scripts/gpu_graphs.py OUT.json [--batches 1 8 16] [--frames 20]
@@ -28,6 +33,8 @@ from typing import Any
 import torch
 
 from bench.in_process import stage_engine
+from omni_stage.engines.fixed_steps import FixedSteps
+from omni_stage.engines.slot_cache import SlotCache, SlotSteps
 from omni_stage.models.qwen3_omni.checkpoint import write_config_only
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
 
@@ -52,6 +59,77 @@ def timed(fn: Callable[[], Any], frames: int) -> float:
         fn()
     torch.cuda.synchronize()
     return round((time.perf_counter() - t0) / frames * 1000, 3)
+
+
+PROMPT = 16
+
+
+def span(at: int, n: int) -> torch.Tensor:
+    """[4, 1, n]: a text-only Qwen3-Omni talker's position ids (its text row and M-RoPE's)."""
+    return torch.arange(at, at + n, device="cuda").view(1, 1, -1).expand(4, 1, -1)
+
+
+def spoken(steps: SlotSteps, prompts: torch.Tensor, rows: torch.Tensor) -> list[list[int]]:
+    """Each request's greedy code 0 a step ([steps][requests]): `prompts` [B, PROMPT, H]
+    prefilled into slots of `steps`' table, then `rows` [K, B, 1, H] a step each."""
+    slots = [steps.table.take() for _ in range(prompts.shape[0])]
+    for i, s in enumerate(slots):
+        steps.prefill(s, None, span(0, PROMPT), prompts[i : i + 1])
+    codes = []
+    for k in range(rows.shape[0]):
+        out = steps.step(slots, [span(PROMPT + k, 1)] * len(slots), rows[k])
+        codes.append(out.logits[slots, -1].argmax(-1).tolist())
+    for s in slots:
+        steps.table.give_back(s)
+    return codes
+
+
+def step_ms(steps: SlotSteps, n: int, width: int, count: int) -> float:
+    """Milliseconds a decode step of n requests (after a prompt each), synchronised."""
+    prompts = torch.randn(n, PROMPT, width, device="cuda", dtype=torch.bfloat16)
+    rows = torch.randn(count + 1, n, 1, width, device="cuda", dtype=torch.bfloat16)
+    slots = [steps.table.take() for _ in range(n)]
+    for i, s in enumerate(slots):
+        steps.prefill(s, None, span(0, PROMPT), prompts[i : i + 1])
+    steps.step(slots, [span(PROMPT, 1)] * n, rows[0])
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for k in range(1, count + 1):
+        steps.step(slots, [span(PROMPT + k, 1)] * n, rows[k])
+    torch.cuda.synchronize()
+    for s in slots:
+        steps.table.give_back(s)
+    return round((time.perf_counter() - t0) / count * 1000, 3)
+
+
+def decode_steps(talker: Any, batches: list[int], count: int) -> dict[str, Any]:
+    """The stage's decode steps (captured with `cudaGraphs`) against the same at fixed shapes
+    uncaptured, and the table's own, by batch size."""
+    m = talker.model
+    config = m.config.text_config
+    width, most = int(config.hidden_size), max(batches)
+    own_inputs = {"output_hidden_states": True, "generation_step": 0}
+
+    def table() -> SlotCache:
+        return SlotCache.of(config, most, torch.bfloat16, torch.device("cuda"))
+
+    graphed: FixedSteps = talker.stepper
+    eager = FixedSteps(table(), m, most, width, 4, False, **own_inputs)
+    own = SlotSteps(table(), m, **own_inputs)
+    found: dict[str, Any] = {"steps_captured": graphed.captured, "batches": {}}
+    for n in batches:
+        prompts = torch.randn(n, PROMPT, width, device="cuda", dtype=torch.bfloat16)
+        rows = torch.randn(count, n, 1, width, device="cuda", dtype=torch.bfloat16)
+        ours, fixed, theirs = (spoken(s, prompts, rows) for s in (graphed, eager, own))
+        found["batches"][n] = {
+            "graphed_equals_eager": ours == fixed,
+            "steps_equal_to_own": sum(a == b for a, b in zip(ours, theirs, strict=True)),
+            "graphed_ms": step_ms(graphed, n, width, count),
+            "eager_fixed_ms": step_ms(eager, n, width, count),
+            "own_ms": step_ms(own, n, width, count),
+        }
+        print("steps", n, json.dumps(found["batches"][n]), flush=True)
+    return found
 
 
 def main() -> None:
@@ -100,6 +178,7 @@ def main() -> None:
                 "generate_ms": timed(lambda h=hidden, c=code0: generate(m, h, c, groups), a.frames),
             }
             print(n, json.dumps(result["batches"][n]), flush=True)
+        result["decode_steps"] = decode_steps(talker, a.batches, a.frames)
     Path(a.out).write_text(json.dumps(result, indent=2))
     print(f"{'batch':>5} {'graphed ms':>10} {'eager fixed':>11} {'generate':>9} {'same':>5}")
     for n, r in result["batches"].items():
