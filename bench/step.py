@@ -2,8 +2,9 @@
 
 On a GPU, what decides a talker's speed is not its matrix work but everything the host does
 around it each step, during which the device waits: the engine's bookkeeping, sampling, the
-KV caches stacked into one batch and split back (engines/kv_batch.py), and for Qwen3-Omni's
-code predictor transformers' `generate` loop around its 15 sub-steps a frame. This measures
+cache handling (the talkers' slot table, engines/slot_cache.py; before it, every request's
+cache stacked into one batch and split back each step), and for Qwen3-Omni's code predictor
+its loop around its 15 sub-steps a frame. This measures
 that share on the real engines (bench.in_process: the example's stage, its own compute thread
 and step batcher), for Qwen2.5-Omni's talker and Qwen3-Omni's talker and code predictor: B
 requests (1 and 8) speak the same thinker reply together, so their steps run as batches of B.
@@ -13,8 +14,11 @@ the talker's next code, `residuals` the code predictor's codes of a frame); the 
 forwards in it are timed by forward hooks on the talker's model and on its code predictor (on
 a GPU synchronised at each forward's start and end, so a forward's time is its launches and
 its device time, and what comes before it is not counted in it). The rest is host work the
-device cannot hide: eager steps wait for it, and a step replayed as a CUDA graph would not
-remove it (issue 55: graph-shaped steps are not built yet, so only eager is measured).
+device cannot hide: eager steps wait for it, and a step replayed as a CUDA graph does not
+remove it. The talkers' decode steps twice: on the slot table's own shapes (`decode`), and at
+fixed shapes (`decode_fixed`, `fixedSteps: true`: a bucket's rows over the table's whole
+length, what `cudaGraphs` captures on CUDA; measured uncaptured, so that the forward hooks
+still see each forward).
 
 Ratios: `host_share_<model>_<kind>_b<B>`, the share of a step outside the forwards (lower is
 better). Also each step's milliseconds and its forwards'.
@@ -144,11 +148,18 @@ async def speak_together(talker: Engine, reply: dict[str, Any], batch: int, code
     await asyncio.gather(*(one(i) for i in range(batch)))
 
 
-async def measure(name: str, model: Path, device: str, dtype: str, dummy: bool, codes: int) -> dict[str, Any]:
+async def measure(
+    name: str, model: Path, device: str, dtype: str, dummy: bool, codes: int, fixed: bool = False
+) -> dict[str, Any]:
+    """Each kind's steps at each batch size; with `fixed`, the talker's decode steps only, at
+    fixed shapes (as `decode_fixed`)."""
     example, _, kinds = MODELS[name]
+    if fixed:
+        kinds = {k: v for k, v in kinds.items() if k == "decode"}
     extra: dict[str, Any] = {"device": device, "dtype": dtype} | ({"loadFormat": "dummy"} if dummy else {})
     thinker = stage_engine(ROOT / "examples" / example, "thinker", model, 1, **extra)
-    talker = stage_engine(ROOT / "examples" / example, "talker", model, max(BATCHES), **extra)
+    talker_args = extra | ({"fixedSteps": True} if fixed else {})
+    talker = stage_engine(ROOT / "examples" / example, "talker", model, max(BATCHES), **talker_args)
     for e in (thinker, talker):
         await e.start()
     reply = await thought(thinker, THINKER_TOKENS)
@@ -166,7 +177,7 @@ async def measure(name: str, model: Path, device: str, dtype: str, dummy: bool, 
             forward = clock[kind].seconds[batch]
             if n == 0:
                 continue
-            out[f"{kind}_b{batch}"] = {
+            out[f"{kind}{'_fixed' if fixed else ''}_b{batch}"] = {
                 "steps": n,
                 "step_ms": round(step / n * 1000, 3),
                 "forward_ms": round(forward / n * 1000, 3),
@@ -190,14 +201,16 @@ async def run(args: Any) -> dict[str, Any]:
             model = family.write_config_only(Path(args.model_dir) / name)
             models[name] = await measure(name, model, args.device, dtype, True, codes)
             release_freed_memory()
+            models[name] |= await measure(name, model, args.device, dtype, True, codes, fixed=True)
+            release_freed_memory()
     else:
         from bench.procs import demo_models  # (not on a GPU machine: it has the core's imports only)
 
         with demo_models() as demo:
             for name, (_, checkpoint, _) in MODELS.items():
-                models[name] = await measure(
-                    name, demo / "models" / checkpoint, args.device, dtype, False, codes
-                )
+                model = demo / "models" / checkpoint
+                models[name] = await measure(name, model, args.device, dtype, False, codes)
+                models[name] |= await measure(name, model, args.device, dtype, False, codes, fixed=True)
     return {
         "benchmark": "step",
         "machine": machine() | ({"gpu": torch.cuda.get_device_name()} if cuda else {}),

@@ -16,15 +16,10 @@ from omni_stage.engines.fixed_steps import buckets_up_to
 LOG = logging.getLogger(__name__)
 
 
-def frame_embedding(talker: Any, codes: list[int]) -> torch.Tensor:
-    """[1, 1, H]: a frame's codes (first, then the code predictor's), each through its own
-    table, summed: the talker's input for the frame."""
-    device = talker.get_input_embeddings().weight.device
-    return frames_embedding(talker, torch.tensor([codes], device=device))
-
-
 def frames_embedding(talker: Any, codes: torch.Tensor) -> torch.Tensor:
-    """[1, T, H]: frame_embedding of each frame of `codes` [T, groups]."""
+    """[1, T, H]: each frame of `codes` [T, groups] (first, then the code predictor's), each
+    code through its own table, summed: the talker's input for the frame (T frames of one
+    request, or one frame each of T requests)."""
     tables = [talker.get_input_embeddings(), *talker.code_predictor.get_input_embeddings()]
     each = [t(codes[:, g : g + 1]) for g, t in zip(range(codes.shape[1]), tables, strict=True)]
     return torch.cat(each, dim=1).sum(1)[None]

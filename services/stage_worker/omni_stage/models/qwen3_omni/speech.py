@@ -15,7 +15,7 @@ from omni_stage.engines.base import EngineCall
 from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.prompt_cache import Sequence, same_rows
 from omni_stage.engines.slot_cache import warm_up
-from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding
+from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frames_embedding
 from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, talker_prompt
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
@@ -266,20 +266,18 @@ class Qwen3Talker(SlotTalker):
     def _decodes(self, steps: list[_Step]) -> list[_Step]:
         """Each request's next code 0 and the hidden state that drew it: its codes' embeddings
         summed, plus the step's text, at its own position in its own cache."""
-        inputs = [self._step_input(s.st, s.trailing) for s in steps]  # type: ignore[arg-type]
         sts = [s.st for s in steps]
+        codes = [[st.code0, *st.residuals] for st in sts]  # type: ignore[misc]
+        trailing = torch.stack([s.trailing for s in steps])[:, None]  # type: ignore[misc]
+        inputs = frames_embedding(self.model, torch.tensor(codes, device=self.device))[0][:, None] + trailing
         slots = [self._slot(st) for st in sts]
         assert self.stepper is not None
-        out = self.stepper.step(slots, [self._step_positions(st) for st in sts], torch.cat(inputs))
+        out = self.stepper.step(slots, [self._step_positions(st) for st in sts], inputs)
         last = out.hidden_states[0][-1]
         return [
             _Step(st, code0=self._pick(st, out.logits[s, -1].float()), hidden=last[s : s + 1, -1:])
             for st, s in zip(sts, slots, strict=True)
         ]
-
-    def _step_input(self, st: _Speaking, trailing: torch.Tensor) -> torch.Tensor:
-        assert st.residuals is not None
-        return frame_embedding(self.model, [st.code0, *st.residuals]) + trailing[None, None]
 
     def _step_positions(self, st: _Speaking) -> torch.Tensor:
         """[4, 1, 1]: the step's text position, and its M-RoPE ones (offset by the prompt's media)."""

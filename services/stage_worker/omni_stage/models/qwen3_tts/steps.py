@@ -12,7 +12,7 @@ from typing import Final
 import torch
 
 from omni_stage.engines.slot_cache import SlotSteps
-from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frame_embedding
+from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frames_embedding
 from omni_stage.models.qwen3_omni.speech import SUPPRESSED_TOP
 from omni_stage.models.qwen3_tts.modeling import Talker
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt
@@ -78,10 +78,9 @@ class TTSSteps:
     @torch.inference_mode()
     def decode(self, sts: list[Speaking], frames: list[list[int]]) -> None:
         """Each request's next step, fed its frame and its next text row, drawing its next code 0."""
-        rows = [
-            frame_embedding(self.talker, codes) + st.text_row() for st, codes in zip(sts, frames, strict=True)
-        ]
-        inputs = torch.cat(rows)
+        text = torch.cat([st.text_row() for st in sts])
+        device = text.device
+        inputs = frames_embedding(self.talker, torch.tensor(frames, device=device))[0][:, None] + text
         for st in sts:
             st.fed += 1
         slots: list[int] = [st.slot for st in sts]  # type: ignore[misc]
