@@ -27,6 +27,7 @@ from omni_stage.models.qwen_omni.parts import (
     compiler,
     compiles,
     greedy_code,
+    greedy_codes,
 )
 from omni_stage.models.qwen_omni.talking import HoldsSlot, SlotTalker
 from omni_stage.segments import EngineOutput
@@ -199,7 +200,8 @@ class Talker(SlotTalker):
         slots = [self._slot(st) for st in sts]
         positions = [self._span(self.slots.lengths[s], 1) for s in slots]
         out = self.stepper.step(slots, positions, torch.cat(inputs))
-        return [self._pick(st, out.logits[s, -1].float()) for st, s in zip(sts, slots, strict=True)]
+        bos = [self.codec["bos"]]
+        return greedy_codes(out.logits[slots, -1].float(), [st.seen for st in sts], [bos] * len(sts))
 
     def _span(self, at: int, n: int) -> torch.Tensor:
         """[3, 1, n]: the M-RoPE position ids of n positions from `at` (text: every row alike)."""

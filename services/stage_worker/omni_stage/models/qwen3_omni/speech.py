@@ -22,6 +22,7 @@ from omni_stage.models.qwen_omni.parts import (
     compiler,
     compiles,
     greedy_code,
+    greedy_codes,
 )
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
 from omni_stage.models.qwen_omni.talking import HoldsSlot, SlotTalker
@@ -274,9 +275,14 @@ class Qwen3Talker(SlotTalker):
         assert self.stepper is not None
         out = self.stepper.step(slots, [self._step_positions(st) for st in sts], inputs)
         last = out.hidden_states[0][-1]
+        drawn = greedy_codes(
+            out.logits[slots, -1].float(), [st.seen for st in sts], [self.suppressed] * len(sts)
+        )
+        for st, code in zip(sts, drawn, strict=True):
+            st.seen.append(code)
         return [
-            _Step(st, code0=self._pick(st, out.logits[s, -1].float()), hidden=last[s : s + 1, -1:])
-            for st, s in zip(sts, slots, strict=True)
+            _Step(st, code0=code, hidden=last[s : s + 1, -1:])
+            for st, s, code in zip(sts, slots, drawn, strict=True)
         ]
 
     def _step_positions(self, st: _Speaking) -> torch.Tensor:

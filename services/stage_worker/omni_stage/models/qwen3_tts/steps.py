@@ -16,7 +16,7 @@ from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frames_emb
 from omni_stage.models.qwen3_omni.speech import SUPPRESSED_TOP
 from omni_stage.models.qwen3_tts.modeling import Talker
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt
-from omni_stage.models.qwen_omni.parts import greedy_code
+from omni_stage.models.qwen_omni.parts import greedy_codes
 from omni_stage.models.qwen_omni.talking import HoldsSlot
 
 MIN_CODES: Final = 2
@@ -66,7 +66,7 @@ class TTSSteps:
         inputs = st.prompt.inputs
         positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
         out = self.steps.prefill(st.slot, None, positions, inputs)
-        self._draw(st, out.last_hidden_state[:, -1:])
+        self._draw([st], out.last_hidden_state[:, -1:])
 
     @torch.inference_mode()
     def residuals(self, sts: list[Speaking]) -> list[list[int]]:
@@ -86,8 +86,7 @@ class TTSSteps:
         slots: list[int] = [st.slot for st in sts]  # type: ignore[misc]
         positions = [torch.tensor([[self.slots.lengths[s]]], device=inputs.device) for s in slots]
         out = self.steps.step(slots, positions, inputs)
-        for st, s in zip(sts, slots, strict=True):
-            self._draw(st, out.last_hidden_state[s : s + 1, -1:])
+        self._draw(sts, out.last_hidden_state[slots, -1:])
 
     def speak(self, prompt: TTSPrompt, budget: int) -> list[list[int]]:
         """One request alone, start to end: every frame [16 codes]."""
@@ -103,10 +102,15 @@ class TTSSteps:
             self.slots.give_back(st.slot)  # type: ignore[arg-type]
         return frames
 
-    def _draw(self, st: Speaking, hidden: torch.Tensor) -> None:
-        """Code 0 from the step's last hidden state: greedy, with the reference's repetition
-        penalty over the codes 0 so far, its control codes suppressed, no eos before two codes."""
-        st.hidden = hidden
-        never = self.suppressed if len(st.seen) >= MIN_CODES else [*self.suppressed, self.ids.codec_eos]
-        st.code0 = greedy_code(self.talker.codec_head(hidden)[0, -1].float(), st.seen, never)
-        st.seen.append(st.code0)
+    def _draw(self, sts: list[Speaking], hidden: torch.Tensor) -> None:
+        """Each request's code 0 from its row of the step's last hidden states ([B, 1, H]):
+        greedy, with the reference's repetition penalty over its codes 0 so far, its control
+        codes suppressed, no eos before two codes."""
+        early = [*self.suppressed, self.ids.codec_eos]
+        never = [self.suppressed if len(st.seen) >= MIN_CODES else early for st in sts]
+        logits = self.talker.codec_head(hidden)[:, -1].float()
+        for row, (st, code) in enumerate(
+            zip(sts, greedy_codes(logits, [st.seen for st in sts], never), strict=True)
+        ):
+            st.hidden, st.code0 = hidden[row : row + 1], code
+            st.seen.append(code)

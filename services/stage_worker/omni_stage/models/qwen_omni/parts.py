@@ -29,21 +29,33 @@ DUMMY_RANGE: Final = 1e-3
 """Dummy weights are drawn uniformly from +-this, as vLLM's dummy loader draws them."""
 
 
-def penalise_repeats(logits: torch.Tensor, seen: Iterable[int]) -> torch.Tensor:
-    """The talkers' repetition penalty over the codes `seen`, with transformers' own processor,
-    as the references' generate applies it."""
+def greedy_codes(logits: torch.Tensor, seen: list[Iterable[int]], never: list[Iterable[int]]) -> list[int]:
+    """Each row's greedy code ([B, vocab] logits), as the references' generate picks it: the
+    repetition penalty over the row's codes `seen` (transformers' own processor, for the
+    batch at once: a row's ids padded with its own first, which the penalty takes once), the
+    row's codes `never` drawn (control codes; an eos too early) masked out."""
     from transformers import RepetitionPenaltyLogitsProcessor
 
-    ids = torch.tensor([sorted(set(seen))], dtype=torch.long, device=logits.device)
-    return RepetitionPenaltyLogitsProcessor(REPETITION_PENALTY)(ids, logits[None])[0]
+    logits = logits.clone()
+    ids = [sorted(set(s)) for s in seen]
+    rows = [i for i, row in enumerate(ids) if row]
+    if rows:
+        width = max(len(ids[i]) for i in rows)
+        padded = torch.tensor(
+            [ids[i] + ids[i][:1] * (width - len(ids[i])) for i in rows], device=logits.device
+        )
+        logits[rows] = RepetitionPenaltyLogitsProcessor(REPETITION_PENALTY)(padded, logits[rows])
+    by_list: dict[int, tuple[list[int], Iterable[int]]] = {}  # rows that share one list of codes
+    for i, codes in enumerate(never):
+        by_list.setdefault(id(codes), ([], codes))[0].append(i)
+    for at, codes in by_list.values():
+        logits[torch.tensor(at)[:, None], torch.tensor(list(codes), dtype=torch.long)] = -float("inf")
+    return logits.argmax(-1).tolist()
 
 
 def greedy_code(logits: torch.Tensor, seen: Iterable[int], never: Iterable[int]) -> int:
-    """A talker's greedy code, as the references' generate picks it: the repetition penalty
-    over `seen`, the codes `never` drawn (control codes; an eos too early) masked out."""
-    logits = penalise_repeats(logits, seen)
-    logits[list(never)] = -float("inf")
-    return int(torch.argmax(logits))
+    """`greedy_codes` of one request's logits [vocab]."""
+    return greedy_codes(logits[None], [seen], [never])[0]
 
 
 def dummy_model(cls: Any, config: Any, device: torch.device, dtype: torch.dtype) -> Any:
