@@ -21,7 +21,8 @@ its end code sooner), greedy.
 Not part of the suite (CI has no GPU). From the repository root, the project importable:
     python scripts/gpu_bench.py OUT.json [--pipeline qwen3-omni|qwen2.5-omni] [--sizes full|tiny]
 `--sizes tiny` runs the same on the demo's dimensions (a check of the script on a CPU);
-`--cuda-graphs` runs Qwen3-Omni's talker with `cudaGraphs: true` (its code predictor graphed).
+`--cuda-graphs` runs the talker with `cudaGraphs: true` (its decode steps graphed, at fixed
+shapes on its slot table, and Qwen3-Omni's code predictor's frames).
 """
 
 from __future__ import annotations
@@ -202,7 +203,7 @@ def main() -> None:
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="Qwen3-Omni's talker with cudaGraphs: its code predictor graphed",
+        help="the talker with cudaGraphs: its decode steps (and Qwen3-Omni's code predictor) graphed",
     )
     a = p.parse_args()
     result = asyncio.run(run(a))
