@@ -27,7 +27,7 @@ from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_
 from omni_stage.models.qwen3_tts.prompt import TTSIds, tts_prompt
 from omni_stage.models.qwen3_tts.steps import TTSSteps
 from omni_stage.payload import concat
-from tests.helpers import ROOT
+from tests.helpers import ROOT, wait_until
 from tests.qwen_reference import check_first_audio_under_load
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
@@ -178,6 +178,38 @@ def stage_engine(stage: str, model: Path, **args: Any) -> Engine:
     spec = load_pipeline(EXAMPLE).spec.stage(stage)
     update = {"model": str(model), "args": {**spec.engine.args, **args}}
     return build_engine(spec.model_copy(update={"engine": spec.engine.model_copy(update=update)}))
+
+
+def test_a_cut_request_gives_its_slot_back(checkpoint: Path) -> None:
+    """A request cut while the talker speaks (its task cancelled: a client gone) holds its slot
+    of the replica's cache until the stage's runner says it ended (`request_ended`, called here
+    as the runner calls it), once the step in progress is over; a request spoken to its end
+    gives its slot back by itself."""
+
+    async def go() -> None:
+        talker = stage_engine("talker", checkpoint)
+        await talker.start()
+        sampling = Sampling(max_tokens=BUDGET)
+        done = EngineCall("d", {"request": {"prompt": "The sea is calm."}}, True, sampling)
+        assert [o async for o in talker.generate(done)] and talker.active_requests() == 0
+        cut = EngineCall("c", {"request": {"prompt": "The sea is calm."}}, True, sampling)
+        first = asyncio.Event()
+
+        async def speak() -> None:
+            async for _ in talker.generate(cut):
+                first.set()
+
+        task = asyncio.create_task(speak())
+        await asyncio.wait_for(first.wait(), 30)
+        assert talker.active_requests() == 1
+        task.cancel()
+        await asyncio.wait([task])
+        assert task.cancelled()  # cut while it spoke
+        talker.request_ended(cut.state)
+        await wait_until(lambda: talker.active_requests() == 0, 30, "the cut request's slot back")
+        await talker.close()
+
+    asyncio.run(go())
 
 
 @pytest.mark.parametrize("stage", ["talker", "code2wav"])
