@@ -77,8 +77,8 @@ def spoken(steps: SlotSteps, prompts: torch.Tensor, rows: torch.Tensor) -> list[
         steps.prefill(s, None, span(0, PROMPT), prompts[i : i + 1])
     codes = []
     for k in range(rows.shape[0]):
-        out = steps.step(slots, [span(PROMPT + k, 1)] * len(slots), rows[k])
-        codes.append(out.logits[slots, -1].argmax(-1).tolist())
+        out, at = steps.step(slots, [span(PROMPT + k, 1)] * len(slots), rows[k])
+        codes.append(out.logits[at, -1].argmax(-1).tolist())
     for s in slots:
         steps.table.give_back(s)
     return codes

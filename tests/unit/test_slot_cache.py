@@ -53,11 +53,11 @@ def test_steps_on_the_table_compute_what_each_whole_sequence_computes(decoder: Q
     def step(stepping: list[int]) -> None:
         new = torch.randn(len(stepping), 1, WIDTH, generator=gen)
         positions = [torch.tensor([[table.lengths[s]]]) for s in stepping]
-        out = table.step(decoder, stepping, positions, inputs_embeds=new)
-        for i, s in enumerate(stepping):
+        out, rows = table.step(decoder, stepping, positions, inputs_embeds=new)
+        for i, (s, row) in enumerate(zip(stepping, rows, strict=True)):
             seqs[s] = torch.cat([seqs[s], new[i : i + 1]], dim=1)
             expected = whole(decoder, seqs[s])
-            torch.testing.assert_close(out.last_hidden_state[s, -1], expected, rtol=0, atol=1e-6)
+            torch.testing.assert_close(out.last_hidden_state[row, -1], expected, rtol=0, atol=1e-6)
 
     for _ in range(6):
         step([0, 1, 2])
@@ -97,11 +97,11 @@ def test_fixed_shape_steps_compute_what_each_whole_sequence_computes(decoder: Qw
     def step(stepping: list[int]) -> None:
         new = torch.randn(len(stepping), 1, WIDTH, generator=gen)
         positions = [torch.tensor([[table.lengths[s]]]) for s in stepping]
-        out = steps.step(stepping, positions, new)
-        for i, s in enumerate(stepping):
+        out, rows = steps.step(stepping, positions, new)
+        for i, (s, row) in enumerate(zip(stepping, rows, strict=True)):
             seqs[s] = torch.cat([seqs[s], new[i : i + 1]], dim=1)
             expected = whole(decoder, seqs[s])
-            torch.testing.assert_close(out.last_hidden_state[s, -1], expected, rtol=0, atol=1e-6)
+            torch.testing.assert_close(out.last_hidden_state[row, -1], expected, rtol=0, atol=1e-6)
 
     step([0])
     step([0, 1])

@@ -81,10 +81,12 @@ class FixedSteps(SlotSteps):
                 LOG.warning("talker steps not captured as CUDA graphs, launched at fixed shapes: %s", exc)
                 self._graphs = {}
 
-    def step(self, slots: list[int], positions: list[torch.Tensor], inputs_embeds: torch.Tensor) -> Any:
-        """As `SlotCache.step` (the same arguments, the output's rows the table's: slot s's is
-        row s), at the bucket's fixed shapes; the output is the step's own (copied out of a
-        graph's, which its next replay overwrites)."""
+    def step(
+        self, slots: list[int], positions: list[torch.Tensor], inputs_embeds: torch.Tensor
+    ) -> tuple[Any, list[int]]:
+        """As `SlotSteps.step`, at the bucket's fixed shapes (the table's first rows: a slot's
+        row is the slot); the output is the step's own (copied out of a graph's, which its next
+        replay overwrites)."""
         if self.table.grown != self._grown:
             self._build()  # (the table's tensors are new: every buffer and graph with them)
         height = max(slots) + 1
@@ -105,7 +107,7 @@ class FixedSteps(SlotSteps):
             out = self._forward(b)
         for s in slots:
             self.table.lengths[s] += 1
-        return out
+        return out, slots
 
     def _forward(self, b: int) -> Any:
         """The bucket's forward on its buffers: every row over the table's positions, masked to
@@ -118,7 +120,7 @@ class FixedSteps(SlotSteps):
             mask = torch.zeros(visible.shape, dtype=dtype, device=at.device).masked_fill(
                 ~visible, torch.finfo(dtype).min
             )
-        self.table.aim(self.positions, self._rows[b], at)
+        self.table.aim(0, self.positions, self._rows[b], at)
         return self.model(
             inputs_embeds=self._embeds[b],
             position_ids=self._ids[b],

@@ -6,12 +6,13 @@ CUDA graph cannot replay (docs/architecture.md, Talkers on GPUs). Here each laye
 values are one tensor [slots, kv heads, positions, head dim] for the replica; a request takes a
 slot before its prefill and gives it back when it ends. A prefill runs on the request's own
 `DynamicCache` (a conversation's kept one, or a new one), copied into its slot once. A decode
-step runs on the table's rows as they lie, from row 0 to the highest slot stepping (rows not
-stepping are computed on zeros and dropped: slots are taken lowest first, so they are few),
-writes each row's new position at that row's own length, in place, and attends each row over
-its own length (a mask from the per-row lengths). The window a step sees is a view of the table
-from its start, so its addresses and strides stay as they were: a compiled step is not compiled
-again for a new slot or length. The table grows, by doubling, only when a request outgrows it
+step runs on the table's rows as they lie, from the lowest slot stepping to the highest (rows
+between them not stepping are computed on zeros and dropped: slots are taken lowest first, so
+they are few), writes each row's new position at that row's own length, in place, and attends
+each row over its own length (a mask from the per-row lengths). The window a step sees is a
+view of the table, so its strides stay as they were: a compiled step is not compiled again for
+a new slot or length (its warm-up steps at the first three slots, so that the view's offset
+into the table is compiled as a variable). The table grows, by doubling, only when a request outgrows it
 (`grown` counts it); a request's cache is copied only into its slot at its prefill and out of
 it for a conversation's kept sequence (`copies` counts those).
 """
@@ -144,37 +145,40 @@ class SlotCache(Cache):
         self._put(slot, out.past_key_values)
         return out
 
-    def step(self, model: Any, slots: list[int], positions: list[torch.Tensor], **inputs: Any) -> Any:
+    def step(
+        self, model: Any, slots: list[int], positions: list[torch.Tensor], **inputs: Any
+    ) -> tuple[Any, list[int]]:
         """`model(**inputs)` for requests at their slots, one new position each: tensor `inputs`
         batched on dim 0 in the order of `slots`, `positions[i]` the i-th's position ids ([1, 1]
-        or [k, 1, 1]). Returns the model's output, its rows the table's: slot s's is row s."""
-        height = max(slots) + 1
-        span = self.lengths[:height]
+        or [k, 1, 1]). Returns the model's output and each request's row of it."""
+        lo, hi = min(slots), max(slots) + 1
+        rows = [s - lo for s in slots]
+        span = self.lengths[lo:hi]
         kv = max(span) + 1
-        self.reserve(height, kv)
+        self.reserve(hi, kv)
         device = positions[0].device
         at = torch.tensor(span, device=device)
-        self.aim(kv, torch.arange(height, device=device), at)
-        mask = None if height == 1 else torch.arange(kv, device=device)[None] <= at[:, None]
-        if slots != list(range(height)):  # rows between the slots stepping: zeros
-            inputs = {k: _spread(v, slots, height) if torch.is_tensor(v) else v for k, v in inputs.items()}
-            joined = _spread_positions(positions, slots, height)
+        self.aim(lo, kv, torch.arange(hi - lo, device=device), at)
+        mask = None if hi - lo == 1 else torch.arange(kv, device=device)[None] <= at[:, None]
+        if rows != list(range(hi - lo)):  # rows between the slots stepping: zeros
+            inputs = {k: _spread(v, rows, hi - lo) if torch.is_tensor(v) else v for k, v in inputs.items()}
+            joined = _spread_positions(positions, rows, hi - lo)
         else:
-            joined = positions[0] if height == 1 else torch.cat(positions, dim=-2)
+            joined = positions[0] if hi - lo == 1 else torch.cat(positions, dim=-2)
         out = model(**inputs, attention_mask=mask, position_ids=joined, past_key_values=self, use_cache=True)
         for s in slots:
             self.lengths[s] += 1
-        return out
+        return out, rows
 
-    def aim(self, kv: int, rows: torch.Tensor, at: torch.Tensor) -> None:
-        """What the next forward's layers see: the table's first `len(rows)` rows up to
+    def aim(self, lo: int, kv: int, rows: torch.Tensor, at: torch.Tensor) -> None:
+        """What the next forward's layers see: the table's `len(rows)` rows from row `lo` up to
         position `kv`, and where each row writes its new position (`at`, [rows])."""
-        height = rows.shape[0]
+        hi = lo + rows.shape[0]
         self.seen = kv - 1
         self.rows_at = (rows, at)
         for layer in self.layers:
             assert isinstance(layer, SlotLayer) and layer.keys is not None and layer.values is not None
-            layer.window = (layer.keys[:height, :, :kv], layer.values[:height, :, :kv])
+            layer.window = (layer.keys[lo:hi, :, :kv], layer.values[lo:hi, :, :kv])
 
     def reserve(self, slots: int, positions: int) -> None:
         """At least `slots` rows of at least `positions` positions (the table doubles to them)."""
@@ -231,7 +235,10 @@ class SlotSteps:
         inputs = {"inputs_embeds": inputs_embeds, **self.inputs}
         return self.table.prefill(self.model, slot, past, positions, **inputs)
 
-    def step(self, slots: list[int], positions: list[torch.Tensor], inputs_embeds: torch.Tensor) -> Any:
+    def step(
+        self, slots: list[int], positions: list[torch.Tensor], inputs_embeds: torch.Tensor
+    ) -> tuple[Any, list[int]]:
+        """The model's output for requests at `slots` stepping once, and each one's row of it."""
         return self.table.step(self.model, slots, positions, inputs_embeds=inputs_embeds, **self.inputs)
 
 
@@ -266,11 +273,13 @@ def warm_up(steps: SlotSteps, width: int, positions: Callable[[int, int], torch.
     keys = table.layers[0].keys
     assert keys is not None
     x = keys.new_zeros(2, 4, width)
-    a, b = table.take(), table.take()
+    a, b, c = table.take(), table.take(), table.take()
     steps.prefill(a, None, positions(0, 4), x[:1])
     steps.step([a], [positions(4, 1)], x[:1, :1])
     steps.prefill(b, None, positions(0, 3), x[:1, :3])
     steps.step([a, b], [positions(5, 1), positions(3, 1)], x[:, :1])
-    steps.prefill(b, table.kept(a), positions(6, 2), x[:1, :2])
-    table.give_back(a)
-    table.give_back(b)
+    steps.prefill(c, table.kept(a), positions(6, 2), x[:1, :2])
+    for one in (b, c):  # a step alone at a slot past the first: its view's offset a variable
+        steps.step([one], [positions(8, 1)], x[:1, :1])
+    for slot in (a, b, c):
+        table.give_back(slot)

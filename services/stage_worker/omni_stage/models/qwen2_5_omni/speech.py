@@ -199,9 +199,9 @@ class Talker(SlotTalker):
         sts = [st for st, _ in steps]
         slots = [self._slot(st) for st in sts]
         positions = [self._span(self.slots.lengths[s], 1) for s in slots]
-        out = self.stepper.step(slots, positions, torch.cat(inputs))
+        out, rows = self.stepper.step(slots, positions, torch.cat(inputs))
         bos = [self.codec["bos"]]
-        return greedy_codes(out.logits[slots, -1].float(), [st.seen for st in sts], [bos] * len(sts))
+        return greedy_codes(out.logits[rows, -1].float(), [st.seen for st in sts], [bos] * len(sts))
 
     def _span(self, at: int, n: int) -> torch.Tensor:
         """[3, 1, n]: the M-RoPE position ids of n positions from `at` (text: every row alike)."""

@@ -273,16 +273,16 @@ class Qwen3Talker(SlotTalker):
         inputs = frames_embedding(self.model, torch.tensor(codes, device=self.device))[0][:, None] + trailing
         slots = [self._slot(st) for st in sts]
         assert self.stepper is not None
-        out = self.stepper.step(slots, [self._step_positions(st) for st in sts], inputs)
+        out, rows = self.stepper.step(slots, [self._step_positions(st) for st in sts], inputs)
         last = out.hidden_states[0][-1]
         drawn = greedy_codes(
-            out.logits[slots, -1].float(), [st.seen for st in sts], [self.suppressed] * len(sts)
+            out.logits[rows, -1].float(), [st.seen for st in sts], [self.suppressed] * len(sts)
         )
         for st, code in zip(sts, drawn, strict=True):
             st.seen.append(code)
         return [
-            _Step(st, code0=code, hidden=last[s : s + 1, -1:])
-            for st, s, code in zip(sts, slots, drawn, strict=True)
+            _Step(st, code0=code, hidden=last[r : r + 1, -1:])
+            for st, r, code in zip(sts, rows, drawn, strict=True)
         ]
 
     def _step_positions(self, st: _Speaking) -> torch.Tensor:

@@ -85,8 +85,8 @@ class TTSSteps:
             st.fed += 1
         slots: list[int] = [st.slot for st in sts]  # type: ignore[misc]
         positions = [torch.tensor([[self.slots.lengths[s]]], device=inputs.device) for s in slots]
-        out = self.steps.step(slots, positions, inputs)
-        self._draw(sts, out.last_hidden_state[slots, -1:])
+        out, rows = self.steps.step(slots, positions, inputs)
+        self._draw(sts, out.last_hidden_state[rows, -1:])
 
     def speak(self, prompt: TTSPrompt, budget: int) -> list[list[int]]:
         """One request alone, start to end: every frame [16 codes]."""
