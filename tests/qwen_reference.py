@@ -29,7 +29,7 @@ from omni_stage.engines.base import CallState, Engine, EngineCall
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
 from omni_stage.windows import WindowState
-from tests.helpers import video_file
+from tests.helpers import video_file, wait_until
 
 
 def reference_processor(path: Path) -> Any:
@@ -384,6 +384,27 @@ def check_first_audio_under_load(
         for chunks in streams:
             assert torch.cat(chunks).shape == ref.shape
             torch.testing.assert_close(torch.cat(chunks), ref, rtol=0, atol=atol)
+
+
+async def cut_while_speaking(talker: Engine, call: EngineCall) -> None:
+    """`call` on `talker` cut after its first output, while it speaks (its task cancelled: a
+    client gone, a barge-in); the slot it held is given back once the stage's runner says the
+    request ended (`request_ended`, called here as the runner calls it) and the step in
+    progress is over: the replica's gauge of what it holds (`active_requests`) says so."""
+    first = asyncio.Event()
+
+    async def speak() -> None:
+        async for _ in talker.generate(call):
+            first.set()
+
+    task = asyncio.create_task(speak())
+    await asyncio.wait_for(first.wait(), 30)
+    assert talker.active_requests() == 1
+    task.cancel()
+    await asyncio.wait([task])
+    assert task.cancelled()  # cut while it spoke
+    talker.request_ended(call.state)
+    await wait_until(lambda: talker.active_requests() == 0, 30, "the cut request's slot back")
 
 
 def slot_table(talker: Engine) -> tuple[int, int, int]:

@@ -27,8 +27,8 @@ from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_
 from omni_stage.models.qwen3_tts.prompt import TTSIds, tts_prompt
 from omni_stage.models.qwen3_tts.steps import TTSSteps
 from omni_stage.payload import concat
-from tests.helpers import ROOT, wait_until
-from tests.qwen_reference import check_first_audio_under_load
+from tests.helpers import ROOT
+from tests.qwen_reference import check_first_audio_under_load, cut_while_speaking
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
 BUDGET = 12
@@ -192,21 +192,9 @@ def test_a_cut_request_gives_its_slot_back(checkpoint: Path) -> None:
         sampling = Sampling(max_tokens=BUDGET)
         done = EngineCall("d", {"request": {"prompt": "The sea is calm."}}, True, sampling)
         assert [o async for o in talker.generate(done)] and talker.active_requests() == 0
-        cut = EngineCall("c", {"request": {"prompt": "The sea is calm."}}, True, sampling)
-        first = asyncio.Event()
-
-        async def speak() -> None:
-            async for _ in talker.generate(cut):
-                first.set()
-
-        task = asyncio.create_task(speak())
-        await asyncio.wait_for(first.wait(), 30)
-        assert talker.active_requests() == 1
-        task.cancel()
-        await asyncio.wait([task])
-        assert task.cancelled()  # cut while it spoke
-        talker.request_ended(cut.state)
-        await wait_until(lambda: talker.active_requests() == 0, 30, "the cut request's slot back")
+        await cut_while_speaking(
+            talker, EngineCall("c", {"request": {"prompt": "The sea is calm."}}, True, sampling)
+        )
         await talker.close()
 
     asyncio.run(go())

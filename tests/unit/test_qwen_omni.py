@@ -32,6 +32,7 @@ from omni_stage.segments import EngineOutput
 from tests.helpers import COMPILE_TIMEOUT_S, ROOT, wait_until
 from tests.qwen_reference import (
     check_first_audio_under_load,
+    cut_while_speaking,
     media_clips,
     media_message,
     reference_generate,
@@ -496,20 +497,7 @@ def test_a_talkers_slot_is_given_back_however_its_request_ends(model: Path) -> N
         talker.request_ended(waiting.state)
         await wait_until(lambda: talker.active_requests() == 0, 30, "the waiting request's slot back")
 
-        cut = EngineCall("c", {"thinker": thought}, True, sampling)
-        first = asyncio.Event()
-
-        async def speak() -> None:
-            async for _ in talker.generate(cut):
-                first.set()
-
-        task = asyncio.create_task(speak())
-        await asyncio.wait_for(first.wait(), 30)
-        task.cancel()
-        await asyncio.wait([task])
-        assert task.cancelled()  # cut while it spoke
-        talker.request_ended(cut.state)
-        await wait_until(lambda: talker.active_requests() == 0, 30, "the cut request's slot back")
+        await cut_while_speaking(talker, EngineCall("c", {"thinker": thought}, True, sampling))
 
     asyncio.run(go())
 

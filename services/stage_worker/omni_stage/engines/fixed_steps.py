@@ -15,14 +15,15 @@ takes the table's own step; a table that grew is captured again at its next step
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from typing import Any, Final
+from collections.abc import Callable, Mapping
+from typing import Any, Final, TypeVar
 
 import torch
 
 from omni_stage.engines.slot_cache import SlotCache, SlotSteps
 
 LOG = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64)
 """Batch sizes a fixed-shape step is padded up to: one fixed shape (and, on CUDA, one graph) each."""
@@ -76,7 +77,7 @@ class FixedSteps(SlotSteps):
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}
         if self.capture:
             try:
-                self._graphs = {b: self._captured(b) for b in self.buckets}
+                self._graphs = {b: graphed(lambda b=b: self._forward(b)) for b in self.buckets}
             except RuntimeError as exc:  # a kernel the capture refuses (MoE routing, say)
                 LOG.warning("talker steps not captured as CUDA graphs, launched at fixed shapes: %s", exc)
                 self._graphs = {}
@@ -130,20 +131,22 @@ class FixedSteps(SlotSteps):
             **self.inputs,
         )
 
-    def _captured(self, b: int) -> tuple[torch.cuda.CUDAGraph, Any]:
-        """The bucket's forward as a CUDA graph, and the output its replays write. Run twice
-        first on a side stream, as CUDA graphs want; what those runs write lands in free rows
-        (their lengths are 0) or past a held row's length, where its next step writes."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._forward(b)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other engines' threads may run
-            out = self._forward(b)
-        return graph, out
+
+def graphed(run: Callable[[], T]) -> tuple[torch.cuda.CUDAGraph, T]:
+    """`run` (a forward on fixed buffers) as a CUDA graph, and what it returned, which each
+    replay writes again. Run twice first on a side stream, as CUDA graphs want (caches
+    allocate, kernels choose their algorithms); what a talker step's runs write lands in free
+    rows (their lengths are 0) or past a held row's length, where its next step writes."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other engines' threads may run
+        out = run()
+    return graph, out
 
 
 def _copied(out: Any) -> Any:

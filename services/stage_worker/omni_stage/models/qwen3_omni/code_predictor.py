@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from omni_stage.engines.fixed_steps import buckets_up_to
+from omni_stage.engines.fixed_steps import buckets_up_to, graphed
 
 LOG = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class StaticFrames:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
             for b in self.buckets:
-                self._graphs[b] = self._capture(b)
+                self._graphs[b] = graphed(lambda b=b: self._frame(b))
 
     @classmethod
     @torch.inference_mode()  # as requests run them: the frames' caches are inference tensors
@@ -107,18 +107,3 @@ class StaticFrames:
             )
             drawn.append(out.logits[:, -1].argmax(-1))
         return torch.stack(drawn, dim=1)
-
-    def _capture(self, b: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """The bucket's frame as a CUDA graph, and the tensor its replays write the codes into.
-        Run twice first on a side stream, as CUDA graphs want (the cache allocates, kernels
-        choose their algorithms)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._frame(b)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other engines' threads may run
-            drawn = self._frame(b)
-        return graph, drawn
