@@ -70,7 +70,9 @@ class FixedSteps(SlotSteps):
         lead = (self.position_rows,) if self.position_rows else ()
         self._embeds = {b: keys.new_zeros(b, 1, self.width) for b in self.buckets}
         self._ids = {b: torch.zeros(*lead, b, 1, dtype=torch.long, device=device) for b in self.buckets}
-        self._at = {b: torch.zeros(b, dtype=torch.long, device=device) for b in self.buckets}
+        # Where each row writes: its length, also in the capture's own runs (a table built again
+        # after it grew holds requests, whose positions before their lengths must stay).
+        self._at = {b: torch.tensor(self.table.lengths[:b], device=device) for b in self.buckets}
         self._rows = {b: torch.arange(b, device=device) for b in self.buckets}
         self._span = torch.arange(self.positions, device=device)
         self._grown = self.table.grown
