@@ -26,7 +26,6 @@ from omni_stage.models.qwen_omni.parts import (
     chunk_args,
     compiler,
     compiles,
-    greedy_code,
     greedy_codes,
 )
 from omni_stage.models.qwen_omni.talking import HoldsSlot, SlotTalker
@@ -183,7 +182,8 @@ class Talker(SlotTalker):
             self.prompt_caches.reused_tokens += n
         assert self.stepper is not None
         out = self.stepper.prefill(self._slot(st), past, self._span(at, len(inputs)), inputs[None])
-        return self._pick(st, out.logits[0, -1].float())
+        [code] = self._picks([st], out.logits[:, -1])
+        return code
 
     @torch.inference_mode()
     def _decodes(self, steps: list[tuple[_Speaking, torch.Tensor]]) -> list[int]:
@@ -200,17 +200,17 @@ class Talker(SlotTalker):
         slots = [self._slot(st) for st in sts]
         positions = [self._span(self.slots.lengths[s], 1) for s in slots]
         out, rows = self.stepper.step(slots, positions, torch.cat(inputs))
-        bos = [self.codec["bos"]]
-        return greedy_codes(out.logits[rows, -1].float(), [st.seen for st in sts], [bos] * len(sts))
+        return self._picks(sts, out.logits[rows, -1])
 
     def _span(self, at: int, n: int) -> torch.Tensor:
         """[3, 1, n]: the M-RoPE position ids of n positions from `at` (text: every row alike)."""
         return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(3, 1, -1)
 
-    def _pick(self, st: _Speaking, logits: torch.Tensor) -> int:
-        """Greedy, with the reference's repetition penalty over every code fed so far and the
-        codec bos suppressed."""
-        return greedy_code(logits, st.seen, [self.codec["bos"]])
+    def _picks(self, sts: list[_Speaking], logits: torch.Tensor) -> list[int]:
+        """Each request's code from its row of `logits` [B, vocab]: greedy, with the reference's
+        repetition penalty over every code fed so far and the codec bos suppressed."""
+        bos = [self.codec["bos"]]
+        return greedy_codes(logits.float(), [st.seen for st in sts], [bos] * len(sts))
 
 
 @dataclass(slots=True, eq=False)

@@ -21,7 +21,6 @@ from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     compiler,
     compiles,
-    greedy_code,
     greedy_codes,
 )
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
@@ -246,7 +245,8 @@ class Qwen3Talker(SlotTalker):
             self.prompt_caches.reused_tokens += n
         assert self.stepper is not None
         out = self.stepper.prefill(self._slot(st), past, positions, inputs)
-        return self._pick(st, out.logits[0, -1].float()), out.hidden_states[0][-1][:, -1:]
+        [code] = self._picks([st], out.logits[:, -1])
+        return code, out.hidden_states[0][-1][:, -1:]
 
     @torch.inference_mode()
     def _steps(self, steps: list[_Step]) -> list[_Step]:
@@ -275,11 +275,7 @@ class Qwen3Talker(SlotTalker):
         assert self.stepper is not None
         out, rows = self.stepper.step(slots, [self._step_positions(st) for st in sts], inputs)
         last = out.hidden_states[0][-1]
-        drawn = greedy_codes(
-            out.logits[rows, -1].float(), [st.seen for st in sts], [self.suppressed] * len(sts)
-        )
-        for st, code in zip(sts, drawn, strict=True):
-            st.seen.append(code)
+        drawn = self._picks(sts, out.logits[rows, -1])
         return [
             _Step(st, code0=code, hidden=last[r : r + 1, -1:])
             for st, r, code in zip(sts, rows, drawn, strict=True)
@@ -291,12 +287,13 @@ class Qwen3Talker(SlotTalker):
         text = torch.tensor([[self.slots.lengths[st.slot]]], device=self.device)
         return torch.cat([text[None], (text + st.rope_delta)[None].expand(3, -1, -1)])
 
-    def _pick(self, st: _Speaking, logits: torch.Tensor) -> int:
-        """Greedy, with the reference's repetition penalty over the codes so far and its
-        suppressed control codes."""
-        code = greedy_code(logits, st.seen, self.suppressed)
-        st.seen.append(code)
-        return code
+    def _picks(self, sts: list[_Speaking], logits: torch.Tensor) -> list[int]:
+        """Each request's code 0 from its row of `logits` [B, vocab]: greedy, with the
+        reference's repetition penalty over its codes so far and its suppressed control codes."""
+        codes = greedy_codes(logits.float(), [st.seen for st in sts], [self.suppressed] * len(sts))
+        for st, code in zip(sts, codes, strict=True):
+            st.seen.append(code)
+        return codes
 
 
 def _register_talker_moe_conversion() -> None:

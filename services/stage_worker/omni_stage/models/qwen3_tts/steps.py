@@ -91,15 +91,16 @@ class TTSSteps:
     def speak(self, prompt: TTSPrompt, budget: int) -> list[list[int]]:
         """One request alone, start to end: every frame [16 codes]."""
         st = Speaking(prompt)
-        self.prefill(st)
         frames = []
         try:
+            self.prefill(st)
             while not self.finished(st, budget):
                 [codes] = self.residuals([st])
                 frames.append(codes)
                 self.decode([st], [codes])
         finally:
-            self.slots.give_back(st.slot)  # type: ignore[arg-type]
+            if st.slot is not None:
+                self.slots.give_back(st.slot)
         return frames
 
     def _draw(self, sts: list[Speaking], hidden: torch.Tensor) -> None:

@@ -53,11 +53,6 @@ def greedy_codes(logits: torch.Tensor, seen: list[Iterable[int]], never: list[It
     return logits.argmax(-1).tolist()
 
 
-def greedy_code(logits: torch.Tensor, seen: Iterable[int], never: Iterable[int]) -> int:
-    """`greedy_codes` of one request's logits [vocab]."""
-    return greedy_codes(logits[None], [seen], [never])[0]
-
-
 def dummy_model(cls: Any, config: Any, device: torch.device, dtype: torch.dtype) -> Any:
     """transformers' `cls` at `config`'s sizes, built on `device` with dummy weights (LOAD_FORMATS),
     seeded: every run of a pipeline computes the same."""
