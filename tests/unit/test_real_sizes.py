@@ -1,12 +1,13 @@
-"""The real models' shapes without their weights: config-only checkpoints at Qwen3-Omni-30B-A3B's
-and Qwen2.5-Omni-7B's sizes (what a GPU run serves where the weights cannot be fetched or do
-not fit the disk), and `loadFormat: dummy`, which builds a part at its config's sizes with
-random weights on the device (vLLM's `load_format: dummy`)."""
+"""The real models' shapes without their weights: config-only checkpoints at Qwen3-Omni-30B-A3B's,
+Qwen2.5-Omni-7B's and Qwen3-TTS-12Hz's sizes (what a GPU run serves where the weights cannot be
+fetched or do not fit the disk), and `loadFormat: dummy`, which builds a part at its config's
+sizes with random weights on the device (vLLM's `load_format: dummy`)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import subprocess
 from pathlib import Path
 from types import ModuleType
@@ -20,6 +21,7 @@ from omni_pipeline.sampling import Sampling
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
 from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
+from omni_stage.models.qwen3_tts import checkpoint as qwen3_tts
 from omni_stage.models.qwen_omni.parts import DUMMY_RANGE
 from omni_stage.payload import concat
 from tests.helpers import OMNI, ROOT
@@ -64,6 +66,73 @@ def test_qwen2_5_omni_config_only_is_7b(tmp_path: Path) -> None:
     assert (c.thinker_config.text_config.hidden_size, c.talker_config.num_hidden_layers) == (3584, 24)
     sizes = _on_meta(c, Qwen2_5OmniForConditionalGeneration)
     assert 8.8 < sizes["thinker"] < 9.1 and 1.3 < sizes["talker"] < 1.4 and 0.4 < sizes["token2wav"] < 0.5
+
+
+@pytest.mark.parametrize(
+    ("release", "model_gb"), [("qwen3-tts-0.6b-base", 1.83), ("qwen3-tts-1.7b-base", 3.86)]
+)
+def test_qwen3_tts_config_only_weighs_what_the_released_files_weigh(
+    tmp_path: Path, release: str, model_gb: float
+) -> None:
+    """Built on the meta device from the config-only checkpoint: model.safetensors' tensors (the
+    talker with its code predictor, the speaker encoder) in bf16, and the speech tokenizer's
+    (its decoder, Mimi's encoder with its codebooks) in float32, weigh what the released
+    files do: 1.83 GB for Qwen3-TTS-12Hz-0.6B-Base, 682 MB for the speech tokenizer (as its
+    ports publish them); the 1.7B's talker is Qwen3-1.7B's decoder as the 0.6B's is
+    Qwen3-0.6B's, 3.86 GB (checkpoint.py)."""
+    from transformers import MimiConfig
+
+    from omni_stage.models.qwen3_tts.cloning import SpeakerEncoder, SpeechEncoder
+    from omni_stage.models.qwen3_tts.loading import read_config
+    from omni_stage.models.qwen3_tts.modeling import SpeechDecoder, Talker
+
+    path = qwen3_tts.write_config_only(tmp_path, release)
+    assert not list(path.rglob("*.safetensors"))
+    settings = read_config(path)
+    tokenizer = json.loads((path / "speech_tokenizer" / "config.json").read_text())
+    mimi = {k: v for k, v in tokenizer["encoder_config"].items() if k != "model_type"}
+    with torch.device("meta"):
+        model = [Talker(settings["talker_config"]), SpeakerEncoder(settings["speaker_encoder_config"])]
+        codec = [SpeechDecoder(tokenizer["decoder_config"]), SpeechEncoder(MimiConfig(**mimi))]
+
+    def gb(modules: list[torch.nn.Module], width: int) -> float:
+        tensors = [t for m in modules for t in m.state_dict().values()]  # what a checkpoint holds
+        return sum(t.numel() for t in tensors if t.is_floating_point()) * width / 1e9
+
+    assert gb(model, 2) == pytest.approx(model_gb, abs=0.02)
+    assert gb(codec, 4) == pytest.approx(0.682, abs=0.01)
+    assert settings["talker_config"]["text_vocab_size"] == 151936
+
+
+def test_qwen3_tts_dummy_weights_speak(tmp_path: Path) -> None:
+    """A config-only Qwen3-TTS checkpoint (at the demo's sizes) served with `loadFormat: dummy`:
+    every weight drawn from +-DUMMY_RANGE, the talker speaks and the decoder voices it; a Base
+    model's talker builds what clones a voice the same way."""
+    example = ROOT / "examples" / "qwen3-tts.yaml"
+
+    async def go(model: Path, base: Path) -> tuple[list[torch.Tensor], int, int]:
+        talker, code2wav, cloning = (
+            stage_engine(example, stage, path, 1, loadFormat="dummy")
+            for stage, path in (("talker", model), ("code2wav", model), ("talker", base))
+        )
+        for e in (talker, code2wav, cloning):
+            await e.start()
+        call = EngineCall("r", {"request": {"prompt": "The sea is calm."}}, True, Sampling(max_tokens=4))
+        frames = concat([o.data async for o in talker.generate(call)])
+        call = EngineCall("r", {"talker": frames}, True, Sampling())
+        audio = [o.data["audio"] async for o in code2wav.generate(call)]
+        parts = (talker.model, code2wav.model, cloning.cloner.speaker, cloning.cloner.speech)  # type: ignore[attr-defined]
+        weights = [p.detach() for m in parts for p in m.parameters() if p.is_floating_point()]
+        for e in (talker, code2wav, cloning):
+            await e.close()
+        return weights, int(frames["codes"].shape[0]), int(torch.cat(audio).numel())
+
+    tiny = qwen3_tts.TINY
+    model = qwen3_tts.write_config_only(tmp_path / "voice", "qwen3-tts-0.6b-customvoice", tiny)
+    base = qwen3_tts.write_config_only(tmp_path / "base", "qwen3-tts-0.6b-base", tiny)
+    weights, frames, samples = asyncio.run(go(model, base))
+    assert all(float(w.abs().max()) <= DUMMY_RANGE for w in weights)
+    assert frames > 0 and samples == frames * 1920
 
 
 def _tiny(family: ModuleType, path: Path) -> Path:
@@ -111,13 +180,31 @@ def test_an_unknown_load_format_is_refused_by_name(tmp_path: Path) -> None:
         stage_engine(ROOT / "examples" / "qwen3-omni.yaml", "talker", model, 1, loadFormat="random")
 
 
-def test_omni_models_writes_a_config_only_checkpoint(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("model", "files"),
+    [("qwen2.5-omni", ["spk_dict.pt"]), ("qwen3-tts-1.7b-voicedesign", ["speech_tokenizer/config.json"])],
+)
+def test_omni_models_writes_a_config_only_checkpoint(tmp_path: Path, model: str, files: list[str]) -> None:
     out = subprocess.run(
-        [*OMNI, "models", "init-config-only", "qwen2.5-omni", str(tmp_path / "q")],
+        [*OMNI, "models", "init-config-only", model, str(tmp_path / "q")],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "loadFormat: dummy" in out.stdout
-    assert (tmp_path / "q" / "config.json").exists() and (tmp_path / "q" / "spk_dict.pt").exists()
+    assert all((tmp_path / "q" / f).exists() for f in ["config.json", *files])
+
+
+def test_omni_models_names_the_models_it_knows(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [*OMNI, "models", "init-config-only", "qwen3-tts-7b", str(tmp_path / "q")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and not (tmp_path / "q").exists()
+    assert (
+        "unknown model 'qwen3-tts-7b': one of qwen3-omni, qwen2.5-omni, qwen3-tts-1.7b-customvoice"
+        in out.stderr
+    )

@@ -100,9 +100,20 @@ def cmd_init_demo(a: argparse.Namespace) -> int:
 def cmd_init_config_only(a: argparse.Namespace) -> int:
     from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
     from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
+    from omni_stage.models.qwen3_tts import checkpoint as qwen3_tts
 
-    family = {"qwen3-omni": qwen3_omni, "qwen2.5-omni": qwen2_5_omni}[a.model]
-    print(f"{a.model}: {family.write_config_only(Path(a.dir))} (serve with engine.args.loadFormat: dummy)")
+    omni = {"qwen3-omni": qwen3_omni, "qwen2.5-omni": qwen2_5_omni}
+    if a.model in qwen3_tts.RELEASES:
+        path = qwen3_tts.write_config_only(Path(a.dir), a.model)
+    elif a.model in omni:
+        path = omni[a.model].write_config_only(Path(a.dir))
+    else:
+        print(
+            f"omni: unknown model {a.model!r}: one of {', '.join([*omni, *qwen3_tts.RELEASES])}",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"{a.model}: {path} (serve with engine.args.loadFormat: dummy)")
     return 0
 
 
@@ -206,10 +217,14 @@ def parser() -> argparse.ArgumentParser:
     m.set_defaults(fn=cmd_init_demo)
     m = msub.add_parser(
         "init-config-only",
-        help="a real-sized checkpoint without weights (Qwen3-Omni-30B-A3B's, Qwen2.5-Omni-7B's), "
-        "served with loadFormat: dummy",
+        help="a real-sized checkpoint without weights (Qwen3-Omni-30B-A3B's, Qwen2.5-Omni-7B's, "
+        "Qwen3-TTS-12Hz's), served with loadFormat: dummy",
     )
-    m.add_argument("model", choices=("qwen3-omni", "qwen2.5-omni"))
+    m.add_argument(
+        "model",
+        help="qwen3-omni, qwen2.5-omni, or a Qwen3-TTS-12Hz release: qwen3-tts-1.7b-customvoice, "
+        "-1.7b-voicedesign, -1.7b-base, -0.6b-customvoice, -0.6b-base",
+    )
     m.add_argument("dir")
     m.set_defaults(fn=cmd_init_config_only)
 

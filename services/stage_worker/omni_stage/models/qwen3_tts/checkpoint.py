@@ -16,11 +16,22 @@ above at their real values), 16 code groups, the 12.5 Hz codes and 24 kHz audio 
 code). Tiny: widths 32-64, two layers each; the code predictor narrower than the talker (the
 1.7B models' projection between them). Speaker and language ids are in the codec's control
 range; the ones published are the real ids.
+
+The released sizes (`RELEASES`, `omni models init-config-only`) without their weights, served
+with `loadFormat: dummy`: the 0.6B talker is Qwen3-0.6B's decoder and the 1.7B's is
+Qwen3-1.7B's (28 layers, 16 heads over 8 key-value heads of 128, MLP 3x the width); the code
+predictor is five such layers at 1024 in both; the speech tokenizer is one for every size
+(its decoder 8 layers at 512 between 1024-wide latents and a 1536-channel upsampler, its
+encoder Mimi's own sizes). Written down from the reference package's port of them and the
+published weights' sizes (a 0.6B CustomVoice holds 0.9 billion parameters, 1.8 GB in bf16),
+not from the released config.json files, which cannot be fetched here: check them against
+those where a checkpoint is at hand.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -95,6 +106,7 @@ DECODER: Final = {
     "num_hidden_layers": 2,
     "num_attention_heads": 2,
     "num_key_value_heads": 2,
+    "head_dim": 32,  # as the real one's: wider than its width over its heads
     "sliding_window": 72,
     "max_position_embeddings": 8000,
     "rope_theta": 10000,
@@ -144,6 +156,95 @@ SPEAKER_ENCODER: Final = {  # the real one's layout (ECAPA-TDNN), at tiny widths
     "enc_se_channels": 16,
     "sample_rate": 24000,
 }
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    """A checkpoint's dimensions: its talker's and code predictor's sections, its speech
+    tokenizer's decoder and encoder, its speaker encoder's (a Base model's), its size's name
+    (`tts_model_size`: the reference takes no style instruction at 0b6), and its text
+    vocabulary (None: the tokenizer's own)."""
+
+    talker: dict[str, Any]
+    code_predictor: dict[str, Any]
+    decoder: dict[str, Any]
+    encoder: dict[str, Any]
+    speaker_encoder: dict[str, Any]
+    size: str
+    text_vocab: int | None = None
+
+
+TINY: Final = Sizes(TALKER, CODE_PREDICTOR, DECODER, ENCODER, SPEAKER_ENCODER, "1b7")
+_FULL_TALKER: Final = TALKER | {  # Qwen3-0.6B's and Qwen3-1.7B's decoder layers (their widths below)
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "rope_scaling": {"interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
+    "text_hidden_size": 2048,
+}
+_FULL_CODE_PREDICTOR: Final = CODE_PREDICTOR | {
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 5,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+}
+_FULL_DECODER: Final = DECODER | {
+    "codebook_dim": 512,
+    "hidden_size": 512,
+    "latent_dim": 1024,
+    "intermediate_size": 1024,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 64,
+    "decoder_dim": 1536,
+}
+_FULL_ENCODER: Final = {  # Mimi's own sizes
+    **ENCODER,
+    "hidden_size": 512,
+    "num_filters": 64,
+    "codebook_dim": 256,
+    "vector_quantization_hidden_dimension": 256,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "intermediate_size": 2048,
+    "upsample_groups": 512,
+}
+_FULL_SPEAKER: Final = SPEAKER_ENCODER | {
+    "enc_channels": [512, 512, 512, 512, 1536],
+    "enc_attention_channels": 128,
+    "enc_res2net_scale": 8,
+    "enc_se_channels": 128,
+}
+QWEN_VOCAB: Final = 151936
+
+
+def _full(width: int, mlp: int, size: str) -> Sizes:
+    return Sizes(
+        _FULL_TALKER | {"hidden_size": width, "intermediate_size": mlp},
+        _FULL_CODE_PREDICTOR,
+        _FULL_DECODER,
+        _FULL_ENCODER,
+        _FULL_SPEAKER | {"enc_dim": width},
+        size,
+        QWEN_VOCAB,
+    )
+
+
+FULL_SIZES: Final = {"1.7b": _full(2048, 6144, "1b7"), "0.6b": _full(1024, 3072, "0b6")}
+RELEASES: Final = {
+    "qwen3-tts-1.7b-customvoice": ("1.7b", "custom_voice"),
+    "qwen3-tts-1.7b-voicedesign": ("1.7b", "voice_design"),
+    "qwen3-tts-1.7b-base": ("1.7b", "base"),
+    "qwen3-tts-0.6b-customvoice": ("0.6b", "custom_voice"),
+    "qwen3-tts-0.6b-base": ("0.6b", "base"),
+}
+"""Qwen/Qwen3-TTS-12Hz-*'s five checkpoints: their sizes and variants."""
 ATTENTIVE: Final = 0.3
 """The talker's layers' weights are drawn this wide: at transformers' 0.02 a position's output is
 nearly its own input, and a style instruction at the prompt's start would change no code."""
@@ -185,26 +286,26 @@ def tokenizer() -> Any:
     return tok
 
 
-def config(variant: str, tok: Any) -> dict[str, Any]:
+def config(variant: str, tok: Any, sizes: Sizes = TINY) -> dict[str, Any]:
     ids = {t: tok.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS} | {
         "assistant": tok.convert_tokens_to_ids("assistant")
     }
     speakers = SPEAKERS if variant == "custom_voice" else {}
     talker = {
-        **TALKER,
+        **sizes.talker,
         **CODEC_IDS,
         "model_type": "qwen3_tts_talker",
-        "text_vocab_size": len(tok),
+        "text_vocab_size": sizes.text_vocab or len(tok),
         "codec_language_id": LANGUAGES,
         "spk_id": speakers,
         "spk_is_dialect": {s: DIALECTS.get(s, False) for s in speakers},
-        "code_predictor_config": {**CODE_PREDICTOR, "model_type": "qwen3_tts_talker_code_predictor"},
+        "code_predictor_config": {**sizes.code_predictor, "model_type": "qwen3_tts_talker_code_predictor"},
     }
     return {
         "architectures": ["Qwen3TTSForConditionalGeneration"],
         "model_type": "qwen3_tts",
         "tokenizer_type": "qwen3_tts_tokenizer_12hz",
-        "tts_model_size": "1b7",
+        "tts_model_size": sizes.size,
         "tts_model_type": variant,
         "im_start_token_id": ids["<|im_start|>"],
         "im_end_token_id": ids["<|im_end|>"],
@@ -213,16 +314,37 @@ def config(variant: str, tok: Any) -> dict[str, Any]:
         "tts_eos_token_id": ids["<|tts_eos|>"],
         "assistant_token_id": ids["assistant"],
         "talker_config": talker,
-        "speaker_encoder_config": SPEAKER_ENCODER,
+        "speaker_encoder_config": sizes.speaker_encoder,
     }
 
 
-def write_speech_tokenizer(path: Path) -> None:
-    """speech_tokenizer/: the 12 Hz tokenizer's config, feature extractor settings and weights."""
-    from safetensors.torch import save_file
-    from transformers import EncodecFeatureExtractor, MimiConfig, MimiModel
+def write_speech_tokenizer_config(path: Path, sizes: Sizes = TINY) -> None:
+    """speech_tokenizer/'s config and feature extractor settings: the 12 Hz tokenizer's."""
+    from transformers import EncodecFeatureExtractor
 
     path.mkdir(parents=True, exist_ok=True)
+    settings = {
+        "architectures": ["Qwen3TTSTokenizerV2Model"],
+        "model_type": "qwen3_tts_tokenizer_12hz",
+        "encoder_config": {**sizes.encoder, "model_type": "mimi"},
+        "decoder_config": sizes.decoder,
+        "encoder_valid_num_quantizers": GROUPS,
+        "input_sample_rate": 24000,
+        "output_sample_rate": 24000,
+        "decode_upsample_rate": 1920,
+        "encode_downsample_rate": 1920,
+    }
+    (path / "config.json").write_text(json.dumps(settings, indent=2))
+    features = EncodecFeatureExtractor(feature_size=1, sampling_rate=24000, padding_value=0.0)
+    features.save_pretrained(path)
+
+
+def write_speech_tokenizer(path: Path) -> None:
+    """speech_tokenizer/: the tiny 12 Hz tokenizer's config, feature extractor settings and weights."""
+    from safetensors.torch import save_file
+    from transformers import MimiConfig, MimiModel
+
+    write_speech_tokenizer_config(path)
     decoder = SpeechDecoder(DECODER).eval()
     keep_the_waveform(decoder)
     with torch.no_grad():  # codebooks as a trained quantizer keeps them: counts and sums
@@ -238,32 +360,44 @@ def write_speech_tokenizer(path: Path) -> None:
     weights = {f"encoder.{k}": v for k, v in encoder.state_dict().items() if not k.startswith(unused)}
     weights |= {f"decoder.{k}": v for k, v in decoder.state_dict().items()}
     save_file({k: v.contiguous() for k, v in weights.items()}, path / "model.safetensors")
-    settings = {
-        "architectures": ["Qwen3TTSTokenizerV2Model"],
-        "model_type": "qwen3_tts_tokenizer_12hz",
-        "encoder_config": {**ENCODER, "model_type": "mimi"},
-        "decoder_config": DECODER,
-        "encoder_valid_num_quantizers": GROUPS,
-        "input_sample_rate": 24000,
-        "output_sample_rate": 24000,
-        "decode_upsample_rate": 1920,
-        "encode_downsample_rate": 1920,
-    }
+
+
+def _write_files(path: Path, variant: str, sizes: Sizes) -> tuple[Any, dict[str, Any]]:
+    """Everything but the weights: config.json, generation_config.json, the tokenizer's files
+    and speech_tokenizer/'s settings; the tokenizer and the config."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown Qwen3-TTS variant {variant!r}: one of {', '.join(VARIANTS)}")
+    path.mkdir(parents=True, exist_ok=True)
+    tok = tokenizer()
+    settings = config(variant, tok, sizes)
     (path / "config.json").write_text(json.dumps(settings, indent=2))
-    features = EncodecFeatureExtractor(feature_size=1, sampling_rate=24000, padding_value=0.0)
-    features.save_pretrained(path)
+    (path / "generation_config.json").write_text(json.dumps(GENERATION, indent=2))
+    tok.save_pretrained(path)
+    _name_the_tokenizer_class(path)
+    write_speech_tokenizer_config(path / "speech_tokenizer", sizes)
+    return tok, settings
+
+
+def write_config_only(
+    path: Path, release: str = "qwen3-tts-1.7b-customvoice", sizes: Sizes | None = None
+) -> Path:
+    """Write `release` (one of RELEASES) without its weights into `path` (a directory; returns
+    it): its config at its sizes (or at `sizes`), the demo's tokenizer at the real text
+    vocabulary's width, the speech tokenizer's settings. Its stages serve with `loadFormat:
+    dummy` (random weights built on the device); its speech is noise."""
+    if release not in RELEASES:
+        raise ValueError(f"unknown Qwen3-TTS release {release!r}: one of {', '.join(RELEASES)}")
+    size, variant = RELEASES[release]
+    _write_files(path, variant, sizes or FULL_SIZES[size])
+    return path
 
 
 def write_checkpoint(path: Path, variant: str = "custom_voice", seed: int = 0) -> Path:
     """A tiny Qwen3-TTS checkpoint of `variant` at `path`."""
     from safetensors.torch import save_file
 
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown Qwen3-TTS variant {variant!r}: one of {', '.join(VARIANTS)}")
     torch.manual_seed(seed)
-    path.mkdir(parents=True, exist_ok=True)
-    tok = tokenizer()
-    settings = config(variant, tok)
+    _, settings = _write_files(path, variant, TINY)
     talker = Talker(settings["talker_config"]).eval()
     with torch.no_grad():  # wider than the init's 0.02, so that every row of the prompt counts
         for name, p in talker.named_parameters():
@@ -276,10 +410,6 @@ def write_checkpoint(path: Path, variant: str = "custom_voice", seed: int = 0) -
         speaker = SpeakerEncoder(SPEAKER_ENCODER).eval()
         state |= {f"speaker_encoder.{k}": v.contiguous() for k, v in speaker.state_dict().items()}
     save_file(state, path / "model.safetensors", metadata={"format": "pt"})
-    (path / "config.json").write_text(json.dumps(settings, indent=2))
-    (path / "generation_config.json").write_text(json.dumps(GENERATION, indent=2))
-    tok.save_pretrained(path)
-    _name_the_tokenizer_class(path)
     write_speech_tokenizer(path / "speech_tokenizer")
     return path
 

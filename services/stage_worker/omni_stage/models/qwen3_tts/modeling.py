@@ -43,6 +43,7 @@ DECODER_KEYS = [
     "rope_theta",
     "num_attention_heads",
     "num_key_value_heads",
+    "head_dim",
     "attention_bias",
     "sliding_window",
     "intermediate_size",

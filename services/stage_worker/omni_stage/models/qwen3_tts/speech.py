@@ -38,7 +38,7 @@ from omni_stage.models.qwen3_tts.cloning import ClonedVoice, VoiceCloner
 from omni_stage.models.qwen3_tts.loading import load_cloner, load_decoder, load_talker, read_config
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt, tts_prompt
 from omni_stage.models.qwen3_tts.steps import Speaking, TTSSteps
-from omni_stage.models.qwen_omni.parts import TALKER_MAX_CODES, Part
+from omni_stage.models.qwen_omni.parts import TALKER_MAX_CODES
 from omni_stage.models.qwen_omni.talking import SlotTalker
 from omni_stage.segments import EngineOutput
 
@@ -55,14 +55,6 @@ def _checked_path(stage: StageSpec) -> Path:
     if not path.is_dir():
         raise EngineError(f"stage '{stage.name}': model directory {str(path)!r} not found")
     return path
-
-
-def _refuse_dummy(part: Part) -> None:
-    if part.load_format != "auto":
-        raise EngineError(
-            f"stage '{part.stage.name}': engine.args.loadFormat {part.load_format!r} "
-            f"is not for {MODEL_NAME} yet"
-        )
 
 
 @dataclass(slots=True)
@@ -87,13 +79,12 @@ class Qwen3TTSTalker(SlotTalker):
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
-        _refuse_dummy(self)
         self.steps: TTSSteps | None = None
         self.cloner: VoiceCloner | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
 
     def _load(self) -> None:
-        from transformers import AutoTokenizer
+        from transformers import Qwen2TokenizerFast
 
         self._set_threads()
         path = _checked_path(self.stage)
@@ -108,11 +99,14 @@ class Qwen3TTSTalker(SlotTalker):
                 f"stage '{self.stage.name}': {path} has tts_model_type "
                 f"{self.settings.get('tts_model_type')!r}, not one of {', '.join(TASKS)}"
             )
-        self.model = load_talker(path, self.device, self.dtype)
+        dummy = self.load_format == "dummy"
+        self.model = load_talker(path, self.device, self.dtype, dummy)
         if self.task == "Base":
-            self.cloner = load_cloner(path, self.device, self.dtype)
+            self.cloner = load_cloner(path, self.device, self.dtype, dummy)
             self.accepts = frozenset({"text", "ref_audio"})  # announced: gateways refuse clips elsewhere
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        # Qwen2's, by name: AutoTokenizer would read config.json as a model's (transformers has no
+        # qwen3_tts) and warn at every start that it does not know it.
+        self.tokenizer = Qwen2TokenizerFast.from_pretrained(path)
         self.ids = TTSIds.of(self.settings)
         self.voices = tuple(sorted(self.ids.speakers, key=lambda v: (v != DEFAULT_VOICE, v)))
         named = (lang.capitalize() for lang in self.ids.languages if "dialect" not in lang)
@@ -271,9 +265,8 @@ class Qwen3TTSCode2Wav(Qwen3Code2Wav):
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
-        _refuse_dummy(self)
 
     def _load(self) -> None:
         self._set_threads()
-        self.model = load_decoder(_checked_path(self.stage), self.device)
+        self.model = load_decoder(_checked_path(self.stage), self.device, self.load_format == "dummy")
         self.upsample = int(self.model.total_upsample)

@@ -65,6 +65,12 @@ def dummy_model(cls: Any, config: Any, device: torch.device, dtype: torch.dtype)
             model = cls._from_config(config, dtype=dtype)
     finally:
         hf_logging.set_verbosity(verbosity)
+    return dummy_weights(model, device)
+
+
+def dummy_weights(model: torch.nn.Module, device: torch.device) -> Any:
+    """`model` (on `device`) with every floating-point weight drawn uniformly from +-DUMMY_RANGE,
+    seeded: every run of a pipeline computes the same."""
     gen = torch.Generator(device).manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
