@@ -27,19 +27,23 @@ def stage_engine(example: Path, name: str, model: Path, max_batch: int, **args: 
 
 
 async def windows(
-    outputs: AsyncIterator[EngineOutput], n: int, into: asyncio.Queue[tuple[Payload, bool]]
+    outputs: AsyncIterator[EngineOutput],
+    n: int,
+    into: asyncio.Queue[tuple[Payload, bool]],
+    first: int | None = None,
 ) -> None:
-    """A producer's outputs as its consumer receives them on a window of `n` units, then the
-    rest as the last."""
+    """A producer's outputs as its consumer receives them on a window of `n` units (the first of
+    `first`, an edge's `firstWindow`), then the rest as the last."""
     parts: list[Payload] = []
     units = 0
+    size = first or n
     async for out in outputs:
         if out.data:
             parts.append(out.data)
         units += out.units
-        if units >= n:
+        if units >= size:
             await into.put((concat(parts), False))
-            parts, units = [], 0
+            parts, units, size = [], 0, n
     await into.put((concat(parts) if parts else {}, True))
 
 

@@ -6,24 +6,26 @@ cache handling (the talkers' slot table, engines/slot_cache.py; before it, every
 cache stacked into one batch and split back each step), and for Qwen3-Omni's code predictor
 its loop around its 15 sub-steps a frame. This measures
 that share on the real engines (bench.in_process: the example's stage, its own compute thread
-and step batcher), for Qwen2.5-Omni's talker and Qwen3-Omni's talker and code predictor: B
-requests (1 and 8) speak the same thinker reply together, so their steps run as batches of B.
+and step batcher), for Qwen2.5-Omni's talker, Qwen3-Omni's talker and code predictor, and
+Qwen3-TTS's talker: B requests (1 and 8) speak the same thinker reply (Qwen3-TTS: the same
+text) together, so their steps run as batches of B.
 
 A step's time is its batched call on the compute thread (StepBatcher.seconds, by kind: `decode`
-the talker's next code, `residuals` the code predictor's codes of a frame); the model's own
+the talker's next code, `residuals` the code predictor's codes of a frame; Qwen3-TTS's `frame`
+both, the talker's step and the code predictor's frame after it); the model's own
 forwards in it are timed by forward hooks on the talker's model and on its code predictor (on
 a GPU synchronised at each forward's start and end, so a forward's time is its launches and
 its device time, and what comes before it is not counted in it). The rest is host work the
 device cannot hide: eager steps wait for it, and a step replayed as a CUDA graph does not
-remove it. The talkers' decode steps twice: on the slot table's own shapes (`decode`), and at
-fixed shapes (`decode_fixed`, `fixedSteps: true`: a bucket's rows over the table's whole
+remove it. The talkers' decode steps twice: on the slot table's own shapes (`decode`, `frame`),
+and at fixed shapes (`decode_fixed`, `frame_fixed`, `fixedSteps: true`: a bucket's rows over the table's whole
 length, what `cudaGraphs` captures on CUDA; measured uncaptured, so that the forward hooks
 still see each forward).
 
 Ratios: `host_share_<model>_<kind>_b<B>`, the share of a step outside the forwards (lower is
 better). Also each step's milliseconds and its forwards'.
 
-`--sizes full --device cuda`: both at their real sizes (config-only checkpoints with
+`--sizes full --device cuda`: each at its real sizes (Qwen3-TTS: 12Hz-1.7B; config-only checkpoints with
 `loadFormat: dummy`: random weights built on the device), for the GPU section of
 docs/benchmarks.md; the tiny demo checkpoints otherwise.
 """
@@ -48,14 +50,19 @@ from omni_stage.engines.batching import StepBatcher
 from omni_stage.payload import concat
 
 ROOT = Path(__file__).resolve().parents[1]
-MODELS = {  # model -> (example, demo checkpoint, {kind: the module whose forwards a step of that kind runs})
-    "qwen2.5-omni": ("qwen2.5-omni.yaml", "tiny-qwen2.5-omni", {"decode": "model"}),
+MODELS = {  # model -> (example, demo checkpoint, {kind: the modules whose forwards a step of that kind runs})
+    "qwen2.5-omni": ("qwen2.5-omni.yaml", "tiny-qwen2.5-omni", {"decode": ("model",)}),
     "qwen3-omni": (
         "qwen3-omni.yaml",
         "tiny-qwen3-omni",
-        {"decode": "model", "residuals": "model.code_predictor"},
+        {"decode": ("model",), "residuals": ("model.code_predictor",)},
     ),
+    "qwen3-tts": ("qwen3-tts.yaml", "tiny-qwen3-tts", {"frame": ("model.model", "model.code_predictor")}),
 }
+SPOKEN_TEXT = "The sea is calm tonight, and the wind has dropped."  # what Qwen3-TTS's requests say
+TTS_RELEASE = "qwen3-tts-1.7b-customvoice"  # --sizes full
+FIXED_KINDS = ("decode", "frame")
+"""The kinds of step that `fixedSteps` changes (a talker's decode step)."""
 THINKER_TOKENS = 24
 TALKER_CODES = 48
 BATCHES = (1, 8)
@@ -63,7 +70,8 @@ BATCHES = (1, 8)
 
 class ForwardClock:
     """Seconds spent in one module's forwards, by the batch size of the forward's input, counted
-    for single-position forwards (a decode step's) or for all (`steps_only=False`)."""
+    for single-position forwards (a decode step's: a talker's prefill runs outside its steps)
+    or for all (`steps_only=False`: a code predictor's, whose frame starts at two positions)."""
 
     def __init__(self, module: torch.nn.Module, steps_only: bool, sync: Callable[[], None]) -> None:
         self.seconds: Counter[int] = Counter()
@@ -125,23 +133,24 @@ async def thought(thinker: Engine, tokens: int) -> dict[str, Any]:
 
 @contextmanager
 def clocks(
-    talker: Engine, kinds: dict[str, str], sync: Callable[[], None]
-) -> Iterator[dict[str, ForwardClock]]:
+    talker: Engine, kinds: dict[str, tuple[str, ...]], sync: Callable[[], None]
+) -> Iterator[dict[str, list[ForwardClock]]]:
     made = {
-        kind: ForwardClock(module_at(talker, path), kind == "decode", sync) for kind, path in kinds.items()
+        kind: [ForwardClock(module_at(talker, p), not p.endswith("code_predictor"), sync) for p in paths]
+        for kind, paths in kinds.items()
     }
     try:
         yield made
     finally:
-        for clock in made.values():
+        for clock in (c for cs in made.values() for c in cs):
             clock.remove()
 
 
-async def speak_together(talker: Engine, reply: dict[str, Any], batch: int, codes: int) -> None:
-    """`batch` requests speaking `reply` at once, to their ends."""
+async def speak_together(talker: Engine, inputs: dict[str, Any], batch: int, codes: int) -> None:
+    """`batch` requests speaking from the same `inputs` at once, to their ends."""
 
     async def one(i: int) -> None:
-        call = EngineCall(f"b{batch}-{i}", {"thinker": reply}, True, Sampling(max_tokens=codes))
+        call = EngineCall(f"b{batch}-{i}", inputs, True, Sampling(max_tokens=codes))
         async for _ in talker.generate(call):
             pass
 
@@ -155,26 +164,30 @@ async def measure(
     fixed shapes (as `decode_fixed`)."""
     example, _, kinds = MODELS[name]
     if fixed:
-        kinds = {k: v for k, v in kinds.items() if k == "decode"}
+        kinds = {k: v for k, v in kinds.items() if k in FIXED_KINDS}
     extra: dict[str, Any] = {"device": device, "dtype": dtype} | ({"loadFormat": "dummy"} if dummy else {})
-    thinker = stage_engine(ROOT / "examples" / example, "thinker", model, 1, **extra)
     talker_args = extra | ({"fixedSteps": True} if fixed else {})
     talker = stage_engine(ROOT / "examples" / example, "talker", model, max(BATCHES), **talker_args)
-    for e in (thinker, talker):
-        await e.start()
-    reply = await thought(thinker, THINKER_TOKENS)
+    await talker.start()
+    if name == "qwen3-tts":
+        inputs: dict[str, Any] = {"request": {"prompt": SPOKEN_TEXT}}
+    else:
+        thinker = stage_engine(ROOT / "examples" / example, "thinker", model, 1, **extra)
+        await thinker.start()
+        inputs = {"thinker": await thought(thinker, THINKER_TOKENS)}
+        await thinker.close()
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     batcher = batcher_of(talker)
     out: dict[str, Any] = {}
-    await speak_together(talker, reply, 1, 4)  # warm-up: the first forwards' one-off costs
+    await speak_together(talker, inputs, 1, 4)  # warm-up: the first forwards' one-off costs
     for batch in BATCHES:
         seconds, calls = Counter(batcher.seconds), Counter(batcher.calls)
         with clocks(talker, kinds, sync) as clock:
-            await speak_together(talker, reply, batch, codes)
+            await speak_together(talker, inputs, batch, codes)
         for kind in kinds:
             n = batcher.calls[kind, batch] - calls[kind, batch]
             step = batcher.seconds[kind, batch] - seconds[kind, batch]
-            forward = clock[kind].seconds[batch]
+            forward = sum(c.seconds[batch] for c in clock[kind])
             if n == 0:
                 continue
             out[f"{kind}{'_fixed' if fixed else ''}_b{batch}"] = {
@@ -183,8 +196,7 @@ async def measure(
                 "forward_ms": round(forward / n * 1000, 3),
                 "host_share": round(1 - forward / step, 3),
             }
-    for e in (thinker, talker):
-        await e.close()
+    await talker.close()
     return out
 
 
@@ -196,9 +208,15 @@ async def run(args: Any) -> dict[str, Any]:
     if args.sizes == "full":
         from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
         from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
+        from omni_stage.models.qwen3_tts import checkpoint as qwen3_tts
 
-        for name, family in (("qwen3-omni", qwen3_omni), ("qwen2.5-omni", qwen2_5_omni)):
-            model = family.write_config_only(Path(args.model_dir) / name)
+        config_only: dict[str, Callable[[Path], Path]] = {
+            "qwen3-omni": qwen3_omni.write_config_only,
+            "qwen2.5-omni": qwen2_5_omni.write_config_only,
+            "qwen3-tts": lambda path: qwen3_tts.write_config_only(path, TTS_RELEASE),
+        }
+        for name, write in config_only.items():
+            model = write(Path(args.model_dir) / name)
             models[name] = await measure(name, model, args.device, dtype, True, codes)
             release_freed_memory()
             models[name] |= await measure(name, model, args.device, dtype, True, codes, fixed=True)

@@ -1,28 +1,30 @@
-"""Qwen3-Omni and Qwen2.5-Omni at their real sizes on a GPU: first audio packet, real-time
-factor, requests per second at concurrency 1, 8 and 16, and GPU memory per stage, as one
-prepared run of under 10 minutes (docs/benchmarks.md, "GPU").
+"""Qwen3-Omni, Qwen2.5-Omni and Qwen3-TTS at their real sizes on a GPU: first audio packet,
+real-time factor, requests per second at concurrency 1, 8 and 16, and GPU memory per stage, as
+one prepared run of under 10 minutes (docs/benchmarks.md, "GPU").
 
 The machine it is written for has torch and transformers but no network, no NATS and a disk
 smaller than Qwen3-Omni's checkpoint (70 GB): so a pipeline's three stages run here in one
 process, each its real engine (omni_stage's, built from examples/PIPELINE.yaml as a stage
 builds it, with its own compute thread and step batcher; bench.in_process), fed window by
-window as the pipeline feeds them (the example's windows: 4 thinker tokens, 12 codes), on a
-config-only checkpoint at the real model's sizes with `loadFormat: dummy` (random weights
-built on the device). The gateway, NATS and the shared-memory connector are left out: on one
+window as the pipeline feeds them (the example's windows: 4 thinker tokens, 12 codes; for
+Qwen3-TTS the first code alone, then 25), on a config-only checkpoint at the real model's
+sizes (Qwen3-TTS: 12Hz-1.7B-CustomVoice) with `loadFormat: dummy` (random weights built on
+the device). The gateway, NATS and the shared-memory connector are left out: on one
 node they add about a millisecond a hop (docs/benchmarks.md, "hop"); and the stages share one
 Python interpreter here, where `omni serve` gives each its own process.
 
 Figures as vLLM-Omni defines them: TTFP from a request's start to its first audio chunk; RTF
 from its start to its last chunk over the seconds of audio; requests/s completed at a
-concurrency. Each request: the same prompt, `--tokens` thinker tokens (min_tokens =
-max_tokens: random weights would end at random), up to `--codes` codes (the talker may draw
-its end code sooner), greedy.
+concurrency; TTFT from its start to the first stage's first output (a thinker's token, the
+TTS talker's first frame). Each request: the same prompt, `--tokens` thinker tokens
+(min_tokens = max_tokens: random weights would end at random), up to `--codes` codes (the
+talker may draw its end code sooner), greedy.
 
 Not part of the suite (CI has no GPU). From the repository root, the project importable:
-    python scripts/gpu_bench.py OUT.json [--pipeline qwen3-omni|qwen2.5-omni] [--sizes full|tiny]
+    python scripts/gpu_bench.py OUT.json [--pipeline qwen3-omni|qwen2.5-omni|qwen3-tts] [--sizes full|tiny]
 `--sizes tiny` runs the same on the demo's dimensions (a check of the script on a CPU);
 `--cuda-graphs` runs the talker with `cudaGraphs: true` (its decode steps graphed, at fixed
-shapes on its slot table, and Qwen3-Omni's code predictor's frames).
+shapes on its slot table, and Qwen3-Omni's and Qwen3-TTS's code predictor's frames).
 """
 
 from __future__ import annotations
@@ -44,38 +46,62 @@ from omni_pipeline.sampling import Sampling
 from omni_stage.engines.base import Engine, EngineCall
 from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
 from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
+from omni_stage.models.qwen3_tts import checkpoint as qwen3_tts
 from omni_stage.payload import Payload
 from omni_stage.segments import EngineOutput
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-PIPELINES: dict[str, Any] = {"qwen3-omni": qwen3_omni, "qwen2.5-omni": qwen2_5_omni}
-"""Each pipeline's example (examples/NAME.yaml) and the module writing its config-only checkpoint."""
-STAGES = ("thinker", "talker", "code2wav")
-THINKER_WINDOW, TALKER_WINDOW = 4, 12  # the example's windows
+OMNI: dict[str, Any] = {"qwen3-omni": qwen3_omni, "qwen2.5-omni": qwen2_5_omni}
+"""Each omni pipeline's example (examples/NAME.yaml) and the module writing its config-only checkpoint."""
+TTS = "qwen3-tts"
+TTS_RELEASE = "qwen3-tts-1.7b-customvoice"
+PIPELINES = (*OMNI, TTS)
+THINKER_WINDOW, TALKER_WINDOW = 4, 12  # the omni examples' windows
+TTS_FIRST_WINDOW, TTS_WINDOW = 1, 25  # examples/qwen3-tts.yaml's
 SAMPLE_RATE = 24000
 PROMPT = "Tell me about the sea."
 
 
+def stages(pipeline: str) -> tuple[str, ...]:
+    return ("talker", "code2wav") if pipeline == TTS else ("thinker", "talker", "code2wav")
+
+
+def config_only(pipeline: str, full: bool, into: Path) -> Path:
+    """The pipeline's config-only checkpoint: at the real sizes, or at the demo's with the real
+    vocabulary (replies hold ids past the demo tokenizer's)."""
+    if pipeline == TTS:
+        return qwen3_tts.write_config_only(into, TTS_RELEASE, None if full else qwen3_tts.TINY)
+    family = OMNI[pipeline]
+    tiny = dataclasses.replace(family.TINY, thinker_vocab=family.FULL_SIZE.thinker_vocab)
+    return family.write_config_only(into, family.FULL_SIZE if full else tiny)  # type: ignore[no-any-return]
+
+
 async def one(engines: dict[str, Engine], rid: str, tokens: int, codes: int) -> dict[str, float]:
-    """One request through the three stages; its times from its start."""
-    thinker, talker, code2wav = (engines[s] for s in STAGES)
+    """One request through the stages; its times from its start."""
+    talker, code2wav = engines["talker"], engines["code2wav"]
     t0 = time.perf_counter()
-    request = {"messages": [{"role": "user", "content": [{"type": "text", "text": PROMPT}]}], "media": {}}
-    thought: asyncio.Queue[tuple[Payload, bool]] = asyncio.Queue()
     spoken: asyncio.Queue[tuple[Payload, bool]] = asyncio.Queue()
     times: dict[str, float] = {}
 
-    async def think() -> AsyncIterator[EngineOutput]:
-        sampling = Sampling(max_tokens=tokens, min_tokens=tokens)
-        async for out in thinker.generate(EngineCall(rid, {"request": request}, True, sampling)):
+    async def first(outputs: AsyncIterator[EngineOutput]) -> AsyncIterator[EngineOutput]:
+        async for out in outputs:
             times.setdefault("ttft", time.perf_counter() - t0)
             yield out
 
     samples = 0
-    speech = calls(talker, "thinker", rid, Sampling(max_tokens=codes, voice="Ethan"), thought)
     async with asyncio.TaskGroup() as tasks:
-        tasks.create_task(windows(think(), THINKER_WINDOW, thought))
-        tasks.create_task(windows(speech, TALKER_WINDOW, spoken))
+        if thinker := engines.get("thinker"):
+            content = [{"type": "text", "text": PROMPT}]
+            request = {"messages": [{"role": "user", "content": content}], "media": {}}
+            sampling = Sampling(max_tokens=tokens, min_tokens=tokens)
+            thought: asyncio.Queue[tuple[Payload, bool]] = asyncio.Queue()
+            think = thinker.generate(EngineCall(rid, {"request": request}, True, sampling))
+            speech = calls(talker, "thinker", rid, Sampling(max_tokens=codes, voice="Ethan"), thought)
+            tasks.create_task(windows(first(think), THINKER_WINDOW, thought))
+            tasks.create_task(windows(speech, TALKER_WINDOW, spoken))
+        else:  # Qwen3-TTS: the talker reads the request's text (its default voice)
+            call = EngineCall(rid, {"request": {"prompt": PROMPT}}, True, Sampling(max_tokens=codes))
+            tasks.create_task(windows(first(talker.generate(call)), TTS_WINDOW, spoken, TTS_FIRST_WINDOW))
         async for out in calls(code2wav, "talker", rid, Sampling(), spoken):
             now = time.perf_counter() - t0
             times.setdefault("ttfp", now)
@@ -130,11 +156,7 @@ async def gpu_utilization(into: list[int]) -> None:
 
 
 async def run(a: argparse.Namespace) -> dict[str, Any]:
-    family = PIPELINES[a.pipeline]
-    # Tiny: the demo's dimensions with the real vocabulary (replies hold ids past the tokenizer's).
-    tiny = dataclasses.replace(family.TINY, thinker_vocab=family.FULL_SIZE.thinker_vocab)
-    sizes = family.FULL_SIZE if a.sizes == "full" else tiny
-    model = family.write_config_only(Path(a.model_dir) / a.pipeline, sizes)
+    model = config_only(a.pipeline, a.sizes == "full", Path(a.model_dir) / a.pipeline)
     cuda = a.device == "cuda"
     result: dict[str, Any] = {
         "pipeline": a.pipeline,
@@ -150,7 +172,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         "runs": [],
     }
     engines: dict[str, Engine] = {}
-    for name in STAGES:
+    for name in stages(a.pipeline):
         before = torch.cuda.memory_allocated() if cuda else 0
         t0 = time.perf_counter()
         dtype = "bfloat16" if cuda else "float32"
@@ -191,7 +213,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
-    p.add_argument("--pipeline", choices=sorted(PIPELINES), default="qwen3-omni")
+    p.add_argument("--pipeline", choices=PIPELINES, default="qwen3-omni")
     p.add_argument("--sizes", choices=("full", "tiny"), default="full")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--model-dir", default="/tmp/omni-config-only", help="where the configs go")

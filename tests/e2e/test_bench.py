@@ -39,7 +39,11 @@ RATIOS = {
     "realtime": {"first_audio_10s_vs_2s", "first_audio_turn5_vs_turn1"},
     "step": {
         f"host_share_{model}_{kind}_b{batch}"
-        for model, kinds in (("qwen2.5-omni", ("decode",)), ("qwen3-omni", ("decode", "residuals")))
+        for model, kinds in (
+            ("qwen2.5-omni", ("decode", "decode_fixed")),
+            ("qwen3-omni", ("decode", "residuals", "decode_fixed")),
+            ("qwen3-tts", ("frame", "frame_fixed")),
+        )
         for kind in kinds
         for batch in (1, 8)
     },
