@@ -38,6 +38,7 @@ from typing import Any, Final
 import torch
 
 from omni_stage.demo_tokenizer import byte_level_tokenizer
+from omni_stage.models.qwen3_omni.checkpoint import FULL_SIZE as QWEN3_OMNI_FULL_SIZE
 from omni_stage.models.qwen3_tts.cloning import SpeakerEncoder
 from omni_stage.models.qwen3_tts.modeling import SpeechDecoder, Talker
 from omni_stage.models.qwen_omni.checkpoint import keep_the_waveform
@@ -183,13 +184,8 @@ _FULL_TALKER: Final = TALKER | {  # Qwen3-0.6B's and Qwen3-1.7B's decoder layers
     "rope_scaling": {"interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"},
     "text_hidden_size": 2048,
 }
-_FULL_CODE_PREDICTOR: Final = CODE_PREDICTOR | {
-    "hidden_size": 1024,
-    "intermediate_size": 3072,
-    "num_hidden_layers": 5,
-    "num_attention_heads": 16,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
+_FULL_CODE_PREDICTOR: Final = CODE_PREDICTOR | {  # Qwen3-Omni's, at its size (modeling.CodePredictor)
+    k: v for k, v in QWEN3_OMNI_FULL_SIZE.code_predictor.items() if k != "max_position_embeddings"
 }
 _FULL_DECODER: Final = DECODER | {
     "codebook_dim": 512,
