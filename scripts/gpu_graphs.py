@@ -77,7 +77,7 @@ def spoken(steps: SlotSteps, prompts: torch.Tensor, rows: torch.Tensor) -> list[
         steps.prefill(s, None, span(0, PROMPT), prompts[i : i + 1])
     codes = []
     for k in range(rows.shape[0]):
-        out, at = steps.step(slots, [span(PROMPT + k, 1)] * len(slots), rows[k])
+        out, at = steps.step(slots, span(PROMPT + k, 1).expand(-1, len(slots), -1), rows[k])
         codes.append(out.logits[at, -1].argmax(-1).tolist())
     for s in slots:
         steps.table.give_back(s)
@@ -91,11 +91,11 @@ def step_ms(steps: SlotSteps, n: int, width: int, count: int) -> float:
     slots = [steps.table.take() for _ in range(n)]
     for i, s in enumerate(slots):
         steps.prefill(s, None, span(0, PROMPT), prompts[i : i + 1])
-    steps.step(slots, [span(PROMPT, 1)] * n, rows[0])
+    steps.step(slots, span(PROMPT, 1).expand(-1, n, -1), rows[0])
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for k in range(1, count + 1):
-        steps.step(slots, [span(PROMPT + k, 1)] * n, rows[k])
+        steps.step(slots, span(PROMPT + k, 1).expand(-1, n, -1), rows[k])
     torch.cuda.synchronize()
     for s in slots:
         steps.table.give_back(s)

@@ -52,7 +52,7 @@ def test_steps_on_the_table_compute_what_each_whole_sequence_computes(decoder: Q
 
     def step(stepping: list[int]) -> None:
         new = torch.randn(len(stepping), 1, WIDTH, generator=gen)
-        positions = [torch.tensor([[table.lengths[s]]]) for s in stepping]
+        positions = torch.tensor([[table.lengths[s]] for s in stepping])
         out, rows = table.step(decoder, stepping, positions, inputs_embeds=new)
         for i, (s, row) in enumerate(zip(stepping, rows, strict=True)):
             seqs[s] = torch.cat([seqs[s], new[i : i + 1]], dim=1)
@@ -96,7 +96,7 @@ def test_fixed_shape_steps_compute_what_each_whole_sequence_computes(decoder: Qw
 
     def step(stepping: list[int]) -> None:
         new = torch.randn(len(stepping), 1, WIDTH, generator=gen)
-        positions = [torch.tensor([[table.lengths[s]]]) for s in stepping]
+        positions = torch.tensor([[table.lengths[s]] for s in stepping])
         out, rows = steps.step(stepping, positions, new)
         for i, (s, row) in enumerate(zip(stepping, rows, strict=True)):
             seqs[s] = torch.cat([seqs[s], new[i : i + 1]], dim=1)

@@ -85,7 +85,7 @@ class FixedSteps(SlotSteps):
                 self._graphs = {}
 
     def step(
-        self, slots: list[int], positions: list[torch.Tensor], inputs_embeds: torch.Tensor
+        self, slots: list[int], positions: torch.Tensor, inputs_embeds: torch.Tensor
     ) -> tuple[Any, list[int]]:
         """As `SlotSteps.step`, at the bucket's fixed shapes (the table's first rows: a slot's
         row is the slot); the output is the step's own (copied out of a graph's, which its next
@@ -100,7 +100,7 @@ class FixedSteps(SlotSteps):
         embeds.zero_()
         embeds[slots] = inputs_embeds
         ids.zero_()
-        ids[..., slots, :] = torch.cat(positions, dim=-2)
+        ids[..., slots, :] = positions
         self._at[b].copy_(torch.tensor(self.table.lengths[:b]), non_blocking=True)
         if b in self._graphs:
             graph, out = self._graphs[b]

@@ -146,17 +146,21 @@ class SlotCache(Cache):
         return out
 
     def step(
-        self, model: Any, slots: list[int], positions: list[torch.Tensor], **inputs: Any
+        self, model: Any, slots: list[int], positions: torch.Tensor, **inputs: Any
     ) -> tuple[Any, list[int]]:
         """`model(**inputs)` for requests at their slots, one new position each: tensor `inputs`
-        batched on dim 0 in the order of `slots`, `positions[i]` the i-th's position ids ([1, 1]
-        or [k, 1, 1]). Returns the model's output and each request's row of it."""
+        batched on dim 0 in the order of `slots`, `positions` their position ids in that order
+        ([B, 1], or [k, B, 1]: built for the batch at once, not a tensor a request). Returns the
+        model's output and each request's row of it."""
+        positions = (
+            positions.contiguous()
+        )  # one layout whoever built them: a compiled model's guards see strides
         lo, hi = min(slots), max(slots) + 1
         rows = [s - lo for s in slots]
         span = self.lengths[lo:hi]
         kv = max(span) + 1
         self.reserve(hi, kv)
-        device = positions[0].device
+        device = positions.device
         at = torch.tensor(span, device=device)
         self.aim(lo, kv, torch.arange(hi - lo, device=device), at)
         mask = None if hi - lo == 1 else torch.arange(kv, device=device)[None] <= at[:, None]
@@ -164,7 +168,7 @@ class SlotCache(Cache):
             inputs = {k: _spread(v, rows, hi - lo) if torch.is_tensor(v) else v for k, v in inputs.items()}
             joined = _spread_positions(positions, rows, hi - lo)
         else:
-            joined = positions[0] if hi - lo == 1 else torch.cat(positions, dim=-2)
+            joined = positions
         out = model(**inputs, attention_mask=mask, position_ids=joined, past_key_values=self, use_cache=True)
         for s in slots:
             self.lengths[s] += 1
@@ -236,7 +240,7 @@ class SlotSteps:
         return self.table.prefill(self.model, slot, past, positions, **inputs)
 
     def step(
-        self, slots: list[int], positions: list[torch.Tensor], inputs_embeds: torch.Tensor
+        self, slots: list[int], positions: torch.Tensor, inputs_embeds: torch.Tensor
     ) -> tuple[Any, list[int]]:
         """The model's output for requests at `slots` stepping once, and each one's row of it."""
         return self.table.step(self.model, slots, positions, inputs_embeds=inputs_embeds, **self.inputs)
@@ -255,9 +259,8 @@ def _spread(t: torch.Tensor, rows: list[int], height: int) -> torch.Tensor:
     return out
 
 
-def _spread_positions(positions: list[torch.Tensor], rows: list[int], height: int) -> torch.Tensor:
-    """Position ids ([..., 1, n] each) joined on their batch dimension at `rows`, zeros between."""
-    joined = torch.cat(positions, dim=-2)
+def _spread_positions(joined: torch.Tensor, rows: list[int], height: int) -> torch.Tensor:
+    """A batch's position ids ([..., B, n]) placed at `rows` of `height` rows, zeros between."""
     out = joined.new_zeros(*joined.shape[:-2], height, joined.shape[-1])
     out[..., rows, :] = joined
     return out
@@ -275,11 +278,11 @@ def warm_up(steps: SlotSteps, width: int, positions: Callable[[int, int], torch.
     x = keys.new_zeros(2, 4, width)
     a, b, c = table.take(), table.take(), table.take()
     steps.prefill(a, None, positions(0, 4), x[:1])
-    steps.step([a], [positions(4, 1)], x[:1, :1])
+    steps.step([a], positions(4, 1), x[:1, :1])
     steps.prefill(b, None, positions(0, 3), x[:1, :3])
-    steps.step([a, b], [positions(5, 1), positions(3, 1)], x[:, :1])
+    steps.step([a, b], torch.cat([positions(5, 1), positions(3, 1)], dim=-2), x[:, :1])
     steps.prefill(c, table.kept(a), positions(6, 2), x[:1, :2])
     for one in (b, c):  # a step alone at a slot past the first: its view's offset a variable
-        steps.step([one], [positions(8, 1)], x[:1, :1])
+        steps.step([one], positions(8, 1), x[:1, :1])
     for slot in (a, b, c):
         table.give_back(slot)

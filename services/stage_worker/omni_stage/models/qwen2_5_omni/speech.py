@@ -188,18 +188,17 @@ class Talker(SlotTalker):
     @torch.inference_mode()
     def _decodes(self, steps: list[tuple[_Speaking, torch.Tensor]]) -> list[int]:
         """Each request's next code: its last code's embedding plus its next reply state."""
-        inputs = []
-        for st, reply in steps:
-            code = st.last_code
-            inputs.append(
-                (self.model.get_input_embeddings()(torch.tensor([code], device=self.device)) + reply)[None]
-            )
-            st.seen.add(code)
-        assert self.slots is not None and self.stepper is not None
         sts = [st for st, _ in steps]
+        codes = torch.tensor([st.last_code for st in sts], device=self.device)
+        inputs = (self.model.get_input_embeddings()(codes) + torch.stack([r for _, r in steps]))[:, None]
+        for st in sts:
+            st.seen.add(st.last_code)
+        assert self.slots is not None and self.stepper is not None
         slots = [self._slot(st) for st in sts]
-        positions = [self._span(self.slots.lengths[s], 1) for s in slots]
-        out, rows = self.stepper.step(slots, positions, torch.cat(inputs))
+        at = [self.slots.lengths[s] for s in slots]  # [3, B, 1]: M-RoPE's rows alike for text
+        out, rows = self.stepper.step(
+            slots, torch.tensor([at, at, at], device=self.device)[..., None], inputs
+        )
         return self._picks(sts, out.logits[rows, -1])
 
     def _span(self, at: int, n: int) -> torch.Tensor:

@@ -273,7 +273,7 @@ class Qwen3Talker(SlotTalker):
         inputs = frames_embedding(self.model, torch.tensor(codes, device=self.device))[0][:, None] + trailing
         slots = [self._slot(st) for st in sts]
         assert self.stepper is not None
-        out, rows = self.stepper.step(slots, [self._step_positions(st) for st in sts], inputs)
+        out, rows = self.stepper.step(slots, self._step_positions(sts), inputs)
         last = out.hidden_states[0][-1]
         drawn = self._picks(sts, out.logits[rows, -1])
         return [
@@ -281,11 +281,13 @@ class Qwen3Talker(SlotTalker):
             for st, r, code in zip(sts, rows, drawn, strict=True)
         ]
 
-    def _step_positions(self, st: _Speaking) -> torch.Tensor:
-        """[4, 1, 1]: the step's text position, and its M-RoPE ones (offset by the prompt's media)."""
-        assert self.slots is not None and st.slot is not None
-        text = torch.tensor([[self.slots.lengths[st.slot]]], device=self.device)
-        return torch.cat([text[None], (text + st.rope_delta)[None].expand(3, -1, -1)])
+    def _step_positions(self, sts: list[_Speaking]) -> torch.Tensor:
+        """[4, B, 1]: each step's text position, and its M-RoPE ones (offset by its prompt's
+        media), as one tensor."""
+        assert self.slots is not None
+        text = [self.slots.lengths[st.slot] for st in sts]  # type: ignore[index]
+        rope = [at + st.rope_delta for at, st in zip(text, sts, strict=True)]
+        return torch.tensor([text, rope, rope, rope], device=self.device)[..., None]
 
     def _picks(self, sts: list[_Speaking], logits: torch.Tensor) -> list[int]:
         """Each request's code 0 from its row of `logits` [B, vocab]: greedy, with the

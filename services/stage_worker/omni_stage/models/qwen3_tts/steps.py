@@ -84,7 +84,7 @@ class TTSSteps:
         for st in sts:
             st.fed += 1
         slots: list[int] = [st.slot for st in sts]  # type: ignore[misc]
-        positions = [torch.tensor([[self.slots.lengths[s]]], device=inputs.device) for s in slots]
+        positions = torch.tensor([[self.slots.lengths[s]] for s in slots], device=inputs.device)
         out, rows = self.steps.step(slots, positions, inputs)
         self._draw(sts, out.last_hidden_state[rows, -1:])
 
