@@ -22,11 +22,12 @@ from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     FirstChunk,
     Part,
+    SeenCodes,
     Vocoding,
     chunk_args,
+    code_mask,
     compiler,
     compiles,
-    greedy_codes,
 )
 from omni_stage.models.qwen_omni.talking import HoldsSlot, SlotTalker
 from omni_stage.segments import EngineOutput
@@ -35,15 +36,13 @@ from omni_stage.segments import EngineOutput
 @dataclass(slots=True)
 class _Speaking(HoldsSlot):
     """A talker's request: the thinker's prompt states, one reply state per token so far, its
-    cache's slot, and the codes made (the last one still to feed; `seen`: what the repetition
-    penalty counts)."""
+    cache's slot, and the codes made (the last one still to feed)."""
 
     reply: list[torch.Tensor] = field(default_factory=list)
     prompt_embeds: torch.Tensor | None = None
     prompt_hidden: torch.Tensor | None = None
     made: int = 0
     last_code: int = 0
-    seen: set[int] = field(default_factory=set)
     done: bool = False
     key: str | None = None
     """The conversation's `prompt_cache_key`: what the talker is fed is kept under it."""
@@ -89,6 +88,9 @@ class Talker(SlotTalker):
             "mask": c.tts_codec_mask_token_id,
         }
         self.stop_codes = {self.codec["pad"], self.codec["end"]}
+        vocab = int(c.vocab_size)
+        self.never = code_mask(vocab, [self.codec["bos"]], self.device)
+        self.seen_codes = SeenCodes(vocab, self.device)
         self.model.model = self.compiled(self.model.model)  # its decoder layers (`compile`)
         width = self.model.get_input_embeddings().weight.shape[1]
         self._build_slots(c, self.model, width, 3)
@@ -170,8 +172,6 @@ class Talker(SlotTalker):
         embeds = (st.prompt_embeds + st.prompt_hidden).to(self.device, self.dtype)
         bos = self._text_embed(int(voice["bos_token"]))
         inputs = torch.cat([embeds, bos[None], st.reply[0][None]])
-        # What the model's codes have "seen" for the repetition penalty: its prompt ids.
-        st.seen = {self.codec["mask"], self.codec["pad"], self.codec["bos"]}
         if st.key is not None:
             st.prompt_rows = embeds
         # At most the prompt's rows: the voice's bos and the first reply state are this turn's.
@@ -181,7 +181,10 @@ class Talker(SlotTalker):
             past, at, inputs = seq.past, n, inputs[n:]
             self.prompt_caches.reused_tokens += n
         assert self.stepper is not None
-        out = self.stepper.prefill(self._slot(st), past, self._span(at, len(inputs)), inputs[None])
+        slot = self._slot(st)
+        # What the model's codes have "seen" for the repetition penalty: its prompt ids.
+        self.seen_codes.start(slot, [self.codec["mask"], self.codec["pad"], self.codec["bos"]])
+        out = self.stepper.prefill(slot, past, self._span(at, len(inputs)), inputs[None])
         [code] = self._picks([st], out.logits[:, -1])
         return code
 
@@ -191,10 +194,9 @@ class Talker(SlotTalker):
         sts = [st for st, _ in steps]
         codes = torch.tensor([st.last_code for st in sts], device=self.device)
         inputs = (self.model.get_input_embeddings()(codes) + torch.stack([r for _, r in steps]))[:, None]
-        for st in sts:
-            st.seen.add(st.last_code)
         assert self.slots is not None and self.stepper is not None
         slots = [self._slot(st) for st in sts]
+        self.seen_codes.add(slots, [st.last_code for st in sts])  # fed now: seen
         at = [self.slots.lengths[s] for s in slots]  # [3, B, 1]: M-RoPE's rows alike for text
         out, rows = self.stepper.step(
             slots, torch.tensor([at, at, at], device=self.device)[..., None], inputs
@@ -208,8 +210,7 @@ class Talker(SlotTalker):
     def _picks(self, sts: list[_Speaking], logits: torch.Tensor) -> list[int]:
         """Each request's code from its row of `logits` [B, vocab]: greedy, with the reference's
         repetition penalty over every code fed so far and the codec bos suppressed."""
-        bos = [self.codec["bos"]]
-        return greedy_codes(logits.float(), [st.seen for st in sts], [bos] * len(sts))
+        return self.seen_codes.greedy(logits.float(), [self._slot(st) for st in sts], self.never)
 
 
 @dataclass(slots=True, eq=False)

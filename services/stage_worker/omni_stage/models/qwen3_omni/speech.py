@@ -19,9 +19,10 @@ from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frames_emb
 from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, talker_prompt
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
+    SeenCodes,
+    code_mask,
     compiler,
     compiles,
-    greedy_codes,
 )
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
 from omni_stage.models.qwen_omni.talking import HoldsSlot, SlotTalker
@@ -50,7 +51,6 @@ class _Speaking(HoldsSlot):
     code0: int = 0
     last_hidden: torch.Tensor | None = None
     residuals: list[int] | None = None
-    seen: list[int] = field(default_factory=list)
     done: bool = False
     key: str | None = None
     """The conversation's `prompt_cache_key`: the user turns' positions are kept under it."""
@@ -116,7 +116,9 @@ class Qwen3Talker(SlotTalker):
         self.codec_eos = t.codec_eos_token_id
         self.groups = int(t.num_code_groups)
         vocab = int(t.text_config.vocab_size)
-        self.suppressed = [i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != self.codec_eos]
+        suppressed = (i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != self.codec_eos)
+        self.never = code_mask(vocab, suppressed, self.device)
+        self.seen_codes = SeenCodes(vocab, self.device)
         # The decoder layers of the talker and of its code predictor (`compile`).
         self.model.model = self.compiled(self.model.model)
         self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
@@ -244,7 +246,9 @@ class Qwen3Talker(SlotTalker):
             past, inputs, positions = seq.past, inputs[:, n:], positions[..., n:]
             self.prompt_caches.reused_tokens += n
         assert self.stepper is not None
-        out = self.stepper.prefill(self._slot(st), past, positions, inputs)
+        slot = self._slot(st)
+        self.seen_codes.start(slot)
+        out = self.stepper.prefill(slot, past, positions, inputs)
         [code] = self._picks([st], out.logits[:, -1])
         return code, out.hidden_states[0][-1][:, -1:]
 
@@ -292,9 +296,9 @@ class Qwen3Talker(SlotTalker):
     def _picks(self, sts: list[_Speaking], logits: torch.Tensor) -> list[int]:
         """Each request's code 0 from its row of `logits` [B, vocab]: greedy, with the
         reference's repetition penalty over its codes so far and its suppressed control codes."""
-        codes = greedy_codes(logits.float(), [st.seen for st in sts], [self.suppressed] * len(sts))
-        for st, code in zip(sts, codes, strict=True):
-            st.seen.append(code)
+        slots = [self._slot(st) for st in sts]
+        codes = self.seen_codes.greedy(logits.float(), slots, self.never)
+        self.seen_codes.add(slots, codes)
         return codes
 
 

@@ -16,7 +16,7 @@ from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frames_emb
 from omni_stage.models.qwen3_omni.speech import SUPPRESSED_TOP
 from omni_stage.models.qwen3_tts.modeling import Talker
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt
-from omni_stage.models.qwen_omni.parts import greedy_codes
+from omni_stage.models.qwen_omni.parts import SeenCodes, code_mask
 from omni_stage.models.qwen_omni.talking import HoldsSlot
 
 MIN_CODES: Final = 2
@@ -53,7 +53,13 @@ class TTSSteps:
         self.steps = steps
         self.slots = steps.table
         vocab = talker.config.vocab_size
-        self.suppressed = [i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != ids.codec_eos]
+        device = talker.codec_head.weight.device
+        suppressed = [i for i in range(vocab - SUPPRESSED_TOP, vocab) if i != ids.codec_eos]
+        # What a row may not draw: the suppressed control codes; and the eos before MIN_CODES codes.
+        self.never = torch.stack(
+            [code_mask(vocab, suppressed, device), code_mask(vocab, [*suppressed, ids.codec_eos], device)]
+        )
+        self.seen_codes = SeenCodes(vocab, device)
 
     def finished(self, st: Speaking, budget: int) -> bool:
         """At the codec's eos, or at the last code 0 `budget` allows (its residuals are never
@@ -63,6 +69,7 @@ class TTSSteps:
     @torch.inference_mode()
     def prefill(self, st: Speaking) -> None:
         st.slot, st.table = self.slots.take(), self.slots
+        self.seen_codes.start(st.slot)
         inputs = st.prompt.inputs
         positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
         out = self.steps.prefill(st.slot, None, positions, inputs)
@@ -107,11 +114,11 @@ class TTSSteps:
         """Each request's code 0 from its row of the step's last hidden states ([B, 1, H]):
         greedy, with the reference's repetition penalty over its codes 0 so far, its control
         codes suppressed, no eos before two codes."""
-        early = [*self.suppressed, self.ids.codec_eos]
-        never = [self.suppressed if len(st.seen) >= MIN_CODES else early for st in sts]
+        early = torch.tensor([int(len(st.seen) < MIN_CODES) for st in sts], device=hidden.device)
         logits = self.talker.codec_head(hidden)[:, -1].float()
-        for row, (st, code) in enumerate(
-            zip(sts, greedy_codes(logits, [st.seen for st in sts], never), strict=True)
-        ):
+        slots: list[int] = [st.slot for st in sts]  # type: ignore[misc]
+        codes = self.seen_codes.greedy(logits, slots, self.never[early])
+        self.seen_codes.add(slots, codes)
+        for row, (st, code) in enumerate(zip(sts, codes, strict=True)):
             st.hidden, st.code0 = hidden[row : row + 1], code
             st.seen.append(code)

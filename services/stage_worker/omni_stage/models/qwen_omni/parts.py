@@ -29,28 +29,46 @@ DUMMY_RANGE: Final = 1e-3
 """Dummy weights are drawn uniformly from +-this, as vLLM's dummy loader draws them."""
 
 
-def greedy_codes(logits: torch.Tensor, seen: list[Iterable[int]], never: list[Iterable[int]]) -> list[int]:
-    """Each row's greedy code ([B, vocab] logits), as the references' generate picks it: the
-    repetition penalty over the row's codes `seen` (transformers' own processor, for the
-    batch at once: a row's ids padded with its own first, which the penalty takes once), the
-    row's codes `never` drawn (control codes; an eos too early) masked out."""
-    from transformers import RepetitionPenaltyLogitsProcessor
+class SeenCodes:
+    """The codes each slot's request has seen, for the repetition penalty the references'
+    generate applies to a talker's codes: a bool row a slot of the talker's table, on its
+    device, so that a batch's pick is a few tensor ops however many codes its requests have
+    made (transformers' processor takes each row's codes as a list, rebuilt every step)."""
 
-    logits = logits.clone()
-    ids = [sorted(set(s)) for s in seen]
-    rows = [i for i, row in enumerate(ids) if row]
-    if rows:
-        width = max(len(ids[i]) for i in rows)
-        padded = torch.tensor(
-            [ids[i] + ids[i][:1] * (width - len(ids[i])) for i in rows], device=logits.device
-        )
-        logits[rows] = RepetitionPenaltyLogitsProcessor(REPETITION_PENALTY)(padded, logits[rows])
-    by_list: dict[int, tuple[list[int], Iterable[int]]] = {}  # rows that share one list of codes
-    for i, codes in enumerate(never):
-        by_list.setdefault(id(codes), ([], codes))[0].append(i)
-    for at, codes in by_list.values():
-        logits[torch.tensor(at)[:, None], torch.tensor(list(codes), dtype=torch.long)] = -float("inf")
-    return logits.argmax(-1).tolist()
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.rows = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+
+    def start(self, slot: int, codes: Iterable[int] = ()) -> None:
+        """A request's first pick at `slot` comes next: it has seen `codes` (its prompt's)."""
+        if slot >= self.rows.shape[0]:
+            grown = self.rows.new_zeros(max(slot + 1, 2 * self.rows.shape[0]), self.rows.shape[1])
+            grown[: self.rows.shape[0]] = self.rows
+            self.rows = grown
+        self.rows[slot] = False
+        if ids := list(codes):
+            self.rows[slot, torch.tensor(ids, device=self.rows.device)] = True
+
+    def add(self, slots: list[int], codes: list[int]) -> None:
+        """Each slot's request has seen its code now."""
+        device = self.rows.device
+        self.rows[torch.tensor(slots, device=device), torch.tensor(codes, device=device)] = True
+
+    def greedy(self, logits: torch.Tensor, slots: list[int], never: torch.Tensor) -> list[int]:
+        """Each row's greedy code ([B, vocab] float logits, row i slot i's), as the references'
+        generate picks it: the repetition penalty over the codes its slot has seen (as
+        transformers' processor computes it, once a code), the codes `never` ([vocab] or [B,
+        vocab] bool: control codes, an eos too early) masked out."""
+        seen = self.rows[torch.tensor(slots, device=self.rows.device)]
+        penalised = torch.where(logits < 0, logits * REPETITION_PENALTY, logits / REPETITION_PENALTY)
+        picked = torch.where(seen, penalised, logits).masked_fill(never, -float("inf"))
+        return picked.argmax(-1).tolist()  # type: ignore[no-any-return]
+
+
+def code_mask(vocab: int, codes: Iterable[int], device: torch.device) -> torch.Tensor:
+    """[vocab] bool: True at `codes` (SeenCodes.greedy's `never`)."""
+    mask = torch.zeros(vocab, dtype=torch.bool, device=device)
+    mask[list(codes)] = True
+    return mask
 
 
 def dummy_model(cls: Any, config: Any, device: torch.device, dtype: torch.dtype) -> Any:
