@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Issue 55's measurements on a lent GPU as one prepared call of under 10 minutes, most
+# important first, each step under its own time limit so that a hang costs only its share:
+#   1. scripts/gpu_graphs.py: do the talker's decode steps and its code predictor's frames
+#      capture as CUDA graphs at Qwen3-Omni's size, with the same codes as uncaptured?
+#   2. Qwen3-Omni at its real size, the talker graphed and eager (the eager baseline again
+#      in the same call: earlier figures came from another card);
+#   3. Qwen3-TTS 12Hz-1.7B-CustomVoice, graphed and eager;
+#   4. `bench.step --sizes full`: the host's share of a step for every talker.
+# Here, first: scripts/gpu_wheels.sh (the wheels the machine's image lacks, into .whl/).
+# Then the device tool: `bash scripts/gpu_run.sh` with carry [".whl"]; what it writes under
+# $OUT comes back (each step's JSON and log, rc.txt: each step's exit status, gpu.txt: the
+# card). SIZES=tiny DEVICE=cpu runs steps 2-4 at the demo's sizes on a CPU (a check of this
+# script; step 1 needs CUDA and says so).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-run}
+SIZES=${SIZES:-full}
+DEVICE=${DEVICE:-cuda}
+mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:.:services/stage_worker
+else
+  export PYTHONPATH=.:services/stage_worker
+fi
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1 || true
+
+step() {  # step NAME SECONDS COMMAND...: the command under its limit, its output in NAME.log
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - t0)) s" | tee -a "$OUT/rc.txt"
+  tail -n 8 "$OUT/$name.log"
+}
+
+bench() {  # bench NAME SECONDS ARGS...: scripts/gpu_bench.py, no concurrency started past its share
+  local name=$1 limit=$2
+  shift 2
+  step "$name" "$limit" "$PY" scripts/gpu_bench.py "$OUT/$name.json" --sizes "$SIZES" --device "$DEVICE" \
+    --budget-s $((limit / 2)) "$@"
+}
+
+# 580 s in all, under the device tool's 600 s a call.
+step graphs 90 "$PY" scripts/gpu_graphs.py "$OUT/graphs.json" --batches 1 8 16 --frames 20
+bench qwen3_graphs 120 --pipeline qwen3-omni --cuda-graphs
+bench qwen3_eager 120 --pipeline qwen3-omni
+bench tts_graphs 70 --pipeline qwen3-tts --cuda-graphs --codes 50
+bench tts_eager 70 --pipeline qwen3-tts --codes 50
+step step 110 "$PY" -m bench.step --sizes "$SIZES" --device "$DEVICE" --quick --json --out "$OUT"
