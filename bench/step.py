@@ -55,9 +55,13 @@ MODELS = {  # model -> (example, demo checkpoint, {kind: the modules whose forwa
     "qwen3-omni": (
         "qwen3-omni.yaml",
         "tiny-qwen3-omni",
-        {"decode": ("model",), "residuals": ("model.code_predictor",)},
+        {"decode": ("model.model", "model.codec_head"), "residuals": ("model.code_predictor",)},
     ),
-    "qwen3-tts": ("qwen3-tts.yaml", "tiny-qwen3-tts", {"frame": ("model.model", "model.code_predictor")}),
+    "qwen3-tts": (
+        "qwen3-tts.yaml",
+        "tiny-qwen3-tts",
+        {"frame": ("model.model", "model.codec_head", "model.code_predictor")},
+    ),
 }
 SPOKEN_TEXT = "The sea is calm tonight, and the wind has dropped."  # what Qwen3-TTS's requests say
 TTS_RELEASE = "qwen3-tts-1.7b-customvoice"  # --sizes full

@@ -69,16 +69,19 @@ def span(at: int, n: int) -> torch.Tensor:
     return torch.arange(at, at + n, device="cuda").view(1, 1, -1).expand(4, 1, -1)
 
 
-def spoken(steps: SlotSteps, prompts: torch.Tensor, rows: torch.Tensor) -> list[list[int]]:
+def spoken(
+    steps: SlotSteps, head: torch.nn.Module, prompts: torch.Tensor, rows: torch.Tensor
+) -> list[list[int]]:
     """Each request's greedy code 0 a step ([steps][requests]): `prompts` [B, PROMPT, H]
-    prefilled into slots of `steps`' table, then `rows` [K, B, 1, H] a step each."""
+    prefilled into slots of `steps`' table, then `rows` [K, B, 1, H] a step each, the codec
+    `head` on the decoder's output."""
     slots = [steps.table.take() for _ in range(prompts.shape[0])]
     for i, s in enumerate(slots):
         steps.prefill(s, None, span(0, PROMPT), prompts[i : i + 1])
     codes = []
     for k in range(rows.shape[0]):
         out, at = steps.step(slots, span(PROMPT + k, 1).expand(-1, len(slots), -1), rows[k])
-        codes.append(out.logits[at, -1].argmax(-1).tolist())
+        codes.append(head(out.last_hidden_state)[at, -1].argmax(-1).tolist())
     for s in slots:
         steps.table.give_back(s)
     return codes
@@ -108,19 +111,18 @@ def decode_steps(talker: Any, batches: list[int], count: int) -> dict[str, Any]:
     m = talker.model
     config = m.config.text_config
     width, most = int(config.hidden_size), max(batches)
-    own_inputs = {"output_hidden_states": True, "generation_step": 0}
 
     def table() -> SlotCache:
         return SlotCache.of(config, most, torch.bfloat16, torch.device("cuda"))
 
-    graphed: FixedSteps = talker.stepper
-    eager = FixedSteps(table(), m, most, width, 4, False, **own_inputs)
-    own = SlotSteps(table(), m, **own_inputs)
+    graphed: FixedSteps = talker.stepper  # (the talker's decoder, as the stage steps it)
+    eager = FixedSteps(table(), m.model, most, width, 4, False)
+    own = SlotSteps(table(), m.model)
     found: dict[str, Any] = {"steps_captured": graphed.captured, "batches": {}}
     for n in batches:
         prompts = torch.randn(n, PROMPT, width, device="cuda", dtype=torch.bfloat16)
         rows = torch.randn(count, n, 1, width, device="cuda", dtype=torch.bfloat16)
-        ours, fixed, theirs = (spoken(s, prompts, rows) for s in (graphed, eager, own))
+        ours, fixed, theirs = (spoken(s, m.codec_head, prompts, rows) for s in (graphed, eager, own))
         found["batches"][n] = {
             "graphed_equals_eager": ours == fixed,
             "steps_equal_to_own": sum(a == b for a, b in zip(ours, theirs, strict=True)),

@@ -124,7 +124,10 @@ class Qwen3Talker(SlotTalker):
         self.model.code_predictor.model = self.compiled(self.model.code_predictor.model)
         self._build_frames()
         width = int(t.text_config.hidden_size)
-        self._build_slots(t.text_config, self.model, width, 4, output_hidden_states=True, generation_step=0)
+        # Its steps run its decoder alone, the codec head after: what a step outputs is one
+        # tensor (a captured step's outputs are copied out each replay: the whole talker's
+        # would be every layer's hidden states).
+        self._build_slots(t.text_config, self.model.model, width, 4)
         if compiles(self.stage):
             self._warm_up()
 
@@ -249,8 +252,9 @@ class Qwen3Talker(SlotTalker):
         slot = self._slot(st)
         self.seen_codes.start(slot)
         out = self.stepper.prefill(slot, past, positions, inputs)
-        [code] = self._picks([st], out.logits[:, -1])
-        return code, out.hidden_states[0][-1][:, -1:]
+        last = out.last_hidden_state
+        [code] = self._picks([st], self.model.codec_head(last)[:, -1])
+        return code, last[:, -1:]
 
     @torch.inference_mode()
     def _steps(self, steps: list[_Step]) -> list[_Step]:
@@ -278,8 +282,8 @@ class Qwen3Talker(SlotTalker):
         slots = [self._slot(st) for st in sts]
         assert self.stepper is not None
         out, rows = self.stepper.step(slots, self._step_positions(sts), inputs)
-        last = out.hidden_states[0][-1]
-        drawn = self._picks(sts, out.logits[rows, -1])
+        last = out.last_hidden_state
+        drawn = self._picks(sts, self.model.codec_head(last)[rows, -1])
         return [
             _Step(st, code0=code, hidden=last[r : r + 1, -1:])
             for st, r, code in zip(sts, rows, drawn, strict=True)
