@@ -152,9 +152,8 @@ class SlotCache(Cache):
         batched on dim 0 in the order of `slots`, `positions` their position ids in that order
         ([B, 1], or [k, B, 1]: built for the batch at once, not a tensor a request). Returns the
         model's output and each request's row of it."""
-        positions = (
-            positions.contiguous()
-        )  # one layout whoever built them: a compiled model's guards see strides
+        # One layout whoever built them: a compiled model's guards see their strides.
+        positions = positions.contiguous()
         lo, hi = min(slots), max(slots) + 1
         rows = [s - lo for s in slots]
         span = self.lengths[lo:hi]

@@ -22,10 +22,10 @@ with `loadFormat: dummy`: the 0.6B talker is Qwen3-0.6B's decoder and the 1.7B's
 Qwen3-1.7B's (28 layers, 16 heads over 8 key-value heads of 128, MLP 3x the width); the code
 predictor is five such layers at 1024 in both; the speech tokenizer is one for every size
 (its decoder 8 layers at 512 between 1024-wide latents and a 1536-channel upsampler, its
-encoder Mimi's own sizes). Written down from the reference package's port of them and the
-published weights' sizes (a 0.6B CustomVoice holds 0.9 billion parameters, 1.8 GB in bf16),
-not from the released config.json files, which cannot be fetched here: check them against
-those where a checkpoint is at hand.
+encoder Mimi's own sizes). Written down from what public ports of the model document, checked
+by the released weights' sizes as they publish them (a 0.6B Base holds 0.91 billion
+parameters, 1.83 GB in bf16), not from the released config.json files, which cannot be
+fetched here: check them against those where a checkpoint is at hand.
 """
 
 from __future__ import annotations
