@@ -13,20 +13,20 @@ text) together, so their steps run as batches of B.
 A step's time is its batched call on the compute thread (StepBatcher.seconds, by kind: `decode`
 the talker's next code, `residuals` the code predictor's codes of a frame; Qwen3-TTS's `frame`
 both, the talker's step and the code predictor's frame after it); the model's own
-forwards in it are timed by forward hooks on the talker's model and on its code predictor (on
-a GPU synchronised at each forward's start and end, so a forward's time is its launches and
-its device time, and what comes before it is not counted in it). The rest is host work the
-device cannot hide: eager steps wait for it, and a step replayed as a CUDA graph does not
-remove it. The talkers' decode steps twice: on the slot table's own shapes (`decode`, `frame`),
-and at fixed shapes (`decode_fixed`, `frame_fixed`, `fixedSteps: true`: a bucket's rows over the table's whole
-length, what `cudaGraphs` captures on CUDA; measured uncaptured, so that the forward hooks
-still see each forward).
+forwards in it are timed by forward hooks on the talker's decoder, its codec head and its code
+predictor (on a GPU synchronised at each forward's start and end, so a forward's time is its
+launches and its device time, and what comes before it is not counted in it). The rest is
+host work the device cannot hide: eager steps wait for it, and a step replayed as a CUDA graph
+does not remove it. The talkers' decode steps twice: on the slot table's own shapes (`decode`,
+`frame`), and at fixed shapes (`decode_fixed`, `frame_fixed`, `fixedSteps: true`: a bucket's
+rows over the table's whole length, what `cudaGraphs` captures on CUDA; measured uncaptured,
+so that the forward hooks still see each forward).
 
 Ratios: `host_share_<model>_<kind>_b<B>`, the share of a step outside the forwards (lower is
 better). Also each step's milliseconds and its forwards'.
 
-`--sizes full --device cuda`: each at its real sizes (Qwen3-TTS: 12Hz-1.7B; config-only checkpoints with
-`loadFormat: dummy`: random weights built on the device), for the GPU section of
+`--sizes full --device cuda`: each at its real sizes (Qwen3-TTS: 12Hz-1.7B; config-only
+checkpoints with `loadFormat: dummy`: random weights built on the device), for the GPU section of
 docs/benchmarks.md; the tiny demo checkpoints otherwise.
 """
 
