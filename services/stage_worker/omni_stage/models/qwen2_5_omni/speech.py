@@ -196,7 +196,6 @@ class Talker(SlotTalker):
         inputs = (self.model.get_input_embeddings()(codes) + torch.stack([r for _, r in steps]))[:, None]
         assert self.slots is not None and self.stepper is not None
         slots = [self._slot(st) for st in sts]
-        self.seen_codes.add(slots, [st.last_code for st in sts])  # fed now: seen
         at = [self.slots.lengths[s] for s in slots]  # [3, B, 1]: M-RoPE's rows alike for text
         out, rows = self.stepper.step(
             slots, torch.tensor([at, at, at], device=self.device)[..., None], inputs
@@ -209,7 +208,8 @@ class Talker(SlotTalker):
 
     def _picks(self, sts: list[_Speaking], logits: torch.Tensor) -> list[int]:
         """Each request's code from its row of `logits` [B, vocab]: greedy, with the reference's
-        repetition penalty over every code fed so far and the codec bos suppressed."""
+        repetition penalty over its prompt's codes and every code picked so far (each fed back
+        before the next pick) and the codec bos suppressed."""
         return self.seen_codes.greedy(logits.float(), [self._slot(st) for st in sts], self.never)
 
 

@@ -300,10 +300,7 @@ class Qwen3Talker(SlotTalker):
     def _picks(self, sts: list[_Speaking], logits: torch.Tensor) -> list[int]:
         """Each request's code 0 from its row of `logits` [B, vocab]: greedy, with the
         reference's repetition penalty over its codes so far and its suppressed control codes."""
-        slots = [self._slot(st) for st in sts]
-        codes = self.seen_codes.greedy(logits.float(), slots, self.never)
-        self.seen_codes.add(slots, codes)
-        return codes
+        return self.seen_codes.greedy(logits.float(), [self._slot(st) for st in sts], self.never)
 
 
 def _register_talker_moe_conversion() -> None:

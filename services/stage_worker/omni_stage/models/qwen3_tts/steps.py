@@ -118,7 +118,6 @@ class TTSSteps:
         logits = self.talker.codec_head(hidden)[:, -1].float()
         slots: list[int] = [st.slot for st in sts]  # type: ignore[misc]
         codes = self.seen_codes.greedy(logits, slots, self.never[early])
-        self.seen_codes.add(slots, codes)
         for row, (st, code) in enumerate(zip(sts, codes, strict=True)):
             st.hidden, st.code0 = hidden[row : row + 1], code
             st.seen.append(code)

@@ -48,20 +48,17 @@ class SeenCodes:
         if ids := list(codes):
             self.rows[slot, torch.tensor(ids, device=self.rows.device)] = True
 
-    def add(self, slots: list[int], codes: list[int]) -> None:
-        """Each slot's request has seen its code now."""
-        device = self.rows.device
-        self.rows[torch.tensor(slots, device=device), torch.tensor(codes, device=device)] = True
-
     def greedy(self, logits: torch.Tensor, slots: list[int], never: torch.Tensor) -> list[int]:
         """Each row's greedy code ([B, vocab] float logits, row i slot i's), as the references'
         generate picks it: the repetition penalty over the codes its slot has seen (as
         transformers' processor computes it, once a code), the codes `never` ([vocab] or [B,
-        vocab] bool: control codes, an eos too early) masked out."""
-        seen = self.rows[torch.tensor(slots, device=self.rows.device)]
+        vocab] bool: control codes, an eos too early) masked out. The codes picked are seen
+        from then on (a talker feeds each back before its next pick)."""
+        at = torch.tensor(slots, device=self.rows.device)
         penalised = torch.where(logits < 0, logits * REPETITION_PENALTY, logits / REPETITION_PENALTY)
-        picked = torch.where(seen, penalised, logits).masked_fill(never, -float("inf"))
-        return picked.argmax(-1).tolist()  # type: ignore[no-any-return]
+        picked = torch.where(self.rows[at], penalised, logits).masked_fill(never, -float("inf")).argmax(-1)
+        self.rows[at, picked] = True
+        return picked.tolist()  # type: ignore[no-any-return]
 
 
 def code_mask(vocab: int, codes: Iterable[int], device: torch.device) -> torch.Tensor:
