@@ -23,8 +23,11 @@ talker may draw its end code sooner), greedy.
 Not part of the suite (CI has no GPU). From the repository root, the project importable:
     python scripts/gpu_bench.py OUT.json [--pipeline qwen3-omni|qwen2.5-omni|qwen3-tts] [--sizes full|tiny]
 `--sizes tiny` runs the same on the demo's dimensions (a check of the script on a CPU);
-`--cuda-graphs` runs the talker with `cudaGraphs: true` (its decode steps graphed, at fixed
-shapes on its slot table, and Qwen3-Omni's and Qwen3-TTS's code predictor's frames).
+`--cuda-graphs` runs the talker and the thinker with `cudaGraphs: true` (their decode steps
+graphed, at fixed shapes on their slot tables, the thinker's of `maxModelLen` 512 positions
+a slot; and Qwen3-Omni's and Qwen3-TTS's code predictor's frames); `captured` says which
+stages' steps were captured (a capture the device refuses falls back to the same steps
+launched, with a warning in the log).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import torch
 from bench.in_process import calls, stage_engine, windows
 from omni_pipeline.sampling import Sampling
 from omni_stage.engines.base import Engine, EngineCall
+from omni_stage.engines.fixed_steps import FixedSteps
 from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
 from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
 from omni_stage.models.qwen3_tts import checkpoint as qwen3_tts
@@ -58,6 +62,11 @@ TTS_RELEASE = "qwen3-tts-1.7b-customvoice"
 PIPELINES = (*OMNI, TTS)
 THINKER_WINDOW, TALKER_WINDOW = 4, 12  # the omni examples' windows
 TTS_FIRST_WINDOW, TTS_WINDOW = 1, 25  # examples/qwen3-tts.yaml's
+GRAPHED: dict[str, dict[str, Any]] = {
+    "talker": {"cudaGraphs": True},
+    "thinker": {"cudaGraphs": True, "maxModelLen": 512},  # (its prompt and 64 tokens fit)
+}
+"""The stages' arguments with `--cuda-graphs`."""
 SAMPLE_RATE = 24000
 PROMPT = "Tell me about the sea."
 
@@ -176,7 +185,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         before = torch.cuda.memory_allocated() if cuda else 0
         t0 = time.perf_counter()
         dtype = "bfloat16" if cuda else "float32"
-        graphs = {"cudaGraphs": True} if a.cuda_graphs and name == "talker" else {}
+        graphs = GRAPHED.get(name, {}) if a.cuda_graphs else {}
         engines[name] = stage_engine(
             EXAMPLES / f"{a.pipeline}.yaml",
             name,
@@ -192,6 +201,11 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             result["memory_gib"][name] = round((torch.cuda.memory_allocated() - before) / 2**30, 2)
         print(f"{name} loaded in {result['load_s'][name]} s {result['memory_gib'].get(name, '')}", flush=True)
+    result["captured"] = {
+        name: e.stepper.captured  # type: ignore[attr-defined]
+        for name, e in engines.items()
+        if isinstance(getattr(e, "stepper", None), FixedSteps)
+    }
     deadline = time.monotonic() + a.budget_s
     await one(engines, "warm-up", a.tokens, a.codes)
     for c in a.concurrency:
@@ -225,7 +239,7 @@ def main() -> None:
     p.add_argument(
         "--cuda-graphs",
         action="store_true",
-        help="the talker with cudaGraphs: its decode steps (and Qwen3-Omni's code predictor) graphed",
+        help="the talker and thinker with cudaGraphs: their decode steps (and a code predictor's) graphed",
     )
     a = p.parse_args()
     result = asyncio.run(run(a))

@@ -3,8 +3,8 @@
 # important first, each step under its own time limit so that a hang costs only its share:
 #   1. scripts/gpu_graphs.py: do the talker's decode steps and its code predictor's frames
 #      capture as CUDA graphs at Qwen3-Omni's size, with the same codes as uncaptured?
-#   2. Qwen3-Omni at its real size, the talker graphed and eager (the eager baseline again
-#      in the same call: earlier figures came from another card);
+#   2. Qwen3-Omni at its real size, the thinker's and talker's steps graphed, and eager (the
+#      eager baseline again in the same call: earlier figures came from another card);
 #   3. Qwen3-TTS 12Hz-1.7B-CustomVoice, graphed and eager;
 #   4. `bench.step --sizes full`: the host's share of a step for every talker.
 # Here, first: scripts/gpu_wheels.sh (the wheels the machine's image lacks, into .whl/).

@@ -21,7 +21,7 @@ from omni_gateway.media import decode_media
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.settings import MediaSpec
 from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError
+from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.registry import build_engine
 from omni_stage.payload import concat
 from tests.helpers import COMPILE_TIMEOUT_S, ROOT
@@ -243,41 +243,61 @@ def test_the_checkpoint_is_a_genuine_qwen3_omni(model: Path) -> None:
     assert np.isfinite(full.thinker.lm_head.weight.detach().numpy()).all()
 
 
-def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: Path) -> None:
+@pytest.mark.parametrize("form", ["own caches", "fixed"])
+def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: Path, form: str) -> None:
     """Three requests of different prompt lengths (one with audio and an image) on one thinker
     replica at once: their decode steps run as batches (each request's KV cache stacked,
-    left-padded, masked) and each gets exactly the tokens it gets alone."""
+    left-padded, masked) and each gets exactly the tokens it gets alone. With `fixedSteps:
+    true` (what `cudaGraphs` captures on CUDA) the steps run on a slot table allocated once at
+    `maxModelLen` positions a slot, at a bucket's fixed shapes: a request's cache is copied
+    once, into its slot at its prefill, never at a step, no slot is held after, and the tokens
+    are those of the thinker on its own caches; a prompt and reply past `maxModelLen` are
+    refused."""
+    fixed = {"fixedSteps": True, "maxModelLen": 128} if form == "fixed" else {}
     requests = [
         {"role": "user", "content": QUESTION},
         media_message(*media_clips()),
         {"role": "user", "content": "A much longer question, to make the prompts differ in length: why?"},
     ]
 
-    async def go() -> tuple[list[list[int]], list[list[int]], Any]:
-        thinker = engine("thinker", model)
+    async def go() -> tuple[list[list[int]], list[list[int]], list[list[int]], Any]:
+        thinker = engine("thinker", model, **fixed)
         await thinker.start()
 
         # Decoded first, so that the three reach the thinker in order, with nothing between.
         decoded = [await decode_media([m], MediaSpec()) for m in requests]
 
-        async def think(messages: list[dict[str, Any]], media: Any) -> list[int]:
+        async def think(messages: list[dict[str, Any]], media: Any, on: Engine = thinker) -> list[int]:
             request = {"messages": messages, "media": media.tensors}
             outs = [
                 o
-                async for o in thinker.generate(
+                async for o in on.generate(
                     EngineCall("r", {"request": request}, True, Sampling(max_tokens=8))
                 )
             ]
             return [t for o in outs for t in o.data["token_ids"].tolist()]
 
+        if fixed:
+            copies, _, keys = slot_table(thinker)
         together = await asyncio.gather(*(think(*d) for d in decoded))
         sizes = thinker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
         alone = [await think(*d) for d in decoded]
-        return list(together), alone, sizes
+        own = alone
+        if fixed:
+            assert slot_table(thinker) == (copies + 2 * len(requests), 0, keys)
+            with pytest.raises(InvalidRequest, match="context is 128 tokens"):
+                long = EngineCall(
+                    "r", {"request": {"messages": decoded[2][0]}}, True, Sampling(max_tokens=100)
+                )
+                [o async for o in thinker.generate(long)]
+            others = engine("thinker", model)
+            await others.start()
+            own = [await think(*d, others) for d in decoded]
+        return list(together), alone, own, sizes
 
-    together, alone, sizes = asyncio.run(go())
+    together, alone, own, sizes = asyncio.run(go())
     assert max(sizes) == 3, sizes
-    assert together == alone
+    assert together == alone == own
 
 
 @pytest.mark.usefixtures("one_compile_at_a_time")

@@ -426,9 +426,11 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
     gets alone. A talker with `compile: true` (torch.compile of its decoder layers, here
     inductor on this CPU) speaks the same codes, together and alone, as one not compiled; so
     does one with `fixedSteps: true` (every step at a bucket's fixed shapes, over the table's
-    whole length: what `cudaGraphs` captures on CUDA)."""
+    whole length: what `cudaGraphs` captures on CUDA), and a thinker with it (on a slot table
+    too, copied into once a request) thinks the same tokens as one on its own caches."""
     compiled = form == "compiled"
     args = {"compiled": {"compile": True}, "fixed": {"fixedSteps": True}}.get(form, {})
+    thinker_args = {"fixedSteps": True, "maxModelLen": 256} if form == "fixed" else {}
     requests = [
         MESSAGES,
         [media_message(*media_clips())],
@@ -438,8 +440,13 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
     Spoken = list[tuple[list[int], list[int]]]
 
     async def go() -> tuple[Spoken, Spoken, Spoken, Any, Any]:
-        thinker, talker, eager = engine("thinker", model), engine("talker", model, **args), None
+        thinker, talker, eager = (
+            engine("thinker", model, **thinker_args),
+            engine("talker", model, **args),
+            None,
+        )
         await thinker.start()
+        own_thinker = thinker
         before = counters["stats"]["unique_graphs"]
         await talker.start()
         graphs = counters["stats"]["unique_graphs"]  # what torch.compile has compiled so far
@@ -447,14 +454,19 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
         if args:
             eager = engine("talker", model)
             await eager.start()
+        if thinker_args:
+            own_thinker = engine("thinker", model)
+            await own_thinker.start()
 
-        async def speak(messages: list[dict[str, Any]], on: Engine = talker) -> tuple[list[int], list[int]]:
+        async def speak(
+            messages: list[dict[str, Any]], on: Engine = talker, by: Engine = thinker
+        ) -> tuple[list[int], list[int]]:
             messages, media = await decode_media(messages, MediaSpec())
             request = {"messages": messages, "media": media.tensors, "modalities": ["audio", "text"]}
             call = EngineCall(
                 "r", {"request": request}, True, Sampling(max_tokens=THINKER_TOKENS, voice="Ethan")
             )
-            thought = [o async for o in thinker.generate(call)]
+            thought = [o async for o in by.generate(call)]
             data = concat([o.data for o in thought])
             talk = EngineCall("r", {"thinker": data}, True, Sampling(max_tokens=TALKER_CODES, voice="Ethan"))
             codes = [o async for o in on.generate(talk)]
@@ -465,7 +477,9 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
         sizes = (thinker.batcher.batch_sizes.copy(), talker.batcher.batch_sizes.copy())  # type: ignore[attr-defined]
         alone = [await speak(m) for m in requests]
         assert slot_table(talker) == (copies + 2 * len(requests), 0, keys)
-        not_compiled = alone if eager is None else [await speak(m, eager) for m in requests]
+        if thinker_args:
+            assert slot_table(thinker)[1] == 0  # (no slot held)
+        not_compiled = alone if eager is None else [await speak(m, eager, own_thinker) for m in requests]
         assert hasattr(talker.model.model, "_orig_mod") == compiled  # type: ignore[attr-defined]
         assert counters["stats"]["unique_graphs"] == graphs  # compiled at start: none since
         return together, alone, not_compiled, *sizes
@@ -612,14 +626,19 @@ def test_a_conversation_kept_by_its_prompt_cache_key_answers_as_a_whole_prefill(
     assert not torch.allclose(other_whole["prompt_hidden"], whole["prompt_hidden"], rtol=0, atol=1e-2)
 
 
-def test_a_response_cut_short_leaves_its_sequence_for_the_next_turn(model: Path) -> None:
+@pytest.mark.parametrize("slots", [False, True], ids=["own caches", "slot table"])
+def test_a_response_cut_short_leaves_its_sequence_for_the_next_turn(model: Path, slots: bool) -> None:
     """A barge-in: turn 1 closed after three tokens (its task cancelled) leaves the sequence it
     had made, once its step in progress has ended; turn 2, whose assistant turn is the text
-    sent so far, reuses it and answers as its whole prefill does."""
+    sent so far, reuses it and answers as its whole prefill does. A thinker on a slot table
+    (`fixedSteps`) copies the sequence out of the cut request's slot, and gives the slot back
+    when the stage's runner says the request ended (`request_ended`, called here as the runner
+    calls it); the turns after give theirs back as they complete."""
     first = media_message(*media_clips())
+    args = {"fixedSteps": True, "maxModelLen": 256} if slots else {}
 
     async def go() -> tuple[dict[str, Any], dict[str, Any]]:
-        thinker, talker = await started(engine("thinker", model), engine("talker", model))
+        thinker, talker = await started(engine("thinker", model, **args), engine("talker", model))
         assert thinker.prompt_caches is not None
         messages, media = await decode_media([first], MediaSpec())
         call = EngineCall(
@@ -631,12 +650,13 @@ def test_a_response_cut_short_leaves_its_sequence_for_the_next_turn(model: Path)
         said: list[str] = []
         three = asyncio.Event()
 
-        async def listen() -> None:
-            async for o in thinker.generate(call):
-                said.append(o.text)
-                if len(said) == 3:
-                    three.set()
-                    await asyncio.Event().wait()  # the client stops listening here
+        async def listen() -> None:  # as the stage's runner reads an engine's outputs
+            async with contextlib.aclosing(thinker.generate(call)) as outs:
+                async for o in outs:
+                    said.append(o.text)
+                    if len(said) == 3:
+                        three.set()
+                        await asyncio.Event().wait()  # the client stops listening here
 
         task = asyncio.create_task(listen())
         async with asyncio.timeout(30):
@@ -644,13 +664,14 @@ def test_a_response_cut_short_leaves_its_sequence_for_the_next_turn(model: Path)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-        async with asyncio.timeout(10):
-            while len(thinker.prompt_caches) == 0:  # kept once the compute thread is done with it
-                await asyncio.sleep(0.01)
+        thinker.request_ended(call.state)
+        await wait_until(lambda: len(thinker.prompt_caches) == 1, 10, "the cut sequence kept")
+        await wait_until(lambda: thinker.active_requests() in (None, 0), 10, "the cut request's slot back")
         second = [first, {"role": "assistant", "content": "".join(said)}, _clip(1)]
         key = {"prompt_cache_key": "c"}
         kept = await run_pipeline(model, "Ethan", 4, second, thinker, None, key, talker)
         whole = await run_pipeline(model, "Ethan", 4, second, thinker, None, talker=talker)
+        assert thinker.active_requests() == (0 if slots else None)
         return kept, whole
 
     kept, whole = asyncio.run(go())
@@ -960,6 +981,23 @@ def test_compile_is_a_switch_or_one_of_torch_compiles_modes(model: Path) -> None
     refused = r"one of default, max-autotune-no-cudagraphs; got 'reduce-overhead' \(its KV cache grows"
     with pytest.raises(EngineError, match=refused):
         engine("talker", model, compile="reduce-overhead")
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        ({"fixedSteps": True, "maxModelLen": 0}, "maxModelLen must be a whole number above 0"),
+        ({"maxModelLen": "long"}, "maxModelLen must be a whole number above 0"),
+        ({"cudaGraphs": True}, "cudaGraphs needs device: cuda"),
+    ],
+)
+def test_a_thinkers_slot_table_out_of_its_bounds_is_refused_when_built(
+    model: Path, args: dict[str, Any], says: str
+) -> None:
+    """A thinker's `maxModelLen` (its context; on a slot table its positions a slot) and its
+    graphs are refused when the stage is built, naming the argument, not at a request."""
+    with pytest.raises(EngineError, match=says):
+        engine("thinker", model, **args)
 
 
 @pytest.mark.parametrize("level", [1, 2])

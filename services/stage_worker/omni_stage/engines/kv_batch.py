@@ -6,9 +6,10 @@ longest, with an attention mask that hides the padding and each row's own positi
 the forward each request gets its row back, padding cut off. This copies the caches once a
 step, and a cache that grows and moves cannot be replayed as a CUDA graph: the talkers step on
 a table allocated once per replica instead (`slot_cache.py`; docs/architecture.md, Talkers on
-GPUs). What still steps here: the `transformers` engine's and the Qwen-Omni thinkers' steps
-(on GPUs a thinker runs on vLLM, whose paged cache needs none) and the Qwen3 decoders'
-streamed pieces (a sliding window of 72 positions, cut each piece).
+GPUs). What still steps here: the `transformers` engine's steps, the Qwen-Omni thinkers' by
+default (on GPUs a thinker runs on vLLM, whose paged cache needs none, or on a slot table with
+`cudaGraphs`) and the Qwen3 decoders' streamed pieces (a sliding window of 72 positions, cut
+each piece).
 """
 
 from __future__ import annotations

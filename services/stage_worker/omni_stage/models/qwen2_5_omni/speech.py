@@ -29,7 +29,7 @@ from omni_stage.models.qwen_omni.parts import (
     compiler,
     compiles,
 )
-from omni_stage.models.qwen_omni.talking import HoldsSlot, SlotTalker
+from omni_stage.models.qwen_omni.slots import HoldsSlot, SlotPart
 from omni_stage.segments import EngineOutput
 
 
@@ -52,7 +52,7 @@ class _Speaking(HoldsSlot):
     kept: bool = False
 
 
-class Talker(SlotTalker):
+class Talker(SlotPart):
     """Speaks the thinker's reply. With a `prompt_cache_key` it keeps its prompt's positions: the
     next turn's prompt begins with them, fed the same thinker rows (the thinker's own kept
     ones), so its prefill computes the rest only (prompt_cache.py)."""

@@ -25,7 +25,7 @@ from omni_stage.models.qwen_omni.parts import (
     compiles,
 )
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
-from omni_stage.models.qwen_omni.talking import HoldsSlot, SlotTalker
+from omni_stage.models.qwen_omni.slots import HoldsSlot, SlotPart
 from omni_stage.segments import EngineOutput
 
 DEFAULT_VOICE: Final = "Ethan"
@@ -71,7 +71,7 @@ class _Step:
     hidden: torch.Tensor | None = None
 
 
-class Qwen3Talker(SlotTalker):
+class Qwen3Talker(SlotPart):
     """Speaks the thinker's reply from the prompt's user turns. With a `prompt_cache_key` it keeps
     those turns' positions: the next turn's talker prompt begins with them, fed the same rows
     (from the thinker's kept ones), so its prefill computes the rest only (prompt_cache.py)."""

@@ -39,7 +39,7 @@ from omni_stage.models.qwen3_tts.loading import load_cloner, load_decoder, load_
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt, tts_prompt
 from omni_stage.models.qwen3_tts.steps import Speaking, TTSSteps
 from omni_stage.models.qwen_omni.parts import TALKER_MAX_CODES
-from omni_stage.models.qwen_omni.talking import SlotTalker
+from omni_stage.models.qwen_omni.slots import SlotPart
 from omni_stage.segments import EngineOutput
 
 TASKS: Final = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign", "base": "Base"}
@@ -67,7 +67,7 @@ class _Step:
     fed: list[int] | None = None
 
 
-class Qwen3TTSTalker(SlotTalker):
+class Qwen3TTSTalker(SlotPart):
     """Text to codes, one frame at a time (module docstring)."""
 
     part = "talker"

@@ -17,7 +17,7 @@ from omni_stage.models.qwen3_omni.speech import SUPPRESSED_TOP
 from omni_stage.models.qwen3_tts.modeling import Talker
 from omni_stage.models.qwen3_tts.prompt import TTSIds, TTSPrompt
 from omni_stage.models.qwen_omni.parts import SeenCodes, code_mask
-from omni_stage.models.qwen_omni.talking import HoldsSlot
+from omni_stage.models.qwen_omni.slots import HoldsSlot
 
 MIN_CODES: Final = 2
 """The reference's `min_new_tokens`: the eos is not drawn before two codes."""

@@ -1,6 +1,11 @@
 """The Qwen-Omni thinker: the chat template (media in), decoding with a KV cache, batched across
 requests; each unit carries what a talker reads (the input embedding and last hidden state).
 
+Each request's cache is its own `DynamicCache`, restacked for a batched step (kv_batch.py), or,
+with `fixedSteps` (`cudaGraphs` on CUDA: its decode steps replayed as graphs), a slot of a table
+allocated once at `maxModelLen` positions a slot (slot_cache.py, fixed_steps.py;
+docs/architecture.md says when which).
+
 A request that names a `prompt_cache_key` keeps its sequence when it ends, with what the talker
 reads of each position (the talker reads the whole prompt's, the reused positions' included);
 the key's next request prefills only the positions its prompt adds (prompt_cache.py), its
@@ -11,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -27,14 +32,15 @@ from omni_stage.engines.prompts import check_context
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
 from omni_stage.engines.structured import JsonGrammars
-from omni_stage.models.qwen_omni.parts import (
-    Part,
-)
 from omni_stage.models.qwen_omni.prompt import MediaEmbeds, Prompt, Prompts
+from omni_stage.models.qwen_omni.slots import HoldsSlot, SlotPart
 from omni_stage.segments import EngineOutput
 
+SLOT_POSITIONS: Final = 4096
+"""`maxModelLen` by default on a slot table (`fixedSteps`): its positions a slot, allocated at load."""
 
-class Thinker(Part):
+
+class Thinker(SlotPart):
     """Reads the client's messages, their audio, images and videos included (see `Prompt`)."""
 
     part = "thinker"
@@ -54,10 +60,23 @@ class Thinker(Part):
         self.grammars: JsonGrammars | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
         self.prompt_caches = self._kept_conversations()
+        asked = self.args.get("maxModelLen", SLOT_POSITIONS if self.fixed_steps else None)
+        if asked is not None and (type(asked) is not int or asked <= 0):
+            raise EngineError(
+                f"stage '{stage.name}': engine.args.maxModelLen must be a whole number above 0, got {asked!r}"
+            )
+        self.max_model_len: int | None = asked
+        """The context `maxModelLen` bounds (None: the model's own)."""
 
     @property
     def vocab_size(self) -> int:
         return int(self.config.thinker_config.text_config.vocab_size)
+
+    @property
+    def context(self) -> int:
+        """The positions a request's prompt and reply may take: the model's, or `maxModelLen`."""
+        model = int(self.config.thinker_config.text_config.max_position_embeddings)
+        return model if self.max_model_len is None else min(model, self.max_model_len)
 
     def _part_class(self) -> tuple[Any, Any]:
         from transformers import Qwen2_5OmniThinkerForConditionalGeneration
@@ -78,9 +97,12 @@ class Thinker(Part):
         if "response_format" in self.honours:
             self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
         self._hear_ahead(self.prompts, lambda: self.model.audio_tower)
+        if self.fixed_steps:  # each step's input embeddings in, what the talker reads out
+            text = self.config.thinker_config.text_config
+            self._build_slots(text, self.model, text.hidden_size, 3, self.context, output_hidden_states=True)
 
     def prompt_tokenizer(self) -> tuple[Any, int] | None:
-        return self.tokenizer, int(self.config.thinker_config.text_config.max_position_embeddings)
+        return self.tokenizer, self.context
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         request = call.inputs.get("request")
@@ -105,9 +127,7 @@ class Thinker(Part):
             kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
             await self._run(self._reuse, call, st, kept, prompt)
         budget = call.sampling.max_tokens or 64
-        check_context(
-            int(ids.shape[1]), budget, self.config.thinker_config.text_config.max_position_embeddings
-        )
+        check_context(int(ids.shape[1]), budget, self.context)
         # Off the compute thread, whose forwards other requests wait for (a grammar compiles).
         sampler = await asyncio.to_thread(
             lambda: TokenSampler(
@@ -148,8 +168,9 @@ class Thinker(Part):
                 )
                 done = ended or stopped
                 logprobs = [] if ended else token_logprobs(self.tokenizer, choice)
-                if st.key is not None and (done or s == budget - 1):  # complete: kept for its next turn
+                if done or s == budget - 1:  # complete: kept for its next turn, its slot given back
                     self._keep(st)
+                    self._give_back(st)
                 yield EngineOutput(
                     units=1, text=delta, data=data, finish_reason="stop" if done else None, logprobs=logprobs
                 )
@@ -168,6 +189,8 @@ class Thinker(Part):
             self.prompt_caches.reused_tokens += n
 
     def _keep(self, st: _Cache) -> None:
+        if st.slot is not None and st.key is not None and not st.kept:
+            st.past = self._held(st)  # the slot's positions, copied out
         if (left := st.left(self.dtype)) is not None:
             assert st.key is not None
             self.prompt_caches.keep(st.key, left)
@@ -177,6 +200,8 @@ class Thinker(Part):
         return ThinkerStep()
 
     def _steps(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
+        if self.stepper is not None and steps[0].st.rope_deltas is not None:  # (a prefill runs alone)
+            return self._decode_slots(steps)
         if len(steps) == 1:
             s = steps[0]
             return [self._step(s.st, s.ids, s.sampler, s.prompt)]
@@ -201,6 +226,22 @@ class Thinker(Part):
             )
             results.append((choice, first.float().cpu(), last.float().cpu()))
         return results
+
+    @torch.inference_mode()
+    def _decode_slots(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
+        """A decode step of requests at their slots, their position ids and input embeddings
+        built for the batch at once."""
+        assert self.slots is not None and self.stepper is not None
+        slots = [self._slot(s.st) for s in steps]
+        embeds = self.model.get_input_embeddings()(torch.cat([s.ids for s in steps]))  # [B, 1, H]
+        at = torch.tensor([self.slots.lengths[slot] for slot in slots], device=self.device)
+        deltas = torch.cat([s.st.rope_deltas for s in steps]).view(-1)  # (each [1, 1]; Qwen3's float)
+        positions = (at + deltas).long().view(1, -1, 1).expand(3, -1, -1)
+        out, rows = self.stepper.step(slots, positions, embeds)
+        logits = out.logits[rows, -1]
+        first = out.hidden_states[0][rows].float().cpu()
+        last = out.hidden_states[self.talker_layer][rows].float().cpu()
+        return [(s.sampler.pick(logits[i]), first[i : i + 1], last[i : i + 1]) for i, s in enumerate(steps)]
 
     @torch.inference_mode()
     def _step(
@@ -239,14 +280,18 @@ class Thinker(Part):
                 inputs |= prompt.features
         else:
             positions = st.next_positions(self.device)
-        out = m(
-            position_ids=positions,
-            past_key_values=past,
-            use_cache=True,
-            output_hidden_states=True,
-            **inputs,
-        )
-        st.past = out.past_key_values
+        if self.slots is not None:  # a prefill: the slot holds its sequence from now on
+            out = self.slots.prefill(m, self._slot(st), past, positions, output_hidden_states=True, **inputs)
+            st.past = None
+        else:
+            out = m(
+                position_ids=positions,
+                past_key_values=past,
+                use_cache=True,
+                output_hidden_states=True,
+                **inputs,
+            )
+            st.past = out.past_key_values
         if prefill and sampler.prompt_logprobs is not None:
             st.prompt_logprobs = prompt_logprobs(
                 self.tokenizer, ids[0].tolist(), out.logits[0], sampler.prompt_logprobs
@@ -287,9 +332,10 @@ class Thinker(Part):
 
 
 @dataclass(slots=True)
-class _Cache:
-    """One request's KV cache, and the offset of its M-RoPE positions (set by the prefill); with
-    a `prompt_cache_key`, its sequence as the cache holds it (`Sequence`'s parts)."""
+class _Cache(HoldsSlot):
+    """One request's KV cache (its own, or its slot's), and the offset of its M-RoPE positions
+    (set by the prefill); with a `prompt_cache_key`, its sequence as the cache holds it
+    (`Sequence`'s parts)."""
 
     past: Any = None
     rope_deltas: torch.Tensor | None = None
