@@ -22,6 +22,10 @@ does not remove it. The talkers' decode steps twice: on the slot table's own sha
 rows over the table's whole length, what `cudaGraphs` captures on CUDA; measured uncaptured,
 so that the forward hooks still see each forward).
 
+The omni models' thinkers too (`thinker_decode`: B requests thinking together, each on its own
+cache, restacked a step; `thinker_decode_fixed`: on the thinker's slot table at fixed shapes,
+`fixedSteps`), at the real sizes only with `--thinkers` (a 30B thinker's load and steps).
+
 Ratios: `host_share_<model>_<kind>_b<B>`, the share of a step outside the forwards (lower is
 better). Also each step's milliseconds and its forwards'.
 
@@ -67,6 +71,8 @@ SPOKEN_TEXT = "The sea is calm tonight, and the wind has dropped."  # what Qwen3
 TTS_RELEASE = "qwen3-tts-1.7b-customvoice"  # --sizes full
 FIXED_KINDS = ("decode", "frame")
 """The kinds of step that `fixedSteps` changes (a talker's decode step)."""
+THINKING = ("qwen2.5-omni", "qwen3-omni")
+"""The models whose thinkers' decode steps are measured too (`thinker_decode`, `thinker_decode_fixed`)."""
 THINKER_TOKENS = 24
 TALKER_CODES = 48
 BATCHES = (1, 8)
@@ -120,7 +126,7 @@ def batcher_of(engine: Engine) -> StepBatcher[Any, Any]:
     return next(b for b in vars(engine).values() if isinstance(b, StepBatcher))
 
 
-async def thought(thinker: Engine, tokens: int) -> dict[str, Any]:
+async def thought(thinker: Engine, tokens: int, name: str = "thought") -> dict[str, Any]:
     """The thinker's whole reply to one prompt (its outputs joined): what each talker request speaks."""
     request = {
         "messages": [{"role": "user", "content": [{"type": "text", "text": "Tell me about the sea."}]}]
@@ -129,7 +135,7 @@ async def thought(thinker: Engine, tokens: int) -> dict[str, Any]:
     outs = [
         o
         async for o in thinker.generate(
-            EngineCall("thought", {"request": request | {"media": {}}}, True, sampling)
+            EngineCall(name, {"request": request | {"media": {}}}, True, sampling)
         )
     ]
     return concat([o.data for o in outs if o.data])
@@ -137,10 +143,10 @@ async def thought(thinker: Engine, tokens: int) -> dict[str, Any]:
 
 @contextmanager
 def clocks(
-    talker: Engine, kinds: dict[str, tuple[str, ...]], sync: Callable[[], None]
+    engine: Engine, kinds: dict[str, tuple[str, ...]], sync: Callable[[], None]
 ) -> Iterator[dict[str, list[ForwardClock]]]:
     made = {
-        kind: [ForwardClock(module_at(talker, p), not p.endswith("code_predictor"), sync) for p in paths]
+        kind: [ForwardClock(module_at(engine, p), not p.endswith("code_predictor"), sync) for p in paths]
         for kind, paths in kinds.items()
     }
     try:
@@ -159,6 +165,53 @@ async def speak_together(talker: Engine, inputs: dict[str, Any], batch: int, cod
             pass
 
     await asyncio.gather(*(one(i) for i in range(batch)))
+
+
+def timed_steps(
+    batcher: StepBatcher[Any, Any],
+    kinds: dict[str, list[ForwardClock]],
+    batch: int,
+    before: tuple[Counter[Any], Counter[Any]],
+    label: str,
+) -> dict[str, Any]:
+    """Each kind's steps of `batch` since `before` (the batcher's seconds and calls then): their
+    time, their forwards' (`kinds`' clocks), and the share outside the forwards."""
+    seconds, calls = before
+    out: dict[str, Any] = {}
+    for kind, clock in kinds.items():
+        n = batcher.calls[kind, batch] - calls[kind, batch]
+        step = batcher.seconds[kind, batch] - seconds[kind, batch]
+        forward = sum(c.seconds[batch] for c in clock)
+        if n:
+            out[f"{label.format(kind=kind)}_b{batch}"] = {
+                "steps": n,
+                "step_ms": round(step / n * 1000, 3),
+                "forward_ms": round(forward / n * 1000, 3),
+                "host_share": round(1 - forward / step, 3),
+            }
+    return out
+
+
+async def measure_thinker(
+    name: str, model: Path, extra: dict[str, Any], tokens: int, fixed: bool
+) -> dict[str, Any]:
+    """The thinker's decode steps, B requests thinking together: on their own caches (restacked
+    a step), or with `fixed` on its slot table at fixed shapes (`fixedSteps`)."""
+    example = ROOT / "examples" / MODELS[name][0]
+    args = extra | ({"fixedSteps": True, "maxModelLen": 256} if fixed else {})
+    thinker = stage_engine(example, "thinker", model, max(BATCHES), **args)
+    await thinker.start()
+    sync = torch.cuda.synchronize if extra["device"] == "cuda" else (lambda: None)
+    batcher = batcher_of(thinker)
+    out: dict[str, Any] = {}
+    await thought(thinker, 4)  # warm-up: the first forwards' one-off costs
+    for batch in BATCHES:
+        before = Counter(batcher.seconds), Counter(batcher.calls)
+        with clocks(thinker, {"decode": ("model",)}, sync) as clock:
+            await asyncio.gather(*(thought(thinker, tokens, f"b{batch}-{i}") for i in range(batch)))
+        out |= timed_steps(batcher, clock, batch, before, "thinker_{kind}" + ("_fixed" if fixed else ""))
+    await thinker.close()
+    return out
 
 
 async def measure(
@@ -185,21 +238,10 @@ async def measure(
     out: dict[str, Any] = {}
     await speak_together(talker, inputs, 1, 4)  # warm-up: the first forwards' one-off costs
     for batch in BATCHES:
-        seconds, calls = Counter(batcher.seconds), Counter(batcher.calls)
+        before = Counter(batcher.seconds), Counter(batcher.calls)
         with clocks(talker, kinds, sync) as clock:
             await speak_together(talker, inputs, batch, codes)
-        for kind in kinds:
-            n = batcher.calls[kind, batch] - calls[kind, batch]
-            step = batcher.seconds[kind, batch] - seconds[kind, batch]
-            forward = sum(c.seconds[batch] for c in clock[kind])
-            if n == 0:
-                continue
-            out[f"{kind}{'_fixed' if fixed else ''}_b{batch}"] = {
-                "steps": n,
-                "step_ms": round(step / n * 1000, 3),
-                "forward_ms": round(forward / n * 1000, 3),
-                "host_share": round(1 - forward / step, 3),
-            }
+        out |= timed_steps(batcher, clock, batch, before, "{kind}" + ("_fixed" if fixed else ""))
     await talker.close()
     return out
 
@@ -225,6 +267,11 @@ async def run(args: Any) -> dict[str, Any]:
             release_freed_memory()
             models[name] |= await measure(name, model, args.device, dtype, True, codes, fixed=True)
             release_freed_memory()
+            if args.thinkers and name in THINKING:
+                extra = {"device": args.device, "dtype": dtype, "loadFormat": "dummy"}
+                for fixed in (False, True):
+                    models[name] |= await measure_thinker(name, model, extra, THINKER_TOKENS, fixed)
+                    release_freed_memory()
     else:
         from bench.procs import demo_models  # (not on a GPU machine: it has the core's imports only)
 
@@ -233,6 +280,10 @@ async def run(args: Any) -> dict[str, Any]:
                 model = demo / "models" / checkpoint
                 models[name] = await measure(name, model, args.device, dtype, False, codes)
                 models[name] |= await measure(name, model, args.device, dtype, False, codes, fixed=True)
+                if name in THINKING:
+                    extra = {"device": args.device, "dtype": dtype}
+                    for fixed in (False, True):
+                        models[name] |= await measure_thinker(name, model, extra, THINKER_TOKENS, fixed)
     return {
         "benchmark": "step",
         "machine": machine() | ({"gpu": torch.cuda.get_device_name()} if cuda else {}),
@@ -253,6 +304,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument(
         "--model-dir", default="/tmp/qwen3-omni-full-size", help="--sizes full: where its config goes"
+    )
+    ap.add_argument(
+        "--thinkers", action="store_true", help="--sizes full: the thinkers' steps too (tiny: always)"
     )
     args = ap.parse_args()
     result = asyncio.run(run(args))

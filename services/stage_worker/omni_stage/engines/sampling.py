@@ -142,14 +142,34 @@ class TokenSampler:
         one of its `stop_token_ids`."""
         return (token in self.eos and not self.ignore_eos) or token in self.stop_ids
 
-    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits with what may not come next at -inf (a copy, where anything is)."""
+    @property
+    def greedy_with_bans(self) -> bool:
+        """Whether its next pick is the likeliest token but those banned (`banned`): greedy,
+        nothing else adjusting the logits, no log probabilities asked (`pick_together`)."""
+        return (
+            self.temperature < GREEDY_BELOW
+            and not self.bias
+            and not self.frequency_penalty
+            and not self.presence_penalty
+            and self.repetition is None
+            and self.allowed is None
+            and self.constraint is None
+            and self.logprobs is None
+        )
+
+    def banned(self) -> set[int]:
+        """What may not come next: an end before `min_tokens`, a bad word's last token."""
         banned: set[int] = set()
         if len(self.reply) < self.min_tokens:
             banned |= self.stop_ids | (self.eos if not self.ignore_eos else frozenset())
         for word in self.bad_words:
             if len(word) == 1 or self.reply[-(len(word) - 1) :] == word[:-1]:
                 banned.add(word[-1])
+        return banned
+
+    def _masked(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits with what may not come next at -inf (a copy, where anything is)."""
+        banned = self.banned()
         if self.allowed is None and not banned and self.constraint is None:
             return logits
         out = logits.clone()
@@ -184,13 +204,7 @@ class TokenSampler:
                 "min_tokens, allowed_token_ids and bad_words together)"
             )
         token = _pick_token(adjusted, self.temperature, self.top_p, self.generator, self.warpers)
-        self.counts[token] += 1
-        if token not in self.seen:  # a step's work stays that of the distinct tokens, not the reply's length
-            self.seen[token] = None
-            self.seen_ids = torch.tensor([list(self.seen)], dtype=torch.long)
-        self.reply.append(token)
-        if self.constraint is not None:
-            self.constraint.accept(token)
+        self.took(token)
         if self.logprobs is None:
             return Choice(token)
         logprobs = torch.log_softmax(logits, dim=-1)
@@ -200,6 +214,42 @@ class TokenSampler:
             float(logprobs[token]),
             list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else [],
         )
+
+    def took(self, token: int) -> None:
+        """`token` is the reply's next: what the picks after it depend on."""
+        self.counts[token] += 1
+        if token not in self.seen:  # a step's work stays that of the distinct tokens, not the reply's length
+            self.seen[token] = None
+            self.seen_ids = torch.tensor([list(self.seen)], dtype=torch.long)
+        self.reply.append(token)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+
+
+def pick_together(samplers: list[TokenSampler], logits: torch.Tensor) -> list[Choice]:
+    """Each request's choice from its row of `logits` [B, vocab]: what its own `pick` chooses.
+    The rows that are greedy with bans at most (`greedy_with_bans`: the usual request) are
+    picked for the batch at once, one argmax and one copy to the host, where a row at a time
+    takes a handful of each (on a GPU each a wait for the device); a row whose logits hold a
+    NaN or +inf, or leave nothing unbanned, goes to its own `pick`, which says what it does
+    with them."""
+    out: list[Choice | None] = [None] * len(samplers)
+    fast = [i for i, s in enumerate(samplers) if s.greedy_with_bans]
+    if fast:
+        rows = logits[fast].float()  # (a copy: the bans go in place)
+        bans = [samplers[i].banned() for i in fast]
+        if any(bans):
+            at = [(k, t) for k, banned in enumerate(bans) for t in banned]
+            rows[[k for k, _ in at], [t for _, t in at]] = -torch.inf
+        clean = ~(torch.isnan(rows) | torch.isposinf(rows)).any(-1) & (rows > -torch.inf).any(-1)
+        picks, ok = torch.stack([rows.argmax(-1), clean.long()]).tolist()
+        for k, i in enumerate(fast):
+            if ok[k]:
+                samplers[i].took(picks[k])
+                out[i] = Choice(picks[k])
+    return [
+        c if c is not None else s.pick(logits[i]) for i, (c, s) in enumerate(zip(out, samplers, strict=True))
+    ]
 
 
 Warper = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -47,7 +47,7 @@ from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompt_cache import Sequence
 from omni_stage.engines.prompts import check_context, prompt_token_ids
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
-from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
+from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler, pick_together
 from omni_stage.engines.structured import JsonGrammars
 from omni_stage.engines.tools import ToolPlan, engine_honours, tool_plan
 from omni_stage.segments import EngineOutput
@@ -317,7 +317,8 @@ class TransformersEngine(ComputeEngine):
                 self.tokenizer, ids, out.logits[0], s.sampler.prompt_logprobs
             )
         s.st.past = out.past_key_values
-        return self._pick(s, out, 0)
+        hidden = out.hidden_states[-1][0, -1:].float().cpu() if self.return_hidden else torch.empty(0)
+        return s.sampler.pick(out.logits[0, -1]), hidden
 
     @torch.inference_mode()
     def _decode_together(self, steps: list[_Step]) -> list[tuple[Choice, torch.Tensor]]:
@@ -331,9 +332,6 @@ class TransformersEngine(ComputeEngine):
         )
         for s, cache in zip(steps, caches, strict=True):
             s.st.past = cache
-        return [self._pick(s, out, row) for row, s in enumerate(steps)]
-
-    def _pick(self, s: _Step, out: Any, row: int) -> tuple[Choice, torch.Tensor]:
-        """Row `row`'s next token, and the last layer's state that produced it."""
-        hidden = out.hidden_states[-1][row, -1:].float().cpu() if self.return_hidden else torch.empty(0)
-        return s.sampler.pick(out.logits[row, -1]), hidden
+        choices = pick_together([s.sampler for s in steps], out.logits[:, -1])
+        hidden = out.hidden_states[-1][:, -1:].float().cpu() if self.return_hidden else None
+        return [(c, torch.empty(0) if hidden is None else hidden[row]) for row, c in enumerate(choices)]

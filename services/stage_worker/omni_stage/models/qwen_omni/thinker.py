@@ -30,7 +30,7 @@ from omni_stage.engines.kv_batch import decode_together
 from omni_stage.engines.prompt_cache import MediaSpan, Sequence
 from omni_stage.engines.prompts import check_context
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
-from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler
+from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler, pick_together
 from omni_stage.engines.structured import JsonGrammars
 from omni_stage.models.qwen_omni.prompt import MediaEmbeds, Prompt, Prompts
 from omni_stage.models.qwen_omni.slots import HoldsSlot, SlotPart
@@ -216,16 +216,9 @@ class Thinker(SlotPart):
             input_ids=torch.cat([s.ids for s in steps]),
             output_hidden_states=True,
         )
-        results = []
-        for row, (s, cache) in enumerate(zip(steps, caches, strict=True)):
+        for s, cache in zip(steps, caches, strict=True):
             s.st.past = cache
-            choice = s.sampler.pick(out.logits[row, -1])
-            first, last = (
-                out.hidden_states[0][row : row + 1],
-                out.hidden_states[self.talker_layer][row : row + 1],
-            )
-            results.append((choice, first.float().cpu(), last.float().cpu()))
-        return results
+        return self._picked(steps, out, list(range(len(steps))))
 
     @torch.inference_mode()
     def _decode_slots(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
@@ -238,10 +231,17 @@ class Thinker(SlotPart):
         deltas = torch.cat([s.st.rope_deltas for s in steps]).view(-1)  # (each [1, 1]; Qwen3's float)
         positions = (at + deltas).long().view(1, -1, 1).expand(3, -1, -1)
         out, rows = self.stepper.step(slots, positions, embeds)
-        logits = out.logits[rows, -1]
+        return self._picked(steps, out, rows)
+
+    def _picked(
+        self, steps: list[_ThinkerStep], out: Any, rows: list[int]
+    ) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
+        """Each step's token from its row of a batched forward's `out`, and what the talker
+        reads of its position ([1, 1, H] each), each fetched for the batch at once."""
+        choices = pick_together([s.sampler for s in steps], out.logits[rows, -1])
         first = out.hidden_states[0][rows].float().cpu()
         last = out.hidden_states[self.talker_layer][rows].float().cpu()
-        return [(s.sampler.pick(logits[i]), first[i : i + 1], last[i : i + 1]) for i, s in enumerate(steps)]
+        return [(c, first[i : i + 1], last[i : i + 1]) for i, c in enumerate(choices)]
 
     @torch.inference_mode()
     def _step(
