@@ -52,3 +52,16 @@ def test_a_row_that_leaves_nothing_to_pick_is_refused_as_alone() -> None:
     logits[:, EOS] = 1.0  # only the end, which min_tokens bans
     with pytest.raises(InvalidRequest, match="leave no token that may come next"):
         pick_together([TokenSampler(Sampling(), VOCAB), samplers()[1]], logits)
+
+
+def test_a_batch_of_greedy_requests_with_bans_leaves_the_logits_as_they_were() -> None:
+    """Every row picked with the batch (the logits read in place, not copied), two of them
+    with bans: the choices are each row's own, and the caller's logits are not written."""
+    kinds = [Sampling(), Sampling(min_tokens=2), Sampling(min_tokens=2, stop_token_ids=[5])]
+    logits = torch.randn(len(kinds), VOCAB, generator=torch.Generator().manual_seed(1))
+    logits[:, EOS] += 10.0
+    before = logits.clone()
+    ours = pick_together([TokenSampler(s, VOCAB, eos=frozenset({EOS})) for s in kinds], logits)
+    theirs = [TokenSampler(s, VOCAB, eos=frozenset({EOS})).pick(logits[i]) for i, s in enumerate(kinds)]
+    assert ours == theirs and ours[0].token == EOS and ours[1].token != EOS
+    assert torch.equal(logits, before)

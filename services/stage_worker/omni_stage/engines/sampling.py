@@ -236,13 +236,16 @@ def pick_together(samplers: list[TokenSampler], logits: torch.Tensor) -> list[Ch
     out: list[Choice | None] = [None] * len(samplers)
     fast = [i for i, s in enumerate(samplers) if s.greedy_with_bans]
     if fast:
-        rows = logits[fast].float()  # (a copy: the bans go in place)
+        rows = (logits if len(fast) == len(samplers) else logits[fast]).float()
         bans = [samplers[i].banned() for i in fast]
         if any(bans):
+            rows = rows.clone() if rows is logits else rows  # (the bans go in place)
             at = [(k, t) for k, banned in enumerate(bans) for t in banned]
             rows[[k for k, _ in at], [t for _, t in at]] = -torch.inf
-        clean = ~(torch.isnan(rows) | torch.isposinf(rows)).any(-1) & (rows > -torch.inf).any(-1)
-        picks, ok = torch.stack([rows.argmax(-1), clean.long()]).tolist()
+        # A row's max is NaN where it holds one, +inf where it holds that, -inf where all is banned:
+        # those rows go to their own pick. Else its index is argmax's (the first of the max).
+        top, picks = rows.max(-1)
+        picks, ok = torch.stack([picks, torch.isfinite(top).long()]).tolist()
         for k, i in enumerate(fast):
             if ok[k]:
                 samplers[i].took(picks[k])
