@@ -19,7 +19,7 @@ launches and its device time, and what comes before it is not counted in it). Th
 host work the device cannot hide: eager steps wait for it, and a step replayed as a CUDA graph
 does not remove it. The talkers' decode steps twice: on the slot table's own shapes (`decode`,
 `frame`), and at fixed shapes (`decode_fixed`, `frame_fixed`, `fixedSteps: true`: a bucket's
-rows over the table's whole length, what `cudaGraphs` captures on CUDA; measured uncaptured,
+rows over a span of the table's positions, what `cudaGraphs` captures on CUDA; measured uncaptured,
 so that the forward hooks still see each forward).
 
 The omni models' thinkers too (`thinker_decode`: B requests thinking together, each on its own

@@ -81,16 +81,17 @@ def test_steps_on_the_table_compute_what_each_whole_sequence_computes(decoder: Q
 @torch.inference_mode()
 def test_fixed_shape_steps_compute_what_each_whole_sequence_computes(decoder: Qwen2Model) -> None:
     """The steps at fixed shapes (engines/fixed_steps.py: what `cudaGraphs` captures on CUDA),
-    buckets 1 and 2, on a table of two slots of four positions: a step of slot 0 alone (bucket
-    1), of both (bucket 2), past the table's positions (the table's own step; the table grows,
-    and the buffers are built again for it), of slot 1 alone (bucket 2, row 0 computed and
-    dropped), and of three slots, past the last bucket (the table's own step). Each request's
-    hidden state equals its whole sequence's forward."""
+    buckets 1 and 2, spans of 2 and 4 positions, on a table of two slots of four positions: a
+    step of slot 0 alone (bucket 1, over the first two positions), of both (bucket 2, over
+    four), past the table's positions (the table's own step; the table grows, and the buffers
+    are built again for it, a span of 8 with them), of slot 1 alone (bucket 2, row 0 computed
+    and dropped), and of three slots, past the last bucket (the table's own step). Each
+    request's hidden state equals its whole sequence's forward."""
     table = SlotCache.of(decoder.config, 2, torch.float32, torch.device("cpu"), positions=4)
-    steps = FixedSteps(table, decoder, 2, WIDTH, 0, capture=False)
-    assert steps.buckets == (1, 2) and not steps.captured
+    steps = FixedSteps(table, decoder, 2, WIDTH, 0, capture=False, first_span=2)
+    assert steps.buckets == (1, 2) and steps.spans == (2, 4) and not steps.captured
     gen = torch.Generator().manual_seed(2)
-    seqs = [torch.randn(1, n, WIDTH, generator=gen) for n in (2, 3)]
+    seqs = [torch.randn(1, n, WIDTH, generator=gen) for n in (1, 3)]
     for rows in seqs:
         steps.prefill(table.take(), None, torch.arange(rows.shape[1])[None], rows)
 
@@ -103,16 +104,16 @@ def test_fixed_shape_steps_compute_what_each_whole_sequence_computes(decoder: Qw
             expected = whole(decoder, seqs[s])
             torch.testing.assert_close(out.last_hidden_state[row, -1], expected, rtol=0, atol=1e-6)
 
-    step([0])
-    step([0, 1])
+    step([0])  # over 2 positions: slot 0 holds 1
+    step([0, 1])  # over 4: slot 1 holds 3
     assert table.grown == 0 and steps.positions == 4
     step([1])  # slot 1 to 5 positions: the table's own step, and the table grows to 8
     assert table.grown == 1
     step([0, 1])
-    assert steps.positions == 8  # built again for the grown table
+    assert steps.positions == 8 and steps.spans == (2, 4, 8)  # built again for the grown table
     step([1])  # bucket 2, row 0 computed and dropped
     seqs.append(torch.randn(1, 2, WIDTH, generator=gen))
     steps.prefill(table.take(), None, torch.arange(2)[None], seqs[2])
     step([0, 1, 2])  # past the last bucket
     step([2])
-    assert table.lengths[:3] == [len(s[0]) for s in seqs] == [6, 8, 4]
+    assert table.lengths[:3] == [len(s[0]) for s in seqs] == [5, 8, 4]

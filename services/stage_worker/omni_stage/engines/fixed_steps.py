@@ -2,14 +2,18 @@
 
 A slot table's own step (`SlotCache.step`) attends over the rows and positions in use, so its
 shapes change every step. Here a step's batch is padded up to a bucket (1, 2, 4, 8, ... up to
-the stage's `maxBatch`: the table's first rows), and every row attends over the whole table's
-positions, masked to its own length: the inputs, the position ids, the write positions and the
-mask are buffers of the bucket's own, filled before each step, so that on CUDA each bucket's
-forward is captured once, at start, as one graph, and replayed (one launch a step instead of
-one a kernel: on an H200, eager, the talker's forwards were host work, docs/benchmarks.md).
-Elsewhere the same fixed-shape forward runs as it is (the suite checks it against the table's
-own step). A step of rows past the last bucket, or one that outgrows the table's positions,
-takes the table's own step; a table that grew is captured again at its next step.
+the stage's `maxBatch`: the table's first rows), and every row attends over a span of the
+table's first positions (256, 512, ... doubling up to the table's: the shortest that holds
+every row of the bucket), masked to its own length: the inputs, the position ids, the write
+positions and the mask are buffers of the bucket's own, filled before each step, so that on
+CUDA each bucket and span's forward is captured once, at start, as one graph, and replayed
+(one launch a step instead of one a kernel: on an H200, eager, the talker's forwards were host
+work, docs/benchmarks.md). The spans keep a step's attention to about what its rows hold, not
+the whole table (a thinker's 4096 positions a slot, read every step, would be as many bytes
+as its weights). Elsewhere the same fixed-shape forward runs as it is (the suite checks it
+against the table's own step). A step of rows past the last bucket, or one that outgrows the
+table's positions, takes the table's own step; a table that grew is built again at its next
+step, and a bucket and span its rows had outgrown then is captured when first used.
 """
 
 from __future__ import annotations
@@ -29,14 +33,28 @@ BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64)
 """Batch sizes a fixed-shape step is padded up to: one fixed shape (and, on CUDA, one graph) each."""
 
 
+FIRST_SPAN: Final = 256
+"""The fewest positions a fixed-shape step attends over: the spans double from it to the table's."""
+
+
 def buckets_up_to(max_batch: int) -> tuple[int, ...]:
     """The buckets of a stage whose steps batch up to `max_batch` (the last one itself)."""
     return tuple(sorted({b for b in BUCKETS if b < max_batch} | {max_batch}))
 
 
+def spans_up_to(positions: int, first: int = FIRST_SPAN) -> tuple[int, ...]:
+    """The spans of a table of `positions` a slot: doubling from `first`, the last the table's."""
+    spans, span = [], first
+    while span < positions:
+        spans.append(span)
+        span *= 2
+    return (*spans, positions)
+
+
 class FixedSteps(SlotSteps):
-    """The decode steps of `model` on `table` at fixed shapes, by bucket (up to `max_batch`);
-    see the module's docstring. `inputs` go to every forward as they are (the talker's own)."""
+    """The decode steps of `model` on `table` at fixed shapes, by bucket (up to `max_batch`) and
+    span (from `first_span` up); see the module's docstring. `inputs` go to every forward as
+    they are (the part's own)."""
 
     def __init__(
         self,
@@ -46,10 +64,12 @@ class FixedSteps(SlotSteps):
         width: int,
         position_rows: int,
         capture: bool,
+        first_span: int = FIRST_SPAN,
         **inputs: Any,
     ) -> None:
         super().__init__(table, model, **inputs)
         self.buckets = buckets_up_to(max_batch)
+        self.first_span = first_span
         self.width = width
         self.position_rows = position_rows
         """M-RoPE's rows of position ids (0: plain [batch, 1] ids)."""
@@ -62,27 +82,39 @@ class FixedSteps(SlotSteps):
         return bool(self._graphs)
 
     def _build(self) -> None:
-        """The buffers of each bucket (and, with `capture`, its graph), for the table as it is."""
+        """The buffers of each bucket (and, with `capture`, the graph of each bucket and span
+        its rows fit), for the table as it is."""
         self.table.reserve(self.buckets[-1], 1)
         keys = self.table.layers[0].keys
         assert keys is not None
         device, self.positions = keys.device, self.table.capacity[1]
+        self.spans = spans_up_to(self.positions, self.first_span)
         lead = (self.position_rows,) if self.position_rows else ()
         self._embeds = {b: keys.new_zeros(b, 1, self.width) for b in self.buckets}
         self._ids = {b: torch.zeros(*lead, b, 1, dtype=torch.long, device=device) for b in self.buckets}
         # Where each row writes: its length, also in the capture's own runs (a table built again
-        # after it grew holds requests, whose positions before their lengths must stay).
+        # after it grew holds requests, whose positions before their lengths must stay: a span
+        # its rows have outgrown is captured when a step first takes it, and they fit it).
         self._at = {b: torch.tensor(self.table.lengths[:b], device=device) for b in self.buckets}
         self._rows = {b: torch.arange(b, device=device) for b in self.buckets}
         self._span = torch.arange(self.positions, device=device)
         self._grown = self.table.grown
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, Any]] = {}
-        if self.capture:
-            try:
-                self._graphs = {b: graphed(lambda b=b: self._forward(b)) for b in self.buckets}
-            except RuntimeError as exc:  # a kernel the capture refuses (MoE routing, say)
-                LOG.warning("talker steps not captured as CUDA graphs, launched at fixed shapes: %s", exc)
-                self._graphs = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Any]] = {}
+        for b in self.buckets:
+            for span in self.spans:
+                if max(self.table.lengths[:b]) < span:
+                    self._capture(b, span)
+
+    def _capture(self, b: int, span: int) -> None:
+        """With `capture`, the bucket and span's forward as a graph; a capture the device
+        refuses ends the capturing: the steps launch at fixed shapes from then on."""
+        if not self.capture:
+            return
+        try:
+            self._graphs[b, span] = graphed(lambda: self._forward(b, span))
+        except RuntimeError as exc:  # a kernel the capture refuses (MoE routing, say)
+            LOG.warning("decode steps not captured as CUDA graphs, launched at fixed shapes: %s", exc)
+            self._graphs, self.capture = {}, False
 
     def step(
         self, slots: list[int], positions: torch.Tensor, inputs_embeds: torch.Tensor
@@ -94,7 +126,9 @@ class FixedSteps(SlotSteps):
             self._build()  # (the table's tensors are new: every buffer and graph with them)
         height = max(slots) + 1
         b = next((b for b in self.buckets if b >= height), 0)
-        if not b or max(self.table.lengths[:b]) >= self.positions:  # (every row writes, stepping or not)
+        longest = max(self.table.lengths[:b]) if b else self.positions  # (every row writes, stepping or not)
+        span = next((s for s in self.spans if s > longest), 0)
+        if not span:
             return super().step(slots, positions, inputs_embeds)
         embeds, ids = self._embeds[b], self._ids[b]
         embeds.zero_()
@@ -102,28 +136,30 @@ class FixedSteps(SlotSteps):
         ids.zero_()
         ids[..., slots, :] = positions
         self._at[b].copy_(torch.tensor(self.table.lengths[:b]), non_blocking=True)
-        if b in self._graphs:
-            graph, out = self._graphs[b]
+        if self.capture and (b, span) not in self._graphs:
+            self._capture(b, span)  # (a span the rows had outgrown when the table was built)
+        if (b, span) in self._graphs:
+            graph, out = self._graphs[b, span]
             graph.replay()
             out = _copied(out)
         else:
-            out = self._forward(b)
+            out = self._forward(b, span)
         for s in slots:
             self.table.lengths[s] += 1
         return out, slots
 
-    def _forward(self, b: int) -> Any:
-        """The bucket's forward on its buffers: every row over the table's positions, masked to
-        its own length and the position it writes."""
+    def _forward(self, b: int, span: int) -> Any:
+        """The bucket's forward on its buffers: every row over the table's first `span`
+        positions, masked to its own length and the position it writes."""
         at = self._at[b]
-        visible = (self._span[None] <= at[:, None])[:, None, None, :]  # [b, 1, 1, positions]
+        visible = (self._span[None, :span] <= at[:, None])[:, None, None, :]  # [b, 1, 1, span]
         mask = visible
         if getattr(self.model.config, "_attn_implementation", "sdpa") == "eager":  # an additive mask
             dtype = self._embeds[b].dtype
             mask = torch.zeros(visible.shape, dtype=dtype, device=at.device).masked_fill(
                 ~visible, torch.finfo(dtype).min
             )
-        self.table.aim(0, self.positions, self._rows[b], at)
+        self.table.aim(0, span, self._rows[b], at)
         return self.model(
             inputs_embeds=self._embeds[b],
             position_ids=self._ids[b],
