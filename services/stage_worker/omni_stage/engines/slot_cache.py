@@ -131,6 +131,11 @@ class SlotCache(Cache):
         return cls(layers, slots, heads, head_dim, dtype, device, positions)
 
     @property
+    def nbytes(self) -> int:
+        """The table's keys and values, in bytes."""
+        return sum(t.nbytes for layer in self.layers for t in (layer.keys, layer.values) if t is not None)
+
+    @property
     def taken(self) -> int:
         return self.capacity[0] - len(self._free)
 

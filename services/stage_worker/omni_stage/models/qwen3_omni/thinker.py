@@ -70,9 +70,9 @@ class Qwen3Thinker(Thinker):
 
         return Qwen3OmniMoeThinkerForConditionalGeneration, self.config.thinker_config
 
-    def _load(self) -> None:
-        super()._load()
-        self.talker_layer = int(self.config.talker_config.accept_hidden_layer)
+    @property
+    def talker_layer(self) -> int:
+        return int(self.config.talker_config.accept_hidden_layer)
 
     def _media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
         """The audio rows at their placeholders of the input embeddings (as the forward puts

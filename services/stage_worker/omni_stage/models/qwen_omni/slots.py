@@ -6,6 +6,7 @@ progress (after a cut request's kept sequence was copied out of it)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,8 @@ from omni_stage.engines.base import CallState, EngineError
 from omni_stage.engines.fixed_steps import FixedSteps
 from omni_stage.engines.slot_cache import FIRST_POSITIONS, SlotCache, SlotSteps
 from omni_stage.models.qwen_omni.parts import Part
+
+LOG = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, kw_only=True)
@@ -60,6 +63,13 @@ class SlotPart(Part):
         `width`, position ids of `position_rows` M-RoPE rows, and `inputs`)."""
         self._table_of = (decoder, model, width, position_rows, positions, inputs)
         self.slots = table = SlotCache.of(decoder, self.max_batch, self.dtype, self.device, positions)
+        LOG.info(
+            "stage %s: a slot table of %d slots x %d positions, %.2f GiB on %s",
+            self.stage.name,
+            *table.capacity,
+            table.nbytes / 2**30,
+            self.device,
+        )
         graphs = bool(self.args.get("cudaGraphs", False))
         if self.fixed_steps:
             self.stepper = FixedSteps(table, model, self.max_batch, width, position_rows, graphs, **inputs)

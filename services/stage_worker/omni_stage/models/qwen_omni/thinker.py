@@ -47,8 +47,6 @@ class Thinker(SlotPart):
     accepts = frozenset({"text", "image", "audio"})
     honours = HONOURED | params("mm_processor_kwargs")
     prompts_class = Prompts
-    talker_layer = -1
-    """The layer whose hidden states the talker reads (-1: the last, normed)."""
     sends_reply_hidden = True
     """Whether the talker reads each reply token's hidden state, or only its embedding."""
 
@@ -71,6 +69,11 @@ class Thinker(SlotPart):
     @property
     def vocab_size(self) -> int:
         return int(self.config.thinker_config.text_config.vocab_size)
+
+    @property
+    def talker_layer(self) -> int:
+        """The layer whose hidden states the talker reads (-1: the last, normed)."""
+        return -1
 
     @property
     def context(self) -> int:
@@ -99,7 +102,8 @@ class Thinker(SlotPart):
         self._hear_ahead(self.prompts, lambda: self.model.audio_tower)
         if self.fixed_steps:  # each step's input embeddings in, what the talker reads out
             text = self.config.thinker_config.text_config
-            self._build_slots(text, self.model, text.hidden_size, 3, self.context, output_hidden_states=True)
+            reads = StepReads(self.model, self.talker_layer)
+            self._build_slots(text, reads, text.hidden_size, 3, self.context)
 
     def prompt_tokenizer(self) -> tuple[Any, int] | None:
         return self.tokenizer, self.context
@@ -218,7 +222,8 @@ class Thinker(SlotPart):
         )
         for s, cache in zip(steps, caches, strict=True):
             s.st.past = cache
-        return self._picked(steps, out, list(range(len(steps))))
+        reads = (out.logits, out.hidden_states[0], out.hidden_states[self.talker_layer])
+        return self._picked(steps, reads, list(range(len(steps))))
 
     @torch.inference_mode()
     def _decode_slots(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
@@ -234,13 +239,14 @@ class Thinker(SlotPart):
         return self._picked(steps, out, rows)
 
     def _picked(
-        self, steps: list[_ThinkerStep], out: Any, rows: list[int]
+        self, steps: list[_ThinkerStep], reads: tuple[torch.Tensor, ...], rows: list[int]
     ) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
-        """Each step's token from its row of a batched forward's `out`, and what the talker
-        reads of its position ([1, 1, H] each), each fetched for the batch at once."""
-        choices = pick_together([s.sampler for s in steps], out.logits[rows, -1])
-        first = out.hidden_states[0][rows].float().cpu()
-        last = out.hidden_states[self.talker_layer][rows].float().cpu()
+        """Each step's token from its row of a batched forward's logits, and what the talker
+        reads of its position ([1, 1, H] each), each fetched for the batch at once. `reads`:
+        the logits, the input embeddings and the talker's layer's hidden states."""
+        logits, embeds, hidden = reads
+        choices = pick_together([s.sampler for s in steps], logits[rows, -1])
+        first, last = embeds[rows].float().cpu(), hidden[rows].float().cpu()
         return [(c, first[i : i + 1], last[i : i + 1]) for i, c in enumerate(choices)]
 
     @torch.inference_mode()
@@ -329,6 +335,23 @@ class Thinker(SlotPart):
             if e is not None:
                 embeds = embeds.masked_scatter(mask, e)
         return {"inputs_embeds": embeds}
+
+
+class StepReads(torch.nn.Module):
+    """The thinker's forward as its decode steps on the slot table run it, giving back only
+    what the stage reads of a step: the logits, the input embeddings and the talker's layer's
+    hidden states. A captured step's outputs are copied out at each replay (fixed_steps.py),
+    and the model's own are every layer's hidden states."""
+
+    def __init__(self, model: torch.nn.Module, layer: int) -> None:
+        super().__init__()
+        self.model = model
+        self.layer = layer
+        self.config = model.config  # (what FixedSteps reads: the attention's implementation)
+
+    def forward(self, **inputs: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        out = self.model(**inputs, output_hidden_states=True)
+        return out.logits, out.hidden_states[0], out.hidden_states[self.layer]
 
 
 @dataclass(slots=True)
