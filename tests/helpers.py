@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import httpx
 import numpy as np
@@ -28,6 +28,9 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.forked import FORKED_COMMANDS, ForkedProcess
+
+if TYPE_CHECKING:
+    from omni_stage.engines.base import Engine
 
 T = TypeVar("T")
 
@@ -206,6 +209,17 @@ def video_file(frames: np.ndarray, fps: int, audio_seconds: float = 0.0) -> byte
                 container.mux(audio.encode(chunk))
             container.mux(audio.encode())
     return out.getvalue()
+
+
+def example_stage(example: Path, stage: str, model: Path, **args: Any) -> Engine:
+    """Stage `stage` of the pipeline file `example`, on `model`, built in this process as the
+    stage's worker builds it: its engine's arguments with `args` over them."""
+    from omni_pipeline.spec import load_pipeline
+    from omni_stage.engines.registry import build_engine
+
+    spec = load_pipeline(example).spec.stage(stage)
+    eng = spec.engine.model_copy(update={"model": str(model), "args": {**spec.engine.args, **args}})
+    return build_engine(spec.model_copy(update={"engine": eng}))
 
 
 def decode_wav(data: str) -> tuple[np.ndarray, int]:

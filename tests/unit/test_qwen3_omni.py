@@ -24,7 +24,7 @@ from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.registry import build_engine
 from omni_stage.payload import concat
-from tests.helpers import COMPILE_TIMEOUT_S, ROOT
+from tests.helpers import COMPILE_TIMEOUT_S, ROOT, example_stage
 from tests.qwen_reference import (
     MEDIA_QUESTION,
     VIDEO_QUESTION,
@@ -49,9 +49,7 @@ def engine(stage: str, model: Path, **args: Any) -> Engine:
         spec = load_pipeline(EXAMPLE).spec.stage("thinker")
         eng = spec.engine.model_copy(update={"model": str(model), "args": {"part": "encoder", "threads": 1}})
         return build_engine(spec.model_copy(update={"engine": eng, "name": "encoder"}))
-    spec = load_pipeline(EXAMPLE).spec.stage(stage)
-    eng = spec.engine.model_copy(update={"model": str(model), "args": {**spec.engine.args, **args}})
-    return build_engine(spec.model_copy(update={"engine": eng}))
+    return example_stage(EXAMPLE, stage, model, **args)
 
 
 async def run_pipeline(

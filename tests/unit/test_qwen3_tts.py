@@ -17,9 +17,8 @@ import torch
 
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, EngineError, InvalidRequest
+from omni_stage.engines.base import EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.fixed_steps import FixedSteps
-from omni_stage.engines.registry import build_engine
 from omni_stage.engines.slot_cache import SlotCache, SlotSteps
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
 from omni_stage.models.qwen3_tts.checkpoint import write_checkpoint
@@ -27,7 +26,7 @@ from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_
 from omni_stage.models.qwen3_tts.prompt import TTSIds, tts_prompt
 from omni_stage.models.qwen3_tts.steps import TTSSteps
 from omni_stage.payload import concat
-from tests.helpers import ROOT
+from tests.helpers import ROOT, example_stage
 from tests.qwen_reference import check_first_audio_under_load, cut_while_speaking
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
@@ -159,7 +158,7 @@ def test_the_decoder_streamed_piece_by_piece_is_the_whole_decode(checkpoint: Pat
 
 def test_a_streamed_decoder_takes_no_left_context(checkpoint: Path) -> None:
     with pytest.raises(EngineError, match="leftContextCodes: Qwen3-TTS's decoder streams"):
-        stage_engine("code2wav", checkpoint, leftContextCodes=25)
+        example_stage(EXAMPLE, "code2wav", checkpoint, leftContextCodes=25)
 
 
 def test_an_unknown_variant_is_refused(tmp_path: Path) -> None:
@@ -174,12 +173,6 @@ DESIGNS = [  # a voice described, in both layouts
 ]
 
 
-def stage_engine(stage: str, model: Path, **args: Any) -> Engine:
-    spec = load_pipeline(EXAMPLE).spec.stage(stage)
-    update = {"model": str(model), "args": {**spec.engine.args, **args}}
-    return build_engine(spec.model_copy(update={"engine": spec.engine.model_copy(update=update)}))
-
-
 def test_a_cut_request_gives_its_slot_back(checkpoint: Path) -> None:
     """A request cut while the talker speaks (its task cancelled: a client gone) holds its slot
     of the replica's cache until the stage's runner says it ended (`request_ended`, called here
@@ -187,7 +180,7 @@ def test_a_cut_request_gives_its_slot_back(checkpoint: Path) -> None:
     gives its slot back by itself."""
 
     async def go() -> None:
-        talker = stage_engine("talker", checkpoint)
+        talker = example_stage(EXAMPLE, "talker", checkpoint)
         await talker.start()
         sampling = Sampling(max_tokens=BUDGET)
         done = EngineCall("d", {"request": {"prompt": "The sea is calm."}}, True, sampling)
@@ -207,7 +200,7 @@ def test_each_stage_computes_on_the_threads_it_is_given(checkpoint: Path, stage:
     of the reference's batch)."""
 
     async def threads() -> int:
-        engine = stage_engine(stage, checkpoint, threads=1)
+        engine = example_stage(EXAMPLE, stage, checkpoint, threads=1)
         await engine._run(torch.set_num_threads, 2)  # as a process on two cores starts
         await engine.start()
         try:
@@ -225,7 +218,9 @@ def test_first_audio_after_one_code_alone_and_under_load_is_the_whole_decode(che
     codes came (one code idle, up to 25 busy), batched; every request's audio the whole
     decode's within 1e-5, whatever its first piece."""
     edge = load_pipeline(EXAMPLE).spec.stage("code2wav").inputs[0]
-    check_first_audio_under_load(stage_engine("code2wav", checkpoint, maxBatch=4), (40, 45, 52, 60), edge, 0)
+    check_first_audio_under_load(
+        example_stage(EXAMPLE, "code2wav", checkpoint, maxBatch=4), (40, 45, 52, 60), edge, 0
+    )
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +238,7 @@ async def through_the_stages(
     ckpt: Path, prompt: str, sampling: Sampling
 ) -> tuple[list[list[int]], np.ndarray]:
     """The example's two stages on `ckpt`, in this process: the talker's frames, code2wav's audio."""
-    talker, code2wav = stage_engine("talker", ckpt), stage_engine("code2wav", ckpt)
+    talker, code2wav = example_stage(EXAMPLE, "talker", ckpt), example_stage(EXAMPLE, "code2wav", ckpt)
     for e in (talker, code2wav):
         await e.start()
     try:
@@ -288,7 +283,7 @@ def test_a_voice_design_model_takes_no_voice_and_needs_a_description(
     designed: tuple[Path, dict[str, Any], Path],
 ) -> None:
     ckpt, _, _ = designed
-    talker = stage_engine("talker", ckpt)
+    talker = example_stage(EXAMPLE, "talker", ckpt)
     asyncio.run(talker.start())
     assert talker.voices == ()
     with pytest.raises(

@@ -16,13 +16,11 @@ import pytest
 import torch
 
 from omni_pipeline.sampling import Sampling
-from omni_pipeline.spec import load_pipeline
-from omni_stage.engines.base import Engine, EngineCall, InvalidRequest
-from omni_stage.engines.registry import build_engine
+from omni_stage.engines.base import EngineCall, InvalidRequest
 from omni_stage.models.qwen3_tts.checkpoint import write_checkpoint
 from omni_stage.models.qwen3_tts.loading import load_cloner
 from omni_stage.payload import concat
-from tests.helpers import ROOT
+from tests.helpers import ROOT, example_stage
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
 BUDGET = 10
@@ -135,18 +133,11 @@ def test_what_a_clip_gives_equals_the_reference(cloned: tuple[Path, dict[str, An
     assert not np.allclose(xvectors[24000], xvectors[16000])  # each clip a voice of its own
 
 
-def stage_engine(stage: str, model: Path) -> Engine:
-    spec = load_pipeline(EXAMPLE).spec.stage(stage)
-    return build_engine(
-        spec.model_copy(update={"engine": spec.engine.model_copy(update={"model": str(model)})})
-    )
-
-
 async def through_the_stages(
     ckpt: Path, request: dict[str, Any], sampling: Sampling
 ) -> tuple[Any, np.ndarray]:
     """The example's two stages on `ckpt`, in this process: the talker's codes, code2wav's audio."""
-    talker, code2wav = stage_engine("talker", ckpt), stage_engine("code2wav", ckpt)
+    talker, code2wav = example_stage(EXAMPLE, "talker", ckpt), example_stage(EXAMPLE, "code2wav", ckpt)
     for e in (talker, code2wav):
         await e.start()
     try:

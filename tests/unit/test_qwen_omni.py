@@ -25,11 +25,10 @@ from omni_pipeline.sampling import Sampling
 from omni_pipeline.settings import MediaSpec
 from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, InvalidRequest
-from omni_stage.engines.registry import build_engine
 from omni_stage.models.qwen2_5_omni.checkpoint import CODEC_VOCAB
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
-from tests.helpers import COMPILE_TIMEOUT_S, ROOT, wait_until
+from tests.helpers import COMPILE_TIMEOUT_S, ROOT, example_stage, wait_until
 from tests.qwen_reference import (
     check_first_audio_under_load,
     cut_while_speaking,
@@ -51,9 +50,7 @@ THINKER_TOKENS, TALKER_CODES, SEED = 12, 40, 7
 
 
 def engine(stage: str, model: Path, **args: Any) -> Engine:
-    spec = load_pipeline(EPD if stage == "encoder" else EXAMPLE).spec.stage(stage)
-    eng = spec.engine.model_copy(update={"model": str(model), "args": {**spec.engine.args, **args}})
-    return build_engine(spec.model_copy(update={"engine": eng}))
+    return example_stage(EPD if stage == "encoder" else EXAMPLE, stage, model, **args)
 
 
 async def run_pipeline(
