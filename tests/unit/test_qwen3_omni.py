@@ -250,7 +250,7 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
     `maxModelLen` positions a slot, at a bucket's fixed shapes: a request's cache is copied
     once, into its slot at its prefill, never at a step, no slot is held after, and the tokens
     are those of the thinker on its own caches; a prompt and reply past `maxModelLen` are
-    refused."""
+    refused, and it is the context the replica reports."""
     fixed = {"fixedSteps": True, "maxModelLen": 128} if form == "fixed" else {}
     requests = [
         {"role": "user", "content": QUESTION},
@@ -283,6 +283,7 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
         own = alone
         if fixed:
             assert slot_table(thinker) == (copies + 2 * len(requests), 0, keys)
+            assert thinker.prompt_tokenizer()[1] == 128  # (what /tokenize says of the context)
             with pytest.raises(InvalidRequest, match="context is 128 tokens"):
                 long = EngineCall(
                     "r", {"request": {"messages": decoded[2][0]}}, True, Sampling(max_tokens=100)
