@@ -58,13 +58,16 @@ async def run_pipeline(
     thinker_window: int,
     voice: str = "Ethan",
     split: bool = False,
+    fixed: bool = False,
     **code2wav: int,
 ) -> dict[str, Any]:
     """The three stages; `message` as a client sends it (media decoded by the gateway's code).
-    `split`: an encoder stage reads the media and the thinker its outputs, not the media."""
+    `split`: an encoder stage reads the media and the thinker its outputs, not the media.
+    `fixed`: the thinker and the talker step at fixed shapes on their slot tables."""
+    steps = {"fixedSteps": True} if fixed else {}
     thinker, talker, decoder = (
-        engine("thinker", model),
-        engine("talker", model),
+        engine("thinker", model, **steps),
+        engine("talker", model, **steps),
         engine("code2wav", model, **code2wav),
     )
     for e in (thinker, talker, decoder):
@@ -133,12 +136,16 @@ def assert_same(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     torch.testing.assert_close(ours["audio"], theirs["audio"], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("thinker_window", [1, 4, 1000])
+@pytest.mark.parametrize(
+    ("thinker_window", "fixed"), [(1, False), (4, False), (1000, False), (4, True)], ids=str
+)
 def test_the_stages_compute_what_the_reference_computes(
-    model: Path, reference: dict[str, Any], thinker_window: int
+    model: Path, reference: dict[str, Any], thinker_window: int, fixed: bool
 ) -> None:
+    """So with the thinker and the talker each stepping on its slot table at fixed shapes
+    (`fixedSteps`: what `cudaGraphs` replays on CUDA)."""
     message = {"role": "user", "content": QUESTION}
-    assert_same(asyncio.run(run_pipeline(model, message, thinker_window, **WHOLE)), reference)
+    assert_same(asyncio.run(run_pipeline(model, message, thinker_window, fixed=fixed, **WHOLE)), reference)
 
 
 def test_with_audio_and_an_image(model: Path, reference: dict[str, Any]) -> None:

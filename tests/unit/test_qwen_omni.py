@@ -128,13 +128,26 @@ def reference(model: Path) -> dict[str, Any]:
     return reference_generate(model, MESSAGES, THINKER_TOKENS, TALKER_CODES, SEED, "Ethan")
 
 
-@pytest.mark.parametrize("thinker_window", [1, 4, 1000])
+@pytest.mark.parametrize(
+    ("thinker_window", "fixed"), [(1, False), (4, False), (1000, False), (4, True)], ids=str
+)
 def test_the_stages_compute_what_the_reference_computes(
-    model: Path, reference: dict[str, Any], thinker_window: int
+    model: Path, reference: dict[str, Any], thinker_window: int, fixed: bool
 ) -> None:
     """Text token for token, codes code for code. The waveform within 1e-5 (float32, the same
-    operations in the same order on the same noise: any difference is summation order)."""
-    ours = asyncio.run(run_pipeline(model, "Ethan", thinker_window))
+    operations in the same order on the same noise: any difference is summation order). So
+    with the thinker and the talker each stepping on its slot table at fixed shapes
+    (`fixedSteps`: what `cudaGraphs` replays on CUDA)."""
+
+    async def go() -> dict[str, Any]:
+        if not fixed:
+            return await run_pipeline(model, "Ethan", thinker_window)
+        thinker, talker = await started(
+            engine("thinker", model, fixedSteps=True), engine("talker", model, fixedSteps=True)
+        )
+        return await run_pipeline(model, "Ethan", thinker_window, thinker=thinker, talker=talker)
+
+    ours = asyncio.run(go())
     assert ours["tokens"].tolist() == reference["tokens"].tolist()
     assert ours["text"] == reference["text"] and len(ours["tokens"]) == THINKER_TOKENS
     assert ours["codes"].tolist() == reference["codes"].tolist()
