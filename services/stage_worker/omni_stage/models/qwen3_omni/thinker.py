@@ -11,6 +11,7 @@ from omni_pipeline.payloads import ThinkerStep, declared
 from omni_stage.engines.base import EngineError
 from omni_stage.models.qwen_omni.audio_features import AudioFeatures
 from omni_stage.models.qwen_omni.encoder import Encoder
+from omni_stage.models.qwen_omni.prefill import PrefillInputs
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS, MediaEmbeds, Prompt, Prompts
 from omni_stage.models.qwen_omni.thinker import Thinker
 
@@ -57,24 +58,10 @@ class Qwen3Prompts(Prompts):
         return _get_feat_extract_output_lengths(lengths, self.n_window).tolist()
 
 
-class Qwen3Thinker(Thinker):
-    """Qwen2.5-Omni's thinker stage on Qwen3-Omni's MoE thinker, sending what its talker reads."""
+class Qwen3PrefillInputs(PrefillInputs):
+    """Qwen3-Omni's thinker takes an encoder stage's vision rows with their deepstack features."""
 
-    config_class = "Qwen3OmniMoeConfig"
-    model_name = "Qwen3-Omni"
-    prompts_class = Qwen3Prompts
-    sends_reply_hidden = False
-
-    def _part_class(self) -> tuple[Any, Any]:
-        from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
-
-        return Qwen3OmniMoeThinkerForConditionalGeneration, self.config.thinker_config
-
-    @property
-    def talker_layer(self) -> int:
-        return int(self.config.talker_config.accept_hidden_layer)
-
-    def _media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
+    def media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
         """The audio rows at their placeholders of the input embeddings (as the forward puts
         its audio encoder's), and the image and video rows with their deepstack features
         through the forward's own seam for precomputed vision outputs (`mm_encoder_outputs`)."""
@@ -87,7 +74,6 @@ class Qwen3Thinker(Thinker):
         if media.audio is not None:
             _, _, audio_mask = m.get_placeholder_mask(ids, inputs_embeds=embeds)
             embeds = embeds.masked_scatter(audio_mask, media.audio.to(self.device, embeds.dtype))
-        assert self.prompts is not None
         _, image_sizes, video_sizes = self.prompts.layout_tokens(media.layout)
         vision: dict[str, Any] = {}
         for kind, rows, deep, sizes in (
@@ -96,7 +82,7 @@ class Qwen3Thinker(Thinker):
         ):
             if rows is not None and deep is None:
                 raise EngineError(
-                    f"stage '{self.stage.name}': the encoder's {kind} rows came without deepstack features"
+                    f"stage '{self.stage}': the encoder's {kind} rows came without deepstack features"
                 )
             if rows is not None:
                 vision[kind] = BaseModelOutputWithDeepstackFeatures(
@@ -104,6 +90,25 @@ class Qwen3Thinker(Thinker):
                     deepstack_features=[torch.split(d.to(self.device, self.dtype), sizes) for d in deep],
                 )
         return {"input_ids": ids, "inputs_embeds": embeds, "mm_encoder_outputs": vision}
+
+
+class Qwen3Thinker(Thinker):
+    """Qwen2.5-Omni's thinker stage on Qwen3-Omni's MoE thinker, sending what its talker reads."""
+
+    config_class = "Qwen3OmniMoeConfig"
+    model_name = "Qwen3-Omni"
+    prompts_class = Qwen3Prompts
+    sends_reply_hidden = False
+    prefill_class = Qwen3PrefillInputs
+
+    def _part_class(self) -> tuple[Any, Any]:
+        from transformers import Qwen3OmniMoeThinkerForConditionalGeneration
+
+        return Qwen3OmniMoeThinkerForConditionalGeneration, self.config.thinker_config
+
+    @property
+    def talker_layer(self) -> int:
+        return int(self.config.talker_config.accept_hidden_layer)
 
     def _prompt_extras(self, prompt: Prompt) -> ThinkerStep:
         """The prompt's ids and its media's layout, each as one unit ([1, ...])."""

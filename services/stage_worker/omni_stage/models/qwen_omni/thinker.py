@@ -32,6 +32,7 @@ from omni_stage.engines.prompts import check_context
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
 from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler, pick_together
 from omni_stage.engines.structured import JsonGrammars
+from omni_stage.models.qwen_omni.prefill import PrefillInputs
 from omni_stage.models.qwen_omni.prompt import MediaEmbeds, Prompt, Prompts
 from omni_stage.models.qwen_omni.slots import HoldsSlot, SlotPart
 from omni_stage.segments import EngineOutput
@@ -47,6 +48,7 @@ class Thinker(SlotPart):
     accepts = frozenset({"text", "image", "audio"})
     honours = HONOURED | params("mm_processor_kwargs")
     prompts_class = Prompts
+    prefill_class = PrefillInputs
     sends_reply_hidden = True
     """Whether the talker reads each reply token's hidden state, or only its embedding."""
 
@@ -54,6 +56,7 @@ class Thinker(SlotPart):
         super().__init__(stage)
         self.tokenizer: Any = None
         self.prompts: Prompts | None = None
+        self.prefills: PrefillInputs | None = None
         self.eos: set[int] = set()
         self.grammars: JsonGrammars | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
@@ -100,6 +103,9 @@ class Thinker(SlotPart):
         if "response_format" in self.honours:
             self.grammars = JsonGrammars(self.tokenizer, self.vocab_size, sorted(self.eos))
         self._hear_ahead(self.prompts, lambda: self.model.audio_tower)
+        self.prefills = self.prefill_class(
+            self.model, self.prompts, self.audio_ahead, self.device, self.dtype, self.stage.name
+        )
         if self.fixed_steps:  # each step's input embeddings in, what the talker reads out
             text = self.config.thinker_config.text_config
             reads = StepReads(self.model, self.talker_layer)
@@ -259,33 +265,14 @@ class Thinker(SlotPart):
     ) -> tuple[Choice, torch.Tensor, torch.Tensor]:
         m = self.model
         past = st.past
-        inputs: dict[str, torch.Tensor] = {"input_ids": ids}
         prefill = st.rope_deltas is None
-        if prefill:  # the prompt: its 3-D (M-RoPE) positions, and the offset decoding keeps
-            lay = prompt.layout
-            positions, st.rope_deltas = m.get_rope_index(
-                ids,
-                lay.image_grid_thw,
-                lay.video_grid_thw,
-                torch.ones_like(ids),
-                False,
-                lay.audio_lengths,
-                lay.video_second_per_grid,
-            )
-            if st.start:  # a kept sequence holds the first positions: the rest alone
-                assert self.prompts is not None
-                prompt = self.prompts.after(prompt, st.start)
-                ids, positions = prompt.ids, positions[..., st.start :]
-                inputs = {"input_ids": ids}
-            if prompt.embeds is not None:
-                inputs = self._media_inputs(ids, prompt.embeds)
-            elif st.ahead and "input_features" in prompt.features:
-                inputs = self._with_audio_ahead(ids, prompt, st.ahead)
-                st.ahead = {}
-            else:
-                inputs |= prompt.features
+        if prefill:  # the prompt (past what a kept sequence holds): its positions, its media
+            assert self.prefills is not None
+            pre = self.prefills.of(prompt, st.start, st.ahead)
+            prompt, ids, positions, inputs = pre.prompt, pre.prompt.ids, pre.positions, pre.inputs
+            st.rope_deltas, st.ahead = pre.rope_deltas, {}
         else:
-            positions = st.next_positions(self.device)
+            positions, inputs = st.next_positions(self.device), {"input_ids": ids}
         if self.slots is not None:  # a prefill: the slot holds its sequence from now on
             out = self.slots.prefill(m, self._slot(st), past, positions, output_hidden_states=True, **inputs)
             st.past = None
@@ -309,32 +296,6 @@ class Thinker(SlotPart):
             # but not the media's features: zeros there, as the reference hands it
             embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
         return choice, embeds, out.hidden_states[self.talker_layer].float().cpu()
-
-    def _with_audio_ahead(
-        self, ids: torch.Tensor, prompt: Prompt, ahead: dict[bytes, torch.Tensor]
-    ) -> dict[str, Any]:
-        """The prefill's inputs with its audio encoded window by window, taking the windows a
-        live session's audio was encoded into ahead where they are equal; the other media's
-        features as they are (the model's forward encodes those)."""
-        assert self.audio_ahead is not None
-        others = dict(prompt.features)
-        feats, mask = others.pop("input_features"), others.pop("feature_attention_mask")
-        rows = self.audio_ahead.encoded(feats, mask.sum(-1).tolist(), ahead)
-        return self._media_inputs(ids, MediaEmbeds(rows, None, None, prompt.layout)) | others
-
-    def _media_inputs(self, ids: torch.Tensor, media: MediaEmbeds) -> dict[str, Any]:
-        """The prefill's inputs with an encoder stage's outputs in place of the media: the
-        prompt's input embeddings with them at the media's placeholders, what the model's
-        forward makes of the encoders' outputs itself."""
-        m = self.model
-        embeds = m.get_input_embeddings()(ids)
-        kinds = (media.image, media.video, media.audio)  # the order of the masks
-        rows = [None if e is None else e.to(self.device, embeds.dtype) for e in kinds]
-        masks = m.get_placeholder_mask(ids, embeds, image_features=rows[0], video_features=rows[1])
-        for mask, e in zip(masks, rows, strict=True):
-            if e is not None:
-                embeds = embeds.masked_scatter(mask, e)
-        return {"inputs_embeds": embeds}
 
 
 class StepReads(torch.nn.Module):
