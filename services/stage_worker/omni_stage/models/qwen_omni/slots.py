@@ -64,10 +64,10 @@ class SlotPart(Part):
         self._table_of = (decoder, model, width, position_rows, positions, inputs)
         self.slots = table = SlotCache.of(decoder, self.max_batch, self.dtype, self.device, positions)
         LOG.info(
-            "stage %s: a slot table of %d slots x %d positions, %.2f GiB on %s",
+            "stage %s: a slot table of %d slots x %d positions, %.1f MiB on %s",
             self.stage.name,
             *table.capacity,
-            table.nbytes / 2**30,
+            table.nbytes / 2**20,
             self.device,
         )
         graphs = bool(self.args.get("cudaGraphs", False))
