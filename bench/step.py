@@ -223,7 +223,7 @@ async def measure(
     if fixed:
         kinds = {k: v for k, v in kinds.items() if k in FIXED_KINDS}
     extra: dict[str, Any] = {"device": device, "dtype": dtype} | ({"loadFormat": "dummy"} if dummy else {})
-    talker_args = extra | ({"fixedSteps": True} if fixed else {})
+    talker_args = extra | ({"fixedSteps": True, "maxModelLen": 512} if fixed else {})
     talker = stage_engine(ROOT / "examples" / example, "talker", model, max(BATCHES), **talker_args)
     await talker.start()
     if name == "qwen3-tts":

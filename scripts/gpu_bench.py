@@ -24,8 +24,9 @@ Not part of the suite (CI has no GPU). From the repository root, the project imp
     python scripts/gpu_bench.py OUT.json [--pipeline qwen3-omni|qwen2.5-omni|qwen3-tts] [--sizes full|tiny]
 `--sizes tiny` runs the same on the demo's dimensions (a check of the script on a CPU);
 `--cuda-graphs` runs the talker and the thinker with `cudaGraphs: true` (their decode steps
-graphed, at fixed shapes on their slot tables, the thinker's of `maxModelLen` 512 positions
-a slot; and Qwen3-Omni's and Qwen3-TTS's code predictor's frames); `captured` says which
+graphed, at fixed shapes on their slot tables, allocated and captured at load: the thinker's
+of `maxModelLen` 512 positions a slot, the talker's 1024; and Qwen3-Omni's and Qwen3-TTS's
+code predictor's frames); `captured` says which
 stages' steps were captured (a capture the device refuses falls back to the same steps
 launched, with a warning in the log).
 """
@@ -63,7 +64,7 @@ PIPELINES = (*OMNI, TTS)
 THINKER_WINDOW, TALKER_WINDOW = 4, 12  # the omni examples' windows
 TTS_FIRST_WINDOW, TTS_WINDOW = 1, 25  # examples/qwen3-tts.yaml's
 GRAPHED: dict[str, dict[str, Any]] = {
-    "talker": {"cudaGraphs": True},
+    "talker": {"cudaGraphs": True, "maxModelLen": 1024},  # (its prompt and 400 codes fit)
     "thinker": {"cudaGraphs": True, "maxModelLen": 512},  # (its prompt and 64 tokens fit)
 }
 """The stages' arguments with `--cuda-graphs`."""

@@ -59,15 +59,17 @@ async def run_pipeline(
     voice: str = "Ethan",
     split: bool = False,
     fixed: bool = False,
+    talker_args: dict[str, Any] | None = None,
     **code2wav: int,
 ) -> dict[str, Any]:
     """The three stages; `message` as a client sends it (media decoded by the gateway's code).
     `split`: an encoder stage reads the media and the thinker its outputs, not the media.
-    `fixed`: the thinker and the talker step at fixed shapes on their slot tables."""
+    `fixed`: the thinker and the talker step at fixed shapes on their slot tables.
+    `talker_args` over the talker's engine arguments."""
     steps = {"fixedSteps": True} if fixed else {}
     thinker, talker, decoder = (
         engine("thinker", model, **steps),
-        engine("talker", model, **steps),
+        engine("talker", model, **steps, **(talker_args or {})),
         engine("code2wav", model, **code2wav),
     )
     for e in (thinker, talker, decoder):
@@ -146,6 +148,25 @@ def test_the_stages_compute_what_the_reference_computes(
     (`fixedSteps`: what `cudaGraphs` replays on CUDA)."""
     message = {"role": "user", "content": QUESTION}
     assert_same(asyncio.run(run_pipeline(model, message, thinker_window, fixed=fixed, **WHOLE)), reference)
+
+
+def test_a_talker_bounded_by_max_model_len_speaks_the_references_first_codes(
+    model: Path, reference: dict[str, Any]
+) -> None:
+    """The talker at fixed shapes with `maxModelLen` (its slot table allocated at load at that
+    many positions a slot, never grown): a prompt past it is refused with a 400 naming it; a
+    bound a few positions past the prompt speaks the reference's first codes, as many as the
+    positions left, and ends there."""
+    message = {"role": "user", "content": QUESTION}
+    pattern = r"the prompt takes \d+ positions here, past this stage's maxModelLen of 1"
+    with pytest.raises(InvalidRequest, match=pattern) as refused:
+        asyncio.run(run_pipeline(model, message, 4, fixed=True, talker_args={"maxModelLen": 1}))
+    prompt = int(refused.value.args[0].split()[3])
+    bounded = {"maxModelLen": prompt + 5}
+    ours = asyncio.run(run_pipeline(model, message, 4, fixed=True, talker_args=bounded, **WHOLE))
+    assert ours["tokens"].tolist() == reference["tokens"].tolist()
+    assert len(reference["codes"]) > 5  # not vacuous: the reference speaks on
+    assert ours["codes"].tolist() == reference["codes"][:5].tolist()
 
 
 def test_with_audio_and_an_image(model: Path, reference: dict[str, Any]) -> None:

@@ -193,6 +193,56 @@ def test_a_cut_request_gives_its_slot_back(checkpoint: Path) -> None:
     asyncio.run(go())
 
 
+def test_a_talker_bounded_by_max_model_len_speaks_the_first_frames_and_allocates_nothing_more(
+    checkpoint: Path,
+) -> None:
+    """A talker at fixed shapes with `maxModelLen` (its slot table allocated once, at load, at
+    that many positions a slot: nothing allocated nor, on CUDA, captured while it serves): a
+    prompt past it is refused with a 400 that names it, its slot given back; two requests of
+    prompts of different lengths, at once, each speak the first frames the same talker
+    unbounded speaks, as many as the positions left after their prompts, and end there
+    ("length"); the table never grew and no slot is held after."""
+    texts = ("The sea is calm.", "The sea is calm tonight.")
+
+    async def speak(talker: Any, text: str, n: str) -> tuple[list[list[int]], str | None]:
+        call = EngineCall(n, {"request": {"prompt": text}}, True, Sampling(max_tokens=BUDGET))
+        try:
+            frames = [o.data["codes"][0].tolist() async for o in talker.generate(call)]
+        finally:
+            talker.request_ended(call.state)  # as the stage's runner does
+        return frames, call.state.finish_reason
+
+    async def go() -> None:
+        talker = example_stage(EXAMPLE, "talker", checkpoint, fixedSteps=True, maxModelLen=1)
+        await talker.start()
+        prompts = []
+        for i, text in enumerate(texts):
+            with pytest.raises(
+                InvalidRequest,
+                match=r"the prompt takes (\d+) positions here, past this stage's maxModelLen of 1",
+            ) as refused:
+                await speak(talker, text, f"p{i}")
+            prompts.append(int(refused.value.args[0].split()[3]))
+        await talker.close()
+        assert prompts[0] < prompts[1]
+        unbounded = example_stage(EXAMPLE, "talker", checkpoint)
+        await unbounded.start()
+        whole = [(await speak(unbounded, text, f"u{i}"))[0] for i, text in enumerate(texts)]
+        await unbounded.close()
+        bound = prompts[1] + 3
+        talker = example_stage(EXAMPLE, "talker", checkpoint, fixedSteps=True, maxModelLen=bound)
+        await talker.start()
+        assert talker.active_requests() == 0
+        spoken = await asyncio.gather(*(speak(talker, text, f"b{i}") for i, text in enumerate(texts)))
+        for (frames, reason), full, prompt in zip(spoken, whole, prompts, strict=True):
+            assert bound - prompt < len(full)  # not vacuous: the unbounded talker speaks on
+            assert frames == full[: bound - prompt] and reason == "length"
+        assert talker.slots is not None and talker.slots.grown == 0 and talker.active_requests() == 0
+        await talker.close()
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("stage", ["talker", "code2wav"])
 def test_each_stage_computes_on_the_threads_it_is_given(checkpoint: Path, stage: str) -> None:
     """`threads` (the example's 1) is honoured on the stage's compute thread, where its model

@@ -158,6 +158,27 @@ def test_the_stages_compute_what_the_reference_computes(
     torch.testing.assert_close(ours["audio"], reference["audio"], rtol=0, atol=WAVEFORM_ATOL)
 
 
+def test_a_talker_bounded_by_max_model_len_speaks_the_references_first_codes(
+    model: Path, reference: dict[str, Any]
+) -> None:
+    """The talker at fixed shapes with `maxModelLen` (its slot table allocated at load at that
+    many positions a slot, never grown): a prompt past it is refused with a 400 naming it; a
+    bound a few positions past the prompt speaks the reference's first codes, as many as the
+    positions left, and ends there."""
+
+    async def go(bound: int) -> dict[str, Any]:
+        (talker,) = await started(engine("talker", model, fixedSteps=True, maxModelLen=bound))
+        return await run_pipeline(model, "Ethan", 4, talker=talker)
+
+    pattern = r"the prompt takes \d+ positions here, past this stage's maxModelLen of 1"
+    with pytest.raises(InvalidRequest, match=pattern) as refused:
+        asyncio.run(go(1))
+    ours = asyncio.run(go(int(refused.value.args[0].split()[3]) + 5))
+    assert ours["tokens"].tolist() == reference["tokens"].tolist()
+    assert len(reference["codes"]) > 5  # not vacuous: the reference speaks on
+    assert ours["codes"].tolist() == reference["codes"][:5].tolist()
+
+
 def test_the_voice_changes_the_speech(model: Path, reference: dict[str, Any]) -> None:
     """Chelsie against the reference's Ethan: a difference far above the parity tolerance
     (random weights make it small: about 1.5e-4 on a waveform of std 0.006)."""
@@ -993,21 +1014,24 @@ def test_compile_is_a_switch_or_one_of_torch_compiles_modes(model: Path) -> None
         engine("talker", model, compile="reduce-overhead")
 
 
+@pytest.mark.parametrize("stage", ["thinker", "talker"])
 @pytest.mark.parametrize(
     ("args", "says"),
     [
         ({"fixedSteps": True, "maxModelLen": 0}, "maxModelLen must be a whole number above 0"),
         ({"maxModelLen": "long"}, "maxModelLen must be a whole number above 0"),
+        ({"maxModelLen": 512.0}, "maxModelLen must be a whole number above 0"),
         ({"cudaGraphs": True}, "cudaGraphs needs device: cuda"),
     ],
 )
-def test_a_thinkers_slot_table_out_of_its_bounds_is_refused_when_built(
-    model: Path, args: dict[str, Any], says: str
+def test_a_slot_table_out_of_its_bounds_is_refused_when_built(
+    model: Path, stage: str, args: dict[str, Any], says: str
 ) -> None:
-    """A thinker's `maxModelLen` (its context; on a slot table its positions a slot) and its
-    graphs are refused when the stage is built, naming the argument, not at a request."""
+    """A thinker's or talker's `maxModelLen` (its context; on a slot table its positions a
+    slot) and its graphs are refused when the stage is built, naming the argument, not at a
+    request."""
     with pytest.raises(EngineError, match=says):
-        engine("thinker", model, **args)
+        engine(stage, model, **args)
 
 
 @pytest.mark.parametrize("level", [1, 2])

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2Model
 
+from omni_stage.engines.base import InvalidRequest
 from omni_stage.engines.fixed_steps import FixedSteps
 from omni_stage.engines.slot_cache import SlotCache
 
@@ -117,3 +118,50 @@ def test_fixed_shape_steps_compute_what_each_whole_sequence_computes(decoder: Qw
     step([0, 1, 2])  # past the last bucket
     step([2])
     assert table.lengths[:3] == [len(s[0]) for s in seqs] == [5, 8, 4]
+
+
+@torch.inference_mode()
+def test_a_bounded_table_never_grows_in_positions_and_refuses_a_longer_prompt(decoder: Qwen2Model) -> None:
+    """A table of `maxModelLen` positions (`grows=False`), stepped at fixed shapes: a prompt
+    past them is refused before its forward, with a 400 naming `maxModelLen`; a row stepped to
+    the last position is `full` (a talker ends its request there) and equals its whole
+    sequence's forward on the way; a step of it is a bug, not a growth. A full row still held,
+    between two rows stepping, writes in the one position allocated past the others (the
+    table's own step: past the last span), and what it holds stays. Its slots may still grow
+    (more requests than `maxBatch`)."""
+    table = SlotCache.of(decoder.config, 4, torch.float32, torch.device("cpu"), positions=6, grows=False)
+    steps = FixedSteps(table, decoder, 4, WIDTH, 0, capture=False, first_span=2)
+    assert table.positions == 6 and table.capacity == (4, 7) and steps.spans == (2, 4, 6)
+    gen = torch.Generator().manual_seed(3)
+    slots = [table.take() for _ in range(3)]
+    with pytest.raises(
+        InvalidRequest, match="the prompt takes 7 positions here, past this stage's maxModelLen of 6"
+    ):
+        steps.prefill(slots[1], None, torch.arange(7)[None], torch.randn(1, 7, WIDTH, generator=gen))
+    assert table.lengths[slots[1]] == 0 and table.copies == 0  # refused before its forward
+
+    seqs = [torch.randn(1, n, WIDTH, generator=gen) for n in (1, 4, 2)]
+    for slot, rows in zip(slots, seqs, strict=True):
+        steps.prefill(slot, None, torch.arange(rows.shape[1])[None], rows)
+
+    def step(stepping: list[int]) -> None:
+        new = torch.randn(len(stepping), 1, WIDTH, generator=gen)
+        out, rows = steps.step(stepping, torch.tensor([[table.lengths[s]] for s in stepping]), new)
+        for i, (s, row) in enumerate(zip(stepping, rows, strict=True)):
+            seqs[s] = torch.cat([seqs[s], new[i : i + 1]], dim=1)
+            expected = whole(decoder, seqs[s])
+            torch.testing.assert_close(out.last_hidden_state[row, -1], expected, rtol=0, atol=1e-6)
+
+    while not table.full(1):
+        step([1])
+    assert table.lengths[:3] == [1, 6, 2]
+    with pytest.raises(AssertionError, match="a step of a full row"):
+        step([1])
+    held = table.kept(1)
+    step([0, 2])  # slot 1 between them, full
+    step([0, 2])
+    for mine, kept in zip(table.kept(1).layers, held.layers, strict=True):
+        assert torch.equal(mine.keys, kept.keys) and torch.equal(mine.values, kept.values)
+    assert table.lengths[:3] == [3, 6, 4] and table.grown == 0
+    table.take()
+    assert table.take() == 4 and table.capacity == (8, 7)  # a fifth request: the slots grow

@@ -87,7 +87,7 @@ class FixedSteps(SlotSteps):
         self.table.reserve(self.buckets[-1], 1)
         keys = self.table.layers[0].keys
         assert keys is not None
-        device, self.positions = keys.device, self.table.capacity[1]
+        device, self.positions = keys.device, self.table.positions
         self.spans = spans_up_to(self.positions, self.first_span)
         lead = (self.position_rows,) if self.position_rows else ()
         self._embeds = {b: keys.new_zeros(b, 1, self.width) for b in self.buckets}

@@ -12,8 +12,12 @@ they are few), writes each row's new position at that row's own length, in place
 each row over its own length (a mask from the per-row lengths). The window a step sees is a
 view of the table, so its strides stay as they were: a compiled step is not compiled again for
 a new slot or length (its warm-up steps at the first three slots, so that the view's offset
-into the table is compiled as a variable). The table grows, by doubling, only when a request outgrows it
-(`grown` counts it); a request's cache is copied only into its slot at its prefill and out of
+into the table is compiled as a variable). A table built with its positions bounded (`grows`
+false: a stage's `maxModelLen`) is allocated once: a prompt past them is refused, and a row
+that holds them all is `full` (its request ends there, as at its `max_tokens`); one position
+more is allocated, where a full row still held writes when a step spans it without stepping
+it. Its slots may still grow. Otherwise it grows, by doubling, when a request outgrows it
+(`grown` counts it). A request's cache is copied only into its slot at its prefill and out of
 it for a conversation's kept sequence (`copies` counts those).
 """
 
@@ -25,8 +29,10 @@ from typing import Any, Final
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from omni_stage.engines.base import InvalidRequest
+
 FIRST_POSITIONS: Final = 512
-"""Positions a slot holds at first: doubled when a request needs more."""
+"""Positions a slot holds at first in a table that grows: doubled when a request needs more."""
 
 
 class SlotLayer(CacheLayerMixin):
@@ -89,10 +95,14 @@ class SlotCache(Cache):
         dtype: torch.dtype,
         device: torch.device,
         positions: int = FIRST_POSITIONS,
+        grows: bool = True,
     ) -> None:
-        shape = (slots, heads, positions, head_dim)
+        allocated = positions if grows else positions + 1
+        shape = (slots, heads, allocated, head_dim)
         super().__init__(layers=[SlotLayer(self, shape, dtype, device) for _ in range(layers)])
-        self.capacity = (slots, positions)
+        self.capacity = (slots, allocated)
+        self.bound = None if grows else positions
+        """The positions a request may hold (None: the table doubles when one needs more)."""
         self.lengths = [0] * slots
         self._free = list(range(slots))
         self.seen = 0
@@ -111,6 +121,16 @@ class SlotCache(Cache):
         self.lengths[slot] = 0
         return slot
 
+    def full(self, slot: int) -> bool:
+        """Whether the slot's row holds every position of a table that does not grow: its
+        request can take no further step."""
+        return self.bound is not None and self.lengths[slot] >= self.bound
+
+    @property
+    def positions(self) -> int:
+        """The positions a request may hold now."""
+        return self.capacity[1] if self.bound is None else self.bound
+
     def give_back(self, slot: int) -> None:
         if slot not in self._free:
             self.lengths[slot] = 0  # (a step spanning it writes at its start)
@@ -124,11 +144,12 @@ class SlotCache(Cache):
         dtype: torch.dtype,
         device: torch.device,
         positions: int = FIRST_POSITIONS,
+        grows: bool = True,
     ) -> SlotCache:
         """For a decoder of transformers' `config` (its layers, key-value heads, head size)."""
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layers, heads = config.num_hidden_layers, config.num_key_value_heads
-        return cls(layers, slots, heads, head_dim, dtype, device, positions)
+        return cls(layers, slots, heads, head_dim, dtype, device, positions, grows)
 
     @property
     def nbytes(self) -> int:
@@ -143,9 +164,15 @@ class SlotCache(Cache):
         """`model(**inputs)` for one request's n new positions ([1, n, ...]; `positions` its
         position ids, [1, n] or [k, 1, n] for M-RoPE's k rows) on `past` (a conversation's kept
         `DynamicCache`, or None), the whole sequence then copied into `slot`. Returns the
-        model's output."""
+        model's output. On a table that does not grow, a sequence past its positions is the
+        client's error, refused before the forward."""
         from transformers import DynamicCache
 
+        n = (0 if past is None else past.get_seq_length()) + positions.shape[-1]
+        if self.bound is not None and n > self.bound:
+            raise InvalidRequest(
+                f"the prompt takes {n} positions here, past this stage's maxModelLen of {self.bound}"
+            )
         out = model(**inputs, position_ids=positions, past_key_values=past or DynamicCache(), use_cache=True)
         self._put(slot, out.past_key_values)
         return out
@@ -159,6 +186,7 @@ class SlotCache(Cache):
         model's output and each request's row of it."""
         # One layout whoever built them: a compiled model's guards see their strides.
         positions = positions.contiguous()
+        assert not any(self.full(s) for s in slots), "a step of a full row (its request ends at `full`)"
         lo, hi = min(slots), max(slots) + 1
         rows = [s - lo for s in slots]
         span = self.lengths[lo:hi]
@@ -191,6 +219,7 @@ class SlotCache(Cache):
     def reserve(self, slots: int, positions: int) -> None:
         """At least `slots` rows of at least `positions` positions (the table doubles to them)."""
         have_slots, have_positions = self.capacity
+        assert self.bound is None or positions <= have_positions, "a bounded table does not grow"
         if slots > have_slots or positions > have_positions:
             self._grow(max(have_slots, slots), _doubled_to(have_positions, positions))
 

@@ -113,6 +113,8 @@ class Qwen3TTSTalker(SlotPart):
         self.languages = ("Auto", *named)  # the heartbeat's: a gateway refuses others first
         self.instructs = self.settings.get("tts_model_size") != "0b6"  # the reference drops them on 0.6B
         self.context = int(talker_config.get("max_position_embeddings", 32768))
+        if self.max_model_len is not None:  # (/tokenize's max_model_len)
+            self.context = min(self.context, self.max_model_len)
         self._build_slots(self.model.config, self.model.model, self.model.config.hidden_size, 0)
         self._build_steps()
 

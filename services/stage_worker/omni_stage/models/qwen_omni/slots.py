@@ -2,13 +2,19 @@
 the talkers always, a thinker with `fixedSteps` (`cudaGraphs`). A slot is taken at the
 prefill, on the compute thread, and given back at the request's end however it ends: complete,
 on the event loop; failed, aborted or cut, once the compute thread has ended the step in
-progress (after a cut request's kept sequence was copied out of it)."""
+progress (after a cut request's kept sequence was copied out of it).
+
+`maxModelLen` bounds a request's positions (prompt and reply) and sizes the table at load: it
+is allocated once and never grows in positions, so that nothing is allocated, nor captured as
+CUDA graphs, while requests are served (4096 by default at fixed shapes, `fixedSteps` or
+`cudaGraphs`; without it a talker's table starts at 512 positions and doubles as requests need).
+A talker's speech ends where its slot is full, as at its `max_tokens`."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import CallState, EngineError
@@ -17,6 +23,9 @@ from omni_stage.engines.slot_cache import FIRST_POSITIONS, SlotCache, SlotSteps
 from omni_stage.models.qwen_omni.parts import Part
 
 LOG = logging.getLogger(__name__)
+
+SLOT_POSITIONS: Final = 4096
+"""`maxModelLen` by default at fixed shapes (`fixedSteps`): a slot's positions, allocated at load."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -43,6 +52,13 @@ class SlotPart(Part):
         super().__init__(stage)
         if self.args.get("cudaGraphs", False) and self.device.type != "cuda":
             raise EngineError(f"stage '{stage.name}': engine.args.cudaGraphs needs device: cuda")
+        asked = self.args.get("maxModelLen", SLOT_POSITIONS if self.fixed_steps else None)
+        if asked is not None and (type(asked) is not int or asked <= 0):
+            raise EngineError(
+                f"stage '{stage.name}': engine.args.maxModelLen must be a whole number above 0, got {asked!r}"
+            )
+        self.max_model_len: int | None = asked
+        """A request's positions at most (None: the model's own); the table's, allocated at load."""
 
     @property
     def fixed_steps(self) -> bool:
@@ -55,18 +71,24 @@ class SlotPart(Part):
         model: Any,
         width: int,
         position_rows: int,
-        positions: int = FIRST_POSITIONS,
+        positions: int | None = None,
         **inputs: Any,
     ) -> None:
         """(At each load and wake.) The table for a decoder of transformers' config `decoder`
-        (`positions` a slot at first), and the steps of `model` on it (fed `inputs_embeds` of
-        `width`, position ids of `position_rows` M-RoPE rows, and `inputs`)."""
+        (`positions` a slot, by default `maxModelLen`'s; without either, a table that grows),
+        and the steps of `model` on it (fed `inputs_embeds` of `width`, position ids of
+        `position_rows` M-RoPE rows, and `inputs`)."""
         self._table_of = (decoder, model, width, position_rows, positions, inputs)
-        self.slots = table = SlotCache.of(decoder, self.max_batch, self.dtype, self.device, positions)
+        bound = positions or self.max_model_len
+        self.slots = table = SlotCache.of(
+            decoder, self.max_batch, self.dtype, self.device, bound or FIRST_POSITIONS, grows=bound is None
+        )
         LOG.info(
-            "stage %s: a slot table of %d slots x %d positions, %.1f MiB on %s",
+            "stage %s: a slot table of %d slots x %d positions%s, %.1f MiB on %s",
             self.stage.name,
-            *table.capacity,
+            table.capacity[0],
+            table.positions,
+            "" if bound is None else " (maxModelLen)",
             table.nbytes / 2**20,
             self.device,
         )
@@ -82,6 +104,10 @@ class SlotPart(Part):
             assert self.slots is not None
             st.slot, st.table = self.slots.take(), self.slots
         return st.slot
+
+    def _full(self, st: HoldsSlot) -> bool:
+        """Whether the request's slot holds every position it may: it takes no further step."""
+        return st.slot is not None and st.table is not None and st.table.full(st.slot)
 
     def _give_back(self, st: HoldsSlot) -> None:
         """The request's slot, given back now: no step of it may be in progress."""

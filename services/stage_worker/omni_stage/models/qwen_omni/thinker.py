@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 import torch
 
@@ -36,9 +36,6 @@ from omni_stage.models.qwen_omni.prefill import PrefillInputs
 from omni_stage.models.qwen_omni.prompt import MediaEmbeds, Prompt, Prompts
 from omni_stage.models.qwen_omni.slots import HoldsSlot, SlotPart
 from omni_stage.segments import EngineOutput
-
-SLOT_POSITIONS: Final = 4096
-"""`maxModelLen` by default on a slot table (`fixedSteps`): its positions a slot, allocated at load."""
 
 
 class Thinker(SlotPart):
@@ -61,13 +58,6 @@ class Thinker(SlotPart):
         self.grammars: JsonGrammars | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
         self.prompt_caches = self._kept_conversations()
-        asked = self.args.get("maxModelLen", SLOT_POSITIONS if self.fixed_steps else None)
-        if asked is not None and (type(asked) is not int or asked <= 0):
-            raise EngineError(
-                f"stage '{stage.name}': engine.args.maxModelLen must be a whole number above 0, got {asked!r}"
-            )
-        self.max_model_len: int | None = asked
-        """The context `maxModelLen` bounds (None: the model's own)."""
 
     @property
     def vocab_size(self) -> int:
