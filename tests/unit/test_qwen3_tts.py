@@ -243,6 +243,34 @@ def test_a_talker_bounded_by_max_model_len_speaks_the_first_frames_and_allocates
     asyncio.run(go())
 
 
+def test_a_request_stepping_above_the_batch_size_steps_at_fixed_shapes(checkpoint: Path) -> None:
+    """With `maxBatch: 1` (its requests step one at a time) and the example's `maxInflight` 8,
+    a talker at fixed shapes has a slot for each request in flight, and a request stepping
+    alone at its slot above the first steps in a bucket of the table's first rows: no step
+    takes the table's own shapes (on CUDA: every step a replay, none launched eagerly), and
+    two requests at once speak what each speaks alone."""
+    texts = ("The sea is calm.", "A calm voice.")
+
+    async def speak(talker: Any, text: str, n: str) -> list[list[int]]:
+        call = EngineCall(n, {"request": {"prompt": text}}, True, Sampling(max_tokens=BUDGET))
+        try:
+            return [o.data["codes"][0].tolist() async for o in talker.generate(call)]
+        finally:
+            talker.request_ended(call.state)  # as the stage's runner does
+
+    async def go() -> None:
+        talker = example_stage(EXAMPLE, "talker", checkpoint, fixedSteps=True, maxModelLen=256, maxBatch=1)
+        await talker.start()
+        assert talker.slots is not None and talker.slots.capacity[0] == 8
+        alone = [await speak(talker, text, f"a{i}") for i, text in enumerate(texts)]
+        together = await asyncio.gather(*(speak(talker, text, f"t{i}") for i, text in enumerate(texts)))
+        assert together == alone and all(len(frames) > 4 for frames in alone)
+        assert isinstance(talker.stepper, FixedSteps) and talker.stepper.own_steps == 0
+        await talker.close()
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize("stage", ["talker", "code2wav"])
 def test_each_stage_computes_on_the_threads_it_is_given(checkpoint: Path, stage: str) -> None:
     """`threads` (the example's 1) is honoured on the stage's compute thread, where its model

@@ -1,8 +1,9 @@
 """A talker's decode steps on its slot table at fixed shapes: what a CUDA graph replays.
 
 A slot table's own step (`SlotCache.step`) attends over the rows and positions in use, so its
-shapes change every step. Here a step's batch is padded up to a bucket (1, 2, 4, 8, ... up to
-the stage's `maxBatch`: the table's first rows), and every row attends over a span of the
+shapes change every step. Here a step's rows are padded up to a bucket of the table's first
+rows (1, 2, 4, 8, ... up to the table's slots: a step's rows are its requests' slots, which
+may lie above its batch size), and every row attends over a span of the
 table's first positions (256, 512, ... doubling up to the table's: the shortest that holds
 every row of the bucket), masked to its own length: the inputs, the position ids, the write
 positions and the mask are buffers of the bucket's own, filled before each step, so that on
@@ -12,8 +13,9 @@ work, docs/benchmarks.md). The spans keep a step's attention to about what its r
 the whole table (a thinker's 4096 positions a slot, read every step, would be as many bytes
 as its weights). Elsewhere the same fixed-shape forward runs as it is (the suite checks it
 against the table's own step). A step of rows past the last bucket, or one that outgrows the
-table's positions, takes the table's own step; a table that grew is built again at its next
-step, and a bucket and span its rows had outgrown then is captured when first used.
+table's positions, takes the table's own step (`own_steps` counts them: on CUDA, steps
+launched uncaptured); a table that grew is built again at its next step, and a bucket and
+span its rows had outgrown then is captured when first used.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ FIRST_SPAN: Final = 256
 """The fewest positions a fixed-shape step attends over: the spans double from it to the table's."""
 
 
-def buckets_up_to(max_batch: int) -> tuple[int, ...]:
-    """The buckets of a stage whose steps batch up to `max_batch` (the last one itself)."""
-    return tuple(sorted({b for b in BUCKETS if b < max_batch} | {max_batch}))
+def buckets_up_to(most: int) -> tuple[int, ...]:
+    """The buckets of steps of up to `most` rows (the last one itself)."""
+    return tuple(sorted({b for b in BUCKETS if b < most} | {most}))
 
 
 def spans_up_to(positions: int, first: int = FIRST_SPAN) -> tuple[int, ...]:
@@ -52,15 +54,15 @@ def spans_up_to(positions: int, first: int = FIRST_SPAN) -> tuple[int, ...]:
 
 
 class FixedSteps(SlotSteps):
-    """The decode steps of `model` on `table` at fixed shapes, by bucket (up to `max_batch`) and
-    span (from `first_span` up); see the module's docstring. `inputs` go to every forward as
-    they are (the part's own)."""
+    """The decode steps of `model` on `table` at fixed shapes, by bucket (up to `rows`: the
+    table's slots) and span (from `first_span` up); see the module's docstring. `inputs` go to
+    every forward as they are (the part's own)."""
 
     def __init__(
         self,
         table: SlotCache,
         model: Any,
-        max_batch: int,
+        rows: int,
         width: int,
         position_rows: int,
         capture: bool,
@@ -68,7 +70,9 @@ class FixedSteps(SlotSteps):
         **inputs: Any,
     ) -> None:
         super().__init__(table, model, **inputs)
-        self.buckets = buckets_up_to(max_batch)
+        self.buckets = buckets_up_to(rows)
+        self.own_steps = 0
+        """Steps no bucket and span held, taken on the table's own shapes."""
         self.first_span = first_span
         self.width = width
         self.position_rows = position_rows
@@ -129,6 +133,7 @@ class FixedSteps(SlotSteps):
         longest = max(self.table.lengths[:b]) if b else self.positions  # (every row writes, stepping or not)
         span = next((s for s in self.spans if s > longest), 0)
         if not span:
+            self.own_steps += 1
             return super().step(slots, positions, inputs_embeds)
         embeds, ids = self._embeds[b], self._ids[b]
         embeds.zero_()

@@ -80,8 +80,11 @@ class SlotPart(Part):
         `position_rows` M-RoPE rows, and `inputs`)."""
         self._table_of = (decoder, model, width, position_rows, positions, inputs)
         bound = positions or self.max_model_len
+        # A slot for each request in flight: a step's rows are its requests' slots, so that its
+        # fixed shapes hold them whatever its batch size (`maxBatch` may be smaller).
+        slots = max(self.max_batch, self.stage.max_inflight)
         self.slots = table = SlotCache.of(
-            decoder, self.max_batch, self.dtype, self.device, bound or FIRST_POSITIONS, grows=bound is None
+            decoder, slots, self.dtype, self.device, bound or FIRST_POSITIONS, grows=bound is None
         )
         LOG.info(
             "stage %s: a slot table of %d slots x %d positions%s, %.1f MiB on %s",
@@ -94,7 +97,7 @@ class SlotPart(Part):
         )
         graphs = bool(self.args.get("cudaGraphs", False))
         if self.fixed_steps:
-            self.stepper = FixedSteps(table, model, self.max_batch, width, position_rows, graphs, **inputs)
+            self.stepper = FixedSteps(table, model, slots, width, position_rows, graphs, **inputs)
         else:
             self.stepper = SlotSteps(table, model, **inputs)
 
