@@ -18,7 +18,7 @@ import pytest
 import soundfile
 
 from tests.deployment import gauges, settle
-from tests.helpers import HTTP, ROOT, served
+from tests.helpers import HTTP, ROOT, replica_metric, served
 from tests.qwen_tts_reference import pcm16, qwen_tts_reference, same_speech, spoken_on_socket, waveform
 
 pytestmark = pytest.mark.slow
@@ -26,19 +26,23 @@ pytestmark = pytest.mark.slow
 CODES = 12
 """The talker's budget here (frames: 0.96 s of audio); the example's is 64."""
 SAID = "Hello there, how are you?"
+TALKER_ARGS = "args: {part: talker, threads: 1}"
+SLOT_STEPS = "omni_engine_slot_steps_total"
 
 
 @pytest.fixture(scope="module")
 def base(demo_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """examples/qwen3-tts.yaml on the CustomVoice checkpoint (its one-line change), with a short
-    budget."""
+    budget, the talker's decode steps at fixed shapes (`fixedSteps`: what `cudaGraphs` replays
+    on CUDA; the speech the reference's either way)."""
     example = (ROOT / "examples" / "qwen3-tts.yaml").read_text()
     assert "sampling: {max_tokens: 64}" in example and example.count("./models/tiny-qwen3-tts-base\n") == 2
+    assert TALKER_ARGS in example
     pipeline = demo_dir / "qwen3-tts-short.yaml"
     pipeline.write_text(
-        example.replace("sampling: {max_tokens: 64}", f"sampling: {{max_tokens: {CODES + 1}}}").replace(
-            "./models/tiny-qwen3-tts-base\n", "./models/tiny-qwen3-tts\n"
-        )
+        example.replace("sampling: {max_tokens: 64}", f"sampling: {{max_tokens: {CODES + 1}}}")
+        .replace("./models/tiny-qwen3-tts-base\n", "./models/tiny-qwen3-tts\n")
+        .replace(TALKER_ARGS, TALKER_ARGS[:-1] + ", fixedSteps: true}")
     )
     with served(pipeline, demo_dir, tmp_path_factory.mktemp("logs") / "serve.log") as (_, url):
         yield url
@@ -109,12 +113,16 @@ def test_vllm_omnis_budget_and_prompt_layout_are_honoured(
 
 
 def test_requests_spoken_together_equal_each_alone(base: str, reference: tuple[dict[str, Any], Path]) -> None:
-    """Three voices at once: the talker batches their frames and steps (maxInflight 8)."""
+    """Three voices at once: the talker batches their frames and steps (maxInflight 8), every
+    step at a bucket's fixed shapes, as its metric says (none on the table's own shapes)."""
     _, out = reference
+    steps = {how: replica_metric(base, "talker", SLOT_STEPS, ran=how) for how in ("fixed", "own")}
     with ThreadPoolExecutor(3) as pool:
         spoken = list(pool.map(lambda v: speak(base, v), ["vivian", "ryan", "aiden"]))
     for i, samples in enumerate(spoken):
         same_audio(samples, pcm16(waveform(out, f"custom_voice_{i}")))
+    assert replica_metric(base, "talker", SLOT_STEPS, ran="fixed") - steps["fixed"] >= CODES - 1
+    assert replica_metric(base, "talker", SLOT_STEPS, ran="own") == steps["own"]
 
 
 @pytest.mark.parametrize(

@@ -152,6 +152,8 @@ class Beats:
             m.engine_requests.set(held)
         if (steps := self.engine.steps_run()) is not None:
             m.engine_steps_reached(steps)
+        if (ran := self.engine.slot_steps()) is not None:
+            m.slot_steps_ran(ran)
         m.time_spent(self.engine.compute_seconds(), self.engine.batch_sizes(), wire.CLOCK.seconds)
         m.sleep_level.set(-1 if (level := self.book.state.asleep) is None else level)
         if (weights := self.engine.weight_bytes()) is not None:

@@ -50,6 +50,13 @@ class StageMetrics:
             registry=r,
         ).labels(**labels)
         self._engine_steps_seen = 0
+        self.slot_steps = Counter(
+            "omni_engine_slot_steps",
+            "Decode steps on a slot table, by how they ran: replayed (a CUDA graph), fixed (at a "
+            "bucket's shapes, launched), own (the table's own shapes: no bucket or span held them)",
+            [*labels.keys(), "ran"],
+            registry=r,
+        )
         # Where a replica's time goes (omni bench qwen-omni reads them): its compute thread's
         # busy seconds, its batched calls and the requests in them, the wait from admission to
         # start, each engine call (a window), and (de)serialising frames.
@@ -190,6 +197,10 @@ class StageMetrics:
             self.follow(self.batched_items, sum(n * k for n, k in batch_sizes.items()), "items")
         for op, seconds in wire.items():
             self.follow(self.wire_seconds.labels(**self._labels, op=op), seconds, f"wire-{op}")
+
+    def slot_steps_ran(self, ran: collections.Counter[str]) -> None:
+        for how in ("replayed", "fixed", "own"):
+            self.follow(self.slot_steps.labels(**self._labels, ran=how), ran[how], f"slot-steps-{how}")
 
     def engine_steps_reached(self, total: int) -> None:
         """The engine counts its own steps; the counter follows its total."""

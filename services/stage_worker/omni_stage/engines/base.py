@@ -190,6 +190,12 @@ class Engine(ABC):
         """Loop steps run so far (diffusion steps), where the engine counts them."""
         return None
 
+    def slot_steps(self) -> collections.Counter[str] | None:
+        """Decode steps on a slot table so far, by how they ran (engines/fixed_steps.py:
+        `replayed` as a CUDA graph, `fixed` at a bucket's shapes launched, `own` at the
+        table's own), where the engine steps on one."""
+        return None
+
     def compute_seconds(self) -> float | None:
         """Seconds its forwards have run in all, where it runs them itself (a ComputeEngine)."""
         return None

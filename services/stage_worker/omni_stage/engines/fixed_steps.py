@@ -13,14 +13,15 @@ work, docs/benchmarks.md). The spans keep a step's attention to about what its r
 the whole table (a thinker's 4096 positions a slot, read every step, would be as many bytes
 as its weights). Elsewhere the same fixed-shape forward runs as it is (the suite checks it
 against the table's own step). A step of rows past the last bucket, or one that outgrows the
-table's positions, takes the table's own step (`own_steps` counts them: on CUDA, steps
-launched uncaptured); a table that grew is built again at its next step, and a bucket and
+table's positions, takes the table's own step (`ran` counts the steps each way: `replayed`,
+`fixed` launched, `own`); a table that grew is built again at its next step, and a bucket and
 span its rows had outgrown then is captured when first used.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, Final, TypeVar
 
@@ -67,12 +68,11 @@ class FixedSteps(SlotSteps):
         position_rows: int,
         capture: bool,
         first_span: int = FIRST_SPAN,
+        ran: Counter[str] | None = None,
         **inputs: Any,
     ) -> None:
-        super().__init__(table, model, **inputs)
+        super().__init__(table, model, ran, **inputs)
         self.buckets = buckets_up_to(rows)
-        self.own_steps = 0
-        """Steps no bucket and span held, taken on the table's own shapes."""
         self.first_span = first_span
         self.width = width
         self.position_rows = position_rows
@@ -133,7 +133,6 @@ class FixedSteps(SlotSteps):
         longest = max(self.table.lengths[:b]) if b else self.positions  # (every row writes, stepping or not)
         span = next((s for s in self.spans if s > longest), 0)
         if not span:
-            self.own_steps += 1
             return super().step(slots, positions, inputs_embeds)
         embeds, ids = self._embeds[b], self._ids[b]
         embeds.zero_()
@@ -147,8 +146,10 @@ class FixedSteps(SlotSteps):
             graph, out = self._graphs[b, span]
             graph.replay()
             out = _copied(out)
+            self.ran["replayed"] += 1
         else:
             out = self._forward(b, span)
+            self.ran["fixed"] += 1
         for s in slots:
             self.table.lengths[s] += 1
         return out, slots

@@ -23,6 +23,7 @@ it for a conversation's kept sequence (`copies` counts those).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -261,11 +262,14 @@ class SlotCache(Cache):
 
 class SlotSteps:
     """A talker's decode steps on its table: `model`'s forward, with the talker's own `inputs`
-    besides (`SlotCache.step`). `fixed_steps.FixedSteps` takes the same steps at fixed shapes."""
+    besides (`SlotCache.step`). `fixed_steps.FixedSteps` takes the same steps at fixed shapes.
+    `ran` counts the steps by how they ran (`own`: on the table's own shapes): the part's,
+    which outlives a table built again."""
 
-    def __init__(self, table: SlotCache, model: Any, **inputs: Any) -> None:
+    def __init__(self, table: SlotCache, model: Any, ran: Counter[str] | None = None, **inputs: Any) -> None:
         self.table = table
         self.model = model
+        self.ran: Counter[str] = Counter() if ran is None else ran
         self.inputs = inputs
 
     def prefill(self, slot: int, past: Any, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> Any:
@@ -276,6 +280,7 @@ class SlotSteps:
         self, slots: list[int], positions: torch.Tensor, inputs_embeds: torch.Tensor
     ) -> tuple[Any, list[int]]:
         """The model's output for requests at `slots` stepping once, and each one's row of it."""
+        self.ran["own"] += 1
         return self.table.step(self.model, slots, positions, inputs_embeds=inputs_embeds, **self.inputs)
 
 

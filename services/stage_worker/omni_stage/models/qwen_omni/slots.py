@@ -13,6 +13,7 @@ A talker's speech ends where its slot is full, as at its `max_tokens`."""
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -47,6 +48,7 @@ class SlotPart(Part):
     slots: SlotCache | None = None
     stepper: SlotSteps | None = None
     _table_of: Any = None
+    steps_ran: Counter[str]
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
@@ -59,6 +61,7 @@ class SlotPart(Part):
             )
         self.max_model_len: int | None = asked
         """A request's positions at most (None: the model's own); the table's, allocated at load."""
+        self.steps_ran = Counter()
 
     @property
     def fixed_steps(self) -> bool:
@@ -97,9 +100,11 @@ class SlotPart(Part):
         )
         graphs = bool(self.args.get("cudaGraphs", False))
         if self.fixed_steps:
-            self.stepper = FixedSteps(table, model, slots, width, position_rows, graphs, **inputs)
+            self.stepper = FixedSteps(
+                table, model, slots, width, position_rows, graphs, ran=self.steps_ran, **inputs
+            )
         else:
-            self.stepper = SlotSteps(table, model, **inputs)
+            self.stepper = SlotSteps(table, model, self.steps_ran, **inputs)
 
     def _slot(self, st: HoldsSlot) -> int:
         """The request's slot, taken on its first use (its prefill; compute thread)."""
@@ -124,6 +129,9 @@ class SlotPart(Part):
             isinstance(st, HoldsSlot) and self._table_of is not None
         ):  # read after the compute thread's work: a prefill may be taking one
             self._after_compute(lambda: self._give_back(st))
+
+    def slot_steps(self) -> Counter[str] | None:
+        return None if self._table_of is None else self.steps_ran
 
     def active_requests(self) -> int | None:
         """Slots held: a request's until its end (the leak gauge's); None without a table."""
