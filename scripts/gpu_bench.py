@@ -28,7 +28,8 @@ graphed, at fixed shapes on their slot tables, allocated and captured at load: t
 of `maxModelLen` 512 positions a slot, the talker's 1024; and Qwen3-Omni's and Qwen3-TTS's
 code predictor's frames); `captured` says which
 stages' steps were captured (a capture the device refuses falls back to the same steps
-launched, with a warning in the log).
+launched, with a warning in the log), and `slot_steps` how each stage's decode steps ran
+(`replayed`, `fixed` launched, `own`: the table's own shapes).
 """
 
 from __future__ import annotations
@@ -220,6 +221,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         result["peak_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     result["batch_sizes"] = {s: dict(sorted(e.batch_sizes().items())) for s, e in engines.items()}
+    result["slot_steps"] = {s: dict(ran) for s, e in engines.items() if (ran := e.slot_steps()) is not None}
     for e in engines.values():
         await e.close()
     return result
