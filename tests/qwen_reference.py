@@ -12,11 +12,13 @@ import inspect
 import io
 import json
 import os
+import re
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import soundfile
 import torch
 from PIL import Image
@@ -25,7 +27,7 @@ from safetensors.torch import save_file
 
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import InputSpec
-from omni_stage.engines.base import CallState, Engine, EngineCall
+from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidRequest
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
 from omni_stage.windows import WindowState
@@ -413,3 +415,18 @@ def slot_table(talker: Engine) -> tuple[int, int, int]:
     (the same while the table is not reallocated)."""
     table = talker.slots  # type: ignore[attr-defined]
     return table.copies, table.taken, table.layers[0].keys.data_ptr()
+
+
+def check_a_bounded_talker(pipeline: Callable[[int], dict[str, Any]], reference: dict[str, Any]) -> None:
+    """`pipeline(bound)`: a pipeline's outputs with its talker at fixed shapes and `maxModelLen`
+    `bound` (its slot table allocated at load at that many positions a slot, never grown). A
+    bound of 1 is refused with a 400 that names it and the talker's prompt; a bound five
+    positions past the prompt speaks the reference's first five codes and ends there."""
+    with pytest.raises(InvalidRequest, match="past this stage's maxModelLen of 1") as refused:
+        pipeline(1)
+    said = re.search(r"the prompt takes (\d+) positions here", str(refused.value))
+    assert said is not None
+    ours = pipeline(int(said.group(1)) + 5)
+    assert ours["tokens"].tolist() == reference["tokens"].tolist()
+    assert len(reference["codes"]) > 5  # not vacuous: the reference speaks on
+    assert ours["codes"].tolist() == reference["codes"][:5].tolist()
