@@ -8,8 +8,11 @@ are masked; so is what a `response_format` / `structured_outputs` grammar forbid
 (structured.py); `logit_bias` is added; `repetition_penalty` divides the logits of tokens seen in
 the prompt or reply (multiplies, where negative), `frequency_penalty` (times the token's count
 so far in the reply) and `presence_penalty` (once it has appeared) are subtracted. Then greedy
-at temperature 0, else temperature, `min_p`, `top_k` and `top_p`, sampling from the request's
-own generator (seeded by its `seed`, else at random). Repetition, min-p and top-k are
+at temperature 0, else temperature, `min_p`, `top_k` and `top_p`, and a draw: the token whose
+probability over an exponential number of the request's own generator (seeded by its `seed`,
+else at random) is largest, what `torch.multinomial` draws for one sample (the same tokens for
+a seed as it draws); the numbers are drawn on the logits' device, so that a batch's rows are
+drawn at once there, nothing read back, each what it draws alone. Repetition, min-p and top-k are
 transformers' own logits processors, which compute what vLLM's do. `logprobs` are of the model's
 own distribution, before any of that (vLLM's default, `raw_logprobs`).
 
@@ -96,7 +99,10 @@ class TokenSampler:
         self.vocab_size = vocab_size
         self.temperature = sampling.temperature or 0.0
         self.top_p = sampling.top_p or 1.0
+        self.drawn_alike = (self.temperature, self.top_p, sampling.min_p or 0.0, sampling.top_k or 0)
+        """What its draw's distribution depends on beside the logits: rows alike are drawn as one."""
         self.generator = seeded(sampling.seed)
+        self._device_generator: torch.Generator | None = None
         self.frequency_penalty = sampling.frequency_penalty or 0.0
         self.presence_penalty = sampling.presence_penalty or 0.0
         self.logprobs: int | None = (sampling.top_logprobs or 0) if sampling.logprobs else None
@@ -143,12 +149,16 @@ class TokenSampler:
         return (token in self.eos and not self.ignore_eos) or token in self.stop_ids
 
     @property
-    def greedy_with_bans(self) -> bool:
-        """Whether its next pick is the likeliest token but those banned (`banned`): greedy,
-        nothing else adjusting the logits, no log probabilities asked (`pick_together`)."""
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW
+
+    @property
+    def plain(self) -> bool:
+        """Whether its next pick reads the logits with bans at most (`banned`): the likeliest
+        token, or a draw at its temperature, top-p, top-k and min-p; nothing else adjusting
+        the logits, no log probabilities asked (`pick_together`)."""
         return (
-            self.temperature < GREEDY_BELOW
-            and not self.bias
+            not self.bias
             and not self.frequency_penalty
             and not self.presence_penalty
             and self.repetition is None
@@ -183,8 +193,34 @@ class TokenSampler:
             self.constraint.mask(out)
         return out
 
-    def pick(self, logits: torch.Tensor) -> Choice:
-        """`logits` [vocab], float32: the model's scores for the next token."""
+    def noise(self, vocab: int, device: torch.device) -> torch.Tensor:
+        """A draw's numbers ([vocab] exponential, as `torch.multinomial` draws them), from its
+        generator: on a device of its own, seeded from it (as vLLM seeds a request's), the
+        numbers made there, nothing copied."""
+        if device.type != "cpu" and (
+            self._device_generator is None or self._device_generator.device != device
+        ):
+            seed = int(torch.randint(2**62, (1,), generator=self.generator))
+            self._device_generator = torch.Generator(device).manual_seed(seed)
+        generator = self.generator if device.type == "cpu" else self._device_generator
+        return torch.empty(vocab, device=device).exponential_(1, generator=generator)
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """[n, vocab] logits (masked as they may be) as what a draw reads: at its temperature,
+        min-p and top-k (transformers' processors), softmax, then top-p. No value is read back."""
+        scaled = logits / self.temperature
+        for warp in self.warpers:
+            scaled = warp(torch.empty(scaled.shape[0], 0, dtype=torch.long), scaled)
+        probs = torch.softmax(scaled, dim=-1)
+        if self.top_p < 1.0:  # the likeliest tokens until their sum reaches top_p; the rest at 0
+            sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+            beyond = torch.cumsum(sorted_p, dim=-1) - sorted_p >= self.top_p
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(beyond, 0.0))
+        return probs
+
+    def pick(self, logits: torch.Tensor, noise: torch.Tensor | None = None) -> Choice:
+        """`logits` [vocab], float32: the model's scores for the next token. `noise`: the
+        numbers of its generator this pick's draw reads, where already drawn (`noise`)."""
         logits = logits.float()
         adjusted = self._masked(logits)
         if self.bias or (self.counts and (self.frequency_penalty or self.presence_penalty)):
@@ -203,7 +239,11 @@ class TokenSampler:
                 "the request's constraints leave no token that may come next (its structured output, "
                 "min_tokens, allowed_token_ids and bad_words together)"
             )
-        token = _pick_token(adjusted, self.temperature, self.top_p, self.generator, self.warpers)
+        if self.greedy:
+            token = int(torch.argmax(adjusted))
+        else:
+            q = self.noise(len(adjusted), adjusted.device) if noise is None else noise
+            token = int(_raced(self.probs(adjusted[None]), q[None])[0])
         self.took(token)
         if self.logprobs is None:
             return Choice(token)
@@ -228,13 +268,15 @@ class TokenSampler:
 
 def pick_together(samplers: list[TokenSampler], logits: torch.Tensor) -> list[Choice]:
     """Each request's choice from its row of `logits` [B, vocab]: what its own `pick` chooses.
-    The rows that are greedy with bans at most (`greedy_with_bans`: the usual request) are
-    picked for the batch at once, one argmax and one copy to the host, where a row at a time
-    takes a handful of each (on a GPU each a wait for the device); a row whose logits hold a
-    NaN or +inf, or leave nothing unbanned, goes to its own `pick`, which says what it does
-    with them."""
+    The rows read with bans at most (`plain`: the usual request, greedy or sampled) are picked
+    for the batch at once: one argmax, the sampled rows drawn together where their settings are
+    alike (each at its own generator's number), and one copy to the host, where a row at a
+    time takes a handful of passes over the vocabulary and of copies to the host (on a GPU each
+    a wait for the device); a row whose logits hold a NaN or +inf, or leave nothing unbanned,
+    goes to its own `pick` (with the number it drew), which says what it does with them."""
     out: list[Choice | None] = [None] * len(samplers)
-    fast = [i for i, s in enumerate(samplers) if s.greedy_with_bans]
+    fast = [i for i, s in enumerate(samplers) if s.plain]
+    noise: dict[int, torch.Tensor] = {}
     if fast:
         rows = (logits if len(fast) == len(samplers) else logits[fast]).float()
         bans = [samplers[i].banned() for i in fast]
@@ -243,16 +285,41 @@ def pick_together(samplers: list[TokenSampler], logits: torch.Tensor) -> list[Ch
             at = [(k, t) for k, banned in enumerate(bans) for t in banned]
             rows[[k for k, _ in at], [t for _, t in at]] = -torch.inf
         # A row's max is NaN where it holds one, +inf where it holds that, -inf where all is banned:
-        # those rows go to their own pick. Else its index is argmax's (the first of the max).
+        # those rows go to their own pick. Else a greedy row's index is argmax's (the first of the max).
         top, picks = rows.max(-1)
+        sampled = [k for k, i in enumerate(fast) if not samplers[i].greedy]
+        if sampled:  # each row's numbers drawn now, its own pick reading them if it goes there
+            vocab, device = rows.shape[-1], rows.device
+            noise = {fast[k]: samplers[fast[k]].noise(vocab, device) for k in sampled}
+            picks = picks.clone()
+            for group in _alike([samplers[fast[k]] for k in sampled], sampled):
+                first = samplers[fast[group[0]]]
+                picks[group] = _raced(first.probs(rows[group]), torch.stack([noise[fast[k]] for k in group]))
         picks, ok = torch.stack([picks, torch.isfinite(top).long()]).tolist()
         for k, i in enumerate(fast):
             if ok[k]:
                 samplers[i].took(picks[k])
                 out[i] = Choice(picks[k])
     return [
-        c if c is not None else s.pick(logits[i]) for i, (c, s) in enumerate(zip(out, samplers, strict=True))
+        c if c is not None else s.pick(logits[i], noise.get(i))
+        for i, (c, s) in enumerate(zip(out, samplers, strict=True))
     ]
+
+
+def _alike(samplers: list[TokenSampler], rows: list[int]) -> list[list[int]]:
+    """`rows` grouped by what their samplers' draws depend on (`drawn_alike`), in order."""
+    groups: dict[tuple[float, float, float, int], list[int]] = {}
+    for s, k in zip(samplers, rows, strict=True):
+        groups.setdefault(s.drawn_alike, []).append(k)
+    return list(groups.values())
+
+
+def _raced(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Each row's token [n] of `probs` [n, vocab] (not necessarily summing to 1) at its
+    exponential numbers `noise` [n, vocab]: the largest probability over its number, a draw in
+    proportion to the probabilities (`torch.multinomial`'s own way for one sample, so never a
+    token of probability 0), on the device, nothing read back."""
+    return torch.argmax(probs / noise, dim=-1)
 
 
 Warper = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -310,19 +377,3 @@ def _at_the_limit(logits: torch.Tensor) -> torch.Tensor:
     if bool(top.any()):
         return torch.where(top, 0.0, -torch.inf)
     return torch.nan_to_num(logits, nan=-torch.inf)
-
-
-def _pick_token(
-    logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator, warpers: list[Warper]
-) -> int:
-    if temperature < GREEDY_BELOW:
-        return int(torch.argmax(logits))
-    scaled = logits / temperature
-    for warp in warpers:
-        scaled = warp(torch.empty(1, 0, dtype=torch.long), scaled.unsqueeze(0))[0]
-    probs = torch.softmax(scaled, dim=-1)
-    if top_p < 1.0:
-        sorted_p, idx = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, 0) - sorted_p < top_p
-        probs = torch.zeros_like(probs).scatter(0, idx[keep], sorted_p[keep])
-    return int(torch.multinomial(probs.cpu(), 1, generator=generator))
