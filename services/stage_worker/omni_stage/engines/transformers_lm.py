@@ -318,7 +318,8 @@ class TransformersEngine(ComputeEngine):
             )
         s.st.past = out.past_key_values
         hidden = out.hidden_states[-1][0, -1:].float().cpu() if self.return_hidden else torch.empty(0)
-        return s.sampler.pick(out.logits[0, -1]), hidden
+        [choice] = pick_together([s.sampler], out.logits[:1, -1])  # (one wait for the device, not a few)
+        return choice, hidden
 
     @torch.inference_mode()
     def _decode_together(self, steps: list[_Step]) -> list[tuple[Choice, torch.Tensor]]:

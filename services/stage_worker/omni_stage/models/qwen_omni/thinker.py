@@ -279,7 +279,7 @@ class Thinker(SlotPart):
             st.prompt_logprobs = prompt_logprobs(
                 self.tokenizer, ids[0].tolist(), out.logits[0], sampler.prompt_logprobs
             )
-        choice = sampler.pick(out.logits[0, -1])
+        [choice] = pick_together([sampler], out.logits[:1, -1])  # (one wait for the device, not a few)
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
         embeds = out.hidden_states[0].float().cpu()
         if prefill and prompt.media_mask is not None:
