@@ -242,7 +242,8 @@ class Thinker(SlotPart):
         the logits, the input embeddings and the talker's layer's hidden states."""
         logits, embeds, hidden = reads
         choices = pick_together([s.sampler for s in steps], logits[rows, -1])
-        first, last = embeds[rows].float().cpu(), hidden[rows].float().cpu()
+        both = torch.cat([embeds[rows], hidden[rows]], dim=-1).float().cpu()  # (one copy to the host)
+        first, last = (t.contiguous() for t in both.split(embeds.shape[-1], dim=-1))
         return [(c, first[i : i + 1], last[i : i + 1]) for i, c in enumerate(choices)]
 
     @torch.inference_mode()
