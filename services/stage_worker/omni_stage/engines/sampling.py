@@ -150,6 +150,7 @@ class TokenSampler:
 
     @property
     def greedy(self) -> bool:
+        """Whether it picks the likeliest token (a temperature below GREEDY_BELOW)."""
         return self.temperature < GREEDY_BELOW
 
     @property
@@ -270,10 +271,10 @@ def pick_together(samplers: list[TokenSampler], logits: torch.Tensor) -> list[Ch
     """Each request's choice from its row of `logits` [B, vocab]: what its own `pick` chooses.
     The rows read with bans at most (`plain`: the usual request, greedy or sampled) are picked
     for the batch at once: one argmax, the sampled rows drawn together where their settings are
-    alike (each at its own generator's number), and one copy to the host, where a row at a
+    alike (each at its own generator's numbers), and one copy to the host, where a row at a
     time takes a handful of passes over the vocabulary and of copies to the host (on a GPU each
     a wait for the device); a row whose logits hold a NaN or +inf, or leave nothing unbanned,
-    goes to its own `pick` (with the number it drew), which says what it does with them."""
+    goes to its own `pick` (with the numbers it drew), which says what it does with them."""
     out: list[Choice | None] = [None] * len(samplers)
     fast = [i for i, s in enumerate(samplers) if s.plain]
     noise: dict[int, torch.Tensor] = {}
