@@ -194,6 +194,17 @@ def test_a_cut_request_gives_its_slot_back(checkpoint: Path) -> None:
     asyncio.run(go())
 
 
+async def speak(talker: Any, text: str, name: str) -> tuple[list[list[int]], str | None]:
+    """`text` spoken by a talker stage alone: its frames and its finish reason; the request's
+    end said as the stage's runner says it, however it ends."""
+    call = EngineCall(name, {"request": {"prompt": text}}, True, Sampling(max_tokens=BUDGET))
+    try:
+        frames = [o.data["codes"][0].tolist() async for o in talker.generate(call)]
+    finally:
+        talker.request_ended(call.state)
+    return frames, call.state.finish_reason
+
+
 def test_a_talker_bounded_by_max_model_len_speaks_the_first_frames_and_allocates_nothing_more(
     checkpoint: Path,
 ) -> None:
@@ -205,14 +216,6 @@ def test_a_talker_bounded_by_max_model_len_speaks_the_first_frames_and_allocates
     ("length"); the table never grew and no slot is held after."""
     texts = ("The sea is calm.", "The sea is calm tonight.")
     refusal = r"the prompt takes (\d+) positions here, past this stage's maxModelLen of 1"
-
-    async def speak(talker: Any, text: str, n: str) -> tuple[list[list[int]], str | None]:
-        call = EngineCall(n, {"request": {"prompt": text}}, True, Sampling(max_tokens=BUDGET))
-        try:
-            frames = [o.data["codes"][0].tolist() async for o in talker.generate(call)]
-        finally:
-            talker.request_ended(call.state)  # as the stage's runner does
-        return frames, call.state.finish_reason
 
     async def go() -> None:
         talker = example_stage(EXAMPLE, "talker", checkpoint, fixedSteps=True, maxModelLen=1)
@@ -252,19 +255,14 @@ def test_a_request_stepping_above_the_batch_size_steps_at_fixed_shapes(checkpoin
     two requests at once speak what each speaks alone."""
     texts = ("The sea is calm.", "A calm voice.")
 
-    async def speak(talker: Any, text: str, n: str) -> list[list[int]]:
-        call = EngineCall(n, {"request": {"prompt": text}}, True, Sampling(max_tokens=BUDGET))
-        try:
-            return [o.data["codes"][0].tolist() async for o in talker.generate(call)]
-        finally:
-            talker.request_ended(call.state)  # as the stage's runner does
-
     async def go() -> None:
         talker = example_stage(EXAMPLE, "talker", checkpoint, fixedSteps=True, maxModelLen=256, maxBatch=1)
         await talker.start()
         assert talker.slots is not None and talker.slots.capacity[0] == 8
-        alone = [await speak(talker, text, f"a{i}") for i, text in enumerate(texts)]
-        together = await asyncio.gather(*(speak(talker, text, f"t{i}") for i, text in enumerate(texts)))
+        alone = [(await speak(talker, text, f"a{i}"))[0] for i, text in enumerate(texts)]
+        together = [
+            f for f, _ in await asyncio.gather(*(speak(talker, t, f"t{i}") for i, t in enumerate(texts)))
+        ]
         assert together == alone and all(len(frames) > 4 for frames in alone)
         ran = talker.slot_steps()
         assert ran is not None and ran["own"] == 0 and ran["fixed"] > 0

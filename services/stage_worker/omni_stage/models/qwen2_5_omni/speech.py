@@ -129,7 +129,7 @@ class Talker(SlotPart):
                     else:
                         return  # waits for the thinker's next window
                     code = await self.batcher.submit("decode", (st, reply))
-                if code in self.stop_codes or st.made >= budget or self._full(st):
+                if code in self.stop_codes or st.made >= budget or st.full:
                     st.done = True
                     self._keep(st)  # complete: kept for the conversation's next turn
                     self._give_back(st)

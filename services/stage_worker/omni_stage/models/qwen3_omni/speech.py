@@ -178,7 +178,7 @@ class Qwen3Talker(SlotPart):
                 st.code0, st.last_hidden = await self._run(self._prefill, st, speaker, kept)
             while not st.done:
                 k = st.step + 1  # the next step: it draws code k - 1's residuals, then code k
-                if st.code0 == self.codec_eos or k >= budget or self._full(st):
+                if st.code0 == self.codec_eos or k >= budget or st.full:
                     st.done = True  # eos has no residuals; nor does the last code a budget (or slot) allows
                     self._keep(st)  # complete: kept for the conversation's next turn
                     self._give_back(st)

@@ -65,8 +65,7 @@ class TTSSteps:
         """At the codec's eos, or at the last code 0 `budget` allows (its residuals are never
         drawn: the reference's generate stops there), or its slot allows (a table bounded by
         `maxModelLen`)."""
-        full = st.slot is not None and self.slots.full(st.slot)
-        return st.code0 == self.ids.codec_eos or len(st.seen) >= budget or full
+        return st.code0 == self.ids.codec_eos or len(st.seen) >= budget or st.full
 
     @torch.inference_mode()
     def prefill(self, st: Speaking) -> None:

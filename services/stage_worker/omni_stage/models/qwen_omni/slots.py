@@ -37,6 +37,11 @@ class HoldsSlot:
     slot: int | None = None
     table: SlotCache | None = None
 
+    @property
+    def full(self) -> bool:
+        """Whether its slot holds every position it may: it takes no further step."""
+        return self.slot is not None and self.table is not None and self.table.full(self.slot)
+
 
 class SlotPart(Part):
     """A part whose requests step on one slot table (`slots`), built at each load by
@@ -112,10 +117,6 @@ class SlotPart(Part):
             assert self.slots is not None
             st.slot, st.table = self.slots.take(), self.slots
         return st.slot
-
-    def _full(self, st: HoldsSlot) -> bool:
-        """Whether the request's slot holds every position it may: it takes no further step."""
-        return st.slot is not None and st.table is not None and st.table.full(st.slot)
 
     def _give_back(self, st: HoldsSlot) -> None:
         """The request's slot, given back now: no step of it may be in progress."""
