@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2Model
 
-from omni_stage.engines.base import InvalidRequest
+from omni_stage.engines.base import EngineError, InvalidRequest
 from omni_stage.engines.fixed_steps import FixedSteps
-from omni_stage.engines.slot_cache import SlotCache
+from omni_stage.engines.slot_cache import WARM_UP_POSITIONS, SlotCache, SlotSteps, warm_up
 
 WIDTH = 32
 
@@ -165,3 +165,29 @@ def test_a_bounded_table_never_grows_in_positions_and_refuses_a_longer_prompt(de
     assert table.lengths[:3] == [3, 6, 4] and table.grown == 0
     table.take()
     assert table.take() == 4 and table.capacity == (8, 7)  # a fifth request: the slots grow
+
+
+@torch.inference_mode()
+def test_the_warm_up_runs_on_a_table_of_its_positions_and_names_maxmodellen_below_them(
+    decoder: Qwen2Model,
+) -> None:
+    """A compiled talker's warm-up (`warm_up`: a request's life, a kept sequence's next turn)
+    runs on a bounded table of WARM_UP_POSITIONS, every slot given back after; below them it
+    is refused naming `maxModelLen`, not as a prompt of the warm-up's own a client never sent."""
+
+    def positions(at: int, n: int) -> torch.Tensor:
+        return torch.arange(at, at + n)[None]
+
+    for bound, fixed in ((WARM_UP_POSITIONS, False), (WARM_UP_POSITIONS, True)):
+        table = SlotCache.of(decoder.config, 4, torch.float32, torch.device("cpu"), bound, grows=False)
+        steps = FixedSteps(table, decoder, 4, WIDTH, 0, capture=False) if fixed else SlotSteps(table, decoder)
+        warm_up(steps, WIDTH, positions)
+        assert table.taken == 0 and table.grown == 0
+    table = SlotCache.of(
+        decoder.config, 4, torch.float32, torch.device("cpu"), WARM_UP_POSITIONS - 1, grows=False
+    )
+    with pytest.raises(
+        EngineError,
+        match=f"maxModelLen of {WARM_UP_POSITIONS - 1} is below the {WARM_UP_POSITIONS} positions",
+    ):
+        warm_up(SlotSteps(table, decoder), WIDTH, positions)

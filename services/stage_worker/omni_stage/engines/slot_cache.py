@@ -30,10 +30,12 @@ from typing import Any, Final
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from omni_stage.engines.base import InvalidRequest
+from omni_stage.engines.base import EngineError, InvalidRequest
 
 FIRST_POSITIONS: Final = 512
 """Positions a slot holds at first in a table that grows: doubled when a request needs more."""
+WARM_UP_POSITIONS: Final = 9
+"""The positions `warm_up`'s longest request holds: a table bounded below them cannot run it."""
 
 
 class SlotLayer(CacheLayerMixin):
@@ -312,6 +314,11 @@ def warm_up(steps: SlotSteps, width: int, positions: Callable[[int, int], torch.
     compiles now, at start, not at the first requests. `positions(at, n)` gives the position
     ids of n positions from `at`."""
     table = steps.table
+    if table.bound is not None and table.bound < WARM_UP_POSITIONS:
+        raise EngineError(
+            f"engine.args.maxModelLen of {table.bound} is below the {WARM_UP_POSITIONS} positions that "
+            "compile's warm-up runs its requests through: give it at least that many"
+        )
     keys = table.layers[0].keys
     assert keys is not None
     x = keys.new_zeros(2, 4, width)
