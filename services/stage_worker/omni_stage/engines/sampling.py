@@ -100,7 +100,7 @@ class TokenSampler:
         self.temperature = sampling.temperature or 0.0
         self.top_p = sampling.top_p or 1.0
         self.top_k = max(sampling.top_k or 0, 0)
-        self.drawn_alike = (self.temperature, self.top_p, sampling.min_p or 0.0, sampling.top_k or 0)
+        self.drawn_alike = (self.temperature, self.top_p, sampling.min_p or 0.0, self.top_k)
         """What its draw's distribution depends on beside the logits: rows alike are drawn as one."""
         self.generator = seeded(sampling.seed)
         self._device_generator: torch.Generator | None = None
