@@ -79,11 +79,15 @@ def test_a_draw_takes_each_token_as_often_as_its_probability_and_never_one_of_no
         assert abs(counts[token] / 20_000 - p) < 0.01, (token, counts[token], p)
 
 
-def test_a_row_that_leaves_nothing_to_pick_is_refused_as_alone() -> None:
+def test_a_row_that_leaves_nothing_to_pick_is_refused_as_alone_and_no_row_is_taken() -> None:
+    """The batch fails as that row alone would, before any other row's token is taken: run
+    again a request at a time (as a step batcher does), each picks as if the batch had not run."""
     logits = torch.full((2, VOCAB), -torch.inf)
     logits[:, EOS] = 1.0  # only the end, which min_tokens bans
+    greedy = TokenSampler(Sampling(), VOCAB)
     with pytest.raises(InvalidRequest, match="leave no token that may come next"):
-        pick_together([TokenSampler(Sampling(), VOCAB), samplers()[1]], logits)
+        pick_together([greedy, samplers()[1]], logits)
+    assert greedy.reply == [] and not greedy.counts
 
 
 def test_a_batch_of_greedy_requests_with_bans_leaves_the_logits_as_they_were() -> None:

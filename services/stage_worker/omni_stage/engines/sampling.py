@@ -272,7 +272,7 @@ def pick_together(samplers: list[TokenSampler], logits: torch.Tensor) -> list[Ch
     time takes a handful of passes over the vocabulary and of copies to the host (on a GPU each
     a wait for the device); a row whose logits hold a NaN or +inf, or leave nothing unbanned,
     goes to its own `pick` (with the numbers it drew), which says what it does with them."""
-    out: list[Choice | None] = [None] * len(samplers)
+    chosen: dict[int, int] = {}
     fast = [i for i, s in enumerate(samplers) if s.plain]
     noise: dict[int, torch.Tensor] = {}
     if fast:
@@ -294,14 +294,13 @@ def pick_together(samplers: list[TokenSampler], logits: torch.Tensor) -> list[Ch
                 first = samplers[fast[group[0]]]
                 picks[group] = _raced(first.probs(rows[group]), torch.stack([noise[fast[k]] for k in group]))
         picks, ok = torch.stack([picks, torch.isfinite(top).long()]).tolist()
-        for k, i in enumerate(fast):
-            if ok[k]:
-                samplers[i].took(picks[k])
-                out[i] = Choice(picks[k])
-    return [
-        c if c is not None else s.pick(logits[i], noise.get(i))
-        for i, (c, s) in enumerate(zip(out, samplers, strict=True))
-    ]
+        chosen = {i: picks[k] for k, i in enumerate(fast) if ok[k]}
+    # The rows' own picks first: one that refuses its request does so before the batch's rows
+    # are taken (a batch that fails runs again a request at a time).
+    own = {i: s.pick(logits[i], noise.get(i)) for i, s in enumerate(samplers) if i not in chosen}
+    for i, token in chosen.items():
+        samplers[i].took(token)
+    return [Choice(chosen[i]) if i in chosen else own[i] for i in range(len(samplers))]
 
 
 def _alike(samplers: list[TokenSampler], rows: list[int]) -> list[list[int]]:
