@@ -13,6 +13,8 @@ import io
 import json
 import os
 import re
+import threading
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -430,3 +432,56 @@ def check_a_bounded_talker(pipeline: Callable[[int], dict[str, Any]], reference:
     assert ours["tokens"].tolist() == reference["tokens"].tolist()
     assert len(reference["codes"]) > 5  # not vacuous: the reference speaks on
     assert ours["codes"].tolist() == reference["codes"][:5].tolist()
+
+
+PREFILL_QUESTIONS = ["Tell me about the sea.", "What is the weather like on the moon?", "Hi."]
+"""Three prompts of text, of three lengths."""
+
+
+def check_prompts_prefilled_together(
+    thinker: Engine, questions: list[str], tokens: int, batched: bool = True
+) -> None:
+    """`questions` (three prompts of text) asked of
+    `thinker` (started here, closed after) at once while its compute thread is held: the
+    first prefill to queue runs alone, and (`batched`: `prefillBatchTokens` holding two) the
+    two queued behind it together (kv_batch.prefill_together), else each alone; each
+    request's tokens, and what the talker reads of its prompt, are those it gets alone."""
+    assert len(questions) == 3
+
+    async def think(question: str) -> dict[str, Any]:
+        request = {"messages": [{"role": "user", "content": question}]}
+        call = EngineCall(question, {"request": request}, True, Sampling(max_tokens=tokens))
+        return concat([o.data async for o in thinker.generate(call)])
+
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+        await thinker.start()
+        alone = [await think(q) for q in questions]
+        batcher = thinker.batcher  # type: ignore[attr-defined]
+        compute = thinker._compute  # type: ignore[attr-defined]
+        before = Counter(batcher.calls)
+        loop = asyncio.get_running_loop()
+        builds, steps = threading.Event(), threading.Event()
+        held = [loop.run_in_executor(compute, builds.wait)]
+        asking = [asyncio.ensure_future(think(q)) for q in questions]
+        # (the compute thread's queue: the prompts' builds, behind the first hold)
+        await wait_until(lambda: compute._work_queue.qsize() == 3, 30, "the three prompts' builds queued")
+        held.append(loop.run_in_executor(compute, steps.wait))  # behind the builds
+        builds.set()
+        await wait_until(
+            lambda: batcher.occupancy() * batcher.max_batch == 3, 30, "the three prefills queued"
+        )
+        steps.set()
+        together = await asyncio.gather(*asking)
+        await asyncio.gather(*held)
+        await thinker.close()
+        prefills = [
+            size for (key, size), n in (batcher.calls - before).items() if key != "decode" for _ in range(n)
+        ]
+        return alone, together, sorted(prefills)
+
+    alone, together, prefills = asyncio.run(go())
+    assert prefills == ([1, 2] if batched else [1, 1, 1]), prefills
+    for a, b in zip(alone, together, strict=True):
+        assert a["token_ids"].tolist() == b["token_ids"].tolist()
+        for name in ("prompt_embeds", "prompt_hidden"):
+            torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-4)

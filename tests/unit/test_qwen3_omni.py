@@ -27,9 +27,11 @@ from omni_stage.payload import concat
 from tests.helpers import COMPILE_TIMEOUT_S, ROOT, example_stage
 from tests.qwen_reference import (
     MEDIA_QUESTION,
+    PREFILL_QUESTIONS,
     VIDEO_QUESTION,
     check_a_bounded_talker,
     check_first_audio_under_load,
+    check_prompts_prefilled_together,
     media_clips,
     media_message,
     reference_qwen3,
@@ -163,6 +165,16 @@ def test_a_talker_bounded_by_max_model_len_speaks_the_references_first_codes(
         return asyncio.run(run_pipeline(model, message, 4, fixed=True, talker_args=talker, **WHOLE))
 
     check_a_bounded_talker(bounded, reference)
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["own caches", "slot table"])
+def test_prompts_of_text_queued_together_are_prefilled_together_as_each_alone(
+    model: Path, fixed: bool
+) -> None:
+    """As Qwen2.5-Omni's thinker (check_prompts_prefilled_together): one forward of its MoE
+    layers for the prompts queued behind a prefill, each request thinking what it thinks alone."""
+    args = {"prefillBatchTokens": 2048} | ({"fixedSteps": True, "maxModelLen": 256} if fixed else {})
+    check_prompts_prefilled_together(engine("thinker", model, **args), PREFILL_QUESTIONS, THINKER_TOKENS)
 
 
 def test_with_audio_and_an_image(model: Path, reference: dict[str, Any]) -> None:

@@ -30,8 +30,10 @@ from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
 from tests.helpers import COMPILE_TIMEOUT_S, ROOT, example_stage, wait_until
 from tests.qwen_reference import (
+    PREFILL_QUESTIONS,
     check_a_bounded_talker,
     check_first_audio_under_load,
+    check_prompts_prefilled_together,
     cut_while_speaking,
     media_clips,
     media_message,
@@ -511,6 +513,30 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
     together, alone, not_compiled, thinker_batches, talker_batches = asyncio.run(go())
     assert max(thinker_batches) == 3 and max(talker_batches) >= 2, (thinker_batches, talker_batches)
     assert together == alone == not_compiled
+
+
+@pytest.mark.parametrize(
+    ("args", "batched"),
+    [
+        ({"prefillBatchTokens": 2048}, True),
+        ({"prefillBatchTokens": 2048, "fixedSteps": True, "maxModelLen": 256}, True),
+        ({}, False),
+    ],
+    ids=["own caches", "slot table", "the default on a CPU"],
+)
+def test_prompts_of_text_queued_together_are_prefilled_together_as_each_alone(
+    model: Path, args: dict[str, Any], batched: bool
+) -> None:
+    """On the thinker's own caches and on its slot table (`fixedSteps`): one forward for the
+    prompts queued behind a prefill, each request thinking what it thinks alone
+    (check_prompts_prefilled_together); by default on a CPU (where a prefill is
+    compute-bound), each alone. A budget that is not a whole number is refused when the stage
+    is built."""
+    check_prompts_prefilled_together(
+        engine("thinker", model, **args), PREFILL_QUESTIONS, THINKER_TOKENS, batched
+    )
+    with pytest.raises(EngineError, match="prefillBatchTokens must be a whole number, 0 or more, got -1"):
+        engine("thinker", model, prefillBatchTokens=-1)
 
 
 def test_a_talkers_slot_is_given_back_however_its_request_ends(model: Path) -> None:

@@ -1,4 +1,5 @@
-"""One decode step for several requests of a transformers model, each with its own KV cache.
+"""One decode step, or one prefill, for several requests of a transformers model, each with its
+own KV cache.
 
 Each request keeps its own `DynamicCache` (its length, its positions), so requests come and go
 freely. For a step taken together, the caches are stacked into one batch, left-padded to the
@@ -10,6 +11,12 @@ GPUs). What still steps here: the `transformers` engine's steps, the Qwen-Omni t
 default (on GPUs a thinker runs on vLLM, whose paged cache needs none, or on a slot table with
 `cudaGraphs`) and the Qwen3 decoders' streamed pieces (a sliding window of 72 positions, cut
 each piece).
+
+Prompts that start new caches are computed together too (`prefill_together`): right-padded to
+the longest, a causal forward computes each row's positions as it would alone, and each
+request's cache is its row cut at its length. A prefill alone is launch-bound on a GPU (one
+kernel at a time from Python, whatever the prompt's length), so prompts arriving together
+each waiting for the others' prefills is what a burst's first tokens wait for.
 """
 
 from __future__ import annotations
@@ -62,6 +69,57 @@ def decode_together(
                     new.layers[i].keys[row : row + 1, :, longest - n :],
                     new.layers[i].values[row : row + 1, :, longest - n :],
                 )
+                for i in layers
+            ]
+        )
+        for row, n in enumerate(lengths)
+    ]
+    return out, split
+
+
+def by_length(lengths: list[int], budget: int) -> list[list[int]]:
+    """Prompts of `lengths` as the groups of their indices to prefill together: by length, each
+    group's positions padded to its longest (its size times that length) within `budget`, a
+    prompt longer than it alone."""
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        if groups and (len(groups[-1]) + 1) * lengths[i] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def prefill_together(
+    model: Any, positions: list[torch.Tensor], input_ids: list[torch.Tensor], **inputs: Any
+) -> tuple[Any, list[Any]]:
+    """`model(**inputs)` over B prompts, each the start of a new cache: `input_ids[i]` row i's
+    token ids ([1, n_i]), `positions[i]` its position ids ([1, n_i], or [k, 1, n_i] for
+    M-RoPE's k rows). Right-padded to the longest, with no mask: a position attends to those
+    before it, and the padding comes after every real one. Returns the model's output (row i's
+    last position at n_i - 1; the padding's positions computed and meaningless) and each
+    request's cache, its row cut at its length."""
+    from transformers import DynamicCache
+
+    lengths = [int(ids.shape[-1]) for ids in input_ids]
+    longest = max(lengths)
+    out = model(
+        **inputs,
+        input_ids=torch.cat(
+            [F.pad(ids, (0, longest - n)) for ids, n in zip(input_ids, lengths, strict=True)]
+        ),
+        position_ids=torch.cat(
+            [F.pad(p, (0, longest - n)) for p, n in zip(positions, lengths, strict=True)], dim=-2
+        ),
+        past_key_values=DynamicCache(),
+        use_cache=True,
+    )
+    new = out.past_key_values
+    layers = range(len(new.layers))
+    split = [
+        DynamicCache(
+            ddp_cache_data=[
+                (new.layers[i].keys[row : row + 1, :, :n], new.layers[i].values[row : row + 1, :, :n])
                 for i in layers
             ]
         )

@@ -177,7 +177,7 @@ class SlotCache(Cache):
                 f"the prompt takes {n} positions here, past this stage's maxModelLen of {self.bound}"
             )
         out = model(**inputs, position_ids=positions, past_key_values=past or DynamicCache(), use_cache=True)
-        self._put(slot, out.past_key_values)
+        self.put(slot, out.past_key_values)
         return out
 
     def step(
@@ -241,8 +241,9 @@ class SlotCache(Cache):
             data.append((keys.clone(), values.clone()))
         return DynamicCache(ddp_cache_data=data)
 
-    def _put(self, slot: int, past: Any) -> None:
-        """A request's own cache into its slot, its length the cache's: a copy."""
+    def put(self, slot: int, past: Any) -> None:
+        """A request's own cache (a prefill's, `prefill` or a batch's) into its slot, its length
+        the cache's: a copy."""
         n = past.get_seq_length()
         self.reserve(slot + 1, n)
         self.copies += 1

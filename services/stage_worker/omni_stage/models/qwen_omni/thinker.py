@@ -9,14 +9,19 @@ docs/architecture.md says when which).
 A request that names a `prompt_cache_key` keeps its sequence when it ends, with what the talker
 reads of each position (the talker reads the whole prompt's, the reused positions' included);
 the key's next request prefills only the positions its prompt adds (prompt_cache.py), its
-M-RoPE positions those of the whole prompt."""
+M-RoPE positions those of the whole prompt.
+
+Prompts of text alone that queue together are prefilled together (kv_batch.py), in forwards
+of up to `prefillBatchTokens` positions, padding included (by default on CUDA only, where a
+prefill is launch-bound: on a CPU it is compute-bound, and a batch only makes the first prompt
+wait for the last); a prompt with media, a kept sequence or prompt log probabilities, alone."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import torch
 
@@ -26,7 +31,7 @@ from omni_pipeline.sampling import params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.kv_batch import by_length, decode_together, prefill_together
 from omni_stage.engines.prompt_cache import MediaSpan, Sequence
 from omni_stage.engines.prompts import check_context
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
@@ -36,6 +41,9 @@ from omni_stage.models.qwen_omni.prefill import PrefillInputs
 from omni_stage.models.qwen_omni.prompt import MediaEmbeds, Prompt, Prompts
 from omni_stage.models.qwen_omni.slots import HoldsSlot, SlotPart
 from omni_stage.segments import EngineOutput
+
+PREFILL_BATCH_TOKENS: Final = 2048
+"""`prefillBatchTokens` on CUDA: prompt positions one batched prefill computes at most."""
 
 
 class Thinker(SlotPart):
@@ -56,6 +64,15 @@ class Thinker(SlotPart):
         self.prefills: PrefillInputs | None = None
         self.eos: set[int] = set()
         self.grammars: JsonGrammars | None = None
+        self.prefill_tokens = self.args.get(
+            "prefillBatchTokens", PREFILL_BATCH_TOKENS if self.device.type == "cuda" else 0
+        )
+        """Prompt positions (padding included) one batched prefill computes at most; 0: alone."""
+        if type(self.prefill_tokens) is not int or self.prefill_tokens < 0:
+            raise EngineError(
+                f"stage '{stage.name}': engine.args.prefillBatchTokens must be a whole number, 0 or "
+                f"more, got {self.prefill_tokens!r}"
+            )
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
         self.prompt_caches = self._kept_conversations()
 
@@ -143,9 +160,10 @@ class Thinker(SlotPart):
         feed = ids
         with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             for s in range(budget):
-                # Decode steps of concurrent requests run together; a prompt runs on its own.
+                # Decode steps of concurrent requests run together, and prompts alike (`_prefill_key`).
                 step = _ThinkerStep(st, feed, sampler, prompt)
-                choice, embeds, hidden = await self.batcher.submit("decode" if s else object(), step)
+                key = "decode" if s else self._prefill_key(st, prompt, sampler)
+                choice, embeds, hidden = await self.batcher.submit(key, step)
                 if st.key is not None:
                     st.embeds.append(embeds[0])
                     st.hidden.append(hidden[0])
@@ -199,13 +217,67 @@ class Thinker(SlotPart):
         """What else of the prompt the talker reads, with the first token."""
         return ThinkerStep()
 
+    def _prefill_key(self, st: _Cache, prompt: Prompt, sampler: TokenSampler) -> Hashable:
+        """What a request's prefill may run with: a prompt of text alone on a new cache, with no
+        prompt log probabilities, with the others like it (`_prefill_together`); any other
+        prompt alone (its media encoded in its forward, its kept sequence resumed)."""
+        alone = (
+            not self.prefill_tokens
+            or prompt.features
+            or prompt.embeds is not None
+            or st.start
+            or st.past is not None
+            or st.ahead
+            or sampler.prompt_logprobs is not None
+        )
+        return object() if alone else "prefill"
+
     def _steps(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
-        if self.stepper is not None and steps[0].st.rope_deltas is not None:  # (a prefill runs alone)
+        prefill = steps[0].st.rope_deltas is None
+        if prefill and len(steps) > 1:
+            return self._prefill_together(steps)
+        if self.stepper is not None and not prefill:
             return self._decode_slots(steps)
         if len(steps) == 1:
             s = steps[0]
             return [self._step(s.st, s.ids, s.sampler, s.prompt)]
         return self._decode_together(steps)
+
+    @torch.inference_mode()
+    def _prefill_together(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
+        """Prompts of text alone on new caches (`_prefill_key`), in forwards of prompts of
+        about the same length, each of `prefillBatchTokens` positions at most (kv_batch.by_length)."""
+        out: dict[int, tuple[Choice, torch.Tensor, torch.Tensor]] = {}
+        for group in by_length([int(s.prompt.ids.shape[1]) for s in steps], self.prefill_tokens):
+            out |= zip(group, self._prefill_forward([steps[i] for i in group]), strict=True)
+        return [out[i] for i in range(len(steps))]
+
+    def _prefill_forward(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
+        """Prompts of text alone in one forward; each request's cache its own then, or copied
+        into its slot. Its requests' states are set last: a batch that fails (a request's
+        constraints leaving no token to pick) runs again a prompt at a time, as prefills."""
+        assert self.prefills is not None
+        pres = [self.prefills.of(s.prompt, 0, {}) for s in steps]
+        assert all(p.inputs.keys() == {"input_ids"} for p in pres), "a prompt of text alone"
+        out, caches = prefill_together(
+            self.model, [p.positions for p in pres], [p.prompt.ids for p in pres], output_hidden_states=True
+        )
+        lengths = [int(p.prompt.ids.shape[1]) for p in pres]
+        last = out.logits[torch.arange(len(steps)), torch.tensor(lengths) - 1]
+        choices = pick_together([s.sampler for s in steps], last)
+        embeds, hidden = out.hidden_states[0], out.hidden_states[self.talker_layer]
+        both = torch.cat([embeds, hidden], dim=-1).float().cpu()  # (one copy to the host)
+        first, rest = both.split(embeds.shape[-1], dim=-1)
+        for s, pre, cache in zip(steps, pres, caches, strict=True):
+            s.st.rope_deltas = pre.rope_deltas
+            if self.slots is not None:
+                self.slots.put(self._slot(s.st), cache)
+            else:
+                s.st.past = cache
+        return [
+            (c, first[i : i + 1, :n].contiguous(), rest[i : i + 1, :n].contiguous())
+            for i, (c, n) in enumerate(zip(choices, lengths, strict=True))
+        ]
 
     @torch.inference_mode()
     def _decode_together(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
