@@ -178,6 +178,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         "thinker_tokens": a.tokens,
         "talker_codes": a.codes,
         "cuda_graphs": a.cuda_graphs,
+        "prefill_batch_tokens": a.prefill_batch_tokens,
         "memory_gib": {},
         "load_s": {},
         "runs": [],
@@ -187,7 +188,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         before = torch.cuda.memory_allocated() if cuda else 0
         t0 = time.perf_counter()
         dtype = "bfloat16" if cuda else "float32"
-        graphs = GRAPHED.get(name, {}) if a.cuda_graphs else {}
+        args = GRAPHED.get(name, {}) if a.cuda_graphs else {}
+        if name == "thinker" and a.prefill_batch_tokens is not None:
+            args = args | {"prefillBatchTokens": a.prefill_batch_tokens}
         engines[name] = stage_engine(
             EXAMPLES / f"{a.pipeline}.yaml",
             name,
@@ -196,7 +199,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             device=a.device,
             dtype=dtype,
             loadFormat="dummy",
-            **graphs,
+            **args,
         )
         await engines[name].start()
         result["load_s"][name] = round(time.perf_counter() - t0, 1)
@@ -243,6 +246,11 @@ def main() -> None:
         "--cuda-graphs",
         action="store_true",
         help="the talker and thinker with cudaGraphs: their decode steps (and a code predictor's) graphed",
+    )
+    p.add_argument(
+        "--prefill-batch-tokens",
+        type=int,
+        help="the thinker's prefillBatchTokens (its own default: 2048 on CUDA, 0 elsewhere)",
     )
     a = p.parse_args()
     result = asyncio.run(run(a))
