@@ -178,7 +178,6 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         "thinker_tokens": a.tokens,
         "talker_codes": a.codes,
         "cuda_graphs": a.cuda_graphs,
-        "prefill_batch_tokens": a.prefill_batch_tokens,
         "memory_gib": {},
         "load_s": {},
         "runs": [],
@@ -206,6 +205,9 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             result["memory_gib"][name] = round((torch.cuda.memory_allocated() - before) / 2**30, 2)
         print(f"{name} loaded in {result['load_s'][name]} s {result['memory_gib'].get(name, '')}", flush=True)
+    result["prefill_batch_tokens"] = getattr(
+        engines.get("thinker"), "prefill_tokens", None
+    )  # (its default's)
     result["captured"] = {
         name: e.stepper.captured  # type: ignore[attr-defined]
         for name, e in engines.items()
