@@ -7,27 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2Model
+from transformers import Qwen2Model
 
 from omni_stage.engines.base import EngineError, InvalidRequest
 from omni_stage.engines.fixed_steps import FixedSteps
 from omni_stage.engines.slot_cache import WARM_UP_POSITIONS, SlotCache, SlotSteps, warm_up
 
-WIDTH = 32
-
-
-@pytest.fixture(scope="module")
-def decoder() -> Qwen2Model:
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        hidden_size=WIDTH,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=16,
-    )
-    return Qwen2Model(config).eval()
+WIDTH = 32  # the decoder's (tests/unit/conftest.py)
 
 
 def whole(decoder: Qwen2Model, rows: torch.Tensor) -> torch.Tensor:
