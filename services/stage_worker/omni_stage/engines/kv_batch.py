@@ -14,9 +14,9 @@ each piece).
 
 Prompts that start new caches are computed together too (`prefill_together`): right-padded to
 the longest, a causal forward computes each row's positions as it would alone, and each
-request's cache is its row cut at its length. A prefill alone is launch-bound on a GPU (one
-kernel at a time from Python, whatever the prompt's length), so prompts arriving together
-each waiting for the others' prefills is what a burst's first tokens wait for.
+request's cache is its row cut at its length. An eager prefill is launch-bound on a GPU at a
+prompt's usual length (one kernel at a time from Python), so what a burst's first tokens
+waited for was each prompt's prefill after the others'.
 """
 
 from __future__ import annotations
