@@ -441,11 +441,11 @@ PREFILL_QUESTIONS = ["Tell me about the sea.", "What is the weather like on the 
 def check_prompts_prefilled_together(
     thinker: Engine, questions: list[str], tokens: int, batched: bool = True
 ) -> None:
-    """`questions` (three prompts of text) asked of
-    `thinker` (started here, closed after) at once while its compute thread is held: the
-    first prefill to queue runs alone, and (`batched`: `prefillBatchTokens` holding two) the
-    two queued behind it together (kv_batch.prefill_together), else each alone; each
-    request's tokens, and what the talker reads of its prompt, are those it gets alone."""
+    """`questions` (three prompts of text) asked of `thinker` (started here, closed after) at
+    once while its compute thread is held: the first prefill to queue runs alone, and
+    (`batched`: `prefillBatchTokens` holding two) the two queued behind it together
+    (kv_batch.prefill_together), else each alone; each request's tokens, and what the talker
+    reads of its prompt, are those it gets alone."""
     assert len(questions) == 3
 
     async def think(question: str) -> dict[str, Any]:
@@ -462,15 +462,18 @@ def check_prompts_prefilled_together(
         loop = asyncio.get_running_loop()
         builds, steps = threading.Event(), threading.Event()
         held = [loop.run_in_executor(compute, builds.wait)]
-        asking = [asyncio.ensure_future(think(q)) for q in questions]
-        # (the compute thread's queue: the prompts' builds, behind the first hold)
-        await wait_until(lambda: compute._work_queue.qsize() == 3, 30, "the three prompts' builds queued")
-        held.append(loop.run_in_executor(compute, steps.wait))  # behind the builds
-        builds.set()
-        await wait_until(
-            lambda: batcher.occupancy() * batcher.max_batch == 3, 30, "the three prefills queued"
-        )
-        steps.set()
+        try:
+            asking = [asyncio.ensure_future(think(q)) for q in questions]
+            # (the compute thread's queue: the prompts' builds, behind the first hold)
+            await wait_until(lambda: compute._work_queue.qsize() == 3, 30, "the three prompts' builds queued")
+            held.append(loop.run_in_executor(compute, steps.wait))  # behind the builds
+            builds.set()
+            await wait_until(
+                lambda: batcher.occupancy() * batcher.max_batch == 3, 30, "the three prefills queued"
+            )
+        finally:  # (never a compute thread held past the test)
+            builds.set()
+            steps.set()
         together = await asyncio.gather(*asking)
         await asyncio.gather(*held)
         await thinker.close()
