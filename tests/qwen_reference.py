@@ -439,23 +439,31 @@ PREFILL_QUESTIONS = ["Tell me about the sea.", "What is the weather like on the 
 
 
 def check_prompts_prefilled_together(
-    thinker: Engine, questions: list[str], tokens: int, batched: bool = True
+    thinker: Engine, questions: list[str], tokens: int, batched: bool = True, refused: int | None = None
 ) -> None:
     """`questions` (three prompts of text) asked of `thinker` (started here, closed after) at
     once while its compute thread is held: the first prefill to queue runs alone, and
     (`batched`: `prefillBatchTokens` holding two) the two queued behind it together
     (kv_batch.prefill_together), else each alone; each request's tokens, and what the talker
-    reads of its prompt, are those it gets alone."""
+    reads of its prompt, are those it gets alone. `refused`: that question asked with
+    constraints that leave no first token (only the end allowed, and `min_tokens` banning
+    it), refused together as alone; the batch it fails runs again a prompt at a time, the
+    others thinking what they think alone."""
     assert len(questions) == 3
 
-    async def think(question: str) -> dict[str, Any]:
-        request = {"messages": [{"role": "user", "content": question}]}
-        call = EngineCall(question, {"request": request}, True, Sampling(max_tokens=tokens))
+    async def think(i: int) -> dict[str, Any]:
+        request = {"messages": [{"role": "user", "content": questions[i]}]}
+        sampling = Sampling(max_tokens=tokens)
+        if i == refused:
+            eos = min(thinker.eos)  # type: ignore[attr-defined]
+            sampling = Sampling(max_tokens=tokens, min_tokens=2, allowed_token_ids=[eos])
+        call = EngineCall(questions[i], {"request": request}, True, sampling)
         return concat([o.data async for o in thinker.generate(call)])
 
-    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+    async def go() -> tuple[list[Any], list[Any], list[int]]:
         await thinker.start()
-        alone = [await think(q) for q in questions]
+        alone = [await asyncio.gather(think(i), return_exceptions=True) for i in range(3)]
+        alone = [a for [a] in alone]
         batcher = thinker.batcher  # type: ignore[attr-defined]
         compute = thinker._compute  # type: ignore[attr-defined]
         before = Counter(batcher.calls)
@@ -463,7 +471,7 @@ def check_prompts_prefilled_together(
         builds, steps = threading.Event(), threading.Event()
         held = [loop.run_in_executor(compute, builds.wait)]
         try:
-            asking = [asyncio.ensure_future(think(q)) for q in questions]
+            asking = [asyncio.ensure_future(think(i)) for i in range(3)]
             # (the compute thread's queue: the prompts' builds, behind the first hold)
             await wait_until(lambda: compute._work_queue.qsize() == 3, 30, "the three prompts' builds queued")
             held.append(loop.run_in_executor(compute, steps.wait))  # behind the builds
@@ -474,7 +482,7 @@ def check_prompts_prefilled_together(
         finally:  # (never a compute thread held past the test)
             builds.set()
             steps.set()
-        together = await asyncio.gather(*asking)
+        together = await asyncio.gather(*asking, return_exceptions=True)
         await asyncio.gather(*held)
         await thinker.close()
         prefills = [
@@ -483,8 +491,15 @@ def check_prompts_prefilled_together(
         return alone, together, sorted(prefills)
 
     alone, together, prefills = asyncio.run(go())
-    assert prefills == ([1, 2] if batched else [1, 1, 1]), prefills
-    for a, b in zip(alone, together, strict=True):
+    if refused is None:
+        assert prefills == ([1, 2] if batched else [1, 1, 1]), prefills
+    for i, (a, b) in enumerate(zip(alone, together, strict=True)):
+        if i == refused:
+            for refusal in (a, b):
+                assert isinstance(refusal, InvalidRequest), refusal
+                assert "leave no token that may come next" in str(refusal)
+            continue
+        assert not isinstance(b, BaseException), b
         assert a["token_ids"].tolist() == b["token_ids"].tolist()
         for name in ("prompt_embeds", "prompt_hidden"):
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-4)

@@ -539,6 +539,16 @@ def test_prompts_of_text_queued_together_are_prefilled_together_as_each_alone(
         engine("thinker", model, prefillBatchTokens=-1)
 
 
+def test_a_prompt_refused_in_a_batch_of_prefills_leaves_the_others_thinking_as_alone(model: Path) -> None:
+    """The longest of three prompts asked with constraints that leave no first token, the
+    batch's prompts each a forward of its own (`prefillBatchTokens` 1: the batch's forwards
+    all run before any token is picked): that request is refused, and the batch it fails,
+    run again a prompt at a time, leaves the others thinking what they think alone."""
+    check_prompts_prefilled_together(
+        engine("thinker", model, prefillBatchTokens=1), PREFILL_QUESTIONS, THINKER_TOKENS, refused=1
+    )
+
+
 def test_a_talkers_slot_is_given_back_however_its_request_ends(model: Path) -> None:
     """A talker request holds a slot of the replica's cache from its prefill to its end. Ended
     between its calls (it spoke what the thinker had sent, and waits for more), or cut while

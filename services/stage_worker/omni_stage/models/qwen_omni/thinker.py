@@ -246,37 +246,44 @@ class Thinker(SlotPart):
     @torch.inference_mode()
     def _prefill_together(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
         """Prompts of text alone on new caches (`_prefill_key`), in forwards of prompts of
-        about the same length, each of `prefillBatchTokens` positions at most (kv_batch.by_length)."""
-        out: dict[int, tuple[Choice, torch.Tensor, torch.Tensor]] = {}
-        for group in by_length([int(s.prompt.ids.shape[1]) for s in steps], self.prefill_tokens):
-            out |= zip(group, self._prefill_forward([steps[i] for i in group]), strict=True)
-        return [out[i] for i in range(len(steps))]
-
-    def _prefill_forward(self, steps: list[_ThinkerStep]) -> list[tuple[Choice, torch.Tensor, torch.Tensor]]:
-        """Prompts of text alone in one forward; each request's cache its own then, or copied
-        into its slot. Its requests' states are set last: a batch that fails (a request's
+        about the same length, each of `prefillBatchTokens` positions at most
+        (kv_batch.by_length), their first tokens picked together. The requests' states are set
+        last, each cache then its own or copied into its slot: a batch that fails (a request's
         constraints leaving no token to pick) runs again a prompt at a time, as prefills."""
+        done: dict[int, _Prefilled] = {}
+        for group in by_length([int(s.prompt.ids.shape[1]) for s in steps], self.prefill_tokens):
+            done |= zip(group, self._prefill_forward([steps[i].prompt for i in group]), strict=True)
+        prefilled = [done[i] for i in range(len(steps))]
+        choices = pick_together([s.sampler for s in steps], torch.stack([p.logits for p in prefilled]))
+        for s, p in zip(steps, prefilled, strict=True):
+            s.st.rope_deltas = p.rope_deltas
+            if self.slots is not None:
+                self.slots.put(self._slot(s.st), p.cache)
+            else:
+                s.st.past = p.cache
+        return [(c, p.embeds, p.hidden) for c, p in zip(choices, prefilled, strict=True)]
+
+    def _prefill_forward(self, prompts: list[Prompt]) -> list[_Prefilled]:
+        """Prompts of text alone in one forward (kv_batch.prefill_together)."""
         assert self.prefills is not None
-        pres = [self.prefills.of(s.prompt, 0, {}) for s in steps]
+        pres = [self.prefills.of(prompt, 0, {}) for prompt in prompts]
         assert all(p.inputs.keys() == {"input_ids"} for p in pres), "a prompt of text alone"
         out, caches = prefill_together(
             self.model, [p.positions for p in pres], [p.prompt.ids for p in pres], output_hidden_states=True
         )
-        lengths = [int(p.prompt.ids.shape[1]) for p in pres]
-        last = out.logits[torch.arange(len(steps)), torch.tensor(lengths) - 1]
-        choices = pick_together([s.sampler for s in steps], last)
         embeds, hidden = out.hidden_states[0], out.hidden_states[self.talker_layer]
         both = torch.cat([embeds, hidden], dim=-1).float().cpu()  # (one copy to the host)
         first, rest = both.split(embeds.shape[-1], dim=-1)
-        for s, pre, cache in zip(steps, pres, caches, strict=True):
-            s.st.rope_deltas = pre.rope_deltas
-            if self.slots is not None:
-                self.slots.put(self._slot(s.st), cache)
-            else:
-                s.st.past = cache
+        lengths = [int(p.prompt.ids.shape[1]) for p in pres]
         return [
-            (c, first[i : i + 1, :n].contiguous(), rest[i : i + 1, :n].contiguous())
-            for i, (c, n) in enumerate(zip(choices, lengths, strict=True))
+            _Prefilled(
+                out.logits[i, n - 1],
+                first[i : i + 1, :n].contiguous(),
+                rest[i : i + 1, :n].contiguous(),
+                pre.rope_deltas,
+                cache,
+            )
+            for i, (n, pre, cache) in enumerate(zip(lengths, pres, caches, strict=True))
         ]
 
     @torch.inference_mode()
@@ -429,6 +436,18 @@ class _Cache(HoldsSlot):
             "hidden": torch.cat(self.hidden).to(dtype),
         }
         return Sequence.left(self.tokens, self.past, self.media, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class _Prefilled:
+    """A prompt prefilled with others: its last position's logits, what the talker reads of
+    its positions ([1, n, H] each, on the host), its M-RoPE offset and its cache."""
+
+    logits: torch.Tensor
+    embeds: torch.Tensor
+    hidden: torch.Tensor
+    rope_deltas: torch.Tensor
+    cache: Any
 
 
 @dataclass(frozen=True, slots=True)
