@@ -206,7 +206,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
             result["memory_gib"][name] = round((torch.cuda.memory_allocated() - before) / 2**30, 2)
         print(f"{name} loaded in {result['load_s'][name]} s {result['memory_gib'].get(name, '')}", flush=True)
     result["prefill_batch_tokens"] = getattr(
-        engines.get("thinker"), "prefill_tokens", None
+        getattr(engines.get("thinker"), "steps", None), "prefill_tokens", None
     )  # (its default's)
     result["captured"] = {
         name: e.stepper.captured  # type: ignore[attr-defined]

@@ -181,7 +181,7 @@ class Talker(SlotPart):
             past, at, inputs = seq.past, n, inputs[n:]
             self.prompt_caches.reused_tokens += n
         assert self.stepper is not None
-        slot = self._slot(st)
+        slot = self.slot_of(st)
         # What the model's codes have "seen" for the repetition penalty: its prompt ids.
         self.seen_codes.start(slot, [self.codec["mask"], self.codec["pad"], self.codec["bos"]])
         out = self.stepper.prefill(slot, past, self._span(at, len(inputs)), inputs[None])
@@ -195,7 +195,7 @@ class Talker(SlotPart):
         codes = torch.tensor([st.last_code for st in sts], device=self.device)
         inputs = (self.model.get_input_embeddings()(codes) + torch.stack([r for _, r in steps]))[:, None]
         assert self.slots is not None and self.stepper is not None
-        slots = [self._slot(st) for st in sts]
+        slots = [self.slot_of(st) for st in sts]
         at = [self.slots.lengths[s] for s in slots]  # [3, B, 1]: M-RoPE's rows alike for text
         out, rows = self.stepper.step(
             slots, torch.tensor([at, at, at], device=self.device)[..., None], inputs
@@ -210,7 +210,7 @@ class Talker(SlotPart):
         """Each request's code from its row of `logits` [B, vocab]: greedy, with the reference's
         repetition penalty over its prompt's codes and every code picked so far (each fed back
         before the next pick) and the codec bos suppressed."""
-        return self.seen_codes.greedy(logits.float(), [self._slot(st) for st in sts], self.never)
+        return self.seen_codes.greedy(logits.float(), [self.slot_of(st) for st in sts], self.never)
 
 
 @dataclass(slots=True, eq=False)

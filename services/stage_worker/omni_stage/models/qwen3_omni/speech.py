@@ -249,7 +249,7 @@ class Qwen3Talker(SlotPart):
             past, inputs, positions = seq.past, inputs[:, n:], positions[..., n:]
             self.prompt_caches.reused_tokens += n
         assert self.stepper is not None
-        slot = self._slot(st)
+        slot = self.slot_of(st)
         self.seen_codes.start(slot)
         out = self.stepper.prefill(slot, past, positions, inputs)
         last = out.last_hidden_state
@@ -279,7 +279,7 @@ class Qwen3Talker(SlotPart):
         codes = [[st.code0, *st.residuals] for st in sts]  # type: ignore[misc]
         trailing = torch.stack([s.trailing for s in steps])[:, None]  # type: ignore[misc]
         inputs = frames_embedding(self.model, torch.tensor(codes, device=self.device))[0][:, None] + trailing
-        slots = [self._slot(st) for st in sts]
+        slots = [self.slot_of(st) for st in sts]
         assert self.stepper is not None
         out, rows = self.stepper.step(slots, self._step_positions(sts), inputs)
         last = out.last_hidden_state
@@ -300,7 +300,7 @@ class Qwen3Talker(SlotPart):
     def _picks(self, sts: list[_Speaking], logits: torch.Tensor) -> list[int]:
         """Each request's code 0 from its row of `logits` [B, vocab]: greedy, with the
         reference's repetition penalty over its codes so far and its suppressed control codes."""
-        return self.seen_codes.greedy(logits.float(), [self._slot(st) for st in sts], self.never)
+        return self.seen_codes.greedy(logits.float(), [self.slot_of(st) for st in sts], self.never)
 
 
 def _register_talker_moe_conversion() -> None:

@@ -111,7 +111,7 @@ class SlotPart(Part):
         else:
             self.stepper = SlotSteps(table, model, self.steps_ran, **inputs)
 
-    def _slot(self, st: HoldsSlot) -> int:
+    def slot_of(self, st: HoldsSlot) -> int:
         """The request's slot, taken on its first use (its prefill; compute thread)."""
         if st.slot is None:
             assert self.slots is not None
