@@ -125,9 +125,7 @@ class ThinkerSteps:
             [p.prompt.ids for p in pres],
             output_hidden_states=True,
         )
-        embeds, hidden = out.hidden_states[0], out.hidden_states[self.part.talker_layer]
-        both = torch.cat([embeds, hidden], dim=-1).float().cpu()  # (one copy to the host)
-        first, rest = both.split(embeds.shape[-1], dim=-1)
+        first, rest = _on_host(out.hidden_states[0], out.hidden_states[self.part.talker_layer])
         lengths = [int(p.prompt.ids.shape[1]) for p in pres]
         return [
             Prefilled(
@@ -175,8 +173,7 @@ class ThinkerSteps:
         the logits, the input embeddings and the talker's layer's hidden states."""
         logits, embeds, hidden = reads
         choices = pick_together([s.sampler for s in steps], logits[rows, -1])
-        both = torch.cat([embeds[rows], hidden[rows]], dim=-1).float().cpu()  # (one copy to the host)
-        first, last = (t.contiguous() for t in both.split(embeds.shape[-1], dim=-1))
+        first, last = (t.contiguous() for t in _on_host(embeds[rows], hidden[rows]))
         return [(c, first[i : i + 1], last[i : i + 1]) for i, c in enumerate(choices)]
 
     @torch.inference_mode()
@@ -217,11 +214,19 @@ class ThinkerSteps:
             )
         [choice] = pick_together([sampler], out.logits[:1, -1])  # (one wait for the device, not a few)
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
-        embeds = out.hidden_states[0].float().cpu()
+        embeds, hidden = _on_host(out.hidden_states[0], out.hidden_states[self.part.talker_layer])
         if prefill and prompt.media_mask is not None:
             # but not the media's features: zeros there, as the reference hands it
             embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
-        return choice, embeds, out.hidden_states[self.part.talker_layer].float().cpu()
+        return choice, embeds.contiguous(), hidden.contiguous()
+
+
+def _on_host(embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the talker reads of a forward's positions (the input embeddings and the talker's
+    layer, [B, n, H] each), in float32 on the host: one copy for both."""
+    both = torch.cat([embeds, hidden], dim=-1).float().cpu()
+    first, rest = both.split(embeds.shape[-1], dim=-1)
+    return first, rest
 
 
 @dataclass(slots=True)
