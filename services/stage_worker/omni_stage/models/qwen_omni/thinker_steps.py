@@ -214,11 +214,11 @@ class ThinkerSteps:
             )
         [choice] = pick_together([sampler], out.logits[:1, -1])  # (one wait for the device, not a few)
         # Layer 0 is the input embedding, the last the final (normed) layer: what the talker reads.
-        embeds, hidden = _on_host(out.hidden_states[0], out.hidden_states[self.part.talker_layer])
+        embeds = out.hidden_states[0].float().cpu()  # (on a CPU, no copy: not joined with the other)
         if prefill and prompt.media_mask is not None:
             # but not the media's features: zeros there, as the reference hands it
             embeds = embeds.masked_fill(prompt.media_mask.cpu()[..., None], 0.0)
-        return choice, embeds.contiguous(), hidden.contiguous()
+        return choice, embeds, out.hidden_states[self.part.talker_layer].float().cpu()
 
 
 def _on_host(embeds: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
