@@ -136,7 +136,7 @@ test: setup $(VOMNI_STAMP) $(QTTS_STAMP)
 		$(PY) -m pytest -n 3 --dist loadfile --no-loadscope-reorder --durations=20
 
 # Every benchmark in turn; results and plots land in docs/benchmarks/ (see docs/benchmarks.md).
-BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep video image step tts batch
+BENCHES := connectors hop pipeline streaming gateway qwen-omni epd sleep video image step prompts tts batch
 bench: setup demo-models $(QTTS_STAMP)
 	for b in $(BENCHES); do $(OMNI) bench $$b --out docs/benchmarks || exit 1; done
 

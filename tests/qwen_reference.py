@@ -442,7 +442,8 @@ def check_prompts_prefilled_together(
     thinker: Engine, questions: list[str], tokens: int, batched: bool = True, refused: int | None = None
 ) -> None:
     """`questions` (three prompts of text) asked of `thinker` (started here, closed after) at
-    once while its compute thread is held: the first prefill to queue runs alone, and
+    once while its compute thread is held (their prompts are built beside it, on the prompt
+    thread): the first prefill to queue runs alone, and
     (`batched`: `prefillBatchTokens` holding two) the two queued behind it together
     (kv_batch.prefill_together), else each alone; each request's tokens, and what the talker
     reads of its prompt, are those it gets alone. `refused`: that question asked with
@@ -467,23 +468,18 @@ def check_prompts_prefilled_together(
         batcher = thinker.batcher  # type: ignore[attr-defined]
         compute = thinker._compute  # type: ignore[attr-defined]
         before = Counter(batcher.calls)
-        loop = asyncio.get_running_loop()
-        builds, steps = threading.Event(), threading.Event()
-        held = [loop.run_in_executor(compute, builds.wait)]
+        steps = threading.Event()
+        held = asyncio.get_running_loop().run_in_executor(compute, steps.wait)
         try:
             asking = [asyncio.ensure_future(think(i)) for i in range(3)]
-            # (the compute thread's queue: the prompts' builds, behind the first hold)
-            await wait_until(lambda: compute._work_queue.qsize() == 3, 30, "the three prompts' builds queued")
-            held.append(loop.run_in_executor(compute, steps.wait))  # behind the builds
-            builds.set()
+            # (the first prefill handed to the held thread, the other two waiting for it)
             await wait_until(
                 lambda: batcher.occupancy() * batcher.max_batch == 3, 30, "the three prefills queued"
             )
         finally:  # (never a compute thread held past the test)
-            builds.set()
             steps.set()
         together = await asyncio.gather(*asking, return_exceptions=True)
-        await asyncio.gather(*held)
+        await held
         await thinker.close()
         prefills = [
             size for (key, size), n in (batcher.calls - before).items() if key != "decode" for _ in range(n)

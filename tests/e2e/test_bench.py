@@ -47,6 +47,9 @@ RATIOS = {
         for kind in kinds
         for batch in (1, 8)
     },
+    "prompts": {
+        f"{k}_{m}" for k in ("compute_outside_calls", "ttft_c8_vs_c1") for m in ("qwen2.5-omni", "qwen3-omni")
+    },
     "sleep": {"tiny-omni_rss_asleep_vs_awake_min", "tiny-omni_rss_asleep_vs_awake_max"},
     "tts": {
         "c1_whole_vs_reference",

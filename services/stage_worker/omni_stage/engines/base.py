@@ -261,6 +261,10 @@ class ComputeEngine(Engine):
     finishes there before the next one starts), so no two forwards race for the cores, and
     the steps that queue while one runs can go as one batched call (`StepBatcher`), up to
     `engine.args.maxBatch` requests (default: the stage's maxInflight; 1: no batching).
+
+    A request's prompt is built on a thread of its own (`_build`): a chat template, its
+    tokens, its media's features read no weights, and on the compute thread they would hold
+    up every other request's steps (an image's features take as long as a prefill).
     """
 
     weights: tuple[str, ...] = ()
@@ -276,6 +280,7 @@ class ComputeEngine(Engine):
         if self.max_batch < 1:
             raise EngineError(f"stage '{stage.name}': engine.args.maxBatch must be at least 1")
         self._compute = ComputeThread(f"{stage.name}-compute")
+        self._prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-prompts")
         if stage.gpu_memory_fraction is not None and torch.cuda.is_available():
             for device in range(torch.cuda.device_count()):  # its own devices: the supervisor placed it
                 torch.cuda.set_per_process_memory_fraction(stage.gpu_memory_fraction, device)
@@ -385,6 +390,12 @@ class ComputeEngine(Engine):
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._compute, fn, *args)
 
+    async def _build(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn` on the prompt thread, beside the forwards: a request's host work that reads no
+        weights (its tensors may still go to the device). One thread: a burst's builds take
+        turns, and the first is ready first."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompts, fn, *args)
+
     def busy_s(self) -> float | None:
         since = self._compute.running_since
         return None if since is None else time.monotonic() - since
@@ -402,6 +413,7 @@ class ComputeEngine(Engine):
 
     async def close(self) -> None:
         self._compute.shutdown(wait=False, cancel_futures=True)
+        self._prompts.shutdown(wait=False, cancel_futures=True)
 
 
 def release_freed_memory() -> None:

@@ -154,9 +154,9 @@ class TransformersEngine(ComputeEngine):
             yield await self._encode(call)
             return
         st = call.kept(_Decoding)
-        # On the compute thread: tokenizing a long prompt must not stall the event loop (and
-        # with it the replica's heartbeats).
-        ids, embeds, n_units = await self._run(self._inputs, call)
+        # Off the event loop: tokenizing a long prompt must not stall it (and with it the
+        # replica's heartbeats).
+        ids, embeds, n_units = await self._build(self._inputs, call)
         prompt = ids[0].tolist() if ids is not None and st.sampler is None else None
         max_tokens = call.sampling.max_tokens
         key = call.sampling.prompt_cache_key
@@ -255,7 +255,7 @@ class TransformersEngine(ComputeEngine):
             raise EngineError(
                 f"stage '{self.stage.name}': mode encode reads the client request with a tokenizer"
             )
-        ids = await self._run(prompt_token_ids, self.tokenizer, request)
+        ids = await self._build(prompt_token_ids, self.tokenizer, request)
         data = PromptEmbeds(prompt_embeds=await self._run(self._last_hidden, ids))
         if negative := request.get("negative_prompt"):
             negative_ids = prompt_token_ids(self.tokenizer, {"prompt": str(negative)})

@@ -69,7 +69,7 @@ class Encoder(Part):
         if request is None or "messages" not in request:
             raise EngineError(f"stage '{self.stage.name}': the encoder reads the client's messages")
         assert self.prompts is not None
-        inputs = await self._run(lambda: self.prompts.process(self.prompts.read(request), call.sampling))
+        inputs = await self._build(lambda: self.prompts.process(self.prompts.read(request), call.sampling))
         if not inputs.features:
             return  # no media in the messages: nothing to encode (the route normally skips us)
         key = call.sampling.prompt_cache_key

@@ -112,7 +112,7 @@ class Thinker(SlotPart):
         assert self.prompts is not None
         # An encoder stage's outputs, where one ran on this request's media.
         embeds = next((e for p in call.inputs.values() if (e := MediaEmbeds.from_payload(p))), None)
-        prompt = await self._run(self.prompts.build, request, embeds, call.sampling)
+        prompt = await self._build(self.prompts.build, request, embeds, call.sampling)
         ids = prompt.ids
         st = call.kept(ThinkerCache)
         call.state.prompt_tokens = int(ids.shape[1])
