@@ -188,7 +188,7 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         dtype = "bfloat16" if cuda else "float32"
         args = GRAPHED.get(name, {}) if a.cuda_graphs else {}
-        if name == "thinker" and a.prefill_batch_tokens is not None:
+        if name in ("thinker", "talker") and a.prefill_batch_tokens is not None:
             args = args | {"prefillBatchTokens": a.prefill_batch_tokens}
         engines[name] = stage_engine(
             EXAMPLES / f"{a.pipeline}.yaml",
@@ -205,9 +205,11 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         if cuda:
             result["memory_gib"][name] = round((torch.cuda.memory_allocated() - before) / 2**30, 2)
         print(f"{name} loaded in {result['load_s'][name]} s {result['memory_gib'].get(name, '')}", flush=True)
-    result["prefill_batch_tokens"] = getattr(
-        getattr(engines.get("thinker"), "steps", None), "prefill_tokens", None
-    )  # (its default's)
+    result["prefill_batch_tokens"] = {  # (the stages' defaults, where not given)
+        name: e.prefill_tokens  # type: ignore[attr-defined]
+        for name, e in engines.items()
+        if hasattr(e, "prefill_tokens")
+    }
     result["captured"] = {
         name: e.stepper.captured  # type: ignore[attr-defined]
         for name, e in engines.items()
@@ -252,7 +254,7 @@ def main() -> None:
     p.add_argument(
         "--prefill-batch-tokens",
         type=int,
-        help="the thinker's prefillBatchTokens (its own default: 2048 on CUDA, 0 elsewhere)",
+        help="the thinker's and talker's prefillBatchTokens (their default: 2048 on CUDA, 0 elsewhere)",
     )
     a = p.parse_args()
     result = asyncio.run(run(a))

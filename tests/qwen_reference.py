@@ -499,3 +499,55 @@ def check_prompts_prefilled_together(
         assert a["token_ids"].tolist() == b["token_ids"].tolist()
         for name in ("prompt_embeds", "prompt_hidden"):
             torch.testing.assert_close(b[name], a[name], rtol=0, atol=1e-4)
+
+
+def check_talker_prompts_prefilled_together(
+    thinker: Engine, talker: Engine, questions: list[str], codes: int, voice: str | None = None
+) -> None:
+    """`questions` (three prompts of text) thought by `thinker`, then spoken by `talker` (its
+    `prefillBatchTokens` holding two prompts; both started here, closed after) at once while
+    its compute thread is held: the first prefill to queue runs alone, the two queued behind
+    it in one forward (SlotSteps.prefill_together), and each request speaks the codes it
+    speaks alone. Each prompt's cache is copied once, into its slot, and every slot is given
+    back."""
+    assert len(questions) == 3
+
+    async def go() -> tuple[list[Any], list[Any], list[int]]:
+        await thinker.start()
+        await talker.start()
+        thoughts = []
+        for q in questions:
+            request = {"messages": [{"role": "user", "content": q}]}
+            call = EngineCall(q, {"request": request}, True, Sampling(max_tokens=8))
+            thoughts.append(concat([o.data async for o in thinker.generate(call)]))
+
+        async def talk(thought: Payload) -> list[Any]:
+            call = EngineCall("r", {"thinker": thought}, True, Sampling(max_tokens=codes, voice=voice))
+            return concat([o.data async for o in talker.generate(call)])["codes"].tolist()
+
+        alone = [await talk(t) for t in thoughts]
+        copies, _, keys = slot_table(talker)
+        prefills = talker.prefills  # type: ignore[attr-defined]
+        before = Counter(prefills.calls)
+        gate = threading.Event()
+        held = asyncio.get_running_loop().run_in_executor(talker._compute, gate.wait)  # type: ignore[attr-defined]
+        try:
+            asking = [asyncio.ensure_future(talk(t)) for t in thoughts]
+            # (the first prefill handed to the held thread, the other two waiting for it)
+            await wait_until(
+                lambda: prefills.occupancy() * prefills.max_batch == 3, 30, "the three prefills queued"
+            )
+        finally:  # (never a compute thread held past the test)
+            gate.set()
+        together = await asyncio.gather(*asking)
+        await held
+        assert slot_table(talker) == (copies + 3, 0, keys)
+        await thinker.close()
+        await talker.close()
+        calls = prefills.calls - before
+        return alone, list(together), sorted(size for (_, size), n in calls.items() for _ in range(n))
+
+    alone, together, prefills = asyncio.run(go())
+    assert prefills == [1, 2], prefills
+    assert all(len(c) > 4 for c in alone)
+    assert together == alone

@@ -32,6 +32,7 @@ from tests.qwen_reference import (
     check_a_bounded_talker,
     check_first_audio_under_load,
     check_prompts_prefilled_together,
+    check_talker_prompts_prefilled_together,
     media_clips,
     media_message,
     reference_qwen3,
@@ -175,6 +176,22 @@ def test_prompts_of_text_queued_together_are_prefilled_together_as_each_alone(
     layers for the prompts queued behind a prefill, each request thinking what it thinks alone."""
     args = {"prefillBatchTokens": 2048} | ({"fixedSteps": True, "maxModelLen": 256} if fixed else {})
     check_prompts_prefilled_together(engine("thinker", model, **args), PREFILL_QUESTIONS, THINKER_TOKENS)
+
+
+@pytest.mark.parametrize("args", [{}, {"fixedSteps": True}], ids=["own shapes", "fixed shapes"])
+def test_talker_prompts_queued_together_are_prefilled_together_as_each_alone(
+    model: Path, args: dict[str, Any]
+) -> None:
+    """As Qwen2.5-Omni's talker (check_talker_prompts_prefilled_together): one forward of the
+    talker's MoE layers for the prompts queued behind a prefill, each request speaking the
+    codes, every codebook, it speaks alone."""
+    check_talker_prompts_prefilled_together(
+        engine("thinker", model),
+        engine("talker", model, prefillBatchTokens=2048, **args),
+        PREFILL_QUESTIONS,
+        TALKER_CODES,
+        "Ethan",
+    )
 
 
 def test_with_audio_and_an_image(model: Path, reference: dict[str, Any]) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +29,7 @@ from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_
 from omni_stage.models.qwen3_tts.prompt import TTSIds, tts_prompt
 from omni_stage.models.qwen3_tts.steps import TTSSteps
 from omni_stage.payload import concat
-from tests.helpers import ROOT, example_stage
+from tests.helpers import ROOT, example_stage, wait_until
 from tests.qwen_reference import check_first_audio_under_load, cut_while_speaking
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
@@ -243,6 +245,68 @@ def test_a_talker_bounded_by_max_model_len_speaks_the_first_frames_and_allocates
             assert frames == full[: bound - prompt] and reason == "length"
         assert talker.slots is not None and talker.slots.grown == 0 and talker.active_requests() == 0
         await talker.close()
+
+    asyncio.run(go())
+
+
+async def held_at_once(talker: Any, texts: tuple[str, ...]) -> tuple[list[Any], list[int], list[int]]:
+    """`texts` asked of `talker` at once while its compute thread is held, so that the first
+    prefill to queue runs alone and the others queue behind it: what each request gave (its
+    frames and finish reason, or its error), and the sizes of the prefill batches that ran,
+    and of those that ran whole (not failed). (Two holds: the prompts, built on the compute
+    thread with the model's embeddings, queue behind the first, the prefills behind the
+    second.)"""
+    prefills, compute, loop = talker.prefills, talker._compute, asyncio.get_running_loop()
+    before, sizes = Counter(prefills.calls), Counter(prefills.batch_sizes)
+    builds, steps = threading.Event(), threading.Event()
+    held = [loop.run_in_executor(compute, builds.wait)]
+    try:
+        asking = [asyncio.ensure_future(speak(talker, t, f"h{i}")) for i, t in enumerate(texts)]
+        await wait_until(lambda: compute._work_queue.qsize() == len(texts), 30, "the prompts' builds queued")
+        held.append(loop.run_in_executor(compute, steps.wait))
+        builds.set()
+        await wait_until(
+            lambda: prefills.occupancy() * prefills.max_batch == len(texts), 30, "the prefills queued"
+        )
+    finally:  # (never a compute thread held past the test)
+        builds.set()
+        steps.set()
+    spoken = await asyncio.gather(*asking, return_exceptions=True)
+    await asyncio.gather(*held)
+    whole = sorted(size for (_, size), n in (prefills.calls - before).items() for _ in range(n))
+    return spoken, sorted((prefills.batch_sizes - sizes).elements()), whole
+
+
+def test_prompts_queued_together_are_prefilled_together_as_each_alone(checkpoint: Path) -> None:
+    """With `prefillBatchTokens` (on CUDA by default), the prompts that queue behind a prefill
+    go in one forward, each request speaking the frames it speaks alone. Refused there (past
+    `maxModelLen`), the batch runs again a prompt at a time, each refused with its own length,
+    and no slot is left held."""
+    texts = ("Calm.", "The sea is calm.", "The sea is calm tonight, and the wind is low.")
+    refusal = r"the prompt takes (\d+) positions here, past this stage's maxModelLen of 1"
+
+    async def go() -> None:
+        talker = example_stage(EXAMPLE, "talker", checkpoint, prefillBatchTokens=2048)
+        await talker.start()
+        alone = [await speak(talker, t, f"a{i}") for i, t in enumerate(texts)]
+        together, batches, whole = await held_at_once(talker, texts)
+        assert batches == whole == [1, 2] and together == alone
+        assert all(len(frames) > 4 for frames, _ in alone)
+        assert talker.active_requests() == 0
+        await talker.close()
+        bounded = example_stage(EXAMPLE, "talker", checkpoint, prefillBatchTokens=2048, maxModelLen=1)
+        await bounded.start()
+        refused, batches, whole = await held_at_once(bounded, texts)
+        assert batches == [1, 2] and whole == []  # (the batch of two refused, then each alone)
+        lengths = []
+        for r in refused:
+            said = re.match(refusal, str(r))
+            assert isinstance(r, InvalidRequest) and said is not None, r
+            lengths.append(int(said.group(1)))
+        assert lengths == sorted(set(lengths))  # each its own prompt's
+        # (given back once the compute thread has ended the work in progress: request_ended)
+        await wait_until(lambda: bounded.active_requests() == 0, 30, "every slot given back")
+        await bounded.close()
 
     asyncio.run(go())
 

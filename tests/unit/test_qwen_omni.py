@@ -34,6 +34,7 @@ from tests.qwen_reference import (
     check_a_bounded_talker,
     check_first_audio_under_load,
     check_prompts_prefilled_together,
+    check_talker_prompts_prefilled_together,
     cut_while_speaking,
     media_clips,
     media_message,
@@ -537,6 +538,21 @@ def test_prompts_of_text_queued_together_are_prefilled_together_as_each_alone(
     )
     with pytest.raises(EngineError, match="prefillBatchTokens must be a whole number, 0 or more, got -1"):
         engine("thinker", model, prefillBatchTokens=-1)
+
+
+@pytest.mark.parametrize("args", [{}, {"fixedSteps": True}], ids=["own shapes", "fixed shapes"])
+def test_talker_prompts_queued_together_are_prefilled_together_as_each_alone(
+    model: Path, args: dict[str, Any]
+) -> None:
+    """The talker's prompts that queue behind a prefill go in one forward, each request
+    speaking the codes it speaks alone (check_talker_prompts_prefilled_together), its decode
+    steps on the slot table's own shapes or at fixed shapes."""
+    check_talker_prompts_prefilled_together(
+        engine("thinker", model),
+        engine("talker", model, prefillBatchTokens=2048, **args),
+        PREFILL_QUESTIONS,
+        TALKER_CODES,
+    )
 
 
 def test_a_prompt_refused_in_a_batch_of_prefills_leaves_the_others_thinking_as_alone(model: Path) -> None:

@@ -66,6 +66,45 @@ def test_steps_on_the_table_compute_what_each_whole_sequence_computes(decoder: Q
 
 
 @torch.inference_mode()
+def test_prompts_prefilled_together_into_their_slots_compute_what_each_alone_computes(
+    decoder: Qwen2Model,
+) -> None:
+    """Prompts of 3, 7 and 5 positions prefilled together (`SlotSteps.prefill_together`, in
+    forwards of at most 16 positions: the 7 alone, the 3 and the 5 together): each one's last
+    position equals its whole sequence's forward, and a step of all three on the table after
+    too; each cache copied once, into its slot. On a bounded table a batch holding a prompt past
+    its positions is refused before any forward: nothing written."""
+    table = SlotCache.of(decoder.config, 4, torch.float32, torch.device("cpu"), positions=8, grows=False)
+    steps = SlotSteps(table, decoder)
+    gen = torch.Generator().manual_seed(4)
+    seqs = [torch.randn(1, n, WIDTH, generator=gen) for n in (3, 7, 5)]
+    slots = [table.take() for _ in seqs]
+    spans = [torch.arange(s.shape[1])[None] for s in seqs]
+    ends = steps.prefill_together(slots, spans, seqs, 16)
+    assert [(e.row, e.last) for e in ends] == [(0, 2), (0, 6), (1, 4)]
+    assert ends[0].output is ends[2].output is not ends[1].output  # two forwards
+    for e, rows in zip(ends, seqs, strict=True):
+        torch.testing.assert_close(
+            e.output.last_hidden_state[e.row, e.last], whole(decoder, rows), rtol=0, atol=1e-6
+        )
+    assert table.lengths[:3] == [3, 7, 5] and table.copies == 3
+    new = torch.randn(3, 1, WIDTH, generator=gen)
+    out, rows = steps.step(slots, torch.tensor([[n] for n in (3, 7, 5)]), new)
+    for i, row in enumerate(rows):
+        expected = whole(decoder, torch.cat([seqs[i], new[i : i + 1]], dim=1))
+        torch.testing.assert_close(out.last_hidden_state[row, -1], expected, rtol=0, atol=1e-6)
+    for slot in slots:
+        table.give_back(slot)
+    a, b = table.take(), table.take()
+    long = [torch.randn(1, n, WIDTH, generator=gen) for n in (2, 9)]
+    with pytest.raises(
+        InvalidRequest, match="the prompt takes 9 positions here, past this stage's maxModelLen of 8"
+    ):
+        steps.prefill_together([a, b], [torch.arange(n)[None] for n in (2, 9)], long, 32)
+    assert table.lengths[a] == table.lengths[b] == 0 and table.copies == 3  # refused before its forward
+
+
+@torch.inference_mode()
 def test_fixed_shape_steps_compute_what_each_whole_sequence_computes(decoder: Qwen2Model) -> None:
     """The steps at fixed shapes (engines/fixed_steps.py: what `cudaGraphs` captures on CUDA),
     buckets 1 and 2, spans of 2 and 4 positions, on a table of two slots of four positions: a

@@ -91,23 +91,30 @@ def by_length(lengths: list[int], budget: int) -> list[list[int]]:
 
 
 def prefill_together(
-    model: Any, positions: list[torch.Tensor], input_ids: list[torch.Tensor], **inputs: Any
+    model: Any,
+    positions: list[torch.Tensor],
+    prompts: list[torch.Tensor],
+    feed: str = "input_ids",
+    **inputs: Any,
 ) -> tuple[Any, list[Any]]:
-    """`model(**inputs)` over B prompts, each the start of a new cache: `input_ids[i]` row i's
-    token ids ([1, n_i]), `positions[i]` its position ids ([1, n_i], or [k, 1, n_i] for
-    M-RoPE's k rows). Right-padded to the longest, with no mask: a position attends to those
-    before it, and the padding comes after every real one. Returns the model's output (row i's
-    last position at n_i - 1; the padding's positions computed and meaningless) and each
-    request's cache, its row cut at its length."""
+    """`model(**inputs)` over B prompts, each the start of a new cache: `prompts[i]` row i's
+    token ids ([1, n_i]), or with `feed="inputs_embeds"` its input embeddings ([1, n_i, H]);
+    `positions[i]` its position ids ([1, n_i], or [k, 1, n_i] for M-RoPE's k rows).
+    Right-padded to the longest, with no mask: a position attends to those before it, and the
+    padding comes after every real one. Returns the model's output (row i's last position at
+    n_i - 1; the padding's positions computed and meaningless) and each request's cache, its
+    row cut at its length."""
     from transformers import DynamicCache
 
-    lengths = [int(ids.shape[-1]) for ids in input_ids]
+    lengths = [int(p.shape[1]) for p in prompts]
     longest = max(lengths)
+
+    def padded(p: torch.Tensor, n: int) -> torch.Tensor:  # on dim 1, the positions
+        return F.pad(p, (0, 0) * (p.dim() - 2) + (0, longest - n))
+
     out = model(
         **inputs,
-        input_ids=torch.cat(
-            [F.pad(ids, (0, longest - n)) for ids, n in zip(input_ids, lengths, strict=True)]
-        ),
+        **{feed: torch.cat([padded(p, n) for p, n in zip(prompts, lengths, strict=True)])},
         position_ids=torch.cat(
             [F.pad(p, (0, longest - n)) for p, n in zip(positions, lengths, strict=True)], dim=-2
         ),

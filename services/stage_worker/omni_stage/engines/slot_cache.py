@@ -25,12 +25,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from omni_stage.engines.base import EngineError, InvalidRequest
+from omni_stage.engines.kv_batch import by_length, prefill_together
 
 FIRST_POSITIONS: Final = 512
 """Positions a slot holds at first in a table that grows: doubled when a request needs more."""
@@ -171,14 +172,37 @@ class SlotCache(Cache):
         client's error, refused before the forward."""
         from transformers import DynamicCache
 
-        n = (0 if past is None else past.get_seq_length()) + positions.shape[-1]
+        self.check_fits((0 if past is None else past.get_seq_length()) + positions.shape[-1])
+        out = model(**inputs, position_ids=positions, past_key_values=past or DynamicCache(), use_cache=True)
+        self.put(slot, out.past_key_values)
+        return out
+
+    def prefill_together(
+        self,
+        model: Any,
+        slots: list[int],
+        positions: list[torch.Tensor],
+        inputs_embeds: list[torch.Tensor],
+        **inputs: Any,
+    ) -> Any:
+        """`model(**inputs)` for prompts that each start a new cache (`inputs_embeds[i]` row i's,
+        [1, n_i, H], `positions[i]` its position ids), in one forward
+        (kv_batch.prefill_together), each request's cache then copied into its slot. Every
+        prompt is checked against the table's positions before the forward. Returns the
+        model's output (row i's last position at n_i - 1)."""
+        for p in positions:
+            self.check_fits(p.shape[-1])
+        out, caches = prefill_together(model, positions, inputs_embeds, "inputs_embeds", **inputs)
+        for slot, cache in zip(slots, caches, strict=True):
+            self.put(slot, cache)
+        return out
+
+    def check_fits(self, n: int) -> None:
+        """A sequence of n positions past a bounded table's is the client's error, refused."""
         if self.bound is not None and n > self.bound:
             raise InvalidRequest(
                 f"the prompt takes {n} positions here, past this stage's maxModelLen of {self.bound}"
             )
-        out = model(**inputs, position_ids=positions, past_key_values=past or DynamicCache(), use_cache=True)
-        self.put(slot, out.past_key_values)
-        return out
 
     def step(
         self, model: Any, slots: list[int], positions: torch.Tensor, **inputs: Any
@@ -280,12 +304,42 @@ class SlotSteps:
         inputs = {"inputs_embeds": inputs_embeds, **self.inputs}
         return self.table.prefill(self.model, slot, past, positions, **inputs)
 
+    def prefill_together(
+        self, slots: list[int], positions: list[torch.Tensor], inputs_embeds: list[torch.Tensor], budget: int
+    ) -> list[PromptEnd]:
+        """Prompts that start new caches, at `slots`, in forwards of prompts of about one length
+        (kv_batch.by_length: `budget` positions a forward at most, padding included;
+        `SlotCache.prefill_together`). Returns where each prompt's last position lies in the
+        output of the forward that computed it."""
+        ends: dict[int, PromptEnd] = {}
+        for group in by_length([int(e.shape[1]) for e in inputs_embeds], budget):
+            out = self.table.prefill_together(
+                self.model,
+                [slots[i] for i in group],
+                [positions[i] for i in group],
+                [inputs_embeds[i] for i in group],
+                **self.inputs,
+            )
+            ends |= {
+                i: PromptEnd(out, row, int(inputs_embeds[i].shape[1]) - 1) for row, i in enumerate(group)
+            }
+        return [ends[i] for i in range(len(slots))]
+
     def step(
         self, slots: list[int], positions: torch.Tensor, inputs_embeds: torch.Tensor
     ) -> tuple[Any, list[int]]:
         """The model's output for requests at `slots` stepping once, and each one's row of it."""
         self.ran["own"] += 1
         return self.table.step(self.model, slots, positions, inputs_embeds=inputs_embeds, **self.inputs)
+
+
+class PromptEnd(NamedTuple):
+    """A prompt prefilled with others: the output of the forward that computed it, its row
+    there and its last position's index (the padding after it computed and meaningless)."""
+
+    output: Any
+    row: int
+    last: int
 
 
 def _doubled_to(have: int, need: int) -> int:
@@ -308,12 +362,15 @@ def _spread_positions(joined: torch.Tensor, rows: list[int], height: int) -> tor
     return out
 
 
-def warm_up(steps: SlotSteps, width: int, positions: Callable[[int, int], torch.Tensor]) -> None:
+def warm_up(
+    steps: SlotSteps, width: int, positions: Callable[[int, int], torch.Tensor], together: bool = False
+) -> None:
     """Run a talker's steps (its model, on its table) on zeros of `width` through a request's
     life as the talker runs it: a prefill, a step alone, a step together with another request,
-    a prefill on a kept sequence (a conversation's next turn). What `torch.compile` wraps in it
-    compiles now, at start, not at the first requests. `positions(at, n)` gives the position
-    ids of n positions from `at`."""
+    a prefill on a kept sequence (a conversation's next turn); `together`, where prompts are
+    prefilled together (`prefillBatchTokens`), two prompts in one forward too. What
+    `torch.compile` wraps in it compiles now, at start, not at the first requests.
+    `positions(at, n)` gives the position ids of n positions from `at`."""
     table = steps.table
     if table.bound is not None and table.bound < WARM_UP_POSITIONS:
         raise EngineError(
@@ -331,5 +388,7 @@ def warm_up(steps: SlotSteps, width: int, positions: Callable[[int, int], torch.
     steps.prefill(c, table.kept(a), positions(6, 2), x[:1, :2])
     for one in (b, c):  # a step alone at a slot past the first: its view's offset a variable
         steps.step([one], positions(8, 1), x[:1, :1])
+    if together:
+        steps.prefill_together([a, b], [positions(0, 4), positions(0, 3)], [x[:1], x[:1, :3]], 8)
     for slot in (a, b, c):
         table.give_back(slot)

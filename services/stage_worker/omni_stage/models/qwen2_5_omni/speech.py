@@ -52,6 +52,15 @@ class _Speaking(HoldsSlot):
     kept: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class _Prefill:
+    """A request's talker prompt to prefill (with those queued beside it, `prefillBatchTokens`):
+    its state and its voice."""
+
+    st: _Speaking
+    voice: dict[str, Any]
+
+
 class Talker(SlotPart):
     """Speaks the thinker's reply. With a `prompt_cache_key` it keeps its prompt's positions: the
     next turn's prompt begins with them, fed the same thinker rows (the thinker's own kept
@@ -64,8 +73,10 @@ class Talker(SlotPart):
 
     def __init__(self, stage: StageSpec) -> None:
         super().__init__(stage)
-        # Decode steps of concurrent requests run together; a prefill runs on its own.
+        # Decode steps of concurrent requests run together; their prompts' prefills too, with
+        # `prefillBatchTokens` (a conversation's kept sequence resumed: alone).
         self.batcher = StepBatcher(self._decodes, self._compute, self.max_batch)
+        self.prefills = StepBatcher(self._prefills, self._compute, self.max_batch)
         self.prompt_caches = self._kept_conversations()
         self.compiled = compiler(stage, graphs=False)
 
@@ -97,7 +108,7 @@ class Talker(SlotPart):
         if compiles(self.stage):
             with torch.inference_mode():  # as requests run it: a compile is guarded on the mode
                 assert self.stepper is not None
-                warm_up(self.stepper, width, self._span)
+                warm_up(self.stepper, width, self._span, together=self.prefill_tokens > 0)
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.kept(_Speaking)
@@ -115,7 +126,10 @@ class Talker(SlotPart):
                 if (key := call.sampling.prompt_cache_key) is not None and self.prompt_caches.capacity:
                     st.key = str(key)
                     kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
-                code = await self._run(self._prefill, st, voice, kept)
+                if kept is None and self.prefill_tokens:
+                    code = await self.prefills.submit("prefill", _Prefill(st, voice))
+                else:
+                    code = await self._run(self._prefill, st, voice, kept)
             else:
                 code = None
             while not st.done:
@@ -164,29 +178,54 @@ class Talker(SlotPart):
     def _text_embed(self, token: int) -> torch.Tensor:
         return self.text_embeds[token]
 
-    @torch.inference_mode()
-    def _prefill(self, st: _Speaking, voice: dict[str, Any], seq: Sequence | None) -> int:
-        """The prompt, the voice's bos and the first reply state; on `seq`, the conversation's
-        kept sequence, as far as this prompt's rows are the ones it was fed."""
+    def _prompt(self, st: _Speaking, voice: dict[str, Any]) -> tuple[torch.Tensor, int]:
+        """The talker's input rows [n, H]: the prompt, the voice's bos and the first reply
+        state; and how many are the prompt's (with a key, those rows are set on it)."""
         assert st.prompt_embeds is not None and st.prompt_hidden is not None
         embeds = (st.prompt_embeds + st.prompt_hidden).to(self.device, self.dtype)
         bos = self._text_embed(int(voice["bos_token"]))
-        inputs = torch.cat([embeds, bos[None], st.reply[0][None]])
         if st.key is not None:
             st.prompt_rows = embeds
+        return torch.cat([embeds, bos[None], st.reply[0][None]]), len(embeds)
+
+    def _start_codes(self, slot: int) -> None:
+        """What the model's codes have "seen" for the repetition penalty: its prompt ids."""
+        self.seen_codes.start(slot, [self.codec["mask"], self.codec["pad"], self.codec["bos"]])
+
+    @torch.inference_mode()
+    def _prefill(self, st: _Speaking, voice: dict[str, Any], seq: Sequence | None) -> int:
+        """The talker's prompt; on `seq`, the conversation's kept sequence, as far as this
+        prompt's rows are the ones it was fed."""
+        inputs, prompt = self._prompt(st, voice)
         # At most the prompt's rows: the voice's bos and the first reply state are this turn's.
         past, at = None, 0
-        if seq is not None and (n := min(same_rows(seq.rows["fed"], inputs), len(embeds))):
+        if seq is not None and (n := min(same_rows(seq.rows["fed"], inputs), prompt)):
             seq.cut(n)
             past, at, inputs = seq.past, n, inputs[n:]
             self.prompt_caches.reused_tokens += n
         assert self.stepper is not None
         slot = self.slot_of(st)
-        # What the model's codes have "seen" for the repetition penalty: its prompt ids.
-        self.seen_codes.start(slot, [self.codec["mask"], self.codec["pad"], self.codec["bos"]])
+        self._start_codes(slot)
         out = self.stepper.prefill(slot, past, self._span(at, len(inputs)), inputs[None])
         [code] = self._picks([st], out.logits[:, -1])
         return code
+
+    @torch.inference_mode()
+    def _prefills(self, prefills: list[_Prefill]) -> list[int]:
+        """Prompts that queued together, on new caches, in forwards of prompts of about one
+        length (`prefillBatchTokens` positions at most; SlotSteps.prefill_together), their first
+        codes picked together; one alone as `_prefill`."""
+        if len(prefills) == 1:
+            return [self._prefill(prefills[0].st, prefills[0].voice, None)]
+        sts = [p.st for p in prefills]
+        inputs = [self._prompt(p.st, p.voice)[0][None] for p in prefills]
+        slots = [self.slot_of(st) for st in sts]
+        for slot in slots:
+            self._start_codes(slot)
+        assert self.stepper is not None
+        positions = [self._span(0, x.shape[1]) for x in inputs]
+        ends = self.stepper.prefill_together(slots, positions, inputs, self.prefill_tokens)
+        return self._picks(sts, torch.stack([e.output.logits[e.row, e.last] for e in ends]))
 
     @torch.inference_mode()
     def _decodes(self, steps: list[tuple[_Speaking, torch.Tensor]]) -> list[int]:

@@ -16,7 +16,7 @@ from omni_stage.engines.batching import StepBatcher
 from omni_stage.engines.prompt_cache import Sequence, same_rows
 from omni_stage.engines.slot_cache import warm_up
 from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frames_embedding
-from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, talker_prompt
+from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, TalkerPrompt, talker_prompt
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     SeenCodes,
@@ -59,6 +59,15 @@ class _Speaking(HoldsSlot):
     kept: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class _Prefill:
+    """A request's talker prompt to prefill (with those queued beside it, `prefillBatchTokens`):
+    its state and its voice's speaker code."""
+
+    st: _Speaking
+    speaker: int
+
+
 @dataclass(slots=True)
 class _Step:
     """One request's piece of a batched talker step: its state and, for a decode step, the
@@ -87,8 +96,10 @@ class Qwen3Talker(SlotPart):
         super().__init__(stage)
         self.text_embeds: torch.Tensor | None = None
         # Concurrent requests' steps run together: the code predictor's residuals of their last
-        # codes as one batch, their next talker steps as another; a prefill runs on its own.
+        # codes as one batch, their next talker steps as another; their prompts' prefills too,
+        # with `prefillBatchTokens` (a conversation's kept sequence resumed: alone).
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
+        self.prefills = StepBatcher(self._prefills, self._compute, self.max_batch)
         self.prompt_caches = self._kept_conversations()
         self.compiled = compiler(stage, graphs=False)
         self.frames: StaticFrames | None = None
@@ -155,7 +166,7 @@ class Qwen3Talker(SlotPart):
             return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(4, 1, -1)
 
         assert self.stepper is not None
-        warm_up(self.stepper, width, span)
+        warm_up(self.stepper, width, span, together=self.prefill_tokens > 0)
         assert self.frames is not None
         self.frames.run_each_bucket()
 
@@ -175,7 +186,11 @@ class Qwen3Talker(SlotPart):
                     st.key = str(key)
                     kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
                 speaker = self.speaker(call.sampling)["code"]
-                st.code0, st.last_hidden = await self._run(self._prefill, st, speaker, kept)
+                if kept is None and self.prefill_tokens:
+                    drawn = await self.prefills.submit("prefill", _Prefill(st, speaker))
+                    st.code0, st.last_hidden = drawn.code0, drawn.hidden
+                else:
+                    st.code0, st.last_hidden = await self._run(self._prefill, st, speaker, kept)
             while not st.done:
                 k = st.step + 1  # the next step: it draws code k - 1's residuals, then code k
                 if st.code0 == self.codec_eos or k >= budget or st.full:
@@ -228,10 +243,9 @@ class Qwen3Talker(SlotPart):
             return None
         return self._tts("tts_eos" if j + 1 == len(reply) else "tts_pad")
 
-    @torch.inference_mode()
-    def _prefill(self, st: _Speaking, speaker: int, seq: Sequence | None) -> tuple[int, torch.Tensor]:
-        """The talker's prompt (talker_prompt.py); on `seq`, the conversation's kept sequence,
-        as far as these user turns' rows are the ones it was fed."""
+    def _talker_prompt(self, st: _Speaking, speaker: int) -> TalkerPrompt:
+        """The request's talker prompt (talker_prompt.py), its M-RoPE offset and (with a key)
+        its user turns' rows set on it."""
         assert st.prompt_ids is not None and st.prompt_embeds is not None and st.prompt_hidden is not None
         thinker = (
             st.prompt_ids.to(self.device),
@@ -240,9 +254,17 @@ class Qwen3Talker(SlotPart):
         )
         tts = {name: self._tts(name) for name in ("tts_pad", "tts_bos")}
         p = talker_prompt(self.model, self.ids, tts, thinker, st.reply[0], speaker, st.layout)
-        inputs, positions, st.rope_delta = p.inputs, p.positions, p.rope_delta
+        st.rope_delta = p.rope_delta
         if st.key is not None:
             st.user_rows = p.user_rows
+        return p
+
+    @torch.inference_mode()
+    def _prefill(self, st: _Speaking, speaker: int, seq: Sequence | None) -> tuple[int, torch.Tensor]:
+        """The talker's prompt; on `seq`, the conversation's kept sequence, as far as these user
+        turns' rows are the ones it was fed."""
+        p = self._talker_prompt(st, speaker)
+        inputs, positions = p.inputs, p.positions
         past = None
         if seq is not None and (n := same_rows(seq.rows["fed"], p.user_rows)):
             seq.cut(n)
@@ -255,6 +277,31 @@ class Qwen3Talker(SlotPart):
         last = out.last_hidden_state
         [code] = self._picks([st], self.model.codec_head(last)[:, -1])
         return code, last[:, -1:]
+
+    @torch.inference_mode()
+    def _prefills(self, prefills: list[_Prefill]) -> list[_Step]:
+        """Prompts that queued together, on new caches, in forwards of prompts of about one
+        length (`prefillBatchTokens` positions at most; SlotSteps.prefill_together), their first
+        codes picked together; one alone as `_prefill`."""
+        if len(prefills) == 1:
+            [p] = prefills
+            code, hidden = self._prefill(p.st, p.speaker, None)
+            return [_Step(p.st, code0=code, hidden=hidden)]
+        sts = [p.st for p in prefills]
+        prompts = [self._talker_prompt(p.st, p.speaker) for p in prefills]
+        slots = [self.slot_of(st) for st in sts]
+        for slot in slots:
+            self.seen_codes.start(slot)
+        assert self.stepper is not None
+        ends = self.stepper.prefill_together(
+            slots, [p.positions for p in prompts], [p.inputs for p in prompts], self.prefill_tokens
+        )
+        last = torch.stack([e.output.last_hidden_state[e.row, e.last] for e in ends])[:, None]  # [B, 1, H]
+        codes = self._picks(sts, self.model.codec_head(last)[:, -1])
+        return [
+            _Step(st, code0=c, hidden=last[i : i + 1])
+            for i, (st, c) in enumerate(zip(sts, codes, strict=True))
+        ]
 
     @torch.inference_mode()
     def _steps(self, steps: list[_Step]) -> list[_Step]:

@@ -82,6 +82,8 @@ class Qwen3TTSTalker(SlotPart):
         self.steps: TTSSteps | None = None
         self.cloner: VoiceCloner | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
+        self.prefills = StepBatcher(self._prefills, self._compute, self.max_batch)
+        """Prompts that queue together, prefilled together (`prefillBatchTokens`)."""
 
     def _load(self) -> None:
         from transformers import Qwen2TokenizerFast
@@ -148,7 +150,10 @@ class Qwen3TTSTalker(SlotPart):
         call.state.engine = st  # its slot given back at the request's end (`request_ended`)
         budget = call.sampling.max_tokens or TALKER_MAX_CODES
         assert self.steps is not None
-        await self._run(self.steps.prefill, st)
+        if self.prefill_tokens:
+            await self.prefills.submit("prefill", st)
+        else:
+            await self._run(self.steps.prefill, st)
         # Each step is queued as soon as the last is answered, before its frame goes out: the
         # requests answered together are then waiting together for the next batch.
         step = self.batcher.submit("frame", _Step(st, budget))
@@ -245,6 +250,13 @@ class Qwen3TTSTalker(SlotPart):
             raise InvalidRequest(
                 "instructions: a VoiceDesign model speaks in the voice they describe: describe one"
             )
+
+    def _prefills(self, sts: list[Speaking]) -> list[None]:
+        """The prompts that queued together, prefilled (TTSSteps.prefill_together), each
+        request's first code drawn."""
+        assert self.steps is not None
+        self.steps.prefill_together(sts, self.prefill_tokens)
+        return [None] * len(sts)
 
     def _steps(self, steps: list[_Step]) -> list[list[int] | None]:
         """One batched step of every request that asks: the talker's next step for those with a

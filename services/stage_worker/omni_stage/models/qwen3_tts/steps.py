@@ -69,12 +69,30 @@ class TTSSteps:
 
     @torch.inference_mode()
     def prefill(self, st: Speaking) -> None:
-        st.slot, st.table = self.slots.take(), self.slots
-        self.seen_codes.start(st.slot)
+        slot = self._slot(st)
         inputs = st.prompt.inputs
-        positions = torch.arange(inputs.shape[1], device=inputs.device)[None]
-        out = self.steps.prefill(st.slot, None, positions, inputs)
+        out = self.steps.prefill(slot, None, _positions(inputs), inputs)
         self._draw([st], out.last_hidden_state[:, -1:])
+
+    @torch.inference_mode()
+    def prefill_together(self, sts: list[Speaking], budget: int) -> None:
+        """Prompts that queued together, in forwards of prompts of about one length (`budget`
+        positions at most; SlotSteps.prefill_together), their first codes drawn together; one
+        alone as `prefill`."""
+        if len(sts) == 1:
+            return self.prefill(sts[0])
+        slots = [self._slot(st) for st in sts]
+        inputs = [st.prompt.inputs for st in sts]
+        ends = self.steps.prefill_together(slots, [_positions(x) for x in inputs], inputs, budget)
+        self._draw(sts, torch.stack([e.output.last_hidden_state[e.row, e.last] for e in ends])[:, None])
+
+    def _slot(self, st: Speaking) -> int:
+        """The request's slot, taken at its first prefill (a batch that failed ran it once
+        before), its codes so far none."""
+        if st.slot is None:
+            st.slot, st.table = self.slots.take(), self.slots
+        self.seen_codes.start(st.slot)
+        return st.slot
 
     @torch.inference_mode()
     def residuals(self, sts: list[Speaking]) -> list[list[int]]:
@@ -122,3 +140,8 @@ class TTSSteps:
         for row, (st, code) in enumerate(zip(sts, codes, strict=True)):
             st.hidden, st.code0 = hidden[row : row + 1], code
             st.seen.append(code)
+
+
+def _positions(inputs: torch.Tensor) -> torch.Tensor:
+    """[1, n]: a prompt's position ids (its inputs [1, n, H])."""
+    return torch.arange(inputs.shape[1], device=inputs.device)[None]

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any, Final, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from omni_pipeline.control import PromptLogprobs
-from omni_pipeline.spec import StageSpec
-from omni_stage.engines.base import EngineError
 from omni_stage.engines.kv_batch import by_length, decode_together, prefill_together
 from omni_stage.engines.prompt_cache import MediaSpan, Sequence
 from omni_stage.engines.reply import prompt_logprobs
@@ -28,21 +26,17 @@ from omni_stage.models.qwen_omni.prefill import PrefillInputs
 from omni_stage.models.qwen_omni.prompt import Prompt
 from omni_stage.models.qwen_omni.slots import HoldsSlot
 
-PREFILL_BATCH_TOKENS: Final = 2048
-"""`prefillBatchTokens` on CUDA: prompt positions one batched prefill computes at most."""
-
 
 class Thinker(Protocol):
     """What the forwards read of their thinker (thinker.py's part), as its load left it."""
 
-    args: dict[str, Any]
-    stage: StageSpec
     device: torch.device
     model: Any
     tokenizer: Any
     prefills: PrefillInputs | None
     slots: SlotCache | None
     stepper: SlotSteps | None
+    prefill_tokens: int
 
     @property
     def talker_layer(self) -> int: ...
@@ -56,22 +50,13 @@ class ThinkerSteps:
 
     def __init__(self, part: Thinker) -> None:
         self.part = part
-        self.prefill_tokens = part.args.get(
-            "prefillBatchTokens", PREFILL_BATCH_TOKENS if part.device.type == "cuda" else 0
-        )
-        """Prompt positions (padding included) one batched prefill computes at most; 0: alone."""
-        if type(self.prefill_tokens) is not int or self.prefill_tokens < 0:
-            raise EngineError(
-                f"stage '{part.stage.name}': engine.args.prefillBatchTokens must be a whole number, 0 or "
-                f"more, got {self.prefill_tokens!r}"
-            )
 
     def key(self, st: ThinkerCache, prompt: Prompt, sampler: TokenSampler) -> Hashable:
         """What a request's prefill may run with: a prompt of text alone on a new cache, with no
         prompt log probabilities, with the others like it (`run`: prefilled together); any other
         prompt alone (its media encoded in its forward, its kept sequence resumed)."""
         alone = (
-            not self.prefill_tokens
+            not self.part.prefill_tokens
             or prompt.features
             or prompt.embeds is not None
             or st.start
@@ -102,7 +87,7 @@ class ThinkerSteps:
         last, each cache then its own or copied into its slot: a batch that fails (a request's
         constraints leaving no token to pick) runs again a prompt at a time, as prefills."""
         done: dict[int, Prefilled] = {}
-        for group in by_length([int(s.prompt.ids.shape[1]) for s in steps], self.prefill_tokens):
+        for group in by_length([int(s.prompt.ids.shape[1]) for s in steps], self.part.prefill_tokens):
             done |= zip(group, self._prefill_forward([steps[i].prompt for i in group]), strict=True)
         prefilled = [done[i] for i in range(len(steps))]
         choices = pick_together([s.sampler for s in steps], torch.stack([p.logits for p in prefilled]))
