@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +24,7 @@ from omni_stage.engines.registry import build_engine
 from omni_stage.engines.tools import ToolPlan
 from omni_stage.processors import thinker_to_talker
 from omni_stage.segments import EngineOutput
-from tests.helpers import ROOT, WEATHER
+from tests.helpers import ROOT, WEATHER, wait_until
 
 EXAMPLE = ROOT / "examples" / "tiny-omni.yaml"
 
@@ -37,6 +39,11 @@ def engine_for(stage: str, models: Path, **engine_overrides: Any) -> Engine:
         updates["args"] = {**eng.args, "path": str(models / "tiny-vocoder")}
     updates.update(engine_overrides)
     return build_engine(spec.model_copy(update={"engine": eng.model_copy(update=updates)}))
+
+
+def engine_for_args(stage: str) -> dict[str, Any]:
+    """The example stage's engine arguments (to add to)."""
+    return dict(load_pipeline(EXAMPLE).spec.stage(stage).engine.args)
 
 
 def run(engine: Engine, call: EngineCall) -> list[EngineOutput]:
@@ -147,6 +154,60 @@ def test_concurrent_requests_decode_in_batched_steps_with_the_same_output(models
         assert tokens == tokens_alone
         torch.testing.assert_close(states, states_alone, rtol=0, atol=1e-5 * float(states_alone.abs().max()))
     assert together[3:] == alone[3:]
+
+
+def test_prompts_queued_together_are_prefilled_together_as_each_alone(models: Path) -> None:
+    """With `prefillBatchTokens` (on CUDA by default), three prompts asked while the compute
+    thread is held (their tokens are built beside it): the first prefill to queue runs alone,
+    the two queued behind it in one forward (kv_batch.prefill_together), and each request gets
+    the tokens it gets alone, its hidden states within 1e-5 of their largest (a batched
+    matmul may sum in another order). A budget that is not a whole number is refused when the
+    stage is built."""
+    prompts = ["hi", "What is omni, and why does it speak?", "A longer question still: why?"]
+
+    async def go() -> tuple[list[Any], list[Any], list[int]]:
+        thinker = engine_for(
+            "thinker", models, args={**engine_for_args("thinker"), "prefillBatchTokens": 2048}
+        )
+        await thinker.start()
+
+        async def think(prompt: str) -> tuple[list[int], torch.Tensor]:
+            request = {"messages": [{"role": "user", "content": prompt}]}
+            call = EngineCall(prompt, {"request": request}, True, Sampling(max_tokens=8))
+            outs = [o async for o in thinker.generate(call)]
+            return [int(o.data["token_ids"][0]) for o in outs], torch.cat(
+                [o.data["hidden_states"] for o in outs]
+            )
+
+        alone = [await think(p) for p in prompts]
+        batcher = thinker.batcher  # type: ignore[attr-defined]
+        before = Counter(batcher.calls)
+        gate = threading.Event()
+        held = asyncio.get_running_loop().run_in_executor(thinker._compute, gate.wait)  # type: ignore[attr-defined]
+        try:
+            asking = [asyncio.ensure_future(think(p)) for p in prompts]
+            await wait_until(
+                lambda: batcher.occupancy() * batcher.max_batch == 3, 30, "the three prefills queued"
+            )
+        finally:  # (never a compute thread held past the test)
+            gate.set()
+        together = await asyncio.gather(*asking)
+        await held
+        await thinker.close()
+        calls = batcher.calls - before
+        return (
+            alone,
+            list(together),
+            sorted(n for (key, n), k in calls.items() if key == "prefill" for _ in range(k)),
+        )
+
+    alone, together, prefills = asyncio.run(go())
+    assert prefills == [1, 2], prefills
+    for (tokens, states), (tokens_alone, states_alone) in zip(together, alone, strict=True):
+        assert tokens == tokens_alone
+        torch.testing.assert_close(states, states_alone, rtol=0, atol=1e-5 * float(states_alone.abs().max()))
+    with pytest.raises(EngineError, match=r"prefillBatchTokens must be a whole number, 0 or more, got 1\.5"):
+        engine_for("thinker", models, args={**engine_for_args("thinker"), "prefillBatchTokens": 1.5})
 
 
 def test_sampling_is_seeded(models: Path) -> None:

@@ -21,10 +21,30 @@ waited for was each prompt's prefill after the others'.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 import torch
 import torch.nn.functional as F
+
+from omni_stage.engines.base import EngineError
+
+PREFILL_BATCH_TOKENS: Final = 2048
+"""`prefillBatchTokens` on CUDA: prompt positions one batched prefill computes at most."""
+
+
+def prefill_budget(args: dict[str, Any], device: torch.device, stage: str) -> int:
+    """An engine's `prefillBatchTokens`, checked: the prompt positions (padding included) one
+    forward of the prompts that queued together computes at most (`prefill_together`, grouped
+    `by_length`); 0: each prompt alone. On CUDA by default, where an eager prefill is
+    launch-bound; on a CPU it is compute-bound, and a batch only makes the first prompt's
+    request wait for the last's."""
+    budget = args.get("prefillBatchTokens", PREFILL_BATCH_TOKENS if device.type == "cuda" else 0)
+    if type(budget) is not int or budget < 0:
+        raise EngineError(
+            f"stage '{stage}': engine.args.prefillBatchTokens must be a whole number, 0 or more, "
+            f"got {budget!r}"
+        )
+    return budget
 
 
 def decode_together(

@@ -5,7 +5,9 @@ while torch computes; cancelling the request's task stops the loop after the cur
 KV cache lives in the request's own state (`call.kept`), so a windowed consumer (a talker fed 8 thinker
 states at a time) continues one sequence across calls instead of starting over. The one-token
 decode steps of concurrent requests run as one batched forward, their caches stacked
-(`kv_batch.py`); a prompt or a window of embeddings runs on its own.
+(`kv_batch.py`); a window of embeddings runs on its own, and so does a prompt but where
+`prefillBatchTokens` (by default on CUDA) runs the prompts of token ids that queue together, on
+new caches, as one forward.
 
 Inputs: the client request (`messages`, chat template applied by the tokenizer) or, from an
 upstream stage, `inputs_embeds` [n, hidden] (after the edge's processor) or `token_ids` [n].
@@ -23,7 +25,7 @@ key's next request prefills only what its prompt adds to it (prompt_cache.py).
 Arguments (`engine.args`): mode (generate, encode), device, dtype, threads, returnHiddenStates,
 tokensPerInputUnit (new tokens per input unit for upstream inputs), ignoreEos, maxBatch,
 toolCallParser (vLLM's tool parser for the model family, for `tool_choice: auto`; tools.py),
-promptCaches, promptCacheIdleS (prompt_cache.py).
+promptCaches, promptCacheIdleS (prompt_cache.py), prefillBatchTokens (kv_batch.prefill_budget).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from omni_pipeline.sampling import params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.kv_batch import decode_together
+from omni_stage.engines.kv_batch import by_length, decode_together, prefill_budget, prefill_together
 from omni_stage.engines.prompt_cache import Sequence
 from omni_stage.engines.prompts import check_context, prompt_token_ids
 from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
@@ -113,6 +115,9 @@ class TransformersEngine(ComputeEngine):
         self.context = 0
         self.grammars: JsonGrammars | None = None
         self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
+        self.prefill_tokens = prefill_budget(self.args, self.device, stage.name)
+        """`prefillBatchTokens` (kv_batch.prefill_budget): the prompts of token ids that queue
+        together on new caches, prefilled together."""
 
     async def start(self) -> None:
         await self._load_alone()
@@ -197,7 +202,7 @@ class TransformersEngine(ComputeEngine):
         with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             for i in range(budget):
                 step = _Step(st, feed_ids, feed_embeds, sampler)
-                choice, hidden = await self.batcher.submit("decode" if step.is_decode else object(), step)
+                choice, hidden = await self.batcher.submit(self._key(step), step)
                 if st.prompt_logprobs is not None and "request" in call.inputs:
                     call.state.prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs, None
                 tok = choice.token
@@ -297,10 +302,54 @@ class TransformersEngine(ComputeEngine):
             return t.unsqueeze(0), None, int(t.shape[0])
         raise EngineError(f"stage '{self.stage.name}': inputs carry neither inputs_embeds nor token_ids")
 
+    def _key(self, step: _Step) -> object:
+        """What a step may run with: one-token decode steps together; prompts of token ids on
+        new caches, with no prompt log probabilities, together (`prefillBatchTokens`); any
+        other forward (a window of embeddings, a kept sequence resumed) alone."""
+        if step.is_decode:
+            return "decode"
+        if (
+            self.prefill_tokens
+            and step.ids is not None
+            and step.st.past is None
+            and step.sampler.prompt_logprobs is None
+        ):
+            return "prefill"
+        return object()
+
     def _steps(self, steps: list[_Step]) -> list[tuple[Choice, torch.Tensor]]:
         if len(steps) == 1:
             return [self._step(steps[0])]
+        if steps[0].st.past is None:
+            return self._prefill_together(steps)
         return self._decode_together(steps)
+
+    @torch.inference_mode()
+    def _prefill_together(self, steps: list[_Step]) -> list[tuple[Choice, torch.Tensor]]:
+        """Prompts of token ids on new caches (`_key`), in forwards of prompts of about one
+        length (kv_batch.by_length), their first tokens picked together. The caches are set
+        last: a batch that fails (a request's constraints leaving no token to pick) runs again
+        a prompt at a time."""
+        ids: list[torch.Tensor] = [s.ids for s in steps]  # type: ignore[misc]
+        rows: dict[int, tuple[torch.Tensor, torch.Tensor | None, Any]] = {}
+        for group in by_length([int(x.shape[1]) for x in ids], self.prefill_tokens):
+            prompts = [ids[i] for i in group]
+            positions = [torch.arange(x.shape[1], device=self.device)[None] for x in prompts]
+            out, caches = prefill_together(
+                self.model, positions, prompts, output_hidden_states=self.return_hidden
+            )
+            for row, (i, cache) in enumerate(zip(group, caches, strict=True)):
+                last = int(ids[i].shape[1]) - 1
+                hidden = out.hidden_states[-1][row, last : last + 1] if self.return_hidden else None
+                rows[i] = (out.logits[row, last], hidden, cache)
+        done = [rows[i] for i in range(len(steps))]
+        choices = pick_together([s.sampler for s in steps], torch.stack([logits for logits, _, _ in done]))
+        for s, (_, _, cache) in zip(steps, done, strict=True):
+            s.st.past = cache
+        if not self.return_hidden:
+            return [(c, torch.empty(0)) for c in choices]
+        hidden = torch.cat([h for _, h, _ in done]).float().cpu()  # type: ignore[misc]
+        return [(c, hidden[i : i + 1]) for i, c in enumerate(choices)]
 
     @torch.inference_mode()
     def _step(self, s: _Step) -> tuple[Choice, torch.Tensor]:

@@ -20,6 +20,7 @@ from typing import Any, Final
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import CallState, EngineError
 from omni_stage.engines.fixed_steps import FixedSteps
+from omni_stage.engines.kv_batch import prefill_budget
 from omni_stage.engines.slot_cache import FIRST_POSITIONS, SlotCache, SlotSteps
 from omni_stage.models.qwen_omni.parts import Part
 
@@ -27,8 +28,6 @@ LOG = logging.getLogger(__name__)
 
 SLOT_POSITIONS: Final = 4096
 """`maxModelLen` by default at fixed shapes (`fixedSteps`): a slot's positions, allocated at load."""
-PREFILL_BATCH_TOKENS: Final = 2048
-"""`prefillBatchTokens` on CUDA: prompt positions one batched prefill computes at most."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -68,19 +67,9 @@ class SlotPart(Part):
             )
         self.max_model_len: int | None = asked
         """A request's positions at most (None: the model's own); the table's, allocated at load."""
-        together = self.args.get(
-            "prefillBatchTokens", PREFILL_BATCH_TOKENS if self.device.type == "cuda" else 0
-        )
-        if type(together) is not int or together < 0:
-            raise EngineError(
-                f"stage '{stage.name}': engine.args.prefillBatchTokens must be a whole number, 0 or "
-                f"more, got {together!r}"
-            )
-        self.prefill_tokens: int = together
-        """Prompt positions (padding included) one forward of the prompts that queued together
-        computes at most (kv_batch.prefill_together); 0: each prompt alone. On CUDA by default,
-        where an eager prefill is launch-bound; on a CPU it is compute-bound, and a batch only
-        makes the first prompt's request wait for the last's."""
+        self.prefill_tokens = prefill_budget(self.args, self.device, stage.name)
+        """`prefillBatchTokens` (kv_batch.prefill_budget): the prompts that queue together,
+        prefilled together."""
         self.steps_ran = Counter()
 
     @property
