@@ -13,9 +13,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
@@ -129,6 +131,43 @@ async def wait_until(pred: Callable[[], T], timeout: float, what: str, interval:
             return v
         await asyncio.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+async def asked_while_held(
+    engine: Any, batcher: Any, asks: list[Awaitable[Any]], built_on_compute: bool = False
+) -> list[Any]:
+    """`asks` (each a request to `engine`) started at once while the engine's compute thread is
+    held, and let go once `batcher` holds one piece of each (the first handed to the held
+    thread, the others waiting behind it: they go as one batch next); what each gave, or its
+    error. `built_on_compute`: the requests build their prompts on the compute thread (with
+    the model's weights), so a first hold keeps the builds queued, a second the pieces."""
+    compute, loop = engine._compute, asyncio.get_running_loop()
+    builds, pieces = threading.Event(), threading.Event()
+    held = [loop.run_in_executor(compute, (builds if built_on_compute else pieces).wait)]
+    try:
+        asking = [asyncio.ensure_future(a) for a in asks]
+        if built_on_compute:
+            await wait_until(
+                lambda: compute._work_queue.qsize() == len(asks), 30, "the prompts' builds queued"
+            )
+            held.append(loop.run_in_executor(compute, pieces.wait))
+            builds.set()
+        await wait_until(
+            lambda: batcher.occupancy() * batcher.max_batch == len(asks), 30, "a piece of each request queued"
+        )
+    finally:  # (never a compute thread held past the test)
+        builds.set()
+        pieces.set()
+    done = await asyncio.gather(*asking, return_exceptions=True)
+    await asyncio.gather(*held)
+    return list(done)
+
+
+def ran(batcher: Any, before: Counter[Any], key: Any = None) -> list[int]:
+    """The sizes of the batches `batcher` ran whole since `before` (a copy of its `calls`), of
+    `key` where given."""
+    calls = batcher.calls - before
+    return sorted(size for (k, size), n in calls.items() if key is None or k == key for _ in range(n))
 
 
 def sse_data(body: str) -> list[Any]:

@@ -13,7 +13,6 @@ import io
 import json
 import os
 import re
-import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -33,7 +32,7 @@ from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidReques
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
 from omni_stage.windows import WindowState
-from tests.helpers import video_file, wait_until
+from tests.helpers import asked_while_held, ran, video_file, wait_until
 
 
 def reference_processor(path: Path) -> Any:
@@ -466,20 +465,8 @@ def check_prompts_prefilled_together(
         alone = [await asyncio.gather(think(i), return_exceptions=True) for i in range(3)]
         alone = [a for [a] in alone]
         batcher = thinker.batcher  # type: ignore[attr-defined]
-        compute = thinker._compute  # type: ignore[attr-defined]
         before = Counter(batcher.calls)
-        steps = threading.Event()
-        held = asyncio.get_running_loop().run_in_executor(compute, steps.wait)
-        try:
-            asking = [asyncio.ensure_future(think(i)) for i in range(3)]
-            # (the first prefill handed to the held thread, the other two waiting for it)
-            await wait_until(
-                lambda: batcher.occupancy() * batcher.max_batch == 3, 30, "the three prefills queued"
-            )
-        finally:  # (never a compute thread held past the test)
-            steps.set()
-        together = await asyncio.gather(*asking, return_exceptions=True)
-        await held
+        together = await asked_while_held(thinker, batcher, [think(i) for i in range(3)])
         await thinker.close()
         prefills = [
             size for (key, size), n in (batcher.calls - before).items() if key != "decode" for _ in range(n)
@@ -529,23 +516,11 @@ def check_talker_prompts_prefilled_together(
         copies, _, keys = slot_table(talker)
         prefills = talker.prefills  # type: ignore[attr-defined]
         before = Counter(prefills.calls)
-        gate = threading.Event()
-        held = asyncio.get_running_loop().run_in_executor(talker._compute, gate.wait)  # type: ignore[attr-defined]
-        try:
-            asking = [asyncio.ensure_future(talk(t)) for t in thoughts]
-            # (the first prefill handed to the held thread, the other two waiting for it)
-            await wait_until(
-                lambda: prefills.occupancy() * prefills.max_batch == 3, 30, "the three prefills queued"
-            )
-        finally:  # (never a compute thread held past the test)
-            gate.set()
-        together = await asyncio.gather(*asking)
-        await held
+        together = await asked_while_held(talker, prefills, [talk(t) for t in thoughts])
         assert slot_table(talker) == (copies + 3, 0, keys)
         await thinker.close()
         await talker.close()
-        calls = prefills.calls - before
-        return alone, list(together), sorted(size for (_, size), n in calls.items() for _ in range(n))
+        return alone, together, ran(prefills, before)
 
     alone, together, prefills = asyncio.run(go())
     assert prefills == [1, 2], prefills

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from omni_stage.engines.registry import build_engine
 from omni_stage.engines.tools import ToolPlan
 from omni_stage.processors import thinker_to_talker
 from omni_stage.segments import EngineOutput
-from tests.helpers import ROOT, WEATHER, wait_until
+from tests.helpers import ROOT, WEATHER, asked_while_held, ran
 
 EXAMPLE = ROOT / "examples" / "tiny-omni.yaml"
 
@@ -182,24 +181,9 @@ def test_prompts_queued_together_are_prefilled_together_as_each_alone(models: Pa
         alone = [await think(p) for p in prompts]
         batcher = thinker.batcher  # type: ignore[attr-defined]
         before = Counter(batcher.calls)
-        gate = threading.Event()
-        held = asyncio.get_running_loop().run_in_executor(thinker._compute, gate.wait)  # type: ignore[attr-defined]
-        try:
-            asking = [asyncio.ensure_future(think(p)) for p in prompts]
-            await wait_until(
-                lambda: batcher.occupancy() * batcher.max_batch == 3, 30, "the three prefills queued"
-            )
-        finally:  # (never a compute thread held past the test)
-            gate.set()
-        together = await asyncio.gather(*asking)
-        await held
+        together = await asked_while_held(thinker, batcher, [think(p) for p in prompts])
         await thinker.close()
-        calls = batcher.calls - before
-        return (
-            alone,
-            list(together),
-            sorted(n for (key, n), k in calls.items() if key == "prefill" for _ in range(k)),
-        )
+        return alone, together, ran(batcher, before, "prefill")
 
     alone, together, prefills = asyncio.run(go())
     assert prefills == [1, 2], prefills

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from omni_stage.models.qwen3_tts.loading import load_decoder, load_talker, read_
 from omni_stage.models.qwen3_tts.prompt import TTSIds, tts_prompt
 from omni_stage.models.qwen3_tts.steps import TTSSteps
 from omni_stage.payload import concat
-from tests.helpers import ROOT, example_stage, wait_until
+from tests.helpers import ROOT, asked_while_held, example_stage, ran, wait_until
 from tests.qwen_reference import check_first_audio_under_load, cut_while_speaking
 from tests.qwen_tts_reference import qwen_tts_reference, waveform
 
@@ -250,31 +249,15 @@ def test_a_talker_bounded_by_max_model_len_speaks_the_first_frames_and_allocates
 
 
 async def held_at_once(talker: Any, texts: tuple[str, ...]) -> tuple[list[Any], list[int], list[int]]:
-    """`texts` asked of `talker` at once while its compute thread is held, so that the first
-    prefill to queue runs alone and the others queue behind it: what each request gave (its
-    frames and finish reason, or its error), and the sizes of the prefill batches that ran,
-    and of those that ran whole (not failed). (Two holds: the prompts, built on the compute
-    thread with the model's embeddings, queue behind the first, the prefills behind the
-    second.)"""
-    prefills, compute, loop = talker.prefills, talker._compute, asyncio.get_running_loop()
+    """`texts` asked of `talker` at once while its compute thread is held (asked_while_held;
+    the prompts are built there, with the model's embeddings): what each request gave (its
+    frames and finish reason, or its error), the sizes of the prefill batches that ran, and of
+    those that ran whole (not failed)."""
+    prefills = talker.prefills
     before, sizes = Counter(prefills.calls), Counter(prefills.batch_sizes)
-    builds, steps = threading.Event(), threading.Event()
-    held = [loop.run_in_executor(compute, builds.wait)]
-    try:
-        asking = [asyncio.ensure_future(speak(talker, t, f"h{i}")) for i, t in enumerate(texts)]
-        await wait_until(lambda: compute._work_queue.qsize() == len(texts), 30, "the prompts' builds queued")
-        held.append(loop.run_in_executor(compute, steps.wait))
-        builds.set()
-        await wait_until(
-            lambda: prefills.occupancy() * prefills.max_batch == len(texts), 30, "the prefills queued"
-        )
-    finally:  # (never a compute thread held past the test)
-        builds.set()
-        steps.set()
-    spoken = await asyncio.gather(*asking, return_exceptions=True)
-    await asyncio.gather(*held)
-    whole = sorted(size for (_, size), n in (prefills.calls - before).items() for _ in range(n))
-    return spoken, sorted((prefills.batch_sizes - sizes).elements()), whole
+    asks = [speak(talker, t, f"h{i}") for i, t in enumerate(texts)]
+    spoken = await asked_while_held(talker, prefills, asks, built_on_compute=True)
+    return spoken, sorted((prefills.batch_sizes - sizes).elements()), ran(prefills, before)
 
 
 def test_prompts_queued_together_are_prefilled_together_as_each_alone(checkpoint: Path) -> None:
