@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from omni_stage.engines.registry import build_engine
 from omni_stage.engines.tools import ToolPlan
 from omni_stage.processors import thinker_to_talker
 from omni_stage.segments import EngineOutput
-from tests.helpers import ROOT, WEATHER, asked_while_held, ran
+from tests.helpers import ROOT, WEATHER, asked_while_held, ran, wait_until
 
 EXAMPLE = ROOT / "examples" / "tiny-omni.yaml"
 
@@ -192,6 +193,27 @@ def test_prompts_queued_together_are_prefilled_together_as_each_alone(models: Pa
         torch.testing.assert_close(states, states_alone, rtol=0, atol=1e-5 * float(states_alone.abs().max()))
     with pytest.raises(EngineError, match=r"prefillBatchTokens must be a whole number, 0 or more, got 1\.5"):
         engine_for("thinker", models, args={**engine_for_args("thinker"), "prefillBatchTokens": 1.5})
+
+
+def test_a_prompts_build_running_is_watched_as_a_forward_is(models: Path) -> None:
+    """The wedge check (`busy_s`, against `stepTimeoutSeconds`) sees a build on the prompt
+    thread as it sees a forward on the compute thread: a build stuck there would keep every
+    request after it from starting."""
+
+    async def go() -> None:
+        engine = engine_for("thinker", models)
+        gate = threading.Event()
+        assert engine.busy_s() is None
+        build = asyncio.ensure_future(engine._build(gate.wait))  # type: ignore[attr-defined]
+        try:
+            await wait_until(lambda: engine.busy_s() is not None, 30, "the build seen running")
+        finally:
+            gate.set()
+        await build
+        assert engine.busy_s() is None
+        await engine.close()
+
+    asyncio.run(go())
 
 
 def test_sampling_is_seeded(models: Path) -> None:

@@ -120,7 +120,8 @@ class Beats:
         why = self.engine.dead()
         busy, limit = self.engine.busy_s(), self.book.spec.step_timeout_s
         if why is None and busy is not None and limit is not None and busy > limit:
-            why = f"wedged: a forward has run for {busy:.0f}s, over stepTimeoutSeconds ({limit:g}s)"
+            why = f"wedged: a forward (or a prompt's build) has run for {busy:.0f}s, over "
+            why += f"stepTimeoutSeconds ({limit:g}s)"
         return why
 
     async def _check_connectors(self) -> None:

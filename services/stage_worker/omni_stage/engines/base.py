@@ -205,8 +205,9 @@ class Engine(ABC):
         return None
 
     def busy_s(self) -> float | None:
-        """How long the oldest forward running now has run; None while none runs (or where the
-        engine does not tell: vLLM's own engine process is watched through `dead`)."""
+        """How long the oldest work running now (a forward, a prompt's build) has run; None
+        while none runs (or where the engine does not tell: vLLM's own engine process is
+        watched through `dead`)."""
         return None
 
     def dead(self) -> str | None:
@@ -229,9 +230,10 @@ class Engine(ABC):
         return name
 
 
-class ComputeThread(ThreadPoolExecutor):
-    """An engine's one compute thread, timing what runs on it: how long the work running now
-    has run (the wedge check) and how long it has worked in all (its busy fraction)."""
+class TimedThread(ThreadPoolExecutor):
+    """One thread of an engine's (its compute thread, its prompt thread), timing what runs on
+    it: how long the work running now has run (the wedge check) and how long it has worked in
+    all (the compute thread's busy fraction)."""
 
     def __init__(self, name: str) -> None:
         super().__init__(max_workers=1, thread_name_prefix=name)
@@ -279,8 +281,8 @@ class ComputeEngine(Engine):
         self.max_batch = int(self.args.get("maxBatch", stage.max_inflight))
         if self.max_batch < 1:
             raise EngineError(f"stage '{stage.name}': engine.args.maxBatch must be at least 1")
-        self._compute = ComputeThread(f"{stage.name}-compute")
-        self._prompts = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{stage.name}-prompts")
+        self._compute = TimedThread(f"{stage.name}-compute")
+        self._prompts = TimedThread(f"{stage.name}-prompts")
         if stage.gpu_memory_fraction is not None and torch.cuda.is_available():
             for device in range(torch.cuda.device_count()):  # its own devices: the supervisor placed it
                 torch.cuda.set_per_process_memory_fraction(stage.gpu_memory_fraction, device)
@@ -397,8 +399,10 @@ class ComputeEngine(Engine):
         return await asyncio.get_running_loop().run_in_executor(self._prompts, fn, *args)
 
     def busy_s(self) -> float | None:
-        since = self._compute.running_since
-        return None if since is None else time.monotonic() - since
+        """The compute thread's forward or the prompt thread's build, whichever has run longer
+        (a build stuck would keep every request after it from starting)."""
+        running = [t for t in (self._compute.running_since, self._prompts.running_since) if t is not None]
+        return time.monotonic() - min(running) if running else None
 
     def compute_seconds(self) -> float:
         return self._compute.busy_seconds
