@@ -263,7 +263,7 @@ class TransformersEngine(ComputeEngine):
         ids = await self._build(prompt_token_ids, self.tokenizer, request)
         data = PromptEmbeds(prompt_embeds=await self._run(self._last_hidden, ids))
         if negative := request.get("negative_prompt"):
-            negative_ids = prompt_token_ids(self.tokenizer, {"prompt": str(negative)})
+            negative_ids = await self._build(prompt_token_ids, self.tokenizer, {"prompt": str(negative)})
             data["negative_prompt_embeds"] = await self._run(self._last_hidden, negative_ids)
         call.state.prompt_tokens = len(ids)
         return EngineOutput(units=1, data=data)
