@@ -7,7 +7,7 @@ states at a time) continues one sequence across calls instead of starting over. 
 decode steps of concurrent requests run as one batched forward, their caches stacked
 (`kv_batch.py`); a window of embeddings runs on its own, and so does a prompt but where
 `prefillBatchTokens` (by default on CUDA) runs the prompts of token ids that queue together, on
-new caches, as one forward.
+new caches, as one forward (the forwards: lm_steps.py).
 
 Inputs: the client request (`messages`, chat template applied by the tokenizer) or, from an
 upstream stage, `inputs_embeds` [n, hidden] (after the edge's processor) or `token_ids` [n].
@@ -33,63 +33,27 @@ from __future__ import annotations
 import asyncio
 import math
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from omni_pipeline.control import PromptLogprobs
 from omni_pipeline.payloads import PromptEmbeds, Tokens, gather
 from omni_pipeline.sampling import params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import ComputeEngine, EngineCall, EngineError
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.kv_batch import by_length, decode_together, prefill_budget, prefill_together
+from omni_stage.engines.kv_batch import prefill_budget
+from omni_stage.engines.lm_steps import Decoding, LMStep, LMSteps
 from omni_stage.engines.prompt_cache import Sequence
 from omni_stage.engines.prompts import check_context, prompt_token_ids
-from omni_stage.engines.reply import ReplyText, prompt_logprobs, token_logprobs
-from omni_stage.engines.sampling import HONOURED, Choice, TokenSampler, pick_together
+from omni_stage.engines.reply import ReplyText, token_logprobs
+from omni_stage.engines.sampling import HONOURED, TokenSampler
 from omni_stage.engines.structured import JsonGrammars
-from omni_stage.engines.tools import ToolPlan, engine_honours, tool_plan
+from omni_stage.engines.tools import engine_honours, tool_plan
 from omni_stage.segments import EngineOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(slots=True)
-class _Decoding:
-    """One request's decoding, across its calls: the cache, the token sampled last and not yet
-    fed (the next step, or call, feeds it), and what reads the request's sampling fields (set
-    on its first call)."""
-
-    past: Any = None
-    pending: int | None = None
-    sampler: TokenSampler | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-    tools: ToolPlan | None = None
-    reply: ReplyText | None = None
-    tokens: list[int] = field(default_factory=list)
-    """A client request's prompt and the tokens sampled since: its sequence, as far as the cache
-    holds it (what `PromptCaches.keep` keeps)."""
-    key: str | None = None
-    """A client request's `prompt_cache_key`, where its sequence is kept."""
-    kept: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Step:
-    """One request's next forward: token ids or embeddings, on top of its cache."""
-
-    st: _Decoding
-    ids: torch.Tensor | None
-    embeds: torch.Tensor | None
-    sampler: TokenSampler
-
-    @property
-    def is_decode(self) -> bool:
-        """One token on a cache: a step that batches with other requests' decode steps."""
-        return self.ids is not None and self.ids.shape[1] == 1 and self.st.past is not None
 
 
 class TransformersEngine(ComputeEngine):
@@ -114,10 +78,11 @@ class TransformersEngine(ComputeEngine):
         self.vocab_size = 0
         self.context = 0
         self.grammars: JsonGrammars | None = None
-        self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
         self.prefill_tokens = prefill_budget(self.args, self.device, stage.name)
         """`prefillBatchTokens` (kv_batch.prefill_budget): the prompts of token ids that queue
         together on new caches, prefilled together."""
+        self.steps = LMSteps(self)
+        self.batcher = StepBatcher(self.steps.run, self._compute, self.max_batch)
 
     async def start(self) -> None:
         await self._load_alone()
@@ -158,7 +123,7 @@ class TransformersEngine(ComputeEngine):
         if self.encode:
             yield await self._encode(call)
             return
-        st = call.kept(_Decoding)
+        st = call.kept(Decoding)
         # Off the event loop: tokenizing a long prompt must not stall it (and with it the
         # replica's heartbeats).
         ids, embeds, n_units = await self._build(self._inputs, call)
@@ -201,8 +166,8 @@ class TransformersEngine(ComputeEngine):
         st.key = key if "request" in call.inputs else None
         with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
             for i in range(budget):
-                step = _Step(st, feed_ids, feed_embeds, sampler)
-                choice, hidden = await self.batcher.submit(self._key(step), step)
+                step = LMStep(st, feed_ids, feed_embeds, sampler)
+                choice, hidden = await self.batcher.submit(self.steps.key(step), step)
                 if st.prompt_logprobs is not None and "request" in call.inputs:
                     call.state.prompt_logprobs, st.prompt_logprobs = st.prompt_logprobs, None
                 tok = choice.token
@@ -234,7 +199,7 @@ class TransformersEngine(ComputeEngine):
         if "request" in call.inputs:
             call.state.finish_reason = "length"
 
-    def _reuse(self, call: EngineCall, st: _Decoding, key: str, ids: torch.Tensor) -> torch.Tensor:
+    def _reuse(self, call: EngineCall, st: Decoding, key: str, ids: torch.Tensor) -> torch.Tensor:
         """Start the request on the key's kept sequence, as far as its prompt shares it (that
         cache, cut to the shared positions, becomes the request's); returns the rest of the
         prompt, which the prefill computes."""
@@ -247,7 +212,7 @@ class TransformersEngine(ComputeEngine):
         self.prompt_caches.reused_tokens += n
         return ids[:, n:]
 
-    def _keep(self, st: _Decoding) -> None:
+    def _keep(self, st: Decoding) -> None:
         if st.key is None or st.kept or st.past is None or self.prompt_caches is None:
             return
         st.kept = True
@@ -274,7 +239,7 @@ class TransformersEngine(ComputeEngine):
         return out.last_hidden_state.float().cpu()
 
     def _with_pending(
-        self, st: _Decoding, ids: torch.Tensor | None, embeds: torch.Tensor | None
+        self, st: Decoding, ids: torch.Tensor | None, embeds: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Prepend the previous call's last sampled token, so windowed calls extend one sequence."""
         pending, st.pending = st.pending, None
@@ -301,87 +266,3 @@ class TransformersEngine(ComputeEngine):
             t = torch.cat(toks, dim=0).to(self.device)
             return t.unsqueeze(0), None, int(t.shape[0])
         raise EngineError(f"stage '{self.stage.name}': inputs carry neither inputs_embeds nor token_ids")
-
-    def _key(self, step: _Step) -> object:
-        """What a step may run with: one-token decode steps together; prompts of token ids on
-        new caches, with no prompt log probabilities, together (`prefillBatchTokens`); any
-        other forward (a window of embeddings, a kept sequence resumed) alone."""
-        if step.is_decode:
-            return "decode"
-        if (
-            self.prefill_tokens
-            and step.ids is not None
-            and step.st.past is None
-            and step.sampler.prompt_logprobs is None
-        ):
-            return "prefill"
-        return object()
-
-    def _steps(self, steps: list[_Step]) -> list[tuple[Choice, torch.Tensor]]:
-        if len(steps) == 1:
-            return [self._step(steps[0])]
-        if steps[0].st.past is None:
-            return self._prefill_together(steps)
-        return self._decode_together(steps)
-
-    @torch.inference_mode()
-    def _prefill_together(self, steps: list[_Step]) -> list[tuple[Choice, torch.Tensor]]:
-        """Prompts of token ids on new caches (`_key`), in forwards of prompts of about one
-        length (kv_batch.by_length), their first tokens picked together. The caches are set
-        last: a batch that fails (a request's constraints leaving no token to pick) runs again
-        a prompt at a time."""
-        ids: list[torch.Tensor] = [s.ids for s in steps]  # type: ignore[misc]
-        rows: dict[int, tuple[torch.Tensor, torch.Tensor | None, Any]] = {}
-        for group in by_length([int(x.shape[1]) for x in ids], self.prefill_tokens):
-            prompts = [ids[i] for i in group]
-            positions = [torch.arange(x.shape[1], device=self.device)[None] for x in prompts]
-            out, caches = prefill_together(
-                self.model, positions, prompts, output_hidden_states=self.return_hidden
-            )
-            for row, (i, cache) in enumerate(zip(group, caches, strict=True)):
-                last = int(ids[i].shape[1]) - 1
-                hidden = out.hidden_states[-1][row, last : last + 1] if self.return_hidden else None
-                rows[i] = (out.logits[row, last], hidden, cache)
-        done = [rows[i] for i in range(len(steps))]
-        choices = pick_together([s.sampler for s in steps], torch.stack([logits for logits, _, _ in done]))
-        for s, (_, _, cache) in zip(steps, done, strict=True):
-            s.st.past = cache
-        if not self.return_hidden:
-            return [(c, torch.empty(0)) for c in choices]
-        hidden = torch.cat([h for _, h, _ in done]).float().cpu()  # type: ignore[misc]
-        return [(c, hidden[i : i + 1]) for i, c in enumerate(choices)]
-
-    @torch.inference_mode()
-    def _step(self, s: _Step) -> tuple[Choice, torch.Tensor]:
-        out = self.model(
-            input_ids=s.ids,
-            inputs_embeds=s.embeds,
-            past_key_values=s.st.past,
-            use_cache=True,
-            output_hidden_states=self.return_hidden,
-        )
-        if s.sampler.prompt_logprobs is not None and s.st.past is None and s.ids is not None:
-            ids = s.ids[0].tolist()
-            s.st.prompt_logprobs = prompt_logprobs(
-                self.tokenizer, ids, out.logits[0], s.sampler.prompt_logprobs
-            )
-        s.st.past = out.past_key_values
-        hidden = out.hidden_states[-1][0, -1:].float().cpu() if self.return_hidden else torch.empty(0)
-        [choice] = pick_together([s.sampler], out.logits[:1, -1])  # (one wait for the device, not a few)
-        return choice, hidden
-
-    @torch.inference_mode()
-    def _decode_together(self, steps: list[_Step]) -> list[tuple[Choice, torch.Tensor]]:
-        caches = [s.st.past for s in steps]
-        out, caches = decode_together(
-            self.model,
-            caches,
-            [torch.tensor([[c.get_seq_length()]], device=self.device) for c in caches],
-            input_ids=torch.cat([s.ids for s in steps if s.ids is not None]),
-            output_hidden_states=self.return_hidden,
-        )
-        for s, cache in zip(steps, caches, strict=True):
-            s.st.past = cache
-        choices = pick_together([s.sampler for s in steps], out.logits[:, -1])
-        hidden = out.hidden_states[-1][:, -1:].float().cpu() if self.return_hidden else None
-        return [(c, torch.empty(0) if hidden is None else hidden[row]) for row, c in enumerate(choices)]
