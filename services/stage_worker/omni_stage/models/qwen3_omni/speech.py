@@ -1,9 +1,9 @@
-"""Qwen3-Omni's talker, with its code predictor (see the package's docstring)."""
+"""Qwen3-Omni's talker, with its code predictor (see the package's docstring): its requests,
+their thinker windows and kept conversations; its forwards: talker_steps.py."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any, Final
 
 import torch
@@ -13,10 +13,11 @@ from omni_pipeline.sampling import Sampling, params
 from omni_pipeline.spec import StageSpec
 from omni_stage.engines.base import EngineCall
 from omni_stage.engines.batching import StepBatcher
-from omni_stage.engines.prompt_cache import Sequence, same_rows
+from omni_stage.engines.prompt_cache import Sequence
 from omni_stage.engines.slot_cache import warm_up
-from omni_stage.models.qwen3_omni.code_predictor import StaticFrames, frames_embedding
-from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds, TalkerPrompt, talker_prompt
+from omni_stage.models.qwen3_omni.code_predictor import StaticFrames
+from omni_stage.models.qwen3_omni.talker_prompt import TalkerIds
+from omni_stage.models.qwen3_omni.talker_steps import Speaking, TalkerPrefill, TalkerStep, TalkerSteps
 from omni_stage.models.qwen_omni.parts import (
     TALKER_MAX_CODES,
     SeenCodes,
@@ -25,7 +26,7 @@ from omni_stage.models.qwen_omni.parts import (
     compiles,
 )
 from omni_stage.models.qwen_omni.prompt import LAYOUT_KEYS
-from omni_stage.models.qwen_omni.slots import HoldsSlot, SlotPart
+from omni_stage.models.qwen_omni.slots import SlotPart
 from omni_stage.segments import EngineOutput
 
 DEFAULT_VOICE: Final = "Ethan"
@@ -33,51 +34,6 @@ SUPPRESSED_TOP: Final = 1024
 """The reference suppresses the top 1024 ids of the talker's vocabulary (its control codes),
 all but the codec eos."""
 TALKER_TEXT_TYPE: Final = "qwen3_omni_moe_talker_text"
-
-
-@dataclass(slots=True)
-class _Speaking(HoldsSlot):
-    """A talker's request: the thinker's prompt (ids, embeddings, states, media layout), one
-    reply embedding per token so far, its cache's slot and M-RoPE offset, and the step: code 0
-    of step `step` with the hidden state that drew it, and its residuals once drawn."""
-
-    reply: list[torch.Tensor] = field(default_factory=list)
-    prompt_ids: torch.Tensor | None = None
-    prompt_embeds: torch.Tensor | None = None
-    prompt_hidden: torch.Tensor | None = None
-    layout: dict[str, torch.Tensor] = field(default_factory=dict)
-    rope_delta: int = 0
-    step: int = 0
-    code0: int = 0
-    last_hidden: torch.Tensor | None = None
-    residuals: list[int] | None = None
-    done: bool = False
-    key: str | None = None
-    """The conversation's `prompt_cache_key`: the user turns' positions are kept under it."""
-    user_rows: torch.Tensor | None = None
-    """With a key, the user turns' input rows: what the conversation's next turn begins with."""
-    kept: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class _Prefill:
-    """A request's talker prompt to prefill (with those queued beside it, `prefillBatchTokens`):
-    its state and its voice's speaker code."""
-
-    st: _Speaking
-    speaker: int
-
-
-@dataclass(slots=True)
-class _Step:
-    """One request's piece of a batched talker step: its state and, for a decode step, the
-    text it is fed (none: its last code's residuals are drawn); what the step drew."""
-
-    st: _Speaking
-    trailing: torch.Tensor | None = None
-    residuals: list[int] = field(default_factory=list)
-    code0: int = 0
-    hidden: torch.Tensor | None = None
 
 
 class Qwen3Talker(SlotPart):
@@ -98,8 +54,9 @@ class Qwen3Talker(SlotPart):
         # Concurrent requests' steps run together: the code predictor's residuals of their last
         # codes as one batch, their next talker steps as another; their prompts' prefills too,
         # with `prefillBatchTokens` (a conversation's kept sequence resumed: alone).
-        self.batcher = StepBatcher(self._steps, self._compute, self.max_batch)
-        self.prefills = StepBatcher(self._prefills, self._compute, self.max_batch)
+        self.steps = TalkerSteps(self)
+        self.batcher = StepBatcher(self.steps.run, self._compute, self.max_batch)
+        self.prefills = StepBatcher(self.steps.prefills, self._compute, self.max_batch)
         self.prompt_caches = self._kept_conversations()
         self.compiled = compiler(stage, graphs=False)
         self.frames: StaticFrames | None = None
@@ -174,7 +131,7 @@ class Qwen3Talker(SlotPart):
         return {"code": self.speaker_codes[self.voice(sampling)]}
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
-        st = call.kept(_Speaking)
+        st = call.kept(Speaking)
         self._take(st, call.inputs)
         budget = call.sampling.max_tokens or TALKER_MAX_CODES
         with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
@@ -187,10 +144,10 @@ class Qwen3Talker(SlotPart):
                     kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
                 speaker = self.speaker(call.sampling)["code"]
                 if kept is None and self.prefill_tokens:
-                    drawn = await self.prefills.submit("prefill", _Prefill(st, speaker))
+                    drawn = await self.prefills.submit("prefill", TalkerPrefill(st, speaker))
                     st.code0, st.last_hidden = drawn.code0, drawn.hidden
                 else:
-                    st.code0, st.last_hidden = await self._run(self._prefill, st, speaker, kept)
+                    st.code0, st.last_hidden = await self._run(self.steps.prefill, st, speaker, kept)
             while not st.done:
                 k = st.step + 1  # the next step: it draws code k - 1's residuals, then code k
                 if st.code0 == self.codec_eos or k >= budget or st.full:
@@ -199,24 +156,24 @@ class Qwen3Talker(SlotPart):
                     self._give_back(st)
                     return
                 if st.residuals is None:
-                    st.residuals = (await self.batcher.submit("residuals", _Step(st))).residuals
+                    st.residuals = (await self.batcher.submit("residuals", TalkerStep(st))).residuals
                     yield EngineOutput(units=1, data=Codes(codes=torch.tensor([[st.code0, *st.residuals]])))
                 trailing = self._trailing(st, k - 1, call.is_last)
                 if trailing is None:
                     return  # waits for the thinker's next window
-                drawn = await self.batcher.submit("decode", _Step(st, trailing))
+                drawn = await self.batcher.submit("decode", TalkerStep(st, trailing))
                 st.code0, st.last_hidden = drawn.code0, drawn.hidden
                 st.step = k
                 st.residuals = None
 
-    def _keep(self, st: _Speaking) -> None:
+    def _keep(self, st: Speaking) -> None:
         """The user turns' positions of the sequence, kept for the conversation's next turn."""
         if st.key is None or st.kept or st.slot is None or st.user_rows is None or self.prompt_caches is None:
             return
         st.kept = True
         self.prompt_caches.keep(st.key, Sequence.left([], self._held(st), [], {"fed": st.user_rows}))
 
-    def _take(self, st: _Speaking, inputs: dict[str, ThinkerStep]) -> None:
+    def _take(self, st: Speaking, inputs: dict[str, ThinkerStep]) -> None:
         """Gather this window's thinker outputs: the prompt once, and one embedding per token."""
         for p in inputs.values():
             if "prompt_ids" in p and p["prompt_ids"].shape[0] and st.prompt_ids is None:
@@ -229,11 +186,13 @@ class Qwen3Talker(SlotPart):
     def _text(self, embeds: torch.Tensor) -> torch.Tensor:
         return self.model.text_projection(embeds)
 
-    def _tts(self, name: str) -> torch.Tensor:
+    def tts_row(self, name: str) -> torch.Tensor:
+        """A TTS token's row (`tts_pad`, `tts_bos`, `tts_eos`: TalkerIds), projected as the
+        talker reads text."""
         assert self.text_embeds is not None
         return self._text(self.text_embeds[getattr(self.ids, name)][None])[0]
 
-    def _trailing(self, st: _Speaking, j: int, ended: bool) -> torch.Tensor | None:
+    def _trailing(self, st: Speaking, j: int, ended: bool) -> torch.Tensor | None:
         """What step j + 1 is fed beside the codes: reply token j + 1's projected embedding (the
         reference never has the last token's), then the TTS eos, then its pad; None: not yet."""
         reply = st.reply
@@ -241,113 +200,7 @@ class Qwen3Talker(SlotPart):
             return self._text(reply[j + 1][None])[0]
         if not ended:
             return None
-        return self._tts("tts_eos" if j + 1 == len(reply) else "tts_pad")
-
-    def _talker_prompt(self, st: _Speaking, speaker: int) -> TalkerPrompt:
-        """The request's talker prompt (talker_prompt.py), its M-RoPE offset and (with a key)
-        its user turns' rows set on it."""
-        assert st.prompt_ids is not None and st.prompt_embeds is not None and st.prompt_hidden is not None
-        thinker = (
-            st.prompt_ids.to(self.device),
-            st.prompt_embeds.to(self.device, self.dtype),
-            st.prompt_hidden.to(self.device, self.dtype),
-        )
-        tts = {name: self._tts(name) for name in ("tts_pad", "tts_bos")}
-        p = talker_prompt(self.model, self.ids, tts, thinker, st.reply[0], speaker, st.layout)
-        st.rope_delta = p.rope_delta
-        if st.key is not None:
-            st.user_rows = p.user_rows
-        return p
-
-    @torch.inference_mode()
-    def _prefill(self, st: _Speaking, speaker: int, seq: Sequence | None) -> tuple[int, torch.Tensor]:
-        """The talker's prompt; on `seq`, the conversation's kept sequence, as far as these user
-        turns' rows are the ones it was fed."""
-        p = self._talker_prompt(st, speaker)
-        inputs, positions = p.inputs, p.positions
-        past = None
-        if seq is not None and (n := same_rows(seq.rows["fed"], p.user_rows)):
-            seq.cut(n)
-            past, inputs, positions = seq.past, inputs[:, n:], positions[..., n:]
-            self.prompt_caches.reused_tokens += n
-        assert self.stepper is not None
-        slot = self.slot_of(st)
-        self.seen_codes.start(slot)
-        out = self.stepper.prefill(slot, past, positions, inputs)
-        last = out.last_hidden_state
-        [code] = self._picks([st], self.model.codec_head(last)[:, -1])
-        return code, last[:, -1:]
-
-    @torch.inference_mode()
-    def _prefills(self, prefills: list[_Prefill]) -> list[_Step]:
-        """Prompts that queued together, on new caches, in forwards of prompts of about one
-        length (`prefillBatchTokens` positions at most; SlotSteps.prefill_together), their first
-        codes picked together; one alone as `_prefill`."""
-        if len(prefills) == 1:
-            [p] = prefills
-            code, hidden = self._prefill(p.st, p.speaker, None)
-            return [_Step(p.st, code0=code, hidden=hidden)]
-        sts = [p.st for p in prefills]
-        prompts = [self._talker_prompt(p.st, p.speaker) for p in prefills]
-        slots = [self.slot_of(st) for st in sts]
-        for slot in slots:
-            self.seen_codes.start(slot)
-        assert self.stepper is not None
-        ends = self.stepper.prefill_together(
-            slots, [p.positions for p in prompts], [p.inputs for p in prompts], self.prefill_tokens
-        )
-        last = torch.stack([e.output.last_hidden_state[e.row, e.last] for e in ends])[:, None]  # [B, 1, H]
-        codes = self._picks(sts, self.model.codec_head(last)[:, -1])
-        return [
-            _Step(st, code0=c, hidden=last[i : i + 1])
-            for i, (st, c) in enumerate(zip(sts, codes, strict=True))
-        ]
-
-    @torch.inference_mode()
-    def _steps(self, steps: list[_Step]) -> list[_Step]:
-        """One batch of one kind: every request's residuals, or every request's next code."""
-        if steps[0].trailing is None:
-            return self._residuals(steps)
-        return self._decodes(steps)
-
-    def _residuals(self, steps: list[_Step]) -> list[_Step]:
-        """The code predictor's residual codebooks for each request's last code."""
-        sts = [s.st for s in steps]
-        assert all(st.last_hidden is not None for st in sts)
-        hidden = torch.cat([st.last_hidden for st in sts])  # type: ignore[misc]
-        assert self.frames is not None
-        drawn = self.frames.residuals(hidden, [st.code0 for st in sts])
-        return [_Step(st, residuals=row) for st, row in zip(sts, drawn, strict=True)]
-
-    def _decodes(self, steps: list[_Step]) -> list[_Step]:
-        """Each request's next code 0 and the hidden state that drew it: its codes' embeddings
-        summed, plus the step's text, at its own position in its own cache."""
-        sts = [s.st for s in steps]
-        codes = [[st.code0, *st.residuals] for st in sts]  # type: ignore[misc]
-        trailing = torch.stack([s.trailing for s in steps])[:, None]  # type: ignore[misc]
-        inputs = frames_embedding(self.model, torch.tensor(codes, device=self.device))[0][:, None] + trailing
-        slots = [self.slot_of(st) for st in sts]
-        assert self.stepper is not None
-        out, rows = self.stepper.step(slots, self._step_positions(sts), inputs)
-        last = out.last_hidden_state
-        drawn = self._picks(sts, self.model.codec_head(last)[rows, -1])
-        return [
-            _Step(st, code0=code, hidden=last[r : r + 1, -1:])
-            for st, r, code in zip(sts, rows, drawn, strict=True)
-        ]
-
-    def _step_positions(self, sts: list[_Speaking]) -> torch.Tensor:
-        """[4, B, 1]: each step's text position, and its M-RoPE ones (offset by its prompt's
-        media), as one tensor."""
-        assert self.slots is not None
-        text = [self.slots.lengths[st.slot] for st in sts]  # type: ignore[index]
-        rope = [at + st.rope_delta for at, st in zip(text, sts, strict=True)]
-        return torch.tensor([text, rope, rope, rope], device=self.device)[..., None]
-
-    def _picks(self, sts: list[_Speaking], logits: torch.Tensor) -> list[int]:
-        """Each request's code 0 from its row of `logits` [B, vocab]: greedy, with the
-        reference's repetition penalty over its codes so far and its suppressed control codes."""
-        return self.seen_codes.greedy(logits.float(), [self.slot_of(st) for st in sts], self.never)
+        return self.tts_row("tts_eos" if j + 1 == len(reply) else "tts_pad")
 
 
 def _register_talker_moe_conversion() -> None:
