@@ -163,6 +163,19 @@ async def asked_while_held(
     return list(done)
 
 
+@contextlib.contextmanager
+def logits_positions(head: Any) -> Iterator[list[int]]:
+    """The positions of each forward's logits that `head` (a model's logits' module) computed
+    while within, as its output says (dim 1), seen by a forward hook on it: the module's own
+    call, not ours."""
+    seen: list[int] = []
+    handle = head.register_forward_hook(lambda _module, _args, out: seen.append(int(out.shape[1])))
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
 def ran(batcher: Any, before: Counter[Any], key: Any = None) -> list[int]:
     """The sizes of the batches `batcher` ran whole since `before` (a copy of its `calls`), of
     `key` where given."""

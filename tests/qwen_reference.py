@@ -32,7 +32,7 @@ from omni_stage.engines.base import CallState, Engine, EngineCall, InvalidReques
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
 from omni_stage.windows import WindowState
-from tests.helpers import asked_while_held, ran, video_file, wait_until
+from tests.helpers import asked_while_held, logits_positions, ran, video_file, wait_until
 
 
 def reference_processor(path: Path) -> Any:
@@ -445,7 +445,9 @@ def check_prompts_prefilled_together(
     thread): the first prefill to queue runs alone, and
     (`batched`: `prefillBatchTokens` holding two) the two queued behind it together
     (kv_batch.prefill_together), else each alone; each request's tokens, and what the talker
-    reads of its prompt, are those it gets alone. `refused`: that question asked with
+    reads of its prompt, are those it gets alone; no forward's logits are computed at more than
+    one position a request (last_logits.py: a prompt's next token reads its last). `refused`:
+    that question asked with
     constraints that leave no first token (only the end allowed, and `min_tokens` banning
     it), refused together as alone; the batch it fails runs again a prompt at a time, the
     others thinking what they think alone."""
@@ -462,15 +464,17 @@ def check_prompts_prefilled_together(
 
     async def go() -> tuple[list[Any], list[Any], list[int]]:
         await thinker.start()
-        alone = [await asyncio.gather(think(i), return_exceptions=True) for i in range(3)]
-        alone = [a for [a] in alone]
-        batcher = thinker.batcher  # type: ignore[attr-defined]
-        before = Counter(batcher.calls)
-        together = await asked_while_held(thinker, batcher, [think(i) for i in range(3)])
+        with logits_positions(thinker.model.get_output_embeddings()) as positions:  # type: ignore[attr-defined]
+            alone = [await asyncio.gather(think(i), return_exceptions=True) for i in range(3)]
+            alone = [a for [a] in alone]
+            batcher = thinker.batcher  # type: ignore[attr-defined]
+            before = Counter(batcher.calls)
+            together = await asked_while_held(thinker, batcher, [think(i) for i in range(3)])
         await thinker.close()
         prefills = [
             size for (key, size), n in (batcher.calls - before).items() if key != "decode" for _ in range(n)
         ]
+        assert positions and set(positions) == {1}, positions
         return alone, together, sorted(prefills)
 
     alone, together, prefills = asyncio.run(go())
@@ -495,8 +499,8 @@ def check_talker_prompts_prefilled_together(
     `prefillBatchTokens` holding two prompts; both started here, closed after) at once while
     its compute thread is held: the first prefill to queue runs alone, the two queued behind
     it in one forward (SlotSteps.prefill_together), and each request speaks the codes it
-    speaks alone. Each prompt's cache is copied once, into its slot, and every slot is given
-    back."""
+    speaks alone, no forward's logits computed at more than one position a request. Each
+    prompt's cache is copied once, into its slot, and every slot is given back."""
     assert len(questions) == 3
 
     async def go() -> tuple[list[Any], list[Any], list[int]]:
@@ -512,12 +516,14 @@ def check_talker_prompts_prefilled_together(
             call = EngineCall("r", {"thinker": thought}, True, Sampling(max_tokens=codes, voice=voice))
             return concat([o.data async for o in talker.generate(call)])["codes"].tolist()
 
-        alone = [await talk(t) for t in thoughts]
-        copies, _, keys = slot_table(talker)
-        prefills = talker.prefills  # type: ignore[attr-defined]
-        before = Counter(prefills.calls)
-        together = await asked_while_held(talker, prefills, [talk(t) for t in thoughts])
+        with logits_positions(talker.model.codec_head) as positions:  # type: ignore[attr-defined]
+            alone = [await talk(t) for t in thoughts]
+            copies, _, keys = slot_table(talker)
+            prefills = talker.prefills  # type: ignore[attr-defined]
+            before = Counter(prefills.calls)
+            together = await asked_while_held(talker, prefills, [talk(t) for t in thoughts])
         assert slot_table(talker) == (copies + 3, 0, keys)
+        assert positions and set(positions) == {1}, positions
         await thinker.close()
         await talker.close()
         return alone, together, ran(prefills, before)

@@ -24,7 +24,7 @@ from omni_stage.engines.registry import build_engine
 from omni_stage.engines.tools import ToolPlan
 from omni_stage.processors import thinker_to_talker
 from omni_stage.segments import EngineOutput
-from tests.helpers import ROOT, WEATHER, asked_while_held, ran, wait_until
+from tests.helpers import ROOT, WEATHER, asked_while_held, logits_positions, ran, wait_until
 
 EXAMPLE = ROOT / "examples" / "tiny-omni.yaml"
 
@@ -161,8 +161,9 @@ def test_prompts_queued_together_are_prefilled_together_as_each_alone(models: Pa
     thread is held (their tokens are built beside it): the first prefill to queue runs alone,
     the two queued behind it in one forward (kv_batch.prefill_together), and each request gets
     the tokens it gets alone, its hidden states within 1e-5 of their largest (a batched
-    matmul may sum in another order). A budget that is not a whole number is refused when the
-    stage is built."""
+    matmul may sum in another order); no forward's logits are computed at more than one
+    position a request, alone or together. A budget that is not a whole number is refused
+    when the stage is built."""
     prompts = ["hi", "What is omni, and why does it speak?", "A longer question still: why?"]
 
     async def go() -> tuple[list[Any], list[Any], list[int]]:
@@ -179,11 +180,13 @@ def test_prompts_queued_together_are_prefilled_together_as_each_alone(models: Pa
                 [o.data["hidden_states"] for o in outs]
             )
 
-        alone = [await think(p) for p in prompts]
-        batcher = thinker.batcher  # type: ignore[attr-defined]
-        before = Counter(batcher.calls)
-        together = await asked_while_held(thinker, batcher, [think(p) for p in prompts])
+        with logits_positions(thinker.model.get_output_embeddings()) as positions:  # type: ignore[attr-defined]
+            alone = [await think(p) for p in prompts]
+            batcher = thinker.batcher  # type: ignore[attr-defined]
+            before = Counter(batcher.calls)
+            together = await asked_while_held(thinker, batcher, [think(p) for p in prompts])
         await thinker.close()
+        assert positions and set(positions) == {1}, positions
         return alone, together, ran(batcher, before, "prefill")
 
     alone, together, prefills = asyncio.run(go())

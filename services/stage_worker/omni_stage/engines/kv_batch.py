@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from omni_stage.engines.base import EngineError
+from omni_stage.engines.last_logits import last_logits
 
 PREFILL_BATCH_TOKENS: Final = 2048
 """`prefillBatchTokens` on CUDA: prompt positions one batched prefill computes at most."""
@@ -115,6 +116,7 @@ def prefill_together(
     positions: list[torch.Tensor],
     prompts: list[torch.Tensor],
     feed: str = "input_ids",
+    head: torch.nn.Module | None = None,
     **inputs: Any,
 ) -> tuple[Any, list[Any]]:
     """`model(**inputs)` over B prompts, each the start of a new cache: `prompts[i]` row i's
@@ -123,7 +125,8 @@ def prefill_together(
     Right-padded to the longest, with no mask: a position attends to those before it, and the
     padding comes after every real one. Returns the model's output (row i's last position at
     n_i - 1; the padding's positions computed and meaningless) and each request's cache, its
-    row cut at its length."""
+    row cut at its length. With `head` (the model's logits' module), the logits are each row's
+    last position's alone ([B, 1, vocab]; last_logits.py)."""
     from transformers import DynamicCache
 
     lengths = [int(p.shape[1]) for p in prompts]
@@ -132,15 +135,16 @@ def prefill_together(
     def padded(p: torch.Tensor, n: int) -> torch.Tensor:  # on dim 1, the positions
         return F.pad(p, (0, 0) * (p.dim() - 2) + (0, longest - n))
 
-    out = model(
-        **inputs,
-        **{feed: torch.cat([padded(p, n) for p, n in zip(prompts, lengths, strict=True)])},
-        position_ids=torch.cat(
-            [F.pad(p, (0, longest - n)) for p, n in zip(positions, lengths, strict=True)], dim=-2
-        ),
-        past_key_values=DynamicCache(),
-        use_cache=True,
-    )
+    with last_logits(head, [n - 1 for n in lengths]):
+        out = model(
+            **inputs,
+            **{feed: torch.cat([padded(p, n) for p, n in zip(prompts, lengths, strict=True)])},
+            position_ids=torch.cat(
+                [F.pad(p, (0, longest - n)) for p, n in zip(positions, lengths, strict=True)], dim=-2
+            ),
+            past_key_values=DynamicCache(),
+            use_cache=True,
+        )
     new = out.past_key_values
     layers = range(len(new.layers))
     split = [

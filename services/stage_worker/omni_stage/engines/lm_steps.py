@@ -15,6 +15,7 @@ import torch
 
 from omni_pipeline.control import PromptLogprobs
 from omni_stage.engines.kv_batch import by_length, decode_together, prefill_together
+from omni_stage.engines.last_logits import last_logits
 from omni_stage.engines.reply import ReplyText, prompt_logprobs
 from omni_stage.engines.sampling import Choice, TokenSampler, pick_together
 from omni_stage.engines.tools import ToolPlan
@@ -109,12 +110,16 @@ class LMSteps:
             prompts = [ids[i] for i in group]
             positions = [torch.arange(x.shape[1], device=lm.device)[None] for x in prompts]
             out, caches = prefill_together(
-                lm.model, positions, prompts, output_hidden_states=lm.return_hidden
+                lm.model,
+                positions,
+                prompts,
+                head=lm.model.get_output_embeddings(),
+                output_hidden_states=lm.return_hidden,
             )
             for row, (i, cache) in enumerate(zip(group, caches, strict=True)):
                 last = int(ids[i].shape[1]) - 1
                 hidden = out.hidden_states[-1][row, last : last + 1] if lm.return_hidden else None
-                rows[i] = (out.logits[row, last], hidden, cache)
+                rows[i] = (out.logits[row, -1], hidden, cache)
         done = [rows[i] for i in range(len(steps))]
         choices = pick_together([s.sampler for s in steps], torch.stack([logits for logits, _, _ in done]))
         for s, (_, _, cache) in zip(steps, done, strict=True):
@@ -127,15 +132,22 @@ class LMSteps:
     @torch.inference_mode()
     def _step(self, s: LMStep) -> tuple[Choice, torch.Tensor]:
         lm = self.lm
-        out = lm.model(
-            input_ids=s.ids,
-            inputs_embeds=s.embeds,
-            past_key_values=s.st.past,
-            use_cache=True,
-            output_hidden_states=lm.return_hidden,
-        )
-        if s.sampler.prompt_logprobs is not None and s.st.past is None and s.ids is not None:
-            ids = s.ids[0].tolist()
+        fed = s.ids if s.ids is not None else s.embeds
+        assert fed is not None
+        scored = s.sampler.prompt_logprobs is not None and s.st.past is None and s.ids is not None
+        # More than one position (a prompt, a window): the logits at the last alone, unless the
+        # prompt's log probabilities read them all.
+        head = None if scored or fed.shape[1] == 1 else lm.model.get_output_embeddings()
+        with last_logits(head, [fed.shape[1] - 1]):
+            out = lm.model(
+                input_ids=s.ids,
+                inputs_embeds=s.embeds,
+                past_key_values=s.st.past,
+                use_cache=True,
+                output_hidden_states=lm.return_hidden,
+            )
+        if scored:
+            ids = s.ids[0].tolist()  # type: ignore[index]
             s.st.prompt_logprobs = prompt_logprobs(
                 lm.tokenizer, ids, out.logits[0], s.sampler.prompt_logprobs
             )

@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from omni_stage.engines.base import EngineError, InvalidRequest
 from omni_stage.engines.kv_batch import by_length, prefill_together
+from omni_stage.engines.last_logits import last_logits
 
 FIRST_POSITIONS: Final = 512
 """Positions a slot holds at first in a table that grows: doubled when a request needs more."""
@@ -183,16 +184,17 @@ class SlotCache(Cache):
         slots: list[int],
         positions: list[torch.Tensor],
         inputs_embeds: list[torch.Tensor],
+        head: torch.nn.Module | None = None,
         **inputs: Any,
     ) -> Any:
         """`model(**inputs)` for prompts that each start a new cache (`inputs_embeds[i]` row i's,
         [1, n_i, H], `positions[i]` its position ids), in one forward
-        (kv_batch.prefill_together), each request's cache then copied into its slot. Every
-        prompt is checked against the table's positions before the forward. Returns the
-        model's output (row i's last position at n_i - 1)."""
+        (kv_batch.prefill_together, `head` as it says), each request's cache then copied into
+        its slot. Every prompt is checked against the table's positions before the forward.
+        Returns the model's output (row i's last position at n_i - 1)."""
         for p in positions:
             self.check_fits(p.shape[-1])
-        out, caches = prefill_together(model, positions, inputs_embeds, "inputs_embeds", **inputs)
+        out, caches = prefill_together(model, positions, inputs_embeds, "inputs_embeds", head, **inputs)
         for slot, cache in zip(slots, caches, strict=True):
             self.put(slot, cache)
         return out
@@ -300,17 +302,32 @@ class SlotSteps:
         self.ran: Counter[str] = Counter() if ran is None else ran
         self.inputs = inputs
 
-    def prefill(self, slot: int, past: Any, positions: torch.Tensor, inputs_embeds: torch.Tensor) -> Any:
+    def prefill(
+        self,
+        slot: int,
+        past: Any,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor,
+        head: torch.nn.Module | None = None,
+    ) -> Any:
+        """The model's output for a prompt (or its rest, on `past`) at `slot`; with `head` (the
+        model's logits' module), its logits the last position's alone (last_logits.py)."""
         inputs = {"inputs_embeds": inputs_embeds, **self.inputs}
-        return self.table.prefill(self.model, slot, past, positions, **inputs)
+        with last_logits(head, [inputs_embeds.shape[1] - 1]):
+            return self.table.prefill(self.model, slot, past, positions, **inputs)
 
     def prefill_together(
-        self, slots: list[int], positions: list[torch.Tensor], inputs_embeds: list[torch.Tensor], budget: int
+        self,
+        slots: list[int],
+        positions: list[torch.Tensor],
+        inputs_embeds: list[torch.Tensor],
+        budget: int,
+        head: torch.nn.Module | None = None,
     ) -> list[PromptEnd]:
         """Prompts that start new caches, at `slots`, in forwards of prompts of about one length
         (kv_batch.by_length: `budget` positions a forward at most, padding included;
-        `SlotCache.prefill_together`). Returns where each prompt's last position lies in the
-        output of the forward that computed it."""
+        `SlotCache.prefill_together`; `head` as `prefill`'s). Returns where each prompt's last
+        position lies in the output of the forward that computed it."""
         ends: dict[int, PromptEnd] = {}
         for group in by_length([int(e.shape[1]) for e in inputs_embeds], budget):
             out = self.table.prefill_together(
@@ -318,6 +335,7 @@ class SlotSteps:
                 [slots[i] for i in group],
                 [positions[i] for i in group],
                 [inputs_embeds[i] for i in group],
+                head,
                 **self.inputs,
             )
             ends |= {
@@ -335,7 +353,8 @@ class SlotSteps:
 
 class PromptEnd(NamedTuple):
     """A prompt prefilled with others: the output of the forward that computed it, its row
-    there and its last position's index (the padding after it computed and meaningless)."""
+    there and its last position's index (the padding after it computed and meaningless; the
+    logits, where a head was given, hold that position alone)."""
 
     output: Any
     row: int

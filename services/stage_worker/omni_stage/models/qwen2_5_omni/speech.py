@@ -206,7 +206,9 @@ class Talker(SlotPart):
         assert self.stepper is not None
         slot = self.slot_of(st)
         self._start_codes(slot)
-        out = self.stepper.prefill(slot, past, self._span(at, len(inputs)), inputs[None])
+        out = self.stepper.prefill(
+            slot, past, self._span(at, len(inputs)), inputs[None], self.model.codec_head
+        )
         [code] = self._picks([st], out.logits[:, -1])
         return code
 
@@ -224,8 +226,10 @@ class Talker(SlotPart):
             self._start_codes(slot)
         assert self.stepper is not None
         positions = [self._span(0, x.shape[1]) for x in inputs]
-        ends = self.stepper.prefill_together(slots, positions, inputs, self.prefill_tokens)
-        return self._picks(sts, torch.stack([e.output.logits[e.row, e.last] for e in ends]))
+        ends = self.stepper.prefill_together(
+            slots, positions, inputs, self.prefill_tokens, self.model.codec_head
+        )
+        return self._picks(sts, torch.stack([e.output.logits[e.row, -1] for e in ends]))
 
     @torch.inference_mode()
     def _decodes(self, steps: list[tuple[_Speaking, torch.Tensor]]) -> list[int]:

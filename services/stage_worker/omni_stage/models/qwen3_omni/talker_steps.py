@@ -123,9 +123,9 @@ class TalkerSteps:
         slot = self.part.slot_of(st)
         self.part.seen_codes.start(slot)
         out = self.part.stepper.prefill(slot, past, positions, inputs)
-        last = out.last_hidden_state
+        last = out.last_hidden_state[:, -1:]  # (the prompt's other positions' logits: never read)
         [code] = self._picks([st], self.part.model.codec_head(last)[:, -1])
-        return code, last[:, -1:]
+        return code, last
 
     @torch.inference_mode()
     def prefills(self, prefills: list[TalkerPrefill]) -> list[TalkerStep]:

@@ -18,6 +18,7 @@ import torch
 
 from omni_pipeline.control import PromptLogprobs
 from omni_stage.engines.kv_batch import by_length, decode_together, prefill_together
+from omni_stage.engines.last_logits import last_logits
 from omni_stage.engines.prompt_cache import MediaSpan, Sequence
 from omni_stage.engines.reply import prompt_logprobs
 from omni_stage.engines.sampling import Choice, TokenSampler, pick_together
@@ -108,13 +109,14 @@ class ThinkerSteps:
             self.part.model,
             [p.positions for p in pres],
             [p.prompt.ids for p in pres],
+            head=self.part.model.get_output_embeddings(),
             output_hidden_states=True,
         )
         first, rest = _on_host(out.hidden_states[0], out.hidden_states[self.part.talker_layer])
         lengths = [int(p.prompt.ids.shape[1]) for p in pres]
         return [
             Prefilled(
-                out.logits[i, n - 1],
+                out.logits[i, -1],
                 first[i : i + 1, :n].contiguous(),
                 rest[i : i + 1, :n].contiguous(),
                 pre.rope_deltas,
@@ -179,20 +181,23 @@ class ThinkerSteps:
             st.rope_deltas, st.ahead = pre.rope_deltas, {}
         else:
             positions, inputs = st.next_positions(self.part.device), {"input_ids": ids}
-        if self.part.slots is not None:  # a prefill: the slot holds its sequence from now on
-            out = self.part.slots.prefill(
-                m, self.part.slot_of(st), past, positions, output_hidden_states=True, **inputs
-            )
-            st.past = None
-        else:
-            out = m(
-                position_ids=positions,
-                past_key_values=past,
-                use_cache=True,
-                output_hidden_states=True,
-                **inputs,
-            )
-            st.past = out.past_key_values
+        # A prompt's logits at its last position alone, unless its log probabilities are asked.
+        head = m.get_output_embeddings() if prefill and sampler.prompt_logprobs is None else None
+        with last_logits(head, [positions.shape[-1] - 1]):
+            if self.part.slots is not None:  # a prefill: the slot holds its sequence from now on
+                out = self.part.slots.prefill(
+                    m, self.part.slot_of(st), past, positions, output_hidden_states=True, **inputs
+                )
+                st.past = None
+            else:
+                out = m(
+                    position_ids=positions,
+                    past_key_values=past,
+                    use_cache=True,
+                    output_hidden_states=True,
+                    **inputs,
+                )
+                st.past = out.past_key_values
         if prefill and sampler.prompt_logprobs is not None:
             st.prompt_logprobs = prompt_logprobs(
                 self.part.tokenizer, ids[0].tolist(), out.logits[0], sampler.prompt_logprobs
