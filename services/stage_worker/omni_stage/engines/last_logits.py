@@ -33,6 +33,8 @@ def last_logits(head: torch.nn.Module | None, lasts: list[int]) -> Iterator[None
     def at_lasts(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         hidden, *rest = args
         assert hidden.shape[0] == len(lasts), (hidden.shape, lasts)
+        if all(last == hidden.shape[1] - 1 for last in lasts):  # (a view: no index to copy over)
+            return (hidden[:, -1:], *rest)
         rows = torch.arange(len(lasts), device=hidden.device)
         return (hidden[rows, torch.tensor(lasts, device=hidden.device)][:, None], *rest)
 
