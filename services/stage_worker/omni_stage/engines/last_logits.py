@@ -5,8 +5,8 @@ read them), but its next token reads the logits of one: the last. Mapping all of
 the vocabulary's head is most of a small model's prefill (the tiny Qwen2.5-Omni thinker's 64
 wide layers against its 8465 rows of vocabulary: 52% of a prompt of 100 alone, 73% of eight
 together, measured) and, at Qwen2.5-Omni-7B's 152064 rows, a 2048-position prefill's logits
-would be 0.6 GB in bf16 (1.2 GB in the float32 the talker casts them to) for the eight rows a
-batch reads. The omni thinkers' and talkers' forwards take no `logits_to_keep`, and prompts
+would be 0.6 GB in bf16 for the eight rows a batch reads. The omni thinkers' and
+Qwen2.5-Omni's talker's forwards (transformers' own) take no `logits_to_keep`, and prompts
 prefilled together end at a different position in each row, which `logits_to_keep` (one set
 of positions for every row) cannot say; so the head's input is cut to those positions as the
 forward calls it (a forward pre-hook, removed on the way out).
