@@ -81,6 +81,8 @@ def test_thinker_greedy_matches_hf_generate(models: Path) -> None:
 
 
 def test_talker_takes_embeddings_and_continues_across_calls(models: Path) -> None:
+    """A `transformers` talker fed windows of embeddings continues one sequence across calls;
+    a window's forward computes the logits of its last position alone (last_logits.py)."""
     engine = engine_for("talker", models)
     hidden = torch.randn(16, 64)
     state = CallState()
@@ -92,13 +94,18 @@ def test_talker_takes_embeddings_and_continues_across_calls(models: Path) -> Non
     )
     assert len(first) == 8 * 4 and all(0 <= int(o.data["token_ids"][0]) < 256 for o in first)
     cached = state.engine.past.get_seq_length()
-    second = run(
-        engine,
-        EngineCall(
-            "r", {"thinker": thinker_to_talker({"hidden_states": hidden[8:]})}, True, Sampling(), state
-        ),
+    call = EngineCall(
+        "r", {"thinker": thinker_to_talker({"hidden_states": hidden[8:]})}, True, Sampling(), state
     )
+
+    async def go() -> tuple[list[EngineOutput], list[int]]:
+        await engine.start()  # (on this event loop; the model as it loaded)
+        with logits_positions(engine.model.get_output_embeddings()) as positions:  # type: ignore[attr-defined]
+            return [o async for o in engine.generate(call)], positions
+
+    second, positions = asyncio.run(go())
     assert len(second) == 32
+    assert positions and set(positions) == {1}, positions  # the window's 9 positions: its last's logits
     # One sequence, not a fresh start: call 1's last token, call 2's 8 inputs, 31 of its 32 tokens.
     assert state.engine.past.get_seq_length() == cached + 1 + 8 + 31
 
