@@ -447,10 +447,9 @@ def check_prompts_prefilled_together(
     (kv_batch.prefill_together), else each alone; each request's tokens, and what the talker
     reads of its prompt, are those it gets alone; no forward's logits are computed at more than
     one position a request (last_logits.py: a prompt's next token reads its last). `refused`:
-    that question asked with
-    constraints that leave no first token (only the end allowed, and `min_tokens` banning
-    it), refused together as alone; the batch it fails runs again a prompt at a time, the
-    others thinking what they think alone."""
+    that question asked with constraints that leave no first token (only the end allowed, and
+    `min_tokens` banning it), refused together as alone; the batch it fails runs again a
+    prompt at a time, the others thinking what they think alone."""
     assert len(questions) == 3
 
     async def think(i: int) -> dict[str, Any]:
