@@ -37,8 +37,8 @@ def prefill_budget(args: dict[str, Any], device: torch.device, stage: str) -> in
     """An engine's `prefillBatchTokens`, checked: the prompt positions (padding included) one
     forward of the prompts that queued together computes at most (`prefill_together`, grouped
     `by_length`); 0: each prompt alone. On CUDA by default, where an eager prefill is
-    launch-bound; on a CPU it is compute-bound, and a batch only makes the first prompt's
-    request wait for the last's."""
+    launch-bound; on a CPU it is compute-bound, and served there a batch gained nothing
+    (docs/benchmarks.md, "A prompt's logits at its last position")."""
     budget = args.get("prefillBatchTokens", PREFILL_BATCH_TOKENS if device.type == "cuda" else 0)
     if type(budget) is not int or budget < 0:
         raise EngineError(
