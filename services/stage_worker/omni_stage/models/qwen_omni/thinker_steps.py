@@ -3,10 +3,9 @@ at a time (the part's `StepBatcher` runs `ThinkerSteps.run`): a prompt's prefill
 prompts of text that queue together prefilled together (kv_batch.prefill_together, up to
 `prefillBatchTokens` positions a forward: by default on CUDA only, where a prefill is
 launch-bound; on a CPU it is compute-bound, and served there a batch gained nothing), decode
-steps on the requests' own caches (restacked, kv_batch.decode_together) or
-on the slot table; each step's token picked for the batch at once, and what the talker reads
-of its positions fetched to the host. A request's cache (`ThinkerCache`) is the state they
-step on."""
+steps on the requests' own caches (restacked, kv_batch.decode_together) or on the slot table;
+each step's token picked for the batch at once, and what the talker reads of its positions
+fetched to the host. A request's cache (`ThinkerCache`) is the state they step on."""
 
 from __future__ import annotations
 
