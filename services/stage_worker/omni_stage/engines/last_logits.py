@@ -22,18 +22,19 @@ import torch
 
 
 @contextmanager
-def last_logits(head: torch.nn.Module | None, lasts: list[int]) -> Iterator[None]:
+def last_logits(head: torch.nn.Module | None, lasts: list[int] | None = None) -> Iterator[None]:
     """Within it, `head` (the module that maps a forward's last hidden states [B, n, H] to its
-    logits) maps row i's position `lasts[i]` alone: the forward's logits are [B, 1, vocab].
-    None: nothing changes (prompt log probabilities read every position)."""
+    logits) maps row i's position `lasts[i]` alone (without `lasts`: every row's last): the
+    forward's logits are [B, 1, vocab]. None: nothing changes (prompt log probabilities read
+    every position)."""
     if head is None:
         yield
         return
 
     def at_lasts(module: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
         hidden, *rest = args
-        assert hidden.shape[0] == len(lasts), (hidden.shape, lasts)
-        if all(last == hidden.shape[1] - 1 for last in lasts):  # (a view: no index to copy over)
+        assert lasts is None or hidden.shape[0] == len(lasts), (hidden.shape, lasts)
+        if lasts is None or all(last == hidden.shape[1] - 1 for last in lasts):  # (a view)
             return (hidden[:, -1:], *rest)
         rows = torch.arange(len(lasts), device=hidden.device)
         return (hidden[rows, torch.tensor(lasts, device=hidden.device)][:, None], *rest)

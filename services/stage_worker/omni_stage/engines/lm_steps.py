@@ -138,7 +138,7 @@ class LMSteps:
         # More than one position (a prompt, a window): the logits at the last alone, unless the
         # prompt's log probabilities read them all.
         head = None if scored or fed.shape[1] == 1 else lm.model.get_output_embeddings()
-        with last_logits(head, [fed.shape[1] - 1]):
+        with last_logits(head):
             out = lm.model(
                 input_ids=s.ids,
                 inputs_embeds=s.embeds,

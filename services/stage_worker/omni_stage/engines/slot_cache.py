@@ -313,7 +313,7 @@ class SlotSteps:
         """The model's output for a prompt (or its rest, on `past`) at `slot`; with `head` (the
         model's logits' module), its logits the last position's alone (last_logits.py)."""
         inputs = {"inputs_embeds": inputs_embeds, **self.inputs}
-        with last_logits(head, [inputs_embeds.shape[1] - 1]):
+        with last_logits(head):
             return self.table.prefill(self.model, slot, past, positions, **inputs)
 
     def prefill_together(

@@ -182,7 +182,7 @@ class ThinkerSteps:
             positions, inputs = st.next_positions(self.part.device), {"input_ids": ids}
         # A prompt's logits at its last position alone, unless its log probabilities are asked.
         head = m.get_output_embeddings() if prefill and sampler.prompt_logprobs is None else None
-        with last_logits(head, [positions.shape[-1] - 1]):
+        with last_logits(head):
             if self.part.slots is not None:  # a prefill: the slot holds its sequence from now on
                 out = self.part.slots.prefill(
                     m, self.part.slot_of(st), past, positions, output_hidden_states=True, **inputs
