@@ -945,6 +945,33 @@ def test_a_sessions_audio_encoded_as_it_arrives_answers_as_the_whole_prefill(
     assert asked["codes"].tolist() == whole["codes"].tolist()
 
 
+def test_a_turn_sent_faster_than_it_is_encoded_is_taken_encoded_whole(model: Path) -> None:
+    """A 5 s turn whose last half arrives while its first window is being encoded (a client that
+    appends a recorded turn at once): the request that takes it waits for the window left, and
+    takes both whole windows encoded ahead, equal to those of the same turn sent at the pace of
+    speech, rather than encoding the second itself (the realtime acceptance counts them)."""
+
+    async def go() -> tuple[dict[bytes, torch.Tensor], dict[bytes, torch.Tensor], int]:
+        (thinker,) = await started(engine("thinker", model))
+        a = thinker.audio_ahead
+        assert a is not None
+        pcm = _pcm16(5.0, lambda t: 0.3 + 0 * t)
+        await _speak_ahead(thinker, "paced", pcm)
+        paced = await a.take("paced")
+        half = len(pcm) // 2  # 2.5 s: one window complete
+        for at in range(0, half, 4800):
+            a.append("at once", at // 2, pcm[at : at + 4800], 24000)
+        await asyncio.sleep(0)  # the first window's encoding starts, with the first half...
+        for at in range(half, len(pcm), 4800):  # ...and the rest arrives before it ends
+            a.append("at once", at // 2, pcm[at : at + 4800], 24000)
+        return paced, await a.take("at once"), len(a)
+
+    paced, at_once, held = asyncio.run(go())
+    assert len(paced) == 2 and held == 0
+    assert at_once.keys() == paced.keys()
+    assert all(torch.equal(at_once[k], paced[k]) for k in paced)
+
+
 def test_audio_ahead_is_bounded_and_freed(model: Path) -> None:
     """Sessions beyond `audioAheadStreams` give up the least recently heard; a piece that does
     not follow the last ends its turn's work ahead, and one that is not 16-bit PCM is dropped;

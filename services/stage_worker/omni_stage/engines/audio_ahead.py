@@ -152,13 +152,15 @@ class AudioAhead:
             s.task = asyncio.create_task(self._work(s), name=f"audio-ahead-{key}")
 
     async def take(self, key: str) -> dict[bytes, torch.Tensor]:
-        """The session's windows encoded ahead, now the caller's alone (after the window being
-        encoded, if one is); empty if none."""
+        """The session's windows encoded ahead, now the caller's alone, once every window complete
+        in its audio so far is encoded; empty if none. Audio sent faster than it is encoded (a
+        client that appends a recorded turn at once) waits here for the rounds left, which the
+        request would otherwise run itself: the same work, and what it encodes is the same."""
         s = self._streams.pop(key, None)
         if s is None:
             return {}
+        await self._done(s)  # popped, so no piece comes after: the work ends once caught up
         s.resampler = None
-        await self._done(s)
         return dict(s.windows)
 
     async def caught_up(self, key: str) -> None:
