@@ -234,6 +234,31 @@ def test_a_cancelled_batch_keeps_what_finished(client: openai.OpenAI) -> None:
         client.batches.cancel(batch.id)
 
 
+def test_a_batch_cancelled_while_its_line_waits_for_room_gives_the_room_back(client: openai.OpenAI) -> None:
+    """The thinker asleep (level 0: it only stops admitting), a batch's first line waits at the
+    gateway for a free slot, holding the one line this gateway may run at once (`concurrency`
+    1); cancelled there, the batch gives it back, so once the thinker wakes a later batch runs
+    to its end. (A cancel once kept it, and the gateway ran no batch line again.)"""
+    base = str(client.base_url).removesuffix("/v1/")
+    asleep = {"model": "tiny-omni", "messages": [{"role": "user", "content": "hi"}]}
+    assert HTTP.post(f"{base}/v1/omni/sleep", json={"stage_ids": ["thinker"], "level": 0}).status_code == 200
+    try:
+        wait_for(
+            lambda: HTTP.post(f"{base}/v1/chat/completions", json=asleep).status_code == 503,
+            30,
+            "the gateway to see the thinker asleep",
+        )
+        waiting = batch_of(client, [chat_line("waits")])
+        wait_for(lambda: client.batches.retrieve(waiting.id).status == "in_progress", 60, "the batch to run")
+        client.batches.cancel(waiting.id)
+        done, _ = ended(client, waiting.id)
+        assert done.status == "cancelled" and done.request_counts.completed == 0, done
+    finally:
+        assert HTTP.post(f"{base}/v1/omni/wakeup", json={"stage_ids": ["thinker"]}).status_code == 200
+    done, _ = ended(client, batch_of(client, [chat_line("after")]).id, timeout=60)
+    assert done.status == "completed" and done.request_counts.completed == 1, done
+
+
 @pytest.mark.timeout(PIPELINE_RESTARTS_TIMEOUT_S)
 def test_batches_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
     """A batch running when the gateway is killed completes once the supervisor has started

@@ -194,12 +194,7 @@ class BatchRunner:
             for line in lines:
                 if line.index in done:
                     continue
-                await self._slots.acquire()
-                unrouted = await self.calls.room(batch)
-                current = await self.store.get_batch(batch.id, None)
-                if current is None or current.status != "in_progress" or time.time() >= batch.expires_at:
-                    unrouted()
-                    self._slots.release()
+                if (unrouted := await self._room(batch)) is None:
                     break
                 waiting -= 1
                 self.metrics.batch_lines_waiting.dec()
@@ -224,6 +219,27 @@ class BatchRunner:
             await self._finalize(current, "expired")
         else:
             await self._finalize(current, "completed")
+
+    async def _room(self, batch: Batch) -> Unrouted | None:
+        """A slot of `concurrency` and the pipeline's room for the batch's next line, both the
+        line's to give back (its task's end does); None, nothing held, once the batch no longer
+        runs. Cancelled (the batch is), it gives back what it took: a slot kept would leave one
+        fewer for every later batch, and the runner none at all after `concurrency` such cancels."""
+        await self._slots.acquire()
+        unrouted: Unrouted | None = None
+        try:
+            unrouted = await self.calls.room(batch)
+            current = await self.store.get_batch(batch.id, None)
+        except BaseException:
+            if unrouted is not None:
+                unrouted()
+            self._slots.release()
+            raise
+        if current is None or current.status != "in_progress" or time.time() >= batch.expires_at:
+            unrouted()
+            self._slots.release()
+            return None
+        return unrouted
 
     async def _end_if_cancelled(self, batch_id: str) -> None:
         current = await self.store.get_batch(batch_id, None)
