@@ -84,19 +84,14 @@ def batch_of(
     return client.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
 
 
-def ended(
-    client: openai.OpenAI, batch_id: str, timeout: float = 120
-) -> tuple[Any, list[tuple[str, int, int]]]:
-    """The batch once it has ended, and every (status, completed, failed) seen on the way."""
-    seen: list[tuple[str, int, int]] = []
+def ended(client: openai.OpenAI, batch_id: str, timeout: float = 120) -> Any:
+    """The batch once it has ended."""
 
     def done() -> Any:
         b = client.batches.retrieve(batch_id)
-        counts = b.request_counts
-        seen.append((b.status, counts.completed if counts else 0, counts.failed if counts else 0))
         return b if b.status in ENDED else None
 
-    return wait_for(done, timeout, f"batch {batch_id} to end", interval=0.01), seen
+    return wait_for(done, timeout, f"batch {batch_id} to end")
 
 
 def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
@@ -106,8 +101,8 @@ def lines_of(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]
 def test_a_batch_runs_to_its_output_and_error_files(client: openai.OpenAI) -> None:
     """Every good line answered once in the output file, in OpenAI's output line shape, its body
     what /v1/chat/completions answers (text, and speech where asked); a line the endpoint
-    refuses in the error file with the 400 it gives; the counts moving as lines end; the batch
-    and file objects valid against OpenAI's schema."""
+    refuses in the error file with the 400 it gives; the batch and file objects valid against
+    OpenAI's schema."""
     good = [chat_line(f"req-{i}", tokens=48) for i in range(6)]
     spoken = chat_line("spoken", modalities=["text", "audio"], audio={"voice": "alloy", "format": "wav"})
     refused = chat_line("refused", temperature=-1)
@@ -118,7 +113,7 @@ def test_a_batch_runs_to_its_output_and_error_files(client: openai.OpenAI) -> No
         "/v1/chat/completions",
         "24h",
     )
-    done, _ = ended(client, batch.id)
+    done = ended(client, batch.id)
     assert done.status == "completed", done
     assert violations(done.model_dump(exclude_unset=True), "Batch") is None
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (8, 7, 1)
@@ -170,7 +165,7 @@ def test_a_file_with_bad_lines_fails_the_batch_naming_each(client: openai.OpenAI
     batch = client.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    done, _ = ended(client, batch.id)
+    done = ended(client, batch.id)
     assert done.status == "failed" and done.failed_at and done.output_file_id is None
     named = [(e.line, e.code, e.param) for e in done.errors.data]
     assert named == [
@@ -224,7 +219,7 @@ def test_a_cancelled_batch_keeps_what_finished(client: openai.OpenAI) -> None:
     assert running.status == "in_progress" and running.request_counts.completed < 40
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
-    done, _ = ended(client, batch.id)
+    done = ended(client, batch.id)
     assert done.status == "cancelled" and done.cancelled_at, done
     out, errors = lines_of(client, done.output_file_id), lines_of(client, done.error_file_id)
     assert 2 <= len(out) < 40 and len(out) + len(errors) == 40
@@ -251,11 +246,11 @@ def test_a_batch_cancelled_while_its_line_waits_for_room_gives_the_room_back(cli
         waiting = batch_of(client, [chat_line("waits")])
         wait_for(lambda: client.batches.retrieve(waiting.id).status == "in_progress", 60, "the batch to run")
         client.batches.cancel(waiting.id)
-        done, _ = ended(client, waiting.id)
+        done = ended(client, waiting.id)
         assert done.status == "cancelled" and done.request_counts.completed == 0, done
     finally:
         assert HTTP.post(f"{base}/v1/omni/wakeup", json={"stage_ids": ["thinker"]}).status_code == 200
-    done, _ = ended(client, batch_of(client, [chat_line("after")]).id, timeout=60)
+    done = ended(client, batch_of(client, [chat_line("after")]).id, timeout=60)
     assert done.status == "completed" and done.request_counts.completed == 1, done
 
 
@@ -275,7 +270,7 @@ def test_batches_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
         wait_for(lambda: client.batches.retrieve(killed.id).request_counts.completed >= 3, 60, "lines to end")
         old = gateway_of(serve)
         os.kill(old.pid, signal.SIGKILL)
-        done, _ = ended(client, killed.id, timeout=180)  # asked of the new gateway, same port
+        done = ended(client, killed.id, timeout=180)  # asked of the new gateway, same port
         assert done.status == "completed" and done.request_counts.completed == 24, done
         assert sorted(x["custom_id"] for x in lines_of(client, done.output_file_id)) == sorted(
             x["custom_id"] for x in lines
@@ -290,7 +285,7 @@ def test_batches_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
 
     serve, client = serve_on_port(pipeline, demo_dir, tmp_path / "serve-2.log", port)
     try:
-        done, _ = ended(client, stopped.id, timeout=180)
+        done = ended(client, stopped.id, timeout=180)
         assert done.status == "completed" and done.request_counts.completed == 24, done
         out = [x["custom_id"] for x in lines_of(client, done.output_file_id)]
         assert sorted(out) == sorted(x["custom_id"] for x in lines)
@@ -310,7 +305,7 @@ def test_batches_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
         )
     serve, client = serve_on_port(pipeline, demo_dir, tmp_path / "serve-3.log", port)
     try:
-        done, _ = ended(client, late.id, timeout=180)
+        done = ended(client, late.id, timeout=180)
         assert done.status == "expired" and done.expired_at, done
         finished = {x["custom_id"] for x in lines_of(client, done.output_file_id)}
         never = {x["custom_id"]: x["error"]["code"] for x in lines_of(client, done.error_file_id)}
@@ -334,7 +329,7 @@ def test_speech_batches_with_its_audio_in_the_output_line(client: openai.OpenAI)
         }
         for fmt in ("wav", "pcm")
     ]
-    done, _ = ended(client, batch_of(client, lines, endpoint="/v1/audio/speech").id)
+    done = ended(client, batch_of(client, lines, endpoint="/v1/audio/speech").id)
     assert done.status == "completed" and done.request_counts.completed == 2, done
     bodies = {x["custom_id"]: x["response"]["body"] for x in lines_of(client, done.output_file_id)}
     assert base64.b64decode(bodies["say-wav"]["audio"])[:4] == b"RIFF"
@@ -368,7 +363,7 @@ def test_distributed_batches_live_in_jetstream(demo_dir: Path, tmp_path: Path) -
             assert len(running) == 1, running  # one holder
             d.gateways[running[0]][0].proc.kill()
             other = clients[1 - running[0]]
-            done, _ = ended(other, batch.id, timeout=180)
+            done = ended(other, batch.id, timeout=180)
             assert done.status == "completed" and done.request_counts.completed == 24, done
             out = [x["custom_id"] for x in lines_of(other, done.output_file_id)]
             assert sorted(out) == sorted(x["custom_id"] for x in lines)
@@ -406,7 +401,7 @@ def test_live_requests_go_before_a_batchs_waiting_lines(demo_dir: Path, tmp_path
         )
         assert live.choices[0].message.content
         assert client.batches.retrieve(batch.id).request_counts.completed - before <= 4
-        done, _ = ended(client, batch.id)
+        done = ended(client, batch.id)
         assert done.status == "completed" and done.request_counts.completed == 24, done
         queued = [
             x.value

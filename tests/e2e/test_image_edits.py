@@ -134,7 +134,7 @@ def test_a_batch_of_json_edits_edits_as_the_form_does(edit_demo: str) -> None:
         line("no-image", images=[]),
     ]
     batch = batch_of(client, lines, endpoint="/v1/images/edits")
-    done, _ = ended(client, batch.id)
+    done = ended(client, batch.id)
     assert done.status == "completed", done
     [out] = lines_of(client, done.output_file_id)
     assert out["custom_id"] == "json" and out["response"]["status_code"] == 200

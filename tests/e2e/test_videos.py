@@ -223,7 +223,7 @@ def test_a_batch_of_videos_makes_jobs_of_its_owner(video_demo: str) -> None:
     client = openai_client(video_demo)
     lines = [video_line("fox"), video_line("owl", seed=7), video_line("bad", num_frames=6)]
     batch = batch_of(client, lines, endpoint="/v1/videos")
-    done, _ = ended(client, batch.id)
+    done = ended(client, batch.id)
     assert done.status == "completed", done
     assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (3, 2, 1)
     out = {x["custom_id"]: x["response"] for x in lines_of(client, done.output_file_id)}
@@ -260,7 +260,7 @@ def test_a_cancelled_video_batch_deletes_its_unfinished_jobs(video_demo: str) ->
         "a line's job to run",
     )
     client.batches.cancel(batch.id)
-    done, _ = ended(client, batch.id)
+    done = ended(client, batch.id)
     assert done.status == "cancelled" and done.output_file_id is None, done
     errors = {x["custom_id"]: x["error"]["code"] for x in lines_of(client, done.error_file_id)}
     assert errors == {"long-0": "batch_cancelled", "long-1": "batch_cancelled"}
@@ -301,7 +301,7 @@ def test_jobs_outlive_the_gateway(demo_dir: Path, tmp_path: Path) -> None:
         assert done.status == "completed", done
         assert gateway_of(serve).pid != old.pid
         assert "gateway died" in serve.output()
-        lined, _ = ended(client, batch.id, timeout=180)
+        lined = ended(client, batch.id, timeout=180)
         assert lined.status == "completed", lined
         [out] = lines_of(client, lined.output_file_id)
         assert out["response"]["body"]["id"] == line_job
