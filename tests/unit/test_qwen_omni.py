@@ -949,9 +949,10 @@ def test_a_turn_sent_faster_than_it_is_encoded_is_taken_encoded_whole(model: Pat
     """A 5 s turn whose last half arrives while its first window is being encoded (a client that
     appends a recorded turn at once): the request that takes it waits for the window left, and
     takes both whole windows encoded ahead, equal to those of the same turn sent at the pace of
-    speech, rather than encoding the second itself (the realtime acceptance counts them)."""
+    speech, rather than encoding the second itself (the realtime acceptance counts them). A
+    request cancelled while it waits there (aborted) is cancelled, not answered."""
 
-    async def go() -> tuple[dict[bytes, torch.Tensor], dict[bytes, torch.Tensor], int]:
+    async def go() -> tuple[dict[bytes, torch.Tensor], dict[bytes, torch.Tensor], int, list[Any]]:
         (thinker,) = await started(engine("thinker", model))
         a = thinker.audio_ahead
         assert a is not None
@@ -964,9 +965,17 @@ def test_a_turn_sent_faster_than_it_is_encoded_is_taken_encoded_whole(model: Pat
         await asyncio.sleep(0)  # the first window's encoding starts, with the first half...
         for at in range(half, len(pcm), 4800):  # ...and the rest arrives before it ends
             a.append("at once", at // 2, pcm[at : at + 4800], 24000)
-        return paced, await a.take("at once"), len(a)
+        at_once = await a.take("at once")
+        for at in range(0, half, 4800):
+            a.append("aborted", at // 2, pcm[at : at + 4800], 24000)
+        await asyncio.sleep(0)  # its first window encoding...
+        taking = asyncio.create_task(a.take("aborted"))
+        await asyncio.sleep(0)  # ...and a request waiting for it, cancelled
+        taking.cancel()
+        return paced, at_once, len(a), await asyncio.gather(taking, return_exceptions=True)
 
-    paced, at_once, held = asyncio.run(go())
+    paced, at_once, held, aborted = asyncio.run(go())
+    assert [type(x) for x in aborted] == [asyncio.CancelledError]
     assert len(paced) == 2 and held == 0
     assert at_once.keys() == paced.keys()
     assert all(torch.equal(at_once[k], paced[k]) for k in paced)

@@ -23,7 +23,6 @@ towers' do not (models/qwen_omni/audio_windows.py).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -170,9 +169,10 @@ class AudioAhead:
 
     @staticmethod
     async def _done(s: _Stream) -> None:
+        """Wait for the stream's work to end, however it ends (a caller cancelled meanwhile is
+        cancelled, and the work goes on)."""
         if s.task is not None and not s.task.done():
-            with contextlib.suppress(asyncio.CancelledError):
-                await asyncio.shield(s.task)
+            await asyncio.wait((s.task,))
 
     def forget(self, key: str) -> None:
         """The session closed: its audio and windows go."""
