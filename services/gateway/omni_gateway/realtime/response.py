@@ -90,15 +90,15 @@ class Responses:
         )
 
     async def cancel(self, reason: str) -> None:
-        """End the response in progress, if any, as `cancelled`; returns once it has ended."""
+        """End the response in progress, if any, as `cancelled`; returns once it has ended (a
+        caller cancelled meanwhile is cancelled)."""
         response = self.active
         if response is None or response.task is None:
             return
         if response.cancelled is None and not response.ending:
             response.cancelled = reason
             response.task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.shield(response.task)
+        await asyncio.wait((response.task,))
 
     async def _run(self, r: Response, prepared: Any) -> None:
         """One response, a trace of its own: its turn's, across every stage (under the socket's
