@@ -1,8 +1,9 @@
 """How a batch line is sent and when it may start: each line a request to the gateway's own
 endpoint in the same process (omni_gateway.internal), at the batch priority (replicas start
-live users' requests first), once the lines running and the room kept for each live request
-this gateway serves (`livePriority`) stay under `concurrency` and the pipeline's entry has a
-free slot (lines wait here, not in a replica's queue)."""
+live users' requests first), once it holds one of `concurrency` slots, the lines running and
+the room kept for each live request this gateway serves (`livePriority`) stay under
+`concurrency`, and the pipeline's entry has a free slot (lines wait here, not in a replica's
+queue)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,8 @@ class LineCalls:
     def __init__(self, app: Any, pipeline: Pipeline, spec: BatchesSpec, metrics: GatewayMetrics) -> None:
         self.spec, self.metrics, self._pipeline = spec, metrics, pipeline
         self._client = internal_client(app)
+        self._slots = asyncio.Semaphore(spec.concurrency)
+        """Lines of this gateway's batches let through, started or about to be (`room`)."""
         self._in_pipeline = 0
         """Lines in a request to the pipeline now (counted in the gateway's in-flight requests;
         a video line waiting on its job is not)."""
@@ -72,19 +75,32 @@ class LineCalls:
         return max(0, int(serving) - self._in_pipeline)
 
     async def room(self, batch: Batch) -> Unrouted:
-        """Wait until this gateway's batch lines, and `livePriority` lines' room for each live
-        request it serves, leave room for one more line within `concurrency`, and (a line
-        through the pipeline) a replica of the pipeline's entry has a slot free for it that no
-        line let through before has yet taken: live users' new requests find a free slot
-        instead of one a batch line holds, no queue of lines before them, and fewer rows
-        beside theirs in every step. Returns the line's count against the free slots."""
+        """Wait for one of `concurrency` slots, then until this gateway's batch lines, and
+        `livePriority` lines' room for each live request it serves, leave room for one more
+        line within `concurrency`, and (a line through the pipeline) a replica of the
+        pipeline's entry has a slot free for it that no line let through before has yet taken:
+        live users' new requests find a free slot instead of one a batch line holds, no queue
+        of lines before them, and fewer rows beside theirs in every step. Returns the line's
+        count against the free slots; the line's slot and count are the caller's to give back
+        (`free`). Cancelled, it gives back what it took: a slot kept would leave one fewer for
+        every later line, and none at all after `concurrency` such cancels."""
         through_pipeline = batch.endpoint != VIDEOS  # a video line's job runs on the job runner
-        while True:
-            running = self.metrics.registry.get_sample_value("omni_gateway_batch_lines_running") or 0.0
-            within = running + self.spec.live_priority * self._live() < self.spec.concurrency
-            if within and (not through_pipeline or self._pipeline.free_at_entry() > self.unrouted):
-                return Unrouted(self if through_pipeline else None)
-            await asyncio.sleep(LIVE_POLL_S)
+        await self._slots.acquire()
+        try:
+            while True:
+                running = self.metrics.registry.get_sample_value("omni_gateway_batch_lines_running") or 0.0
+                within = running + self.spec.live_priority * self._live() < self.spec.concurrency
+                if within and (not through_pipeline or self._pipeline.free_at_entry() > self.unrouted):
+                    return Unrouted(self if through_pipeline else None)
+                await asyncio.sleep(LIVE_POLL_S)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def free(self, unrouted: Unrouted) -> None:
+        """A line let through (`room`) has ended, started or not: its count and its slot go."""
+        unrouted()
+        self._slots.release()
 
     async def answer(self, batch: Batch, line: InputLine, unrouted: Unrouted) -> tuple[bool, bytes]:
         """Whether the line succeeded, and its line of the output or error file."""

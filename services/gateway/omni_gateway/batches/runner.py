@@ -57,7 +57,6 @@ class BatchRunner:
         self.store, self.spec, self.metrics = store, spec, metrics
         self.holder = f"{pipeline.gateway_id}-{secrets.token_hex(4)}"
         self.calls = LineCalls(app, pipeline, spec, metrics)
-        self._slots = asyncio.Semaphore(spec.concurrency)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -199,10 +198,9 @@ class BatchRunner:
                 waiting -= 1
                 self.metrics.batch_lines_waiting.dec()
                 task = asyncio.create_task(self._run_line(batch, line, unrouted))
-                task.add_done_callback(lambda _, u=unrouted: u())  # ended, started or not
+                task.add_done_callback(lambda _, u=unrouted: self.calls.free(u))  # ended, started or not
                 pending.add(task)
                 task.add_done_callback(pending.discard)
-                task.add_done_callback(lambda _: self._slots.release())  # a task cancelled unstarted too
             if pending:
                 await asyncio.gather(*pending)
         finally:
@@ -221,23 +219,16 @@ class BatchRunner:
             await self._finalize(current, "completed")
 
     async def _room(self, batch: Batch) -> Unrouted | None:
-        """A slot of `concurrency` and the pipeline's room for the batch's next line, both the
-        line's to give back (its task's end does); None, nothing held, once the batch no longer
-        runs. Cancelled (the batch is), it gives back what it took: a slot kept would leave one
-        fewer for every later batch, and the runner none at all after `concurrency` such cancels."""
-        await self._slots.acquire()
-        unrouted: Unrouted | None = None
+        """Room for the batch's next line (LineCalls.room), the line's to give back (its task's
+        end does); None, nothing held, once the batch no longer runs."""
+        unrouted = await self.calls.room(batch)
         try:
-            unrouted = await self.calls.room(batch)
             current = await self.store.get_batch(batch.id, None)
-        except BaseException:
-            if unrouted is not None:
-                unrouted()
-            self._slots.release()
+        except BaseException:  # cancelled (the batch is), or the store failed
+            self.calls.free(unrouted)
             raise
         if current is None or current.status != "in_progress" or time.time() >= batch.expires_at:
-            unrouted()
-            self._slots.release()
+            self.calls.free(unrouted)
             return None
         return unrouted
 
