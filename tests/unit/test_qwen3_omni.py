@@ -24,7 +24,7 @@ from omni_pipeline.spec import load_pipeline
 from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, InvalidRequest
 from omni_stage.engines.registry import build_engine
 from omni_stage.payload import concat
-from tests.helpers import COMPILE_TIMEOUT_S, ROOT, example_stage
+from tests.helpers import COMPILE_TIMEOUT_S, ROOT, asked_while_held, example_stage
 from tests.qwen_reference import (
     MEDIA_QUESTION,
     PREFILL_QUESTIONS,
@@ -297,7 +297,10 @@ def test_the_checkpoint_is_a_genuine_qwen3_omni(model: Path) -> None:
 @pytest.mark.parametrize("form", ["own caches", "fixed"])
 def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: Path, form: str) -> None:
     """Three requests of different prompt lengths (one with audio and an image) on one thinker
-    replica at once: their decode steps run as batches (each request's KV cache stacked,
+    replica at once (asked while its compute thread is held, so that each has its prompt built
+    and its first step queued before any runs: the media prompt's build takes longer, and on a
+    loaded machine the first request once ended its 8 tokens before the third's first step):
+    their decode steps run as batches (each request's KV cache stacked,
     left-padded, masked) and each gets exactly the tokens it gets alone. With `fixedSteps:
     true` (what `cudaGraphs` captures on CUDA) the steps run on a slot table allocated once at
     `maxModelLen` positions a slot, at a bucket's fixed shapes: a request's cache is copied
@@ -330,7 +333,7 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
 
         if fixed:
             copies, _, keys = slot_table(thinker)
-        together = await asyncio.gather(*(think(*d) for d in decoded))
+        together = await asked_while_held(thinker, thinker.batcher, [think(*d) for d in decoded])  # type: ignore[attr-defined]
         sizes = thinker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
         alone = [await think(*d) for d in decoded]
         own = alone
@@ -357,7 +360,9 @@ def test_concurrent_requests_think_in_batched_steps_with_the_same_tokens(model: 
 @pytest.mark.parametrize("form", ["eager", "compiled", "fixed"])
 def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Path, form: str) -> None:
     """Three requests of different prompt lengths (one with audio and an image) on one talker
-    replica at once: their talker steps run as batches (caches stacked, left-padded, masked,
+    replica at once (asked while its compute thread is held, as the thinker's above: each
+    prefilled, on the compute thread here, and its first step queued before any runs): their
+    talker steps run as batches (caches stacked, left-padded, masked,
     each at its own M-RoPE position), so do the code predictor's residuals of their codes, and
     each request gets exactly the codes, every codebook, it gets alone. The steps write into
     the talker's slot table in place: a request's cache is copied once, into its slot at its
@@ -399,7 +404,8 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
             return concat([o.data async for o in on.generate(call)])["codes"].tolist()
 
         copies, _, keys = slot_table(talker)
-        together = await asyncio.gather(*(talk(t) for t in thoughts))
+        asks = [talk(t) for t in thoughts]
+        together = await asked_while_held(talker, talker.batcher, asks, built_on_compute=True)  # type: ignore[attr-defined]
         sizes = talker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
         alone = [await talk(t) for t in thoughts]
         assert slot_table(talker) == (copies + 2 * len(thoughts), 0, keys)

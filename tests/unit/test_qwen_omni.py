@@ -28,7 +28,7 @@ from omni_stage.engines.base import CallState, Engine, EngineCall, EngineError, 
 from omni_stage.models.qwen2_5_omni.checkpoint import CODEC_VOCAB
 from omni_stage.payload import Payload, concat
 from omni_stage.segments import EngineOutput
-from tests.helpers import COMPILE_TIMEOUT_S, ROOT, example_stage, wait_until
+from tests.helpers import COMPILE_TIMEOUT_S, ROOT, asked_while_held, example_stage, wait_until
 from tests.qwen_reference import (
     PREFILL_QUESTIONS,
     check_a_bounded_talker,
@@ -446,7 +446,10 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
     model: Path, form: str
 ) -> None:
     """Three requests of different prompt lengths (one with audio and an image) on one thinker
-    and one talker replica at once: their decode steps run as batches (the thinker's caches
+    and one talker replica at once (asked while the thinker's compute thread is held, so that
+    each has its media decoded, its prompt built and its first step queued before any runs;
+    else a slow build of the media prompt let the first end its tokens alone under load): their
+    decode steps run as batches (the thinker's caches
     stacked, left-padded, masked; the talker's in its slot table, each step written in place:
     a request's cache is copied once, into its slot at its prefill, never at a step, and its
     slot given back at its end), and each request's tokens and codes are exactly those it
@@ -500,7 +503,7 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
             return data["token_ids"].tolist(), concat([o.data for o in codes])["codes"].tolist()
 
         copies, _, keys = slot_table(talker)
-        together = await asyncio.gather(*(speak(m) for m in requests))
+        together = await asked_while_held(thinker, thinker.batcher, [speak(m) for m in requests])  # type: ignore[attr-defined]
         sizes = (thinker.batcher.batch_sizes.copy(), talker.batcher.batch_sizes.copy())  # type: ignore[attr-defined]
         alone = [await speak(m) for m in requests]
         assert slot_table(talker) == (copies + 2 * len(requests), 0, keys)
