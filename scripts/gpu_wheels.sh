@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # The wheels a lent GPU machine lacks for scripts/gpu_bench.py, scripts/gpu_graphs.py and
 # `omni bench step --sizes full` (its image has torch and transformers 5.17 but no network),
-# downloaded into .whl/ (git-ignored) for the
-# device tool to carry. There, before the scripts:
+# downloaded into .whl/ (git-ignored) for the device tool to carry. There, before the scripts:
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:.:services/stage_worker
 # (docs/development.md, GPU runs). The versions are this checkout's .venv's.
