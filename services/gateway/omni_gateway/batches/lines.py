@@ -29,7 +29,8 @@ class InputLine(msgspec.Struct, frozen=True):
     body: dict[str, Any]
 
 
-def _error(code: str, message: str, line: int | None, param: str | None = None) -> dict[str, Any]:
+def batch_error(code: str, message: str, line: int | None = None, param: str | None = None) -> dict[str, Any]:
+    """A `BatchError`: why a batch failed (`line`: the input line at fault, from 1)."""
     return {"code": code, "message": message, "param": param, "line": line}
 
 
@@ -41,21 +42,21 @@ def read_input(data: bytes, endpoint: str, max_lines: int) -> tuple[list[InputLi
     try:
         text = data.decode()
     except UnicodeDecodeError as exc:
-        return [], [_error("invalid_file", f"the file is not UTF-8 text ({exc.reason})", None)]
+        return [], [batch_error("invalid_file", f"the file is not UTF-8 text ({exc.reason})")]
     numbered = [(n, raw) for n, raw in enumerate(text.splitlines(), 1) if raw.strip()]
     if not numbered:
-        return [], [_error("empty_file", "the file holds no request", None)]
+        return [], [batch_error("empty_file", "the file holds no request")]
     if len(numbered) > max_lines:
         msg = f"the file holds {len(numbered)} requests; at most {max_lines}"
-        return [], [_error("too_many_requests", msg, None)]
+        return [], [batch_error("too_many_requests", msg)]
     for n, raw in numbered:
         try:
             req = json.loads(raw)
         except ValueError as exc:
-            errors.append(_error("invalid_json_line", f"line {n} is not JSON ({exc.msg})", n))
+            errors.append(batch_error("invalid_json_line", f"line {n} is not JSON ({exc.msg})", n))
             continue
         if not isinstance(req, dict):
-            errors.append(_error("invalid_json_line", f"line {n} is not a JSON object", n))
+            errors.append(batch_error("invalid_json_line", f"line {n} is not a JSON object", n))
             continue
         bad = _line_error(req, endpoint, n, seen)
         if bad is not None:
@@ -85,7 +86,7 @@ def _line_error(req: dict[str, Any], endpoint: str, n: int, seen: set[str]) -> d
     else:
         return None
     code, message, param = bad
-    return _error(code, f"line {n}: {message}", n, param)
+    return batch_error(code, f"line {n}: {message}", n, param)
 
 
 def answered(

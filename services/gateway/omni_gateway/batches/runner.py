@@ -21,14 +21,15 @@ import secrets
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
 import nats.errors
 
 from omni_gateway.batches.calls import LineCalls, Unrouted
+from omni_gateway.batches.ending import BatchEnding, stored_input
 from omni_gateway.batches.jetstream_store import JetStreamBatchStore
-from omni_gateway.batches.lines import InputLine, not_run, read_input, summed_usage
-from omni_gateway.batches.records import Batch, LineResult, StoredFile
+from omni_gateway.batches.lines import InputLine, batch_error
+from omni_gateway.batches.records import Batch, LineResult
 from omni_gateway.batches.sqlite_store import SqliteBatchStore
 from omni_gateway.batches.store import BatchStore
 from omni_gateway.metrics import GatewayMetrics
@@ -37,12 +38,6 @@ from omni_pipeline.settings import BatchesSpec
 from omni_pipeline.spec import Mode
 
 log = logging.getLogger("omni.gateway.batches")
-
-
-def output_file_id(batch_id: str, kind: str) -> str:
-    """A batch's output (`output`) or error (`error`) file's id: the same however often it is
-    written (a gateway that died while finalizing leaves it to the next to write again)."""
-    return f"file-{batch_id.removeprefix('batch_')}-{kind}"
 
 
 class BatchRunner:
@@ -57,6 +52,7 @@ class BatchRunner:
         self.store, self.spec, self.metrics = store, spec, metrics
         self.holder = f"{pipeline.gateway_id}-{secrets.token_hex(4)}"
         self.calls = LineCalls(app, pipeline, spec, metrics)
+        self.ending = BatchEnding(store, self.holder, self.calls, spec, metrics)
         self._running: dict[str, asyncio.Task[None]] = {}
         self._wake = asyncio.Event()
         self._loop: asyncio.Task[None] | None = None
@@ -144,23 +140,17 @@ class BatchRunner:
         try:
             await self._run_batch(batch)
         except asyncio.CancelledError:
-            current = await self.store.get_batch(batch.id, None)
-            if current is not None and current.status == "cancelling":
-                await asyncio.shield(self._finalize(current, "cancelled"))
+            await asyncio.shield(self.ending.end_if_cancelled(batch.id))
             raise
         except Exception as exc:
             log.exception("batch %s failed", batch.id)
-            error = _error("internal_error", f"{type(exc).__name__}: {exc}")
-            await self.store.change(
-                batch.id, self.holder, status="failed", failed_at=int(time.time()), errors=[error]
-            )
-            self.metrics.batches.labels(status="failed").inc()
+            await self.ending.fail(batch.id, [batch_error("internal_error", f"{type(exc).__name__}: {exc}")])
         finally:
             self.metrics.batches_running.dec()
 
     async def _run_batch(self, batch: Batch) -> None:
         if batch.status in ("cancelling", "finalizing"):  # taken up from a gateway that died ending it
-            await self._finalize(batch, "cancelled" if batch.status == "cancelling" else "completed")
+            await self.ending.end(batch, "cancelled" if batch.status == "cancelling" else "completed")
             return
         lines = await self._input(batch)
         if lines is None:
@@ -177,7 +167,7 @@ class BatchRunner:
                 model=model,
             )
             if changed is None:
-                await self._end_if_cancelled(batch.id)
+                await self.ending.end_if_cancelled(batch.id)
                 return
             batch = changed
         results = await self.store.results(batch.id)
@@ -208,15 +198,7 @@ class BatchRunner:
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
-        current = await self.store.get_batch(batch.id, None)
-        if current is None:
-            return
-        if current.status == "cancelling":
-            await self._finalize(current, "cancelled")
-        elif time.time() >= current.expires_at and current.completed + current.failed < current.total:
-            await self._finalize(current, "expired")
-        else:
-            await self._finalize(current, "completed")
+        await self.ending.settle(batch.id)
 
     async def _room(self, batch: Batch) -> Unrouted | None:
         """Room for the batch's next line (LineCalls.room), the line's to give back (its task's
@@ -232,25 +214,17 @@ class BatchRunner:
             return None
         return unrouted
 
-    async def _end_if_cancelled(self, batch_id: str) -> None:
-        current = await self.store.get_batch(batch_id, None)
-        if current is not None and current.status == "cancelling":
-            await self._finalize(current, "cancelled")
-
     async def _input(self, batch: Batch) -> list[InputLine] | None:
         """The batch's requests; None if its input cannot be read or holds a bad line (then it
         has failed, every bad line named)."""
-        read = await _read_input(self.store, batch, self.spec.max_lines)
+        read = await stored_input(self.store, batch, self.spec.max_lines)
         if read is None:
-            errors = [_error("file_not_found", f"input file '{batch.input_file_id}' is gone")]
+            errors = [batch_error("file_not_found", f"input file '{batch.input_file_id}' is gone")]
         else:
             lines, errors = read
             if not errors:
                 return lines
-        await self.store.change(
-            batch.id, self.holder, status="failed", failed_at=int(time.time()), errors=errors
-        )
-        self.metrics.batches.labels(status="failed").inc()
+        await self.ending.fail(batch.id, errors)
         log.info("batch %s failed validation: %s", batch.id, errors[0]["message"])
         return None
 
@@ -259,83 +233,3 @@ class BatchRunner:
             result = LineResult(line.index, *await self.calls.answer(batch, line, unrouted))
         self.metrics.batch_lines.labels(outcome="ok" if result.ok else "error").inc()
         await self.store.add_result(batch.id, self.holder, result)
-
-    async def _finalize(self, batch: Batch, status: str) -> None:
-        """Write the output and error files from the lines' outcomes and end the batch as `status`."""
-        now = int(time.time())
-        if status == "completed" and batch.status != "finalizing":  # cancelled and expired end at once
-            changed = await self.store.change(
-                batch.id, self.holder, ("in_progress",), status="finalizing", finalizing_at=now
-            )
-            if changed is None:  # cancelled meanwhile (or no longer ours)
-                await self._end_if_cancelled(batch.id)
-                return
-        results = await self.store.results(batch.id)
-        ran = {r.index for r in results}
-        outputs = [r.line for r in results if r.ok]
-        errors = [r.line for r in results if not r.ok]
-        if status != "completed":
-            code, why = NEVER_RAN[status]
-            read = await _read_input(self.store, batch, self.spec.max_lines)
-            left = [x for x in (read[0] if read else []) if x.index not in ran]
-            errors += [not_run(x.custom_id, code, why) for x in left]
-            await self.calls.abandon(batch, left)
-        retention = batch.output_expires_after_s or self.spec.output_retention_s
-        ids = {
-            kind: await _stored(self.store, batch, kind, body, now, retention)
-            for kind, body in (("output", outputs), ("error", errors))
-        }
-        stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[status]
-        await self.store.change(
-            batch.id,
-            self.holder,
-            status=status,
-            output_file_id=ids["output"],
-            error_file_id=ids["error"],
-            usage=summed_usage(outputs),
-            **{stamp: int(time.time())},
-        )
-        await self.store.drop_results(batch.id)
-        self.metrics.batches.labels(status=status).inc()
-        log.info("batch %s %s: %d lines out, %d in errors", batch.id, status, len(outputs), len(errors))
-
-
-NEVER_RAN: Final = {
-    "cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
-    "expired": ("batch_expired", "the batch's completion window ended before this request ran"),
-}
-"""The error file's code and message for a line a batch ending so never ran."""
-
-
-async def _read_input(
-    store: BatchStore, batch: Batch, max_lines: int
-) -> tuple[list[InputLine], list[dict[str, Any]]] | None:
-    """The batch's input file read (lines.read_input); None where the file is gone."""
-    path = await store.content(batch.input_file_id)
-    if path is None:
-        return None
-    return read_input(await asyncio.to_thread(path.read_bytes), batch.endpoint, max_lines)
-
-
-async def _stored(
-    store: BatchStore, batch: Batch, kind: str, lines: list[bytes], now: int, retention: float
-) -> str | None:
-    """The batch's `kind` file (output or error) of these lines, stored; its id (None: no lines,
-    no file)."""
-    if not lines:
-        return None
-    f = StoredFile(
-        id=output_file_id(batch.id, kind),
-        owner=batch.owner,
-        purpose="batch_output",
-        filename=f"{batch.id}_{kind}.jsonl",
-        bytes=sum(len(x) + 1 for x in lines),
-        created_at=now,
-        expires_at=int(now + retention),
-    )
-    await store.add_file(f, b"".join(x + b"\n" for x in lines))
-    return f.id
-
-
-def _error(code: str, message: str) -> dict[str, Any]:
-    return {"code": code, "message": message, "param": None, "line": None}
