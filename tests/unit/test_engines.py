@@ -112,10 +112,12 @@ def test_talker_takes_embeddings_and_continues_across_calls(models: Path) -> Non
 
 def test_concurrent_requests_decode_in_batched_steps_with_the_same_output(models: Path) -> None:
     """Three chat requests of different prompt lengths on one thinker replica, and two windowed
-    embedding streams on one talker replica, at once: their one-token decode steps run as
-    batches (caches stacked, left-padded, masked), and each request gets exactly the tokens
-    it gets alone, its hidden states within 1e-5 of their largest (a batched matmul may sum in
-    another order: on an AVX-512 CPU, MKL's batched kernels put one state 1.3e-5 off, at 3.6)."""
+    embedding streams on one talker replica, asked while each replica's compute thread is held
+    (asked_while_held: every request's first step is queued before any runs, however slowly
+    its prompt is built): their one-token decode steps run as batches (caches stacked,
+    left-padded, masked), and each request gets exactly the tokens it gets alone, its hidden
+    states within 1e-5 of their largest (a batched matmul may sum in another order: on an
+    AVX-512 CPU, MKL's batched kernels put one state 1.3e-5 off, at 3.6)."""
     prompts = [
         "hi",
         "What is omni, and why does it speak?",
@@ -150,7 +152,11 @@ def test_concurrent_requests_decode_in_batched_steps_with_the_same_output(models
                 tokens += [int(o.data["token_ids"][0]) async for o in talker.generate(call)]
             return tokens
 
-        together = await asyncio.gather(*(think(p) for p in prompts), *(talk(h) for h in hidden))
+        thought, talked = await asyncio.gather(
+            asked_while_held(thinker, thinker.batcher, [think(p) for p in prompts]),  # type: ignore[attr-defined]
+            asked_while_held(talker, talker.batcher, [talk(h) for h in hidden]),  # type: ignore[attr-defined]
+        )
+        together = thought + talked
         sizes = thinker.batcher.batch_sizes.copy(), talker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
         alone = [await think(p) for p in prompts] + [await talk(h) for h in hidden]
         return together, alone, *sizes
