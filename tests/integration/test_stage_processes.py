@@ -71,8 +71,13 @@ def started(nats_url: str, logs: Path, prefix: str = PREFIX, pipeline: Path = PI
 
 @pytest.fixture
 def cluster_procs(nats_url: str, tmp_path: Path) -> Iterator[Cluster]:
-    """A cluster of the test's own, for a test that stops one of its processes."""
-    with started(nats_url, tmp_path) as c:
+    """A cluster of the test's own, for a test that stops one of its processes. Its gateway
+    waits 1 s, not 30, for a stage with no replica before its 503 (gateway.replicaWaitS)."""
+    doc = yaml.safe_load(PIPELINE.read_text())
+    doc["spec"]["gateway"]["replicaWaitS"] = 1
+    path = tmp_path / "short-wait.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with started(nats_url, tmp_path, pipeline=path) as c:
         yield c
 
 
