@@ -132,6 +132,8 @@ class Deployment:
         """Stop every process; each must exit 0, unless the test itself killed it."""
         procs = [(f"gateway-{i}", g[0]) for i, g in enumerate(self.gateways)] + list(self.stages.items())
         killed = {name for name, p in procs if p.proc.poll() == -signal.SIGKILL}
+        for _, p in procs:
+            p.terminate()
         codes = {name: p.stop() for name, p in procs}
         failed = [name for name, c in codes.items() if c != 0 and name not in killed]
         assert not failed, f"{codes}\n{self.log_tails(*failed)}"

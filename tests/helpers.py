@@ -302,6 +302,7 @@ class OmniProcess:
         self.log = log
         self._fh = log.open("w")
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self._terminated = False
         self.proc: subprocess.Popen[bytes] | ForkedProcess
         if args[0] in FORKED_COMMANDS:
             self.proc = ForkedProcess(args, cwd, full_env, log)
@@ -333,9 +334,16 @@ class OmniProcess:
         """Ctrl-C as a terminal sends it: SIGINT to the whole process group."""
         os.killpg(self.proc.pid, signal.SIGINT)
 
-    def stop(self, timeout: float = 30) -> int:
-        if self.proc.poll() is None:
+    def terminate(self) -> None:
+        """SIGTERM, once (a second would stop it without draining). To stop several processes
+        at once, terminate each, then `stop` each: they drain side by side."""
+        if not self._terminated and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
+    def stop(self, timeout: float = 30) -> int:
+        self.terminate()
+        if self.proc.poll() is None:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:

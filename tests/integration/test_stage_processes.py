@@ -65,6 +65,8 @@ def started(nats_url: str, logs: Path, prefix: str = PREFIX, pipeline: Path = PI
         yield Cluster(base, dict(zip(("thinker", "talker", "vocoder"), procs, strict=True)))
     finally:
         for p in [gw, *procs]:
+            p.terminate()
+        for p in [gw, *procs]:
             assert p.stop() == 0, p.output()[-2000:]
     assert our_shm_segments(prefix) == []
 
