@@ -706,12 +706,12 @@ def test_media_to_a_text_only_model_is_refused_before_anything_runs(demo: str) -
 
 
 def test_a_prompt_over_the_models_context_is_a_400(demo: str) -> None:
-    """5 MB of text (five times a NATS message) reaches the thinker, which counts its tokens
-    against the model's context and refuses it as the client's error, saying why."""
+    """2 MB of text (twice a NATS message) reaches the thinker, which counts its tokens against
+    the model's context and refuses it as the client's error, saying why."""
     client = openai.OpenAI(base_url=f"{demo}/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError, match="this model's context is 4096 tokens: the prompt is"):
         client.chat.completions.create(
-            model="tiny-omni", messages=[{"role": "user", "content": "ab " * 1_700_000}]
+            model="tiny-omni", messages=[{"role": "user", "content": "ab " * 700_000}]
         )
 
 
