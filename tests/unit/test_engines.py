@@ -538,19 +538,50 @@ def test_a_conversation_kept_by_its_prompt_cache_key_prefills_only_its_new_turn(
     assert none_kept == 0
 
 
+def test_a_key_cut_mid_step_is_taken_once_what_it_made_is_kept() -> None:
+    """A request cut mid-step (a barge-in) keeps what it made once that step ends; the key's
+    next request, asking before then, waits and takes it, where it used to find nothing and
+    prefill its whole prompt (test_realtime's cancelled response, once in eight suite runs).
+    Another key's request does not wait, and a cut that kept nothing lets it go on."""
+
+    async def go() -> None:
+        caches = PromptCaches()
+        caches.keep("other", Sequence([1], None))
+        settled = caches.cut_mid_step("a")
+        taking = asyncio.ensure_future(caches.take("a"))
+        assert await caches.take("other") is not None  # not held up by another key's cut
+        await asyncio.sleep(0)  # one turn of the loop: the take reaches its wait
+        assert not taking.done()
+        kept = Sequence([1, 2], None)
+        caches.keep("a", kept)  # the cut request's step has ended...
+        settled()  # ...and what it made is kept
+        assert await taking is kept
+        settled = caches.cut_mid_step("a")
+        taking = asyncio.ensure_future(caches.take("a"))
+        await asyncio.sleep(0)
+        settled()  # nothing kept (the key's session ended meanwhile)
+        assert await taking is None and await caches.take("a") is None
+
+    asyncio.run(go())
+
+
 def test_kept_sequences_are_bounded_by_count_and_idle_time() -> None:
     """The least recently used is given up beyond the capacity; one unused for the idle time is
     given up at the next look; a request takes its key's sequence (a second finds none); a
     forgotten key keeps nothing again."""
     caches = PromptCaches(capacity=2, idle_s=60)
+
+    def take(key: str) -> Sequence | None:
+        return asyncio.run(caches.take(key))
+
     for key in ("a", "b", "c"):
         caches.keep(key, Sequence([1, 2, 3], None))
-    assert caches.take("a") is None and len(caches) == 2
-    b = caches.take("b")
-    assert b is not None and caches.take("b") is None
+    assert take("a") is None and len(caches) == 2
+    b = take("b")
+    assert b is not None and take("b") is None
     caches.keep("b", b)
     b.used -= 61  # as if a minute went by unused
-    assert caches.expire() == 1 and caches.take("b") is None
+    assert caches.expire() == 1 and take("b") is None
     assert caches.forget("c") and len(caches) == 0
     caches.keep("c", Sequence([1], None))  # a request of an ended session, ending late: not kept
     assert len(caches) == 0

@@ -316,24 +316,41 @@ class ComputeEngine(Engine):
             raise EngineError(f"stage '{self.stage.name}': engine.args.{exc}") from None
 
     @contextlib.contextmanager
-    def _keeping_if_cut(self, keep: Callable[[], None]) -> Iterator[None]:
+    def _keeping_if_cut(self, keep: Callable[[], None], key: Callable[[], str | None]) -> Iterator[None]:
         """Around a request's steps: cut short (its task cancelled, a barge-in; or closed), it
         calls `keep` (`_after_compute`), when the request's cache is whole again; `keep` says
-        what, if anything, is kept."""
+        what, if anything, is kept. Until then a request of the same prompt cache key (`key()`
+        at the cut) waits to take it (PromptCaches.cut_mid_step)."""
         try:
             yield
         except (asyncio.CancelledError, GeneratorExit):
-            self._after_compute(keep)
+            cut = key()
+            settled = (
+                None if cut is None or self.prompt_caches is None else self.prompt_caches.cut_mid_step(cut)
+            )
+            self._after_compute(keep, settled)
             raise
 
-    def _after_compute(self, then: Callable[[], None]) -> None:
+    def _after_compute(self, then: Callable[[], None], settled: Callable[[], None] | None = None) -> None:
         """`then` on the event loop once the compute thread has ended the work in progress (a
-        cut request's step). In the order asked: a slot given back after its cache was kept.
-        (The batcher hands the thread its next batch only after the running one is answered,
-        so this comes right after it.)"""
-        with contextlib.suppress(RuntimeError):  # no loop: a generator finalized at exit
-            done = asyncio.get_running_loop().run_in_executor(self._compute, time.monotonic)
-            done.add_done_callback(lambda f: None if f.cancelled() else then())
+        cut request's step), and `settled` after it, however that ends (if the thread was shut
+        down, or there is no loop: a generator finalized at exit, `settled` alone). In the
+        order asked: a slot given back after its cache was kept. (The batcher hands the thread
+        its next batch only after the running one is answered, so this comes right after it.)"""
+
+        def ended(done: asyncio.Future[float]) -> None:
+            try:
+                if not done.cancelled():
+                    then()
+            finally:
+                if settled is not None:
+                    settled()
+
+        try:
+            asyncio.get_running_loop().run_in_executor(self._compute, time.monotonic).add_done_callback(ended)
+        except RuntimeError:  # no loop, or the compute thread shut down
+            if settled is not None:
+                settled()
 
     def _load(self) -> None:
         """Load the weights (on the compute thread): at start, and on waking from level 2."""

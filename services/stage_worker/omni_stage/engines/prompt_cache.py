@@ -15,14 +15,18 @@ keeps none), the least recently used given up first, and each given up after `pr
 unused (default 300), when the gateway says the key's session closed, and when the replica
 sleeps. A sequence serves one request at a time: a request takes it, and puts back its own when
 it ends complete, or when it was cancelled (a barge-in), once the step it was in has ended on
-the compute thread (`ComputeEngine._keeping_if_cut`). A request that failed keeps nothing.
+the compute thread (`ComputeEngine._keeping_if_cut`). Until then the key's next request waits
+to take it: a barge-in's next turn comes at once, and would otherwise prefill its whole prompt
+whenever it came before that step ended. A request that failed keeps nothing.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -125,16 +129,35 @@ class PromptCaches:
         self.idle_s = idle_s
         self._kept: OrderedDict[str, Sequence] = OrderedDict()
         self._forgotten: OrderedDict[str, None] = OrderedDict()
+        self._cut: dict[str, asyncio.Event] = {}
+        """Keys whose request was cut mid-step: set once what it made is kept (or not)."""
         self.reused_tokens = 0
         """Prompt positions not computed again, since the start (a metric)."""
 
     def __len__(self) -> int:
         return len(self._kept)
 
-    def take(self, key: str | None) -> Sequence | None:
-        """The key's sequence, now the caller's alone (None: none kept, or the key is None)."""
+    async def take(self, key: str | None) -> Sequence | None:
+        """The key's sequence, now the caller's alone (None: none kept, or the key is None); once
+        a request of the key that was cut mid-step has kept what it made (`cut`)."""
+        if key is None:
+            return None
+        if (kept := self._cut.get(key)) is not None:
+            await kept.wait()
         self.expire()
-        return None if key is None else self._kept.pop(key, None)
+        return self._kept.pop(key, None)
+
+    def cut_mid_step(self, key: str) -> Callable[[], None]:
+        """A request of `key` was cut mid-step: what it made is kept once that step ends. The
+        key's next request waits (`take`) until the call returned here, made after the keep."""
+        kept = self._cut[key] = asyncio.Event()
+
+        def settled() -> None:
+            kept.set()
+            if self._cut.get(key) is kept:
+                del self._cut[key]
+
+        return settled
 
     def keep(self, key: str | None, seq: Sequence) -> None:
         """Keep a request's sequence for the key's next request, giving up the least recently

@@ -137,7 +137,8 @@ class TransformersEngine(ComputeEngine):
             assert ids is not None
             st.tokens = ids[0].tolist()
             if key is not None and call.sampling.prompt_logprobs is None:
-                ids = self._reuse(call, st, key, ids)
+                assert self.prompt_caches is not None
+                ids = self._reuse(call, st, await self.prompt_caches.take(key), ids)
         else:
             budget = math.ceil(n_units * self.tokens_per_input_unit)
             if max_tokens:
@@ -164,7 +165,7 @@ class TransformersEngine(ComputeEngine):
         reply, tools, sampler = st.reply, st.tools, st.sampler
         assert sampler is not None  # set on the first call, above
         st.key = key if "request" in call.inputs else None
-        with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
+        with self._keeping_if_cut(lambda: self._keep(st), lambda: st.key):  # a barge-in: what it made is kept
             for i in range(budget):
                 step = LMStep(st, feed_ids, feed_embeds, sampler)
                 choice, hidden = await self.batcher.submit(self.steps.key(step), step)
@@ -199,12 +200,12 @@ class TransformersEngine(ComputeEngine):
         if "request" in call.inputs:
             call.state.finish_reason = "length"
 
-    def _reuse(self, call: EngineCall, st: Decoding, key: str, ids: torch.Tensor) -> torch.Tensor:
+    def _reuse(self, call: EngineCall, st: Decoding, seq: Sequence | None, ids: torch.Tensor) -> torch.Tensor:
         """Start the request on the key's kept sequence, as far as its prompt shares it (that
         cache, cut to the shared positions, becomes the request's); returns the rest of the
         prompt, which the prefill computes."""
         assert self.prompt_caches is not None
-        if (seq := self.prompt_caches.take(key)) is None or not (n := seq.shared(st.tokens, [])):
+        if seq is None or not (n := seq.shared(st.tokens, [])):
             return ids
         seq.cut(n)
         st.past = seq.past

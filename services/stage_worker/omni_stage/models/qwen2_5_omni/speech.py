@@ -112,7 +112,7 @@ class Talker(SlotPart):
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.kept(_Speaking)
-        with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
+        with self._keeping_if_cut(lambda: self._keep(st), lambda: st.key):  # a barge-in: what it made is kept
             self._take(st, call.inputs)
             budget = call.sampling.max_tokens or TALKER_MAX_CODES
             if st.slot is None and not st.done:
@@ -125,7 +125,7 @@ class Talker(SlotPart):
                 kept = None
                 if (key := call.sampling.prompt_cache_key) is not None and self.prompt_caches.capacity:
                     st.key = str(key)
-                    kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
+                    kept = await self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
                 if kept is None and self.prefill_tokens:
                     code = await self.prefills.submit("prefill", _Prefill(st, voice))
                 else:

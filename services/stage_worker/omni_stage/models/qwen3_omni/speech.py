@@ -134,14 +134,14 @@ class Qwen3Talker(SlotPart):
         st = call.kept(Speaking)
         self._take(st, call.inputs)
         budget = call.sampling.max_tokens or TALKER_MAX_CODES
-        with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
+        with self._keeping_if_cut(lambda: self._keep(st), lambda: st.key):  # a barge-in: what it made is kept
             if st.slot is None and not st.done:
                 if st.prompt_ids is None or not st.reply:
                     return  # the prefill needs the first reply token's embedding, which comes with the second
                 kept = None
                 if (key := call.sampling.prompt_cache_key) is not None and self.prompt_caches.capacity:
                     st.key = str(key)
-                    kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
+                    kept = await self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
                 speaker = self.speaker(call.sampling)["code"]
                 if kept is None and self.prefill_tokens:
                     drawn = await self.prefills.submit("prefill", TalkerPrefill(st, speaker))

@@ -125,7 +125,7 @@ class Thinker(SlotPart):
         )
         if keeping:
             st.key = str(key)
-            kept = self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
+            kept = await self.prompt_caches.take(st.key)  # on the loop, as every use of the caches
             await self._run(self._reuse, call, st, kept, prompt)
         budget = call.sampling.max_tokens or 64
         check_context(int(ids.shape[1]), budget, self.context)
@@ -142,7 +142,7 @@ class Thinker(SlotPart):
         )
         text = ReplyText.for_request(self.tokenizer, call.sampling)
         feed = ids
-        with self._keeping_if_cut(lambda: self._keep(st)):  # a barge-in: what it made is kept
+        with self._keeping_if_cut(lambda: self._keep(st), lambda: st.key):  # a barge-in: what it made is kept
             for s in range(budget):
                 # Decode steps of concurrent requests run together, and prompts alike (ThinkerSteps.key).
                 step = NextForward(st, feed, sampler, prompt)
