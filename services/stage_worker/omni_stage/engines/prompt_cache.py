@@ -139,7 +139,7 @@ class PromptCaches:
 
     async def take(self, key: str | None) -> Sequence | None:
         """The key's sequence, now the caller's alone (None: none kept, or the key is None); once
-        a request of the key that was cut mid-step has kept what it made (`cut`)."""
+        a request of the key that was cut mid-step has kept what it made (`cut_mid_step`)."""
         if key is None:
             return None
         if (kept := self._cut.get(key)) is not None:
