@@ -24,6 +24,7 @@ from tests.helpers import (
     get_json,
     start_gateway,
     start_stage,
+    stop_together,
     wait_for,
 )
 
@@ -132,9 +133,7 @@ class Deployment:
         """Stop every process; each must exit 0, unless the test itself killed it."""
         procs = [(f"gateway-{i}", g[0]) for i, g in enumerate(self.gateways)] + list(self.stages.items())
         killed = {name for name, p in procs if p.proc.poll() == -signal.SIGKILL}
-        for _, p in procs:
-            p.terminate()
-        codes = {name: p.stop() for name, p in procs}
+        codes = dict(zip((name for name, _ in procs), stop_together([p for _, p in procs]), strict=True))
         failed = [name for name, c in codes.items() if c != 0 and name not in killed]
         assert not failed, f"{codes}\n{self.log_tails(*failed)}"
 

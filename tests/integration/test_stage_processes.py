@@ -36,6 +36,7 @@ from tests.helpers import (
     shm_segments_in_use,
     start_gateway,
     start_stage,
+    stop_together,
     wait_for,
 )
 
@@ -64,10 +65,8 @@ def started(nats_url: str, logs: Path, prefix: str = PREFIX, pipeline: Path = PI
         wait_for(lambda: HTTP.get(f"{base}/health").status_code == 200, 60, "every stage registered")
         yield Cluster(base, dict(zip(("thinker", "talker", "vocoder"), procs, strict=True)))
     finally:
-        for p in [gw, *procs]:
-            p.terminate()
-        for p in [gw, *procs]:
-            assert p.stop() == 0, p.output()[-2000:]
+        for p, code in zip([gw, *procs], stop_together([gw, *procs]), strict=True):
+            assert code == 0, p.output()[-2000:]
     assert our_shm_segments(prefix) == []
 
 
