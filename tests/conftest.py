@@ -20,14 +20,17 @@ from tests.helpers import ROOT
 DONE = ".built"
 VEC_ISA_OK: Final = "TORCHINDUCTOR_VEC_ISA_OK"
 CPP_WRAPPER: Final = "TORCHINDUCTOR_CPP_WRAPPER"
+UNOPTIMISED: Final = "TORCHINDUCTOR_DEBUG_COMPILE"
 os.environ.setdefault(VEC_ISA_OK, "0")
 os.environ.setdefault(CPP_WRAPPER, "1")
+os.environ.setdefault(UNOPTIMISED, "1")
 """How inductor builds the suite's compiled forms (`one_compile_at_a_time` says why): scalar
-C++ kernels (unless a run asks for vectorised ones, VEC_ISA_OK=1), and each graph's kernels
-with its C++ wrapper in one g++ run (unless CPP_WRAPPER=0). Inductor reads them once, when
-first imported, and its worker processes inherit them (setting only this process's config
-left the kernels vectorised, checked): so set here, before any test module imports inductor
-(nothing above does)."""
+C++ kernels (unless a run asks for vectorised ones, VEC_ISA_OK=1), each graph's kernels with
+its C++ wrapper in one g++ run (unless CPP_WRAPPER=0), and that run unoptimised (g++ -O0 -g,
+not -O3; unless DEBUG_COMPILE=0). Inductor reads them once, when first imported, and its
+worker processes inherit them (setting only this process's config left the kernels
+vectorised, checked): so set here, before any test module imports inductor (nothing above
+does)."""
 VLLM_MULTIPROCESSING: Final = "VLLM_ENABLE_V1_MULTIPROCESSING"
 os.environ.setdefault(VLLM_MULTIPROCESSING, "0")
 """vLLM's engines in the suite as they run on a GPU: the engine core a process of its own, the
@@ -157,14 +160,17 @@ def one_compile_at_a_time(
     others'), and the runs where they met were minutes longer (21:31 against 18:00, the same
     code: 447 s against 241 s for the three).
 
-    Inductor builds scalar C++ kernels here, not vectorised ones, and the kernels of a graph
-    in one file with its C++ wrapper (`VEC_ISA_OK`, `CPP_WRAPPER` above): what these tests hold
-    (which forms compile, when, and that compiled output equals eager) does not depend on the
-    kernels' instructions or on what calls them (the graphs, guards and kernels are the same;
-    a GPU builds Triton kernels instead), and g++ is most of their CPU: about 1.5 s a file,
-    nearly all of it in the headers every kernel file includes, precompiled or not. Alone, with
-    a cold cache, g++ counted: the compiled code2wav 135 s of CPU against 89 with the wrapper
-    (45 g++ runs against 8), the two talkers 222 s against 135 (89 runs against 18).
+    Inductor builds scalar C++ kernels here, not vectorised ones, the kernels of a graph in
+    one file with its C++ wrapper, and that file unoptimised (`VEC_ISA_OK`, `CPP_WRAPPER`,
+    `UNOPTIMISED` above): what these tests hold (which forms compile, when, and that compiled
+    output equals eager) does not depend on the kernels' instructions or on what calls them
+    (the graphs, guards and kernels are the same; a GPU builds Triton kernels instead; the
+    tests' tolerances are for fused kernels summing in another order, at either level), and g++ is much of
+    their CPU: about 1.5 s a file, nearly all of it in the headers every kernel file includes,
+    precompiled or not. Alone, with a cold cache, g++ counted: the compiled code2wav 135 s of
+    CPU against 89 with the wrapper (45 g++ runs against 8), the two talkers 222 s against 135
+    (89 runs against 18); unoptimised, the code2wav 71 s against 89 (BigVGAN's first graph
+    was one g++ run of 17 s at -O3), the talkers 112 s against 117.
 
     Each starts with Dynamo as a fresh process has it (`torch._dynamo.reset`): Dynamo counts a
     code object's compiled forms against one limit for the process, and every transformers
