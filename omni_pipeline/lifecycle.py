@@ -3,6 +3,9 @@
 Children are forked from a fork server (`forkserver`: a clean process, started once, that has
 imported what `preload` names and done nothing else: no thread, no CUDA), so a child starts
 without importing torch again; each gets its environment from its caller, not the server's.
+`omni serve` forks its fork server from itself before it starts anything (`start_fork_server`)
+rather than have multiprocessing start a fresh interpreter, which imported again what the
+supervisor had.
 They report their state over a one-way pipe as wire-encoded structs (bytes, never pickled
 objects). A monitor thread per child waits on the pipe and the
 process sentinel together, so a death is noticed at once, without polling. Readiness comes
@@ -25,12 +28,14 @@ import logging
 import multiprocessing as mp
 import os
 import signal
+import socket
 import sys
+import tempfile
 import threading
 import traceback
 import weakref
 from collections.abc import Callable
-from multiprocessing import forkserver
+from multiprocessing import connection, forkserver, resource_tracker, util
 from multiprocessing.connection import Connection, wait
 from typing import Any, Final, NoReturn
 
@@ -116,6 +121,58 @@ def preload(modules: list[str]) -> None:
     _CONTEXT.set_forkserver_preload([COLLECTOR_OFF, *modules])
 
 
+def start_fork_server(modules: list[str]) -> None:
+    """Start the fork server now, with `modules` (`preload`'s), forked from this process rather
+    than started as a fresh interpreter. It imports them then, as a fresh one would; what this
+    process has imported already it has for nothing: `omni serve` as the tests run it is forked
+    from a server that imported every stage's modules (tests/forked.py), and its fork server
+    then imports nothing, where it spent about 5 s of CPU a serve. Called before this process
+    starts any thread (a fork copies only the caller's) or opens anything its children must not
+    hold: `omni serve`'s first step. What it sets is what multiprocessing's `ensure_running`
+    would (`multiprocessing.forkserver._forkserver`'s address, alive pipe and pid, as in
+    CPython 3.11); where this interpreter keeps them otherwise, or has the server authenticate
+    its callers, `preload` alone: multiprocessing starts it afresh."""
+    preload(modules)
+    server: Any = getattr(forkserver, "_forkserver", None)
+    kept = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
+    if not all(hasattr(server, a) for a in kept) or hasattr(server, "_forkserver_authkey"):
+        return
+    if server._forkserver_pid is not None:
+        return
+    assert threading.active_count() == 1, "the fork server is forked before any thread starts"
+    resource_tracker.ensure_running()  # the children's, shared through the server as multiprocessing does
+    with socket.socket(socket.AF_UNIX) as listener:
+        address = connection.arbitrary_address("AF_UNIX")  # type: ignore[attr-defined]
+        listener.bind(address)
+        if not util.is_abstract_socket_namespace(address):  # type: ignore[attr-defined]
+            os.chmod(address, 0o600)
+        listener.listen()
+        alive_r, alive_w = os.pipe()  # the server ends when every holder of alive_w has
+        for stream in (sys.stdout, sys.stderr):  # or what they hold is written again by the children
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(alive_w)
+            _serve_forks(listener.fileno(), alive_r, [COLLECTOR_OFF, *modules])
+        os.close(alive_r)
+    server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def _serve_forks(listener: int, alive_r: int, modules: list[str]) -> NoReturn:
+    """The forked fork server: multiprocessing's own loop, until the last holder of the alive
+    pipe has gone (it then raises SystemExit), without this process's teardown."""
+    code = 1
+    try:
+        setproctitle.setproctitle("omni: fork server")
+        forkserver.main(listener, alive_r, modules)
+    except SystemExit:
+        code = 0
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
 def settle_forked_child(env: dict[str, str]) -> None:
     """What a process forked from a fork server does first, to run as the same program started
     on its own with `env` as its environment (this module's children; the tests' `omni stage`
@@ -133,6 +190,9 @@ def settle_forked_child(env: dict[str, str]) -> None:
     for k in os.environ.keys() - env.keys():
         del os.environ[k]
     os.environ.update(env)
+    # What the server derived from its own environment: tempfile's directory (TMPDIR), read
+    # again at its next use (the server's imports had it read).
+    tempfile.tempdir = None
     # Forkserver would otherwise become this process's default start method and keep
     # libraries' semaphores named until exit.
     mp.set_start_method(None, force=True)

@@ -4,11 +4,15 @@ death, shutdown, and the environment and title each child has."""
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import subprocess
+import sys
+import tempfile
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -23,6 +27,7 @@ from omni_pipeline.lifecycle import (
     preload,
     stop_fork_server,
 )
+from tests.helpers import ROOT, wait_for
 
 
 def ready_then_wait(ready: Callable[[dict[str, Any]], None], tag: str) -> None:
@@ -47,6 +52,33 @@ def leave_a_grandchild(ready: Callable[[dict[str, Any]], None]) -> None:
 def report_collector(ready: Callable[[dict[str, Any]], None]) -> None:
     ready({"enabled": gc.isenabled(), "frozen": gc.get_freeze_count()})
     threading.Event().wait()
+
+
+def report_modules(ready: Callable[[dict[str, Any]], None], names: list[str]) -> None:
+    server = psutil.Process().parent()
+    imported = [n for n in names if n in sys.modules]
+    ready(
+        {
+            "imported": imported,
+            "server": [server.pid, " ".join(server.cmdline()).strip(), server.ppid()],
+            "tmp": tempfile.gettempdir(),
+        }
+    )
+    threading.Event().wait()
+
+
+FORKS_ITS_SERVER = """
+import json, sys, tempfile, wave
+from omni_pipeline.lifecycle import ManagedProcess, start_fork_server
+from tests.integration.test_lifecycle import report_modules
+tempfile.gettempdir()  # read here, before the server is forked: the child reads its own again
+start_fork_server(["colorsys"])
+p = ManagedProcess("child", report_modules, (["wave", "colorsys"],), env={"TMPDIR": sys.argv[1]})
+try:
+    print(json.dumps(p.wait_ready(60)))
+finally:
+    p.shutdown()
+"""
 
 
 def fail_at_startup(ready: Callable[[dict[str, Any]], None]) -> None:
@@ -138,6 +170,27 @@ def test_a_child_has_its_callers_environment_of_now_and_names_itself(monkeypatch
         first.shutdown()
     assert info["env"] == {"OMNI_TEST_LATER": "set after the fork server started", "OMNI_TEST_OWN": "its own"}
     assert info["title"] == "omni: test child"
+
+
+def test_a_fork_server_forked_from_its_caller_has_what_it_imported(tmp_path: Path) -> None:
+    """`omni serve`'s: forked from the supervisor before it starts anything (a fresh process
+    here, as the command line starts it), it has what the supervisor imported, imports what
+    it is given, titles itself, and ends with its caller. A child gets its caller's TMPDIR,
+    not the directory the server had read."""
+    out = subprocess.run(
+        [sys.executable, "-c", FORKS_ITS_SERVER, str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    info = json.loads(out.stdout.splitlines()[-1])
+    pid, title, parent = info["server"]
+    assert info["imported"] == ["wave", "colorsys"] and title == "omni: fork server"
+    assert info["tmp"] == str(tmp_path)
+    wait_for(lambda: not psutil.pid_exists(pid), 30, "the fork server to end with its caller")
+    assert parent != os.getpid()  # the caller's, not this one's
 
 
 def test_a_child_collects_its_garbage_with_what_it_inherited_frozen() -> None:

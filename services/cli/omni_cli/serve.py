@@ -35,7 +35,7 @@ from omni_pipeline.lifecycle import (
     LifecycleEvent,
     ManagedProcess,
     ProcState,
-    preload,
+    start_fork_server,
     stop_fork_server,
 )
 from omni_pipeline.placement import VISIBLE_DEVICES_ENV, PlacementError, place, uses_gpus, visible_gpus
@@ -114,7 +114,7 @@ class Supervisor:
 
     def run(self) -> int:
         setproctitle(f"omni: supervisor {self.pipeline.name}")
-        preload(stage_modules({s.engine.kind for s in self.pipeline.spec.stages}) + GATEWAY_MODULES)
+        start_fork_server(stage_modules({s.engine.kind for s in self.pipeline.spec.stages}) + GATEWAY_MODULES)
 
         def on_signal(signum: int, _frame: object) -> None:
             # Only a word to the loop (or the startup wait), which stops everything in order.
