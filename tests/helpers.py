@@ -290,9 +290,9 @@ def shm_segments_in_use(prefix: str = SHM_SESSION) -> list[str]:
 
 
 class OmniProcess:
-    """An `omni ...` process in its own process group, with its output in a log file: `omni stage`
-    and `omni gateway` forked from a server that has imported them (tests.forked), the others
-    started afresh."""
+    """An `omni ...` process in its own process group, with its output in a log file: `omni stage`,
+    `omni gateway` and `omni serve` forked from a server that has imported them (tests.forked),
+    the others started afresh."""
 
     def __init__(self, args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> None:
         n = 1
@@ -331,8 +331,10 @@ class OmniProcess:
             raise AssertionError(f"{exc}\n--- log ---\n{self.output()[-3000:]}") from None
 
     def interrupt_group(self) -> None:
-        """Ctrl-C as a terminal sends it: SIGINT to the whole process group."""
-        os.killpg(self.proc.pid, signal.SIGINT)
+        """Ctrl-C as a terminal sends it: SIGINT to the whole process group (none, once all of it
+        has exited)."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGINT)
 
     def terminate(self) -> None:
         """SIGTERM, once (a second would stop it without draining); `stop` waits for it."""
