@@ -1,10 +1,11 @@
-"""`omni stage`, `omni gateway` and `omni serve` for the tests, forked from a server that has
-imported them once, as `omni serve` forks its stages (omni_pipeline.lifecycle): a fresh
+"""`omni stage`, `omni gateway`, `omni serve` and `omni bench` for the tests, forked from a
+server that has imported them once, as `omni serve` forks its stages (omni_pipeline.lifecycle): a fresh
 interpreter spends 2-3 s of CPU importing torch, transformers and the service before its first
 line, and the suite starts well over a hundred of them. A forked `omni serve` forks its own
 fork server from itself (`lifecycle.start_fork_server`), which then has every module its
 stages import already: one forked from a fresh `omni serve` spent 3-6 s of CPU importing them,
-and the suite serves some forty times (the benchmarks start theirs afresh, as users do).
+and the suite serves some forty times (the benchmarks, forked too, start theirs afresh, as
+users do).
 What runs is the command line's own `main` with the test's arguments, working directory,
 environment (the test's, none of the server's) and log file, in a process group of its own,
 as `subprocess.Popen(..., start_new_session=True)` would run it. Every module an omni process
@@ -42,17 +43,17 @@ _STARTED_S: Final = 30
 _LIVE: Final[set[ForkedProcess]] = set()
 
 
-def _run(argv: list[str], cwd: str, env: dict[str, str], log: str, started: Connection) -> None:
-    """The child: its own session, the caller's directory and environment, its output to `log`,
-    then `omni ARGV`'s main; its return is the exit status."""
+def _run(argv: list[str], cwd: str, env: dict[str, str], log: str, stdout: str, started: Connection) -> None:
+    """The child: its own session, the caller's directory and environment, its output to `log`
+    (standard output to `stdout`), then `omni ARGV`'s main; its return is the exit status."""
     settle_forked_child(env)
     os.setsid()
     os.chdir(cwd)
     sys.path.insert(0, cwd)  # as `python -m omni_cli.main` run there has it
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    for path, to in ((stdout, 1), (log, 2)):  # both appended to: one file, if they are the same
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        os.dup2(fd, to)
+        os.close(fd)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
     started.send(os.getpid())
@@ -66,12 +67,15 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], log: str, started: Conn
 class ForkedProcess:
     """What the tests use of `subprocess.Popen`, for an `omni` command forked from the server."""
 
-    def __init__(self, argv: list[str], cwd: Path, env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self, argv: list[str], cwd: Path, env: dict[str, str], log: Path, stdout: Path | None = None
+    ) -> None:
         self.args = argv
         preload(PRELOAD)  # read when the server starts: the first child
         reader, writer = _CONTEXT.Pipe(duplex=False)
+        out = str(stdout or log)
         self._process = _CONTEXT.Process(
-            target=_run, args=(argv, str(cwd), env, str(log), writer), name=f"omni {argv[0]}"
+            target=_run, args=(argv, str(cwd), env, str(log), out, writer), name=f"omni {argv[0]}"
         )
         self._process.start()
         writer.close()
