@@ -1,17 +1,16 @@
 """`omni stage`, `omni gateway`, `omni serve` and `omni bench` for the tests, forked from a
-server that has imported them once, as `omni serve` forks its stages (omni_pipeline.lifecycle): a fresh
-interpreter spends 2-3 s of CPU importing torch, transformers and the service before its first
-line, and the suite starts well over a hundred of them. A forked `omni serve` forks its own
-fork server from itself (`lifecycle.start_fork_server`), which then has every module its
-stages import already: one forked from a fresh `omni serve` spent 3-6 s of CPU importing them,
-and the suite serves some forty times (the benchmarks, forked too, start theirs afresh, as
-users do).
-What runs is the command line's own `main` with the test's arguments, working directory,
-environment (the test's, none of the server's) and log file, in a process group of its own,
-as `subprocess.Popen(..., start_new_session=True)` would run it. Every module an omni process
-imports reads the environment when called, never at import (tempfile's directory, which the
-imports read, is forgotten: `lifecycle.settle_forked_child`): that is what lets `omni serve`
-fork its stages this way too."""
+server that has imported them once, as `omni serve` forks its stages (omni_pipeline.lifecycle):
+a fresh interpreter spends 2-3 s of CPU importing torch, transformers and the service before
+its first line, and the suite starts well over a hundred of them. A forked `omni serve` forks
+its own fork server from itself (`lifecycle.start_fork_server`), which then has every module
+its stages import already: one forked from a fresh `omni serve` spent 3-6 s of CPU importing
+them, and the suite serves some forty times (the benchmarks, forked too, start theirs afresh,
+as users do). What runs is the command line's own `main` with the test's arguments, working
+directory, environment (the test's, none of the server's) and log file, in a process group of
+its own, as `subprocess.Popen(..., start_new_session=True)` would run it. Every module an omni
+process imports reads the environment when called, never at import (tempfile's directory,
+which the imports read, is forgotten: `lifecycle.settle_forked_child`): that is what lets
+`omni serve` fork its stages this way too."""
 
 from __future__ import annotations
 
