@@ -150,19 +150,25 @@ def start_fork_server(modules: list[str]) -> None:
         alive_r, alive_w = os.pipe()  # the server ends when every holder of alive_w has
         for stream in (sys.stdout, sys.stderr):  # or what they hold is written again by the children
             stream.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
             os.close(alive_w)
-            _serve_forks(listener.fileno(), alive_r, [COLLECTOR_OFF, *modules])
+            _serve_forks(listener.fileno(), alive_r, [COLLECTOR_OFF, *modules], parent)
         os.close(alive_r)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
 
 
-def _serve_forks(listener: int, alive_r: int, modules: list[str]) -> NoReturn:
+def _serve_forks(listener: int, alive_r: int, modules: list[str], parent: int) -> NoReturn:
     """The forked fork server: multiprocessing's own loop, until the last holder of the alive
-    pipe has gone (it then raises SystemExit), without this process's teardown."""
+    pipe has gone (it then raises SystemExit), without this process's teardown. It ends with
+    the supervisor, however that ends: every child holds the alive pipe too, so a supervisor
+    killed by SIGKILL (or the OOM killer) left the server and with it every stage running."""
     code = 1
     try:
+        die_with_parent()  # and its children with it (theirs is the server)
+        if os.getppid() != parent:
+            raise SystemExit  # the supervisor died before that took hold
         setproctitle.setproctitle("omni: fork server")
         forkserver.main(listener, alive_r, modules)
     except SystemExit:

@@ -81,6 +81,25 @@ finally:
 """
 
 
+def ended(pid: int) -> bool:
+    """Gone, or a zombie whoever it was left to has not reaped yet."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+SERVES_UNTIL_KILLED = """
+import json, threading
+from omni_pipeline.lifecycle import ManagedProcess, start_fork_server
+from tests.integration.test_lifecycle import ready_then_wait
+start_fork_server([])
+p = ManagedProcess("child", ready_then_wait, ("a",))
+print(json.dumps(p.wait_ready(60)), flush=True)
+threading.Event().wait()
+"""
+
+
 def fail_at_startup(ready: Callable[[dict[str, Any]], None]) -> None:
     raise ValueError("model directory not found")
 
@@ -189,8 +208,26 @@ def test_a_fork_server_forked_from_its_caller_has_what_it_imported(tmp_path: Pat
     pid, title, parent = info["server"]
     assert info["imported"] == ["wave", "colorsys"] and title == "omni: fork server"
     assert info["tmp"] == str(tmp_path)
-    wait_for(lambda: not psutil.pid_exists(pid), 30, "the fork server to end with its caller")
+    wait_for(lambda: ended(pid), 30, "the fork server to end with its caller")
     assert parent != os.getpid()  # the caller's, not this one's
+
+
+def test_a_supervisor_killed_takes_its_fork_server_and_children_with_it() -> None:
+    """SIGKILL (or the OOM killer) of the process that forked the fork server: the server gets
+    SIGTERM from Linux, and its children theirs from it. Every child holds the server's alive
+    pipe, so the server alone would have outlived its supervisor, and every stage with it."""
+    caller = subprocess.Popen(
+        [sys.executable, "-c", SERVES_UNTIL_KILLED], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert caller.stdout is not None
+        child = psutil.Process(json.loads(caller.stdout.readline())["pid"])
+        server = child.parent()
+        assert server is not None and server.ppid() == caller.pid
+    finally:
+        caller.kill()
+        caller.wait(10)
+    wait_for(lambda: ended(server.pid) and ended(child.pid), 30, "the fork server and its child to end")
 
 
 def test_a_child_collects_its_garbage_with_what_it_inherited_frozen() -> None:
