@@ -181,8 +181,8 @@ def _serve_forks(listener: int, alive_r: int, modules: list[str], parent: int) -
 
 def settle_forked_child(env: dict[str, str]) -> None:
     """What a process forked from a fork server does first, to run as the same program started
-    on its own with `env` as its environment (this module's children; the tests' `omni stage`
-    and `omni gateway`, tests/forked.py)."""
+    on its own with `env` as its environment (this module's children; the `omni` commands the
+    tests fork, tests/forked.py)."""
     # What the fork server imported (torch, transformers: some 400k objects) lives as long as
     # this process: out of the collector's sight, or every full collection walks all of it
     # again (0.2 s each, several while a stage loads) and writes to every page it shares. The
