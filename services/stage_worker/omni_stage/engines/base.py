@@ -315,20 +315,25 @@ class ComputeEngine(Engine):
         except ValueError as exc:
             raise EngineError(f"stage '{self.stage.name}': engine.args.{exc}") from None
 
+    def _keep(self, st: Any) -> None:
+        """Keep what request state `st` made for its prompt cache key's next request (`st.key`;
+        what, if anything: the engines that keep conversations say)."""
+        raise NotImplementedError
+
     @contextlib.contextmanager
-    def _keeping_if_cut(self, keep: Callable[[], None], key: Callable[[], str | None]) -> Iterator[None]:
-        """Around a request's steps: cut short (its task cancelled, a barge-in; or closed), it
-        calls `keep` (`_after_compute`), when the request's cache is whole again; `keep` says
-        what, if anything, is kept. Until then a request of the same prompt cache key (`key()`
-        at the cut) waits to take it (PromptCaches.cut_mid_step)."""
+    def _keeping_if_cut(self, st: Any) -> Iterator[None]:
+        """Around the steps of a request (state `st`): cut short (its task cancelled, a
+        barge-in; or closed), it calls `_keep(st)` (`_after_compute`), when the request's cache
+        is whole again. Until then a request of the same prompt cache key (`st.key` at the cut)
+        waits to take it (PromptCaches.cut_mid_step)."""
         try:
             yield
         except (asyncio.CancelledError, GeneratorExit):
-            cut = key()
+            cut = st.key
             settled = (
                 None if cut is None or self.prompt_caches is None else self.prompt_caches.cut_mid_step(cut)
             )
-            self._after_compute(keep, settled)
+            self._after_compute(lambda: self._keep(st), settled)
             raise
 
     def _after_compute(self, then: Callable[[], None], settled: Callable[[], None] | None = None) -> None:

@@ -165,7 +165,7 @@ class TransformersEngine(ComputeEngine):
         reply, tools, sampler = st.reply, st.tools, st.sampler
         assert sampler is not None  # set on the first call, above
         st.key = key if "request" in call.inputs else None
-        with self._keeping_if_cut(lambda: self._keep(st), lambda: st.key):  # a barge-in: what it made is kept
+        with self._keeping_if_cut(st):  # a barge-in: what it made is kept
             for i in range(budget):
                 step = LMStep(st, feed_ids, feed_embeds, sampler)
                 choice, hidden = await self.batcher.submit(self.steps.key(step), step)

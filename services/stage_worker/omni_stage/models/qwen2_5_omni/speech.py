@@ -112,7 +112,7 @@ class Talker(SlotPart):
 
     async def generate(self, call: EngineCall) -> AsyncIterator[EngineOutput]:
         st = call.kept(_Speaking)
-        with self._keeping_if_cut(lambda: self._keep(st), lambda: st.key):  # a barge-in: what it made is kept
+        with self._keeping_if_cut(st):  # a barge-in: what it made is kept
             self._take(st, call.inputs)
             budget = call.sampling.max_tokens or TALKER_MAX_CODES
             if st.slot is None and not st.done:

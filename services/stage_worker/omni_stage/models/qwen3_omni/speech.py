@@ -134,7 +134,7 @@ class Qwen3Talker(SlotPart):
         st = call.kept(Speaking)
         self._take(st, call.inputs)
         budget = call.sampling.max_tokens or TALKER_MAX_CODES
-        with self._keeping_if_cut(lambda: self._keep(st), lambda: st.key):  # a barge-in: what it made is kept
+        with self._keeping_if_cut(st):  # a barge-in: what it made is kept
             if st.slot is None and not st.done:
                 if st.prompt_ids is None or not st.reply:
                     return  # the prefill needs the first reply token's embedding, which comes with the second

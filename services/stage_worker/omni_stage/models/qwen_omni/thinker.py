@@ -142,7 +142,7 @@ class Thinker(SlotPart):
         )
         text = ReplyText.for_request(self.tokenizer, call.sampling)
         feed = ids
-        with self._keeping_if_cut(lambda: self._keep(st), lambda: st.key):  # a barge-in: what it made is kept
+        with self._keeping_if_cut(st):  # a barge-in: what it made is kept
             for s in range(budget):
                 # Decode steps of concurrent requests run together, and prompts alike (ThinkerSteps.key).
                 step = NextForward(st, feed, sampler, prompt)
