@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
+import hashlib
 import itertools
+import tempfile
 import threading
 import uuid
 from pathlib import Path
@@ -256,8 +258,18 @@ def _selects(selector: str, obj: dict[str, Any]) -> bool:
     return True
 
 
+def discovery_cache(url: str) -> Path:
+    """Where the kubernetes client's dynamic discovery caches what the server at `url` serves
+    (kubernetes.dynamic.discovery: the temporary directory, a file named by the URL's hash).
+    Every DynamicClient of the server writes it, the test's and the operator's alike; each
+    server's port is new, so the file would be left behind by every test that starts one."""
+    name = hashlib.md5(url.encode(), usedforsecurity=False).hexdigest()
+    return Path(tempfile.gettempdir()) / f"osrcp-{name}.json"
+
+
 class ApiServerThread:
-    """Runs an `ApiServer` on 127.0.0.1 in a thread with its own event loop; writes a kubeconfig."""
+    """Runs an `ApiServer` on 127.0.0.1 in a thread with its own event loop; writes a kubeconfig.
+    On exit it also removes what its clients cached of it (`discovery_cache`)."""
 
     def __init__(self, kubeconfig: Path) -> None:
         self.kubeconfig = kubeconfig
@@ -288,6 +300,8 @@ class ApiServerThread:
         if self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(30)
+        if self.url:
+            discovery_cache(self.url).unlink(missing_ok=True)
 
     def versions(self, resource: str, namespace: str, name: str) -> list[dict[str, Any]]:
         """Every version an object has had, oldest first (`resource`: "apps/v1/deployments"):

@@ -19,7 +19,7 @@ from omni_operator.cluster import FIELD_MANAGER
 from omni_operator.handlers import IMAGE_ENV, METRICS_PORT_ENV, RESYNC_ENV
 from omni_operator.render import CONFIG_HASH_ANNOTATION
 from tests.helpers import ROOT, metric, metric_families, wait_for
-from tests.kube_api import PIPELINE_API, ApiServerThread, Kube, pipeline_body
+from tests.kube_api import PIPELINE_API, ApiServerThread, Kube, discovery_cache, pipeline_body
 
 IMAGE = "registry.example/omni:test"
 METRICS_PORT = free_port()
@@ -39,6 +39,10 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
         with KopfRunner(args, timeout=60) as runner:
             yield Kube(kubeconfig, server)
         assert runner.exception is None, runner.output
+        assert discovery_cache(
+            server.url
+        ).exists()  # what the server's exit removes is where the clients wrote
+    assert not discovery_cache(server.url).exists()
 
 
 def children(kube: Kube, ns: str) -> dict[str, set[str]]:
