@@ -112,6 +112,7 @@ def die_with_parent(sig: int = signal.SIGTERM) -> None:
 
 _CONTEXT: Final = mp.get_context("forkserver")
 COLLECTOR_OFF: Final = "omni_pipeline.collector_off"
+ENDS_WITH_PARENT: Final = "omni_pipeline.ends_with_parent"
 
 
 def preload(modules: list[str]) -> None:
@@ -131,12 +132,13 @@ def start_fork_server(modules: list[str]) -> None:
     hold: `omni serve`'s first step. What it sets is what multiprocessing's `ensure_running`
     would (`multiprocessing.forkserver._forkserver`'s address, alive pipe and pid, as in
     CPython 3.11); where this interpreter keeps them otherwise, or has the server authenticate
-    its callers, `preload` alone: multiprocessing starts it afresh."""
-    preload(modules)
+    its callers (a newer CPython), `spawn_fork_server`: multiprocessing starts it afresh, now."""
     server: Any = getattr(forkserver, "_forkserver", None)
     kept = ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid")
     if not all(hasattr(server, a) for a in kept) or hasattr(server, "_forkserver_authkey"):
+        spawn_fork_server(modules)
         return
+    preload(modules)
     if server._forkserver_pid is not None:
         return
     assert threading.active_count() == 1, "the fork server is forked before any thread starts"
@@ -157,6 +159,17 @@ def start_fork_server(modules: list[str]) -> None:
             _serve_forks(listener.fileno(), alive_r, [COLLECTOR_OFF, *modules], parent)
         os.close(alive_r)
     server._forkserver_address, server._forkserver_alive_fd, server._forkserver_pid = address, alive_w, pid
+
+
+def spawn_fork_server(modules: list[str]) -> None:
+    """Start multiprocessing's own fork server now, a fresh interpreter that imports `modules`
+    (`preload`'s) and ends with this process (`omni_pipeline.ends_with_parent`):
+    `start_fork_server` where it cannot fork one. Now, from the main thread: Linux signals the
+    end of the thread that started the server, not of its process, and multiprocessing would
+    start it from whichever thread first started a child."""
+    assert threading.current_thread() is threading.main_thread(), "the fork server's parent thread must last"
+    _CONTEXT.set_forkserver_preload([COLLECTOR_OFF, ENDS_WITH_PARENT, *modules])
+    forkserver.ensure_running()
 
 
 def _serve_forks(listener: int, alive_r: int, modules: list[str], parent: int) -> NoReturn:

@@ -3,6 +3,7 @@ death, shutdown, and the environment and title each child has."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -91,9 +92,9 @@ def ended(pid: int) -> bool:
 
 SERVES_UNTIL_KILLED = """
 import json, threading
-from omni_pipeline.lifecycle import ManagedProcess, start_fork_server
+from omni_pipeline.lifecycle import ManagedProcess, spawn_fork_server, start_fork_server
 from tests.integration.test_lifecycle import ready_then_wait
-start_fork_server([])
+{start}([])
 p = ManagedProcess("child", ready_then_wait, ("a",))
 print(json.dumps(p.wait_ready(60)), flush=True)
 threading.Event().wait()
@@ -212,12 +213,18 @@ def test_a_fork_server_forked_from_its_caller_has_what_it_imported(tmp_path: Pat
     assert parent != os.getpid()  # the caller's, not this one's
 
 
-def test_a_supervisor_killed_takes_its_fork_server_and_children_with_it() -> None:
-    """SIGKILL (or the OOM killer) of the process that forked the fork server: the server gets
+@pytest.mark.parametrize("start", ["start_fork_server", "spawn_fork_server"])
+def test_a_supervisor_killed_takes_its_fork_server_and_children_with_it(start: str) -> None:
+    """SIGKILL (or the OOM killer) of the process that started the fork server: the server gets
     SIGTERM from Linux, and its children theirs from it. Every child holds the server's alive
-    pipe, so the server alone would have outlived its supervisor, and every stage with it."""
+    pipe, so the server alone would have outlived its supervisor, and every stage with it. The
+    same where multiprocessing starts the server, a fresh interpreter (`spawn_fork_server`: what
+    `start_fork_server` falls back to on a Python that keeps its server otherwise)."""
     caller = subprocess.Popen(
-        [sys.executable, "-c", SERVES_UNTIL_KILLED], cwd=ROOT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", SERVES_UNTIL_KILLED.format(start=start)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     try:
         assert caller.stdout is not None
@@ -227,7 +234,12 @@ def test_a_supervisor_killed_takes_its_fork_server_and_children_with_it() -> Non
     finally:
         caller.kill()
         caller.wait(10)
-    wait_for(lambda: ended(server.pid) and ended(child.pid), 30, "the fork server and its child to end")
+    try:
+        wait_for(lambda: ended(server.pid) and ended(child.pid), 30, "the fork server and its child to end")
+    finally:  # a failure leaves nothing running either
+        for left in (child, server):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                left.kill()
 
 
 def test_a_child_collects_its_garbage_with_what_it_inherited_frozen() -> None:
