@@ -170,6 +170,9 @@ def spawn_fork_server(modules: list[str]) -> None:
     assert threading.current_thread() is threading.main_thread(), "the fork server's parent thread must last"
     _CONTEXT.set_forkserver_preload([COLLECTOR_OFF, ENDS_WITH_PARENT, *modules])
     forkserver.ensure_running()
+    # A server that dies is started again by whichever thread starts a child next, which may
+    # end before the process: that one is not tied to its parent thread's end.
+    preload(modules)
 
 
 def _serve_forks(listener: int, alive_r: int, modules: list[str], parent: int) -> NoReturn:
