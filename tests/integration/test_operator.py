@@ -39,10 +39,9 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
         with KopfRunner(args, timeout=60) as runner:
             yield Kube(kubeconfig, server)
         assert runner.exception is None, runner.output
-        assert discovery_cache(
-            server.url
-        ).exists()  # what the server's exit removes is where the clients wrote
-    assert not discovery_cache(server.url).exists()
+        cache = discovery_cache(server.url)
+        assert cache.exists()  # the server's exit removes what its clients wrote, not another file
+    assert not cache.exists()
 
 
 def children(kube: Kube, ns: str) -> dict[str, set[str]]:
