@@ -174,6 +174,81 @@ def test_dummy_weights_are_small_seeded_and_speak(family: ModuleType, example: s
     assert sum(units) == 6 and codes.shape[0] > 0
 
 
+def _weights(*modules: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [(k, v) for m in modules for k, v in m.state_dict().items()]
+
+
+def _same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) -> bool:
+    return [k for k, _ in a] == [k for k, _ in b] and all(
+        torch.equal(x, y) for (_, x), (_, y) in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("family", "example"),
+    [(qwen3_omni, "qwen3-omni.yaml"), (qwen2_5_omni, "qwen2.5-omni.yaml")],
+    ids=["qwen3-omni", "qwen2.5-omni"],
+)
+def test_random_weights_written_are_what_dummy_builds(
+    family: ModuleType, example: str, tmp_path: Path
+) -> None:
+    """`omni models init-random`'s checkpoint (at the demo's sizes here: the real ones take tens
+    of GB, never in CI) is laid out as the released one, safetensors shards and their index
+    (Qwen3-Omni's experts each apart, as its files have them); each stage reads from it through
+    the real loading code (`loadFormat: auto`) the very weights `loadFormat: dummy` builds. (A
+    talker's TTS rows of the thinker's table are the one thing dummy draws apart.)"""
+    sizes = dataclasses.replace(family.TINY, thinker_vocab=152064)
+    model = family.write_random(tmp_path / "q", dtype=torch.float32, shard="4MB", sizes=sizes)
+    index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
+    assert len(set(index.values())) > 1 and all((model / f).exists() for f in index.values())
+    assert (family is qwen2_5_omni) or "talker.model.layers.0.mlp.experts.0.up_proj.weight" in index
+
+    async def go() -> list[bool]:
+        same = []
+        for name in ("thinker", "talker", "code2wav"):
+            built = [
+                stage_engine(ROOT / "examples" / example, name, model, 1, loadFormat=f)
+                for f in ("auto", "dummy")
+            ]
+            for e in built:
+                await e.start()
+            same.append(_same(*(_weights(e.model) for e in built)))  # type: ignore[attr-defined]
+            for e in built:
+                await e.close()
+        return same
+
+    assert asyncio.run(go()) == [True, True, True]
+
+
+def test_qwen3_tts_random_weights_written_are_what_dummy_builds(tmp_path: Path) -> None:
+    """The same for a Qwen3-TTS Base release: model.safetensors and speech_tokenizer/'s, each
+    stage's modules (the talker, the decoder, and what clones a voice) read as dummy builds them."""
+    model = qwen3_tts.write_random(
+        tmp_path / "q", "qwen3-tts-0.6b-base", dtype=torch.float32, sizes=qwen3_tts.TINY
+    )
+    assert (model / "model.safetensors").exists() and (
+        model / "speech_tokenizer" / "model.safetensors"
+    ).exists()
+    example = ROOT / "examples" / "qwen3-tts.yaml"
+
+    async def go() -> list[bool]:
+        same = []
+        for name in ("talker", "code2wav"):
+            built = [stage_engine(example, name, model, 1, loadFormat=f) for f in ("auto", "dummy")]
+            for e in built:
+                await e.start()
+            modules = [
+                [e.model, *((e.cloner.speaker, e.cloner.speech) if name == "talker" else ())]  # type: ignore[attr-defined]
+                for e in built
+            ]
+            same.append(_same(*(_weights(*m) for m in modules)))
+            for e in built:
+                await e.close()
+        return same
+
+    assert asyncio.run(go()) == [True, True]
+
+
 def test_an_unknown_load_format_is_refused_by_name(tmp_path: Path) -> None:
     model = _tiny(qwen3_omni, tmp_path)
     with pytest.raises(EngineError, match=r"loadFormat must be one of auto, dummy; got 'random'"):
@@ -196,9 +271,10 @@ def test_omni_models_writes_a_config_only_checkpoint(tmp_path: Path, model: str,
     assert all((tmp_path / "q" / f).exists() for f in ["config.json", *files])
 
 
-def test_omni_models_names_the_models_it_knows(tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["init-config-only", "init-random"])
+def test_omni_models_names_the_models_it_knows(tmp_path: Path, command: str) -> None:
     out = subprocess.run(
-        [*OMNI, "models", "init-config-only", "qwen3-tts-7b", str(tmp_path / "q")],
+        [*OMNI, "models", command, "qwen3-tts-7b", str(tmp_path / "q")],
         capture_output=True,
         text=True,
         timeout=120,

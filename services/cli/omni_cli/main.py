@@ -98,22 +98,46 @@ def cmd_init_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_init_config_only(a: argparse.Namespace) -> int:
+    return _write_real_sized(a, weights=False)
+
+
+def cmd_init_random(a: argparse.Namespace) -> int:
+    return _write_real_sized(a, weights=True)
+
+
+def _write_real_sized(a: argparse.Namespace, weights: bool) -> int:
+    """`omni models init-config-only` (`weights` false) and `init-random`: a real-sized checkpoint
+    of `a.model`, with or without its weights."""
+    import torch
+
     from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
     from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
     from omni_stage.models.qwen3_tts import checkpoint as qwen3_tts
 
     omni = {"qwen3-omni": qwen3_omni, "qwen2.5-omni": qwen2_5_omni}
-    if a.model in qwen3_tts.RELEASES:
-        path = qwen3_tts.write_config_only(Path(a.dir), a.model)
-    elif a.model in omni:
-        path = omni[a.model].write_config_only(Path(a.dir))
-    else:
+    path = Path(a.dir)
+    if a.model not in omni and a.model not in qwen3_tts.RELEASES:
         print(
             f"omni: unknown model {a.model!r}: one of {', '.join([*omni, *qwen3_tts.RELEASES])}",
             file=sys.stderr,
         )
         return 2
-    print(f"{a.model}: {path} (serve with engine.args.loadFormat: dummy)")
+    if not weights:
+        if a.model in omni:
+            written = omni[a.model].write_config_only(path)
+        else:
+            written = qwen3_tts.write_config_only(path, a.model)
+        print(f"{a.model}: {written} (serve with engine.args.loadFormat: dummy)")
+        return 0
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"omni: --device {a.device}: this machine has no CUDA device", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, a.dtype)
+    if a.model in omni:
+        written = omni[a.model].write_random(path, a.device, dtype, a.max_shard_size)
+    else:
+        written = qwen3_tts.write_random(path, a.model, a.device, dtype)
+    print(f"{a.model}: {written} (random weights; serve with engine.args.loadFormat: auto)")
     return 0
 
 
@@ -227,6 +251,21 @@ def parser() -> argparse.ArgumentParser:
     )
     m.add_argument("dir")
     m.set_defaults(fn=cmd_init_config_only)
+    m = msub.add_parser(
+        "init-random",
+        help="the same checkpoint with random weights, written as the released files are (safetensors "
+        "shards): what loadFormat: dummy builds, read from disk by the real loading code (tens of GB)",
+    )
+    m.add_argument("model", help="as init-config-only's")
+    m.add_argument("dir")
+    m.add_argument(
+        "--device", default="cpu", help="where the weights are built (cuda: quicker, and as much memory)"
+    )
+    m.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    m.add_argument(
+        "--max-shard-size", default="5GB", help="the Omni models' shards (as transformers' save_pretrained)"
+    )
+    m.set_defaults(fn=cmd_init_random)
 
     s = sub.add_parser("crd", help="print the OmniPipeline CustomResourceDefinition (YAML)")
     s.set_defaults(fn=cmd_crd)

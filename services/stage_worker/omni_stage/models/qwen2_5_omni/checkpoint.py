@@ -36,6 +36,7 @@ from omni_stage.models.qwen_omni.checkpoint import (
     new_model,
     save_checkpoint,
     write_config_files,
+    write_dummy_weights,
 )
 from omni_stage.models.qwen_omni.checkpoint import Sizes as FamilySizes
 
@@ -345,3 +346,29 @@ def write_config_only(path: Path, sizes: Sizes = FULL_SIZE) -> Path:
     )
     _speakers(path, ids, sizes.speaker_dim, 5)
     return path
+
+
+def write_random(
+    path: Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    shard: str = "5GB",
+    sizes: Sizes = FULL_SIZE,
+) -> Path:
+    """`write_config_only`'s checkpoint with its weights, as Qwen2.5-Omni-7B's files hold them
+    (`omni models init-random`): those `loadFormat: dummy` builds, written in safetensors shards
+    (qwen_omni.checkpoint.write_dummy_weights). About 22 GB at bfloat16."""
+    from transformers import (
+        Qwen2_5OmniForConditionalGeneration,
+        Qwen2_5OmniTalkerForConditionalGeneration,
+        Qwen2_5OmniThinkerForConditionalGeneration,
+        Qwen2_5OmniToken2WavModel,
+    )
+
+    parts = {  # the classes the stages load (thinker.py, speech.py)
+        "thinker": (Qwen2_5OmniThinkerForConditionalGeneration, "thinker_config"),
+        "talker": (Qwen2_5OmniTalkerForConditionalGeneration, "talker_config"),
+        "token2wav": (Qwen2_5OmniToken2WavModel, "token2wav_config"),
+    }
+    write_config_only(path, sizes)
+    return write_dummy_weights(path, Qwen2_5OmniForConditionalGeneration, parts, device, dtype, shard)

@@ -35,6 +35,7 @@ from omni_stage.models.qwen_omni.checkpoint import (
     new_model,
     save_checkpoint,
     write_config_files,
+    write_dummy_weights,
 )
 from omni_stage.models.qwen_omni.checkpoint import VISION as QWEN2_5_VISION
 from omni_stage.models.qwen_omni.checkpoint import Sizes as FamilySizes
@@ -363,3 +364,33 @@ def write_config_only(path: Path, sizes: Sizes = FULL_SIZE) -> Path:
         path, _config(ids, len(tok), sizes), tok, ids, VISION, "Qwen3OmniMoeProcessor", CHAT_TEMPLATE
     )
     return path
+
+
+def write_random(
+    path: Path,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    shard: str = "5GB",
+    sizes: Sizes = FULL_SIZE,
+) -> Path:
+    """`write_config_only`'s checkpoint with its weights, as Qwen3-Omni-30B-A3B's files hold
+    them, each expert's apart (`omni models init-random`): those `loadFormat: dummy` builds,
+    written in safetensors shards (qwen_omni.checkpoint.write_dummy_weights). About 70 GB at
+    bfloat16, and as much memory on `device` while it is written."""
+    from transformers import (
+        Qwen3OmniMoeForConditionalGeneration,
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import Qwen3OmniMoeCode2Wav
+
+    from omni_stage.models.qwen3_omni.speech import register_talker_moe_conversion
+
+    register_talker_moe_conversion()  # its experts written apart, as loading fuses them
+    parts = {  # the classes the stages load (thinker.py, speech.py, code2wav.py)
+        "thinker": (Qwen3OmniMoeThinkerForConditionalGeneration, "thinker_config"),
+        "talker": (Qwen3OmniMoeTalkerForConditionalGeneration, "talker_config"),
+        "code2wav": (Qwen3OmniMoeCode2Wav, "code2wav_config"),
+    }
+    write_config_only(path, sizes)
+    return write_dummy_weights(path, Qwen3OmniMoeForConditionalGeneration, parts, device, dtype, shard)

@@ -69,7 +69,7 @@ class Qwen3Talker(SlotPart):
         return Qwen3OmniMoeTalkerForConditionalGeneration, self.config.talker_config
 
     def _load(self) -> None:
-        _register_talker_moe_conversion()
+        register_talker_moe_conversion()
         super()._load()
         c, t = self.config, self.config.talker_config
         # The talker's M-RoPE positions count an audio's tokens with the audio encoder's window,
@@ -203,7 +203,7 @@ class Qwen3Talker(SlotPart):
         return self.tts_row("tts_eos" if j + 1 == len(reply) else "tts_pad")
 
 
-def _register_talker_moe_conversion() -> None:
+def register_talker_moe_conversion() -> None:
     """Checkpoints store each expert's weights apart; transformers fuses them on load by the
     model's type, and has the conversion for the thinker's MoE text model and the whole
     model's, but none for the talker's text model, which it only loads inside the whole

@@ -388,6 +388,39 @@ def write_config_only(
     return path
 
 
+def write_random(
+    path: Path,
+    release: str = "qwen3-tts-1.7b-customvoice",
+    device: str = "cpu",
+    dtype: torch.dtype = torch.bfloat16,
+    sizes: Sizes | None = None,
+) -> Path:
+    """`write_config_only`'s checkpoint with its weights, laid out as the release's files are
+    (`omni models init-random`): model.safetensors (`talker.`; a Base model's `speaker_encoder.`
+    too) and speech_tokenizer/model.safetensors (`decoder.`; a Base model's `encoder.` too),
+    each module built as `loadFormat: dummy` builds it (loading.py), so that each stage reads
+    with `auto` the very weights it builds with `dummy`. The speech tokenizer in float32, as it
+    is loaded."""
+    from safetensors.torch import save_file
+
+    from omni_stage.models.qwen3_tts import loading
+
+    write_config_only(path, release, sizes)
+    on = torch.device(device)
+    model: dict[str, torch.nn.Module] = {"talker.": loading.load_talker(path, on, dtype, dummy=True)}
+    speech: dict[str, torch.nn.Module] = {"decoder.": loading.load_decoder(path, on, dummy=True)}
+    if RELEASES[release][1] == "base":
+        cloner = loading.load_cloner(path, on, dtype, dummy=True)
+        model["speaker_encoder."], speech["encoder."] = cloner.speaker, cloner.speech
+    for file, modules in (
+        (path / "model.safetensors", model),
+        (path / "speech_tokenizer" / "model.safetensors", speech),
+    ):
+        tensors = {p + k: v.contiguous().cpu() for p, m in modules.items() for k, v in m.state_dict().items()}
+        save_file(tensors, file, metadata={"format": "pt"})
+    return path
+
+
 def write_checkpoint(path: Path, variant: str = "custom_voice", seed: int = 0) -> Path:
     """A tiny Qwen3-TTS checkpoint of `variant` at `path`."""
     from safetensors.torch import save_file

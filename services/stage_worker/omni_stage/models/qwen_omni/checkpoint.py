@@ -103,6 +103,31 @@ def write_config_files(
     processor_files(path, vision, processor, template)
 
 
+def write_dummy_weights(
+    path: Path, whole: Any, parts: dict[str, tuple[Any, str]], device: str, dtype: torch.dtype, shard: str
+) -> Path:
+    """Into the config-only checkpoint at `path`, the weights `loadFormat: dummy` builds for each
+    part (`parts`: its name in the whole model, the transformers class its stage loads and the
+    sub-config's name), written as a released checkpoint holds them: the whole model's (`whole`,
+    its transformers class) safetensors shards of at most `shard` each, and their index. The
+    whole model is built on the meta device, so only the parts take memory, on `device`; and
+    transformers writes what it fuses at loading (the MoE experts) apart again, as the released
+    files have them. Each stage then reads with `loadFormat: auto` the very weights it builds
+    with `dummy`, through the real loading code."""
+    from transformers import GenerationConfig
+
+    from omni_stage.models.qwen_omni.parts import dummy_model
+
+    config = whole.config_class.from_pretrained(path)
+    with torch.device("meta"):
+        model = whole._from_config(config, dtype=dtype)
+    for name, (cls, sub) in parts.items():
+        setattr(model, name, dummy_model(cls, getattr(config, sub), torch.device(device), dtype))
+    model.generation_config = GenerationConfig.from_pretrained(path)  # the eos and pad written beside
+    model.save_pretrained(path, max_shard_size=shard)
+    return path
+
+
 @dataclass(frozen=True, slots=True)
 class Sizes:
     """A family's dimensions, tiny (its demo's) or its real model's: what both families' have;
