@@ -113,7 +113,8 @@ def write_dummy_weights(
     whole model is built on the meta device, so only the parts take memory, on `device`; and
     transformers writes what it fuses at loading (the MoE experts) apart again, as the released
     files have them. Each stage then reads with `loadFormat: auto` the very weights it builds
-    with `dummy`, through the real loading code."""
+    with `dummy`, through the real loading code (all but a talker's TTS rows of the thinker's
+    embedding table, which `dummy` draws apart)."""
     from transformers import GenerationConfig
 
     from omni_stage.models.qwen_omni.parts import dummy_model
