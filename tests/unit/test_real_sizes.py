@@ -284,3 +284,19 @@ def test_omni_models_names_the_models_it_knows(tmp_path: Path, command: str) -> 
         "unknown model 'qwen3-tts-7b': one of qwen3-omni, qwen2.5-omni, qwen3-tts-1.7b-customvoice"
         in out.stderr
     )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no CUDA device")
+def test_init_random_on_a_device_that_is_not_there_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before anything is written, and naming the option (not a traceback from deep in torch).
+    The command as its parser reads it (main's logging set-up left out of the tests' process)."""
+    from omni_cli.main import parser
+
+    a = parser().parse_args(
+        ["models", "init-random", "qwen3-tts-0.6b-base", str(tmp_path / "q"), "--device", "cuda"]
+    )
+    assert a.fn(a) == 2
+    assert "--device cuda: this machine has no CUDA device" in capsys.readouterr().err
+    assert not (tmp_path / "q").exists()
