@@ -184,6 +184,27 @@ def _same(a: list[tuple[str, torch.Tensor]], b: list[tuple[str, torch.Tensor]]) 
     )
 
 
+def _read_as_dummy_builds(example: Path, model: Path, stages: dict[str, Any]) -> list[bool]:
+    """For each stage of `example` (`stages`: its name, and what of its engine holds weights),
+    whether the engine reading `model` (`loadFormat: auto`) holds what the one building them
+    (`dummy`) holds, every tensor."""
+
+    async def go() -> list[bool]:
+        same = []
+        for name, modules in stages.items():
+            built = [stage_engine(example, name, model, 1, loadFormat=f) for f in ("auto", "dummy")]
+            try:
+                for e in built:
+                    await e.start()
+                same.append(_same(*(_weights(*modules(e)) for e in built)))
+            finally:
+                for e in built:
+                    await e.close()
+        return same
+
+    return asyncio.run(go())
+
+
 @pytest.mark.parametrize(
     ("family", "example"),
     [(qwen3_omni, "qwen3-omni.yaml"), (qwen2_5_omni, "qwen2.5-omni.yaml")],
@@ -203,21 +224,8 @@ def test_random_weights_written_are_what_dummy_builds(
     assert len(set(index.values())) > 1 and all((model / f).exists() for f in index.values())
     assert (family is qwen2_5_omni) or "talker.model.layers.0.mlp.experts.0.up_proj.weight" in index
 
-    async def go() -> list[bool]:
-        same = []
-        for name in ("thinker", "talker", "code2wav"):
-            built = [
-                stage_engine(ROOT / "examples" / example, name, model, 1, loadFormat=f)
-                for f in ("auto", "dummy")
-            ]
-            for e in built:
-                await e.start()
-            same.append(_same(*(_weights(e.model) for e in built)))  # type: ignore[attr-defined]
-            for e in built:
-                await e.close()
-        return same
-
-    assert asyncio.run(go()) == [True, True, True]
+    parts = dict.fromkeys(("thinker", "talker", "code2wav"), lambda e: [e.model])
+    assert _read_as_dummy_builds(ROOT / "examples" / example, model, parts) == [True, True, True]
 
 
 def test_qwen3_tts_random_weights_written_are_what_dummy_builds(tmp_path: Path) -> None:
@@ -229,24 +237,11 @@ def test_qwen3_tts_random_weights_written_are_what_dummy_builds(tmp_path: Path) 
     assert (model / "model.safetensors").exists() and (
         model / "speech_tokenizer" / "model.safetensors"
     ).exists()
-    example = ROOT / "examples" / "qwen3-tts.yaml"
-
-    async def go() -> list[bool]:
-        same = []
-        for name in ("talker", "code2wav"):
-            built = [stage_engine(example, name, model, 1, loadFormat=f) for f in ("auto", "dummy")]
-            for e in built:
-                await e.start()
-            modules = [
-                [e.model, *((e.cloner.speaker, e.cloner.speech) if name == "talker" else ())]  # type: ignore[attr-defined]
-                for e in built
-            ]
-            same.append(_same(*(_weights(*m) for m in modules)))
-            for e in built:
-                await e.close()
-        return same
-
-    assert asyncio.run(go()) == [True, True]
+    parts = {
+        "talker": lambda e: [e.model, e.cloner.speaker, e.cloner.speech],
+        "code2wav": lambda e: [e.model],
+    }
+    assert _read_as_dummy_builds(ROOT / "examples" / "qwen3-tts.yaml", model, parts) == [True, True]
 
 
 def test_an_unknown_load_format_is_refused_by_name(tmp_path: Path) -> None:
