@@ -555,3 +555,11 @@ def serve_on_port(pipeline: Path, cwd: Path, log: Path, port: int) -> tuple[Omni
     """`omni serve PIPELINE` on `port` (a later one serves on the same), and its client."""
     serve, base = start_serve(pipeline, cwd, log, port=port)
     return serve, openai_client(base)
+
+
+def weights_readable_as_their_configs(checkpoint: Path) -> bool:
+    """Whether `checkpoint` holds weight files and each has the mode of the config.json beside it
+    (safetensors alone leaves them owner-only, so another user could read the config but not
+    the weights)."""
+    files = list(checkpoint.rglob("*.safetensors"))
+    return bool(files) and all(f.stat().st_mode == (f.parent / "config.json").stat().st_mode for f in files)

@@ -24,7 +24,7 @@ from omni_stage.models.qwen3_omni import checkpoint as qwen3_omni
 from omni_stage.models.qwen3_tts import checkpoint as qwen3_tts
 from omni_stage.models.qwen_omni.parts import DUMMY_RANGE
 from omni_stage.payload import concat
-from tests.helpers import OMNI, ROOT
+from tests.helpers import OMNI, ROOT, weights_readable_as_their_configs
 
 
 def _on_meta(config: Any, cls: Any) -> dict[str, float]:
@@ -223,6 +223,7 @@ def test_random_weights_written_are_what_dummy_builds(
     index = json.loads((model / "model.safetensors.index.json").read_text())["weight_map"]
     assert len(set(index.values())) > 1 and all((model / f).exists() for f in index.values())
     assert (family is qwen2_5_omni) or "talker.model.layers.0.mlp.experts.0.up_proj.weight" in index
+    assert weights_readable_as_their_configs(model)
 
     parts = dict.fromkeys(("thinker", "talker", "code2wav"), lambda e: [e.model])
     assert _read_as_dummy_builds(ROOT / "examples" / example, model, parts) == [True, True, True]
@@ -237,6 +238,7 @@ def test_qwen3_tts_random_weights_written_are_what_dummy_builds(tmp_path: Path) 
     assert (model / "model.safetensors").exists() and (
         model / "speech_tokenizer" / "model.safetensors"
     ).exists()
+    assert weights_readable_as_their_configs(model)
     parts = {
         "talker": lambda e: [e.model, e.cloner.speaker, e.cloner.speech],
         "code2wav": lambda e: [e.model],

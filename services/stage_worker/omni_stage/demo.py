@@ -26,6 +26,7 @@ from typing import Final
 import torch
 from safetensors.torch import load_file, save_file
 
+from omni_stage.checkpoint_files import readable_as_other_files
 from omni_stage.demo_tokenizer import byte_level_tokenizer
 from omni_stage.engines.base import import_object
 from omni_stage.engines.registry import DIFFUSERS_FAMILIES, FAMILIES
@@ -152,4 +153,6 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
             del paths[family.demo]
             continue
         import_object(family.checkpoint)(paths[family.demo])
+    for written in out.glob("tiny-*"):  # (a family may write more than its own: Qwen3-TTS's variants)
+        readable_as_other_files(written)
     return paths

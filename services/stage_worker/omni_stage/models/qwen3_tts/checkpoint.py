@@ -403,6 +403,7 @@ def write_random(
     is loaded."""
     from safetensors.torch import save_file
 
+    from omni_stage.checkpoint_files import readable_as_other_files
     from omni_stage.models.qwen3_tts import loading
 
     write_config_only(path, release, sizes)
@@ -418,6 +419,7 @@ def write_random(
     ):
         tensors = {p + k: v.contiguous().cpu() for p, m in modules.items() for k, v in m.state_dict().items()}
         save_file(tensors, file, metadata={"format": "pt"})
+    readable_as_other_files(path)
     return path
 
 

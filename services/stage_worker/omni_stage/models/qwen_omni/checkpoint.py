@@ -117,6 +117,7 @@ def write_dummy_weights(
     embedding table, which `dummy` draws apart)."""
     from transformers import GenerationConfig
 
+    from omni_stage.checkpoint_files import readable_as_other_files
     from omni_stage.models.qwen_omni.parts import dummy_model
 
     config = whole.config_class.from_pretrained(path)
@@ -126,6 +127,7 @@ def write_dummy_weights(
         setattr(model, name, dummy_model(cls, getattr(config, sub), torch.device(device), dtype))
     model.generation_config = GenerationConfig.from_pretrained(path)  # the eos and pad written beside
     model.save_pretrained(path, max_shard_size=shard)
+    readable_as_other_files(path)
     return path
 
 
