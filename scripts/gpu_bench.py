@@ -22,7 +22,8 @@ talker may draw its end code sooner), greedy.
 
 Not part of the suite (CI has no GPU). From the repository root, the project importable:
     python scripts/gpu_bench.py OUT.json [--pipeline qwen3-omni|qwen2.5-omni|qwen3-tts] [--sizes full|tiny]
-`--sizes tiny` runs the same on the demo's dimensions (a check of the script on a CPU);
+`--sizes tiny` runs the same on the demo's dimensions (a check of the script on a CPU, where
+`--cuda-graphs` runs the same steps at fixed shapes, uncaptured: `fixedSteps`);
 `--cuda-graphs` runs the talker and the thinker with `cudaGraphs: true` (their decode steps
 graphed, at fixed shapes on their slot tables, allocated and captured at load: the thinker's
 of `maxModelLen` 512 positions a slot, the talker's 1024; and Qwen3-Omni's and Qwen3-TTS's
@@ -188,6 +189,8 @@ async def run(a: argparse.Namespace) -> dict[str, Any]:
         t0 = time.perf_counter()
         dtype = "bfloat16" if cuda else "float32"
         args = GRAPHED.get(name, {}) if a.cuda_graphs else {}
+        if not cuda:  # (a CPU captures nothing: the same steps at fixed shapes, uncaptured)
+            args = {("fixedSteps" if k == "cudaGraphs" else k): v for k, v in args.items()}
         if name in ("thinker", "talker") and a.prefill_batch_tokens is not None:
             args = args | {"prefillBatchTokens": a.prefill_batch_tokens}
         engines[name] = stage_engine(

@@ -10,8 +10,9 @@
 # Here, first: scripts/gpu_wheels.sh (the wheels the machine's image lacks, into .whl/).
 # Then the device tool: `bash scripts/gpu_run.sh` with carry [".whl"]; what it writes under
 # $OUT comes back (each step's JSON and log, rc.txt: each step's exit status, gpu.txt: the
-# card). SIZES=tiny DEVICE=cpu runs steps 2-4 at the demo's sizes on a CPU (a check of this
-# script; step 1 needs CUDA and says so).
+# card). SIZES=tiny DEVICE=cpu runs them all at the demo's sizes on a CPU, the graphed steps at
+# fixed shapes uncaptured (a check of this script; tests/unit/test_gpu_scripts.py runs the
+# scripts so).
 # STEPS names the steps to run (by default the first call's, above). A second call, on the
 # same warm machine if the device time left allows (240 s): STEPS="q25_graphs q25_eager"
 # (Qwen2.5-Omni-7B graphed and eager, the other pipeline issue 55 asks figures of), and
@@ -55,7 +56,8 @@ bench() {  # bench NAME SECONDS ARGS...: scripts/gpu_bench.py, no concurrency st
 }
 
 # The first call's: 580 s in all, under the device tool's 600 s a call.
-want graphs && step graphs 90 "$PY" scripts/gpu_graphs.py "$OUT/graphs.json" --batches 1 8 16 --frames 20
+want graphs && step graphs 90 "$PY" scripts/gpu_graphs.py "$OUT/graphs.json" --batches 1 8 16 --frames 20 \
+  --sizes "$SIZES" --device "$DEVICE"
 bench qwen3_graphs 120 --pipeline qwen3-omni --cuda-graphs
 bench qwen3_eager 120 --pipeline qwen3-omni
 bench tts_graphs 70 --pipeline qwen3-tts --cuda-graphs --codes 50
