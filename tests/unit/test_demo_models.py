@@ -33,5 +33,5 @@ def test_without_torchvision_only_qwen_image_edit_is_left_out() -> None:
 def test_the_demo_weights_are_readable_as_their_configs(demo_dir: Path) -> None:
     """As any file written here: a demo built by one user (an image's build, as root) and served by
     another (the stage pods' uid) loads."""
-    models = [d for d in (demo_dir / "models").iterdir() if d.is_dir()]
+    models = list((demo_dir / "models").glob("tiny-*"))  # (other tests keep their files beside)
     assert len(models) >= 7 and all(weights_readable_as_their_configs(d) for d in models)

@@ -54,10 +54,11 @@ def test_gpu_graphs_compares_the_talkers_frames_and_steps(tmp_path: Path) -> Non
         assert all(b["graphed_equals_eager"] and b["graphed_ms"] > 0 for b in frames_or_steps.values())
 
 
-@pytest.mark.parametrize("pipeline", ["qwen3-omni", "qwen2.5-omni", "qwen3-tts"])
+@pytest.mark.parametrize("pipeline", ["qwen3-omni", "qwen3-tts"])
 def test_gpu_bench_serves_each_pipeline_with_its_steps_graphed(pipeline: str, tmp_path: Path) -> None:
     """Every speaking step of the graphed configuration (`--cuda-graphs`) at fixed shapes, none on
-    the table's own, and every request spoken."""
+    the table's own, and every request spoken. (Qwen2.5-Omni takes the script's path Qwen3-Omni
+    takes, another family's checkpoint and stages: 10 s more of the suite for no line more.)"""
     found = run_script(
         "gpu_bench.py",
         tmp_path / "bench.json",
