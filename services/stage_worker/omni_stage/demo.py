@@ -118,7 +118,8 @@ def init_demo(out_dir: str | Path) -> dict[str, Path]:
     registry's FAMILIES and DIFFUSERS_FAMILIES: tiny-qwen2.5-omni, tiny-qwen3-omni, tiny-video,
     tiny-image-edit, and tiny-image last: its index means all are there) under `out_dir`;
     returns their paths, by name without `tiny-`. A family that needs a package not installed
-    here (`Family.needs`) is left out, with a warning naming it."""
+    here (`Family.needs`) is left out, with a warning naming it. The weight files are left
+    readable as the configs beside them are (checkpoint_files.py)."""
     out = Path(out_dir)
     families = (f.demo for f in (*FAMILIES.values(), *DIFFUSERS_FAMILIES.values()))
     names = ("thinker", "talker", "vocoder", *families)
