@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 
 
-def umask() -> int:
+def _umask() -> int:
     """This process's umask (read by setting it and putting it back: a restrictive value in between)."""
     mask = os.umask(0o077)
     os.umask(mask)
@@ -22,6 +22,6 @@ def umask() -> int:
 
 def readable_as_other_files(root: Path) -> None:
     """Each `.safetensors` file under `root` gets a new file's mode (0666 less the umask)."""
-    mode = 0o666 & ~umask()
+    mode = 0o666 & ~_umask()
     for file in root.rglob("*.safetensors"):
         file.chmod(mode)
