@@ -79,13 +79,19 @@ BATCHES = (1, 8)
 
 
 class ForwardClock:
-    """Seconds spent in one module's forwards, by the batch size of the forward's input, counted
-    for single-position forwards (a decode step's: a talker's prefill runs outside its steps)
-    or for all (`steps_only=False`: a code predictor's, whose frame starts at two positions)."""
+    """Seconds spent in one module's forwards, by the batch size of the step they ran in
+    (`batch()`: the batcher's call in progress, as its seconds are counted; a forward's own
+    rows may be more: a fixed-shape step pads them to a bucket, a table's own step spans the
+    slots between its rows), counted for single-position forwards (a decode step's: a talker's
+    prefill runs outside its steps) or for all (`steps_only=False`: a code predictor's, whose
+    frame starts at two positions)."""
 
-    def __init__(self, module: torch.nn.Module, steps_only: bool, sync: Callable[[], None]) -> None:
+    def __init__(
+        self, module: torch.nn.Module, steps_only: bool, sync: Callable[[], None], batch: Callable[[], int]
+    ) -> None:
         self.seconds: Counter[int] = Counter()
         self._sync = sync
+        self._batch = batch
         self._steps_only = steps_only
         self._started: tuple[float, int] | None = None
         self._hooks = [
@@ -101,7 +107,7 @@ class ForwardClock:
             self._started = None
             return
         self._sync()
-        self._started = (time.perf_counter(), int(x.shape[0]))
+        self._started = (time.perf_counter(), self._batch())
 
     def _post(self, module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         if self._started is not None:
@@ -145,8 +151,14 @@ async def thought(thinker: Engine, tokens: int, name: str = "thought") -> dict[s
 def clocks(
     engine: Engine, kinds: dict[str, tuple[str, ...]], sync: Callable[[], None]
 ) -> Iterator[dict[str, list[ForwardClock]]]:
+    batcher = batcher_of(engine)
     made = {
-        kind: [ForwardClock(module_at(engine, p), not p.endswith("code_predictor"), sync) for p in paths]
+        kind: [
+            ForwardClock(
+                module_at(engine, p), not p.endswith("code_predictor"), sync, lambda: batcher.running
+            )
+            for p in paths
+        ]
         for kind, paths in kinds.items()
     }
     try:

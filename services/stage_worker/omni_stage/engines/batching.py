@@ -83,6 +83,11 @@ class StepBatcher(Generic[I, O]):
         self.calls: Counter[tuple[Hashable, int]] = Counter()
         """Those calls, by key and batch size."""
 
+    @property
+    def running(self) -> int:
+        """The pieces in the call on the compute thread now (0 between calls)."""
+        return self._running
+
     def occupancy(self) -> float:
         """How busy the replica's compute is: the pieces running and waiting, over the most one
         call takes (0 idle; 1 or more: a whole call's worth is queued)."""
