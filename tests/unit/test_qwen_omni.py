@@ -1074,7 +1074,7 @@ def test_compiled_code2wav_decodes_what_eager_decodes(model: Path, reference: di
     inductor backend, which builds its kernels with g++): a first, a middle and a last chunk,
     streamed with kept context, are what the stage decodes without it, within 1e-6 (fused
     kernels may sum in another order); all compiled at start (decode_in_chunks). Chunks of 12
-    codes, one request at a time: the warm-up compiles those forms only (four graphs, 89 s of
+    codes, one request at a time: the warm-up compiles those forms only (three graphs, 50 s of
     CPU alone here, as the suite builds them: tests/conftest.py; every chunk size and batches
     of two take twice that)."""
     codes = reference["codes"][:36]
