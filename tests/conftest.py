@@ -174,10 +174,10 @@ def one_compile_at_a_time(
 
     Each starts with Dynamo as a fresh process has it (`torch._dynamo.reset`): Dynamo counts a
     code object's compiled forms against one limit for the process, and every transformers
-    model's forward runs in one wrapper (docs/models.md, "Known gap"), so the Qwen3-Omni talker
-    compiled before in the same worker left the Qwen2.5-Omni talker none to compile: its test
-    passed uncompiled (2.8 s instead of a minute), found 2026-11-29. The tests now hold that the
-    talker's start compiled something."""
+    model's forward runs in one wrapper (docs/models.md, "Qwen3-Omni's compiled talker runs
+    compiled"), so the Qwen3-Omni talker compiled before in the same worker left the
+    Qwen2.5-Omni talker none to compile: its test passed uncompiled (2.8 s instead of a
+    minute), found 2026-11-29. The tests now hold that the talker's start compiled something."""
     callspec = getattr(request.node, "callspec", None)
     if callspec is not None and not callspec.params.get("compiled", True):
         yield

@@ -404,23 +404,42 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
             return concat([o.data async for o in on.generate(call)])["codes"].tolist()
 
         copies, _, keys = slot_table(talker)
+        m = talker.model  # type: ignore[attr-defined]
+        layers = [getattr(d, "_orig_mod", d).layers[0] for d in (m.model, m.code_predictor.model)]
+        uncompiled: list[tuple[int, ...]] = []
+        counting = [counts_uncompiled(layer, uncompiled) for layer in layers]
         asks = [talk(t) for t in thoughts]
         together = await asked_while_held(talker, talker.batcher, asks, built_on_compute=True)  # type: ignore[attr-defined]
         sizes = talker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]
         alone = [await talk(t) for t in thoughts]
         assert slot_table(talker) == (copies + 2 * len(thoughts), 0, keys)
         not_compiled = alone if eager is None else [await talk(t, eager) for t in thoughts]
-        for layers in (talker.model.model, talker.model.code_predictor.model):  # type: ignore[attr-defined]
-            assert hasattr(layers, "_orig_mod") == compiled  # the decoder layers compiled, or not
-        # Compiled at start: none since. (So far only because Dynamo's recompile limit stops it
-        # during the warm-up: the forms past it run uncompiled. docs/models.md, "Known gap".)
+        for handle in counting:
+            handle.remove()
+        for decoder in (m.model, m.code_predictor.model):
+            assert hasattr(decoder, "_orig_mod") == compiled  # the decoder layers compiled, or not
+        # Compiled at start: none since, and every forward of the requests ran what was compiled
+        # (none past Dynamo's recompile limit, which runs a form it has no graph for uncompiled).
         assert counters["stats"]["unique_graphs"] == graphs
+        if compiled:
+            assert uncompiled == [], uncompiled
         return list(together), alone, sizes, not_compiled
 
     together, alone, sizes, not_compiled = asyncio.run(go())
     assert max(sizes) == 3, sizes
     assert all(len(codes) > 4 for codes in alone)
     assert together == alone == not_compiled
+
+
+def counts_uncompiled(layer: torch.nn.Module, shapes: list[tuple[int, ...]]) -> Any:
+    """`layer`'s forwards run uncompiled, each its input's shape added to `shapes`: a hook
+    Dynamo traces into a compiled graph, where `is_compiling()` holds, adds nothing there."""
+
+    def hook(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.compiler.is_compiling():
+            shapes.append(tuple((args[0] if args else kwargs["hidden_states"]).shape))
+
+    return layer.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def test_static_frames_draw_what_generate_draws(model: Path) -> None:

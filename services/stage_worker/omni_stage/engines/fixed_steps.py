@@ -138,7 +138,7 @@ class FixedSteps(SlotSteps):
         embeds.zero_()
         embeds[slots] = inputs_embeds
         ids.zero_()
-        ids[..., slots, :] = positions
+        ids[..., slots, :] = positions.to(ids.dtype)  # (a step's are whole numbers, if floats)
         self._at[b].copy_(torch.tensor(self.table.lengths[:b]), non_blocking=True)
         if self.capture and (b, span) not in self._graphs:
             self._capture(b, span)  # (a span the rows had outgrown when the table was built)

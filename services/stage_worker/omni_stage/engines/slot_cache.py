@@ -174,6 +174,7 @@ class SlotCache(Cache):
         from transformers import DynamicCache
 
         self.check_fits((0 if past is None else past.get_seq_length()) + positions.shape[-1])
+        positions = positions.contiguous()  # (as `step`'s: one layout whoever built them)
         out = model(**inputs, position_ids=positions, past_key_values=past or DynamicCache(), use_cache=True)
         self.put(slot, out.past_key_values)
         return out
@@ -388,8 +389,9 @@ def warm_up(
     life as the talker runs it: a prefill, a step alone, a step together with another request,
     a prefill on a kept sequence (a conversation's next turn); `together`, where prompts are
     prefilled together (`prefillBatchTokens`), two prompts in one forward too. What
-    `torch.compile` wraps in it compiles now, at start, not at the first requests.
-    `positions(at, n)` gives the position ids of n positions from `at`."""
+    `torch.compile` wraps in it compiles now, at start, not at the first requests: so its
+    inputs are laid out as requests' are (each its own contiguous tensor: a compiled form is
+    guarded on strides). `positions(at, n)` gives the position ids of n positions from `at`."""
     table = steps.table
     if table.bound is not None and table.bound < WARM_UP_POSITIONS:
         raise EngineError(
@@ -398,16 +400,19 @@ def warm_up(
         )
     keys = table.layers[0].keys
     assert keys is not None
-    x = keys.new_zeros(2, 4, width)
+
+    def x(rows: int, n: int) -> torch.Tensor:
+        return keys.new_zeros(rows, n, width)
+
     a, b, c = table.take(), table.take(), table.take()
-    steps.prefill(a, None, positions(0, 4), x[:1])
-    steps.step([a], positions(4, 1), x[:1, :1])
-    steps.prefill(b, None, positions(0, 3), x[:1, :3])
-    steps.step([a, b], torch.cat([positions(5, 1), positions(3, 1)], dim=-2), x[:, :1])
-    steps.prefill(c, table.kept(a), positions(6, 2), x[:1, :2])
+    steps.prefill(a, None, positions(0, 4), x(1, 4))
+    steps.step([a], positions(4, 1), x(1, 1))
+    steps.prefill(b, None, positions(0, 3), x(1, 3))
+    steps.step([a, b], torch.cat([positions(5, 1), positions(3, 1)], dim=-2), x(2, 1))
+    steps.prefill(c, table.kept(a), positions(6, 2), x(1, 2))
     for one in (b, c):  # a step alone at a slot past the first: its view's offset a variable
-        steps.step([one], positions(8, 1), x[:1, :1])
+        steps.step([one], positions(8, 1), x(1, 1))
     if together:
-        steps.prefill_together([a, b], [positions(0, 4), positions(0, 3)], [x[:1], x[:1, :3]], 8)
+        steps.prefill_together([a, b], [positions(0, 4), positions(0, 3)], [x(1, 4), x(1, 3)], 8)
     for slot in (a, b, c):
         table.give_back(slot)

@@ -120,12 +120,16 @@ class Qwen3Talker(SlotPart):
         width = self.model.config.text_config.hidden_size
 
         def span(at: int, n: int) -> torch.Tensor:
-            return torch.arange(at, at + n, device=self.device).view(1, 1, -1).expand(4, 1, -1)
+            return (
+                torch.arange(at, at + n, device=self.device, dtype=torch.float)
+                .view(1, 1, -1)
+                .expand(4, 1, -1)
+            )
 
-        assert self.stepper is not None
-        warm_up(self.stepper, width, span, together=self.prefill_tokens > 0)
         assert self.frames is not None
         self.frames.run_each_bucket()
+        assert self.stepper is not None
+        warm_up(self.stepper, width, span, together=self.prefill_tokens > 0)
 
     def speaker(self, sampling: Sampling) -> dict[str, Any]:
         return {"code": self.speaker_codes[self.voice(sampling)]}

@@ -103,9 +103,12 @@ def talker_prompt(
 def _positions(
     model: Any, talker_ids: torch.Tensor, layout: dict[str, torch.Tensor]
 ) -> tuple[torch.Tensor, int]:
-    """[4, 1, L]: text positions, then the M-RoPE ones (from the media's layout, if any)."""
+    """[4, 1, L]: text positions, then the M-RoPE ones (from the media's layout, if any), as
+    floats whatever the prompt (`get_rope_index` gives floats: a video's positions can fall
+    between whole numbers; the model reads them as floats either way), so that a compiled
+    talker has one form of a prompt, with media or not (TalkerSteps' steps the same)."""
     n, device = talker_ids.shape[1], talker_ids.device
-    text = torch.arange(n, device=device)[None]
+    text = torch.arange(n, device=device, dtype=torch.float)[None]
     if not layout:
         return torch.cat([text[None], text[None].expand(3, -1, -1)]), 0
     rope, deltas = model.get_rope_index(

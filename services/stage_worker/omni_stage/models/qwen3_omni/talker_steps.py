@@ -190,11 +190,11 @@ class TalkerSteps:
 
     def _step_positions(self, sts: list[Speaking]) -> torch.Tensor:
         """[4, B, 1]: each step's text position, and its M-RoPE ones (offset by its prompt's
-        media), as one tensor."""
+        media), as one tensor, of floats as the prompt's (talker_prompt._positions)."""
         assert self.part.slots is not None
         text = [self.part.slots.lengths[st.slot] for st in sts]  # type: ignore[index]
         rope = [at + st.rope_delta for at, st in zip(text, sts, strict=True)]
-        return torch.tensor([text, rope, rope, rope], device=self.part.device)[..., None]
+        return torch.tensor([text, rope, rope, rope], device=self.part.device, dtype=torch.float)[..., None]
 
     def _picks(self, sts: list[Speaking], logits: torch.Tensor) -> list[int]:
         """Each request's code 0 from its row of `logits` [B, vocab]: greedy, with the
