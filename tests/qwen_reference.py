@@ -418,6 +418,17 @@ def slot_table(talker: Engine) -> tuple[int, int, int]:
     return table.copies, table.taken, table.layers[0].keys.data_ptr()
 
 
+def counts_uncompiled(layer: torch.nn.Module, shapes: list[tuple[int, ...]]) -> Any:
+    """`layer`'s forwards run uncompiled, each its input's shape added to `shapes`: a hook
+    Dynamo traces into a compiled graph, where `is_compiling()` holds, adds nothing there."""
+
+    def hook(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.compiler.is_compiling():
+            shapes.append(tuple((args[0] if args else kwargs["hidden_states"]).shape))
+
+    return layer.register_forward_pre_hook(hook, with_kwargs=True)
+
+
 def check_a_bounded_talker(pipeline: Callable[[int], dict[str, Any]], reference: dict[str, Any]) -> None:
     """`pipeline(bound)`: a pipeline's outputs with its talker at fixed shapes and `maxModelLen`
     `bound` (its slot table allocated at load at that many positions a slot, never grown). A

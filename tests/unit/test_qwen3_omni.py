@@ -33,6 +33,7 @@ from tests.qwen_reference import (
     check_first_audio_under_load,
     check_prompts_prefilled_together,
     check_talker_prompts_prefilled_together,
+    counts_uncompiled,
     media_clips,
     media_message,
     reference_qwen3,
@@ -429,17 +430,6 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
     assert max(sizes) == 3, sizes
     assert all(len(codes) > 4 for codes in alone)
     assert together == alone == not_compiled
-
-
-def counts_uncompiled(layer: torch.nn.Module, shapes: list[tuple[int, ...]]) -> Any:
-    """`layer`'s forwards run uncompiled, each its input's shape added to `shapes`: a hook
-    Dynamo traces into a compiled graph, where `is_compiling()` holds, adds nothing there."""
-
-    def hook(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if not torch.compiler.is_compiling():
-            shapes.append(tuple((args[0] if args else kwargs["hidden_states"]).shape))
-
-    return layer.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def test_static_frames_draw_what_generate_draws(model: Path) -> None:
