@@ -46,8 +46,8 @@ class StaticFrames:
         self._inputs = {b: torch.zeros(b, 2, width, device=p.device, dtype=p.dtype) for b in self.buckets}
         # The frame's positions: its two prompt rows, then one a sub-step but the last's.
         self._caches = {b: StaticCache(config=config, max_cache_len=groups) for b in self.buckets}
-        for b, cache in self._caches.items():  # (not at its first frame: one form of it for a compile)
-            heads, dim = config.num_key_value_heads, config.head_dim
+        heads, dim = config.num_key_value_heads, config.head_dim
+        for b, cache in self._caches.items():  # now, not at its first frame: one form for a compile
             cache.early_initialization(b, heads, dim, p.dtype, p.device)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if capture:
