@@ -418,9 +418,11 @@ def slot_table(talker: Engine) -> tuple[int, int, int]:
     return table.copies, table.taken, table.layers[0].keys.data_ptr()
 
 
-def counts_uncompiled(layer: torch.nn.Module, shapes: list[tuple[int, ...]]) -> Any:
-    """`layer`'s forwards run uncompiled, each its input's shape added to `shapes`: a hook
-    Dynamo traces into a compiled graph, where `is_compiling()` holds, adds nothing there."""
+def counts_uncompiled(decoder: torch.nn.Module, shapes: list[tuple[int, ...]]) -> Any:
+    """The forwards of `decoder` (a talker's decoder layers, compiled or not) run uncompiled,
+    each its input's shape added to `shapes`: a hook on its first layer, which Dynamo traces
+    into a compiled graph, where `is_compiling()` holds, adds nothing there."""
+    layer = getattr(decoder, "_orig_mod", decoder).layers[0]
 
     def hook(_: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not torch.compiler.is_compiling():

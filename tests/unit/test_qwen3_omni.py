@@ -406,9 +406,8 @@ def test_concurrent_requests_talk_in_batched_steps_with_the_same_codes(model: Pa
 
         copies, _, keys = slot_table(talker)
         m = talker.model  # type: ignore[attr-defined]
-        layers = [getattr(d, "_orig_mod", d).layers[0] for d in (m.model, m.code_predictor.model)]
         uncompiled: list[tuple[int, ...]] = []
-        counting = [counts_uncompiled(layer, uncompiled) for layer in layers]
+        counting = [counts_uncompiled(d, uncompiled) for d in (m.model, m.code_predictor.model)]
         asks = [talk(t) for t in thoughts]
         together = await asked_while_held(talker, talker.batcher, asks, built_on_compute=True)  # type: ignore[attr-defined]
         sizes = talker.batcher.batch_sizes.copy()  # type: ignore[attr-defined]

@@ -506,7 +506,7 @@ def test_concurrent_requests_think_and_talk_in_batched_steps_with_the_same_outpu
         copies, _, keys = slot_table(talker)
         decoder = talker.model.model  # type: ignore[attr-defined]
         uncompiled: list[tuple[int, ...]] = []
-        counting = counts_uncompiled(getattr(decoder, "_orig_mod", decoder).layers[0], uncompiled)
+        counting = counts_uncompiled(decoder, uncompiled)
         together = await asked_while_held(thinker, thinker.batcher, [speak(m) for m in requests])  # type: ignore[attr-defined]
         sizes = (thinker.batcher.batch_sizes.copy(), talker.batcher.batch_sizes.copy())  # type: ignore[attr-defined]
         alone = [await speak(m) for m in requests]
