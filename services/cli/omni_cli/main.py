@@ -17,6 +17,7 @@ from omni_pipeline.environment import NATS_URL_ENV
 from omni_pipeline.lifecycle import exit_process
 from omni_pipeline.logs import configure_logging
 from omni_pipeline.spec import Mode, PipelineFile, SpecError, load_pipeline
+from omni_stage.models.releases import REAL_SIZED
 
 
 def _nats_url(arg: str | None, pipeline: PipelineFile) -> str | None:
@@ -55,12 +56,12 @@ def cmd_run_batch(a: argparse.Namespace) -> int:
 
 
 def cmd_stage(a: argparse.Namespace) -> int:
-    from omni_stage.proc import run_stage
-
     pipeline = load_pipeline(a.pipeline)
     if a.stage not in {s.name for s in pipeline.spec.stages}:
         raise SpecError(f"{a.pipeline}: no stage named '{a.stage}'")
     url = _checked_nats_url(a.nats, pipeline)
+    from omni_stage.proc import run_stage  # torch and the engines: only once the arguments hold
+
     run_stage(
         _log_ready(f"stage {a.stage}/{a.replica_id}"),
         pipeline,
@@ -75,11 +76,11 @@ def cmd_stage(a: argparse.Namespace) -> int:
 
 
 def cmd_gateway(a: argparse.Namespace) -> int:
-    from omni_gateway.app import run_gateway
-    from omni_gateway.guards import ApiKeyError
-
     pipeline = load_pipeline(a.pipeline)
     url = _checked_nats_url(a.nats, pipeline)
+    from omni_gateway.app import run_gateway  # the web app and its media codecs: only once the arguments hold
+    from omni_gateway.guards import ApiKeyError
+
     port = a.port if a.port is not None else pipeline.spec.gateway.port
     try:
         run_gateway(_log_ready("gateway"), pipeline, url, a.host, port, wait_for_stages=False)
@@ -108,6 +109,9 @@ def cmd_init_random(a: argparse.Namespace) -> int:
 def _write_real_sized(a: argparse.Namespace, weights: bool) -> int:
     """`omni models init-config-only` (`weights` false) and `init-random`: a real-sized checkpoint
     of `a.model`, with or without its weights."""
+    if a.model not in REAL_SIZED:  # before the writers load torch and transformers
+        print(f"omni: unknown model {a.model!r}: one of {', '.join(REAL_SIZED)}", file=sys.stderr)
+        return 2
     import torch
 
     from omni_stage.models.qwen2_5_omni import checkpoint as qwen2_5_omni
@@ -116,12 +120,6 @@ def _write_real_sized(a: argparse.Namespace, weights: bool) -> int:
 
     omni = {"qwen3-omni": qwen3_omni, "qwen2.5-omni": qwen2_5_omni}
     path = Path(a.dir)
-    if a.model not in omni and a.model not in qwen3_tts.RELEASES:
-        print(
-            f"omni: unknown model {a.model!r}: one of {', '.join([*omni, *qwen3_tts.RELEASES])}",
-            file=sys.stderr,
-        )
-        return 2
     if not weights:
         if a.model in omni:
             written = omni[a.model].write_config_only(path)
@@ -246,8 +244,7 @@ def parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "model",
-        help="qwen3-omni, qwen2.5-omni, or a Qwen3-TTS-12Hz release: qwen3-tts-1.7b-customvoice, "
-        "-1.7b-voicedesign, -1.7b-base, -0.6b-customvoice, -0.6b-base",
+        help=f"one of {', '.join(REAL_SIZED)}",
     )
     m.add_argument("dir")
     m.set_defaults(fn=cmd_init_config_only)

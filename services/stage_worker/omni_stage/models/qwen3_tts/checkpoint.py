@@ -17,7 +17,7 @@ code). Tiny: widths 32-64, two layers each; the code predictor narrower than the
 1.7B models' projection between them). Speaker and language ids are in the codec's control
 range; the ones published are the real ids.
 
-The released sizes (`RELEASES`, `omni models init-config-only`) without their weights, served
+The released sizes (`QWEN3_TTS_RELEASES`, `omni models init-config-only`) without their weights, served
 with `loadFormat: dummy`: the 0.6B talker is Qwen3-0.6B's decoder and the 1.7B's is
 Qwen3-1.7B's (28 layers, 16 heads over 8 key-value heads of 128, MLP 3x the width); the code
 predictor is five such layers at 1024 in both; the speech tokenizer is one for every size
@@ -42,6 +42,7 @@ from omni_stage.models.qwen3_omni.checkpoint import FULL_SIZE as QWEN3_OMNI_FULL
 from omni_stage.models.qwen3_tts.cloning import SpeakerEncoder
 from omni_stage.models.qwen3_tts.modeling import SpeechDecoder, Talker
 from omni_stage.models.qwen_omni.checkpoint import keep_the_waveform
+from omni_stage.models.releases import QWEN3_TTS_RELEASES
 
 VARIANTS: Final = ("custom_voice", "voice_design", "base")
 """The `tts_model_type`s: named speakers, voices described, voices cloned (its speaker encoder)."""
@@ -233,14 +234,6 @@ def _full(width: int, mlp: int, size: str) -> Sizes:
 
 
 FULL_SIZES: Final = {"1.7b": _full(2048, 6144, "1b7"), "0.6b": _full(1024, 3072, "0b6")}
-RELEASES: Final = {
-    "qwen3-tts-1.7b-customvoice": ("1.7b", "custom_voice"),
-    "qwen3-tts-1.7b-voicedesign": ("1.7b", "voice_design"),
-    "qwen3-tts-1.7b-base": ("1.7b", "base"),
-    "qwen3-tts-0.6b-customvoice": ("0.6b", "custom_voice"),
-    "qwen3-tts-0.6b-base": ("0.6b", "base"),
-}
-"""Qwen/Qwen3-TTS-12Hz-*'s five checkpoints: their sizes and variants."""
 ATTENTIVE: Final = 0.3
 """The talker's layers' weights are drawn this wide: at transformers' 0.02 a position's output is
 nearly its own input, and a style instruction at the prompt's start would change no code."""
@@ -377,13 +370,13 @@ def _write_files(path: Path, variant: str, sizes: Sizes) -> tuple[Any, dict[str,
 def write_config_only(
     path: Path, release: str = "qwen3-tts-1.7b-customvoice", sizes: Sizes | None = None
 ) -> Path:
-    """Write `release` (one of RELEASES) without its weights into `path` (a directory; returns
+    """Write `release` (one of QWEN3_TTS_RELEASES) without its weights into `path` (a directory; returns
     it): its config at its sizes (or at `sizes`), the demo's tokenizer at the real text
     vocabulary's width, the speech tokenizer's settings. Its stages serve with `loadFormat:
     dummy` (random weights built on the device); its speech is noise."""
-    if release not in RELEASES:
-        raise ValueError(f"unknown Qwen3-TTS release {release!r}: one of {', '.join(RELEASES)}")
-    size, variant = RELEASES[release]
+    if release not in QWEN3_TTS_RELEASES:
+        raise ValueError(f"unknown Qwen3-TTS release {release!r}: one of {', '.join(QWEN3_TTS_RELEASES)}")
+    size, variant = QWEN3_TTS_RELEASES[release]
     _write_files(path, variant, sizes or FULL_SIZES[size])
     return path
 
@@ -410,7 +403,7 @@ def write_random(
     on = torch.device(device)
     model: dict[str, torch.nn.Module] = {"talker.": loading.load_talker(path, on, dtype, dummy=True)}
     speech: dict[str, torch.nn.Module] = {"decoder.": loading.load_decoder(path, on, dummy=True)}
-    if RELEASES[release][1] == "base":
+    if QWEN3_TTS_RELEASES[release][1] == "base":
         cloner = loading.load_cloner(path, on, dtype, dummy=True)
         model["speaker_encoder."], speech["encoder."] = cloner.speaker, cloner.speech
     for file, modules in (
