@@ -68,17 +68,25 @@ def test_oversized_bodies_get_413(gateway: str) -> None:
     assert HTTP.post(f"{gateway}/v1/chat/completions", json=small, headers=headers).status_code == 200
 
 
-def test_an_unreadable_key_file_stops_the_gateway(nats_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("command", ["gateway", "serve"])
+def test_an_unreadable_key_file_stops_the_gateway(nats_url: str, tmp_path: Path, command: str) -> None:
+    """In one line, before anything starts: `omni serve` starts no stage (it would say so, and
+    end otherwise)."""
+    args = {
+        "gateway": ["gateway", "--pipeline", str(PIPELINE), "--port", "0", "--nats", nats_url],
+        "serve": ["serve", str(PIPELINE), "--port", "0"],
+    }[command]
     for content in (None, "# only a comment\n"):
         keys = tmp_path / "keys"
         if content is not None:
             keys.write_text(content)
         out = subprocess.run(
-            [*OMNI, "gateway", "--pipeline", str(PIPELINE), "--port", "0", "--nats", nats_url],
+            [*OMNI, *args],
             env={"OMNI_API_KEYS_FILE": str(keys), "PATH": "/usr/bin:/bin"},
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert out.returncode == 2, out.stderr[-2000:]
-        assert out.stderr.strip().splitlines()[-1].startswith("omni: OMNI_API_KEYS_FILE=")
+        assert out.stderr.strip().splitlines() == [out.stderr.strip()], out.stderr[-2000:]
+        assert out.stderr.startswith("omni: OMNI_API_KEYS_FILE=")

@@ -31,6 +31,19 @@ def _checked_nats_url(arg: str | None, pipeline: PipelineFile) -> str:
     return url
 
 
+def _api_keys_readable() -> bool:
+    """Bad API key settings stop `omni gateway` and `omni serve` at once, before the gateway's
+    app (and torch) loads or a stage starts; the gateway reads them again as it starts."""
+    from omni_gateway.guards import ApiKeyError, load_api_keys
+
+    try:
+        load_api_keys()
+    except ApiKeyError as exc:
+        print(f"omni: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
 def _log_ready(what: str) -> Callable[[dict[str, Any]], None]:
     return lambda info: logging.getLogger("omni").info("%s ready: %s", what, info)
 
@@ -42,6 +55,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     url = _nats_url(a.nats, pipeline)
     if url:
         _checked_nats_url(url, pipeline)
+    if not _api_keys_readable():
+        return 2
     port = a.port if a.port is not None else pipeline.spec.gateway.port
     return Supervisor(pipeline, a.pipeline, a.host, port, url).run()
 
@@ -78,7 +93,9 @@ def cmd_stage(a: argparse.Namespace) -> int:
 def cmd_gateway(a: argparse.Namespace) -> int:
     pipeline = load_pipeline(a.pipeline)
     url = _checked_nats_url(a.nats, pipeline)
-    from omni_gateway.app import run_gateway  # the web app and its media codecs: only once the arguments hold
+    if not _api_keys_readable():
+        return 2
+    from omni_gateway.app import run_gateway  # the web app, torch: only once the settings hold
     from omni_gateway.guards import ApiKeyError
 
     port = a.port if a.port is not None else pipeline.spec.gateway.port
