@@ -17,8 +17,8 @@ code). Tiny: widths 32-64, two layers each; the code predictor narrower than the
 1.7B models' projection between them). Speaker and language ids are in the codec's control
 range; the ones published are the real ids.
 
-The released sizes (`QWEN3_TTS_RELEASES`, `omni models init-config-only`) without their weights, served
-with `loadFormat: dummy`: the 0.6B talker is Qwen3-0.6B's decoder and the 1.7B's is
+The released sizes (`QWEN3_TTS_RELEASES`, `omni models init-config-only`) without their
+weights, served with `loadFormat: dummy`: the 0.6B talker is Qwen3-0.6B's decoder and the 1.7B's is
 Qwen3-1.7B's (28 layers, 16 heads over 8 key-value heads of 128, MLP 3x the width); the code
 predictor is five such layers at 1024 in both; the speech tokenizer is one for every size
 (its decoder 8 layers at 512 between 1024-wide latents and a 1536-channel upsampler, its
@@ -370,8 +370,8 @@ def _write_files(path: Path, variant: str, sizes: Sizes) -> tuple[Any, dict[str,
 def write_config_only(
     path: Path, release: str = "qwen3-tts-1.7b-customvoice", sizes: Sizes | None = None
 ) -> Path:
-    """Write `release` (one of QWEN3_TTS_RELEASES) without its weights into `path` (a directory; returns
-    it): its config at its sizes (or at `sizes`), the demo's tokenizer at the real text
+    """Write `release` (one of QWEN3_TTS_RELEASES) without its weights into `path` (a directory;
+    returns it): its config at its sizes (or at `sizes`), the demo's tokenizer at the real text
     vocabulary's width, the speech tokenizer's settings. Its stages serve with `loadFormat:
     dummy` (random weights built on the device); its speech is noise."""
     if release not in QWEN3_TTS_RELEASES:
