@@ -25,6 +25,7 @@ import torch
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.utils.hooks import RemovableHandle
 
 from omni_pipeline.sampling import Sampling
 from omni_pipeline.spec import InputSpec
@@ -418,7 +419,7 @@ def slot_table(talker: Engine) -> tuple[int, int, int]:
     return table.copies, table.taken, table.layers[0].keys.data_ptr()
 
 
-def counts_uncompiled(decoder: torch.nn.Module, shapes: list[tuple[int, ...]]) -> Any:
+def counts_uncompiled(decoder: torch.nn.Module, shapes: list[tuple[int, ...]]) -> RemovableHandle:
     """The forwards of `decoder` (a talker's decoder layers, compiled or not) run uncompiled,
     each its input's shape added to `shapes`: a hook on its first layer, which Dynamo traces
     into a compiled graph, where `is_compiling()` holds, adds nothing there."""
