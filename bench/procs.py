@@ -1,5 +1,7 @@
 """The processes a benchmark runs against: `omni serve` or `omni stage` on a pipeline written
-to a temporary directory, stopped (with everything they started) when the block ends."""
+to a temporary directory, stopped (with everything they started) when the block ends. They are
+forked (omni_cli.forked) from `omni bench`'s fork server, which has what `omni bench` imported
+(omni_cli.main's `cmd_bench`); run as `python -m bench.NAME`, from one multiprocessing starts."""
 
 from __future__ import annotations
 
@@ -8,7 +10,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -17,10 +18,7 @@ from typing import Any, Final
 
 import yaml
 
-from omni_pipeline.lifecycle import die_with_parent
-
-OMNI = [sys.executable, "-c", "import sys; from omni_cli.main import main; sys.exit(main())"]
-
+from omni_cli.forked import ForkedProcess
 
 FILE: Final = "<pipeline file>"
 ROOT: Final = Path(__file__).resolve().parents[1]
@@ -52,7 +50,7 @@ def pipeline_file(directory: Path, name: str, spec: dict[str, Any]) -> Path:
     return path
 
 
-def _wait_output(proc: subprocess.Popen[bytes], log: Path, pattern: str, timeout_s: float) -> re.Match[str]:
+def _wait_output(proc: ForkedProcess, log: Path, pattern: str, timeout_s: float) -> re.Match[str]:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if m := re.search(pattern, log.read_text(errors="replace")):
@@ -60,10 +58,10 @@ def _wait_output(proc: subprocess.Popen[bytes], log: Path, pattern: str, timeout
         if proc.poll() is not None:
             break
         time.sleep(0.1)  # polling a log file: the process has no other readiness signal for us
-    raise RuntimeError(f"{' '.join(map(str, proc.args))} not ready:\n{log.read_text()[-3000:]}")  # type: ignore[arg-type]
+    raise RuntimeError(f"omni {' '.join(proc.args)} not ready:\n{log.read_text()[-3000:]}")
 
 
-def _stop(proc: subprocess.Popen[bytes], sig: int) -> None:
+def _stop(proc: ForkedProcess, sig: int) -> None:
     if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
@@ -89,19 +87,12 @@ def _omni(
     with tempfile.TemporaryDirectory() as tmp:
         path = pipeline_file(Path(tmp), name, spec)
         log = Path(tmp) / "omni.log"
-        with log.open("wb") as fh:
-            proc = subprocess.Popen(
-                [*OMNI, *(str(path) if a is FILE else a for a in args)],
-                cwd=cwd or Path.cwd(),
-                stdout=fh,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=die_with_parent,  # a benchmark killed by a signal runs no `finally`
-            )
-            try:
-                yield _wait_output(proc, log, ready, timeout_s)
-            finally:
-                _stop(proc, stop)
+        argv = [str(path) if a is FILE else a for a in args]
+        proc = ForkedProcess(argv, cwd or Path.cwd(), dict(os.environ), log)
+        try:
+            yield _wait_output(proc, log, ready, timeout_s)
+        finally:
+            _stop(proc, stop)
 
 
 @contextlib.contextmanager

@@ -108,8 +108,8 @@ async def run(bursts: int, warm: bool) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    args = parser(__doc__).parse_args()
+def main(argv: list[str] | None = None) -> None:
+    args = parser(__doc__).parse_args(argv)
     result = asyncio.run(run(rounds(5, args), warmed(args)))
     rows = [
         (

@@ -310,7 +310,7 @@ async def run(args: Any) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = parser(__doc__)
     ap.add_argument("--sizes", choices=("tiny", "full"), default="tiny")
     ap.add_argument("--device", default="cpu")
@@ -320,7 +320,7 @@ def main() -> None:
     ap.add_argument(
         "--thinkers", action="store_true", help="--sizes full: the thinkers' steps too (tiny: always)"
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     result = asyncio.run(run(args))
     rows = [
         (

@@ -126,7 +126,7 @@ def start_fork_server(modules: list[str]) -> None:
     """Start the fork server now, with `modules` (`preload`'s), forked from this process rather
     than started as a fresh interpreter. It imports them then, as a fresh one would; what this
     process has imported already it has for nothing: `omni serve` as the tests run it is forked
-    from a server that imported every stage's modules (tests/forked.py), and its fork server
+    from a server that imported every stage's modules (omni_cli/forked.py), and its fork server
     then imports nothing, where it spent about 5 s of CPU a serve. Called before this process
     starts any thread (a fork copies only the caller's) or opens anything its children must not
     hold: `omni serve`'s first step. What it sets is what multiprocessing's `ensure_running`
@@ -198,7 +198,7 @@ def _serve_forks(listener: int, alive_r: int, modules: list[str], parent: int) -
 def settle_forked_child(env: dict[str, str]) -> None:
     """What a process forked from a fork server does first, to run as the same program started
     on its own with `env` as its environment (this module's children; the `omni` commands the
-    tests fork, tests/forked.py)."""
+    tests and `omni bench` fork, omni_cli/forked.py)."""
     # What the fork server imported (torch, transformers: some 400k objects) lives as long as
     # this process: out of the collector's sight, or every full collection walks all of it
     # again (0.2 s each, several while a stage loads) and writes to every page it shares. The

@@ -29,7 +29,7 @@ import soundfile as sf
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.forked import FORKED_COMMANDS, ForkedProcess
+from omni_cli.forked import ForkedProcess
 
 if TYPE_CHECKING:
     from omni_stage.engines.base import Engine
@@ -44,6 +44,9 @@ again: uvicorn closes one idle for 5 s, and a request sent as it closes would be
 
 ROOT = Path(__file__).parents[1]
 OMNI = [sys.executable, "-m", "omni_cli.main"]
+FORKED_COMMANDS: Final = frozenset({"stage", "gateway", "serve"})
+"""The commands `OmniProcess` forks (omni_cli.forked): those whose imports are the cost. The
+operator imports kopf and the kubernetes client, not these."""
 VLLM_TIMEOUT_S = 600
 """The timeout of a test that starts vLLM's engine on the CPU (its engine core process, the
 model loaded and profiled: a minute alone, up to three under a full suite's load)."""
@@ -291,7 +294,7 @@ def shm_segments_in_use(prefix: str = SHM_SESSION) -> list[str]:
 
 class OmniProcess:
     """An `omni ...` process in its own process group, with its output in a log file: `omni stage`,
-    `omni gateway` and `omni serve` forked from a server that has imported them (tests.forked),
+    `omni gateway` and `omni serve` forked from a server that has imported them (omni_cli.forked),
     the others started afresh."""
 
     def __init__(self, args: list[str], cwd: Path, log: Path, env: dict[str, str] | None = None) -> None:

@@ -1,7 +1,7 @@
 """`omni bench NAME --quick --json`: every benchmark runs end to end against the real processes
 and prints its JSON object, with the ratios the benchmark issue names, as the last line of its
-standard output. The command line's own main, forked from the tests' server (tests/forked.py);
-the pipelines it serves start afresh, as a user's do.
+standard output. The command line's own main, forked from the tests' server (omni_cli.forked);
+the pipelines it serves are forked from it, as a user's are (bench/procs.py).
 --quick runs a couple of rounds: this checks that the benchmarks work, never how fast."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from bench.procs import DEMO_DIR_ENV
-from tests.forked import ForkedProcess
+from omni_cli.forked import ForkedProcess
 from tests.helpers import OMNI, ROOT
 
 BENCH_TIMEOUT_S = 600

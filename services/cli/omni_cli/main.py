@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import sys
@@ -14,7 +15,7 @@ from omni_pipeline.connection import nats_security, resolve_nats_url
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.control import ControlError
 from omni_pipeline.environment import NATS_URL_ENV
-from omni_pipeline.lifecycle import exit_process
+from omni_pipeline.lifecycle import exit_process, start_fork_server
 from omni_pipeline.logs import configure_logging
 from omni_pipeline.spec import Mode, PipelineFile, SpecError, load_pipeline
 from omni_stage.models.releases import REAL_SIZED
@@ -209,15 +210,23 @@ def _bench_name(name: str) -> str:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    """Run the benchmark as its own program (`python -m bench.NAME`): the benchmarks use the cli's
-    parts (the embedded NATS, Mooncake), so the cli runs them rather than importing them."""
+    """Run the benchmark's `main` in this process, as `python -m bench.NAME` would. The
+    pipelines it serves are forked (omni_cli.forked) from a fork server forked from this process
+    first, before any thread: each has for nothing what this process has imported (all of it,
+    where the tests fork this command from their server), where a fresh `omni serve` spent 5-6 s
+    of CPU importing it again."""
     if not a.name:
         print("omni bench: no benchmarks here: they run from a source checkout", file=sys.stderr)
         return 2
     root = str(_bench_dir().parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    sys.path.insert(0, root)
+    # The benchmark's own children (vLLM's CLI, the references) import it as `python -m` had it.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    start_fork_server([])
     module = f"bench.{a.name.replace('-', '_')}"
-    os.execve(sys.executable, [sys.executable, "-m", module, *a.args], env)
+    sys.argv = [f"omni bench {a.name}", *a.args]
+    importlib.import_module(module).main(a.args)
+    return 0
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,16 +1,17 @@
-"""`omni stage`, `omni gateway`, `omni serve` and `omni bench` for the tests, forked from a
-server that has imported them once, as `omni serve` forks its stages (omni_pipeline.lifecycle):
-a fresh interpreter spends 2-3 s of CPU importing torch, transformers and the service before
-its first line, and the suite starts well over a hundred of them. A forked `omni serve` forks
-its own fork server from itself (`lifecycle.start_fork_server`), which then has every module
-its stages import already: one forked from a fresh `omni serve` spent 3-6 s of CPU importing
-them, and the suite serves some forty times (the benchmarks, forked too, start theirs afresh,
-as users do). What runs is the command line's own `main` with the test's arguments, working
-directory, environment (the test's, none of the server's) and log file, in a process group of
-its own, as `subprocess.Popen(..., start_new_session=True)` would run it. Every module an omni
-process imports reads the environment when called, never at import (tempfile's directory,
-which the imports read, is forgotten: `lifecycle.settle_forked_child`): that is what lets
-`omni serve` fork its stages this way too."""
+"""`omni` commands forked from a fork server that has imported them, rather than started as
+fresh interpreters, as `omni serve` forks its stages (omni_pipeline.lifecycle): a fresh one
+spends 2-3 s of CPU importing torch, transformers and the service before its first line, and
+its `omni serve`'s fork server 3-6 s more importing what the stages import; forked from a
+process that has them, neither imports anything. `omni bench` forks the pipelines it measures
+this way (bench/procs.py), from a fork server forked from itself, and the tests their `omni
+stage`, `omni gateway`, `omni serve` and `omni bench` (tests/helpers.py), from a server that
+imported `PRELOAD` once. What runs is the command line's own `main` with the caller's arguments,
+working directory, environment (the caller's, none of the server's) and log file, in a process
+group of its own, as `subprocess.Popen(..., start_new_session=True)` would run it, ending with
+its parent (the server, which ends with its caller). Every module an omni process imports reads
+the environment when called, never at import (tempfile's directory, which the imports read, is
+forgotten: `lifecycle.settle_forked_child`): that is what lets `omni serve` fork its stages this
+way too."""
 
 from __future__ import annotations
 
@@ -26,13 +27,10 @@ from pathlib import Path
 from typing import Final
 
 from omni_cli.serve import GATEWAY_MODULES
-from omni_pipeline.lifecycle import preload, settle_forked_child
+from omni_pipeline.lifecycle import die_with_parent, preload, settle_forked_child
 from omni_pipeline.spec import EngineKind
 from omni_stage.preload import stage_modules
 
-FORKED_COMMANDS: Final = frozenset({"stage", "gateway", "serve"})
-"""What is forked: the commands whose imports are the cost. The operator imports kopf and the
-kubernetes client, not this."""
 PRELOAD: Final = ["omni_cli.main", *stage_modules(EngineKind), *GATEWAY_MODULES]
 """What the server imports before its first child: what `omni serve`'s fork server imports for
 a pipeline of every engine kind."""
@@ -46,6 +44,7 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], log: str, stdout: str, 
     """The child: its own session, the caller's directory and environment, its output to `log`
     (standard output to `stdout`), then `omni ARGV`'s main; its return is the exit status."""
     settle_forked_child(env)
+    die_with_parent()  # the server, which ends with its caller: a caller killed runs no `finally`
     os.setsid()
     os.chdir(cwd)
     sys.path.insert(0, cwd)  # as `python -m omni_cli.main` run there has it
