@@ -2,8 +2,10 @@
 
 Fake on purpose: no cluster can run here. For every Deployment in the API server it runs the
 pod's container as local processes, from the rendered command, args and environment and
-nothing else: the image is replaced by the local venv (PATH), `$(VAR)` references are expanded
-as the kubelet expands them, and env `valueFrom` is resolved from the pod (name, IP), Secrets
+nothing else: the image is replaced by the local venv (PATH; `omni stage`, `gateway` and
+`serve` are forked from the tests' server with that argv, environment and directory, as
+OmniProcess forks them: the same main without importing torch again), `$(VAR)` references are
+expanded as the kubelet expands them, and env `valueFrom` is resolved from the pod (name, IP), Secrets
 and ConfigMaps read through the API. What a pod's namespaces would give it is emulated: each
 pod gets its own loopback address (127.0.0.N) as its IP, so `0.0.0.0` in its args means that
 address (the pod's network namespace); a volume's mountPath in the args means the directory
@@ -36,7 +38,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 from kubernetes.dynamic import DynamicClient
 
-from tests.helpers import HTTP
+from omni_cli.forked import ForkedProcess
+from tests.helpers import FORKED_COMMANDS, HTTP
 
 _VAR = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 
@@ -48,7 +51,7 @@ class Pod:
     template_hash: str
     ip: str
     labels: dict[str, str]
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     log: Path
     readiness: dict[str, Any] | None
     ports: dict[str, int]
@@ -198,14 +201,19 @@ class Kubelet:
         log = poddir / "container.log"
         venv_bin = str(Path(sys.executable).parent)
         proc_env = {"PATH": f"{venv_bin}:/usr/bin:/bin", "HOME": str(poddir), "PYTHONUNBUFFERED": "1", **env}
-        proc = subprocess.Popen(
-            args,
-            cwd=poddir,
-            env=proc_env,
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        log.touch()
+        proc: subprocess.Popen[bytes] | ForkedProcess
+        if args[0] == "omni" and args[1] in FORKED_COMMANDS:
+            proc = ForkedProcess(args[1:], poddir, proc_env, log)
+        else:
+            proc = subprocess.Popen(
+                args,
+                cwd=poddir,
+                env=proc_env,
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         ports = {p["name"]: p["containerPort"] for p in container.get("ports", []) if "name" in p}
         return Pod(
             name=name,
