@@ -23,9 +23,12 @@ def capacity_class(size: int) -> int:
     return -(-size // step) * step
 
 
-def fits(size: int, capacity: int) -> bool:
-    """Whether a buffer of `capacity` should serve `size` bytes (not one far too large)."""
-    return size <= capacity <= 2 * capacity_class(size)
+def capacities_for(size: int) -> range:
+    """The capacities a buffer may have to serve `size` bytes: enough, and not far too large.
+    Worked out once a payload (`capacity in` it is one comparison in C): a pool holds a hundred
+    buffers or segments under load, and a class worked out again for each was a tenth of a
+    stage's CPU on the shared-memory path."""
+    return range(size, 2 * capacity_class(size) + 1)
 
 
 class BufferPool:
@@ -39,9 +42,10 @@ class BufferPool:
 
     def take(self, size: int) -> np.ndarray:
         """A buffer of at least `size` bytes, the caller's until it gives it back."""
+        fitting = capacities_for(size)
         with self._lock:
             best = min(
-                (i for i, b in enumerate(self._idle) if fits(size, b.nbytes)),
+                (i for i, b in enumerate(self._idle) if b.nbytes in fitting),
                 key=lambda i: self._idle[i].nbytes,
                 default=None,
             )

@@ -49,7 +49,7 @@ import numpy as np
 
 from omni_pipeline import wire
 from omni_pipeline.connectors.base import ConnectorError, ConnectorHandle, OmniConnector, PayloadGone
-from omni_pipeline.connectors.buffers import capacity_class, fits
+from omni_pipeline.connectors.buffers import capacities_for, capacity_class
 from omni_pipeline.settings import ConnectorSpec
 
 SHM_DIR: Final = Path("/dev/shm")
@@ -61,6 +61,10 @@ _READER_MAPPINGS: Final = 64  # mappings of other processes' segments a reader k
 _WRITTEN: Final = re.compile(r"@(\d+)-(\d+)$")  # a written segment's name ends in @<owner>-<n>
 _HELD: Final = re.compile(r"-@held-\d+-(\d+)-(\d+)$")  # ... <n>-<reader>
 _segment_numbers = itertools.count()  # per process, so connectors sharing a prefix never collide
+
+
+def _capacity(seg: _Segment) -> int:
+    return seg.capacity
 
 
 def _alive(pid: int) -> bool:
@@ -193,9 +197,8 @@ class ShmConnector(OmniConnector):
             return seg
 
     def _claim_free(self, size: int) -> _Segment | None:
-        candidates = sorted(
-            (s for s in self._segments.values() if fits(size, s.capacity)), key=lambda s: s.capacity
-        )
+        fitting = capacities_for(size)
+        candidates = sorted((s for s in self._segments.values() if s.capacity in fitting), key=_capacity)
         for seg in candidates:
             try:
                 os.rename(self._state("free", self._pid, seg.n), self._state("busy", self._pid, seg.n))

@@ -7,15 +7,16 @@ import gc
 import torch
 
 from omni_pipeline import wire
-from omni_pipeline.connectors.buffers import BufferPool, capacity_class, fits
+from omni_pipeline.connectors.buffers import BufferPool, capacities_for, capacity_class
 
 
 def test_capacity_classes_waste_at_most_an_eighth() -> None:
     for size in (1, 70_000, 1 << 20, (64 << 20) + 100, 256 << 20):
         cap = capacity_class(size)
         assert cap >= size and (cap <= size * 1.125 or cap == 64 << 10)
-        assert fits(size, cap)
-    assert not fits(100_000, 64 << 20), "a small payload must not pin a large buffer"
+        assert cap in capacities_for(size) and size in capacities_for(size)
+        assert size - 1 not in capacities_for(size)
+    assert 64 << 20 not in capacities_for(100_000), "a small payload must not pin a large buffer"
 
 
 def test_a_buffer_given_back_is_taken_again() -> None:
