@@ -36,7 +36,7 @@ from omni_stage.engines.last_logits import last_logits
 
 FIRST_POSITIONS: Final = 512
 """Positions a slot holds at first in a table that grows: doubled when a request needs more."""
-WARM_UP_POSITIONS: Final = 9
+WARM_UP_POSITIONS: Final = 10
 """The positions `warm_up`'s longest request holds: a table bounded below them cannot run it."""
 
 
@@ -405,14 +405,17 @@ def warm_up(
         return keys.new_zeros(rows, n, width)
 
     a, b, c = table.take(), table.take(), table.take()
-    steps.prefill(a, None, positions(0, 4), x(1, 4))
-    steps.step([a], positions(4, 1), x(1, 1))
+    # The first prefill 5 long, as long as no other size of its inputs: Dynamo gives equal sizes
+    # one symbol, and 4, the rows of Qwen3-Omni's position ids, had it compile a graph for
+    # prompts of exactly 4 positions (then a general one for the next prefill).
+    steps.prefill(a, None, positions(0, 5), x(1, 5))
+    steps.step([a], positions(5, 1), x(1, 1))
     steps.prefill(b, None, positions(0, 3), x(1, 3))
-    steps.step([a, b], torch.cat([positions(5, 1), positions(3, 1)], dim=-2), x(2, 1))
-    steps.prefill(c, table.kept(a), positions(6, 2), x(1, 2))
+    steps.step([a, b], torch.cat([positions(6, 1), positions(3, 1)], dim=-2), x(2, 1))
+    steps.prefill(c, table.kept(a), positions(7, 2), x(1, 2))
     for one in (b, c):  # a step alone at a slot past the first: its view's offset a variable
-        steps.step([one], positions(8, 1), x(1, 1))
+        steps.step([one], positions(9, 1), x(1, 1))
     if together:
-        steps.prefill_together([a, b], [positions(0, 4), positions(0, 3)], [x(1, 4), x(1, 3)], 8)
+        steps.prefill_together([a, b], [positions(0, 5), positions(0, 3)], [x(1, 5), x(1, 3)], 8)
     for slot in (a, b, c):
         table.give_back(slot)
