@@ -111,6 +111,14 @@ REFUSED_CHAT: list[tuple[dict[str, Any], str, str]] = [
 every pipeline kind's refusal test."""
 
 
+def ended(pid: int) -> bool:
+    """Gone, or a zombie whoever it was left to has not reaped yet."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
 def wait_for(pred: Callable[[], T], timeout: float, what: str, interval: float = 0.05) -> T:
     """Poll `pred` until it returns something truthy; fail the test at the deadline."""
     deadline = time.monotonic() + timeout

@@ -6,6 +6,7 @@ the pipelines it serves are forked from it, as a user's are (bench/procs.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -13,11 +14,12 @@ import signal
 import subprocess
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bench.procs import DEMO_DIR_ENV
 from omni_cli.forked import ForkedProcess
-from tests.helpers import OMNI, ROOT
+from tests.helpers import OMNI, ROOT, ended, wait_for
 
 BENCH_TIMEOUT_S = 600
 """A benchmark's --quick run starts whole pipelines (three, for epd): under a full suite's load
@@ -98,3 +100,28 @@ def test_bench_lists_the_benchmarks() -> None:
     listed = out.stdout.split("{", 1)[1].split("}", 1)[0].split(",")
     assert len(listed) == len(set(listed)) and RATIOS.keys() <= set(listed)
     assert not any("_" in name for name in listed), listed  # one spelling each: qwen-omni, not qwen_omni
+
+
+def test_a_benchmark_killed_takes_its_pipeline_with_it(demo_dir: Path, tmp_path: Path) -> None:
+    """SIGKILL of `omni bench` (it runs no `finally`) while it serves a pipeline: the pipeline's
+    `omni serve`, forked from the benchmark's fork server, ends with that server, and the
+    server with the benchmark, and every process the serve started with it."""
+    env = {**os.environ, DEMO_DIR_ENV: str(demo_dir)}
+    bench = ForkedProcess(["bench", "pipeline", "--quick", "--json"], ROOT, env, tmp_path / "bench.log")
+    try:
+
+        def serving() -> list[psutil.Process]:
+            tree = psutil.Process(bench.pid).children(recursive=True)
+            return tree if any(p.cmdline()[:1] == ["omni: gateway"] for p in tree) else []
+
+        tree = wait_for(serving, 120, "the benchmark's first pipeline to serve")
+        assert any(p.cmdline()[:1] == ["omni: supervisor bench"] for p in tree)
+    finally:
+        os.kill(bench.pid, signal.SIGKILL)
+        bench.wait(10)
+    try:
+        wait_for(lambda: all(ended(p.pid) for p in tree), 60, "the pipeline to end with its benchmark")
+    finally:  # a failure leaves nothing running either
+        for left in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                left.kill()

@@ -28,7 +28,7 @@ from omni_pipeline.lifecycle import (
     preload,
     stop_fork_server,
 )
-from tests.helpers import ROOT, wait_for
+from tests.helpers import ROOT, ended, wait_for
 
 
 def ready_then_wait(ready: Callable[[dict[str, Any]], None], tag: str) -> None:
@@ -80,14 +80,6 @@ try:
 finally:
     p.shutdown()
 """
-
-
-def ended(pid: int) -> bool:
-    """Gone, or a zombie whoever it was left to has not reaped yet."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
 
 
 SERVES_UNTIL_KILLED = """
