@@ -63,10 +63,6 @@ _HELD: Final = re.compile(r"-@held-\d+-(\d+)-(\d+)$")  # ... <n>-<reader>
 _segment_numbers = itertools.count()  # per process, so connectors sharing a prefix never collide
 
 
-def _capacity(seg: _Segment) -> int:
-    return seg.capacity
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -198,7 +194,9 @@ class ShmConnector(OmniConnector):
 
     def _claim_free(self, size: int) -> _Segment | None:
         fitting = capacities_for(size)
-        candidates = sorted((s for s in self._segments.values() if s.capacity in fitting), key=_capacity)
+        candidates = sorted(
+            (s for s in self._segments.values() if s.capacity in fitting), key=lambda s: s.capacity
+        )
         for seg in candidates:
             try:
                 os.rename(self._state("free", self._pid, seg.n), self._state("busy", self._pid, seg.n))

@@ -4,9 +4,9 @@ Fake on purpose: no cluster can run here. For every Deployment in the API server
 pod's container as local processes, from the rendered command, args and environment and
 nothing else: the image is replaced by the local venv (PATH; `omni stage`, `gateway` and
 `serve` are forked from the tests' server with that argv, environment and directory, as
-OmniProcess forks them: the same main without importing torch again), `$(VAR)` references are
-expanded as the kubelet expands them, and env `valueFrom` is resolved from the pod (name, IP), Secrets
-and ConfigMaps read through the API. What a pod's namespaces would give it is emulated: each
+OmniProcess forks them: the same main without importing torch again), `$(VAR)` references
+are expanded as the kubelet expands them, and env `valueFrom` is resolved from the pod (name,
+IP), Secrets and ConfigMaps read through the API. What a pod's namespaces would give it is emulated: each
 pod gets its own loopback address (127.0.0.N) as its IP, so `0.0.0.0` in its args means that
 address (the pod's network namespace); a volume's mountPath in the args means the directory
 holding that volume's files (its mount namespace), except /dev/shm, which is the host's. A

@@ -63,7 +63,8 @@ def _run(argv: list[str], cwd: str, env: dict[str, str], log: str, stdout: str, 
 
 
 class ForkedProcess:
-    """What the tests use of `subprocess.Popen`, for an `omni` command forked from the server."""
+    """What the tests and the benchmarks use of `subprocess.Popen`, for an `omni` command forked
+    from the server."""
 
     def __init__(
         self, argv: list[str], cwd: Path, env: dict[str, str], log: Path, stdout: Path | None = None
@@ -115,8 +116,8 @@ class ForkedProcess:
 
 @atexit.register
 def _kill_left_behind() -> None:
-    """A test that failed before stopping its processes leaves none behind (and multiprocessing's
-    own exit would otherwise wait for them)."""
+    """A test or a benchmark that failed before stopping its processes leaves none behind (and
+    multiprocessing's own exit would otherwise wait for them)."""
     for p in list(_LIVE):
         if p.poll() is None:
             try:
