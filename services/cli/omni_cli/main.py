@@ -15,7 +15,7 @@ from omni_pipeline.connection import nats_security, resolve_nats_url
 from omni_pipeline.connectors import ConnectorError
 from omni_pipeline.control import ControlError
 from omni_pipeline.environment import NATS_URL_ENV
-from omni_pipeline.lifecycle import exit_process, start_fork_server
+from omni_pipeline.lifecycle import exit_process, start_fork_server, stop_fork_server
 from omni_pipeline.logs import configure_logging
 from omni_pipeline.spec import Mode, PipelineFile, SpecError, load_pipeline
 from omni_stage.models.releases import REAL_SIZED
@@ -225,7 +225,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     start_fork_server([])
     module = f"bench.{a.name.replace('-', '_')}"
     sys.argv = [f"omni bench {a.name}", *a.args]
-    importlib.import_module(module).main(a.args)
+    try:
+        importlib.import_module(module).main(a.args)
+    finally:  # stopped and reaped here: left to see this process end, it ends an orphan
+        stop_fork_server()
     return 0
 
 
