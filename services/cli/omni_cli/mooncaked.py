@@ -156,10 +156,12 @@ class LocalMooncake:
     def _wait(self, ready: Callable[[], bool], timeout_s: float, what: str) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if any(p.poll() is not None for p in self._procs):
-                raise RuntimeError(
-                    f"waiting for {what}: a Mooncake process exited (see {self._logs[-1].name})"
-                )
+            for proc, log in zip(self._procs, self._logs, strict=True):
+                if proc.poll() is not None:
+                    raise RuntimeError(
+                        f"waiting for {what}: {Path(proc.args[0]).name} exited with status "
+                        f"{proc.returncode}; the end of {log.name}:\n{_tail(Path(log.name))}"
+                    )
             try:
                 if ready():
                     return
@@ -194,6 +196,14 @@ class LocalMooncake:
                     p.wait(5)
         for f in self._logs:
             f.close()
+
+
+def _tail(log: Path, lines: int = 8) -> str:
+    """The last lines of a log, for an error that says why a process ended."""
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError as e:
+        return f"({e})"
 
 
 def _listens(pid: int, port: int) -> bool:
