@@ -22,11 +22,17 @@ from tests.helpers import ROOT, metric, metric_families, wait_for
 from tests.kube_api import PIPELINE_API, ApiServerThread, Kube, discovery_cache, pipeline_body
 
 IMAGE = "registry.example/omni:test"
-METRICS_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
+def metrics_port() -> int:
+    """The operator's /metrics port, picked when its module starts (picked at import, every
+    worker of a run held one for the run without serving it)."""
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def kube(tmp_path_factory: pytest.TempPathFactory, metrics_port: int) -> Iterator[Kube]:
     """An emulated API server and the operator (kopf in its own thread, logged in through our
     `@kopf.on.login`, which reads the same kubeconfig as the test's client)."""
     kubeconfig = tmp_path_factory.mktemp("kube") / "kubeconfig"
@@ -34,7 +40,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
         mp.setenv("KUBECONFIG", str(kubeconfig))
         mp.setenv(IMAGE_ENV, IMAGE)
         mp.setenv(RESYNC_ENV, "3600")
-        mp.setenv(METRICS_PORT_ENV, str(METRICS_PORT))
+        mp.setenv(METRICS_PORT_ENV, str(metrics_port))
         args = ["run", "--standalone", "--all-namespaces", "-m", "omni_operator.handlers"]
         with KopfRunner(args, timeout=60) as runner:
             yield Kube(kubeconfig, server)
@@ -321,12 +327,13 @@ def test_a_child_applied_after_its_pipeline_was_deleted_is_collected(kube: Kube)
     assert kube.get("v1", "ConfigMap", "late", "late") is None
 
 
-def operator_metric(name: str, **labels: str) -> float:
-    return metric(f"http://127.0.0.1:{METRICS_PORT}/metrics", name, **labels)
-
-
-def test_the_operator_counts_its_reconciles_and_pipelines_by_condition(kube: Kube) -> None:
+def test_the_operator_counts_its_reconciles_and_pipelines_by_condition(kube: Kube, metrics_port: int) -> None:
     ns = "metrics"
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+
+    def operator_metric(name: str, **labels: str) -> float:
+        return metric(url, name, **labels)
+
     applied = operator_metric("omni_operator_reconciles_total", result="applied")
     invalid = operator_metric("omni_operator_reconciles_total", result="invalid_spec")
     kube.create(pipeline_body("good"), ns)
@@ -341,7 +348,7 @@ def test_the_operator_counts_its_reconciles_and_pipelines_by_condition(kube: Kub
     assert operator_metric("omni_operator_pipelines", condition="InvalidSpec", status="True") >= 1
     assert operator_metric("omni_operator_pipelines", condition="Ready", status="False") >= 2
     # docs/observability.md names exactly what it exports.
-    families = metric_families(f"http://127.0.0.1:{METRICS_PORT}/metrics")
+    families = metric_families(url)
     exported = {name for name in families if name.startswith("omni_")}
     documented = re.findall(r"`(omni_operator_[a-z_]+)`", (ROOT / "docs" / "observability.md").read_text())
     assert exported == {n.removesuffix("_total") for n in documented}

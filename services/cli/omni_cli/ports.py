@@ -10,12 +10,21 @@ Mooncake's clients pick their own ports from at random (a store client's 12300-1
 engine's RPC and TCP transport 15000-17000): a store server told a port there once found it taken
 by a stage's transfer engine between the pick and its bind, failed to serve it and left its
 memory to the master, which dropped it 10 s later (tests/integration/test_mooncake.py).
+
+A port handed out is leased on this machine for `LEASE_S` (a file named for it under
+`omni-ports/` in the temporary directory): no other caller gets it meanwhile, though nothing
+listens there yet. Picks by random draw alone met: a LocalMooncake picks four ports at once and
+its store server binds the last seconds later, a test restarts a gateway on the port its clients
+know, and every pytest-xdist worker of a run picks its own.
 """
 
 from __future__ import annotations
 
+import fcntl
 import random
 import socket
+import tempfile
+import time
 from pathlib import Path
 from typing import Final
 
@@ -25,6 +34,10 @@ _LOWEST: Final = 10_000
 MOONCAKE_RANDOM_PORTS: Final = (range(12_300, 14_301), range(15_000, 17_001))
 """Where Mooncake's clients bind ports of their own choosing (MC_STORE_CLIENT_MIN_PORT..MAX and
 the transfer engine's rpc_min_port..rpc_max_port, their defaults)."""
+LEASE_S: Final = 600.0
+"""How long a port handed out is kept from other callers: longer than any server here takes
+to bind what it was told, or a test to restart one on the same port."""
+_LEASES: Final = Path(tempfile.gettempdir()) / "omni-ports"
 
 
 def _ephemeral_start() -> int:
@@ -35,18 +48,30 @@ def _ephemeral_start() -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on at `host` now, outside the kernel's ephemeral range."""
+    """A port nothing listens on at `host` now, outside the kernel's ephemeral range, and that
+    no caller on this machine was handed in the last `LEASE_S`; leased to this caller now."""
     ceiling = _ephemeral_start()
     if ceiling <= _LOWEST + 1_000:
         raise RuntimeError(f"the ephemeral port range starts at {ceiling}: no ports are left below it")
-    for _ in range(1_000):
-        port = random.randrange(_LOWEST, ceiling)
-        if any(port in taken for taken in MOONCAKE_RANDOM_PORTS):
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue  # in use: another
+    _LEASES.mkdir(exist_ok=True)
+    with (_LEASES / ".lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released with the file
+        for _ in range(1_000):
+            port = random.randrange(_LOWEST, ceiling)
+            if any(port in taken for taken in MOONCAKE_RANDOM_PORTS) or _leased(port):
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind((host, port))
+                except OSError:
+                    continue  # in use: another
+            (_LEASES / str(port)).touch()
             return port
     raise RuntimeError(f"no free port on {host} between {_LOWEST} and {ceiling}")
+
+
+def _leased(port: int) -> bool:
+    try:
+        return time.time() - (_LEASES / str(port)).stat().st_mtime < LEASE_S
+    except FileNotFoundError:
+        return False
