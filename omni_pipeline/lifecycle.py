@@ -100,14 +100,25 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def _find_prctl() -> Callable[..., int] | None:
+    try:
+        prctl: Callable[..., int] = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux
+    return prctl
+
+
+_PRCTL: Final = _find_prctl()
+"""libc's prctl, looked up on import: `die_with_parent` runs between fork and exec
+(`preexec_fn`), where only the forking thread is left, and looking it up there (dlopen) would
+wait forever on the loader's lock were another thread of the parent holding it at the fork."""
+
+
 def die_with_parent(sig: int = signal.SIGTERM) -> None:
     """Ask Linux to send `sig` to this process when its parent dies (even by SIGKILL), so a
     killed supervisor never leaves orphans behind. A no-op elsewhere."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, sig, 0, 0, 0)
 
 
 _CONTEXT: Final = mp.get_context("forkserver")
