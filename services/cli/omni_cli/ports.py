@@ -12,7 +12,7 @@ by a stage's transfer engine between the pick and its bind, failed to serve it a
 memory to the master, which dropped it 10 s later (tests/integration/test_mooncake.py).
 
 A port handed out is leased on this machine for `LEASE_S` (a file named for it under
-`omni-ports/` in the temporary directory): no other caller gets it meanwhile, though nothing
+`omni-ports-UID/` in the temporary directory): no other caller gets it meanwhile, though nothing
 listens there yet. Picks by random draw alone met: a LocalMooncake picks four ports at once and
 its store server binds the last seconds later, a test restarts a gateway on the port its clients
 know, and every pytest-xdist worker of a run picks its own.
@@ -21,6 +21,7 @@ know, and every pytest-xdist worker of a run picks its own.
 from __future__ import annotations
 
 import fcntl
+import os
 import random
 import socket
 import tempfile
@@ -37,7 +38,8 @@ the transfer engine's rpc_min_port..rpc_max_port, their defaults)."""
 LEASE_S: Final = 600.0
 """How long a port handed out is kept from other callers: longer than any server here takes
 to bind what it was told, or a test to restart one on the same port."""
-_LEASES: Final = Path(tempfile.gettempdir()) / "omni-ports"
+_LEASES: Final = Path(tempfile.gettempdir()) / f"omni-ports-{os.getuid()}"
+"""One user's leases (another's directory would not be writable)."""
 
 
 def _ephemeral_start() -> int:
