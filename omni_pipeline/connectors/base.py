@@ -108,7 +108,21 @@ class OmniConnector(ABC):
 
     @abstractmethod
     def cleanup(self, request_id: str) -> int:
-        """Free whatever `request_id` still holds in this backend; returns how many objects."""
+        """Free whatever `request_id` still holds in this backend, whoever wrote it; returns
+        how many objects."""
+
+    def free_written(self, request_id: str) -> int:
+        """Free what this process wrote for `request_id` and nobody read: a replica's request
+        ended short. Every replica hears an abort, and each that wrote for the request frees
+        its own; the gateway's `cleanup` is the backstop for a writer that died. Here the same
+        as `cleanup`; a backend whose `cleanup` searches a store shared by every replica frees
+        only what this process knows it wrote."""
+        return self.cleanup(request_id)
+
+    def discard(self, request_id: str, handle: ConnectorHandle) -> None:
+        """Free a payload this process was handed for `request_id` and will not read (the
+        request has ended here). Here by `cleanup`; a backend may free the one payload."""
+        self.cleanup(request_id)
 
     @abstractmethod
     def health(self) -> dict[str, Any]:

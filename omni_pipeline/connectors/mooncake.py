@@ -197,7 +197,9 @@ class MooncakeConnector(OmniConnector):
         self.pipeline = pipeline
         self._store = MooncakeStore.acquire(config)
         self._buffers = BufferPool(spec.pool_bytes)
-        self._written: set[str] = set()  # keys put here, until seen gone (for the leak gauge)
+        self._written: dict[str, set[str]] = {}
+        """Keys put here, by request, until seen gone or freed: what `free_written` frees, and
+        what the leak gauge counts."""
         self._written_lock = threading.Lock()
         self._closed = False
 
@@ -214,7 +216,7 @@ class MooncakeConnector(OmniConnector):
         if rc != 0:
             raise ConnectorError(f"Mooncake put of {key} ({frame.size} bytes) failed with {_error(rc)}")
         with self._written_lock:
-            self._written.add(key)
+            self._written.setdefault(request_id, set()).add(key)
         return key
 
     def _put_waiting_for_room(self, key: str, address: int, size: int) -> int:
@@ -246,24 +248,58 @@ class MooncakeConnector(OmniConnector):
         return wire.decode(memoryview(buf))
 
     def cleanup(self, request_id: str) -> int:
+        """Every key of the request: the master matches the pattern against every key it holds,
+        a search of the whole store (0.75 us a key, 2026-12-07), so only the gateway, once for a
+        request that ended short, frees this way; replicas free what they wrote."""
+        with self._written_lock:
+            self._written.pop(request_id, None)
         pattern = f"^{re.escape(self.pipeline)}/{re.escape(request_id)}/"
         return max(0, self._store.heard(int(self._store.store.remove_by_regex(pattern, True))))
+
+    def free_written(self, request_id: str) -> int:
+        """The keys this process put for the request, by name: nothing asked of the master
+        where there are none (most replicas, for most requests)."""
+        with self._written_lock:
+            keys = sorted(self._written.pop(request_id, ()))
+        if not keys:
+            return 0
+        codes = [int(c) for c in self._store.store.batch_remove(keys, True)]
+        self._store.heard(min(codes))
+        failed = {k: c for k, c in zip(keys, codes, strict=True) if c not in (0, _NOT_FOUND)}
+        if failed:  # still counted by the leak gauge; the gateway's cleanup may free them yet
+            why = _error(next(iter(failed.values())))
+            log.warning("Mooncake remove of %d keys of %s failed (%s)", len(failed), request_id, why)
+            with self._written_lock:
+                self._written.setdefault(request_id, set()).update(failed)
+        return codes.count(0)
+
+    def discard(self, request_id: str, handle: ConnectorHandle) -> None:
+        key = handle.key
+        if key is None or not key.startswith(f"{self.pipeline}/{request_id}/"):
+            return
+        rc = self._store.heard(int(self._store.store.remove(key, True)))
+        if rc not in (0, _NOT_FOUND):
+            log.warning("Mooncake remove of %s failed with code %d", key, rc)
 
     def live_objects(self) -> int:
         """Keys this process put that are still in the store (their consumer removes them).
         Counted at every heartbeat: with none to count, the master is still asked while its
         last call went unanswered, so that `health` hears it answer again."""
         with self._written_lock:
-            keys = list(self._written)
+            keys = [key for held in self._written.values() for key in held]
         if not keys:
             if self._store.unanswered is not None:
                 self._store.heard(int(self._store.store.is_exist(f"{self.pipeline}/health")))
             return 0
         exists = [int(e) for e in self._store.store.batch_is_exist(keys)]
         self._store.heard(min(exists))
+        gone = {k for k, e in zip(keys, exists, strict=True) if e == 0}
         with self._written_lock:
-            self._written.difference_update(k for k, e in zip(keys, exists, strict=True) if e == 0)
-            return len(self._written)
+            for request_id, held in list(self._written.items()):
+                held -= gone
+                if not held:
+                    del self._written[request_id]
+            return sum(map(len, self._written.values()))
 
     def pooled_bytes(self) -> int:
         return self._buffers.idle()

@@ -25,6 +25,7 @@ them: the backends' own expiry is the last owner of what they held.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -110,10 +111,29 @@ class OffLoop:
         return bool(done)
 
     def cleanup(self, request_id: str) -> None:
-        """Free whatever every connector holds for the request, in the background (after any
-        write of it still in progress)."""
+        """Free whatever every connector holds for the request, whoever wrote it (the gateway's
+        backstop), in the background (after any write of it still in progress)."""
+        self._free(
+            request_id, {n: functools.partial(c.cleanup, request_id) for n, c in self.connectors.items()}
+        )
+
+    def free_written(self, request_id: str) -> None:
+        """Free what this process wrote for the request in every connector (a replica's
+        request ended short), in the background (after any write of it still in progress)."""
+        self._free(
+            request_id, {n: functools.partial(c.free_written, request_id) for n, c in self.connectors.items()}
+        )
+
+    def discard(self, request_id: str, handle: ConnectorHandle) -> None:
+        """Free a payload handed to this process for a request that has ended here."""
+        conn = self.connectors.get(handle.connector)
+        if conn is not None and handle.inline is None:
+            self._free(request_id, {handle.connector: functools.partial(conn.discard, request_id, handle)})
+
+    def _free(self, request_id: str, frees: dict[str, Callable[[], object]]) -> None:
+        """Run `frees` (each a connector's, by its name) on the I/O thread, after what is queued."""
         try:
-            self._pool.submit(self._cleanup_now, request_id)
+            self._pool.submit(self._free_now, request_id, frees)
         except RuntimeError:  # closed: a request that ended as the process stopped
             log.warning("%s: request %s ended after its connectors closed", self.owner, request_id)
 
@@ -136,11 +156,9 @@ class OffLoop:
             c.close()
         return True
 
-    def _cleanup_now(self, request_id: str) -> None:
-        for c in self.connectors.values():
+    def _free_now(self, request_id: str, frees: dict[str, Callable[[], object]]) -> None:
+        for name, free in frees.items():
             try:
-                c.cleanup(request_id)
+                free()
             except Exception as exc:  # the backend's own expiry is the last owner then
-                log.warning(
-                    "%s: cleanup of %s in connector %s failed: %s", self.owner, request_id, c.name, exc
-                )
+                log.warning("%s: freeing %s in connector %s failed: %s", self.owner, request_id, name, exc)

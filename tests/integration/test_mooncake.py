@@ -74,6 +74,42 @@ def test_a_key_of_another_request_is_refused(mooncake: LocalMooncake) -> None:
         conn.close()
 
 
+def test_a_replica_frees_by_name_what_it_wrote_and_searches_nothing(mooncake: LocalMooncake) -> None:
+    """`free_written` (a replica's request ended short) removes the keys this connector put for
+    the request, by name; where it put none, the master is asked nothing. `discard` removes the
+    one payload a replica was handed and will not read. Neither searches the store (the
+    master's `remove_by_regex`, which matches every key it holds): that is `cleanup`'s, the
+    gateway's backstop."""
+    writer = MooncakeConnector("tensors", SPEC, "tiny", MooncakeConfig.resolve(None))
+    reader = MooncakeConnector("tensors", SPEC, "tiny", MooncakeConfig.resolve(None))
+    try:
+        handles = {
+            (rid, seq): writer.put("a", "b", rid, {"x": torch.ones(1000)}, seq=seq)[2]
+            for rid in ("r1", "r2")
+            for seq in range(2)
+        }
+        scans, removals = (
+            mooncake.metric(f"master_{m}_requests_total") for m in ("remove_by_regex", "remove")
+        )
+        assert mooncake.key_count() == 4 and writer.live_objects() == 4
+
+        assert reader.free_written("r1") == 0  # it wrote nothing: nothing asked
+        assert mooncake.metric("master_remove_requests_total") == removals
+        assert writer.free_written("r1") == 2 and writer.free_written("r1") == 0
+        assert mooncake.key_count() == 2 and writer.live_objects() == 2
+
+        reader.discard("r2", handles["r2", 0])
+        reader.discard("r1", handles["r2", 1])  # a key of another request: left alone
+        assert mooncake.key_count() == 1
+        assert writer.live_objects() == 1  # seen gone
+
+        assert writer.free_written("r2") == 1 and mooncake.key_count() == 0
+        assert mooncake.metric("master_remove_by_regex_requests_total") == scans
+    finally:
+        reader.close()
+        writer.close()
+
+
 def test_a_put_waits_for_a_store_server_the_master_expired(mooncake: LocalMooncake) -> None:
     """The store server stalls past the master's client TTL (SIGSTOP: a host that stopped
     running it, as a loaded CI machine once did): the master unmounts its memory, and a put

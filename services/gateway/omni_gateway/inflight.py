@@ -114,7 +114,7 @@ class Inflight:
         if t is None:
             # A late output of a request that already ended: free its payload, if any.
             if isinstance(m, FinalMsg) and m.handle is not None:
-                self.payloads.cleanup(m.request_id)
+                self.payloads.discard(m.request_id, m.handle)
             return
         try:
             t.queue.put_nowait(m)

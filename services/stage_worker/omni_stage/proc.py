@@ -250,7 +250,7 @@ class StageWorker:
     async def _take(self, msg: Msg, m: Inbound) -> None:
         rid = m.ctx.request_id
         if self.book.is_aborted(rid):
-            self.transfers.cleanup(rid)  # a late input of an aborted request: free its payload
+            self._discard(m)  # a late input of an aborted request: free its payload
             if isinstance(m, StageRequest):
                 await self.outbox.answer(
                     msg.reply, Admitted(False, ErrorCode.ABORTED, f"request {rid} was aborted")
@@ -264,7 +264,7 @@ class StageWorker:
                     await self.outbox.answer(msg.reply, admitted)
                 else:  # an input for a request this replica never reserved, and cannot take now
                     await self.outbox.fail(m.ctx, admitted.message, ErrorCode(admitted.code))
-                self.transfers.cleanup(rid)
+                self._discard(m)
                 return
             st = admitted
         try:
@@ -279,6 +279,13 @@ class StageWorker:
             why = str(exc) or f"more than {self.book.max_triggers} inputs pending (past the edges' credit)"
             await self.outbox.fail(st.ctx, f"broken input stream: {why}", ErrorCode.INPUT_ERROR)
             self.tasks.abort(rid)
+
+    def _discard(self, m: Inbound) -> None:
+        """Free the payload of an input this replica will not read (its writer frees what it
+        wrote once it hears the request ended, and the gateway what a dead writer left)."""
+        handle = m.payload if isinstance(m, StageRequest) else m.handle
+        if handle is not None:
+            self.transfers.discard(m.ctx.request_id, handle)
 
     async def _on_abort(self, msg: Msg) -> None:
         try:

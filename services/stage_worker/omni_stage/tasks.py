@@ -84,7 +84,7 @@ class RequestTasks:
             self.metrics.outcome("aborted")
             st.span.set_attribute("omni.outcome", "aborted")
             st.span.end()
-        self.transfers.cleanup(rid)
+        self.transfers.free_written(rid)
         self._check_idle()
 
     def cancel_all(self) -> None:
@@ -127,7 +127,7 @@ class RequestTasks:
         with tracing.within(st.span):  # the line names its trace
             log.info("stage %s/%s: request %s %s", self.book.spec.name, self.replica, rid, outcome)
         if outcome != "ok":
-            self.transfers.cleanup(rid)
+            self.transfers.free_written(rid)
         self.metrics.outcome(outcome)
         for queued in self.book.ended(rid, ok=outcome == "ok"):
             self.start(queued)
