@@ -234,18 +234,25 @@ class MooncakeConnector(OmniConnector):
     def _get_frame(self, request_id: str, handle: ConnectorHandle) -> Any:
         key = handle.key
         assert key is not None
-        if not key.startswith(f"{self.pipeline}/{request_id}/"):
+        if not self._of_request(key, request_id):
             raise ConnectorError(f"key {key!r} does not belong to request {request_id}")
         buf = self._buffers.lease(handle.nbytes)
         n = self._store.heard(int(self._store.store.get_into(key, buf.ctypes.data, handle.nbytes)))
         if n != handle.nbytes:
             gone = n == _NOT_FOUND
             raise (PayloadGone if gone else ConnectorError)(f"Mooncake get of {key} failed with {_error(n)}")
-        # Forced: the read's fresh lease refuses a plain removal.
+        self._remove(key)
+        return wire.decode(memoryview(buf))
+
+    def _of_request(self, key: str, request_id: str) -> bool:
+        return key.startswith(f"{self.pipeline}/{request_id}/")
+
+    def _remove(self, key: str) -> None:
+        """Remove one key, forced (a read's fresh lease refuses a plain removal); a failure is
+        logged, and the gateway's cleanup may free the key yet."""
         rc = self._store.heard(int(self._store.store.remove(key, True)))
         if rc not in (0, _NOT_FOUND):
-            log.warning("Mooncake remove of %s failed with code %d; cleanup will retry", key, rc)
-        return wire.decode(memoryview(buf))
+            log.warning("Mooncake remove of %s failed with code %d", key, rc)
 
     def cleanup(self, request_id: str) -> int:
         """Every key of the request: the master matches the pattern against every key it holds,
@@ -274,12 +281,8 @@ class MooncakeConnector(OmniConnector):
         return codes.count(0)
 
     def discard(self, request_id: str, handle: ConnectorHandle) -> None:
-        key = handle.key
-        if key is None or not key.startswith(f"{self.pipeline}/{request_id}/"):
-            return
-        rc = self._store.heard(int(self._store.store.remove(key, True)))
-        if rc not in (0, _NOT_FOUND):
-            log.warning("Mooncake remove of %s failed with code %d", key, rc)
+        if handle.key is not None and self._of_request(handle.key, request_id):
+            self._remove(handle.key)
 
     def live_objects(self) -> int:
         """Keys this process put that are still in the store (their consumer removes them).
